@@ -1,0 +1,37 @@
+"""hidup: automatic SPMD parallelism for PyTorch training.
+
+    import hidup
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, layers=2)
+    graph = hidup.trace(model, inputs, world_size=4)
+    plan = hidup.search(graph, hidup.profiler.load("h200x4-nvlink"))
+    print(hidup.show(plan, graph))
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Public names, resolved on first use so that importing hidup stays cheap.
+_LAZY = {
+    "trace": ("hidup.trace", "trace"),
+    "trace_module": ("hidup.trace", "trace_module"),
+    "describe": ("hidup.describe", "describe"),
+    "search": ("hidup.search", "search"),
+    "Plan": ("hidup.plan", "Plan"),
+    "show": ("hidup.plan", "summary"),
+    "compile": ("hidup.codegen", "compile"),
+    "clip_grad_norm_": ("hidup.codegen", "clip_grad_norm_"),
+    "full_state_dict": ("hidup.codegen", "full_state_dict"),
+}
+_SUBMODULES = {"models", "profiler", "rules", "ir", "plan", "codegen", "runtime"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hidup.{name}")
+    raise AttributeError(f"module 'hidup' has no attribute {name!r}")

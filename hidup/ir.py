@@ -1,0 +1,337 @@
+"""hidup's intermediate representation: plain Python data, no torch objects.
+
+A :class:`Graph` is the traced training step of one model for one world size.  It holds
+:class:`Node` objects in topological order and :class:`Tensor` records keyed by integer id.
+Every node lists the ways it may be sharded as :class:`Signature` objects: one :class:`Form`
+per consumed tensor and one per produced tensor, with the per-rank forward FLOPs.
+
+Forms (how one logical tensor lives on N ranks)
+-----------------------------------------------
+======================  ========================================================  ================
+form                    meaning                                                   DTensor
+======================  ========================================================  ================
+``full``                every rank holds the whole tensor                         Replicate()
+``gather_d``            rank r holds the r-th of N equal slices along dim d       Shard(d)
+``reduce``              every rank holds a partial sum; the value is their sum    Partial("sum")
+``replicate``           a parameter kept whole on every rank (its gradient must   Replicate()
+                        be all-reduced); only parameters produce it
+======================  ========================================================  ================
+
+Gradient convention
+-------------------
+The gradient of a ``full`` tensor is held as per-rank partial contributions (the true gradient
+is their sum); the gradient of a ``gather_d`` tensor is exact for the local slice; the gradient of
+a ``reduce`` tensor is exact and identical on every rank.  Every backward pass of a local op is
+linear in its output gradient, so a replicated computation keeps partial gradients partial, and a
+rule is correct exactly when its simulated-SPMD forward *and* backward match the unsplit op.
+
+Form changes
+------------
+:func:`conversion` gives the forward and backward operation of each change.  Under the convention
+above the backward of ``full -> gather_d`` is a zero-padding (free, no communication) and the
+backward of ``reduce -> full`` is an all-reduce (it turns partial contributions into the exact
+gradient a ``reduce`` tensor must carry).  ``full -> reduce`` keeps the value on rank 0 and zeros
+elsewhere, so ``add(reduce, full bias)`` can be written as ``add(reduce, reduce)`` without ever
+adding the bias N times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+__all__ = [
+    "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion",
+    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES",
+]
+
+# Collective operations that cost communication; every other conversion op is local.
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True, order=True)
+class Form:
+    """How one logical tensor is laid out across the ranks (see module docstring)."""
+
+    kind: str  # "full" | "gather" | "reduce" | "replicate"
+    dim: int = -1  # the sharded dim for "gather", else -1
+
+    def __post_init__(self):
+        if self.kind not in ("full", "gather", "reduce", "replicate"):
+            raise ValueError(f"unknown form kind {self.kind!r}; expected full, gather, reduce or replicate")
+        if (self.kind == "gather") != (self.dim >= 0):
+            raise ValueError(f"form {self.kind!r} with dim {self.dim}: only 'gather' takes a (non-negative) dim")
+
+    @property
+    def is_gather(self) -> bool:
+        return self.kind == "gather"
+
+    def __str__(self) -> str:
+        return f"gather_{self.dim}" if self.kind == "gather" else self.kind
+
+    __repr__ = __str__
+
+    @staticmethod
+    def parse(text: str) -> "Form":
+        """Inverse of ``str(form)``: ``"full"``, ``"reduce"``, ``"replicate"`` or ``"gather_<d>"``."""
+        if text.startswith("gather_"):
+            try:
+                return Form("gather", int(text[len("gather_"):]))
+            except ValueError:
+                pass
+        elif text in ("full", "reduce", "replicate"):
+            return Form(text)
+        raise ValueError(f"cannot parse form {text!r}; expected full, reduce, replicate or gather_<dim>")
+
+    def local_shape(self, shape: Iterable[int], world: int) -> tuple[int, ...]:
+        """Shape of one rank's piece of a tensor of logical ``shape``."""
+        shape = tuple(shape)
+        if self.kind != "gather":
+            return shape
+        if self.dim >= len(shape) or shape[self.dim] % world:
+            raise ValueError(f"form {self} does not fit shape {shape} on {world} ranks")
+        return shape[: self.dim] + (shape[self.dim] // world,) + shape[self.dim + 1:]
+
+
+FULL = Form("full")
+REDUCE = Form("reduce")
+REPLICATE = Form("replicate")
+
+
+def gather(dim: int) -> Form:
+    return Form("gather", dim)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A form change: the op run forward and the op its backward amounts to.
+
+    Ops: ``identity``, ``slice`` (take this rank's slice), ``zero_pad`` (place the local slice in a
+    zero tensor), ``keep_rank0`` (rank 0 keeps the value, the others hold zeros), ``local``
+    (whatever the local autograd does, no communication), or one of :data:`COLLECTIVES`.
+    """
+
+    src: Form
+    dst: Form
+    forward: str
+    backward: str
+
+    @property
+    def collectives(self) -> tuple[str, str]:
+        """(forward, backward) collective names, ``""`` where no communication happens."""
+        f = self.forward if self.forward in COLLECTIVES else ""
+        b = self.backward if self.backward in COLLECTIVES else ""
+        return f, b
+
+    @property
+    def free(self) -> bool:
+        return self.collectives == ("", "")
+
+
+def conversion(src: Form, dst: Form) -> Conversion | None:
+    """How to turn a tensor in form ``src`` into form ``dst``; ``None`` when it cannot be done.
+
+    ``dst`` is never ``replicate`` (only a parameter produces it) except for ``src == dst``.
+    """
+    if src == dst:
+        return Conversion(src, dst, "identity", "identity")
+    if dst.kind == "replicate":
+        return None
+    table = {
+        ("full", "gather"): ("slice", "zero_pad"),
+        ("full", "reduce"): ("keep_rank0", "local"),
+        ("gather", "full"): ("all_gather", "reduce_scatter"),
+        ("gather", "gather"): ("all_to_all", "all_to_all"),
+        ("gather", "reduce"): ("zero_pad", "slice"),
+        ("reduce", "full"): ("all_reduce", "all_reduce"),
+        ("reduce", "gather"): ("reduce_scatter", "all_gather"),
+        ("replicate", "full"): ("identity", "all_reduce"),
+        ("replicate", "gather"): ("slice", "all_gather"),
+        ("replicate", "reduce"): ("keep_rank0", "all_reduce"),
+    }
+    ops = table.get((src.kind, dst.kind))
+    return Conversion(src, dst, *ops) if ops else None
+
+
+@dataclass
+class Tensor:
+    """One logical tensor of the traced step (global shape, as on a single device)."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    producer: str  # name of the node that produces it
+    requires_grad: bool = False
+    is_param: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "shape": list(self.shape), "dtype": self.dtype, "producer": self.producer,
+                "requires_grad": self.requires_grad, "is_param": self.is_param}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Tensor":
+        return Tensor(d["id"], tuple(d["shape"]), d["dtype"], d["producer"], d["requires_grad"], d["is_param"])
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One way to run a node on N ranks.
+
+    ``inputs[i]`` is the form the node needs for ``node.inputs[i]``; ``outputs[j]`` the form it
+    produces for ``node.outputs[j]``.  ``flops`` is the forward FLOP count on one rank.
+    ``kind`` labels the parallelism for reports (``data``, ``tensor``, ``expert``, ``replicated``,
+    ``param``); ``impl`` names a per-rank implementation when the local op differs from the
+    original one (e.g. a vocabulary-sharded embedding), with plain-data ``params``.
+    """
+
+    inputs: tuple[Form, ...]
+    outputs: tuple[Form, ...]
+    flops: float = 0.0
+    kind: str = "replicated"
+    impl: str = ""
+    params: tuple[tuple[str, object], ...] = ()
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(map(str, self.outputs))
+        extra = f" [{self.impl}]" if self.impl else ""
+        return f"({ins}) -> ({outs}){extra}"
+
+    def to_dict(self) -> dict:
+        return {"inputs": [str(f) for f in self.inputs], "outputs": [str(f) for f in self.outputs],
+                "flops": self.flops, "kind": self.kind, "impl": self.impl,
+                "params": [[k, v] for k, v in self.params]}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Signature":
+        return Signature(tuple(Form.parse(f) for f in d["inputs"]), tuple(Form.parse(f) for f in d["outputs"]),
+                         d["flops"], d["kind"], d.get("impl", ""), tuple((k, v) for k, v in d.get("params", [])))
+
+
+@dataclass
+class Node:
+    """One operation of the traced step.
+
+    ``op`` is ``input`` (a model input), ``param`` (a parameter or buffer), ``call`` (an
+    operation) or ``output`` (consumes the loss).  ``name`` equals the torch.fx node name.
+    ``target`` is a readable op name (``linear``, ``layer_norm``, ``moe_gating``, a module class
+    for leaf modules).  ``module`` is the qualified name of the ``nn.Module`` that issued the op
+    (``layers.3.attn``), ``source`` the user's file:line.
+    """
+
+    name: str
+    op: str
+    target: str
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    signatures: list[Signature] = field(default_factory=list)
+    flops: float = 0.0
+    module: str = ""
+    source: str = ""
+    fallback: bool = False
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "op": self.op, "target": self.target, "inputs": list(self.inputs),
+                "outputs": list(self.outputs), "signatures": [s.to_dict() for s in self.signatures],
+                "flops": self.flops, "module": self.module, "source": self.source, "fallback": self.fallback}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Node":
+        return Node(d["name"], d["op"], d["target"], list(d["inputs"]), list(d["outputs"]),
+                    [Signature.from_dict(s) for s in d["signatures"]], d["flops"], d.get("module", ""),
+                    d.get("source", ""), d.get("fallback", False))
+
+
+@dataclass
+class Graph:
+    """The traced step: nodes in topological order plus the tensors between them."""
+
+    nodes: list[Node]
+    tensors: dict[int, Tensor]
+    world_size: int
+    model: str = ""
+    fallbacks: list[str] = field(default_factory=list)  # names of nodes replicated for lack of a rule
+
+    def __post_init__(self):
+        self._by_name = {n.name: n for n in self.nodes}
+        self._consumers: dict[int, list[tuple[Node, int]]] | None = None
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"graph has no node named {name!r}") from None
+
+    def consumers(self, tensor_id: int) -> list[tuple[Node, int]]:
+        """(node, input index) pairs that read ``tensor_id``."""
+        if self._consumers is None:
+            cons: dict[int, list[tuple[Node, int]]] = {t: [] for t in self.tensors}
+            for n in self.nodes:
+                for i, t in enumerate(n.inputs):
+                    cons.setdefault(t, []).append((n, i))
+            self._consumers = cons
+        return self._consumers.get(tensor_id, [])
+
+    def params(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "param"]
+
+    @property
+    def total_flops(self) -> float:
+        return sum(n.flops for n in self.nodes)
+
+    def fingerprint(self) -> str:
+        """A hash of the structure (ops, edges, shapes, dtypes, world size), stable across runs."""
+        h = hashlib.sha256()
+        h.update(str(self.world_size).encode())
+        for n in self.nodes:
+            h.update(f"{n.name}|{n.op}|{n.target}|{n.inputs}|{n.outputs};".encode())
+        for tid in sorted(self.tensors):
+            t = self.tensors[tid]
+            h.update(f"{tid}|{t.shape}|{t.dtype}|{t.is_param};".encode())
+        return h.hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "world_size": self.world_size, "fallbacks": list(self.fallbacks),
+                "nodes": [n.to_dict() for n in self.nodes],
+                "tensors": [self.tensors[t].to_dict() for t in sorted(self.tensors)]}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Graph":
+        tensors = {t["id"]: Tensor.from_dict(t) for t in d["tensors"]}
+        return Graph([Node.from_dict(n) for n in d["nodes"]], tensors, d["world_size"], d.get("model", ""),
+                     list(d.get("fallbacks", [])))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def validate(self) -> None:
+        """Check internal consistency; raise ValueError naming the first problem."""
+        seen: set[int] = set()
+        for n in self.nodes:
+            for t in n.inputs:
+                if t not in seen:
+                    raise ValueError(f"node {n.name} reads tensor {t} before it is produced")
+            for s in n.signatures:
+                if len(s.inputs) != len(n.inputs) or len(s.outputs) != len(n.outputs):
+                    raise ValueError(f"node {n.name}: signature {s} does not match "
+                                     f"{len(n.inputs)} inputs / {len(n.outputs)} outputs")
+            if n.op != "output" and not n.signatures:
+                raise ValueError(f"node {n.name} has no signature")
+            seen.update(n.outputs)

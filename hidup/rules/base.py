@@ -1,0 +1,73 @@
+"""The contract between the tracer, the sharding rules and the code generator.
+
+A *rule* answers two questions about one torch.fx node:
+
+1. ``signatures(ctx)``: in which ways may this op run on ``ctx.world`` ranks?  It returns a list
+   of :class:`hidup.ir.Signature`, each with one form per tensor input (in ``ctx.inputs`` order)
+   and one per tensor output (in ``ctx.outputs`` order) plus the per-rank forward FLOPs.  The
+   all-``full`` signature (every rank computes the whole op) must always be among them.
+2. ``localize(ctx, sig, rank)``: what does one rank run under ``sig``?  It returns a
+   :class:`LocalCall` -- a target and args/kwargs in which the tensor arguments are kept as they
+   came (fx Nodes in code generation, real tensors in the property tests) and only the
+   non-tensor arguments are rewritten (a ``view``'s shape becomes the local shape, a ``mean``
+   over a sharded dim gets a 1/N scale, a vocabulary-sharded embedding gets its own function).
+
+Tensor inputs are the tensor-valued entries of ``(args, kwargs)`` in the order
+``torch.fx.node.map_aggregate`` visits them; tensor outputs are the node's value if it is a tensor,
+else the tensors of its (flat) tuple/list value in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hidup.ir import Signature
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor as seen on a single device (global, unsharded)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "int64", ...
+    requires_grad: bool = False
+    is_param: bool = False  # a parameter or buffer of the model (not an activation)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class RuleContext:
+    """Everything a rule may look at.  ``args``/``kwargs`` hold :class:`TensorMeta` in place of
+    tensors and plain Python values elsewhere (ints already folded to their traced values)."""
+
+    target: Any  # the fx target: a function, a method name (str), or an nn.Module class for leaves
+    args: tuple
+    kwargs: dict
+    inputs: list[TensorMeta]
+    outputs: list[TensorMeta]
+    world: int
+    module: Any = None  # the nn.Module instance for call_module leaves
+    node_name: str = ""
+
+
+@dataclass
+class LocalCall:
+    """What one rank runs: ``target(*args, **kwargs)``; for call_module leaves ``target`` is the
+    (possibly rewritten) module instance."""
+
+    target: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Rule:
+    """A registered rule.  ``localize`` defaults to running the original op unchanged."""
+
+    name: str
+    signatures: Callable[[RuleContext], list[Signature]]
+    localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None

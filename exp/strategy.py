@@ -1,0 +1,16 @@
+"""Search a parallelization plan and save it (the original HiDup workflow's `python strategy.py`).
+
+With no flags: BERT-SGMoE at the paper's defaults on 8 GPUs under the paper's V100 cluster profile;
+prints the plan summary and writes strategy_bert-sgmoe.json.  Takes every flag of `hidup search`
+(see `python exp/strategy.py --help`).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hidup.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["search", *sys.argv[1:]]))

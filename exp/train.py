@@ -1,0 +1,17 @@
+"""Train with a plan (the original HiDup workflow's `NODERANK=a CPN=b python train.py`).
+
+On each machine: ``NODERANK=<node index> CPN=<GPUs per node> [NNODES=<nodes>] MASTER_ADDR=... \
+python exp/train.py --plan strategy_bert-sgmoe.json``; under torchrun the RANK/WORLD_SIZE/LOCAL_RANK
+variables are used instead; on one machine ``--world N`` is enough.  Takes every flag of
+``hidup train`` (see ``python exp/train.py --help``).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hidup.runtime.train import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Subcommands of ``hidup`` that run ranks: ``train``, ``verify`` and ``profile``."""
+
+from __future__ import annotations
+
+
+def _train_parser(sub) -> None:
+    from hidup.runtime.train import __doc__ as doc, add_train_args
+
+    p = sub.add_parser("train", help="train a zoo model under a plan on this node's GPUs (or CPU ranks)",
+                       description=doc.split("\n\n")[0])
+    add_train_args(p)
+
+
+def _cmd_train(args) -> int:
+    from hidup.runtime.train import run
+
+    return run(args)
+
+
+def _verify_parser(sub) -> None:
+    from hidup.runtime.verify import __doc__ as doc, add_verify_args
+
+    p = sub.add_parser("verify", help="compare a plan's loss and gradients with the single-device model",
+                       description=doc.split("\n\n")[0])
+    add_verify_args(p)
+
+
+def _cmd_verify(args) -> int:
+    from hidup.runtime.verify import run
+
+    return run(args)
+
+
+COMMANDS = {
+    "train": (_train_parser, _cmd_train),
+    "verify": (_verify_parser, _cmd_verify),
+}
+
+try:  # the measurement side of the profiler adds `hidup profile`
+    from hidup.profiler.measure import CLI_COMMAND as _PROFILE
+except ImportError:
+    _PROFILE = None
+if _PROFILE is not None:
+    COMMANDS["profile"] = _PROFILE

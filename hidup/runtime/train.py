@@ -1,0 +1,243 @@
+"""Train a zoo model under a plan: ``hidup train`` and ``exp/train.py``.
+
+Each rank builds the same model (same seed, so the same weights), compiles it for its rank under the
+plan (loaded with ``--plan`` or searched on the spot), and runs ``--iterations`` optimizer steps on
+a deterministic stream of global batches: step ``t`` always sees the same batch, so a run resumed from
+a checkpoint continues the loss curve of an uninterrupted one exactly.
+
+Reported per run (rank 0): the loss of every step (the true global loss: the sum over ranks of the
+local ``reduce``-form losses), the iteration time as mean ± std over the last ``--last-k`` steps,
+tokens (or images) per second, and the peak memory of the device.
+
+Checkpoints (logical, unsharded layout; written atomically) are taken every ``--checkpoint-every``
+steps and when the process receives SIGTERM or SIGUSR1; on SIGTERM the run then exits.  The signal
+flag is combined across ranks with a max-all-reduce each step, so every rank saves at the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from hidup.cli import DEFAULT_PROFILE, add_model_args
+
+    add_model_args(p, world_default=None)
+    g = p.add_argument_group("training")
+    g.add_argument("--plan", type=Path, default=None, help="plan JSON from `hidup search` (default: search now)")
+    g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile used when searching on the spot")
+    g.add_argument("--no-duplication", action="store_true", help="run one copy per rank (no two-stream overlap)")
+    g.add_argument("--iterations", type=int, default=20, help="optimizer steps (default 20)")
+    g.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
+    g.add_argument("--last-k", type=int, default=10, help="report time over the last K steps (default 10)")
+    g.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
+    g.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)")
+    g.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
+                   help="synthetic batches, or byte-level tokens of the Python standard library's source "
+                        "(language models; needs --vocab >= 256)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    g.add_argument("--chrome-trace", type=Path, default=None,
+                   help="write a chrome trace of 3 steps per rank to this directory")
+    g.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only on signal)")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="stop (as if interrupted) after this many steps of this invocation")
+    g.add_argument("--json", type=Path, default=None, help="write the run's results as JSON (rank 0)")
+    add_launch_args(p)
+
+
+class _Signals:
+    """Remember SIGTERM/SIGUSR1 until the end of the current step."""
+
+    def __init__(self):
+        self.save = False
+        self.stop = False
+        for sig, stop in ((signal.SIGTERM, True), (getattr(signal, "SIGUSR1", None), False)):
+            if sig is not None:
+                with contextlib.suppress(ValueError):  # not the main thread
+                    signal.signal(sig, self._handler(stop))
+
+    def _handler(self, stop: bool):
+        def handle(signum, frame):
+            self.save = True
+            self.stop = self.stop or stop
+        return handle
+
+    def agreed(self, device) -> tuple[bool, bool]:
+        flags = torch.tensor([float(self.save), float(self.stop)], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+
+def batch_at(example_inputs, step: int, seed: int, cfg, data) -> tuple:
+    """The global batch of ``step``: deterministic in (seed, step), shaped like the example inputs."""
+    if data is not None:
+        return data.batch_at(step)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    out = []
+    for i, x in enumerate(example_inputs):
+        if x.dtype.is_floating_point:
+            out.append(torch.randn(x.shape, generator=g, dtype=x.dtype))
+        else:
+            high = getattr(cfg, "vocab", 2) if i == 0 or x.dim() > 1 else getattr(cfg, "num_classes", 2)
+            out.append(torch.randint(0, high, x.shape, generator=g, dtype=x.dtype))
+    return tuple(out)
+
+
+def _plan_for(args, model, inputs, world: int):
+    from hidup.plan import Plan
+
+    if args.plan is not None:
+        return Plan.load(args.plan)
+    import hidup.profiler
+    from hidup.search import search
+    from hidup.trace import trace
+
+    graph = trace(model, inputs, world_size=world)
+    return search(graph, hidup.profiler.load(args.profile), world_size=world,
+                  duplication=not args.no_duplication, precision=args.precision)
+
+
+def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
+    import hidup.models
+    from hidup.cli import model_overrides
+    from hidup.codegen import clip_grad_norm_, compile
+    from hidup.runtime import checkpoint
+    from hidup.runtime.data import StdlibCorpus
+
+    world, rank, device = ctx.world_size, ctx.rank, ctx.device
+    if args.precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    overrides = model_overrides(args)
+    cfg = hidup.models.config(args.model, world_size=world, **overrides)
+    model, inputs = hidup.models.build(args.model, world_size=world, seed=args.seed, **overrides)
+    data = None
+    if args.data == "stdlib":
+        if getattr(cfg, "vocab", 0) < 256 or inputs[0].dtype.is_floating_point:
+            raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
+        data = StdlibCorpus(inputs[0].shape[0], inputs[0].shape[1])
+    plan = _plan_for(args, model, inputs, world)
+    duplication = False if args.no_duplication else None
+    model = model.to(device)
+    module = compile(model, plan, rank, world, tuple(x.to(device) for x in inputs), duplication=duplication)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = (torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam"
+           else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+
+    start, losses = 0, []
+    ckpt_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
+    if args.resume:
+        if ckpt_path is None or not ckpt_path.is_file():
+            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}; give --checkpoint-dir of an earlier run")
+        state = checkpoint.load(ckpt_path, module, opt)
+        start, losses = state["step"], list(state["loss_history"])
+
+    signals = _Signals()
+    times, cuda = [], device.type == "cuda"
+    tokens_per_step = math.prod(inputs[0].shape[:2]) if inputs[0].dim() >= 2 and not inputs[0].is_floating_point() \
+        else inputs[0].shape[0]
+    prof = None
+    if args.chrome_trace is not None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=3, repeat=1))
+        prof.start()
+    step, done = start, 0
+    while step < args.iterations:
+        batch = tuple(x.to(device, non_blocking=True) for x in batch_at(inputs, step, args.seed, cfg, data))
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+            loss = module(*batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if args.clip is not None:
+            clip_grad_norm_(module, args.clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        total = float(module.global_loss(loss))
+        losses.append(total)
+        step += 1
+        done += 1
+        if prof is not None:
+            prof.step()
+        if rank == 0:
+            print(f"step {step:5d}  loss {total:.6g}  {times[-1] * 1e3:8.2f} ms", flush=True)
+        save, stop = signals.agreed(device)
+        stop = stop or (args.stop_after is not None and done >= args.stop_after)
+        periodic = args.checkpoint_every and step % args.checkpoint_every == 0
+        if ckpt_path is not None and (periodic or save or stop or step == args.iterations):
+            checkpoint.save(ckpt_path, module, opt, step=step, loss_history=losses)
+            signals.save = False
+        if stop:
+            break
+    if prof is not None:
+        prof.stop()
+        args.chrome_trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.chrome_trace / f"trace_rank{rank}.json"))
+    timed = times[args.warmup:] if len(times) > args.warmup else times
+    timed = timed[-args.last_k:]
+    result = {"model": args.model, "world": world, "rank": rank, "steps": step, "losses": losses,
+              "iteration_s_mean": statistics.fmean(timed) if timed else None,
+              "iteration_s_std": statistics.pstdev(timed) if len(timed) > 1 else 0.0,
+              "iteration_s_median": statistics.median(timed) if timed else None,
+              "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
+              "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+              "duplication": bool(getattr(module, "duplication", False)), "precision": args.precision,
+              "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
+    if rank == 0 and timed:
+        mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""
+        print(f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
+              f"(last {len(timed)}), {result['tokens_per_s']:.0f} samples/s{mem}", flush=True)
+    if rank == 0 and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hidup train", description=__doc__.split("\n\n")[0])
+    add_train_args(p)
+    args = p.parse_args(argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world is not None and args.cpn is None and "CPN" not in os.environ and "RANK" not in os.environ:
+        args.cpn, args.nnodes, args.node_rank = args.world, 1, 0  # one node, --world processes
+    launch(run_rank, args, **launch_kwargs(args))
+    return 0

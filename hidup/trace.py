@@ -1,0 +1,528 @@
+"""Trace one training step of an ``nn.Module`` into hidup's IR (:class:`hidup.ir.Graph`).
+
+Pipeline
+--------
+1. **Symbolic trace.**  A :class:`torch.fx.Tracer` that inlines every module except the *leaf*
+   modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``, whatever ``hidup.rules``
+   declares, and the caller's ``leaf_modules``) records the forward as a ``GraphModule``.
+   Non-tensor example inputs are specialised (``concrete_args``); functions that ``hidup.rules``
+   declares as batch functions stay opaque calls.
+2. **Shape propagation on meta tensors.**  The GraphModule is interpreted with every tensor on the
+   ``meta`` device: parameters and inputs of a real model are replaced by ``torch.empty_like(t,
+   device="meta")`` (no copy of the weights), leaf modules run through
+   ``torch.func.functional_call`` with meta parameters, and any real tensor an op creates is moved
+   to ``meta`` (factories without an explicit device create meta tensors directly).  Memory is
+   therefore O(#nodes), independent of the parameter count.
+3. **IR building**, one fx node at a time:
+
+   * ``placeholder`` (tensor) -> ``input`` node with signatures ``() -> (full)`` and
+     ``() -> (gather_d)`` for every dim d with ``shape[d] % N == 0`` (N = world size > 1): each rank
+     loads its own slice, so the choice is free.
+   * ``get_attr`` of an ``nn.Parameter`` -> ``param`` node with ``() -> (replicate)`` and
+     ``() -> (gather_d)``; of a buffer -> ``() -> (full)`` and ``() -> (gather_d)``.  A parameter
+     reached twice (tied weights) gets one node.
+   * ``call_module`` of a leaf -> one ``param`` node per ``module.named_parameters()`` entry, whose
+     tensors are appended to the leaf's inputs after its tensor arguments.
+   * ``call_function`` / ``call_method`` whose value holds tensors -> ``call`` node whose
+     signatures come from ``hidup.rules.signatures(ctx)``; ops without a rule get the single
+     all-``full`` signature (``node.fallback``) with an estimated ``sum(numel(outputs))`` FLOPs, and
+     one warning names them all.  A ``getitem``/``getattr`` on a tuple-valued node is an alias of
+     the selected tensors and gets no IR node.  Values without tensors (``x.size(0)``, shape
+     arithmetic) are folded into :attr:`Traced.constants`.
+   * ``output`` -> ``output`` node that consumes the scalar loss: ``(reduce) -> ()`` or
+     ``(full) -> ()``.
+
+   ``node.flops`` is the FLOP count of the all-``full`` signature (the whole op on one device).
+   Every signature whose ``gather_d`` does not divide its tensor's ``shape[d]`` by N is dropped.
+
+Device-valued constants (``x.device``) are folded to ``meta``, the device of propagation.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import math
+import operator
+import os
+import re
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+from torch import nn
+
+from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.rules.base import RuleContext, TensorMeta
+
+__all__ = ["Traced", "TraceFailure", "FallbackWarning", "DEFAULT_LEAF_MODULES", "trace", "trace_module",
+           "map_value", "value_leaves"]
+
+DEFAULT_LEAF_MODULES: tuple[type, ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+class TraceFailure(RuntimeError):
+    """The model could not be traced or its shapes could not be propagated."""
+
+
+class FallbackWarning(UserWarning):
+    """Some ops have no sharding rule and will run replicated on every rank."""
+
+
+@dataclass
+class Traced:
+    """Result of :func:`trace_module`; see the module docstring for the meaning of each field."""
+
+    gm: torch.fx.GraphModule
+    graph: Graph
+    contexts: dict[str, RuleContext] = field(default_factory=dict)
+    tensor_ids: dict[str, list[int]] = field(default_factory=dict)
+    constants: dict[str, object] = field(default_factory=dict)
+    param_names: dict[str, str] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# rules hooks (guarded: tracing works, everything replicated, while no rules are registered).
+# ``hidup.rules`` may declare ``leaf_modules`` (module classes kept opaque) and ``batch_functions``
+# (functions kept as one call node, as torch.fx.wrap does; fx only wraps names not starting with "_"),
+# each a collection or a function returning one.
+
+def _rules_hooks() -> tuple[Callable | None, tuple, tuple, str]:
+    """(signatures function or None, leaf module types, batch functions, why the rules are missing)."""
+    try:
+        import hidup.rules as rules
+    except ImportError as e:
+        return None, (), (), f"importing hidup.rules failed: {e}"
+
+    def declared(*names: str) -> tuple:
+        for name in names:
+            value = getattr(rules, name, None)
+            if value is None:
+                continue
+            if callable(value) and not isinstance(value, type):
+                value = value()
+            return tuple(value)
+        return ()
+
+    signatures = getattr(rules, "signatures", None)
+    return (signatures, declared("leaf_modules", "LEAF_MODULES"), declared("batch_functions", "BATCH_FUNCTIONS"),
+            "" if signatures else "hidup.rules.signatures is not available")
+
+
+class _Tracer(torch.fx.Tracer):
+    """Inlines every module except leaves; records module paths and user stack traces."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str], autowrap: tuple):
+        super().__init__(autowrap_functions=autowrap)
+        self.record_stack_traces = True
+        self._leaf_types = leaf_types
+        self._leaf_names = leaf_names
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor of the IR inside a traced value: its id and metadata."""
+
+    tid: int
+    meta: TensorMeta
+
+
+def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every leaf of nested tuple/list/dict/slice ``value`` (fx's visiting order),
+    keeping tuple subclasses (named tuples, ``torch.return_types``) intact."""
+    if isinstance(value, tuple):
+        items = tuple(_map(v, fn) for v in value)
+        if hasattr(type(value), "n_fields"):  # torch.return_types.* (struct sequences)
+            return type(value)(items)
+        if hasattr(value, "_fields"):
+            return type(value)(*items)
+        return items
+    if isinstance(value, list):
+        return [_map(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_map(value.start, fn), _map(value.stop, fn), _map(value.step, fn))
+    return fn(value)
+
+
+def _leaves(value: Any, kind: type) -> list:
+    found: list = []
+    _map(value, lambda v: found.append(v) if isinstance(v, kind) else None)
+    return found
+
+
+map_value, value_leaves = _map, _leaves  # public names for code that walks traced values
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta":
+        return t
+    m = torch.empty_like(t, device="meta")
+    return m.requires_grad_(True) if t.requires_grad else m
+
+
+def _module_of(n: torch.fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _source_of(n: torch.fx.Node) -> str:
+    """The innermost user (non-torch) frame of the node's recorded stack, as file:line."""
+    frames = [f for f in _FRAME_RE.findall(n.stack_trace or "") if not f[0].startswith(_TORCH_DIR)]
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+
+
+def _target_name(n: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    if n.op == "call_method":
+        return str(n.target)
+    return getattr(n.target, "__name__", None) or str(n.target)
+
+
+def _user_frame(tb) -> str:
+    """file:line (and code) of the innermost frame outside torch and this file."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
+            code = (frame.line or "").strip()
+            return f"{frame.filename}:{frame.lineno}" + (f" ({code})" if code else "")
+    return "<unknown location>"
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn stacklevel pointing at the first frame outside hidup's tracing entry points."""
+    frame, level = inspect.currentframe(), 0  # level 1 is the caller of warnings.warn
+    internal = (__file__, os.path.join(os.path.dirname(__file__), "_callable.py"))
+    while frame is not None and frame.f_code.co_filename in internal:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _fits(form, meta: TensorMeta, world: int) -> bool:
+    return not form.is_gather or (form.dim < meta.ndim and meta.shape[form.dim] % world == 0)
+
+
+def _gather_dims(shape: tuple[int, ...], world: int) -> list[int]:
+    if world <= 1:
+        return []
+    return [d for d, size in enumerate(shape) if size >= world and size % world == 0]
+
+
+def _is_all_full(sig: Signature) -> bool:
+    return (all(f.kind in ("full", "replicate") for f in sig.inputs)
+            and all(f.kind == "full" for f in sig.outputs))
+
+
+# ----------------------------------------------------------------------------------------------
+# IR building
+
+class _Builder:
+    """Turns each fx node, with its propagated meta value, into IR nodes (see module docstring)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, world: int, signatures_fn: Callable | None):
+        self.gm, self.world, self.signatures_fn = gm, world, signatures_fn
+        self.nodes: list[Node] = []
+        self.tensors: dict[int, Tensor] = {}
+        self.struct: dict[str, Any] = {}  # fx node name -> value with _Ref in place of tensors
+        self.out = Traced(gm, None)  # type: ignore[arg-type]
+        self.meta_cache: dict[int, torch.Tensor] = {}  # id(model tensor) -> meta tensor
+        self.attr_refs: dict[int, _Ref] = {}  # id(parameter/buffer) -> its tensor in the IR
+        self.used_names = {n.name for n in gm.graph.nodes}
+        self.fallbacks: list[tuple[str, str, str, str]] = []  # name, target, source, reason
+
+    # -- helpers
+    def meta_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The meta stand-in of a model parameter/buffer (cached: the model keeps ``t`` alive)."""
+        key = id(t)
+        if key not in self.meta_cache:
+            self.meta_cache[key] = _to_meta(t)
+        return self.meta_cache[key]
+
+    def new_ref(self, t: torch.Tensor, producer: str, is_param: bool = False) -> _Ref:
+        meta = TensorMeta(tuple(int(s) for s in t.shape), _dtype_name(t.dtype), bool(t.requires_grad), is_param)
+        tid = len(self.tensors)
+        self.tensors[tid] = Tensor(tid, meta.shape, meta.dtype, producer, meta.requires_grad, is_param)
+        return _Ref(tid, meta)
+
+    def unique_name(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.used_names:
+            name, k = f"{base}_{k}", k + 1
+        self.used_names.add(name)
+        return name
+
+    def attr_node(self, obj: torch.Tensor, name: str, dotted: str, fx_node: torch.fx.Node) -> _Ref:
+        """The IR tensor of a parameter/buffer, creating its ``param`` node on first use."""
+        if id(obj) in self.attr_refs:
+            return self.attr_refs[id(obj)]
+        is_param = isinstance(obj, nn.Parameter)
+        ref = self.new_ref(self.meta_of(obj), name, is_param)
+        first = Signature((), (REPLICATE,), 0.0, "param") if is_param else Signature((), (FULL,), 0.0, "replicated")
+        sigs = [first] + [Signature((), (gather(d),), 0.0, "param" if is_param else "data")
+                          for d in _gather_dims(ref.meta.shape, self.world)]
+        self.nodes.append(Node(name, "param", "parameter" if is_param else "buffer", [], [ref.tid], sigs,
+                               module=dotted.rpartition(".")[0], source=_source_of(fx_node)))
+        self.out.param_names[name] = dotted
+        self.attr_refs[id(obj)] = ref
+        return ref
+
+    # -- per fx node
+    def add(self, n: torch.fx.Node, value: Any) -> None:
+        getattr(self, f"_add_{n.op}")(n, value)
+
+    def _constant(self, n: torch.fx.Node, value: Any) -> None:
+        self.struct[n.name] = value
+        self.out.constants[n.name] = value
+
+    def _add_placeholder(self, n: torch.fx.Node, value: Any) -> None:
+        if not _leaves(value, torch.Tensor):
+            return self._constant(n, value)
+        if not isinstance(value, torch.Tensor):
+            raise TraceFailure(f"model input {n.target!r} is a {type(value).__name__} of tensors; hidup traces "
+                               "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
+        ref = self.new_ref(value, n.name)
+        sigs = [Signature((), (FULL,), 0.0, "replicated")] + [
+            Signature((), (gather(d),), 0.0, "data") for d in _gather_dims(ref.meta.shape, self.world)]
+        self.nodes.append(Node(n.name, "input", "input", [], [ref.tid], sigs, source=_source_of(n)))
+        self.struct[n.name] = ref
+        self.out.tensor_ids[n.name] = [ref.tid]
+
+    def _add_get_attr(self, n: torch.fx.Node, value: Any) -> None:
+        obj = self.gm
+        for atom in str(n.target).split("."):
+            obj = getattr(obj, atom)
+        if not isinstance(obj, torch.Tensor):
+            return self._constant(n, value)
+        ref = self.attr_node(obj, n.name, str(n.target), n)
+        self.struct[n.name] = ref
+        self.out.tensor_ids[n.name] = [ref.tid]
+
+    def _add_output(self, n: torch.fx.Node, value: Any) -> None:
+        loss = torch.fx.node.map_arg(n.args[0], lambda a: self.struct[a.name])
+        if not isinstance(loss, _Ref) or loss.meta.shape != ():
+            got = f"a tensor of shape {list(loss.meta.shape)}" if isinstance(loss, _Ref) else repr(loss)[:120]
+            raise TraceFailure(f"the model must return a scalar loss (a 0-dim tensor), but its forward returned "
+                               f"{got}. Fix: compute the loss inside forward (e.g. wrap the model in a module that "
+                               "returns loss_fn(model(x), y)).")
+        sigs = [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")]
+        self.nodes.append(Node(n.name, "output", "output", [loss.tid], [], sigs, source=_source_of(n)))
+
+    def _add_call_function(self, n: torch.fx.Node, value: Any) -> None:
+        if not _leaves(value, torch.Tensor):
+            return self._constant(n, value)
+        if n.target in (operator.getitem, builtins.getattr) and isinstance(n.args[0], torch.fx.Node) \
+                and not isinstance(self.struct[n.args[0].name], _Ref):
+            args = _map(tuple(n.args), lambda a: self.struct[a.name] if isinstance(a, torch.fx.Node) else a)
+            picked = n.target(*args)  # the alias: select from the producer's structure
+            self.struct[n.name] = picked
+            self.out.tensor_ids[n.name] = [r.tid for r in _leaves(picked, _Ref)]
+            return
+        self._call(n, value, extra=[])
+
+    _add_call_method = _add_call_function
+
+    def _add_call_module(self, n: torch.fx.Node, value: Any) -> None:
+        module = self.gm.get_submodule(str(n.target))
+        extra = [self.attr_node(p, self.unique_name(f"{n.target}.{pname}".replace(".", "_")),
+                                f"{n.target}.{pname}", n)
+                 for pname, p in module.named_parameters()]
+        self._call(n, value, extra=extra, module=module)
+
+    def _call(self, n: torch.fx.Node, value: Any, extra: list[_Ref], module: nn.Module | None = None) -> None:
+        sub = lambda a: self.struct[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        args, kwargs = _map(tuple(n.args), sub), _map(dict(n.kwargs), sub)
+        in_refs = _leaves((args, kwargs), _Ref) + extra
+        to_meta = lambda v: v.meta if isinstance(v, _Ref) else v  # noqa: E731
+        out_struct = _map(value, lambda v: self.new_ref(v, n.name) if isinstance(v, torch.Tensor) else v)
+        out_refs = _leaves(out_struct, _Ref)
+        ctx = RuleContext(target=type(module) if module is not None else n.target,
+                          args=_map(args, to_meta), kwargs=_map(kwargs, to_meta),
+                          inputs=[r.meta for r in in_refs], outputs=[r.meta for r in out_refs],
+                          world=self.world, module=module, node_name=n.name)
+        sigs, reason = self._signatures(ctx)
+        fallback = sigs is None
+        if fallback:
+            est = float(sum(math.prod(r.meta.shape) for r in out_refs))
+            sigs = [Signature(tuple(FULL for _ in in_refs), tuple(FULL for _ in out_refs), est, "replicated")]
+            self.fallbacks.append((n.name, _target_name(n, self.gm), _source_of(n) or "?", reason))
+        flops = next(s.flops for s in sigs if _is_all_full(s))
+        self.nodes.append(Node(n.name, "call", _target_name(n, self.gm), [r.tid for r in in_refs],
+                               [r.tid for r in out_refs], sigs, flops, _module_of(n), _source_of(n), fallback))
+        self.struct[n.name] = out_struct
+        self.out.tensor_ids[n.name] = [r.tid for r in out_refs]
+        self.out.contexts[n.name] = ctx
+
+    def _signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
+        """The rule's signatures, filtered to the world size; (None, reason) means fall back."""
+        if self.signatures_fn is None:
+            return None, "no rule"
+        try:
+            sigs = self.signatures_fn(ctx)
+        except Exception as e:  # a broken rule must not stop tracing: replicate and report it
+            return None, f"its rule raised {type(e).__name__}: {e}"
+        if sigs is None:
+            return None, "no rule"
+        n_in, n_out = len(ctx.inputs), len(ctx.outputs)
+        bad = [s for s in sigs if len(s.inputs) != n_in or len(s.outputs) != n_out]
+        if bad:
+            return None, f"its rule returned {bad[0]} for {n_in} inputs / {n_out} outputs"
+        sigs = [s for s in sigs if all(_fits(f, m, ctx.world) for f, m in zip(s.inputs, ctx.inputs))
+                and all(_fits(f, m, ctx.world) for f, m in zip(s.outputs, ctx.outputs))]
+        if not sigs:
+            return None, f"no signature of its rule fits world size {ctx.world}"
+        if not any(_is_all_full(s) for s in sigs):
+            # Contract breach; the largest per-rank cost is a lower bound on the unsharded op.
+            sigs.insert(0, Signature(tuple(FULL for _ in ctx.inputs), tuple(FULL for _ in ctx.outputs),
+                                     max(s.flops for s in sigs), "replicated"))
+        return list(sigs), ""
+
+
+class _MetaProp(torch.fx.Interpreter):
+    """Runs the GraphModule on meta tensors, handing every node's value to the builder."""
+
+    def __init__(self, gm: torch.fx.GraphModule, builder: _Builder, inputs: list):
+        super().__init__(gm, garbage_collect_values=True)
+        self.builder = builder
+        self.inputs = iter(inputs)
+
+    def placeholder(self, target, args, kwargs):
+        return _map(next(self.inputs), lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
+
+    def get_attr(self, target, args, kwargs):
+        value = self.fetch_attr(target)
+        return self.builder.meta_of(value) if isinstance(value, torch.Tensor) else value
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        state = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(module.named_buffers(remove_duplicate=False))}
+        if all(t.device.type == "meta" for t in state.values()):
+            return module(*args, **kwargs)
+        meta_state = {k: self.builder.meta_of(t) for k, t in state.items()}
+        return torch.func.functional_call(module, meta_state, tuple(args), dict(kwargs))
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op not in ("output",):
+            try:
+                value = super().run_node(n)
+            except TraceFailure:
+                raise
+            except Exception as e:
+                raise TraceFailure(
+                    f"shape propagation failed at node {n.name} ({_target_name(n, self.module)}) in module "
+                    f"{_module_of(n) or '<root>'!r} at {_source_of(n) or '?'}: {type(e).__name__}: {e}. "
+                    "hidup propagates shapes on meta tensors, so ops whose output shape depends on tensor values "
+                    "(nonzero, masked_select, .item(), .tolist()) cannot run there. Fix: compute such values from "
+                    "shapes/config instead, or move the code into a module marked as a leaf (leaf_modules=...) "
+                    "whose meta forward works, and declare a rule for it in hidup.rules.") from e
+            value = _map(value, lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
+        else:
+            value = None
+        self.builder.add(n, value)
+        return value
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+def _forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[list, dict]:
+    """(values in placeholder order, concrete_args for the non-tensor ones)."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    params = [p for p in inspect.signature(model.forward).parameters.values()]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        if isinstance(example_inputs, dict):
+            raise TraceFailure(f"{type(model).__name__}.forward takes *args/**kwargs; pass example inputs as a tuple")
+        return list(example_inputs), {}
+    sig = inspect.signature(model.forward)
+    try:
+        bound = (sig.bind(**example_inputs) if isinstance(example_inputs, dict) else sig.bind(*example_inputs))
+    except TypeError as e:
+        raise TraceFailure(f"example inputs do not match {type(model).__name__}.forward{sig}: {e}") from e
+    values, concrete = [], {}
+    for p in params:
+        value = bound.arguments.get(p.name, p.default)
+        values.append(value)
+        if not _leaves(value, torch.Tensor):
+            concrete[p.name] = value
+    return values, concrete
+
+
+def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
+                 leaf_modules: Iterable[type | str] | None = None) -> Traced:
+    """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks.
+
+    ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
+    may live on any device including ``meta``.  ``leaf_modules`` adds module classes or qualified
+    module names that stay opaque ``call_module`` nodes.  Returns a :class:`Traced`.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
+    signatures_fn, rule_leaves, batch_functions, rules_missing = _rules_hooks()
+    extra = list(leaf_modules or ())
+    leaf_types = DEFAULT_LEAF_MODULES + tuple(rule_leaves) + tuple(t for t in extra if isinstance(t, type))
+    leaf_names = frozenset(t for t in extra if isinstance(t, str))
+    values, concrete = _forward_inputs(model, example_inputs)
+
+    tracer = _Tracer(leaf_types, leaf_names, tuple(batch_functions))
+    try:
+        fx_graph = tracer.trace(model, concrete_args=concrete or None)
+    except Exception as e:
+        where = _user_frame(e.__traceback__)
+        module, kind = (list(tracer.module_stack.values())[-1] if tracer.module_stack
+                        else ("", type(model)))
+        raise TraceFailure(
+            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}\n"
+            f"  in module {module or '<root>'!r} ({getattr(kind, '__name__', kind)}) at {where}\n"
+            "  Fix: Python control flow or len()/bool()/iteration on a tensor cannot be traced symbolically. Compute "
+            "it from shapes or configuration, move the code into a function wrapped with torch.fx.wrap (or "
+            "hidup.rules.declare_batch_function) and declare a rule for it, or mark the module a leaf with "
+            "trace(..., leaf_modules=[ThatModule]).") from e
+    gm = torch.fx.GraphModule(tracer.root, fx_graph, type(model).__name__)
+
+    builder = _Builder(gm, world_size, signatures_fn)
+    with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too
+        _MetaProp(gm, builder, values).run(enable_io_processing=False)
+
+    graph = Graph(builder.nodes, builder.tensors, world_size, type(model).__name__,
+                  [name for name, *_ in builder.fallbacks])
+    graph.validate()
+    if builder.fallbacks:
+        listing = "; ".join(f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
+                            for name, target, src, why in builder.fallbacks)
+        missing = f" ({rules_missing})" if rules_missing else ""
+        warnings.warn(f"hidup.trace: {len(builder.fallbacks)} op(s) of {type(model).__name__} have no usable "
+                      f"sharding rule{missing} and run replicated (all-full) on every rank: {listing}. Declare a "
+                      "rule in hidup.rules to shard them.", FallbackWarning, stacklevel=_caller_stacklevel())
+    out = builder.out
+    out.graph = graph
+    return out
+
+
+def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
+          leaf_modules: Iterable[type | str] | None = None) -> Graph:
+    """:func:`trace_module` returning only the IR graph."""
+    return trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules).graph
+
+
+from hidup._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "trace")

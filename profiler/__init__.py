@@ -1,0 +1,11 @@
+"""Machine profiles for the cost model: ``load("h200x4-nvlink")``, ``save(profile, path)``.
+
+Builtin profiles live in ``profiler/defaults/*.json`` so that search runs with no GPU; see
+:mod:`hidup.profiler.profile` for the schema and the formulas.
+"""
+
+from hidup.profiler.profile import (COLLECTIVES, DTYPES, CommTable, Profile, ProfileError, builtin_names,
+                                    load, op_key, save)
+
+__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key",
+           "COLLECTIVES", "DTYPES"]

@@ -36,9 +36,21 @@ COMMANDS = {
     "verify": (_verify_parser, _cmd_verify),
 }
 
-try:  # the measurement side of the profiler adds `hidup profile`
-    from hidup.profiler.measure import CLI_COMMAND as _PROFILE
-except ImportError:
-    _PROFILE = None
-if _PROFILE is not None:
-    COMMANDS["profile"] = _PROFILE
+
+
+def _profile_parser(sub) -> None:
+    from hidup.profiler.measure import add_profile_args
+
+    p = sub.add_parser("profile", help="measure this machine's device FLOP rates and collective bandwidths",
+                       description="Measure the device and the network and write a profile JSON that "
+                       "`hidup search --profile` accepts.")
+    add_profile_args(p)
+
+
+def _cmd_profile(args) -> int:
+    from hidup.profiler.measure import run_profile
+
+    return run_profile(args)
+
+
+COMMANDS["profile"] = (_profile_parser, _cmd_profile)

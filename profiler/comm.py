@@ -1,0 +1,265 @@
+"""Collective latency and bandwidth, measured inside an initialized process group.
+
+Size convention
+---------------
+``nbytes`` is the size of the *logical full tensor* the collective moves between forms, the
+quantity the cost model knows (``Tensor.nbytes``); with ``g`` ranks in the group and ``S = nbytes``:
+
+=================  =========================  =========================
+collective         input per rank             output per rank
+=================  =========================  =========================
+``all_reduce``     ``S`` (partial sums)       ``S``
+``all_gather``     ``S / g``                  ``S``
+``reduce_scatter`` ``S`` (partial sums)       ``S / g``
+``all_to_all``     ``S / g`` (gather_a)       ``S / g`` (gather_b)
+=================  =========================  =========================
+
+This is the nccl-tests convention for the first three; for ``all_to_all`` nccl-tests counts the
+per-rank buffer, here it is the logical tensor (``g`` times larger).  The algorithmic bandwidth is
+``algbw(S) = S / t(S)`` [bytes/s].
+
+Timing
+------
+For one (collective, size, group size) point every rank runs the same schedule: one warm-up call;
+one trial call whose time ``t1`` is max-reduced over the world so that every rank derives the same
+``k = ceil(sample_s / t1)`` calls per sample and the same number of samples (bounded by
+``budget_s``); before each sample a world barrier; each sample's per-call time is
+``elapsed / k`` on each rank, max-reduced over the world (a collective is as slow as its slowest
+rank); ``t(S)`` is the median over samples.  Sub-groups of ``g`` consecutive ranks (``{0,1}``,
+``{2,3}``, ...) run their collectives concurrently, as a plan's sub-group collectives would.
+
+Monotone times
+--------------
+Moving more bytes never takes less time, so a time that comes out below a larger size's is noise
+(a busy host, a clock boost); the curve keeps ``t(S_i) <- min_{j >= i} t(S_j)`` (the raw medians
+stay in ``CommCurve.raw_seconds``).
+
+Latency fit
+-----------
+On the ``n_fit`` smallest sizes the time is fitted by least squares to ``t = alpha + S / beta``;
+``alpha`` (seconds) is the intercept, clamped to ``[0, min t]`` (noise can make the fitted
+intercept negative or larger than the smallest observation).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hidup.ir import COLLECTIVES
+
+from .device import Timer
+
+__all__ = ["CommCurve", "fit_alpha", "monotone", "default_comm_sizes", "default_group_sizes", "time_collective",
+           "profile_collectives", "collective_call"]
+
+# Newer torch renames the tensor-in/tensor-out collectives; same signatures.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommCurve:
+    """Measured time of one collective on groups of ``group_size`` ranks, per logical size."""
+
+    op: str
+    group_size: int
+    sizes: list[int] = field(default_factory=list)  # logical bytes, ascending
+    seconds: list[float] = field(default_factory=list)  # median time per call, made monotone
+    raw_seconds: list[float] = field(default_factory=list)  # the medians as measured
+    alpha: float = 0.0  # latency fitted on the smallest sizes [s]
+
+    @property
+    def algbw(self) -> list[float]:
+        """Algorithmic bandwidth ``S / t(S)`` [bytes/s] per size."""
+        return [s / t for s, t in zip(self.sizes, self.seconds)]
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "group_size": self.group_size, "sizes": list(self.sizes),
+                "seconds": list(self.seconds), "raw_seconds": list(self.raw_seconds),
+                "algbw": self.algbw, "alpha": self.alpha}
+
+
+def monotone(seconds: list[float]) -> list[float]:
+    """``t_i <- min_{j >= i} t_j`` for times listed by ascending size (see the module docstring)."""
+    out = list(seconds)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def fit_alpha(sizes: list[int], seconds: list[float], n_fit: int = 3) -> float:
+    """Intercept of the least-squares line ``t = alpha + S / beta`` on the ``n_fit`` smallest sizes,
+    clamped to ``[0, min t]`` (see the module docstring)."""
+    if len(sizes) != len(seconds) or not sizes:
+        raise ValueError(f"fit_alpha needs equally long non-empty lists, got {len(sizes)} sizes "
+                         f"and {len(seconds)} times")
+    pts = sorted(zip(sizes, seconds))[: max(1, n_fit)]
+    t_min = min(t for _, t in pts)
+    if len(pts) < 2:
+        return t_min
+    xs = [float(s) for s, _ in pts]
+    ys = [t for _, t in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return t_min
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    alpha = my - slope * mx
+    return min(max(alpha, 0.0), t_min)
+
+
+def default_comm_sizes(device: torch.device | str, quick: bool = False) -> list[int]:
+    """Logical sizes in bytes: 4 KiB .. 256 MiB (powers of 2) on a GPU, 4 KiB .. 4 MiB on a CPU.
+
+    ``quick`` keeps every other power of 4 on a GPU (4 KiB, 64 KiB, 1 MiB, 16 MiB, 256 MiB) and
+    three sizes on a CPU.
+    """
+    if torch.device(device).type == "cuda":
+        exps = range(12, 29, 4) if quick else range(12, 29)
+    else:
+        exps = (12, 16, 20) if quick else range(12, 23, 2)
+    return [1 << e for e in exps]
+
+
+def default_group_sizes(world: int) -> list[int]:
+    """The whole world, plus pairs when the world has more than two ranks."""
+    if world < 2:
+        return []
+    return [world, 2] if world > 2 else [world]
+
+
+def _elements(nbytes: int, g: int, op: str, elem: int) -> int:
+    """Element count of the logical tensor: ``nbytes / elem`` rounded up to a multiple that splits
+    evenly (``g`` chunks; ``g^2`` for all_to_all, whose local ``S/g`` is split ``g`` ways again)."""
+    unit = g * g if op == "all_to_all" else g
+    n = max(1, math.ceil(nbytes / elem))
+    return max(unit, math.ceil(n / unit) * unit)
+
+
+def collective_call(op: str, numel: int, group, g: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> Callable[[], object]:
+    """A zero-argument function that runs ``op`` once on preallocated buffers (logical ``numel``)."""
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
+    full = torch.ones(numel, device=device, dtype=dtype)
+    part = torch.ones(numel // g, device=device, dtype=dtype)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: _all_gather_tensor(full, part, group=group)
+    if op == "reduce_scatter":
+        return lambda: _reduce_scatter_tensor(part, full, group=group)
+    out = torch.empty_like(part)
+    return lambda: dist.all_to_all_single(out, part, group=group)
+
+
+def _world_max(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _barrier(device: torch.device) -> None:
+    """A world barrier that works on every backend: a tiny all-reduce, waited for."""
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *, member: bool = True,
+                    sample_s: float = 0.02, budget_s: float = 0.25, min_samples: int = 3,
+                    max_samples: int = 20, dtype: torch.dtype = torch.float32) -> float:
+    """Median seconds of one ``op`` of logical size ``nbytes`` on ``group`` (``g`` ranks), max over
+    the world.  Every rank of the world must call this with the same arguments; ranks outside any
+    group pass ``member=False`` and only take part in the agreement collectives."""
+    device = torch.device(device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = _elements(nbytes, g, op, elem)
+    timer = Timer(device)
+    fn = collective_call(op, numel, group, g, device, dtype) if member else (lambda: None)
+    _barrier(device)
+    fn()  # warm-up: communicator setup, buffer registration
+    timer.sync()
+    _barrier(device)
+    t1 = _world_max([timer.measure(fn, 1) if member else 0.0], device)[0]
+    t1 = max(t1, 1e-6)
+    k = max(1, min(int(math.ceil(sample_s / t1)), 1000))
+    n_samples = int(min(max_samples, max(min_samples, budget_s // (k * t1 + 1e-4))))
+    local: list[float] = []
+    for _ in range(n_samples):
+        _barrier(device)
+        local.append(timer.measure(fn, k) / k if member else 0.0)
+    per_sample = _world_max(local, device)
+    del fn
+    return statistics.median(per_sample)
+
+
+def _make_groups(world: int, g: int):
+    """All ranks create every group of ``g`` consecutive ranks (``new_group`` is collective);
+    returns (this rank's group or None, whether this rank is in one, the groups to destroy)."""
+    rank = dist.get_rank()
+    if g == world:
+        return dist.group.WORLD, True, []
+    mine, created = None, []
+    for start in range(0, world - world % g, g):
+        ranks = list(range(start, start + g))
+        grp = dist.new_group(ranks)
+        if rank in ranks:
+            mine = grp
+            created.append(grp)
+    return mine, mine is not None, created
+
+
+def profile_collectives(device: torch.device | str, sizes: list[int] | None = None,
+                        ops: tuple[str, ...] = COLLECTIVES, group_sizes: list[int] | None = None, *,
+                        budget_s: float = 0.25, n_fit: int = 3, dtype: torch.dtype = torch.float32,
+                        on_point: Callable[[str, int, int], None] | None = None) -> list[CommCurve]:
+    """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
+    ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
+
+    Must be called by every rank of an initialized process group.  ``on_point(op, g, nbytes)`` is
+    called after each point (for progress bars).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("profile_collectives needs an initialized process group; call "
+                           "torch.distributed.init_process_group first (or use hidup.profiler.measure."
+                           "profile_machine, which profiles only the device when world size is 1)")
+    device = torch.device(device)
+    world = dist.get_world_size()
+    sizes = sorted(set(int(s) for s in (sizes or default_comm_sizes(device))))
+    if not sizes or sizes[0] <= 0:
+        raise ValueError(f"collective sizes must be positive byte counts, got {sizes}")
+    group_sizes = list(default_group_sizes(world) if group_sizes is None else group_sizes)
+    for g in group_sizes:
+        if g < 2 or g > world:
+            raise ValueError(f"group size {g} is not in [2, world={world}]")
+    for op in ops:
+        if op not in COLLECTIVES:
+            raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
+    curves: list[CommCurve] = []
+    for g in group_sizes:
+        group, member, created = _make_groups(world, g)
+        for op in ops:
+            curve = CommCurve(op, g)
+            for s in sizes:
+                t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype)
+                elem = torch.empty((), dtype=dtype).element_size()
+                curve.sizes.append(_elements(s, g, op, elem) * elem)
+                curve.raw_seconds.append(t)
+                if on_point is not None:
+                    on_point(op, g, s)
+            curve.seconds = monotone(curve.raw_seconds)
+            curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
+            curves.append(curve)
+        _barrier(device)
+        for grp in created:
+            dist.destroy_process_group(grp)
+    return curves
+

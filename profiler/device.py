@@ -1,0 +1,213 @@
+"""Device compute rate (FLOP/s per dtype) and memory bandwidth, measured by timing.
+
+FLOP rate
+---------
+A square matmul ``C = A @ B`` with ``A, B`` of shape ``n x n`` does ``2 n^3`` floating-point
+operations (one multiply and one add per term of each of the ``n^2`` dot products of length ``n``).
+For each size ``n`` we time ``k`` back-to-back matmuls per sample and take the median over samples:
+
+    t(n)    = median_s( elapsed_s / k )
+    rate(n) = 2 n^3 / t(n)                      [FLOP/s]
+    rate    = max_n rate(n)                     (the achieved peak; small sizes under-fill the device)
+
+``tf32`` is ``float32`` storage with ``torch.backends.cuda.matmul.allow_tf32 = True`` (on CUDA
+the tensor cores round the inputs to 10-bit mantissas).  On a CPU the flag has no effect and the
+measured rate equals ``fp32``'s.
+
+Memory bandwidth
+----------------
+A device-to-device copy of ``b`` bytes reads ``b`` and writes ``b`` bytes, so
+``bandwidth = 2 b / t_copy`` [bytes/s].
+
+Timing
+------
+CUDA events on a GPU (kernels are asynchronous; the events bracket ``k`` launches and we
+synchronize once), ``time.perf_counter`` on a CPU.  ``warmup`` untimed calls come first (kernel
+selection, cuBLAS workspaces, page faults).  ``k`` is chosen from one trial call so that one sample
+lasts about ``sample_s`` seconds; the number of samples is bounded by ``budget_s`` per size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["DTYPES", "MatmulRate", "Timer", "time_call", "matmul_rate", "device_rates",
+           "memory_bandwidth", "default_matmul_sizes", "torch_dtype"]
+
+# Compute dtypes of a profile (hidup.profiler.profile.DTYPES); "tf32" means float32 tensors with
+# TF32 matmuls enabled.
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+_ALIASES = {"float32": "fp32", "float": "fp32", "tfloat32": "tf32", "bfloat16": "bf16",
+            "float16": "fp16", "half": "fp16"}
+_STORAGE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def canonical_dtype(name: str) -> str:
+    """``fp32``/``tf32``/``bf16``/``fp16`` or a long name (``bfloat16``) -> the short name."""
+    name = _ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unknown compute dtype {name!r}; expected one of {', '.join(DTYPES)} "
+                         f"(or {', '.join(_ALIASES)})")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Storage dtype of a compute dtype name (``tf32`` is stored as ``float32``)."""
+    return _STORAGE[canonical_dtype(name)]
+
+
+@contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Set ``torch.backends.cuda.matmul.allow_tf32`` (and cuDNN's) for the block, then restore."""
+    old_mm, old_cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_mm
+        torch.backends.cudnn.allow_tf32 = old_cudnn
+
+
+class Timer:
+    """Wall time of a block of device work: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def measure(self, fn: Callable[[], object], iters: int) -> float:
+        """Seconds for ``iters`` back-to-back calls of ``fn`` (device work included)."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return time.perf_counter() - t0
+
+
+def time_call(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 2,
+              sample_s: float = 0.01, budget_s: float = 0.2, min_samples: int = 3,
+              max_samples: int = 50) -> float:
+    """Median seconds per call of ``fn``, bounded to about ``budget_s`` seconds of timing.
+
+    One trial call fixes ``k`` (calls per sample, so that a sample lasts ``~sample_s``); samples are
+    taken until ``budget_s`` is spent (at least ``min_samples``, at most ``max_samples``).
+    """
+    timer = Timer(torch.device(device))
+    for _ in range(max(warmup, 0)):
+        fn()
+    timer.sync()
+    trial = max(timer.measure(fn, 1), 1e-7)
+    k = max(1, min(int(sample_s / trial), 10_000))
+    samples: list[float] = []
+    t_start = time.perf_counter()
+    while len(samples) < max_samples:
+        samples.append(timer.measure(fn, k) / k)
+        if len(samples) >= min_samples and time.perf_counter() - t_start >= budget_s:
+            break
+    return statistics.median(samples)
+
+
+@dataclass
+class MatmulRate:
+    """Measured matmul rate of one dtype: ``rate`` [FLOP/s] is the best over ``per_size``."""
+
+    dtype: str
+    rate: float
+    per_size: dict[int, float] = field(default_factory=dict)  # n -> FLOP/s of an n x n x n matmul
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "rate": self.rate, "per_size": {str(k): v for k, v in self.per_size.items()}}
+
+
+def default_matmul_sizes(device: torch.device | str) -> tuple[int, ...]:
+    """Square sizes that reach peak on the device in well under a second each."""
+    return (2048, 4096, 8192) if torch.device(device).type == "cuda" else (128, 256, 512)
+
+
+def dtype_supported(device: torch.device | str, dtype: str) -> bool:
+    """Whether ``dtype`` matmuls run on ``device`` (bf16 needs compute capability >= 8.0)."""
+    device = torch.device(device)
+    dtype = canonical_dtype(dtype)
+    if device.type != "cuda":
+        return True
+    major, _ = torch.cuda.get_device_capability(device)
+    if dtype == "bf16":
+        return major >= 8
+    if dtype == "tf32":
+        return major >= 8  # earlier GPUs have no TF32 tensor cores; the flag is a no-op there
+    return True
+
+
+def matmul_rate(device: torch.device | str, dtype: str, sizes: tuple[int, ...] | None = None, *,
+                budget_s: float = 0.3, warmup: int = 2) -> MatmulRate:
+    """FLOP/s of square matmuls of ``dtype`` on ``device`` (see the module docstring)."""
+    device = torch.device(device)
+    dtype = canonical_dtype(dtype)
+    sizes = tuple(sizes or default_matmul_sizes(device))
+    if not sizes or any(int(n) <= 0 for n in sizes):
+        raise ValueError(f"matmul sizes must be positive integers, got {sizes}")
+    storage = torch_dtype(dtype)
+    per_size: dict[int, float] = {}
+    gen = torch.Generator(device=device).manual_seed(0)  # on the device: no host-side generation
+    with tf32(dtype == "tf32"):
+        for n in sizes:
+            a = torch.randn(n, n, generator=gen, device=device).to(storage)
+            b = torch.randn(n, n, generator=gen, device=device).to(storage)
+            out = torch.empty(n, n, device=device, dtype=storage)
+            seconds = time_call(lambda: torch.mm(a, b, out=out), device, warmup=warmup,
+                                budget_s=budget_s / len(sizes))
+            per_size[int(n)] = 2.0 * n ** 3 / seconds
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return MatmulRate(dtype, max(per_size.values()), per_size)
+
+
+def device_rates(device: torch.device | str, dtypes: tuple[str, ...] = DTYPES,
+                 sizes: tuple[int, ...] | None = None, *, budget_s: float = 0.3,
+                 on_dtype: Callable[[str], None] | None = None) -> dict[str, MatmulRate]:
+    """:func:`matmul_rate` for each supported dtype of ``dtypes`` (unsupported ones are left out).
+
+    ``on_dtype(name)`` is called after each dtype (for progress bars).
+    """
+    out: dict[str, MatmulRate] = {}
+    for d in dtypes:
+        d = canonical_dtype(d)
+        if dtype_supported(device, d):
+            out[d] = matmul_rate(device, d, sizes, budget_s=budget_s)
+        if on_dtype is not None:
+            on_dtype(d)
+    return out
+
+
+def memory_bandwidth(device: torch.device | str, nbytes: int | None = None, *, budget_s: float = 0.2) -> float:
+    """Copy bandwidth in bytes/s: ``2 * nbytes / t`` for a ``nbytes`` device-to-device copy."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), device, budget_s=budget_s)
+    src = dst = None  # release before emptying the cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2.0 * n * 4 / seconds

@@ -1,0 +1,375 @@
+"""Profile a machine: device FLOP rates and collective tables, written as a profile JSON.
+
+``profile_machine`` runs on every rank of an initialized process group (or in one process, which
+measures the device only) and returns a :class:`hidup.profiler.profile.Profile`:
+
+* ``flops[dtype]`` = min over ranks of the peak matmul rate ``max_n 2 n^3 / t(n)`` (device.py);
+* ``collectives[c][g]`` for the world and for pairs (comm.py): ``alpha`` fitted on the smallest
+  sizes and the table bandwidth *net of alpha*, ``algbw(S) = S / (t(S) - alpha)``, because the
+  profile charges ``time(S) = alpha + S / algbw(S)``; at every measured size that is ``t(S)``.
+  The nccl-tests bandwidth ``S / t(S)`` is kept in the raw sidecar file ``<out>.raw.json``.
+
+Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (one launcher per
+host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
+and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and ``hidup profile``;
+``--ops-model`` adds per-op times of a zoo model (ops.py) to the profile.
+
+Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
+seconds (0.3 s, 0.1 s with ``quick``), so a 4-GPU host (17 sizes x 4 collectives x 2 group
+sizes) takes about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from hidup.profiler.profile import CommTable, Profile
+
+__all__ = ["profile_machine", "write_profile", "comm_tables", "parse_sizes", "parse_overrides",
+           "add_profile_args", "run_profile"]
+
+
+def _rates_agreed(rates: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Minimum over ranks of each rate (the slowest device bounds a synchronous step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rates
+    keys = sorted(rates)
+    t = torch.tensor([rates[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return dict(zip(keys, t.tolist()))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+class _Progress:
+    """A rich progress bar on rank 0; silent elsewhere or when disabled."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]profile[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("{task.description}"), TimeElapsedColumn())
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def step(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.0f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def comm_tables(curves) -> dict[str, dict[int, "CommTable"]]:
+    """Profile tables from measured curves: ``alpha`` as fitted and the bandwidth *net of alpha*,
+    ``algbw(S) = S / max(t(S) - alpha, 1e-3 t(S))``, so that the profile's
+    ``time = alpha + S / algbw(S)`` reproduces each measured ``t(S)`` (to 0.1 % of it)."""
+    from hidup.profiler.profile import CommTable
+
+    tables: dict[str, dict[int, CommTable]] = {}
+    for c in curves:
+        bws = [s / max(t - c.alpha, 1e-3 * t) for s, t in zip(c.sizes, c.seconds)]
+        tables.setdefault(c.op, {})[c.group_size] = CommTable(c.alpha, [float(s) for s in c.sizes], bws)
+    return tables
+
+
+def profile_machine(world: int | None = None, sizes: list[int] | None = None,
+                    dtypes: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16"), progress: bool = True, *,
+                    device: torch.device | str | None = None, out: str | Path | None = None,
+                    name: str | None = None, quick: bool = False, merge=None,
+                    matmul_sizes: tuple[int, ...] | None = None, group_sizes: list[int] | None = None,
+                    budget_s: float | None = None) -> "Profile":
+    """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
+
+    Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
+    rates per dtype (min over ranks) and the four collectives at ``sizes`` (logical bytes) on the
+    whole world and on pairs.  With ``world == 1`` only the device is measured and the collective
+    tables come from ``merge`` (a builtin profile name, a path, or a ``Profile``).  ``merge`` also
+    contributes per-op times and any dtype not measured.  Rank 0 writes ``out`` (the profile JSON)
+    and ``<out>.raw.json`` (the raw measurements, including the nccl-tests ``algbw = S / t``).
+    """
+    prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
+                         matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s)
+    if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_profile(prof, raw, out)
+    return prof
+
+
+def write_profile(prof, raw: dict, out: str | Path) -> Path:
+    """Write the profile JSON to ``out`` and the raw measurements to ``<out stem>.raw.json``."""
+    import json
+
+    from hidup.profiler.profile import save
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(prof, out)
+    raw_path = out.with_name(out.stem + ".raw.json")
+    tmp = raw_path.with_name(raw_path.name + ".tmp")
+    tmp.write_text(json.dumps(raw, indent=1) + "\n")
+    tmp.replace(raw_path)
+    return out
+
+
+def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matmul_sizes, group_sizes,
+             budget_s):
+    """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
+    import datetime as _dt
+    import socket as _socket
+
+    from hidup.profiler import profile as profile_mod
+
+    from .comm import default_comm_sizes, default_group_sizes, profile_collectives
+    from .device import canonical_dtype, default_matmul_sizes, device_rates, memory_bandwidth
+
+    initialized = dist.is_available() and dist.is_initialized()
+    pg_world = dist.get_world_size() if initialized else 1
+    world = pg_world if world is None else world
+    if world != pg_world:
+        raise ValueError(f"profile_machine(world={world}) but the process group has {pg_world} ranks; "
+                         f"initialize torch.distributed with world_size={world} (or pass world=None)")
+    rank = dist.get_rank() if initialized else 0
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    base = profile_mod.load(merge) if merge is not None else None
+    if world == 1 and base is None:
+        raise ValueError("a single process can only measure the device; give merge=<profile name or path> "
+                         "to take the collective tables from, or run on >= 2 ranks (NODERANK/CPN or torchrun)")
+    dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))
+    sizes = sorted(set(sizes or default_comm_sizes(device, quick)))
+    matmul_sizes = tuple(matmul_sizes or default_matmul_sizes(device))
+    group_sizes = default_group_sizes(world) if group_sizes is None else list(group_sizes)
+    budget = budget_s if budget_s is not None else (0.1 if quick else 0.3)
+    ops = profile_mod.COLLECTIVES
+    n_points = len(dtypes) + (len(group_sizes) * len(ops) * len(sizes) if world > 1 else 0)
+    bar = _Progress(progress and rank == 0, n_points)
+    t_start = time.perf_counter()
+    try:
+        matmul = device_rates(device, dtypes, matmul_sizes, budget_s=budget,
+                              on_dtype=lambda d: bar.step(f"matmul {d}"))
+        rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
+        mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
+        curves = []
+        if world > 1:
+            curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget,
+                                         on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"))
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+
+    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s"]
+    flops = dict(base.flops) if base is not None else {}
+    flops.update(rates)
+    missing = [d for d in profile_mod.DTYPES if d not in flops]
+    if missing:
+        fallback = rates.get("fp32") or max(rates.values())
+        for d in missing:
+            flops[d] = fallback
+        notes.append(f"{', '.join(missing)}: not measured (unsupported or not requested), fp32 rate used")
+    if curves:
+        collectives = comm_tables(curves)
+        notes.append(f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
+                     f"{group_sizes}; algbw is net of alpha")
+    else:
+        collectives = {c: dict(t) for c, t in base.collectives.items()}
+        notes.append(f"collectives taken from profile {base.name!r}")
+    gpu = _device_name(device)
+    if name is None:
+        short = gpu.split("(")[0].replace("NVIDIA ", "").strip().lower().replace(" ", "-")
+        name = f"{short}x{world}-measured"
+    prof = profile_mod.Profile(
+        name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
+        host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
+        date=_dt.date.today().isoformat(), source="measured",
+        notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
+    prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
+    raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
+           "matmul": {d: r.to_dict() for d, r in matmul.items()},
+           "collectives": [c.to_dict() for c in curves]}
+    return prof, raw
+
+
+# ================================================================================ command line
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def _one_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; write bytes with an optional unit: 4096, 4K, 16M, 1G")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"4K,1M,64M"`` (a list) or ``"4K..256M"`` (every power of two from 4 KiB to 256 MiB)."""
+    if ".." in text:
+        lo, hi = (_one_size(t) for t in text.split("..", 1))
+        if lo <= 0 or hi < lo:
+            raise ValueError(f"size range {text!r} must go from a positive size up")
+        out, s = [], lo
+        while s <= hi:
+            out.append(s)
+            s *= 2
+        return out
+    sizes = [_one_size(t) for t in text.split(",") if t.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"sizes {text!r}: give at least one positive size")
+    return sorted(set(sizes))
+
+
+def parse_overrides(text: str) -> dict:
+    """``"layers=2,d_model=1024,capacity_factor=2.5"`` -> ``{"layers": 2, "d_model": 1024, ...}``."""
+    out: dict = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"model override {item!r} must be written key=value (e.g. layers=2)")
+        key = key.strip().replace("-", "_")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ValueError(f"model override {item!r}: the value must be a number") from None
+    return out
+
+
+def _with_model_ops(prof, spec: tuple, world: int, device: torch.device):
+    """``prof`` plus the per-op times of a zoo model traced for ``world`` ranks (rank 0's device)."""
+    import hidup.models
+
+    from .ops import profile_ops
+
+    name, overrides, seconds = spec
+    model, inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
+    before = len(prof.ops)
+    prof = profile_ops(prof, model, inputs, world, device=device, total_s=seconds)
+    print(f"timed {len(prof.ops) - before} op shapes of {name} (world {world})")
+    return prof
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``exp/profiler.py`` / ``hidup profile`` (launch flags included)."""
+    from hidup.runtime.launch import add_launch_args
+
+    p.add_argument("--out", type=Path, default=None,
+                   help="profile JSON to write (default profile_<name>.json; raw data in <out>.raw.json)")
+    p.add_argument("--name", default=None, help="profile name (default <gpu>x<world>-measured)")
+    p.add_argument("--sizes", default=None,
+                   help="collective sizes in logical bytes: '4K,1M,64M' or a power-of-two range '4K..256M' "
+                        "(default 4K..256M on GPUs, 4K..4M on CPUs)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing (about 4x faster)")
+    p.add_argument("--dtypes", default="fp32,tf32,bf16,fp16", help="compute dtypes to time (default all four)")
+    p.add_argument("--matmul-sizes", default=None, help="square matmul sizes, e.g. 2048,4096,8192")
+    p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
+    p.add_argument("--merge", default=None, help="profile (builtin name or path) supplying what is not measured: "
+                   "the collectives in a single-process run, per-op times, unsupported dtypes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ops-model", default=None, help="also time the ops of this zoo model at their sharded "
+                   "shapes (every signature, for the profiled world size) and store them in the profile")
+    p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
+    p.add_argument("--ops-seconds", type=float, default=120.0, help="time limit for --ops-model (default 120)")
+    add_launch_args(p)
+
+
+def _rank_main(ctx, kwargs: dict):
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ctx.layout.cpn)))
+    out = kwargs.pop("out")
+    ops_model = kwargs.pop("ops_model")
+    prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
+    if ctx.rank != 0:
+        return None
+    if ops_model is not None:
+        prof = _with_model_ops(prof, ops_model, ctx.world_size, ctx.device)
+    return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Launch the ranks per ``args`` (NODERANK/CPN, torchrun or one process) and profile."""
+    from hidup.runtime.launch import launch, launch_kwargs, layout_from_env
+
+    kwargs = dict(
+        sizes=parse_sizes(args.sizes) if args.sizes else None,
+        dtypes=tuple(d for d in args.dtypes.split(",") if d.strip()),
+        progress=not args.no_progress, quick=args.quick, name=args.name, merge=args.merge,
+        matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
+        budget_s=args.budget, group_sizes=None,
+        ops_model=(args.ops_model, parse_overrides(args.ops_overrides), args.ops_seconds) if args.ops_model else None)
+    lk = launch_kwargs(args)
+    if layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single" \
+            and args.merge is None:
+        return _device_only(kwargs, args.out)
+    if lk.get("master_port") is None and not os.environ.get("MASTER_PORT") and (lk.get("nnodes") or
+                                                                                int(os.environ.get("NNODES", "1") or 1)) == 1:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        lk["master_port"] = get_free_port()  # one host: any free port avoids clashes with other jobs
+    out = args.out.resolve() if args.out is not None else None
+    results = launch(_rank_main, dict(kwargs, out=out), **lk)
+    path = next((r for r in results if r is not None), None)
+    if path is None:
+        return 0  # another host holds global rank 0 and writes the file
+    from hidup.profiler.profile import load
+
+    prof = load(path)
+    print(f"profile {prof.name!r} written to {path}")
+    for d, r in prof.flops.items():
+        print(f"  {d:5s} {r / 1e12:9.2f} TFLOP/s")
+    for c, tabs in prof.collectives.items():
+        for g, t in tabs.items():
+            print(f"  {c:15s} x{g}: alpha {t.alpha * 1e6:8.1f} us, algbw {t.algbw[-1] / 1e9:8.2f} GB/s "
+                  f"at {t.sizes[-1] / 2**20:.0f} MiB")
+    return 0
+
+
+def _device_only(kwargs: dict, out: Path | None) -> int:
+    """One process and nothing to merge: print the device rates (a profile needs collectives)."""
+    from .device import device_rates, memory_bandwidth
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    budget = kwargs["budget_s"] if kwargs["budget_s"] is not None else (0.1 if kwargs["quick"] else 0.3)
+    rates = device_rates(device, kwargs["dtypes"], kwargs["matmul_sizes"], budget_s=budget)
+    print(f"device {_device_name(device)}")
+    for d, r in rates.items():
+        sizes = ", ".join(f"{n}: {v / 1e12:.2f}" for n, v in r.per_size.items())
+        print(f"  {d:5s} {r.rate / 1e12:9.2f} TFLOP/s   (per matmul size, TFLOP/s: {sizes})")
+    print(f"  copy  {memory_bandwidth(device, budget_s=budget) / 1e9:9.1f} GB/s")
+    print("one process measures the device only; to write a profile, run the collectives too "
+          "(CPN=<GPUs> NODERANK=0, or torchrun) or give --merge <profile> to take them from")
+    if out is not None:
+        print(f"nothing written to {out}")
+        return 2
+    return 0

@@ -1,0 +1,331 @@
+"""Machine profiles: device FLOP rates, measured per-op times and collective alpha-beta tables.
+
+A profile is a JSON document (schema version 1)::
+
+    {"version": 1, "name": "h200x4-nvlink", "host": "...", "gpu": "...", "world_sizes": [2, 4, 8],
+     "date": "2025-01-01", "source": "builtin" | "measured" | "perturbed", "notes": "...",
+     "flops": {"fp32": 5.1e13, "tf32": 4.07e14, "bf16": 7.74e14, "fp16": 7.74e14},
+     "ops": {"<op key>": {"forward": s, "backward": s}, ...},
+     "collectives": {"all_reduce": {"4": {"alpha": 1e-5, "sizes": [bytes...], "algbw": [bytes/s...]}},
+                     "all_gather": ..., "reduce_scatter": ..., "all_to_all": ...}}
+
+Collective time
+---------------
+For a collective ``c`` over a group of ``n`` ranks moving a logical buffer of ``b`` bytes (the
+nccl-tests convention: the whole gathered / reduced / exchanged tensor)::
+
+    time(c, n, b) = alpha_c + b / algbw_c(b)                       (0 when n == 1 or b == 0)
+
+``algbw_c(b)`` interpolates the measured table linearly in ``log(b)`` between measured sizes and is
+clamped to the first / last entry outside the measured range.  ``alpha`` is a fixed per-call launch
+latency added on top of the table.
+
+Group sizes without a table are answered from the nearest measured group size ``m`` (ties go to the
+larger one) with ring scaling: a ring collective moves ``(n-1)/n`` of the buffer per rank for
+all-gather, reduce-scatter and all-to-all and ``2(n-1)/n`` for all-reduce, so at a fixed link (bus)
+bandwidth ``algbw_n = algbw_m * ((m-1)/m) / ((n-1)/n)`` for all four collectives; alpha is kept.
+
+Per-op times
+------------
+``ops`` maps :func:`op_key` ``(target, local input shapes, dtype)`` to measured forward and backward
+seconds of one rank running the op at those (sharded) shapes.  The cost model uses them in
+preference to ``flops / rate``.
+
+Perturbation
+------------
+:meth:`Profile.perturb` multiplies every FLOP rate, every per-op time and every bandwidth entry by its
+own factor drawn uniformly from ``[1-x, 1+x]`` (numpy ``default_rng(seed)``, drawn in sorted key
+order so a seed always gives the same profile); bandwidths are further divided by ``comm_scale`` and
+alphas multiplied by it (a network ``comm_scale`` times slower).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key",
+           "COLLECTIVES", "DTYPES", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+SOURCES = ("measured", "builtin", "perturbed")
+DEFAULTS_DIR = Path(__file__).with_name("defaults")
+
+
+class ProfileError(ValueError):
+    """A profile document is malformed; the message names the field and the fix."""
+
+
+def op_key(target: str, shapes: Iterable[Iterable[int]], dtype: str) -> str:
+    """Key of a measured per-op time: ``linear(8x512,1024x512)float32``."""
+    dims = ",".join("x".join(str(int(d)) for d in s) for s in shapes)
+    return f"{target}({dims}){dtype}"
+
+
+def _ring_factor(measured: int, wanted: int) -> float:
+    """algbw(wanted) / algbw(measured) for a ring collective at fixed bus bandwidth."""
+    return ((measured - 1) / measured) / ((wanted - 1) / wanted)
+
+
+@dataclass
+class CommTable:
+    """One collective at one group size: latency plus a size -> algorithmic bandwidth table."""
+
+    alpha: float
+    sizes: list[float]
+    algbw: list[float]
+
+    def __post_init__(self):
+        self._logs = [math.log(s) for s in self.sizes]
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Interpolated algbw in bytes/s, linear in log(size), clamped at both ends."""
+        if nbytes <= self.sizes[0]:
+            return self.algbw[0]
+        if nbytes >= self.sizes[-1]:
+            return self.algbw[-1]
+        x = math.log(nbytes)
+        i = bisect.bisect_right(self._logs, x)
+        x0, x1 = self._logs[i - 1], self._logs[i]
+        w = (x - x0) / (x1 - x0)
+        return self.algbw[i - 1] * (1 - w) + self.algbw[i] * w
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.bandwidth(nbytes)
+
+    def to_dict(self) -> dict:
+        return {"alpha": self.alpha, "sizes": list(self.sizes), "algbw": list(self.algbw)}
+
+
+@dataclass
+class Profile:
+    """A machine profile (see the module docstring for the formulas)."""
+
+    name: str
+    flops: dict[str, float]
+    collectives: dict[str, dict[int, CommTable]]
+    ops: dict[str, tuple[float, float]] = field(default_factory=dict)
+    host: str = ""
+    gpu: str = ""
+    world_sizes: list[int] = field(default_factory=list)
+    date: str = ""
+    source: str = "measured"
+    notes: str = ""
+
+    # ----------------------------------------------------------------------------- queries
+    def rate(self, dtype: str) -> float:
+        """Device FLOP/s for a profile dtype name (fp32, tf32, bf16, fp16)."""
+        try:
+            return self.flops[dtype]
+        except KeyError:
+            raise KeyError(f"profile {self.name!r} has no FLOP rate for {dtype!r}; it has "
+                           f"{sorted(self.flops)}") from None
+
+    def op_time(self, target: str, shapes: Iterable[Iterable[int]], dtype: str) -> tuple[float, float] | None:
+        """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""
+        return self.ops.get(op_key(target, shapes, dtype))
+
+    def table(self, collective: str, group: int) -> tuple[CommTable, float]:
+        """(table of the nearest measured group size, bandwidth multiplier for ``group``)."""
+        if collective not in self.collectives:
+            raise KeyError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+        tables = self.collectives[collective]
+        if group in tables:
+            return tables[group], 1.0
+        m = min(tables, key=lambda g: (abs(g - group), -g))
+        return tables[m], _ring_factor(m, group)
+
+    def bandwidth(self, collective: str, group: int, nbytes: float) -> float:
+        """Algorithmic bandwidth (bytes/s) of ``collective`` over ``group`` ranks at ``nbytes``."""
+        tab, factor = self.table(collective, group)
+        return tab.bandwidth(nbytes) * factor
+
+    def comm_time(self, collective: str, group: int, nbytes: float) -> float:
+        """alpha + nbytes / algbw(nbytes); 0 for a group of one rank or an empty buffer."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        tab, factor = self.table(collective, group)
+        return tab.alpha + nbytes / (tab.bandwidth(nbytes) * factor)
+
+    # ----------------------------------------------------------------------------- derived profiles
+    def perturb(self, noise: float, seed: int = 0, comm_scale: float = 1.0) -> "Profile":
+        """A copy with each rate, op time and bandwidth scaled by an independent U[1-noise, 1+noise]
+        factor; bandwidths divided and alphas multiplied by ``comm_scale``."""
+        import numpy as np
+
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"perturb: noise must be in [0, 1), got {noise}")
+        if comm_scale <= 0:
+            raise ValueError(f"perturb: comm_scale must be > 0, got {comm_scale}")
+        rng = np.random.default_rng(seed)
+
+        def f() -> float:
+            return float(rng.uniform(1.0 - noise, 1.0 + noise)) if noise else 1.0
+
+        flops = {k: self.flops[k] * f() for k in sorted(self.flops)}
+        ops = {}
+        for k in sorted(self.ops):
+            fw, bw = self.ops[k]
+            ops[k] = (fw * f(), bw * f())
+        colls: dict[str, dict[int, CommTable]] = {}
+        for c in sorted(self.collectives):
+            colls[c] = {}
+            for g in sorted(self.collectives[c]):
+                t = self.collectives[c][g]
+                bws = [b * f() / comm_scale for b in t.algbw]
+                colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
+        suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
+        return Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
+                       self.date, "perturbed", self.notes)
+
+    def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
+        """A copy with extra measured per-op times (keys from :func:`op_key`)."""
+        p = copy.deepcopy(self)
+        p.ops.update({k: (float(a), float(b)) for k, (a, b) in ops.items()})
+        return p
+
+    # ----------------------------------------------------------------------------- (de)serialization
+    def to_dict(self) -> dict:
+        return {
+            "version": SCHEMA_VERSION, "name": self.name, "host": self.host, "gpu": self.gpu,
+            "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
+            "notes": self.notes, "flops": dict(self.flops),
+            "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
+            "collectives": {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())}
+                            for c, tabs in self.collectives.items()},
+        }
+
+    @staticmethod
+    def from_dict(d: dict, where: str = "profile") -> "Profile":
+        """Validate and build; errors name the offending field as ``<where>: <field>: ...``."""
+        def bad(fieldname: str, msg: str) -> ProfileError:
+            return ProfileError(f"{where}: field {fieldname!r}: {msg}")
+
+        def number(value, fieldname: str, positive: bool = True) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(fieldname, f"expected a finite number, got {value!r}")
+            if positive and value <= 0:
+                raise bad(fieldname, f"must be > 0, got {value!r}")
+            if not positive and value < 0:
+                raise bad(fieldname, f"must be >= 0, got {value!r}")
+            return float(value)
+
+        if not isinstance(d, dict):
+            raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        version = d.get("version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise bad("version", f"this hidup reads profile schema {SCHEMA_VERSION}, got {version!r}")
+        name = d.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("name", "a non-empty string is required")
+        source = d.get("source", "measured")
+        if source not in SOURCES:
+            raise bad("source", f"expected one of {SOURCES}, got {source!r}")
+        for key in ("host", "gpu", "date", "notes"):
+            if not isinstance(d.get(key, ""), str):
+                raise bad(key, f"expected a string, got {d[key]!r}")
+        ws = d.get("world_sizes", [])
+        if not isinstance(ws, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                                               for w in ws):
+            raise bad("world_sizes", f"expected a list of positive integers, got {ws!r}")
+
+        fl = d.get("flops")
+        if not isinstance(fl, dict):
+            raise bad("flops", "a mapping {fp32, tf32, bf16, fp16} -> FLOP/s is required")
+        flops = {}
+        for dt in DTYPES:
+            if dt not in fl:
+                raise bad(f"flops.{dt}", "missing; give the device FLOP/s for this dtype "
+                          "(use the fp32 value if the device has no faster mode)")
+            flops[dt] = number(fl[dt], f"flops.{dt}")
+        extra = set(fl) - set(DTYPES)
+        if extra:
+            raise bad("flops", f"unknown dtype(s) {sorted(extra)}; expected {DTYPES}")
+
+        ops_in = d.get("ops", {})
+        if not isinstance(ops_in, dict):
+            raise bad("ops", "expected a mapping op key -> {forward, backward}")
+        ops = {}
+        for k, v in ops_in.items():
+            if not isinstance(v, dict) or "forward" not in v or "backward" not in v:
+                raise bad(f"ops[{k!r}]", "expected {\"forward\": seconds, \"backward\": seconds}")
+            ops[k] = (number(v["forward"], f"ops[{k!r}].forward", positive=False),
+                      number(v["backward"], f"ops[{k!r}].backward", positive=False))
+
+        cin = d.get("collectives")
+        if not isinstance(cin, dict):
+            raise bad("collectives", f"a mapping with {COLLECTIVES} is required")
+        colls: dict[str, dict[int, CommTable]] = {}
+        for c in COLLECTIVES:
+            if c not in cin:
+                raise bad(f"collectives.{c}", "missing; every collective needs at least one group size")
+            groups = cin[c]
+            if not isinstance(groups, dict) or not groups:
+                raise bad(f"collectives.{c}", "expected a non-empty mapping group size -> table")
+            colls[c] = {}
+            for g, t in groups.items():
+                f = f"collectives.{c}.{g}"
+                try:
+                    gi = int(g)
+                except (TypeError, ValueError):
+                    raise bad(f, "group size keys must be integers >= 2") from None
+                if gi < 2:
+                    raise bad(f, "group size keys must be integers >= 2")
+                if not isinstance(t, dict):
+                    raise bad(f, "expected {alpha, sizes, algbw}")
+                for key in ("alpha", "sizes", "algbw"):
+                    if key not in t:
+                        raise bad(f"{f}.{key}", "missing")
+                alpha = number(t["alpha"], f"{f}.alpha", positive=False)
+                sizes, bws = t["sizes"], t["algbw"]
+                if not isinstance(sizes, list) or not sizes:
+                    raise bad(f"{f}.sizes", "expected a non-empty list of byte counts")
+                if not isinstance(bws, list) or len(bws) != len(sizes):
+                    raise bad(f"{f}.algbw", f"expected a list as long as sizes ({len(sizes)} entries)")
+                sizes = [number(s, f"{f}.sizes[{i}]") for i, s in enumerate(sizes)]
+                bws = [number(b, f"{f}.algbw[{i}]") for i, b in enumerate(bws)]
+                if any(b <= a for a, b in zip(sizes, sizes[1:])):
+                    raise bad(f"{f}.sizes", f"must be strictly increasing, got {sizes}")
+                colls[c][gi] = CommTable(alpha, sizes, bws)
+        extra = set(cin) - set(COLLECTIVES)
+        if extra:
+            raise bad("collectives", f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
+        return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
+                       d.get("date", ""), source, d.get("notes", ""))
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in DEFAULTS_DIR.glob("*.json"))
+
+
+def load(name_or_path: str | Path) -> Profile:
+    """Load a builtin profile by name (see :func:`builtin_names`) or a profile JSON by path."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    text = str(name_or_path)
+    builtin = DEFAULTS_DIR / f"{text}.json"
+    path = builtin if (builtin.is_file() and "/" not in text) else Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no profile {text!r}: not a builtin ({', '.join(builtin_names())}) "
+                                "and no such file. Fix: pass a builtin name or the path of a profile JSON.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON ({e})") from None
+    return Profile.from_dict(data, where=str(path))
+
+
+def save(profile: Profile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON (atomically: a temporary file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,254 @@
+"""Machine profiler (device rates, collectives, profile JSON) and the training baselines, on CPU/gloo."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from dist_util import run_distributed
+import hidup.profiler
+from hidup.profiler.comm import _elements, fit_alpha, monotone
+from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32, time_call
+from hidup.profiler.measure import comm_tables, parse_sizes, profile_machine
+
+BASELINES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exp", "baselines")
+
+# ------------------------------------------------------------------------------------------- device
+
+
+def test_matmul_rate_positive_and_consistent():
+    r = matmul_rate("cpu", "fp32", (32, 64), budget_s=0.05)
+    assert r.rate > 0 and set(r.per_size) == {32, 64}
+    assert r.rate == max(r.per_size.values())
+    # 2 n^3 / t: the rate of one size is the FLOP count over the median time of that matmul
+    a = torch.randn(64, 64)
+    t = time_call(lambda: a @ a, "cpu", budget_s=0.05)
+    assert 0 < t < 1.0
+
+
+def test_dtype_names_and_tf32_flag_restored():
+    assert canonical_dtype("bfloat16") == "bf16" and canonical_dtype("tf32") == "tf32"
+    with pytest.raises(ValueError, match="unknown compute dtype"):
+        canonical_dtype("fp8")
+    before = torch.backends.cuda.matmul.allow_tf32
+    with tf32(not before):
+        assert torch.backends.cuda.matmul.allow_tf32 == (not before)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert matmul_rate("cpu", "bf16", (32,), budget_s=0.02).rate > 0
+    assert memory_bandwidth("cpu", 1 << 20, budget_s=0.02) > 0
+
+
+# ---------------------------------------------------------------------------------------- fitting
+
+
+def test_fit_alpha_recovers_latency():
+    alpha, beta = 2e-5, 1e9
+    sizes = [4096, 16384, 65536, 1 << 20]
+    times = [alpha + s / beta for s in sizes]
+    assert fit_alpha(sizes, times) == pytest.approx(alpha, rel=1e-9)
+    # noise cannot push alpha below 0 or above the fastest observation
+    assert fit_alpha([1, 2, 3], [3e-5, 1e-5, 2e-5]) <= 1e-5
+    assert fit_alpha([1000, 2000], [1e-3, 3e-3]) == 0.0
+    with pytest.raises(ValueError):
+        fit_alpha([1], [])
+
+
+def test_monotone_and_tables_reproduce_measured_times():
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == [1.0, 1.0, 2.0, 5.0]
+
+    class Curve:
+        op, group_size, alpha = "all_reduce", 2, 1e-5
+        sizes = [4096, 65536, 1 << 20]
+        seconds = [1.2e-5, 4e-5, 5e-4]
+
+    tab = comm_tables([Curve()])["all_reduce"][2]
+    for s, t in zip(Curve.sizes, Curve.seconds):
+        assert tab.time(s) == pytest.approx(t, rel=1e-9)
+
+
+def test_logical_sizes_split_evenly():
+    assert _elements(4096, 2, "all_reduce", 4) == 1024
+    assert _elements(4100, 4, "all_gather", 4) % 4 == 0
+    assert _elements(4, 3, "all_to_all", 4) == 9  # at least one element per (source, destination)
+
+
+def test_parse_sizes():
+    assert parse_sizes("4K..32K") == [4096, 8192, 16384, 32768]
+    assert parse_sizes("1M, 4096,1M") == [4096, 1 << 20]
+    with pytest.raises(ValueError, match="cannot read size"):
+        parse_sizes("4X")
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+SIZES = [4096, 16384, 65536]
+
+
+def _profile_rank(rank, world, out):
+    prof = profile_machine(world, SIZES, ("fp32",), progress=False, out=out if rank == 0 else None,
+                           matmul_sizes=(32, 64), budget_s=0.02, name="test-cpu")
+    return prof.to_dict()
+
+
+def test_comm_profile_validates_and_loads(world2):
+    out = world2[0]["profile_path"]
+    dicts = [r["profile"] for r in world2]
+    assert dicts[0] == dicts[1], "every rank must return the same profile"
+    prof = hidup.profiler.load(str(out))
+    assert prof.name == "test-cpu" and prof.world_sizes == [2] and prof.source == "measured"
+    assert all(prof.rate(d) > 0 for d in ("fp32", "tf32", "bf16", "fp16"))
+    raw = json.loads(out.with_name("prof.raw.json").read_text())
+    curves = {(c["op"], c["group_size"]): c for c in raw["collectives"]}
+    for c in hidup.profiler.COLLECTIVES:
+        tab = prof.collectives[c][2]
+        assert tab.sizes == [float(s) for s in SIZES] and tab.alpha >= 0
+        curve = curves[(c, 2)]
+        assert curve["seconds"] == monotone(curve["raw_seconds"])
+        for s, t in zip(curve["sizes"], curve["seconds"]):
+            # the profile's alpha + S / algbw(S) gives back the measured time
+            assert prof.comm_time(c, 2, s) == pytest.approx(t, rel=2e-3)
+            assert t > 0 and math.isfinite(t)
+
+
+def _subgroup_rank(rank, world):
+    from hidup.profiler.comm import profile_collectives
+
+    curves = profile_collectives("cpu", [4096, 65536], ("all_reduce", "all_to_all"), budget_s=0.01)
+    return [(c.op, c.group_size, c.sizes, c.seconds) for c in curves]
+
+
+def test_world4_measures_world_and_pairs():
+    res = run_distributed(_subgroup_rank, 4, timeout=90)
+    assert all(r == res[0] for r in res)
+    assert {(op, g) for op, g, _, _ in res[0]} == {("all_reduce", 4), ("all_to_all", 4),
+                                                    ("all_reduce", 2), ("all_to_all", 2)}
+    for op, g, sizes, secs in res[0]:
+        assert sizes[0] >= 4096 and all(s > 0 for s in secs)
+
+
+def test_single_process_needs_collectives_from_somewhere():
+    with pytest.raises(ValueError, match="merge="):
+        profile_machine(1, dtypes=("fp32",), progress=False, matmul_sizes=(32,), budget_s=0.01)
+
+
+# ---------------------------------------------------------------------------------------- baselines
+
+TINY = dict(layers=2, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32, experts_per_gpu=2)
+LR, STEPS = 1e-3, 2
+
+
+def _harness():
+    if BASELINES_DIR not in sys.path:
+        sys.path.insert(0, BASELINES_DIR)
+    import harness
+
+    return harness
+
+
+CASES = [("ddp", "bert-sgmoe"), ("fsdp", "bert-sgmoe"), ("expert", "bert-sgmoe"), ("expert", "vit-switch")]
+
+
+def _world2_rank(rank, world, out_path):
+    """The world-2 profile, then every distributed baseline case, in one process group (one spawn)."""
+    h = _harness()
+    out = {"profile": _profile_rank(rank, world, out_path), "profile_path": out_path}
+    for baseline, model in CASES:
+        spec = h.RunSpec(baseline, model, world, dict(TINY), warmup=0, iters=STEPS, lr=LR)
+        out[(baseline, model)] = h.run_rank(rank, world, torch.device("cpu"), spec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "prof.json"
+    return run_distributed(_world2_rank, 2, out, timeout=150)
+
+
+def _reference_losses(model_name, world, batch_share=None):
+    """Single-device Adam on the global batch (or on rank 0's share)."""
+    import hidup.models
+
+    model, inputs = hidup.models.build(model_name, world_size=world, **TINY)
+    if batch_share is not None:
+        inputs = tuple(t[:batch_share] for t in inputs)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("baseline,model", CASES)
+def test_baseline_matches_single_device(world2, baseline, model):
+    ref = _reference_losses(model, 2)
+    for rank_results in world2:
+        r = rank_results[(baseline, model)]
+        assert r["baseline"] == baseline and r["world"] == 2 and r["backend"] == "gloo"
+        assert len(r["losses"]) == STEPS and r["iter_time_s"] > 0 and r["tokens_per_s"] > 0
+        for got, want in zip(r["losses"], ref):
+            assert got == pytest.approx(want, rel=1e-5), (baseline, r["losses"], ref)
+
+
+def test_single_baseline_is_one_share():
+    h = _harness()
+    spec = h.RunSpec("single", "bert-sgmoe", 2, dict(TINY), warmup=0, iters=STEPS, lr=LR)
+    r = h.run_rank(0, 1, torch.device("cpu"), spec)
+    assert r["gpus_used"] == 1 and r["backend"] == "none"
+    ref = _reference_losses("bert-sgmoe", 2, batch_share=TINY["batch_per_gpu"])
+    assert r["losses"] == pytest.approx(ref, rel=1e-5)
+    assert r["samples_per_s"] == pytest.approx(TINY["batch_per_gpu"] / r["iter_time_s"])
+
+
+def test_expert_baseline_rejects_dense_models():
+    h = _harness()
+    import expert
+    import hidup.models
+
+    model, _ = hidup.models.build("gpt", world_size=2, **{k: v for k, v in TINY.items() if k != "experts_per_gpu"})
+    with pytest.raises(ValueError, match="MoE layers"):
+        expert.prepare(model, 0, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown baseline"):
+        h.RunSpec("zero3")
+
+
+# ------------------------------------------------------------------------------------------ op times
+
+
+def test_op_times_are_keyed_as_the_cost_model_reads_them():
+    import hidup.models
+    from hidup.profiler.ops import node_signatures, time_ops
+    from hidup.profiler.profile import op_key
+    from hidup.trace import trace_module
+
+    model, inputs = hidup.models.build("gpt", world_size=2, device="meta", layers=1, d_model=16, heads=2,
+                                       ffn=32, seq_len=4, batch_per_gpu=2, vocab=32)
+    traced = trace_module(model, inputs, 2)
+    graph = traced.graph
+    # one sharded signature per call node where there is one (the last listed), else all-full
+    plan = {n.name: n.signatures[-1] for n in graph.nodes if n.op == "call"}
+    assert node_signatures(graph, plan) == list(plan.items())
+    ops = time_ops(traced, plan, budget_s=0.002, total_s=30)
+    assert ops and all(f > 0 and b >= 0 and math.isfinite(f + b) for f, b in ops.values())
+    prof = hidup.profiler.load("paper-v100-9.7gbps").with_ops(ops)
+    hits = 0
+    for name, sig in plan.items():
+        node = graph.node(name)
+        shapes = [f.local_shape(graph.tensors[t].shape, 2) for t, f in zip(node.inputs, sig.inputs)]
+        dtype = graph.tensors[node.outputs[0]].dtype
+        if op_key(node.target, shapes, dtype) in ops:
+            assert prof.op_time(node.target, shapes, dtype) == ops[op_key(node.target, shapes, dtype)]
+            hits += 1
+    assert hits >= len(plan) // 2, f"only {hits} of {len(plan)} nodes were timed"
+    assert any(k.startswith("linear(") for k in ops)
+    # measured keys are cached: a second call re-measures none (fresh timings would differ)
+    again = time_ops(traced, plan, cache=dict(ops), budget_s=0.002, total_s=30)
+    assert again == ops

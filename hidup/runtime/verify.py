@@ -42,25 +42,28 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
-def _plan(args, model, inputs, world):
+def make_plan(model, inputs, world: int, *, plan=None, style: str = "searched", profile: str = "paper-v100-9.7gbps",
+              duplication: bool = True):
+    """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``."""
     from hidup.plan import Plan
 
-    if args.plan is not None:
-        return Plan.load(args.plan)
+    if plan is not None:
+        return Plan.load(plan)
     import hidup.profiler
     from hidup.search import forced, search
     from hidup.trace import trace
 
     graph = trace(model, inputs, world_size=world)
-    profile = hidup.profiler.load(args.profile)
-    if args.style == "searched":
-        return search(graph, profile, world_size=world, duplication=not args.no_duplication)
-    plan = forced(graph, profile, args.style)
-    plan.duplication = not args.no_duplication
-    return plan
+    prof = hidup.profiler.load(profile)
+    if style == "searched":
+        return search(graph, prof, world_size=world, duplication=duplication)
+    result = forced(graph, prof, style)
+    result.duplication = duplication
+    return result
 
 
 def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
+    """Losses of ``steps`` plain SGD steps of the single-device model."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for _ in range(steps):
@@ -72,18 +75,22 @@ def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
     return losses
 
 
-def _run_rank(ctx: Distributed, args) -> dict:
+def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=None, style: str = "searched",
+                  profile: str = "paper-v100-9.7gbps", duplication: bool = True, steps: int = 0,
+                  seed: int = 0) -> dict:
+    """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
+
+    Every rank must call it.  Returns (rank 0) the loss, the per-gradient relative differences and,
+    with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``."""
     import hidup.models
-    from hidup.cli import model_overrides
     from hidup.codegen import compile
     from hidup.codegen.params import full_grad_dict
 
     world, device = ctx.world_size, ctx.device
-    overrides = model_overrides(args)
-    model, inputs = hidup.models.build(args.model, world_size=world, seed=args.seed, **overrides)
-    plan = _plan(args, model, inputs, world)
-    module = compile(model.to(device), plan, ctx.rank, world, tuple(x.to(device) for x in inputs),
-                     duplication=False if args.no_duplication else None)
+    model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
+    the_plan = make_plan(model, inputs, world, plan=plan, style=style, profile=profile, duplication=duplication)
+    module = compile(model.to(device), the_plan, ctx.rank, world, tuple(x.to(device) for x in inputs),
+                     duplication=duplication)
     batch = tuple(x.to(device) for x in inputs)
     loss = module(*batch)
     loss.backward()
@@ -91,9 +98,9 @@ def _run_rank(ctx: Distributed, args) -> dict:
     grads = full_grad_dict(module)
     module.zero_grad(set_to_none=True)
     step_losses = []
-    if args.steps:
+    if steps:
         opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-        for _ in range(args.steps):
+        for _ in range(steps):
             l = module(*batch)
             l.backward()
             opt.step()
@@ -101,28 +108,33 @@ def _run_rank(ctx: Distributed, args) -> dict:
             step_losses.append(float(module.global_loss(l)))
     if ctx.rank != 0:
         return {}
-    ref_model, _ = hidup.models.build(args.model, world_size=world, seed=args.seed, **overrides)
-    ref_loss = ref_model(*inputs)
+    ref_model, ref_inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
+    ref_loss = ref_model(*ref_inputs)
     ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
-    report = {"plan": f"{getattr(plan, 'algorithm', '?')} (duplication {module.duplication})",
+    kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
+    report = {"model": model_name, "style": style, "duplication": bool(module.duplication), "kinds": kinds,
               "loss": float(total), "loss_ref": float(ref_loss), "loss_rel": rel_diff(total, ref_loss),
               "grads": {}}
-    for name, g in ref_grads.items():
-        mine = grads.get(name)
+    for name, p in ref_model.named_parameters():
+        mine, g = grads.get(name), p.grad
         if g is None and mine is None:
             continue
-        if g is None or mine is None:
-            report["grads"][name] = float("inf")
-            continue
-        report["grads"][name] = rel_diff(mine, g)
-    if args.steps:
+        report["grads"][name] = float("inf") if g is None or mine is None else rel_diff(mine, g)
+    report["grad_rel"] = max(report["grads"].values(), default=0.0)
+    if steps:
         ref_model.zero_grad()
-        ref_steps = _steps(ref_model, inputs, args.steps)
-        report["steps"] = step_losses
-        report["steps_ref"] = ref_steps
+        ref_steps = _steps(ref_model, ref_inputs, steps)
+        report["steps"], report["steps_ref"] = step_losses, ref_steps
         report["steps_rel"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(step_losses, ref_steps))
     return report
+
+
+def _run_rank(ctx: Distributed, args) -> dict:
+    from hidup.cli import model_overrides
+
+    return parity_report(ctx, args.model, model_overrides(args), plan=args.plan, style=args.style,
+                         profile=args.profile, duplication=not args.no_duplication, steps=args.steps,
+                         seed=args.seed)
 
 
 def _free_port() -> int:
@@ -138,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout)[0]
+    print(f"model {args.model}, world {args.world} ({backend}), plan: {args.style}, "
+          f"duplication {report['duplication']}, parallelism used: {', '.join(report['kinds'])}")
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
-    print(f"model {args.model}, world {args.world} ({backend}), plan {report['plan']}")
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")
     print(f"gradients: {len(report['grads'])} tensors, max rel diff {worst:.2e} ({worst_name})")
     bad = [n for n, d in report["grads"].items() if not d <= args.tolerance]

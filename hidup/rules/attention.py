@@ -1,0 +1,58 @@
+"""Scaled dot-product attention.
+
+``sdpa(q[..., H, S, E], k[..., H, L, E], v[..., H, L, F], mask[..., S, L]) -> out[..., H, S, F]``:
+each (batch, head) pair is independent, so any leading dim may be sharded -- the batch dims are
+``data`` parallel, the head dim (third from last) ``tensor`` parallel (Megatron's attention
+split).  The sequence dims ``S``/``L`` (softmax over ``L``, causal structure over ``S``) and the
+head dims ``E``/``F`` (contracted inside a softmax) are never sharded.  The mask broadcasts like a
+numpy operand: a mask with a size-1 (or missing) batch/head dim stays ``full``.  With grouped-query
+attention (``enable_gqa`` and fewer key/value heads) only batch dims are sharded.
+
+FLOPs: ``2 * B * H * S * L * (E + F)`` (the two matmuls; the softmax is lower order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+
+from hidup.ir import Signature
+from hidup.rules.base import RuleContext
+from hidup.rules.notation import shard_signatures
+from hidup.rules.registry import Unsupported, bind, register, tensor_slots
+
+__all__ = []
+
+_NAMES = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+
+
+@register(F.scaled_dot_product_attention, name="scaled_dot_product_attention")
+def _sdpa(ctx: RuleContext) -> list[Signature]:
+    bind(ctx.args, ctx.kwargs, _NAMES, where="scaled_dot_product_attention")
+    slots = [n for n, _ in tensor_slots(ctx.args, ctx.kwargs, _NAMES)]
+    meta = dict(zip(slots, ctx.inputs))
+    q, k, v = meta["query"], meta["key"], meta["value"]
+    nq = len(q.shape)
+    if nq < 3 or len(k.shape) != nq or len(v.shape) != nq:
+        raise Unsupported("scaled_dot_product_attention: q/k/v need the same rank, at least 3")
+    lead = [f"b{j}" for j in range(nq - 3)]
+    heads = "h"
+    kv_heads = heads if k.shape[-3] == q.shape[-3] else "g"
+    tok = {
+        "query": lead + [heads, "s", "e"],
+        "key": lead + [kv_heads, "l", "e"],
+        "value": lead + [kv_heads, "l", "f"],
+    }
+    full_mask = lead + [heads, "s", "l"]
+    if "attn_mask" in meta:
+        tok["attn_mask"] = full_mask[nq - len(meta["attn_mask"].shape):]
+    tin = [tok[n] for n in slots]
+    tout = [lead + [heads, "s", "f"]]
+    fixed = {"s", "l", "e", "f", "g"}
+    if kv_heads != heads:
+        fixed.add(heads)
+    B = math.prod(q.shape[:-2])
+    flops = 2.0 * B * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed=fixed,
+                            kinds={heads: "tensor"}, where="scaled_dot_product_attention")

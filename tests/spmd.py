@@ -1,0 +1,228 @@
+"""Simulated SPMD: run a rule's signatures on N virtual ranks in one process and compare.
+
+For a call ``target(*args, **kwargs)`` on real tensors (``nn.Parameter`` marks parameters):
+
+forward   split every tensor input per its form -- ``gather_d``: the r-th chunk along d;
+          ``full``/``replicate``: the same tensor on every rank; ``reduce``: random parts that sum
+          to the value -- run ``localize(ctx, sig, r)`` on every rank and rebuild each output per
+          its form (``gather_d``: cat along d; ``reduce``: sum; ``full``: all ranks must agree);
+          compare with the unsplit op.
+backward  seed each output's gradient per its form (``gather_d``: the slice of a random gradient
+          G; ``reduce``: the whole G on every rank; ``full``: random parts summing to G), backprop
+          on every rank, rebuild each input gradient (``gather_d``: cat; ``full``/``replicate``:
+          sum; ``reduce``: every rank must hold the same, exact gradient) and compare with
+          autograd of the unsplit op.  Module parameters of leaf modules are shared by the
+          simulated ranks, so their ``.grad`` accumulates the per-rank sum directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.fx.node import map_aggregate
+
+from hidup import rules
+from hidup.ir import FULL, Form, Signature
+from hidup.rules.base import RuleContext, TensorMeta
+from hidup.rules.registry import callable_of
+
+__all__ = ["make_context", "check_op", "check_signature", "has_sig", "dtype_name"]
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(t.shape), dtype_name(t.dtype), bool(t.requires_grad or isinstance(t, nn.Parameter)),
+                      isinstance(t, nn.Parameter))
+
+
+def _flat_outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    raise TypeError(f"op returned {type(out).__name__}, expected a tensor or a tuple of tensors")
+
+
+def _substitute(args, kwargs, values: list) -> tuple[tuple, dict]:
+    it = iter(values)
+
+    def sub(v):
+        return next(it) if isinstance(v, TensorMeta) else v
+
+    a, k = map_aggregate((args, kwargs), sub)
+    return tuple(a), dict(k)
+
+
+def make_context(target, args: tuple, kwargs: dict | None = None, world: int = 2, module: nn.Module | None = None):
+    """(ctx, input values, reference outputs): metas replace the tensors of args/kwargs."""
+    kwargs = kwargs or {}
+    values: list[torch.Tensor] = []
+
+    def to_meta(v):
+        if isinstance(v, torch.Tensor):
+            values.append(v)
+            return _meta(v)
+        return v
+
+    margs, mkwargs = map_aggregate((tuple(args), dict(kwargs)), to_meta)
+    inputs = [_meta(v) for v in values]
+    if module is not None:
+        for _, p in module.named_parameters():
+            inputs.append(_meta(p))
+    fn = module if module is not None else callable_of(target)
+    with torch.no_grad():
+        ref = _flat_outputs(fn(*args, **kwargs))
+    outputs = [_meta(o) for o in ref]
+    ctx = RuleContext(target if module is None else type(module), tuple(margs), dict(mkwargs), inputs, outputs,
+                      world, module, "test_node")
+    return ctx, values, ref
+
+
+def _split_input(v: torch.Tensor, form: Form, world: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if form.kind in ("full", "replicate"):
+        return [v.detach().clone() for _ in range(world)]
+    if form.is_gather:
+        return [c.detach().clone().contiguous() for c in torch.chunk(v, world, form.dim)]
+    # reduce: random parts summing to v
+    if v.is_floating_point():
+        parts = [torch.randn(v.shape, generator=gen, dtype=v.dtype) for _ in range(world - 1)]
+    else:
+        parts = [torch.randint(-3, 4, v.shape, generator=gen).to(v.dtype) for _ in range(world - 1)]
+    last = v.detach() - sum(parts) if parts else v.detach().clone()
+    return [p.clone() for p in parts] + [last]
+
+
+def _seed_grad(g: torch.Tensor, form: Form, world: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if form.is_gather:
+        return [c.contiguous() for c in torch.chunk(g, world, form.dim)]
+    if form.kind == "reduce":
+        return [g.clone() for _ in range(world)]
+    parts = [torch.randn(g.shape, generator=gen, dtype=g.dtype) for _ in range(world - 1)]
+    return parts + [g - sum(parts) if parts else g.clone()]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    # float64 is checked tightly; lower precisions (casts of random partial sums) by their epsilon
+    tol = {torch.float64: (1e-6, 1e-8), torch.float32: (1e-4, 1e-4)}.get(b.dtype, (1e-2, 1e-2))
+    torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
+
+
+def check_signature(ctx: RuleContext, sig: Signature, values: list[torch.Tensor], seed: int = 0,
+                    no_grad: tuple[int, ...] = ()) -> None:
+    """Forward and backward of one signature on ``ctx.world`` simulated ranks (raises on mismatch).
+
+    ``no_grad``: indices of floating inputs the op cannot differentiate (class weights of a loss).
+    """
+    N = ctx.world
+
+    def _wants_grad(t: torch.Tensor, i: int) -> bool:
+        return t.is_floating_point() and i not in no_grad
+
+    gen = torch.Generator().manual_seed(seed)
+    where = f"{getattr(ctx.target, '__name__', ctx.target)} {sig} N={N} shapes={[m.shape for m in ctx.inputs]}"
+    module = ctx.module
+    n_params = len(list(module.named_parameters())) if module is not None else 0
+    for f in sig.inputs[len(sig.inputs) - n_params:] if n_params else ():
+        assert f == FULL, f"{where}: module parameters must be full"
+
+    # reference
+    ref_in = [v.detach().clone().requires_grad_(_wants_grad(v, i)) for i, v in enumerate(values)]
+    args, kwargs = _substitute(ctx.args, ctx.kwargs, ref_in)
+    fn = module if module is not None else callable_of(ctx.target)
+    if module is not None:
+        module.zero_grad(set_to_none=True)
+    ref_out = _flat_outputs(fn(*args, **kwargs))
+    grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.requires_grad else None for o in ref_out]
+    pairs = [(o, g) for o, g in zip(ref_out, grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    ref_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ref_in]
+    ref_pgrads = []
+    if module is not None:
+        ref_pgrads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+
+    # per-rank forward
+    pieces = [_split_input(v, f, N, gen) for v, f in zip(values, sig.inputs)]
+    locals_in, outs = [], []
+    for r in range(N):
+        loc = [p[r].requires_grad_(_wants_grad(p[r], i)) for i, p in enumerate(pieces)]
+        locals_in.append(loc)
+        a, k = _substitute(ctx.args, ctx.kwargs, loc)
+        call = rules.localize(dataclasses.replace(ctx, args=a, kwargs=k), sig, r)
+        outs.append(_flat_outputs(call.target(*call.args, **call.kwargs)))
+    for j, (form, ref) in enumerate(zip(sig.outputs, ref_out)):
+        per = [o[j] for o in outs]
+        for o in per:
+            assert o.shape == tuple(form.local_shape(ref.shape, N)), (
+                f"{where}: output {j} local shape {tuple(o.shape)} != {form.local_shape(ref.shape, N)}")
+        if form.is_gather:
+            got = torch.cat([p.detach() for p in per], form.dim)
+        elif form.kind == "reduce":
+            got = sum(p.detach() for p in per)
+        else:
+            for r in range(1, N):
+                _close(per[r].detach(), per[0].detach(), f"{where}: full output {j} differs on rank {r}")
+            got = per[0].detach()
+        _close(got, ref.detach(), f"{where}: output {j}")
+
+    # per-rank backward
+    split_grads = [_seed_grad(g, form, N, gen) if g is not None else None for form, g in zip(sig.outputs, grads)]
+    for r in range(N):
+        seeds = []
+        for j, sg in enumerate(split_grads):
+            if sg is None or not outs[r][j].requires_grad:
+                continue
+            seeds.append((outs[r][j], sg[r]))
+        if seeds:
+            torch.autograd.backward([o for o, _ in seeds], [g for _, g in seeds])
+    for i, (form, v) in enumerate(zip(sig.inputs, values)):
+        if not _wants_grad(v, i):
+            continue
+        per = [loc[i].grad if loc[i].grad is not None else torch.zeros_like(loc[i]) for loc in locals_in]
+        if form.is_gather:
+            got = torch.cat(per, form.dim)
+        elif form.kind == "reduce":
+            for r in range(1, N):
+                _close(per[r], per[0], f"{where}: gradient of reduce input {i} differs on rank {r}")
+            got = per[0]
+        else:
+            got = sum(per)
+        _close(got, ref_grads[i], f"{where}: gradient of input {i}")
+    if module is not None:
+        for (name, p), g in zip(module.named_parameters(), ref_pgrads):
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            _close(got, g, f"{where}: gradient of parameter {name}")
+
+
+def check_op(target, args: tuple, kwargs: dict | None = None, worlds=(2, 4), module: nn.Module | None = None,
+             seed: int = 0, no_grad: tuple[int, ...] = ()) -> dict[int, list[Signature]]:
+    """Check every signature of the op for each world size; returns the signatures per world."""
+    result = {}
+    for N in worlds:
+        ctx, values, _ = make_context(target, args, kwargs, N, module)
+        sigs = rules.signatures(ctx)
+        assert sigs is not None, f"no rule for {target!r}"
+        full = [s for s in sigs if all(f == FULL for f in s.inputs + s.outputs)]
+        assert full, f"{target!r}: the all-full signature is missing"
+        for s in sigs:
+            for f, m in list(zip(s.inputs, ctx.inputs)) + list(zip(s.outputs, ctx.outputs)):
+                if f.is_gather:
+                    assert m.shape[f.dim] % N == 0, f"{target!r}: {s} splits {m.shape} on {N} ranks"
+            check_signature(ctx, s, values, seed, no_grad)
+        result[N] = sigs
+    return result
+
+
+def has_sig(sigs: list[Signature], inputs=None, outputs=None, kind=None) -> bool:
+    """Whether a signature with these input/output forms (strings like "gather_0") is present."""
+    def match(want, got):
+        return want is None or tuple(str(f) for f in got) == tuple(want)
+    return any(match(inputs, s.inputs) and match(outputs, s.outputs) and (kind is None or s.kind == kind)
+               for s in sigs)

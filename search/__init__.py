@@ -1,0 +1,19 @@
+"""Plan search: ``hidup.search(graph, profile)`` -> :class:`hidup.plan.Plan`.
+
+Modules: :mod:`~hidup.search.cost` and :mod:`~hidup.search.memory` (the cost model),
+:mod:`~hidup.search.problem` (the compiled problem and its transitions),
+:mod:`~hidup.search.schedule` (iteration time with and without duplication),
+:mod:`~hidup.search.dp` (HiDup's DP), :mod:`~hidup.search.segments` (repeated layers),
+:mod:`~hidup.search.ilp` (ILP with a memory budget), :mod:`~hidup.search.brute` (reference
+enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs) and
+:mod:`~hidup.search.api` (the entry points).
+"""
+
+from hidup.search.api import STYLES, forced, make_plan, search
+from hidup.search.problem import Problem, SearchError
+
+__all__ = ["search", "forced", "make_plan", "Problem", "SearchError", "STYLES"]
+
+from hidup._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "search")

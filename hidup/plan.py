@@ -1,0 +1,237 @@
+"""A parallelization plan: what the search chose and what it predicts, saved as versioned JSON.
+
+A :class:`Plan` names, for every node of the graph it was made for, the chosen
+:class:`~hidup.ir.Signature`; lists every form change (conversion) the plan needs, once per
+(tensor, destination form) at the first consumer that needs it (later consumers of that form reuse
+it); groups the nodes into stages (a stage opens at each node whose inputs need communication, in
+execution order); and records the predicted seconds per iteration and bytes per rank.
+
+``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size or
+model.  ``summary(plan, graph)`` renders a per-layer table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hidup.ir import Form, Graph, Signature
+
+__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "layer_of"]
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan cannot be used as asked; the message says what differs and what to do."""
+
+
+@dataclass(frozen=True)
+class ConversionRecord:
+    """One form change: tensor ``tensor`` made by ``producer`` is turned from ``src`` into ``dst`` just
+    before ``consumer`` reads it as input ``input_index``; ``forward``/``backward`` are the ops of
+    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs."""
+
+    tensor: int
+    producer: str
+    consumer: str
+    input_index: int
+    src: Form
+    dst: Form
+    forward: str
+    backward: str
+    bytes: int
+    grad: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["src"], d["dst"] = str(self.src), str(self.dst)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "ConversionRecord":
+        return ConversionRecord(d["tensor"], d["producer"], d["consumer"], d["input_index"], Form.parse(d["src"]),
+                                Form.parse(d["dst"]), d["forward"], d["backward"], d["bytes"], d.get("grad", True))
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes moved by collectives (forward plus backward when it runs)."""
+        from hidup.ir import COLLECTIVES
+        return self.bytes * ((self.forward in COLLECTIVES) + (self.grad and self.backward in COLLECTIVES))
+
+
+@dataclass
+class Plan:
+    model: str
+    fingerprint: str
+    world_size: int
+    profile: str
+    algorithm: str
+    duplication: bool
+    choices: dict[str, Signature]
+    stages: list[list[str]]
+    predicted: dict[str, float]
+    memory: dict[str, float]
+    conversions: list[ConversionRecord]
+    options: dict = field(default_factory=dict)
+    node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, comm_f, comm_b]
+    layers: dict[str, str] = field(default_factory=dict)  # node name -> layer label
+    alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
+    model_config: dict = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    # ------------------------------------------------------------------------------ queries
+    def conversion(self, tensor: int, dst: Form) -> ConversionRecord | None:
+        for c in self.conversions:
+            if c.tensor == tensor and c.dst == dst:
+                return c
+        return None
+
+    def check(self, graph: Graph) -> None:
+        """Raise :class:`PlanError` unless this plan was made for ``graph``."""
+        problems = []
+        if self.world_size != graph.world_size:
+            problems.append(f"world size: plan {self.world_size}, graph {graph.world_size}")
+        if self.model and graph.model and self.model != graph.model:
+            problems.append(f"model: plan {self.model!r}, graph {graph.model!r}")
+        fp = graph.fingerprint()
+        if self.fingerprint != fp:
+            names = {n.name for n in graph.nodes}
+            missing = sorted(names - set(self.choices))[:5]
+            extra = sorted(set(self.choices) - names)[:5]
+            detail = ""
+            if missing:
+                detail += f"; graph nodes without a choice: {', '.join(missing)}"
+            if extra:
+                detail += f"; plan nodes not in the graph: {', '.join(extra)}"
+            problems.append(f"graph fingerprint: plan {self.fingerprint}, graph {fp} (the model's structure, "
+                            f"shapes or dtypes changed{detail})")
+        if problems:
+            raise PlanError("this plan was made for a different job -- " + "; ".join(problems)
+                            + ". Fix: run `hidup search` again for this model and world size.")
+        for n in graph.nodes:
+            sig = self.choices.get(n.name)
+            if sig is None or (n.signatures and sig not in n.signatures):
+                raise PlanError(f"plan has no valid signature for node {n.name}: {sig}. Fix: search again.")
+
+    # ------------------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version, "model": self.model, "fingerprint": self.fingerprint,
+            "world_size": self.world_size, "profile": self.profile, "algorithm": self.algorithm,
+            "duplication": self.duplication, "options": self.options, "model_config": self.model_config,
+            "predicted": self.predicted, "memory": self.memory,
+            "choices": {k: s.to_dict() for k, s in self.choices.items()},
+            "stages": self.stages, "conversions": [c.to_dict() for c in self.conversions],
+            "node_costs": self.node_costs, "layers": self.layers, "alternatives": self.alternatives,
+        }
+
+    @staticmethod
+    def from_dict(d: dict, where: str = "plan") -> "Plan":
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"{where}: plan format version {version!r}, this hidup reads version {PLAN_VERSION}. "
+                            "Fix: run `hidup search` again to write a current plan.")
+        try:
+            return Plan(
+                model=d["model"], fingerprint=d["fingerprint"], world_size=d["world_size"], profile=d["profile"],
+                algorithm=d["algorithm"], duplication=d["duplication"],
+                choices={k: Signature.from_dict(s) for k, s in d["choices"].items()},
+                stages=[list(s) for s in d["stages"]], predicted=dict(d["predicted"]), memory=dict(d["memory"]),
+                conversions=[ConversionRecord.from_dict(c) for c in d["conversions"]],
+                options=dict(d.get("options", {})), node_costs=dict(d.get("node_costs", {})),
+                layers=dict(d.get("layers", {})), alternatives=dict(d.get("alternatives", {})),
+                model_config=dict(d.get("model_config", {})), version=version)
+        except KeyError as e:
+            raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"no plan file at {path}. Fix: run `hidup search` first or pass the right path") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e})") from None
+        return Plan.from_dict(data, where=str(path))
+
+
+def layer_of(module: str) -> str:
+    """Layer label for reports: the repeated-layer prefix (``layers.3``), else the top module."""
+    from hidup.search.problem import block_label
+
+    return block_label(module) or (module.split(".")[0] if module else "")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def _mb(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def summary(plan: Plan, graph: Graph | None = None) -> str:
+    """A readable report: totals, then per layer the sharding kinds, communication volume and time,
+    then for the heaviest nodes the runner-up signature and how much slower it would be."""
+    layers = dict(plan.layers)
+    if graph is not None:
+        for n in graph.nodes:
+            layers.setdefault(n.name, layer_of(n.module))
+    p = plan.predicted
+    m = plan.memory
+    lines = [
+        f"plan for {plan.model or '(unnamed model)'} on {plan.world_size} ranks: profile {plan.profile}, "
+        f"{plan.algorithm}, duplication {'on' if plan.duplication else 'off'}",
+        f"predicted per iteration: {_ms(p['total'])} (forward {_ms(p['forward'])}, backward {_ms(p['backward'])}); "
+        f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}",
+        "memory per rank: " + _mb(m.get("total", 0.0)) + " (" + ", ".join(
+            f"{k} {_mb(v)}" for k, v in m.items() if k != "total") + ")",
+        "",
+    ]
+    order: list[str] = []
+    rows: dict[str, dict] = {}
+    for name, sig in plan.choices.items():
+        lab = layers.get(name, "") or "(top)"
+        if lab not in rows:
+            order.append(lab)
+            rows[lab] = {"nodes": 0, "kinds": {}, "bytes": 0, "time": 0.0}
+        r = rows[lab]
+        r["nodes"] += 1
+        if sig.kind not in ("param",) and (graph is None or graph.node(name).op == "call"):
+            r["kinds"][sig.kind] = r["kinds"].get(sig.kind, 0) + 1
+        r["time"] += sum(plan.node_costs.get(name, [0.0]))
+    for c in plan.conversions:
+        lab = layers.get(c.consumer, "") or "(top)"
+        if lab in rows:
+            rows[lab]["bytes"] += c.comm_bytes
+    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0])))
+                or "-" for lab in order}
+    w = max([len("layer")] + [len(x) for x in order])
+    wk = max([len("sharding")] + [len(x) for x in kinds_of.values()])
+    lines.append(f"{'layer':<{w}}  {'nodes':>5}  {'sharding':<{wk}}  {'comm volume':>12}  {'time':>11}")
+    for lab in order:
+        r = rows[lab]
+        lines.append(f"{lab:<{w}}  {r['nodes']:>5}  {kinds_of[lab]:<{wk}}  {_mb(r['bytes']):>12}  {_ms(r['time']):>11}")
+    lines.append(f"(time: compute plus communication charged to the layer, without overlap; "
+                 f"{len(plan.stages)} stages, {len(plan.conversions)} conversions)")
+    if plan.alternatives:
+        lines += ["", "why (heaviest nodes; runner-up = best other signature with the rest of the plan fixed):"]
+        for name, alt in plan.alternatives.items():
+            chosen = plan.choices[name]
+            if alt.get("runner_up"):
+                why = f"runner-up {alt['runner_up_kind']} {alt['runner_up']} is +{_ms(alt['delta'])} per iteration"
+            else:
+                why = "no other signature is feasible"
+            lines.append(f"  {name}: {chosen.kind} {chosen} costs {_ms(alt['time'])}; {why}")
+    return "\n".join(lines)

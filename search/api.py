@@ -1,0 +1,195 @@
+"""``search(graph, profile)`` and ``forced(graph, profile, style)``: from a graph to a :class:`Plan`.
+
+With ``duplication=True`` the DP searches twice, with the duplicated and the plain cost model, and
+both results are priced both ways; the plan keeps the fastest (choices, execution mode) pair, so its
+prediction is never worse than running the same choices without duplication, nor worse than the
+best plan without duplication.  ``plan.duplication`` records the mode the plan should run in.  The
+ILP always optimizes the plain cost (compute + communication); its choices are then priced both ways.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from hidup.ir import Graph, Node, Signature
+from hidup.plan import ConversionRecord, Plan, layer_of
+
+from hidup.search import dp, ilp
+from hidup.search.problem import Problem, SearchError
+from hidup.search.schedule import Evaluation, evaluate
+
+__all__ = ["search", "forced", "make_plan", "STYLES"]
+
+STYLES = ("data", "tensor", "expert")
+# style -> (preferred kinds in order, kinds never used)
+_STYLE_RULES = {"data": (("data",), {"tensor", "expert"}),
+                "tensor": (("tensor", "data"), {"expert"}),
+                "expert": (("expert", "data"), {"tensor"})}
+
+
+def _progress_fn(progress, label: str):
+    if progress is None or progress is False:
+        return None
+    if callable(progress):
+        return progress
+    state = {"last": -1}
+    live = sys.stderr.isatty()
+
+    def show(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if done == total:
+            print(f"\rsearch ({label}): done, {total} nodes", file=sys.stderr, flush=True)
+        elif live and pct // 10 != state["last"] // 10:
+            state["last"] = pct
+            print(f"\rsearch ({label}): {pct:3d}%", end="", file=sys.stderr, flush=True)
+    return show
+
+
+def search(graph: Graph, profile, world_size: int | None = None, algorithm: str = "dp", duplication: bool = True,
+           memory_budget: float | None = None, precision: str = "fp32",
+           restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
+           max_states: int | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
+           reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = None,
+           explain: int = 6) -> Plan:
+    """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
+
+    ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
+    bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures; ``max_states`` /
+    ``max_points`` bound the DP (None: exact); ``explain`` heaviest nodes get a runner-up in the plan.
+    """
+    from hidup.profiler import load
+
+    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
+        profile = load(profile)
+    if world_size is not None and world_size != graph.world_size:
+        raise SearchError(f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
+                          "signatures only fit that world size. Fix: trace again with world_size="
+                          f"{world_size}, or omit world_size.")
+    if algorithm not in ("dp", "ilp"):
+        raise ValueError(f"algorithm must be 'dp' or 'ilp', got {algorithm!r}")
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    problem = Problem(graph, profile, precision, restrict, optimizer_factor)
+    candidates: list[list[int]] = []
+    if algorithm == "ilp":
+        try:  # the DP's answer seeds CBC with a good incumbent
+            start, _ = dp.solve(problem, False, memory_budget, max_states, max_points, reuse_blocks)
+        except SearchError:
+            start = None
+        candidates.append(ilp.solve(problem, memory_budget, time_limit, start))
+    else:
+        modes = (False, True) if duplication else (False,)
+        for mode in modes:
+            fn = _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
+            ks, _ = dp.solve(problem, mode, memory_budget, max_states, max_points, reuse_blocks, fn)
+            candidates.append(ks)
+    best: Evaluation | None = None
+    for ks in candidates:
+        for mode in ((False, True) if duplication else (False,)):
+            ev = evaluate(problem, ks, mode)
+            if best is None or ev.total < best.total - 1e-15 * max(1.0, best.total) or \
+                    (ev.total <= best.total and mode and not best.duplication):
+                best = ev
+    options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": duplication,
+               "optimizer_factor": optimizer_factor, "max_states": max_states, "max_points": max_points}
+    return make_plan(problem, best, algorithm, options, explain)
+
+
+def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:
+    if style not in _STYLE_RULES:
+        raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
+    prefer, never = _STYLE_RULES[style]
+    cache: dict[str, set] = {}
+
+    def allowed_kinds(node: Node) -> set | None:
+        """The first preferred kind the node offers, else every kind but the forbidden ones."""
+        if node.name not in cache:
+            kinds = {s.kind for s in node.signatures} - never
+            pick = next(({k} for k in prefer if k in kinds), kinds or None)
+            cache[node.name] = pick
+        return cache[node.name]
+
+    def restrict(node: Node, sig: Signature) -> bool:
+        if node.op == "output":
+            return True
+        if node.op == "param":
+            if style == "data":
+                return all(f.kind in ("replicate", "full") for f in sig.outputs)
+            return True
+        kinds = allowed_kinds(node)
+        return True if kinds is None else sig.kind in kinds
+    return restrict
+
+
+def forced(graph: Graph, profile, style: str, **kwargs) -> Plan:
+    """A plan of one fixed parallelism style, for baselines:
+
+    * ``data``: parameters replicated, every op its ``data`` signature where it has one, else
+      a non-tensor/expert one (``replicated``);
+    * ``tensor``: ``tensor`` signatures for ops that have one (attention, dense linears), else as data;
+    * ``expert``: ``expert`` signatures for the MoE expert einsums, else as data.
+
+    The remaining freedom (which dim, which parameter sharding) is searched as usual.
+    """
+    plan = search(graph, profile, restrict=_restrict_for(style), **kwargs)
+    plan.algorithm = f"forced-{style}"
+    return plan
+
+
+# ---------------------------------------------------------------------------------------- plan assembly
+def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, explain: int = 6) -> Plan:
+    """Package an evaluated assignment as a :class:`Plan` (conversions, costs, runner-ups)."""
+    g, p = problem.graph, problem
+    choices = {p.order[i].name: p.sigs[i][k] for i, k in enumerate(ev.ks)}
+    producer = {t: n.name for n in g.nodes for t in n.outputs}
+    conversions = []
+    node_costs = {}
+    for i, step in enumerate(ev.steps):
+        node = p.order[i]
+        cf, cb = p.compute[i][ev.ks[i]]
+        node_costs[node.name] = [cf, cb, step.fwd - cf, step.bwd - cb]
+        for tid, inp, a, f in step.convs:
+            c = p.cost.conversion(tid, p.forms[a], p.forms[f])
+            t = g.tensors[tid]
+            conversions.append(ConversionRecord(tid, producer[tid], node.name, inp, p.forms[a], p.forms[f],
+                                                c.conv.forward, c.conv.backward, t.nbytes, t.requires_grad))
+    layers = {}
+    for i, node in enumerate(p.order):
+        lab = layer_of(node.module)
+        if not lab and not node.inputs and i + 1 < p.n:
+            lab = layer_of(p.order[i + 1].module)
+        layers[node.name] = lab
+    plan = Plan(model=g.model, fingerprint=g.fingerprint(), world_size=g.world_size, profile=problem.profile.name,
+                algorithm=algorithm, duplication=ev.duplication, choices=choices, stages=ev.stages,
+                predicted=ev.times(), memory=ev.memory, conversions=conversions, options=options,
+                node_costs=node_costs, layers=layers)
+    plan.alternatives = _runner_ups(problem, ev, explain)
+    return plan
+
+
+def _runner_ups(problem: Problem, ev: Evaluation, count: int) -> dict[str, dict]:
+    """For the ``count`` heaviest call nodes: the best other signature, everything else unchanged."""
+    p = problem
+    heavy = sorted((i for i in range(p.n) if p.order[i].op == "call"),
+                   key=lambda i: -(ev.steps[i].fwd + ev.steps[i].bwd))[:count]
+    out = {}
+    for i in heavy:
+        best = None
+        for k in range(len(p.sigs[i])):
+            if k == ev.ks[i]:
+                continue
+            ks = list(ev.ks)
+            ks[i] = k
+            try:
+                alt = evaluate(p, ks, ev.duplication)
+            except SearchError:
+                continue
+            if best is None or alt.total < best[1]:
+                best = (k, alt.total)
+        entry = {"time": ev.steps[i].fwd + ev.steps[i].bwd, "runner_up": "", "runner_up_kind": "", "delta": 0.0}
+        if best is not None:
+            sig = p.sigs[i][best[0]]
+            entry.update(runner_up=str(sig), runner_up_kind=sig.kind, delta=best[1] - ev.total)
+        out[p.order[i].name] = entry
+    return out

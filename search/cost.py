@@ -1,0 +1,137 @@
+"""Time of a node under a signature and of a form change, from a :class:`~hidup.profiler.Profile`.
+
+Compute (one rank, the whole per-rank batch)
+--------------------------------------------
+``t_fwd(n, s) = measured forward time`` when the profile has ``op_key(n.target, local input shapes
+under s, dtype)``, else ``s.flops / rate(dtype)`` where ``dtype`` is that of the node's first
+output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
+matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32.
+``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)``; it is 0 when no
+input of ``n`` requires a gradient (nothing to differentiate).  Only ``call`` nodes compute.
+
+Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
+-------------------------------------------------------------------------------
+``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
+where ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the
+logical (global) size of ``t`` (nccl-tests convention), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
+the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.
+
+Duplication (two half-batch copies A and B)
+-------------------------------------------
+A tensor is *batch-dependent* when it derives from a model input; parameters, buffers and tensors
+computed only from them are not.  Per copy:
+
+* a batch-dependent node computes ``t/2`` in each copy (``cA = cB = t/2``); a batch-independent one
+  runs once, in copy A (``cA = t, cB = 0``);
+* a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
+  (alpha is paid twice); a batch-independent one (a weight's all-gather, a gradient's all-reduce)
+  runs once on the whole tensor in copy A: ``mA = T(c, bytes), mB = 0`` (its gradient is summed
+  over both copies first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hidup.ir import Conversion, Form, Graph, Node, Signature, Tensor, conversion
+
+__all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def profile_dtype(torch_dtype: str, precision: str = "fp32") -> str:
+    """Profile FLOP-rate key for a tensor dtype; float32 follows ``precision``."""
+    if torch_dtype == "float32":
+        return precision
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
+
+
+@dataclass(frozen=True)
+class ConvCost:
+    """Costs of one form change: no-duplication forward/backward and per-copy (A, B) times."""
+
+    conv: Conversion
+    fwd: float
+    bwd: float
+    fA: float
+    fB: float
+    bA: float
+    bB: float
+
+
+class CostModel:
+    """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
+
+    def __init__(self, graph: Graph, profile, precision: str = "fp32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        self.graph, self.profile, self.precision = graph, profile, precision
+        self.world = graph.world_size
+        self._conv_cache: dict[tuple, ConvCost | None] = {}
+        self.batch = self._batch_dependence(graph)
+
+    @staticmethod
+    def _batch_dependence(graph: Graph) -> dict[int, bool]:
+        """tensor id -> derives from a model input (True) or only from parameters/constants."""
+        batch: dict[int, bool] = {}
+        for n in graph.nodes:
+            b = n.op == "input" or (n.op == "call" and any(batch.get(t, False) for t in n.inputs))
+            for t in n.outputs:
+                batch[t] = b
+        return batch
+
+    def node_is_batch(self, node: Node) -> bool:
+        return any(self.batch.get(t, False) for t in node.inputs) or node.op == "input"
+
+    def requires_backward(self, node: Node) -> bool:
+        return any(self.graph.tensors[t].requires_grad for t in node.inputs)
+
+    def compute(self, node: Node, sig: Signature) -> tuple[float, float]:
+        """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch)."""
+        if node.op != "call":
+            return 0.0, 0.0
+        g = self.graph
+        dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+        needs_bwd = self.requires_backward(node)
+        try:
+            shapes = [f.local_shape(g.tensors[t].shape, self.world) for t, f in zip(node.inputs, sig.inputs)]
+        except ValueError:
+            shapes = None
+        measured = self.profile.op_time(node.target, shapes, dtype) if shapes is not None else None
+        if measured is not None:
+            fwd, bwd = measured
+            return fwd, (bwd if needs_bwd else 0.0)
+        fwd = sig.flops / self.profile.rate(profile_dtype(dtype, self.precision))
+        return fwd, (2.0 * fwd if needs_bwd else 0.0)
+
+    def comm(self, collective: str, nbytes: float) -> float:
+        """Seconds of one collective over the whole world on a logical buffer of ``nbytes``."""
+        if not collective:
+            return 0.0
+        return self.profile.comm_time(collective, self.world, nbytes)
+
+    def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
+        """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
+        t: Tensor = self.graph.tensors[tid]
+        batch = self.batch.get(tid, False)
+        key = (t.nbytes, t.requires_grad, batch, src, dst)
+        if key in self._conv_cache:
+            return self._conv_cache[key]
+        conv = conversion(src, dst)
+        if conv is None:
+            cost = None
+        else:
+            cf, cb = conv.collectives
+            if not t.requires_grad:
+                cb = ""
+            b = float(t.nbytes)
+            fwd, bwd = self.comm(cf, b), self.comm(cb, b)
+            if batch:
+                fA = fB = self.comm(cf, b / 2)
+                bA = bB = self.comm(cb, b / 2)
+            else:
+                fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
+            cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB)
+        self._conv_cache[key] = cost
+        return cost

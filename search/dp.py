@@ -1,0 +1,324 @@
+"""HiDup's dynamic program over the nodes in (search) order.
+
+Recurrence
+----------
+A DP state before position ``i`` is the state of every live tensor, ``(produced form, converted
+forms)`` (:mod:`hidup.search.problem`); its key is the tuple of those pairs in the fixed live order
+of position ``i`` (canonical: equal situations have equal keys).  Each state holds a Pareto set of
+points; a transition picks a signature ``k`` for the node at ``i``, pays the conversions its inputs
+need, and maps every point ``p`` to ``apply(p, step)``:
+
+* without duplication a point is ``(time,)`` and ``apply`` adds ``step.fwd + step.bwd``; the set
+  has one point (the minimum), so the DP is the exact shortest path over states, equal to
+  enumerating every assignment (:func:`hidup.search.brute.brute_force`);
+* with duplication a point is ``(T_f, d_f, -s_f, T_b, d_b, -s_b)``: forward and backward
+  ``(time, debt, slack)`` of :mod:`hidup.search.schedule`, and ``apply`` runs that recurrence.
+  Future cost is monotone in every coordinate, so dominated points are dropped without loss;
+* with a memory budget every point also carries its memory (an additive coordinate), and a point is
+  dropped once ``memory + (least memory the remaining positions can use) > budget``.
+
+The answer is the point at the last position with the least ``time`` (``T_f + d_f + T_b + d_b``).
+
+Speed
+-----
+* Transitions are cached per (position, signature, states of the node's inputs).
+* Cross-state dominance: a state whose tensors differ from a cheaper state's in one tensor is
+  dropped when the cheaper one stays cheaper even after paying every conversion it might need
+  that the other would not (:meth:`_DP.cross_prune`; exact without duplication, where it always
+  runs; with duplication a heuristic, run only when the beam would cut anyway).
+* ``max_points`` caps each Pareto set (keeping the points of least predicted time) and
+  ``max_states`` caps the number of states after each position (keeping those whose best point is
+  fastest): a beam.  ``None`` means unlimited (exact, as the tests against enumeration use); the
+  defaults (256 states, 4 points) trade exactness for speed.  With a memory budget the point of
+  least memory of each state is always kept.
+* Repeated layers (:mod:`hidup.search.segments`): for an occurrence of a repeated block the DP looks
+  up, per state of the block's external inputs, a table of reachable exit states with their
+  candidate sub-plans, computed once per (block type, entry state) by running this same DP over
+  the first occurrence from that entry.  A candidate carries its additive cost (no duplication; the
+  table then holds the exact best per exit) or its compressed stage list (duplication; the Pareto
+  points of the block solved from a zero state, re-applied to each incoming point).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hidup.search.problem import Problem, SearchError
+from hidup.search.schedule import compress_steps, dup_apply_stages
+from hidup.search.segments import Occurrence, find_blocks
+
+__all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
+
+DEFAULT_MAX_STATES = 256
+DEFAULT_MAX_POINTS = 4
+
+
+def _dominator(dims: int):
+    """A fast ``a <= b`` componentwise test for tuples of ``dims`` entries."""
+    body = " and ".join(f"a[{i}] <= b[{i}]" for i in range(dims))
+    return eval(f"lambda a, b: {body}")  # noqa: S307 -- generated from integers only
+
+
+class _DP:
+    def __init__(self, problem: Problem, duplication: bool, memory_budget: float | None,
+                 max_states: int | None, max_points: int | None):
+        self.p, self.dup, self.budget = problem, duplication, memory_budget
+        self.max_states, self.max_points = max_states, max_points
+        self.has_mem = memory_budget is not None
+        self.zero = (0.0,) * ((6 if duplication else 1) + (1 if self.has_mem else 0))
+        self.dominates = _dominator(len(self.zero))
+        self.tables: dict[tuple, list] = {}
+        self.reps: dict[int, Occurrence] = {}
+
+    # ---------------------------------------------------------------------------- point algebra
+    def est(self, v: tuple) -> float:
+        return v[0] + v[1] + v[3] + v[4] if self.dup else v[0]
+
+    def apply_step(self, v: tuple, step) -> tuple:
+        if self.dup:  # dup_apply for the forward and the backward pass, inlined for speed
+            T, d, ns, T2, d2, ns2 = v[:6]
+            mA, mB, cA, cB = step.f4
+            if mA > 0.0 or mB > 0.0:
+                T = T + (mA if mA > d else d) + (cA if cA > mB else mB)
+                d, ns = cB, (cA - mB if mB > cA else 0.0)
+            else:
+                s = -ns
+                T, d, ns = T + (cA - s if cA > s else 0.0), d + cB, (cA - s if s > cA else 0.0)
+            mA, mB, cA, cB = step.b4
+            if mA > 0.0 or mB > 0.0:
+                T2 = T2 + (mA if mA > d2 else d2) + (cA if cA > mB else mB)
+                d2, ns2 = cB, (cA - mB if mB > cA else 0.0)
+            else:
+                s = -ns2
+                T2, d2, ns2 = T2 + (cA - s if cA > s else 0.0), d2 + cB, (cA - s if s > cA else 0.0)
+            out = (T, d, ns, T2, d2, ns2)
+        else:
+            out = (v[0] + step.fwd + step.bwd,)
+        return out + (v[-1] + step.mem,) if self.has_mem else out
+
+    def apply_cand(self, v: tuple, cand) -> tuple:
+        if self.dup:
+            sf, sb, mem = cand
+            out = dup_apply_stages(v[0], v[1], v[2], sf) + dup_apply_stages(v[3], v[4], v[5], sb)
+        else:
+            cost, mem = cand
+            out = (v[0] + cost,)
+        return out + (v[-1] + mem,) if self.has_mem else out
+
+    def finalize(self, bucket: list) -> list:
+        """The Pareto set of a bucket of (point, trace), at most ``max_points`` of least time.
+
+        Sorted by predicted time, a point can only be dominated by one before it (domination
+        implies no more time), so one pass keeps exactly the first non-dominated points."""
+        if len(bucket) <= 1:
+            return bucket
+        if len(bucket[0][0]) == 1:
+            return [min(bucket, key=lambda x: x[0][0])]
+        bucket.sort(key=lambda x: self.est(x[0]))
+        kept: list = []
+        dom = self.dominates
+        cap = self.max_points or len(bucket)
+        for v, tr in bucket:
+            for u, _ in kept:
+                if dom(u, v):
+                    break
+            else:
+                kept.append((v, tr))
+                if len(kept) >= cap:
+                    break
+        if self.has_mem and len(kept) >= cap and len(bucket) > cap:
+            lean = min(bucket, key=lambda x: (x[0][-1], self.est(x[0])))
+            if not any(lean is x for x in kept):  # keep the leanest plan too, so a tight budget is not lost to the cap
+                kept[-1] = lean
+        return kept
+
+    def prune(self, states: dict, pos: int) -> dict:
+        states = {k: self.finalize(b) for k, b in states.items() if b}
+        if not self.has_mem and (len(states) > 8 if not self.dup else bool(self.max_states) and len(states) > self.max_states):
+            states = self.cross_prune(states, pos)
+        if self.max_states and len(states) > self.max_states:
+            ranked = sorted(states, key=lambda k: self.est(states[k][0][0]))
+            keep = set(ranked[: self.max_states])
+            states = {k: f for k, f in states.items() if k in keep}
+        return states
+
+    def cross_prune(self, states: dict, pos: int) -> dict:
+        """Drop state B when a state A differing in one tensor reaches every future of B for less:
+        ``time(A) + penalty(A, B) <= time(B)``, where the penalty bounds the extra conversions A may
+        pay (:meth:`Problem.penalty`).  Exact without duplication (costs add); with duplication a
+        heuristic, used only together with the beam."""
+        p = self.p
+        est = self.est
+        cost = {k: est(f[0][0]) for k, f in states.items()}
+        ranked = sorted(states, key=cost.__getitem__)
+        rank = {k: r for r, k in enumerate(ranked)}
+        width = len(ranked[0])
+        values = [list(dict.fromkeys(k[j] for k in ranked)) for j in range(width)]
+        coords = [j for j in range(width) if len(values[j]) > 1]
+        dead = set()
+        for key in ranked:
+            c, r = cost[key], rank[key]
+            for j in coords:
+                bj = key[j]
+                for v in values[j]:
+                    if v == bj:
+                        continue
+                    a = key[:j] + (v,) + key[j + 1:]
+                    ra = rank.get(a)
+                    if ra is None or ra > r or a in dead:
+                        continue
+                    if cost[a] + p.penalty(pos, j, v, bj) <= c:
+                        dead.add(key)
+                        break
+                if key in dead:
+                    break
+        return {k: f for k, f in states.items() if k not in dead} if dead else states
+
+    # ---------------------------------------------------------------------------- transitions
+    def node_step(self, states: dict, i: int, mem_floor: float) -> dict:
+        p, new = self.p, {}
+        for key, front in states.items():
+            for k in range(len(p.sigs[i])):
+                res = p.step(i, k, key)
+                if res is None:
+                    continue
+                step, nkey = res
+                bucket = new.setdefault(nkey, [])
+                for v, tr in front:
+                    nv = self.apply_step(v, step)
+                    if self.has_mem and nv[-1] + mem_floor > self.budget:
+                        continue
+                    bucket.append((nv, (tr, i, k)))
+        return new
+
+    def run_positions(self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float],
+                      progress=None) -> dict:
+        for i in range(start, end):
+            states = self.prune(self.node_step(states, i, mem_floor_of(i + 1)), i + 1)
+            if not states:
+                raise self.infeasible(i)
+            if progress:
+                progress(i)
+        return states
+
+    def infeasible(self, i: int) -> SearchError:
+        node = self.p.order[i]
+        if self.has_mem:
+            from hidup.search.ilp import min_memory
+
+            need = min_memory(self.p)
+            if need <= self.budget:
+                return SearchError(f"plans within the memory budget of {self.budget:.6g} bytes exist (the least "
+                                   f"needs {need:.6g} bytes) but the DP's beam (max_states={self.max_states}, "
+                                   f"max_points={self.max_points}) dropped them at node {node.name}. Fix: use "
+                                   "algorithm='ilp', or max_states=None / a larger max_points.")
+            return SearchError(f"no plan fits the memory budget of {self.budget:.6g} bytes ({self.budget / 2**30:.3f} "
+                               f"GiB) per rank (the search ran out of plans at node {node.name}); the least memory "
+                               f"any plan needs is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget "
+                               "to at least that, or use more ranks.")
+        return SearchError(f"no feasible signature combination reaches node {node.name} ({node.target}); every "
+                           "signature needs a form change that cannot be made. Fix: check the node's signatures "
+                           "or the restriction.")
+
+    # ---------------------------------------------------------------------------- blocks
+    def table(self, occ: Occurrence, entry: tuple) -> list:
+        tkey = (occ.type, entry)
+        if tkey in self.tables:
+            return self.tables[tkey]
+        p = self.p
+        rep = self.reps[occ.type]
+        key = [(-1, 0)] * len(p.live[rep.start])
+        for j, st in zip(rep.ext_idx, entry):
+            key[j] = st
+        block_min = p.min_mem_suffix[rep.start] - p.min_mem_suffix[rep.end]
+        outside_min = p.min_mem_suffix[0] - block_min
+        states = {tuple(key): [(self.zero, None)]}
+        states = self.run_positions(states, rep.start, rep.end,
+                                    lambda i: outside_min + p.min_mem_suffix[i] - p.min_mem_suffix[rep.end])
+        li = p.live_index[rep.end]
+        out = []
+        for nkey, front in states.items():
+            exit_sub = tuple(nkey[li[t]] for t in rep.exit_tensors)
+            cands = []
+            for v, tr in front:
+                ks = []
+                while tr is not None:
+                    tr, _, k = tr
+                    ks.append(k)
+                ks.reverse()
+                mem = v[-1] if self.has_mem else sum(p.mem[rep.start + r][k] for r, k in enumerate(ks))
+                if self.dup:
+                    f4, b4 = [], []
+                    skey = tuple(key)
+                    for r, k in enumerate(ks):
+                        step, skey = p.step(rep.start + r, k, skey)
+                        f4.append(step.f4)
+                        b4.append(step.b4)
+                    cands.append(((compress_steps(f4), compress_steps(b4), mem), tuple(ks)))
+                else:
+                    cands.append(((v[0], mem), tuple(ks)))
+            out.append((exit_sub, cands))
+        self.tables[tkey] = out
+        return out
+
+    def block_step(self, states: dict, occ_index: int, occ: Occurrence) -> dict:
+        new = {}
+        floor = self.p.min_mem_suffix[occ.end]
+        for key, front in states.items():
+            entry = tuple(key[j] for j in occ.ext_idx)
+            for exit_sub, cands in self.table(occ, entry):
+                nkey = tuple(exit_sub[a] if kind else key[a] for kind, a in occ.exit_src)
+                bucket = new.setdefault(nkey, [])
+                for cand, ks in cands:
+                    for v, tr in front:
+                        nv = self.apply_cand(v, cand)
+                        if self.has_mem and nv[-1] + floor > self.budget:
+                            continue
+                        bucket.append((nv, (tr, -1 - occ_index, ks)))
+        return new
+
+    # ---------------------------------------------------------------------------- driver
+    def solve(self, reuse: bool, progress) -> tuple[list[int], tuple]:
+        p = self.p
+        occs = find_blocks(p) if reuse else []
+        for o in occs:
+            self.reps.setdefault(o.type, o)
+        starts = {o.start: (n, o) for n, o in enumerate(occs)}
+        states = {p.initial_key(): [(self.zero, None)]}
+        i = 0
+        while i < p.n:
+            if i in starts:
+                n, occ = starts[i]
+                states = self.prune(self.block_step(states, n, occ), occ.end)
+                if not states:
+                    raise self.infeasible(occ.end - 1)
+                i = occ.end
+            else:
+                states = self.prune(self.node_step(states, i, p.min_mem_suffix[i + 1]), i + 1)
+                if not states:
+                    raise self.infeasible(i)
+                i += 1
+            if progress:
+                progress(i, p.n)
+        (front,) = states.values()
+        best_v, best_tr = min(front, key=lambda x: self.est(x[0]))
+        ks = [-1] * p.n
+        tr = best_tr
+        while tr is not None:
+            tr, tag, payload = tr
+            if tag >= 0:
+                ks[tag] = payload
+            else:
+                occ = occs[-1 - tag]
+                for r, k in enumerate(payload):
+                    ks[occ.start + r] = k
+        return ks, best_v
+
+
+def solve(problem: Problem, duplication: bool = True, memory_budget: float | None = None,
+          max_states: int | None = DEFAULT_MAX_STATES, max_points: int | None = DEFAULT_MAX_POINTS,
+          reuse_blocks: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], float]:
+    """Best signature index per position and its predicted iteration time (see the module docstring)."""
+    dp = _DP(problem, duplication, memory_budget, max_states, max_points)
+    ks, v = dp.solve(reuse_blocks, progress)
+    return ks, dp.est(v)

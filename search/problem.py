@@ -1,0 +1,294 @@
+"""The search problem compiled from a graph, a profile and the options.
+
+Order
+-----
+Nodes are visited in the graph's topological order, except that every node without inputs (model
+inputs, parameters, constants) is moved to just before its first consumer: its signature is then
+decided next to the op that reads it, and the search never carries the choices of all parameters at
+once.
+
+State of a tensor
+-----------------
+Before position ``i`` the *live* tensors (produced before ``i``, read at or after ``i``) are fixed
+by the order alone.  Each live tensor carries ``(produced form, set of converted forms)``, encoded as
+``(form id, bitmask of form ids)``.  A consumer needing form ``f`` of tensor ``t``:
+
+* finds it available (the produced form, or converted earlier): no cost;
+* otherwise pays ``conversion(produced form, f)`` once; ``f`` joins the converted set and later
+  consumers reuse it.  A converted form that no later reader can need is dropped from the state
+  (canonical keys: two situations with the same possible futures are one state).  Every form is made directly from the produced form (one collective per
+  form change; ``ir.conversion`` covers every pair except ``-> replicate``, which is infeasible).
+
+The conversion is charged to the first consumer needing it: its forward collective runs just
+before that consumer, its backward collective just after that consumer's backward (by then every
+reader of that form has contributed its gradient).
+
+A transition (position ``i``, signature ``k``, state of the node's inputs) yields a :class:`Step`:
+no-duplication forward and backward seconds (compute + communication), the per-copy stage items
+``(mA, mB, cA, cB)`` of the forward and of the backward pass for duplication, and memory.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature
+
+from hidup.search.cost import CostModel
+from hidup.search.memory import MemoryModel
+
+__all__ = ["Problem", "Step", "SearchError", "block_label"]
+
+_BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+class SearchError(ValueError):
+    """The search cannot produce a plan; the message says why and what to change."""
+
+
+def block_label(module: str) -> str:
+    """Repeated-layer prefix of a module path: ``layers.3.attn.q`` -> ``layers.3``; ``""`` if none."""
+    m = _BLOCK_RE.match(module or "")
+    return m.group(1) if m else ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """Cost of one transition (see the module docstring)."""
+
+    fwd: float  # no duplication: forward compute + forward communication
+    bwd: float  # no duplication: backward compute + backward communication
+    f4: tuple[float, float, float, float]  # forward (mA, mB, cA, cB) per copy
+    b4: tuple[float, float, float, float]  # backward (mA, mB, cA, cB) per copy (in reversed time)
+    mem: float
+    compute: float  # no duplication: forward + backward compute
+    convs: tuple[tuple[int, int, int, int], ...]  # (tensor id, input index, src form id, dst form id)
+
+
+def _getter(idx: list[int]):
+    """A fast ``lambda seq: tuple(seq[j] for j in idx)``."""
+    if not idx:
+        return lambda seq: ()
+    if len(idx) == 1:
+        j = idx[0]
+        return lambda seq: (seq[j],)
+    return operator.itemgetter(*idx)
+
+
+class Problem:
+    """Positions, allowed signatures, per-signature costs and tensor liveness of one search."""
+
+    def __init__(self, graph: Graph, profile, precision: str = "fp32",
+                 restrict: Callable[[Node, Signature], bool] | None = None, optimizer_factor: float = 2.0):
+        graph.validate()
+        self.graph, self.profile, self.world = graph, profile, graph.world_size
+        self.cost = CostModel(graph, profile, precision)
+        self.memory = MemoryModel(graph, optimizer_factor)
+        self.order = self._order(graph)
+        self.n = len(self.order)
+        self.pos_of = {node.name: i for i, node in enumerate(self.order)}
+
+        self.forms: list[Form] = []
+        self.form_id: dict[Form, int] = {}
+        self.sigs: list[list[Signature]] = []
+        self.in_forms: list[list[tuple[int, ...]]] = []
+        self.out_forms: list[list[tuple[int, ...]]] = []
+        self.compute: list[list[tuple[float, float]]] = []
+        self.mem: list[list[float]] = []
+        for node in self.order:
+            sigs = self._allowed(node, restrict)
+            self.sigs.append(sigs)
+            self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
+            self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
+            self.compute.append([self.cost.compute(node, s) for s in sigs])
+            self.mem.append([self.memory.total(node, s) for s in sigs])
+        self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
+
+        # liveness
+        self.last_use: dict[int, int] = {}
+        for i, node in enumerate(self.order):
+            for t in node.inputs:
+                self.last_use[t] = i
+        self.live: list[tuple[int, ...]] = [()]
+        for i, node in enumerate(self.order):
+            keep = [t for t in self.live[-1] if self.last_use[t] > i]
+            keep += [t for t in node.outputs if self.last_use.get(t, -1) > i]
+            self.live.append(tuple(keep))
+        self.live_index = [{t: j for j, t in enumerate(lv)} for lv in self.live]
+        # per position: where each entry of live[i+1] comes from: ("old", index in live[i]) or ("out", j)
+        self.carry: list[tuple[tuple[int, int], ...]] = []
+        for i, node in enumerate(self.order):
+            src = []
+            outs = {t: j for j, t in enumerate(node.outputs)}
+            for t in self.live[i + 1]:
+                src.append((1, outs[t]) if t in outs else (0, self.live_index[i][t]))
+            self.carry.append(tuple(src))
+        # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
+        self._keep = []
+        for i, node in enumerate(self.order):
+            keep = [a for kind, a in self.carry[i] if kind == 0]
+            if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep):]):
+                raise AssertionError("live order: kept tensors must precede new outputs")
+            self._keep.append(_getter(keep))
+        self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
+        # relevant[i][j]: forms that readers at positions >= i may still need of tensor live[i][j];
+        # converted forms outside it are forgotten, so equal futures get equal keys.
+        need_from: dict[int, int] = {}
+        self.relevant: list[tuple[int, ...]] = [()] * (self.n + 1)
+        for i in range(self.n - 1, -1, -1):
+            node = self.order[i]
+            for inp, t in enumerate(node.inputs):
+                m = 0
+                for fs in self.in_forms[i]:
+                    m |= 1 << fs[inp]
+                need_from[t] = need_from.get(t, 0) | m
+            self.relevant[i] = tuple(need_from[t] for t in self.live[i])
+        self.min_mem_suffix = [0.0] * (self.n + 1)
+        for i in range(self.n - 1, -1, -1):
+            self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
+        self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
+        self._pen_cache: dict[tuple, float] = {}
+
+    # ------------------------------------------------------------------------------------ setup
+    @staticmethod
+    def _order(graph: Graph) -> list[Node]:
+        producer = {t: n for n in graph.nodes for t in n.outputs}
+        first_use: dict[str, str] = {}
+        for n in graph.nodes:
+            for t in n.inputs:
+                first_use.setdefault(producer[t].name, n.name)
+        order, done = [], set()
+        for n in graph.nodes:
+            if not n.inputs and n.name in first_use:
+                continue  # placed before its first consumer
+            for t in n.inputs:
+                p = producer[t]
+                if p.name not in done and not p.inputs:
+                    order.append(p)
+                    done.add(p.name)
+            order.append(n)
+            done.add(n.name)
+        return order
+
+    def _fid(self, f: Form) -> int:
+        if f not in self.form_id:
+            self.form_id[f] = len(self.forms)
+            self.forms.append(f)
+        return self.form_id[f]
+
+    def _allowed(self, node: Node, restrict) -> list[Signature]:
+        sigs = list(node.signatures)
+        if node.op == "output" and not sigs:
+            sigs = [Signature(tuple(REDUCE for _ in node.inputs), (), 0.0, "replicated"),
+                    Signature(tuple(FULL for _ in node.inputs), (), 0.0, "replicated")]
+        if restrict is not None:
+            kept = [s for s in sigs if restrict(node, s)]
+            if not kept:
+                raise SearchError(f"node {node.name} ({node.target}, {node.source or 'no source'}): the restriction "
+                                  f"rejects all {len(sigs)} signatures ({', '.join(map(str, sigs))}). Fix: let the "
+                                  "restriction accept at least one of them.")
+            sigs = kept
+        return sigs
+
+    # ------------------------------------------------------------------------------------ transitions
+    def step(self, i: int, k: int, key: tuple) -> tuple[Step, tuple] | None:
+        """Apply signature ``k`` at position ``i`` to state ``key`` (aligned with ``live[i]``).
+
+        Returns (step cost, new key aligned with ``live[i+1]``), or None if infeasible."""
+        idx = self.input_idx[i]
+        sub = tuple(key[j] for j in idx)
+        ck = (i, k, sub)
+        hit = self._step_cache.get(ck, ck)
+        if hit is ck:
+            hit = self._make_step(i, k, idx, sub)
+            self._step_cache[ck] = hit
+        if hit is None:
+            return None
+        step, updates, outs = hit
+        new = list(key)
+        for j, st in updates:
+            new[j] = st
+        return step, self._keep[i](new) + outs
+
+    def _make_step(self, i: int, k: int, idx: tuple, sub: tuple):
+        node = self.order[i]
+        states = dict(zip(idx, sub))
+        need = self.in_forms[i][k]
+        ff = fb = 0.0
+        fA = fB = bA = bB = 0.0
+        convs = []
+        for inp, (j, f) in enumerate(zip(idx, need)):
+            prod, mask = states[j]
+            if prod < 0:
+                raise AssertionError(f"tensor {node.inputs[inp]} has no state at {node.name}")
+            if f == prod or mask >> f & 1:
+                continue
+            c = self.cost.conversion(node.inputs[inp], self.forms[prod], self.forms[f])
+            if c is None:
+                return None
+            ff += c.fwd
+            fb += c.bwd
+            fA += c.fA
+            fB += c.fB
+            bA += c.bA
+            bB += c.bB
+            states[j] = (prod, mask | (1 << f))
+            convs.append((node.inputs[inp], inp, prod, f))
+        cf, cb = self.compute[i][k]
+        if self.node_batch[i]:
+            f4 = (fA, fB, cf / 2, cf / 2)
+            b4 = (bA, bB, cb / 2, cb / 2)
+        else:
+            f4 = (fA, fB, cf, 0.0)
+            b4 = (bA, bB, cb, 0.0)
+        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb, tuple(convs))
+        rel, li = self.relevant[i + 1], self.live_index[i + 1]
+        updates = []
+        for j in dict.fromkeys(idx):
+            t = self.live[i][j]
+            if t in li:  # still live: forget forms no later reader can need
+                prod, mask = states[j]
+                updates.append((j, (prod, mask & rel[li[t]])))
+        outs = tuple((self.out_forms[i][k][j], 0) for j, t in enumerate(node.outputs) if t in li)
+        return step, tuple(updates), outs
+
+    def penalty(self, pos: int, j: int, a: tuple[int, int], b: tuple[int, int]) -> float:
+        """Upper bound on the extra conversion time (no duplication) the future pays when tensor
+        ``live[pos][j]`` is in state ``a`` instead of ``b``: the sum over forms ``f`` a later reader
+        may need of ``max(0, cost_a(f) - cost_b(f))``, ``cost_x(f)`` being 0 if ``f`` is available in
+        ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)`` otherwise."""
+        t = self.live[pos][j]
+        rel = self.relevant[pos][j]
+        ck = (t, rel, a, b)
+        hit = self._pen_cache.get(ck)
+        if hit is not None:
+            return hit
+        total = 0.0
+        f = 0
+        while rel >> f:
+            if rel >> f & 1:
+                ca, cb = self._avail_cost(t, a, f), self._avail_cost(t, b, f)
+                if ca > cb:
+                    total += ca - cb
+            f += 1
+        self._pen_cache[ck] = total
+        return total
+
+    def _avail_cost(self, t: int, st: tuple[int, int], f: int) -> float:
+        prod, mask = st
+        if prod < 0:
+            return math.inf
+        if f == prod or mask >> f & 1:
+            return 0.0
+        c = self.cost.conversion(t, self.forms[prod], self.forms[f])
+        return math.inf if c is None else c.fwd + c.bwd
+
+    def initial_key(self) -> tuple:
+        return ()
+
+    def sig_label(self, i: int, k: int) -> str:
+        return f"{self.order[i].name}: {self.sigs[i][k]}"

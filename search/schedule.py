@@ -1,0 +1,151 @@
+"""Iteration time of a plan, without and with duplication, and the evaluation of a full plan.
+
+Without duplication
+-------------------
+Every transition adds its cost: ``forward = sum(compute_f + comm_f)``,
+``backward = sum(compute_b + comm_b)``, ``total = forward + backward``.
+
+With duplication: stages and the (time, debt, slack) recurrence
+----------------------------------------------------------------
+The rank runs two half-batch copies A and B on two streams; the GPU's compute and its network each
+serve one task at a time.  A *stage* starts at every node that needs communication (its input
+conversions) and extends over the following nodes that need none.  Per copy a stage is
+``(mA, mB, cA, cB)``: the communication of A and of B and the computation of A and of B
+(:mod:`hidup.search.cost` says how each splits).  Within a stage A communicates, then A computes
+while B communicates, then B computes while the next stage's communication of A runs.
+
+The state after a stage is ``(T, d, s)``: ``T`` the time at which B's communication of the stage
+ends, ``d`` (the *debt*) B's pending computation of the stage, ``s`` (the *slack*) how long B's
+communication outlasts A's computation (room for A's computation of later comm-free nodes).
+
+* a node with communication opens a stage::
+
+      T' = T + max(mA, d) + max(cA, mB)     d' = cB     s' = max(0, mB - cA)
+
+* a node without communication joins the open stage::
+
+      T' = T + max(0, cA - s)               d' = d + cB  s' = max(0, s - cA)
+
+* the pass ends at ``T + d``.
+
+Each equation describes a feasible two-stream schedule, so the prediction is an achievable time.
+The future cost grows with ``T`` and ``d`` and shrinks with ``s``, so a state dominates another when
+it is no worse in all three: that is the Pareto set the DP keeps.
+
+The backward pass runs the nodes in reverse: node ``n``'s backward compute, then the backward
+collectives of the conversions charged to ``n``.  Reversing time turns that sequence into a forward
+one with "communication before compute" per node, and the makespan of a two-resource schedule is
+unchanged by time reversal; so the backward pass uses the same recurrence over the nodes in forward
+order with the backward items ``(mA, mB, cA, cB)``, with its own ``(T, d, s)``.
+Iteration time with duplication = forward ``T + d`` + backward ``T + d``.
+
+Predicted times reported for a plan: ``forward``, ``backward``, ``total``; ``comm`` the summed
+collective time (both copies); ``exposed_comm = max(0, total - compute)`` with ``compute`` the
+summed compute time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hidup.search.problem import Problem, SearchError, Step
+
+__all__ = ["dup_apply", "dup_apply_stages", "Evaluation", "evaluate", "compress_steps", "ZERO_DUP"]
+
+ZERO_DUP = (0.0, 0.0, 0.0)  # (T, d, -s)
+
+
+def dup_apply(T: float, d: float, ns: float, item: tuple[float, float, float, float]) -> tuple[float, float, float]:
+    """One node of the duplicated recurrence; ``ns`` is minus the slack (lower is better)."""
+    mA, mB, cA, cB = item
+    if mA > 0.0 or mB > 0.0:
+        return T + max(mA, d) + max(cA, mB), cB, -max(0.0, mB - cA)
+    s = -ns
+    return T + max(0.0, cA - s), d + cB, -max(0.0, s - cA)
+
+
+def compress_steps(items: list[tuple[float, float, float, float]]) -> tuple[tuple[float, float, float, float], ...]:
+    """Merge comm-free items into the preceding stage (exact: a stage's items only add up)."""
+    out: list[list[float]] = []
+    for mA, mB, cA, cB in items:
+        if (mA > 0.0 or mB > 0.0) or not out:
+            out.append([mA, mB, cA, cB])
+        else:
+            out[-1][2] += cA
+            out[-1][3] += cB
+    return tuple(tuple(x) for x in out)
+
+
+def dup_apply_stages(T: float, d: float, ns: float, stages) -> tuple[float, float, float]:
+    """Apply a compressed item list (see :func:`compress_steps`)."""
+    for st in stages:
+        T, d, ns = dup_apply(T, d, ns, st)
+    return T, d, ns
+
+
+@dataclass
+class Evaluation:
+    """Predictions for one complete assignment of signatures."""
+
+    ks: list[int]
+    duplication: bool
+    forward: float
+    backward: float
+    compute: float
+    comm: float
+    memory: dict[str, float]
+    steps: list[Step] = field(repr=False)
+    stages: list[list[str]] = field(repr=False)
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def exposed_comm(self) -> float:
+        return max(0.0, self.total - self.compute)
+
+    def times(self) -> dict[str, float]:
+        return {"forward": self.forward, "backward": self.backward, "comm": self.comm,
+                "exposed_comm": self.exposed_comm, "total": self.total}
+
+
+def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
+    """Cost of choosing signature ``ks[i]`` at every position ``i`` (same model as the DP)."""
+    if len(ks) != problem.n:
+        raise ValueError(f"evaluate: expected {problem.n} choices, got {len(ks)}")
+    key = problem.initial_key()
+    steps: list[Step] = []
+    for i, k in enumerate(ks):
+        res = problem.step(i, k, key)
+        if res is None:
+            raise SearchError(f"node {problem.order[i].name}: signature {problem.sigs[i][k]} needs a form change "
+                              "that cannot be made (only a parameter produces 'replicate')")
+        step, key = res
+        steps.append(step)
+    compute = sum(s.compute for s in steps)
+    if duplication:
+        f = b = ZERO_DUP
+        comm = 0.0
+        for s in steps:
+            f = dup_apply(*f, s.f4)
+            b = dup_apply(*b, s.b4)
+            comm += s.f4[0] + s.f4[1] + s.b4[0] + s.b4[1]
+        forward, backward = f[0] + f[1], b[0] + b[1]
+    else:
+        forward = sum(s.fwd for s in steps)
+        backward = sum(s.bwd for s in steps)
+        comm = forward + backward - compute
+    parts = [0.0] * 5
+    for i, k in enumerate(ks):
+        for j, v in enumerate(problem.memory.breakdown(problem.order[i], problem.sigs[i][k])):
+            parts[j] += v
+    from hidup.search.memory import MEMORY_PARTS
+    memory = dict(zip(MEMORY_PARTS, parts))
+    memory["total"] = sum(parts)
+    stages: list[list[str]] = []
+    for i, s in enumerate(steps):
+        if not stages or s.f4[0] > 0.0 or s.f4[1] > 0.0:
+            stages.append([])
+        stages[-1].append(problem.order[i].name)
+    return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages)

@@ -1,0 +1,129 @@
+"""Plans: JSON round trip, every refusal of Plan.check / Plan.load, and the summary."""
+
+import json
+
+import pytest
+
+import hidup
+from hidup.ir import Graph
+from hidup.plan import PLAN_VERSION, Plan, PlanError, summary
+from hidup.search.synthetic import layered_graph, random_graph
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return layered_graph(layers=3, nodes_per_layer=6, seed=2, shape=(256, 256))
+
+
+@pytest.fixture(scope="module")
+def plan(graph):
+    return hidup.search(graph, "h200x4-socket")
+
+
+def test_plan_fields(plan, graph):
+    assert plan.version == PLAN_VERSION and plan.world_size == 4 and plan.profile == "h200x4-socket"
+    assert plan.fingerprint == graph.fingerprint() and plan.model == graph.model and plan.algorithm == "dp"
+    assert set(plan.choices) == {n.name for n in graph.nodes}
+    assert sorted(x for s in plan.stages for x in s) == sorted(plan.choices)
+    assert set(plan.predicted) == {"forward", "backward", "comm", "exposed_comm", "total"}
+    assert plan.predicted["total"] == pytest.approx(plan.predicted["forward"] + plan.predicted["backward"])
+    assert 0 <= plan.predicted["exposed_comm"] <= plan.predicted["total"]
+    assert plan.memory["total"] == pytest.approx(sum(v for k, v in plan.memory.items() if k != "total"))
+    for c in plan.conversions:
+        consumer = graph.node(c.consumer)
+        assert consumer.inputs[c.input_index] == c.tensor
+        assert plan.choices[c.consumer].inputs[c.input_index] == c.dst
+        assert graph.tensors[c.tensor].producer == c.producer or c.producer in plan.choices
+        assert c.bytes == graph.tensors[c.tensor].nbytes
+
+
+def test_json_round_trip(plan, graph, tmp_path):
+    path = plan.save(tmp_path / "plan.json")
+    back = Plan.load(path)
+    assert back.to_dict() == plan.to_dict()
+    assert back.choices == plan.choices and back.conversions == plan.conversions
+    back.check(graph)  # accepted
+
+
+def test_refuses_other_world_size(plan, graph):
+    g8 = Graph.from_dict({**graph.to_dict(), "world_size": 8})
+    with pytest.raises(PlanError, match="world size: plan 4, graph 8"):
+        plan.check(g8)
+
+
+def test_refuses_other_model(plan, graph):
+    other = Graph.from_dict({**graph.to_dict(), "model": "something-else"})
+    with pytest.raises(PlanError, match="model: plan 'layered-3x6', graph 'something-else'"):
+        plan.check(other)
+
+
+def test_refuses_other_structure(plan):
+    other = layered_graph(layers=4, nodes_per_layer=6, seed=2, shape=(256, 256))
+    other.model = plan.model
+    with pytest.raises(PlanError) as e:
+        plan.check(other)
+    msg = str(e.value)
+    assert "graph fingerprint" in msg and "graph nodes without a choice: layers_3" in msg and "hidup search" in msg
+
+
+def test_refuses_changed_shapes(plan, graph):
+    d = graph.to_dict()
+    d["tensors"][0]["shape"] = [512, 256]
+    with pytest.raises(PlanError, match="fingerprint"):
+        plan.check(Graph.from_dict(d))
+
+
+def test_refuses_a_signature_the_node_does_not_have(plan, graph):
+    bad = Plan.from_dict(plan.to_dict())
+    name = next(n.name for n in graph.nodes if n.op == "call" and len(n.signatures) > 1)
+    other = next(s for s in random_graph(0, calls=1).nodes[-2].signatures)
+    bad.choices[name] = other
+    with pytest.raises(PlanError, match=f"no valid signature for node {name}"):
+        bad.check(graph)
+
+
+def test_load_refusals(plan, tmp_path):
+    with pytest.raises(PlanError, match="no plan file"):
+        Plan.load(tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(tmp_path / "junk.json")
+    d = plan.to_dict()
+    d["version"] = PLAN_VERSION + 1
+    (tmp_path / "new.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}"):
+        Plan.load(tmp_path / "new.json")
+    d = plan.to_dict()
+    del d["choices"]
+    (tmp_path / "cut.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="missing field 'choices'"):
+        Plan.load(tmp_path / "cut.json")
+
+
+def test_summary(plan, graph):
+    text = summary(plan, graph)
+    assert "layers.0" in text and "layers.2" in text and "h200x4-socket" in text
+    assert "predicted per iteration" in text and "memory per rank" in text
+    assert "why" in text and "runner-up" in text
+    heavy = next(iter(plan.alternatives))
+    assert heavy in text and plan.alternatives[heavy]["delta"] >= -1e-12
+    assert summary(Plan.from_dict(plan.to_dict())).count("\n") > 5  # works without the graph
+
+
+def test_runner_up_delta_is_exact(graph):
+    from hidup.search.problem import Problem
+    from hidup.search.schedule import evaluate
+    import hidup.profiler as P
+
+    plan = hidup.search(graph, "h200x4-socket", duplication=False)
+    pr = Problem(graph, P.load("h200x4-socket"))
+    ks = [pr.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(pr.order)]
+    for name, alt in plan.alternatives.items():
+        if not alt["runner_up"]:
+            continue
+        i = pr.pos_of[name]
+        k = next(k for k, s in enumerate(pr.sigs[i]) if str(s) == alt["runner_up"] and s.kind == alt["runner_up_kind"])
+        ks2 = list(ks)
+        ks2[i] = k
+        assert evaluate(pr, ks2, False).total - plan.predicted["total"] == pytest.approx(alt["delta"])
+        assert alt["delta"] >= -1e-12  # the DP's optimum: no single change is faster

@@ -1,0 +1,275 @@
+"""Search: DP vs enumeration, ILP vs DP, memory budgets, duplication, repeated layers, forced plans."""
+
+import time
+
+import pytest
+
+import hidup
+import hidup.profiler as P
+from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.search import dp, ilp
+from hidup.search.brute import brute_force
+from hidup.search.problem import Problem, SearchError
+from hidup.search.schedule import compress_steps, dup_apply, dup_apply_stages, evaluate
+from hidup.search.synthetic import layered_graph, random_graph
+
+SOCKET = P.load("h200x4-socket")
+NVLINK = P.load("h200x4-nvlink")
+PAPER = P.load("paper-v100-9.7gbps")
+EXACT = dict(max_states=None, max_points=None)
+
+
+def rel_eq(a, b, tol=1e-9):
+    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
+
+
+# ------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("seed", range(24))
+def test_dp_equals_brute_force_without_duplication(seed):
+    prof = (SOCKET, NVLINK, PAPER)[seed % 3]
+    g = random_graph(seed, calls=4, world=(4, 2)[seed % 2], max_sigs=3)
+    pr = Problem(g, prof)
+    ks, v = dp.solve(pr, False, **EXACT)
+    _, bv = brute_force(pr, False)
+    assert rel_eq(v, bv)
+    assert rel_eq(evaluate(pr, ks, False).total, v)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dp_equals_brute_force_with_duplication(seed):
+    g = random_graph(100 + seed, calls=4, max_sigs=3)
+    pr = Problem(g, (SOCKET, PAPER)[seed % 2])
+    ks, v = dp.solve(pr, True, **EXACT)
+    _, bv = brute_force(pr, True)
+    assert rel_eq(v, bv)
+    assert rel_eq(evaluate(pr, ks, True).total, v)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_equals_dp_without_duplication(seed):
+    g = random_graph(200 + seed, calls=8, max_sigs=4)
+    pr = Problem(g, (SOCKET, NVLINK)[seed % 2])
+    _, v = dp.solve(pr, False, **EXACT)
+    ks = ilp.solve(pr)
+    assert rel_eq(evaluate(pr, ks, False).total, v, 1e-7)
+
+
+def test_beam_result_is_a_real_plan_and_never_better_than_exact():
+    for seed in range(5):
+        pr = Problem(random_graph(300 + seed, calls=9, max_sigs=4), SOCKET)
+        _, exact = dp.solve(pr, True, **EXACT)
+        ks, v = dp.solve(pr, True, max_states=4, max_points=1)
+        assert rel_eq(evaluate(pr, ks, True).total, v) and v >= exact * (1 - 1e-12)
+
+
+# ------------------------------------------------------------------------------------------ memory
+def _memories(pr):
+    import itertools
+    out = []
+    for ks in itertools.product(*(range(len(s)) for s in pr.sigs)):
+        try:
+            ev = evaluate(pr, list(ks), False)
+        except SearchError:
+            continue
+        out.append((ev.memory["total"], ev.total))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_budget_is_respected_and_optimal(seed):
+    g = random_graph(400 + seed, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    mems = _memories(pr)
+    lo, hi = min(m for m, _ in mems), max(m for m, _ in mems)
+    if lo == hi:
+        pytest.skip("every plan uses the same memory")
+    budget = (lo + hi) / 2
+    best = min(t for m, t in mems if m <= budget)
+    for algorithm in ("dp", "ilp"):
+        plan = hidup.search(g, SOCKET, algorithm=algorithm, duplication=False, memory_budget=budget, **(
+            EXACT if algorithm == "dp" else {}))
+        assert plan.memory["total"] <= budget
+        assert rel_eq(plan.predicted["total"], best, 1e-7)
+    dup_plan = hidup.search(g, SOCKET, duplication=True, memory_budget=budget, **EXACT)
+    assert dup_plan.memory["total"] <= budget
+
+
+@pytest.mark.parametrize("algorithm", ["dp", "ilp"])
+def test_infeasible_budget_reports_the_minimum(algorithm):
+    g = random_graph(7, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    least = min(m for m, _ in _memories(pr))
+    with pytest.raises(SearchError) as e:
+        hidup.search(g, SOCKET, algorithm=algorithm, memory_budget=least * 0.9)
+    assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
+    assert ilp.min_memory(pr) == pytest.approx(least)
+
+
+# ------------------------------------------------------------------------------------------ duplication
+def test_duplication_recurrence_by_hand():
+    # A communicates 10 while nothing waits; A computes 1 while B communicates 10; the comm-free
+    # node's 10 of A's compute hides 9 more of B's communication; B then computes 1 + 10.
+    st = (0.0, 0.0, 0.0)
+    st = dup_apply(*st, (10.0, 10.0, 1.0, 1.0))
+    assert st == (20.0, 1.0, -9.0)
+    st = dup_apply(*st, (0.0, 0.0, 10.0, 10.0))
+    assert st == (21.0, 11.0, 0.0) and st[0] + st[1] == 32.0
+    # a stage's items add up: compressing comm-free items into the stage is exact
+    items = [(0.0, 0.0, 2.0, 2.0), (3.0, 1.0, 1.0, 1.0), (0.0, 0.0, 4.0, 4.0), (5.0, 5.0, 0.5, 0.5)]
+    z = (0.0, 0.0, 0.0)
+    a = z
+    for it in items:
+        a = dup_apply(*a, it)
+    assert dup_apply_stages(*z, compress_steps(items)) == pytest.approx(a)
+    assert len(compress_steps(items)) == 3
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_duplication_never_predicts_slower(seed):
+    g = random_graph(500 + seed, calls=7, max_sigs=4)
+    prof = (SOCKET, NVLINK, PAPER)[seed % 3]
+    plan = hidup.search(g, prof, duplication=True)
+    plain = hidup.search(g, prof, duplication=False)
+    pr = Problem(g, prof)
+    ks = [pr.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(pr.order)]
+    same_plan_plain = evaluate(pr, ks, False).total
+    assert plan.predicted["total"] <= same_plan_plain * (1 + 1e-12)
+    assert plan.predicted["total"] <= plain.predicted["total"] * (1 + 1e-12)
+    assert plain.duplication is False
+
+
+# ------------------------------------------------------------------------------------------ repeated layers
+def test_block_reuse_is_exact_without_duplication():
+    g = layered_graph(layers=5, nodes_per_layer=6, sigs=(2, 4), seed=3, shape=(256, 256))
+    pr = Problem(g, SOCKET)
+    from hidup.search.segments import find_blocks
+    occ = find_blocks(pr)
+    assert len(occ) >= 4 and len({o.type for o in occ}) == 1  # layer 0 also holds the input
+    _, with_reuse = dp.solve(pr, False, reuse_blocks=True, **EXACT)
+    _, without = dp.solve(pr, False, reuse_blocks=False, **EXACT)
+    assert rel_eq(with_reuse, without)
+    assert rel_eq(evaluate(pr, ilp.solve(pr), False).total, without, 1e-7)
+    ks, v = dp.solve(pr, True, reuse_blocks=True)
+    assert rel_eq(evaluate(pr, ks, True).total, v)
+
+
+def test_repeated_chain_searches_fast():
+    g = layered_graph(layers=48, nodes_per_layer=20, sigs=(3, 5))
+    assert sum(n.op == "call" for n in g.nodes) >= 48 * 20
+    t0 = time.perf_counter()
+    plan = hidup.search(g, SOCKET)  # both DP passes, pricing and runner-ups
+    elapsed = time.perf_counter() - t0
+    assert len(plan.choices) == len(g.nodes)
+    assert elapsed < 20.0, f"search took {elapsed:.1f} s"
+
+
+# ------------------------------------------------------------------------------------------ API behaviour
+def test_search_is_deterministic():
+    g = random_graph(11, calls=8, max_sigs=4)
+    for algorithm in ("dp", "ilp"):
+        a = hidup.search(g, "h200x4-socket", algorithm=algorithm)
+        b = hidup.search(g, "h200x4-socket", algorithm=algorithm)
+        assert a.to_dict() == b.to_dict()
+
+
+def _hand_graph():
+    """x (8,16) -> linear with w (32,16) -> sum -> output; the linear reads x twice via two consumers."""
+    f = 2 * 8 * 16 * 32
+    tensors = {0: Tensor(0, (8, 16), "float32", "x"), 1: Tensor(1, (32, 16), "float32", "w", True, True),
+               2: Tensor(2, (8, 32), "float32", "lin", True), 3: Tensor(3, (), "float32", "loss", True)}
+    nodes = [
+        Node("x", "input", "input", [], [0], [Signature((), (FULL,), 0, "replicated"),
+                                              Signature((), (gather(0),), 0, "data")]),
+        Node("w", "param", "parameter", [], [1], [Signature((), (REPLICATE,), 0, "param"),
+                                                  Signature((), (gather(0),), 0, "param")], module="fc"),
+        Node("lin", "call", "linear", [0, 1], [2], [
+            Signature((FULL, FULL), (FULL,), f, "replicated"),
+            Signature((gather(0), FULL), (gather(0),), f / 4, "data"),
+            Signature((FULL, gather(0)), (gather(1),), f / 4, "tensor")], f, module="fc"),
+        Node("loss", "call", "sum", [2], [3], [
+            Signature((FULL,), (FULL,), 256, "replicated"),
+            Signature((gather(0),), (REDUCE,), 64, "data"),
+            Signature((gather(1),), (REDUCE,), 64, "data")], 256, module="loss"),
+        Node("output", "output", "output", [3], [], []),  # no signatures: the search supplies them
+    ]
+    return Graph(nodes, tensors, 4, model="hand")
+
+
+def test_hand_computed_data_parallel_cost():
+    g = _hand_graph()
+    plan = hidup.search.forced(g, NVLINK, "data", duplication=False)
+    assert plan.choices["w"].outputs == (REPLICATE,)
+    assert plan.choices["lin"].kind == "data" and plan.choices["x"].outputs == (gather(0),)
+    assert plan.choices["output"].inputs == (REDUCE,)
+    f = 2 * 8 * 16 * 32
+    compute = 3 * (f / 4) / 51e12 + 3 * 64 / 51e12  # forward + 2x backward of linear and sum
+    grad_sync = NVLINK.comm_time("all_reduce", 4, 32 * 16 * 4)  # replicate -> full: backward all-reduce
+    assert plan.predicted["total"] == pytest.approx(compute + grad_sync)
+    assert plan.predicted["comm"] == pytest.approx(grad_sync)
+    (conv,) = plan.conversions
+    assert (conv.producer, conv.consumer, conv.src, conv.dst, conv.forward, conv.backward) == \
+        ("w", "lin", REPLICATE, FULL, "identity", "all_reduce")
+    assert plan.memory["params"] == 32 * 16 * 4 and plan.memory["optimizer"] == 2 * 32 * 16 * 4
+    assert plan.memory["inputs"] == 8 * 16 * 4 / 4
+
+
+def test_shared_conversion_is_paid_once():
+    f = 1e9
+    tensors = {0: Tensor(0, (64, 64), "float32", "x"), 1: Tensor(1, (64, 64), "float32", "a", True),
+               2: Tensor(2, (64, 64), "float32", "b", True), 3: Tensor(3, (64, 64), "float32", "c", True),
+               4: Tensor(4, (64, 64), "float32", "p", True, True)}
+    nodes = [
+        Node("p", "param", "parameter", [], [4], [Signature((), (REPLICATE,), 0, "param")]),
+        Node("x", "input", "input", [], [0], [Signature((), (FULL,), 0, "replicated")]),
+        Node("a", "call", "mul", [0, 4], [1], [Signature((FULL, FULL), (gather(0),), f, "data")]),
+        Node("b", "call", "relu", [1], [2], [Signature((FULL,), (FULL,), f, "replicated")]),
+        Node("c", "call", "add", [1, 2], [3], [Signature((FULL, FULL), (FULL,), f, "replicated")]),
+        Node("output", "output", "output", [3], [], [Signature((FULL,), (), 0, "replicated")]),
+    ]
+    g = Graph(nodes, tensors, 4)
+    plan = hidup.search(g, SOCKET, duplication=False)
+    gathers = [c for c in plan.conversions if c.tensor == 1]
+    assert len(gathers) == 1 and gathers[0].consumer == "b" and gathers[0].forward == "all_gather"
+    assert plan.conversion(1, FULL) is gathers[0]
+
+
+@pytest.mark.parametrize("style", ["data", "tensor", "expert"])
+def test_forced_styles(style):
+    g = layered_graph(layers=3, nodes_per_layer=8, seed=5, shape=(256, 256))
+    plan = hidup.search.forced(g, SOCKET, style)
+    assert plan.algorithm == f"forced-{style}"
+    preferred = {"data": "data", "tensor": "tensor", "expert": "expert"}[style]
+    for n in g.nodes:
+        sig = plan.choices[n.name]
+        kinds = {s.kind for s in n.signatures}
+        if n.op == "param" and style == "data":
+            assert sig.outputs == (REPLICATE,)
+        if n.op != "call":
+            continue
+        if preferred in kinds:
+            assert sig.kind == preferred, n.name
+        elif "data" in kinds:
+            assert sig.kind == "data", n.name
+        forbidden = {"data": {"tensor", "expert"}, "tensor": {"expert"}, "expert": {"tensor"}}[style]
+        assert sig.kind not in forbidden or not (kinds - forbidden)
+
+
+def test_errors_name_the_problem():
+    g = random_graph(3, calls=3)
+    with pytest.raises(SearchError, match="traced for 4 ranks"):
+        hidup.search(g, SOCKET, world_size=8)
+    with pytest.raises(SearchError, match="node op1"):
+        hidup.search(g, SOCKET, restrict=lambda node, sig: node.name != "op1")
+    with pytest.raises(ValueError, match="algorithm"):
+        hidup.search(g, SOCKET, algorithm="greedy")
+    with pytest.raises(ValueError, match="precision"):
+        hidup.search(g, SOCKET, precision="fp64")
+
+
+def test_progress_callback_and_restrict():
+    g = random_graph(4, calls=6, max_sigs=4)
+    seen = []
+    plan = hidup.search(g, SOCKET, progress=lambda done, total: seen.append((done, total)),
+                        restrict=lambda node, sig: node.op != "param" or sig.outputs == (REPLICATE,))
+    assert seen and seen[-1][0] == seen[-1][1]
+    assert all(plan.choices[n.name].outputs == (REPLICATE,) for n in g.params())

@@ -19,12 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from hidup.runtime.launch import launch  # noqa: E402
-from hidup.runtime.verify import parity_report  # noqa: E402
+from hidup.runtime.launch import launch
+from hidup.runtime.verify import parity_report
 
 SMALL = dict(layers=2, d_model=32, heads=4, ffn=64, batch_per_gpu=2, vocab=64)
 STYLES = {"mlp": ("searched", "data", "tensor"), "gpt": ("searched", "data", "tensor")}

@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import hidup.models  # noqa: E402
-import hidup.profiler  # noqa: E402
-from hidup.search import search  # noqa: E402
-from hidup.trace import trace  # noqa: E402
+import hidup.models
+import hidup.profiler
+from hidup.search import search
+from hidup.trace import trace
 
 
 def measure(model: str, layers: int, world: int, profile, algorithm: str, repeat: int) -> dict:

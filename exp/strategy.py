@@ -6,11 +6,8 @@ prints the plan summary and writes strategy_bert-sgmoe.json.  Takes every flag o
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hidup.cli import main  # noqa: E402
+from hidup.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["search", *sys.argv[1:]]))

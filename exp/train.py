@@ -7,11 +7,8 @@ variables are used instead; on one machine ``--world N`` is enough.  Takes every
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hidup.runtime.train import main  # noqa: E402
+from hidup.runtime.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,8 +8,6 @@ flag names with dashes or underscores), and flags on the command line win.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 

@@ -1,0 +1,13 @@
+"""Code generation: autograd-aware collectives, the per-rank program, duplication, gradient sync.
+
+    module = hidup.compile(model, plan, rank, world_size, example_inputs)
+    hidup.clip_grad_norm_(module, 1.0)
+    state = hidup.full_state_dict(module)      # logical (unsharded) parameters, on every rank
+"""
+
+from hidup.codegen.grads import GradBucketer, clip_grad_norm_
+from hidup.codegen.params import ParamShard, full_state_dict, load_full_state_dict
+from hidup.codegen.rewrite import CompileError, HidupModule, compile
+
+__all__ = ["compile", "HidupModule", "CompileError", "clip_grad_norm_", "full_state_dict",
+           "load_full_state_dict", "ParamShard", "GradBucketer"]

@@ -157,8 +157,9 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
 
     signals = _Signals()
     times, cuda = [], device.type == "cuda"
-    tokens_per_step = math.prod(inputs[0].shape[:2]) if inputs[0].dim() >= 2 and not inputs[0].is_floating_point() \
-        else inputs[0].shape[0]
+    is_lm = inputs[0].dim() >= 2 and not inputs[0].is_floating_point()
+    tokens_per_step = math.prod(inputs[0].shape[:2]) if is_lm else inputs[0].shape[0]
+    unit = "tokens" if is_lm else "samples"
     prof = None
     if args.chrome_trace is not None:
         from torch.profiler import ProfilerActivity, profile, schedule
@@ -222,7 +223,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""
         print(f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
-              f"(last {len(timed)}), {result['tokens_per_s']:.0f} samples/s{mem}", flush=True)
+              f"(last {len(timed)}), {result['tokens_per_s']:.0f} {unit}/s{mem}", flush=True)
     if rank == 0 and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -211,3 +211,26 @@ def memory_bandwidth(device: torch.device | str, nbytes: int | None = None, *, b
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 2.0 * n * 4 / seconds
+
+
+def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 0.2) -> float:
+    """Seconds of fixed cost per op: a torch.fx program of ``ops`` elementwise ops on a tiny tensor,
+    forward and backward, timed as a whole and divided by ``3 * ops`` (a backward launches about two
+    kernels per forward op).  At this size no kernel does measurable work, so what is left is the
+    launch and host-dispatch cost that every op of a generated program pays."""
+    import torch.fx
+
+    device = torch.device(device)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = x
+    for i in range(ops):
+        y = graph.call_function(torch.mul if i % 2 else torch.add, (y, 1.0001))
+    graph.output(graph.call_function(torch.sum, (y,)))
+    program = torch.fx.GraphModule(torch.nn.Module(), graph)
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def step():
+        program(leaf).backward()
+
+    return time_call(step, device, budget_s=budget_s) / (3 * ops)

@@ -146,7 +146,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     from hidup.profiler import profile as profile_mod
 
     from .comm import default_comm_sizes, default_group_sizes, profile_collectives
-    from .device import canonical_dtype, default_matmul_sizes, device_rates, memory_bandwidth
+    from .device import canonical_dtype, default_matmul_sizes, device_rates, memory_bandwidth, op_overhead
 
     initialized = dist.is_available() and dist.is_initialized()
     pg_world = dist.get_world_size() if initialized else 1
@@ -176,6 +176,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
                               on_dtype=lambda d: bar.step(f"matmul {d}"))
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
+        overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
         curves = []
         if world > 1:
             curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget,
@@ -184,7 +185,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         bar.close()
     elapsed = time.perf_counter() - t_start
 
-    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s"]
+    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s; "
+             f"op overhead {overhead * 1e6:.1f} us"]
     flops = dict(base.flops) if base is not None else {}
     flops.update(rates)
     missing = [d for d in profile_mod.DTYPES if d not in flops]
@@ -207,10 +209,11 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     prof = profile_mod.Profile(
         name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
         host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
-        date=_dt.date.today().isoformat(), source="measured",
+        date=_dt.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
+           "op_overhead": overhead,
            "matmul": {d: r.to_dict() for d, r in matmul.items()},
            "collectives": [c.to_dict() for c in curves]}
     return prof, raw

@@ -25,6 +25,13 @@ larger one) with ring scaling: a ring collective moves ``(n-1)/n`` of the buffer
 all-gather, reduce-scatter and all-to-all and ``2(n-1)/n`` for all-reduce, so at a fixed link (bus)
 bandwidth ``algbw_n = algbw_m * ((m-1)/m) / ((n-1)/n)`` for all four collectives; alpha is kept.
 
+Memory-bound ops and launch overhead
+------------------------------------
+``memory_bandwidth`` (bytes/s, bytes read plus bytes written, as a device-to-device copy counts them)
+and ``op_overhead`` (seconds per op: kernel launch plus the host-side dispatch of one generated op)
+are optional; with them the cost model prices an unmeasured op as a roofline plus a fixed cost:
+``overhead + max(flops / rate, bytes / memory_bandwidth)``.  Without them (0) it uses FLOPs alone.
+
 Per-op times
 ------------
 ``ops`` maps :func:`op_key` ``(target, local input shapes, dtype)`` to measured forward and backward
@@ -118,6 +125,8 @@ class Profile:
     date: str = ""
     source: str = "measured"
     notes: str = ""
+    memory_bandwidth: float = 0.0  # bytes/s (read + written); 0 = unknown, compute priced by FLOPs
+    op_overhead: float = 0.0  # seconds per op (launch + host dispatch)
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -183,7 +192,7 @@ class Profile:
                 colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
         return Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
-                       self.date, "perturbed", self.notes)
+                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f())
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
         """A copy with extra measured per-op times (keys from :func:`op_key`)."""
@@ -197,6 +206,7 @@ class Profile:
             "version": SCHEMA_VERSION, "name": self.name, "host": self.host, "gpu": self.gpu,
             "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
             "notes": self.notes, "flops": dict(self.flops),
+            "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
             "collectives": {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())}
                             for c, tabs in self.collectives.items()},
@@ -297,8 +307,10 @@ class Profile:
         extra = set(cin) - set(COLLECTIVES)
         if extra:
             raise bad("collectives", f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
+        membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
+        overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, d.get("notes", ""))
+                       d.get("date", ""), source, d.get("notes", ""), membw, overhead)
 
 
 def builtin_names() -> list[str]:

@@ -3,11 +3,19 @@
 Compute (one rank, the whole per-rank batch)
 --------------------------------------------
 ``t_fwd(n, s) = measured forward time`` when the profile has ``op_key(n.target, local input shapes
-under s, dtype)``, else ``s.flops / rate(dtype)`` where ``dtype`` is that of the node's first
+under s, dtype)``, else the roofline plus a fixed per-op cost::
+
+    t_fwd(n, s) = o + max(s.flops / rate(dtype), bytes(n, s) / memory_bandwidth)
+
+where ``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
+outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of the node's first
 output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
-matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32.
+matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32.  (A profile without a memory
+bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them looks harmless.)
 ``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)``; it is 0 when no
 input of ``n`` requires a gradient (nothing to differentiate).  Only ``call`` nodes compute.
+The fixed part ``o`` (``2 o`` backward) does not shrink when a copy runs half the batch:
+:meth:`CostModel.fixed` reports it so that duplication pays it once per copy.
 
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
@@ -31,9 +39,10 @@ computed only from them are not.  Per copy:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from hidup.ir import Conversion, Form, Graph, Node, Signature, Tensor, conversion
+from hidup.ir import DTYPE_BYTES, Conversion, Form, Graph, Node, Signature, Tensor, conversion
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
 
@@ -103,7 +112,23 @@ class CostModel:
             fwd, bwd = measured
             return fwd, (bwd if needs_bwd else 0.0)
         fwd = sig.flops / self.profile.rate(profile_dtype(dtype, self.precision))
+        membw = getattr(self.profile, "memory_bandwidth", 0.0)
+        if membw and shapes is not None:
+            moved = sum(math.prod(sh) * DTYPE_BYTES.get(g.tensors[t].dtype, 4) for t, sh in zip(node.inputs, shapes))
+            for t, f in zip(node.outputs, sig.outputs):
+                tensor = g.tensors[t]
+                moved += math.prod(f.local_shape(tensor.shape, self.world)) * DTYPE_BYTES.get(tensor.dtype, 4)
+            fwd = max(fwd, moved / membw)
+        fwd += getattr(self.profile, "op_overhead", 0.0)
         return fwd, (2.0 * fwd if needs_bwd else 0.0)
+
+    def fixed(self, node: Node) -> tuple[float, float]:
+        """(forward, backward) seconds of ``node`` that do not depend on the batch size (launch and
+        dispatch overhead), paid by each duplicated copy in full."""
+        if node.op != "call":
+            return 0.0, 0.0
+        o = getattr(self.profile, "op_overhead", 0.0)
+        return o, (2.0 * o if self.requires_backward(node) else 0.0)
 
     def comm(self, collective: str, nbytes: float) -> float:
         """Seconds of one collective over the whole world on a logical buffer of ``nbytes``."""

@@ -107,6 +107,7 @@ class Problem:
             self.compute.append([self.cost.compute(node, s) for s in sigs])
             self.mem.append([self.memory.total(node, s) for s in sigs])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
+        self.fixed = [self.cost.fixed(node) for node in self.order]
 
         # liveness
         self.last_use: dict[int, int] = {}
@@ -240,8 +241,10 @@ class Problem:
             convs.append((node.inputs[inp], inp, prod, f))
         cf, cb = self.compute[i][k]
         if self.node_batch[i]:
-            f4 = (fA, fB, cf / 2, cf / 2)
-            b4 = (bA, bB, cb / 2, cb / 2)
+            of, ob = self.fixed[i]
+            hf, hb = (cf - of) / 2 + of, (cb - ob) / 2 + ob
+            f4 = (fA, fB, hf, hf)
+            b4 = (bA, bB, hb, hb)
         else:
             f4 = (fA, fB, cf, 0.0)
             b4 = (bA, bB, cb, 0.0)

@@ -1,0 +1,324 @@
+"""Autograd-aware collectives and form conversions (torch.distributed, NCCL and gloo).
+
+Every function here turns a tensor from one form (see :mod:`hidup.ir`) into another on one rank
+of a process group of N ranks, and its backward is the conjugate required by the gradient
+convention of :mod:`hidup.ir`:
+
+* the gradient of a ``full`` tensor is a per-rank partial contribution (true gradient = sum),
+* the gradient of a ``gather_d`` tensor is exact for the local slice,
+* the gradient of a ``reduce`` tensor is exact and identical on every rank.
+
+With rank r, world N, the local piece of a ``gather_d`` tensor X is ``X_r = X[.., rN/N.., ..]``
+(the r-th of N equal slices along d).  The ops and their adjoints:
+
+=====================  ===============================  ================================  ===========
+function               forward                          backward                          forms
+=====================  ===============================  ================================  ===========
+``all_gather(x, d)``   ``cat_r x_r`` along d            ``(sum_r g_r)_r`` reduce-scatter  gather→full
+``reduce_scatter``     ``(sum_r x_r)_r`` along d        all-gather along d                reduce→gather
+``all_to_all(a→b)``    re-slice from dim a to dim b     all-to-all b→a                    gather→gather
+``all_reduce``         ``sum_r x_r``                    all-reduce                        reduce→full
+``slice(x, d)``        ``x_r``                          zero-pad the local slice          full→gather
+``zero_pad(x, d)``     slice placed in zeros            ``g_r`` (slice)                   gather→reduce
+``keep_rank0``         ``x`` on rank 0, zeros elsewhere same mask                         full→reduce
+``replicate``          identity                         all-reduce                        replicate→full
+=====================  ===============================  ================================  ===========
+
+``replicate -> reduce`` (keep on rank 0) has the identity as its backward: the table's
+``all_reduce(keep_rank0(g))`` equals ``g`` because a ``reduce`` gradient is already exact everywhere.
+
+:func:`convert` applies :func:`hidup.ir.conversion` for any pair of forms.  Collectives move the
+sharded dim to the front and make it contiguous, so any dim and any memory layout works; outputs
+are contiguous.  Where a backend lacks a fused collective (gloo and ``reduce_scatter_tensor`` in
+some versions, ``all_to_all_single`` on others) an equivalent built from ``all_gather`` /
+``all_reduce`` is used and remembered per backend.  A group of one rank (or no initialized
+process group) makes every collective the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hidup.ir import FULL, REDUCE, Form, conversion, gather
+
+__all__ = [
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_pad", "keep_rank0",
+    "replicate", "convert", "apply_op", "world_of", "rank_of",
+    "gather_raw", "reduce_scatter_raw", "all_to_all_raw", "all_reduce_raw",
+]
+
+# (backend name, op) pairs whose fused collective failed once; the fallback is used from then on.
+_UNSUPPORTED: set[tuple[str, str]] = set()
+
+
+def world_of(group=None) -> int:
+    """Number of ranks in ``group`` (1 when no process group is initialized)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank_of(group=None) -> int:
+    """This process's rank within ``group`` (0 when no process group is initialized)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - exotic groups
+        return "unknown"
+
+
+def _fused(group, op: str, fn, fallback):
+    """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``."""
+    key = (_backend(group), op)
+    if key not in _UNSUPPORTED:
+        try:
+            return fn()
+        except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+            _UNSUPPORTED.add(key)
+    return fallback()
+
+
+# ------------------------------------------------------------------------------------------------
+# Raw collectives on dim 0 of a contiguous tensor (no autograd).
+
+def gather_raw(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``cat`` over ranks along dim 0 of the contiguous tensor ``x`` (equal shapes on all ranks)."""
+    n = world_of(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    fused = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def fallback():
+        parts = list(out.chunk(n, 0)) if x.shape[0] else [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=group)
+        return out if x.shape[0] else torch.cat(parts, 0)
+
+    def run():
+        fused(out, x, group=group)
+        return out
+
+    return _fused(group, "all_gather", run, fallback)
+
+
+def all_reduce_raw(x: torch.Tensor, group=None) -> torch.Tensor:
+    """A new tensor holding ``sum_r x_r``."""
+    if world_of(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def reduce_scatter_raw(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's chunk (along dim 0) of ``sum_r x_r``; ``x.shape[0]`` must divide by N."""
+    n = world_of(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"reduce_scatter: dim 0 of size {x.shape[0]} does not divide over {n} ranks")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    fused = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def run():
+        fused(out, x, group=group)
+        return out
+
+    def fallback():
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(n, 0)[rank_of(group)].contiguous()
+
+    return _fused(group, "reduce_scatter", run, fallback)
+
+
+def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Chunk j (of N, along dim 0) goes to rank j; the output stacks the chunks received from ranks
+    0..N-1 along dim 0."""
+    n = world_of(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"all_to_all: dim 0 of size {x.shape[0]} does not divide over {n} ranks")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+
+    def run():
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    def fallback():
+        # Every rank gathers everything and keeps the chunks addressed to it.
+        everything = gather_raw(x, group).reshape((n, n, x.shape[0] // n) + tuple(x.shape[1:]))
+        return everything[:, rank_of(group)].reshape(x.shape).contiguous()
+
+    return _fused(group, "all_to_all", run, fallback)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dim-aware ops (no autograd).
+
+def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.movedim(dim, 0).contiguous() if dim else x.contiguous()
+
+
+def _from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.movedim(0, dim).contiguous() if dim else x
+
+
+def _check_dim(x: torch.Tensor, dim: int, what: str) -> None:
+    if not 0 <= dim < x.dim():
+        raise ValueError(f"{what}: dim {dim} out of range for a tensor of shape {tuple(x.shape)}")
+
+
+def _slice(x, dim, rank, n):
+    _check_dim(x, dim, "slice")
+    if x.shape[dim] % n:
+        raise ValueError(f"slice: dim {dim} of shape {tuple(x.shape)} does not divide over {n} ranks")
+    k = x.shape[dim] // n
+    return x.narrow(dim, rank * k, k).contiguous()
+
+
+def _zero_pad(x, dim, rank, n):
+    _check_dim(x, dim, "zero_pad")
+    shape = list(x.shape)
+    shape[dim] *= n
+    out = x.new_zeros(shape)
+    out.narrow(dim, rank * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
+def _all_to_all(x, src_dim, dst_dim, group):
+    n = world_of(group)
+    if n == 1:
+        return x
+    _check_dim(x, src_dim, "all_to_all")
+    _check_dim(x, dst_dim, "all_to_all")
+    if src_dim == dst_dim:
+        return x
+    received = all_to_all_raw(_to_front(x, dst_dim), group)
+    parts = [p.movedim(0, dst_dim) if dst_dim else p for p in received.chunk(n, 0)]
+    return torch.cat(parts, dim=src_dim)
+
+
+def apply_op(op: str, x: torch.Tensor, frm: Form, to: Form, group=None) -> torch.Tensor:
+    """Run the conversion op named ``op`` (see :class:`hidup.ir.Conversion`) on ``x``, moving it
+    from form ``frm`` to form ``to`` (no autograd).  The sharded dim is the one of whichever side
+    is a gather form."""
+    n, r = world_of(group), rank_of(group)
+    if op == "identity":
+        return x
+    if op in ("keep_rank0", "local"):
+        return x if r == 0 else torch.zeros_like(x)
+    if op == "all_reduce":
+        return all_reduce_raw(x, group)
+    if op == "all_to_all":
+        return _all_to_all(x, frm.dim, to.dim, group)
+    if op in ("slice", "reduce_scatter"):
+        if not to.is_gather:
+            raise ValueError(f"{op} needs a gather target form, got {frm} -> {to}")
+        if op == "slice":
+            return x if n == 1 else _slice(x, to.dim, r, n)
+        _check_dim(x, to.dim, "reduce_scatter")
+        return _from_front(reduce_scatter_raw(_to_front(x, to.dim), group), to.dim)
+    if op in ("zero_pad", "all_gather"):
+        if not frm.is_gather:
+            raise ValueError(f"{op} needs a gather source form, got {frm} -> {to}")
+        if op == "zero_pad":
+            return x if n == 1 else _zero_pad(x, frm.dim, r, n)
+        _check_dim(x, frm.dim, "all_gather")
+        return _from_front(gather_raw(_to_front(x, frm.dim), group), frm.dim)
+    raise ValueError(f"unknown conversion op {op!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd.
+
+class _Convert(torch.autograd.Function):
+    """Forward ``fwd`` from ``src`` to ``dst``; backward ``bwd`` from ``dst`` to ``src``."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, src, dst, group):
+        ctx.spec = (fwd, bwd, src, dst, group)
+        out = apply_op(fwd, x, src, dst, group)
+        return x.view_as(x) if out is x else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        fwd, bwd, src, dst, group = ctx.spec
+        if bwd == "local":  # the adjoint of the local forward op
+            bwd = fwd
+        out = apply_op(bwd, grad, dst, src, group)
+        return out, None, None, None, None, None
+
+
+def _convert_op(x, fwd, bwd, src, dst, group):
+    if world_of(group) == 1 or (fwd == "identity" and bwd == "identity"):
+        return x
+    return _Convert.apply(x, fwd, bwd, src, dst, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """``gather_dim -> full``: concatenate the ranks' slices; backward reduce-scatters."""
+    return _convert_op(x, "all_gather", "reduce_scatter", gather(dim), FULL, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """``reduce -> gather_dim``: this rank's slice of the sum; backward all-gathers."""
+    return _convert_op(x, "reduce_scatter", "all_gather", REDUCE, gather(dim), group)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group=None) -> torch.Tensor:
+    """``gather_src -> gather_dst``: re-slice; backward is the reverse all-to-all."""
+    if src_dim == dst_dim:
+        return x
+    return _convert_op(x, "all_to_all", "all_to_all", gather(src_dim), gather(dst_dim), group)
+
+
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``reduce -> full``: the sum over ranks; backward all-reduces the partial gradients."""
+    return _convert_op(x, "all_reduce", "all_reduce", REDUCE, FULL, group)
+
+
+def slice(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:  # noqa: A001 - the table's name
+    """``full -> gather_dim``: this rank's slice; backward zero-pads (partial gradient of full)."""
+    return _convert_op(x, "slice", "zero_pad", FULL, gather(dim), group)
+
+
+def zero_pad(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """``gather_dim -> reduce``: the local slice placed in zeros; backward slices."""
+    return _convert_op(x, "zero_pad", "slice", gather(dim), REDUCE, group)
+
+
+def keep_rank0(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``full -> reduce``: rank 0 keeps the value, the others hold zeros; backward is the same mask."""
+    return _convert_op(x, "keep_rank0", "local", FULL, REDUCE, group)
+
+
+def replicate(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``replicate -> full``: identity forward; backward all-reduces, giving every rank the exact
+    gradient of the replicated parameter."""
+    return _convert_op(x, "identity", "all_reduce", Form("replicate"), FULL, group)
+
+
+def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:
+    """Turn ``x`` (this rank's piece of a tensor in form ``src``) into its piece in form ``dst``,
+    per :func:`hidup.ir.conversion`, with the conjugate backward."""
+    conv = conversion(src, dst)
+    if conv is None:
+        raise ValueError(f"no conversion from form {src} to form {dst}; "
+                         f"only parameters produce 'replicate' and nothing converts into it")
+    backward = conv.backward
+    if src.kind == "replicate" and dst.kind == "reduce":
+        # The table's backward is all-reduce(keep_rank0(g)); a reduce-form gradient g is already
+        # exact and identical on every rank, so that composition is the identity: skip the traffic.
+        backward = "identity"
+    return _convert_op(x, conv.forward, backward, src, dst, group)

@@ -1,0 +1,153 @@
+"""Duplication: two half-batch copies of a rank's program, interleaved so that one copy's
+communication overlaps the other's computation.
+
+Splitting.  A batch input of ``M`` rows along its batch dim is cut into two copies by viewing the
+rows as ``[blocks, 2, M / (2 blocks)]`` and taking index ``c`` of the middle axis, with
+``blocks = N`` for a global input and ``blocks = 1`` for a local input that is already this rank's
+slice along the batch dim.  Both views select the same rows of the global batch, so a module fed
+the global batch and one fed local batches run identical copies, and copy ``c`` on rank ``r``
+receives exactly rank ``r``'s share of copy ``c``'s half of the global batch.  Each copy is the
+plan's program traced at half the global batch; since the models' losses are sums over
+independent sequences, ``loss = loss_copy0 + loss_copy1`` equals the loss of the whole batch and
+one backward over the sum yields the same gradients.
+
+Scheduling.  On CPU the copies run one after the other (``streams=True`` runs the CUDA schedule
+below without streams, to test it).  On CUDA the program is split at the
+plan's stage boundaries (``node.meta["stage"]``) and the stages run in lockstep: stage ``s`` of copy
+0 on stream 0, then stage ``s`` of copy 1 on stream 1, and so on.  Each copy communicates on its own
+process group, so the NCCL calls of the two copies never interleave on one communicator, and the
+GPU overlaps copy 0's collectives with copy 1's kernels.  Autograd runs every backward op on the
+stream of its forward op, so the backward interleaves the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from hidup.codegen.program import using_group
+
+__all__ = ["half", "split_inputs", "halve_example", "SequentialCopies", "StagedCopies"]
+
+
+def half(x: torch.Tensor, dim: int, copy: int, blocks: int) -> torch.Tensor:
+    """Copy ``copy`` (0 or 1) of ``x`` along ``dim`` (see module docstring)."""
+    m = x.shape[dim]
+    if m % (2 * blocks):
+        raise ValueError(f"duplication splits dim {dim} of an input of shape {tuple(x.shape)} into 2 x {blocks} "
+                         f"blocks, which does not divide {m}; use a batch that is a multiple of {2 * blocks} "
+                         f"or turn duplication off")
+    return x.unflatten(dim, (blocks, 2, m // (2 * blocks))).select(dim + 1, copy).flatten(dim, dim + 1).contiguous() \
+        if blocks > 1 else x.narrow(dim, copy * (m // 2), m // 2)
+
+
+def split_inputs(values: list, batch_dims: list, blocks: list[int]) -> tuple[list, list]:
+    """Both copies' inputs; ``batch_dims[i]`` None (or a non-tensor input) passes it to both."""
+    copies: tuple[list, list] = ([], [])
+    for v, d, b in zip(values, batch_dims, blocks):
+        for c in (0, 1):
+            copies[c].append(half(v, d, c, b) if isinstance(v, torch.Tensor) and d is not None else v)
+    return copies
+
+
+def halve_example(values: list, batch_dims: list) -> list:
+    """Example inputs of one copy for tracing (only shapes matter)."""
+    return [v.narrow(d, 0, v.shape[d] // 2) if isinstance(v, torch.Tensor) and d is not None else v
+            for v, d in zip(values, batch_dims)]
+
+
+class SequentialCopies:
+    """Run the copies one after the other (CPU, or CUDA without streams)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+
+    def __call__(self, copies, groups):
+        total = None
+        for inputs, group in zip(copies, groups):
+            with using_group(group):
+                loss = self.gm(*inputs)
+            total = loss if total is None else total + loss
+        return total
+
+
+class StagedCopies:
+    """Run the copies stage by stage on two CUDA streams (see module docstring)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
+        stages = {n.meta.get("stage", 0) for n in gm.graph.nodes}
+        self.num_stages = len(stages)
+        order = {s: i for i, s in enumerate(sorted(stages))}
+
+        def partition(node):
+            users = list(node.users)
+            stage = node.meta.get("stage")
+            if stage is None and users:
+                stage = min(u.meta.get("stage", 0) for u in users)
+            return order.get(stage if stage is not None else 0, 0)
+
+        self.split = split_module(gm, gm, partition, keep_original_order=True) if self.num_stages > 1 else gm
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)] if self.cuda else None
+        if self.cuda:
+            # Both copies feed the same parameters from different streams by design, so the
+            # gradient accumulation of a parameter always meets one foreign stream; autograd
+            # synchronizes it correctly and would otherwise warn on every step.
+            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+            if quiet is not None:
+                quiet(False)
+
+    def _on(self, c: int):
+        return torch.cuda.stream(self.streams[c]) if self.cuda else contextlib.nullcontext()
+
+    def __call__(self, copies, groups):
+        if self.num_stages == 1:
+            return SequentialCopies(self.split)(copies, groups)
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                s.wait_stream(main)
+        envs = [{}, {}]
+        results = [None, None]
+        graph = self.split.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for c in (0, 1):
+            for ph, value in zip(placeholders, copies[c]):
+                envs[c][ph] = value
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                continue
+            for c in (0, 1):
+                env = envs[c]
+                load = lambda a: env[a]  # noqa: E731
+                args = torch.fx.node.map_arg(node.args, load)
+                kwargs = torch.fx.node.map_arg(node.kwargs, load)
+                if node.op == "output":
+                    results[c] = args[0]
+                    continue
+                with self._on(c), using_group(groups[c]):
+                    if node.op == "call_module":
+                        env[node] = self.split.get_submodule(node.target)(*args, **kwargs)
+                    elif node.op == "call_function":
+                        env[node] = node.target(*args, **kwargs)
+                    elif node.op == "get_attr":
+                        env[node] = _fetch(self.split, node.target)
+                    else:
+                        raise RuntimeError(f"unexpected node {node.op} in the staged program")
+        if self.cuda:
+            for s in self.streams:
+                main.wait_stream(s)
+            for c in (0, 1):
+                results[c].record_stream(main)
+        return results[0] + results[1]
+
+
+def _fetch(module, path: str):
+    obj = module
+    for atom in path.split("."):
+        obj = getattr(obj, atom)
+    return obj

@@ -1,0 +1,162 @@
+"""Gradient synchronisation of replicated parameters and global gradient clipping.
+
+Under the gradient convention of :mod:`hidup.ir` a ``replicate`` parameter used as a ``full``
+tensor accumulates a *partial* gradient on every rank; its true gradient is ``sum_r g_r``.  Rather
+than one all-reduce per use (the ``replicate -> full`` conversion's backward), codegen uses the
+plain ``full`` view of the parameter in the graph and sums the accumulated gradients once per
+backward pass with bucketed, asynchronous all-reduces that overlap the rest of the backward (as
+DDP does):
+
+* parameters are packed into buckets of about ``bucket_mb`` MB in reverse order of first use in
+  the forward (the order in which backward finishes them), one dtype/device per bucket;
+* a ``post_accumulate_grad_hook`` marks a parameter ready once autograd has summed all of its
+  uses (the hook runs once per backward, however often the parameter is used); when a bucket is
+  complete and all earlier buckets are launched, its gradients are copied into a flat buffer and
+  ``all_reduce(async_op=True)`` is started;
+* a callback queued on the autograd engine waits for every bucket at the end of the backward,
+  launches buckets that were left incomplete (parameters that received no gradient are skipped
+  consistently on every rank), and copies the sums back into ``.grad``.
+
+Because the sum is taken over the whole accumulated ``.grad``, gradient accumulation over several
+backward passes must skip the sync for all but the last one (``with module.no_sync(): ...``), and
+gradients must be zeroed between steps, as with DDP.
+
+:func:`clip_grad_norm_` computes ``||g|| = sqrt(sum_sharded ||g_r||^2 summed over ranks +
+sum_replicated ||g||^2)``: slices of sharded parameters are disjoint and added over ranks,
+replicated gradients (identical on every rank after the sync) are counted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from hidup.codegen.collectives import world_of
+from hidup.codegen.params import iter_shards
+
+__all__ = ["GradBucketer", "clip_grad_norm_"]
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.ready: set[int] = set()
+        self.work = None
+        self.buffer: torch.Tensor | None = None
+        self.members: list[torch.nn.Parameter] = []
+
+
+class GradBucketer:
+    """Bucketed, overlapped all-reduce of the gradients of ``params`` (in forward first-use order)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = 25.0):
+        self.group = group
+        self.enabled = True
+        self.buckets: list[_Bucket] = []
+        self._handles = []
+        self._pending = False
+        self._next = 0  # index of the next bucket to launch
+        limit = max(1, int(bucket_mb * 2**20))
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        seen: set[int] = set()
+        for p in reversed(params):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > limit or p.dtype != current[0].dtype or p.device != current[0].device):
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._where = {}
+        for i, b in enumerate(self.buckets):
+            for p in b.params:
+                self._where[id(p)] = i
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient sync inside the block (gradient accumulation)."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- backward-time machinery
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.enabled or world_of(self.group) == 1:
+            return
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self.buckets[self._where[id(p)]]
+        bucket.ready.add(id(p))
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
+        if not bucket.members:
+            return
+        bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.members])
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def _finish(self) -> None:
+        try:
+            while self._next < len(self.buckets):  # incomplete buckets: reduce what arrived
+                self._launch(self.buckets[self._next])
+                self._next += 1
+            for bucket in self.buckets:
+                if bucket.work is None:
+                    continue
+                bucket.work.wait()
+                offset = 0
+                for p in bucket.members:
+                    n = p.numel()
+                    p.grad.detach().copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
+                    offset += n
+        finally:
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.work = bucket.buffer = None
+                bucket.members = []
+            self._next = 0
+            self._pending = False
+
+
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:
+    """Scale the gradients of ``module`` (compiled or plain) so that their global norm is at most
+    ``max_norm``; returns the global norm (before clipping).  Collective for compiled modules."""
+    if norm_type != 2.0:
+        raise ValueError(f"clip_grad_norm_: only the 2-norm is supported, got norm_type={norm_type}")
+    group = getattr(module, "group", None) if group is None else group
+    sharded, replicated = [], []
+    for _, t, shard in iter_shards(module):
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            (sharded if shard.sharded else replicated).append(t.grad.detach())
+    device = (sharded or replicated or [torch.zeros(())])[0].device
+    sq_sharded = torch.zeros((), dtype=torch.float32, device=device)
+    for g in sharded:
+        sq_sharded += g.float().pow(2).sum()
+    if world_of(group) > 1:
+        dist.all_reduce(sq_sharded, group=group)
+    sq = sq_sharded + sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in sharded + replicated:
+        g.mul_(coef.to(g.dtype))
+    return total

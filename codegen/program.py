@@ -1,0 +1,423 @@
+"""Build the fx program one rank runs under a plan.
+
+For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature` per node):
+
+* **inputs**: the module takes the *global* batch; an input whose chosen form is ``gather_d`` is
+  sliced to ``x[.., r*n/N:(r+1)*n/N, ..]`` along ``d`` (``full`` inputs pass unchanged).  With
+  ``local_batch=True`` the caller passes each input already in its chosen form's local piece
+  (``module.input_forms`` lists them).
+* **parameters** are physically sharded: a ``gather_d`` parameter is stored as a new
+  ``nn.Parameter`` holding only slice r; ``replicate`` ones whole.  ``module.param_shards`` maps
+  each stored tensor to its logical name and shape.
+* **form changes**: for every consumer input whose required form differs from the producer's
+  form, one :func:`hidup.codegen.collectives.convert` is inserted per (tensor, target form) and
+  shared by all consumers needing that form.
+* **ops**: every call node becomes ``hidup.rules.localize(ctx, sig, r)``; values without tensors
+  were folded by the tracer and are not recomputed.
+* **loss**: brought to ``reduce`` form (``full -> reduce`` keeps it on rank 0), so the backward
+  seed is 1 on every rank (the exact gradient of a ``reduce`` tensor) and the true loss is the
+  sum over ranks (:meth:`hidup.codegen.rewrite.HidupModule.global_loss`).
+* **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
+  summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
+
+Every generated node carries ``meta["stage"]``, the index of its plan stage, which
+:mod:`hidup.codegen.duplicate` uses to interleave two half-batch copies on CUDA streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import inspect
+import threading
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.fx.node import _get_qualified_name
+
+from hidup.codegen import collectives
+from hidup.codegen.params import ParamShard, local_name, shard_tensor
+from hidup.ir import FULL, REDUCE, Form, Signature
+
+__all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "CompileError"]
+
+
+class CompileError(ValueError):
+    """The model, plan and world size do not fit together (names the node and the fix)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Runtime helpers called from the generated code.  The process group is not baked into the code:
+# the module sets it around each run (duplicated copies use one group each).
+
+_STATE = threading.local()
+
+
+def current_group():
+    """The process group the generated code communicates on (set by :func:`using_group`)."""
+    return getattr(_STATE, "group", None)
+
+
+@contextlib.contextmanager
+def using_group(group):
+    before = getattr(_STATE, "group", None)
+    _STATE.group = group
+    try:
+        yield
+    finally:
+        _STATE.group = before
+
+
+@functools.lru_cache(maxsize=None)
+def _form(text: str) -> Form:
+    return Form.parse(text)
+
+
+def hidup_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """Generated-code entry point of :func:`hidup.codegen.collectives.convert`."""
+    return collectives.convert(x, _form(src), _form(dst), current_group())
+
+
+def hidup_take_input(x: torch.Tensor, form: str) -> torch.Tensor:
+    """This rank's piece of a global input in ``form`` (a slice for gather forms)."""
+    f = _form(form)
+    if not f.is_gather:
+        return x
+    group = current_group()
+    return collectives.apply_op("slice", x, FULL, f, group) if not x.requires_grad else \
+        collectives.slice(x, f.dim, group)
+
+
+def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
+    """Fail clearly when a local-batch input does not have its local shape."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"input {name!r}: expected this rank's local piece of shape {tuple(shape)}, got "
+                         f"{tuple(x.shape)}; the module was compiled with local_batch=True (see "
+                         f"module.input_forms), pass local_batch=False to give the global batch instead")
+    return x
+
+
+def hidup_tensor_leaves(value: Any) -> tuple:
+    """The tensors of a (nested) tuple/list/dict value, in the tracer's order."""
+    from hidup.trace import _leaves
+
+    return tuple(_leaves(value, torch.Tensor))
+
+
+class _CallWrapper(nn.Module):
+    """Holds a local callable fx cannot name in generated code (a partial, a bound object)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RankProgram:
+    """The generated program of one rank and what the runtime needs to know about it."""
+
+    gm: torch.fx.GraphModule
+    param_shards: dict[str, ParamShard]  # gm attribute path -> logical parameter
+    replicated: list[str]  # gm paths of replicate parameters, in order of first use
+    input_forms: dict[str, Form | None]  # placeholder -> form (None: not a tensor input)
+    input_shapes: dict[str, tuple[int, ...]]  # placeholder -> global shape
+    num_stages: int
+
+
+def _match(node, sig: Signature) -> Signature:
+    """The node's own signature equal to ``sig`` up to FLOPs (the plan may come from another batch)."""
+    for s in node.signatures:
+        if (s.inputs, s.outputs, s.impl, s.params) == (sig.inputs, sig.outputs, sig.impl, sig.params):
+            return s
+    options = "; ".join(str(s) for s in node.signatures[:6])
+    raise CompileError(f"plan chooses {sig} for node {node.name} ({node.target}"
+                       f"{' at ' + node.source if node.source else ''}), which is not one of its signatures "
+                       f"for this model/batch/world ({options}{' ...' if len(node.signatures) > 6 else ''}). "
+                       f"Fix: search the plan again for this model, batch and world size")
+
+
+def _stage_index(plan) -> dict[str, int]:
+    out = {}
+    for i, stage in enumerate(getattr(plan, "stages", None) or []):
+        for name in stage:
+            out[name] = i
+    return out
+
+
+def _replace_meta(value, replacements: list):
+    """Replace the tensor slots of a RuleContext argument structure by ``replacements`` in order."""
+    from hidup.rules.base import TensorMeta
+    from hidup.trace import _map
+
+    it = iter(replacements)
+    return _map(value, lambda v: next(it) if isinstance(v, TensorMeta) else v)
+
+
+def _fix_devices(value, device: torch.device):
+    """Devices folded during shape propagation are ``meta``; the program runs on ``device``."""
+    from hidup.trace import _map
+
+    def fix(v):
+        if isinstance(v, torch.device) and v.type == "meta":
+            return device
+        return v
+
+    return _map(value, fix)
+
+
+class _Builder:
+    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool):
+        self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.device, self.local_batch = device, local_batch
+        self.graph = torch.fx.Graph()
+        self.root = nn.Module()
+        self.local: dict[int, torch.fx.Node] = {}
+        self.lazy_params: dict[int, str] = {}  # tid -> stored attribute, get_attr created on first use
+        self.produced: dict[int, Form] = {}
+        self.converted: dict[tuple[int, Form], torch.fx.Node] = {}
+        self.shards: dict[str, ParamShard] = {}
+        self.replicated: list[str] = []
+        self.stored: dict[str, torch.Tensor] = {}  # attribute -> stored tensor
+        self.input_forms: dict[str, Form | None] = {}
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        self.stage_of = _stage_index(plan)
+        self.stage = 0
+        self.n_wrappers = 0
+        self.fx_nodes: dict[str, torch.fx.Node] = {}
+
+    # -- node creation (every node is tagged with the current stage)
+    def _tag(self, node: torch.fx.Node) -> torch.fx.Node:
+        node.meta["stage"] = self.stage
+        return node
+
+    def call(self, target, args, kwargs=None, name=None) -> torch.fx.Node:
+        kwargs = kwargs or {}
+        if isinstance(target, str):
+            node = self.graph.call_method(target, tuple(args), kwargs)
+        elif isinstance(target, nn.Module):
+            path = f"leaf_{self.n_wrappers}"
+            self.n_wrappers += 1
+            self.root.add_module(path, target)
+            node = self.graph.call_module(path, tuple(args), kwargs)
+        else:
+            try:
+                _get_qualified_name(target)
+                node = self.graph.call_function(target, tuple(args), kwargs)
+            except Exception:
+                path = f"fn_{self.n_wrappers}"
+                self.n_wrappers += 1
+                self.root.add_module(path, _CallWrapper(target))
+                node = self.graph.call_module(path, tuple(args), kwargs)
+        if name is not None:
+            node.name = self.graph._graph_namespace.create_name(name, node)
+        return self._tag(node)
+
+    def choice(self, node) -> Signature:
+        choices = self.plan.choices
+        if node.name not in choices:
+            if node.op == "output":
+                return Signature((REDUCE,), ())
+            raise CompileError(f"plan has no choice for node {node.name} ({node.op} {node.target}); "
+                               f"was it searched for this model? Fix: search again")
+        return _match(node, choices[node.name]) if node.op != "output" else choices[node.name]
+
+    # -- values
+    def value(self, tid: int) -> torch.fx.Node:
+        if tid not in self.local:
+            attr = self.lazy_params.get(tid)
+            if attr is None:
+                raise CompileError(f"tensor {tid} is read before it is produced")
+            self.local[tid] = self._tag(self.graph.get_attr(attr))
+        return self.local[tid]
+
+    def value_in(self, tid: int, dst: Form) -> torch.fx.Node:
+        if dst.kind == "replicate":
+            dst = FULL
+        src = self.produced[tid]
+        if src == dst:
+            return self.value(tid)
+        key = (tid, dst)
+        if key not in self.converted:
+            if collectives.conversion(src, dst) is None:
+                raise CompileError(f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
+                                   f"but a consumer needs {dst}; no conversion exists")
+            self.converted[key] = self.call(hidup_convert, (self.value(tid), str(src), str(dst)))
+        return self.converted[key]
+
+    # -- IR nodes
+    def add_input(self, node, sig: Signature, placeholder: torch.fx.Node) -> None:
+        form = sig.outputs[0]
+        tid = node.outputs[0]
+        shape = self.traced.graph.tensors[tid].shape
+        self.input_forms[node.name], self.input_shapes[node.name] = form, shape
+        if self.local_batch:
+            local = form.local_shape(shape, self.world)
+            value = self.call(hidup_check_local, (placeholder, local, node.name))
+        elif form.is_gather:
+            value = self.call(hidup_take_input, (placeholder, str(form)))
+        else:
+            value = placeholder
+        self.local[tid] = value
+        self.produced[tid] = form
+
+    def add_param(self, node, sig: Signature) -> None:
+        form = sig.outputs[0]
+        tid = node.outputs[0]
+        logical = self.traced.param_names.get(node.name)
+        if logical is None:
+            raise CompileError(f"param node {node.name} has no parameter name in the trace")
+        original = self.traced.gm.get_parameter(logical) if node.target == "parameter" else \
+            _get_attr_path(self.traced.gm, logical)
+        if form.kind == "reduce":
+            raise CompileError(f"plan stores parameter {logical} in form reduce; parameters are stored "
+                               f"replicate or gather_d. Fix: search again")
+        data = shard_tensor(original.detach(), form, self.rank, self.world).to(self.device).clone()
+        attr = local_name(logical)
+        if isinstance(original, nn.Parameter):
+            stored = nn.Parameter(data, requires_grad=original.requires_grad)
+            self.root.register_parameter(attr, stored)
+            if not form.is_gather and stored.requires_grad:
+                self.replicated.append(attr)
+        else:
+            self.root.register_buffer(attr, data)
+            stored = data
+        self.stored[attr] = stored
+        self.shards[attr] = ParamShard(logical, tuple(original.shape), form,
+                                       not isinstance(original, nn.Parameter))
+        self.lazy_params[tid] = attr
+        self.produced[tid] = form if form.is_gather else FULL
+
+    def add_call(self, node, sig: Signature) -> None:
+        from hidup import rules
+
+        ctx = self.traced.contexts[node.name]
+        n_args = _count_meta(ctx.args)
+        n_arg = n_args + _count_meta(ctx.kwargs)
+        inputs = [self.value_in(tid, form) for tid, form in zip(node.inputs[:n_arg], sig.inputs[:n_arg])]
+        local_ctx = dataclasses.replace(ctx, args=_replace_meta(ctx.args, inputs[:n_args]),
+                                        kwargs=_replace_meta(ctx.kwargs, inputs[n_args:]))
+        call = rules.localize(local_ctx, sig, self.rank)
+        target = call.target
+        if isinstance(target, nn.Module):
+            target = self._leaf_module(node, sig, ctx, target, n_arg)
+        out = self.call(target, _fix_devices(tuple(call.args), self.device),
+                        _fix_devices(dict(call.kwargs), self.device), name=node.name)
+        if len(node.outputs) == 1 and not self._structured(node.name):
+            self.local[node.outputs[0]] = out
+        else:
+            leaves = self.call(hidup_tensor_leaves, (out,))
+            for j, tid in enumerate(node.outputs):
+                self.local[tid] = self._tag(self.graph.call_function(_getitem, (leaves, j)))
+        for tid, form in zip(node.outputs, sig.outputs):
+            self.produced[tid] = form
+
+    def _structured(self, name: str) -> bool:
+        """Whether the traced value of fx node ``name`` is a tuple/list the model indexes into."""
+        fx_node = self.fx_nodes[name]
+        return any(u.name in self.traced.tensor_ids and u.name not in self.traced.contexts for u in fx_node.users)
+
+    def _leaf_module(self, node, sig: Signature, ctx, module: nn.Module, n_arg: int) -> nn.Module:
+        """A copy of a leaf module whose parameters are the stored (possibly sharded) ones: the
+        node's inputs after its ``n_arg`` tensor arguments are ``ctx.module.named_parameters()``."""
+        names = [pname for pname, _ in ctx.module.named_parameters()]
+        if len(node.inputs) - n_arg != len(names):
+            raise CompileError(f"leaf module node {node.name}: {len(node.inputs) - n_arg} parameter inputs for "
+                               f"{len(names)} parameters of {type(ctx.module).__name__}")
+        module = copy.deepcopy(module)
+        for pname, tid, form in zip(names, node.inputs[n_arg:], sig.inputs[n_arg:]):
+            attr = self.lazy_params.get(tid)
+            if attr is None:
+                raise CompileError(f"leaf module node {node.name}: parameter {pname} is not a stored parameter")
+            need = FULL if form.kind in ("replicate", "full") else form
+            if self.produced[tid] != need:
+                raise CompileError(f"leaf module node {node.name}: its parameter {self.shards[attr].logical_name} is "
+                                   f"stored as {self.produced[tid]} but the signature needs {form}; leaf modules use "
+                                   f"their parameters as stored. Fix: choose matching forms in the plan")
+            owner_path, _, leaf = pname.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            if not hasattr(owner, leaf):
+                raise CompileError(f"leaf module node {node.name}: the localized module has no parameter {pname}")
+            delattr(owner, leaf)
+            owner.register_parameter(leaf, self.stored[attr])
+        return module
+
+    def add_output(self, node) -> None:
+        loss = self.value_in(node.inputs[0], REDUCE)
+        self.graph.output(loss)
+
+    def build(self) -> RankProgram:
+        ir = self.traced.graph
+        placeholders = {}
+        tensor_inputs = {x.name for x in ir.nodes if x.op == "input"}
+        for n in self.traced.gm.graph.nodes:
+            self.fx_nodes[n.name] = n
+            if n.op == "placeholder":
+                default = inspect.Signature.empty if n.name in tensor_inputs else None
+                placeholders[n.name] = self._tag(self.graph.placeholder(n.name, default_value=default))
+                self.input_forms.setdefault(n.name, None)
+        for node in ir.nodes:
+            self.stage = max(self.stage, self.stage_of.get(node.name, self.stage))  # keep stages monotone
+            sig = self.choice(node)
+            if node.op == "input":
+                self.add_input(node, sig, placeholders[node.name])
+            elif node.op == "param":
+                self.add_param(node, sig)
+            elif node.op == "call":
+                self.add_call(node, sig)
+            elif node.op == "output":
+                self.add_output(node)
+            else:
+                raise CompileError(f"node {node.name}: unknown op {node.op!r}")
+        self.graph.lint()
+        gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
+        # GraphModule copies only what the graph references; leaf modules hold the rest.
+        paths = {id(t): p for p, t in list(gm.named_parameters(remove_duplicate=False)) +
+                 list(gm.named_buffers(remove_duplicate=False))}
+        shards, replicated = {}, []
+        for attr, shard in self.shards.items():
+            path = paths.get(id(self.stored[attr]))
+            if path is None:
+                continue  # a parameter the traced step never reads
+            shards[path] = shard
+            if attr in self.replicated:
+                replicated.append(path)
+        return RankProgram(gm, shards, replicated, self.input_forms, self.input_shapes,
+                           max(1, len(getattr(self.plan, "stages", None) or [])))
+
+
+def _getitem(seq, i):
+    return seq[i]
+
+
+def _count_meta(value) -> int:
+    from hidup.rules.base import TensorMeta
+    from hidup.trace import _leaves
+
+    return len(_leaves(value, TensorMeta))
+
+
+def _get_attr_path(module: nn.Module, path: str):
+    obj = module
+    for atom in path.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.device | str = "cpu",
+                       local_batch: bool = False) -> RankProgram:
+    """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
+    under ``plan``; parameters are copied (sharded) from the traced model onto ``device``."""
+    if traced.graph.world_size != world:
+        raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
+    if not 0 <= rank < world:
+        raise CompileError(f"rank {rank} is outside world size {world}")
+    return _Builder(traced, plan, rank, world, torch.device(device), local_batch).build()

@@ -1,0 +1,178 @@
+"""``hidup.compile``: a model plus a plan becomes the module one rank trains.
+
+    module = hidup.compile(model, plan, rank, world_size, example_inputs)
+    loss = module(*global_batch)         # this rank's part of the loss (reduce form)
+    loss.backward()                      # gradients of local shards; replicated ones all-reduced
+    optimizer.step()                     # an ordinary optimizer over module.parameters()
+    print(module.global_loss(loss))      # the true loss: sum over ranks
+
+The model is re-traced (:func:`hidup.trace.trace_module`) and :mod:`hidup.codegen.program` builds
+this rank's fx program (sharded parameters, sliced inputs, form conversions, localized ops, loss
+in ``reduce`` form).  The returned :class:`HidupModule`:
+
+* takes the same inputs as ``model.forward`` -- the **global** batch by default, sliced on entry
+  per the plan's input forms; with ``local_batch=True`` each input is given as this rank's piece
+  (``module.input_forms`` says which form each input has);
+* returns the rank's loss ``l_r`` with ``sum_r l_r = loss``; ``l_r.backward()`` seeds 1 on every
+  rank, the exact gradient of a ``reduce`` value;
+* holds only this rank's parameter slices (``module.param_shards`` maps them to logical names;
+  :func:`hidup.codegen.params.full_state_dict` gathers the logical layout);
+* all-reduces the gradients of replicated parameters in ~``bucket_mb`` buckets during backward
+  (:class:`hidup.codegen.grads.GradBucketer`; use ``module.no_sync()`` for accumulation);
+* with duplication (default: the plan's), runs two half-batch copies (:mod:`hidup.codegen.duplicate`)
+  and returns the sum of their losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hidup.codegen import collectives
+from hidup.codegen.duplicate import SequentialCopies, StagedCopies, halve_example, split_inputs
+from hidup.codegen.grads import GradBucketer
+from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_group
+
+__all__ = ["compile", "HidupModule", "CompileError"]
+
+
+class HidupModule(nn.Module):
+    """One rank's compiled training step (see module docstring)."""
+
+    def __init__(self, program: RankProgram, *, rank: int, world_size: int, group=None, local_batch: bool = False,
+                 duplication: bool = False, copy_groups=None, batch_dims=None, bucket_mb: float = 25.0,
+                 streams: bool | None = None, plan=None):
+        super().__init__()
+        self.gm = program.gm
+        self.program = program
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.local_batch, self.duplication = local_batch, duplication
+        self.input_names = list(program.input_forms)
+        self.input_forms = dict(program.input_forms)
+        self.plan = plan
+        self.param_shards = {f"gm.{path}": shard for path, shard in program.param_shards.items()}
+        replicated = [self.gm.get_parameter(path) for path in program.replicated]
+        self.bucketer = GradBucketer(replicated, group, bucket_mb) if world_size > 1 else None
+        self.batch_dims = batch_dims
+        self.copy_groups = None
+        if duplication:
+            self.copy_groups = copy_groups or (group, group)
+            device = _device_of(self.gm)
+            use_streams = device.type == "cuda" if streams is None else streams
+            self.runner = StagedCopies(self.gm, device) if use_streams else SequentialCopies(self.gm)
+
+    # -- running
+    def _bind(self, args, kwargs) -> list:
+        if len(args) > len(self.input_names):
+            raise TypeError(f"compiled module takes {len(self.input_names)} inputs ({self.input_names}), "
+                            f"got {len(args)}")
+        values = list(args) + [None] * (len(self.input_names) - len(args))
+        for k, v in kwargs.items():
+            if k not in self.input_names:
+                raise TypeError(f"compiled module got an unexpected input {k!r}; inputs: {self.input_names}")
+            values[self.input_names.index(k)] = v
+        return values
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        values = self._bind(args, kwargs)
+        if not self.duplication:
+            with using_group(self.group):
+                return self.gm(*values)
+        dims = self.batch_dims if self.batch_dims is not None else [0] * len(values)
+        blocks = []
+        for name in self.input_names:
+            form = self.input_forms[name]
+            d = dims[self.input_names.index(name)]
+            local_split = self.local_batch and form is not None and form.is_gather and form.dim == d
+            blocks.append(1 if local_split else self.world_size)
+        copies = split_inputs(values, dims, blocks)
+        return self.runner(copies, self.copy_groups)
+
+    # -- helpers
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The true loss (sum over ranks of the local losses), detached."""
+        return collectives.all_reduce_raw(loss.detach(), self.group)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient all-reduce of replicated parameters (accumulate locally)."""
+        if self.bucketer is None:
+            yield
+            return
+        with self.bucketer.no_sync():
+            yield
+
+    def code(self) -> str:
+        """The generated Python of this rank's program."""
+        return self.gm.code
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _positional(model: nn.Module, example_inputs) -> list:
+    from hidup.trace import _forward_inputs
+
+    values, _ = _forward_inputs(model, example_inputs)
+    return values
+
+
+def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
+            local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
+            bucket_mb: float = 25.0, device: torch.device | str | None = None, streams: bool | None = None,
+            leaf_modules=None) -> HidupModule:
+    """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
+
+    ``example_inputs`` hold the global batch (as for tracing).  ``batch_dims`` gives each forward
+    input's batch dim for duplication (default 0 for every tensor; None keeps an input whole).
+    ``device`` defaults to the model's.  Every rank of ``group`` must call this (duplication creates
+    two process groups on CUDA)."""
+    from hidup.trace import trace_module
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise CompileError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
+    if collectives.world_of(group) != world_size and (dist.is_available() and dist.is_initialized()):
+        raise CompileError(f"world_size={world_size} but the process group has {collectives.world_of(group)} ranks")
+    if dist.is_available() and dist.is_initialized() and collectives.rank_of(group) != rank:
+        raise CompileError(f"compile(rank={rank}) but this process is rank {collectives.rank_of(group)} of its group")
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise CompileError(f"world_size={world_size} needs an initialized process group "
+                           f"(hidup.runtime.launch or torch.distributed.init_process_group)")
+    plan_world = getattr(plan, "world_size", world_size)
+    if plan_world != world_size:
+        raise CompileError(f"the plan was searched for world size {plan_world}, not {world_size}; search again")
+    duplication = bool(getattr(plan, "duplication", False)) if duplication is None else duplication
+    device = torch.device(device) if device is not None else _model_device(model)
+
+    values = _positional(model, example_inputs)
+    dims = batch_dims if batch_dims is not None else [0] * len(values)
+    if len(dims) != len(values):
+        raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
+    traced_inputs = halve_example(values, dims) if duplication else values
+    traced = trace_module(model, tuple(traced_inputs), world_size, leaf_modules=leaf_modules)
+    check = getattr(plan, "check", None)
+    if check is not None and not duplication:
+        check(traced.graph)
+    program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch)
+
+    copy_groups = None
+    staged = device.type == "cuda" if streams is None else streams
+    if duplication and staged and world_size > 1:
+        ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
+        copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
+    return HidupModule(program, rank=rank, world_size=world_size, group=group, local_batch=local_batch,
+                       duplication=duplication, copy_groups=copy_groups, batch_dims=dims, bucket_mb=bucket_mb,
+                       streams=streams, plan=plan)

@@ -1,0 +1,265 @@
+"""Launch (rank layout, process group, failure), checkpoints (atomic, re-sharding) and data."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_util import run_distributed
+from hidup.codegen.params import ParamShard, full_state_dict, shard_tensor
+from hidup.ir import REPLICATE, gather
+from hidup.runtime import checkpoint
+from hidup.runtime.data import StdlibCorpus, SyntheticTokens, stdlib_bytes
+from hidup.runtime.launch import LaunchError, launch, layout_from_env
+
+
+# ----------------------------------------------------------------------------------------------
+# layout
+
+def test_layout_noderank_cpn():
+    lay = layout_from_env({"NODERANK": "1", "CPN": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1",
+                           "MASTER_PORT": "1234"})
+    assert (lay.world_size, lay.nnodes, lay.cpn, lay.node_rank) == (8, 2, 4, 1)
+    assert lay.local_rank is None
+    from dataclasses import replace
+
+    assert replace(lay, local_rank=3).rank == 7
+    assert (lay.master_addr, lay.master_port) == ("10.0.0.1", 1234)
+
+
+def test_layout_flags_win_over_env():
+    lay = layout_from_env({"CPN": "4", "MASTER_PORT": "1"}, cpn=2, master_port=777)
+    assert (lay.world_size, lay.cpn, lay.master_port) == (2, 2, 777)
+
+
+def test_layout_torchrun():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "h", "MASTER_PORT": "29400"}
+    lay = layout_from_env(env)
+    assert (lay.source, lay.rank, lay.world_size, lay.local_rank, lay.node_rank, lay.cpn) == \
+        ("torchrun", 5, 8, 1, 1, 4)
+
+
+def test_layout_single_when_nothing_set():
+    lay = layout_from_env({})
+    assert (lay.source, lay.world_size) == ("single", 1)
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "CPN": "2", "NODERANK": "0",
+      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "contradicts"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "CPN": "2", "NNODES": "3",
+      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "NNODES"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR"),
+    ({"NODERANK": "0"}, "CPN"),
+    ({"CPN": "2", "NNODES": "2"}, "NODERANK"),
+    ({"CPN": "2", "NNODES": "2", "NODERANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
+    ({"CPN": "2", "NNODES": "2", "NODERANK": "1"}, "MASTER_ADDR"),
+    ({"CPN": "two"}, "not an integer"),
+    ({"CPN": "0"}, "at least 1"),
+])
+def test_layout_errors(env, match):
+    with pytest.raises(LaunchError, match=match):
+        layout_from_env(env)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch (spawned ranks on gloo)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sum_ranks(ctx, scale):
+    import torch.distributed as dist
+
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x)
+    return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, float(x) * scale
+
+
+def _raise_on_rank1(ctx):
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 broke")
+    dist.barrier()
+
+
+def _rank1_vanishes(ctx):
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        os._exit(0)  # dies silently, without an error report
+    dist.all_reduce(torch.ones(1))
+
+
+def test_launch_spawns_cpn_ranks():
+    out = launch(_sum_ranks, 10.0, cpn=2, master_port=_free_port(), env={}, timeout_s=30, backend="gloo")
+    assert out == [(0, 2, 0, "gloo", 10.0), (1, 2, 1, "gloo", 10.0)]
+
+
+def _sum_ranks_on_device(ctx):
+    import torch.distributed as dist
+
+    x = torch.tensor([float(ctx.rank)], device=ctx.device)
+    dist.all_reduce(x)
+    return ctx.backend, str(ctx.device), float(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_launch_nccl_by_default_on_gpus():
+    out = launch(_sum_ranks_on_device, cpn=2, master_port=_free_port(), env={}, timeout_s=60)
+    assert out == [("nccl", "cuda:0", 1.0), ("nccl", "cuda:1", 1.0)]
+
+
+def test_launch_reports_a_failing_rank():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 broke"):
+        launch(_raise_on_rank1, cpn=2, master_port=_free_port(), env={}, timeout_s=20, backend="gloo")
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_dead_rank_fails_fast():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError):
+        launch(_rank1_vanishes, cpn=2, master_port=_free_port(), env={}, timeout_s=5, backend="gloo")
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_single_process():
+    out = launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.device.type), env={})
+    assert out == [(0, 1, "cuda" if torch.cuda.is_available() else "cpu")]
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+class _Sharded(nn.Module):
+    """A module laid out as codegen lays one out: weight sharded along dim 0, bias replicated."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, rank: int, world: int):
+        super().__init__()
+        self.w = nn.Parameter(shard_tensor(weight, gather(0), rank, world).clone())
+        self.b = nn.Parameter(bias.clone())
+        self.register_buffer("scale", torch.arange(4.0))
+        self.param_shards = {"w": ParamShard("lin.weight", tuple(weight.shape), gather(0)),
+                             "b": ParamShard("lin.bias", tuple(bias.shape), REPLICATE),
+                             "scale": ParamShard("scale", (4,), REPLICATE, is_buffer=True)}
+        self.group = None
+
+
+def _logical():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+
+
+def _train_and_save(rank, world, path):
+    w, b = _logical()
+    m = _Sharded(w, b, rank, world)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m.w.sum().backward()  # some gradient, different per rank slice
+    (m.b * (rank + 1)).sum().backward()
+    opt.step()
+    torch.manual_seed(100 + rank)
+    checkpoint.save(path, m, opt, step=7, loss_history=[3.0, 2.5], extra={"plan": "x"})
+    state = full_state_dict(m)
+    opt_state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in (("w", m.w), ("b", m.b))}
+    return state, opt_state, torch.rand(1)
+
+
+def _load(rank, world, path):
+    w, b = _logical()
+    m = _Sharded(torch.zeros_like(w), torch.zeros_like(b), rank, world)
+    opt = torch.optim.Adam(m.parameters(), lr=0.5)
+    info = checkpoint.load(path, m, opt)
+    return info, full_state_dict(m), {n: dict(opt.state[p]) for n, p in (("w", m.w), ("b", m.b))}, \
+        opt.param_groups[0]["lr"], torch.rand(1), m.w.detach().clone()
+
+
+def test_checkpoint_resumes_on_another_world(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    saved = run_distributed(_train_and_save, 2, path)
+    for world in (4, 2):
+        loaded = run_distributed(_load, world, path)
+        for rank, (info, state, opt_state, lr, rnd, local_w) in enumerate(loaded):
+            assert info == {"step": 7, "loss_history": [3.0, 2.5], "extra": {"plan": "x"}, "world_size": 2}
+            assert lr == 0.1
+            for k in saved[0][0]:
+                torch.testing.assert_close(state[k], saved[0][0][k])
+            assert local_w.shape == (8 // world, 4)  # physically re-sharded
+            full_avg = torch.cat([saved[r][1]["w"]["exp_avg"] for r in range(2)])
+            torch.testing.assert_close(opt_state["w"]["exp_avg"], full_avg.chunk(world)[rank])
+            torch.testing.assert_close(opt_state["b"]["exp_avg_sq"], saved[0][1]["b"]["exp_avg_sq"])
+            if world == 2:  # same world: each rank gets its own RNG stream back
+                torch.testing.assert_close(rnd, saved[rank][2])
+            else:
+                torch.testing.assert_close(rnd, saved[0][2])
+
+
+def test_checkpoint_loads_into_a_plain_module(tmp_path):
+    path = tmp_path / "c.pt"
+    run_distributed(_train_and_save, 2, path)
+    plain = nn.Module()
+    plain.lin = nn.Linear(4, 8)
+    plain.register_buffer("scale", torch.zeros(4))
+    info = checkpoint.load(path, plain, restore_rng=False)
+    assert info["step"] == 7
+    assert plain.scale.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(KeyError, match="no entry for 'weight'"):
+        checkpoint.load(path, nn.Linear(4, 8), restore_rng=False)
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "a.pt"
+    checkpoint.atomic_write(path, {"x": 1})
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        checkpoint.atomic_write(path, {"x": Unpicklable()})
+    assert torch.load(path, weights_only=False) == {"x": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+def test_synthetic_batches_are_deterministic():
+    d = SyntheticTokens(batch=4, seq=8, vocab=50, seed=1)
+    t, y = d.batch_at(3)
+    assert t.shape == y.shape == (4, 8) and t.dtype == torch.int64
+    assert torch.equal(t[:, 1:], y[:, :-1])
+    t2, _ = SyntheticTokens(batch=4, seq=8, vocab=50, seed=1).batch_at(3)
+    assert torch.equal(t, t2)
+    assert not torch.equal(t, d.batch_at(4)[0])
+    lt, ly = d.local_batch(3, 1, 2)
+    assert torch.equal(lt, t[2:]) and torch.equal(ly, y[2:])
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        d.local_batch(0, 0, 3)
+
+
+def test_stdlib_corpus():
+    data = stdlib_bytes(max_bytes=1 << 20)
+    assert len(data) == 1 << 20
+    assert b"def " in data and b"import " in data
+    c = StdlibCorpus(batch=3, seq=16, max_bytes=1 << 20)
+    t, y = c.batch_at(0)
+    assert t.shape == (3, 16) and int(t.max()) < 256
+    assert torch.equal(t[:, 1:], y[:, :-1])
+    assert bytes(t[0].tolist()) == data[:16]
+    assert bytes(t[1].tolist()) == data[17:33]
+    assert torch.equal(StdlibCorpus(batch=3, seq=16, max_bytes=1 << 20).batch_at(5)[0], c.batch_at(5)[0])
+    first = [t for t, _ in zip(c, range(2))]
+    assert torch.equal(first[1][0], c.batch_at(1)[0])

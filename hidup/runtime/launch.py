@@ -20,6 +20,7 @@ that a rank that dies makes the others fail instead of hanging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import pickle
@@ -221,6 +222,7 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     procs = mp.start_processes(_child, args=(layout, fn, args, results, backend, timeout_s), nprocs=layout.cpn,
                                join=False, start_method="spawn")
     out: dict[int, object] = {}
+    forwarded = _forward_signals(procs)
     try:
         while not procs.join(timeout=0.5):
             _drain(results, out)
@@ -229,6 +231,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
         failures = [v for v in out.values() if isinstance(v, _Failure)]
         detail = failures[0].text if failures else str(e)
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{detail}") from None
+    finally:
+        _restore_signals(forwarded)
     _drain(results, out)
     missing = [r for r in range(layout.cpn) if r not in out]
     if missing:
@@ -237,6 +241,33 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     if failures:
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{failures[0].text}")
     return [out[r] for r in range(layout.cpn)]
+
+
+def _forward_signals(procs) -> dict:
+    """Pass SIGTERM / SIGUSR1 received by the launcher on to its ranks (they checkpoint, and on
+    SIGTERM stop, at the end of the step), instead of dying and orphaning them."""
+    import signal
+
+    def forward(signum, frame):
+        for p in procs.processes:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {}
+    for name in ("SIGTERM", "SIGUSR1"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            with contextlib.suppress(ValueError):  # not the main thread
+                previous[sig] = signal.signal(sig, forward)
+    return previous
+
+
+def _restore_signals(previous: dict) -> None:
+    import signal
+
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 @dataclass

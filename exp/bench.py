@@ -1,0 +1,380 @@
+"""Side-by-side benchmark of hidup and the baselines on one network, in one process group per world size.
+
+    python exp/bench.py --network nvlink  --worlds 2 4 --models bert-sgmoe bert-switch vit-sgmoe vit-switch \
+        --precisions tf32 bf16 --out docs/bench/
+    python exp/bench.py --network sockets              # the same matrix over NCCL's socket transport
+
+The network flag sets NCCL's environment before any process group exists (``sockets``:
+``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``; always ``NCCL_NVLS_ENABLE=0``).  Then, for each world size
+``N`` (largest first), the ranks are launched once and, inside that group:
+
+1. (first group only) a quick profile of this network is measured with
+   ``hidup.profiler.measure.profile_machine`` and saved as ``<out>/<network>-profile.json``;
+2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
+   (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
+   on) and ``hidup-nodup`` (the same plan, duplication off); see ``exp/benchrun.py`` for the timing.
+
+Plans are searched (DP, duplication-aware) in a pool of CPU worker processes of this launcher as soon
+as the profile exists, while the group runs the baselines; a run whose plan is ready goes first.  Plans
+are cached in ``<out>/plans/<network>/`` by (model, world, precision, overrides, profile digest).
+
+Reported per run: median iteration time ``t``; throughput ``B * S / t`` tokens/s for language models
+and ``B / t`` images/s for ViTs (``B`` the groups in the step: ``batch_per_gpu * N``, or
+``batch_per_gpu`` for ``single``); scaling efficiency ``t_single / t`` (weak scaling: perfect scaling
+keeps the per-rank share's time); peak memory (max over ranks); for hidup the predicted iteration time
+of the plan in that mode and ``measured / predicted``.
+
+Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed steps within ``--run-cap``
+seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
+that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
+group is relaunched for the remaining runs).  Results merge into ``<out>/<network>.json`` (a rerun
+replaces the runs it repeats), ``docs/benchmarks.md`` gets this network's section and
+``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
+records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
+
+On a CPU the same command runs on gloo ranks (tiny models: ``--layers 2 --d-model 32 ...``); tf32 and
+bf16 then run as fp32, which the records note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import ROOT, bench_finish, bootstrap, command_line, hardware, load_json  # noqa: E402
+
+bootstrap()
+
+import benchsearch  # noqa: E402
+from benchsearch import Searcher, job_name  # noqa: E402
+
+NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
+COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
+FALLBACK_PROFILE = {"nvlink": "h200x4-nvlink", "sockets": "h200x4-socket"}
+DEFAULT_MODELS = ("bert-sgmoe", "bert-switch", "vit-sgmoe", "vit-switch")
+METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
+
+
+def apply_network(network: str) -> dict:
+    """Set the NCCL environment of ``network`` in this process (children inherit it); returns it."""
+    if network not in NETWORK_ENV:
+        raise ValueError(f"unknown network {network!r}; choose from {', '.join(NETWORK_ENV)}")
+    env = dict(COMMON_ENV, **NETWORK_ENV[network])
+    for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+        if k not in env:
+            os.environ.pop(k, None)
+    os.environ.update(env)
+    return env
+
+
+def run_key(world: int, model: str, precision: str, method: str) -> str:
+    return f"w{world}/{model}/{precision}/{method}"
+
+
+# =============================================================================== rank side
+def child_main(ctx, cfg: dict) -> None:
+    """Everything one rank does inside the launched group (see the module docstring)."""
+    import torch
+
+    import benchrun as br
+    import hidup.models
+    from hidup.plan import Plan
+
+    device, rank, world = ctx.device, ctx.rank, ctx.world_size
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+    partial = Path(cfg["partial"])
+
+    def emit(event: dict) -> None:
+        if rank == 0:
+            with open(partial, "a") as f:
+                f.write(json.dumps(event, default=str) + "\n")
+
+    if cfg.get("measure_profile"):
+        measure_profile(cfg, device)
+    models: dict[str, tuple] = {}
+    pending = list(cfg["runs"])
+    while pending:
+        choice = br.broadcast(_pick(pending, cfg) if rank == 0 else None, device)
+        if choice["skip"]:
+            for run in pending:
+                emit({"event": "result", "record": dict(run, status="skipped", error=choice["skip"])})
+            break
+        run = pending.pop(choice["index"])
+        emit({"event": "start", "key": run["key"]})
+        record = dict(run, network=cfg["network"], device=str(device), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        record["precision_run"] = br.effective_precision(run["precision"], device)
+        if run["model"] not in models:
+            models.clear()  # one model's weights at a time
+            try:
+                models[run["model"]] = hidup.models.build(run["model"], world_size=world, seed=0, **cfg["overrides"])
+            except Exception as e:  # noqa: BLE001 - a bad override fails this model's runs only
+                models[run["model"]] = e
+        built = models[run["model"]]
+        plan_doc = None
+        if isinstance(built, Exception):
+            result = {"status": "failed", "error": f"building {run['model']}: {type(built).__name__}: {built}"}
+        elif br.applicable(run["method"], built[0]):
+            result = {"status": "skipped", "error": br.applicable(run["method"], built[0])}
+        else:
+            if run["method"] in br.HIDUP_METHODS:
+                plan_doc = _wait_plan(run["plan"], cfg, device)
+            if plan_doc is not None and plan_doc.get("status") != "ok":
+                result = {"status": "failed", "error": f"search: {plan_doc.get('error')}"}
+            else:
+                plan = Plan.from_dict(plan_doc["plan"]) if plan_doc is not None else None
+                trace = (Path(cfg["out"]) / "traces" / f"{cfg['network']}-{run['key'].replace('/', '-')}.json"
+                         if cfg.get("breakdown") else None)
+                result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
+                                    warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
+                                    trace_path=trace)
+        record.update(result)
+        if record["status"] == "ok":
+            _throughput(record, built[0].config, world)
+            if plan_doc is not None:
+                record["predicted_s"] = plan_doc["predicted"][run["method"]]
+                record["search_s"] = plan_doc.get("search_s")
+                record["plan_duplication"] = plan_doc["plan"]["duplication"]
+                record["profile"] = plan_doc.get("profile")
+        if plan_doc is not None and plan_doc.get("profile", {}).get("note"):
+            record["note"] = plan_doc["profile"]["note"]
+        emit({"event": "result", "record": record})
+        if rank == 0:
+            t = record.get("iter_time_s")
+            print(f"[bench {cfg['network']}] {run['key']}: {record['status']}"
+                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})"),
+                  flush=True)
+
+
+def measure_profile(cfg: dict, device) -> None:
+    """Measure this network's profile on every rank (quick, time-bounded); rank 0 writes it.  A failure
+    leaves ``<profile>.error`` so that the searches fall back to the builtin profile."""
+    import traceback
+
+    import benchrun as br
+    from hidup.profiler.measure import profile_machine
+
+    path = Path(cfg["profile"])
+    error = ""
+    try:
+        profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
+                        name=f"{cfg['network']}-measured")
+    except Exception as e:  # noqa: BLE001 - reported through the marker file
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+    failed = br.reduce_max([1.0 if error else 0.0], device)[0] > 0
+    if failed and (not br.distributed() or __import__("torch").distributed.get_rank() == 0):
+        path.with_name(path.name + ".error").write_text(error or "another rank failed to measure the profile")
+
+
+def _pick(pending: list[dict], cfg: dict) -> dict:
+    """Rank 0's choice of the next run: a hidup run whose plan is ready, else the next baseline, else
+    the first hidup run (which then waits for its plan); with the per-run time cap."""
+    left = cfg["deadline"] - time.time() - cfg["reserve_s"]
+    if left < cfg["min_run_s"]:
+        return {"skip": "time budget exhausted before this run could start (raise --time-budget or run fewer "
+                        "models/worlds per command)"}
+    runs_left = len(pending) + cfg["future_runs"]
+    cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))
+    plan_dir = Path(cfg["plan_dir"])
+    ready = [i for i, r in enumerate(pending) if r.get("plan") and (plan_dir / f"{r['plan']}.json").is_file()]
+    base = [i for i, r in enumerate(pending) if not r.get("plan")]
+    index = (ready or base or [0])[0]
+    return {"skip": "", "index": index, "cap": cap}
+
+
+def _wait_plan(name: str, cfg: dict, device) -> dict:
+    """The search result ``name`` on every rank, polled until it exists or the budget runs out."""
+    import benchrun as br
+
+    path = Path(cfg["plan_dir"]) / f"{name}.json"
+    while True:
+        doc = None
+        if not br.distributed() or __import__("torch").distributed.get_rank() == 0:
+            if path.is_file():
+                doc = load_json(path)
+            elif time.time() > cfg["deadline"]:
+                doc = {"status": "failed", "error": f"the plan {name} was not found before the time budget ran out"}
+        doc = br.broadcast(doc, device)
+        if doc is not None:
+            return doc
+        time.sleep(1.0)
+
+
+def _throughput(record: dict, cfg, world: int) -> None:
+    groups = cfg.batch_per_gpu * (1 if record["method"] == "single" else world)
+    t = record["iter_time_s"]
+    record["samples_per_s"] = groups / t
+    if cfg.family == "vit":
+        record["throughput"], record["unit"] = groups / t, "img/s"
+    else:
+        record["throughput"], record["unit"] = groups * cfg.tokens_per_group / t, "tok/s"
+    record["num_parameters"] = cfg.num_parameters()
+    record["global_batch"] = groups
+
+
+# =============================================================================== launcher side
+def read_partial(path: Path) -> tuple[dict, list[str]]:
+    """(records by key, keys started) from a group's progress file."""
+    records, started = {}, []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if ev.get("event") == "start":
+                started.append(ev["key"])
+            elif ev.get("event") == "result":
+                records[ev["record"]["key"]] = ev["record"]
+    return records, started
+
+
+def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
+    """Launch ``world`` ranks for ``runs`` (relaunching after a crash while time is left)."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    from hidup.runtime.launch import LaunchError, launch
+
+    records: dict = {}
+    for attempt in range(1 + args.relaunch):
+        todo = [r for r in runs if r["key"] not in records]
+        if not todo or time.time() > cfg["deadline"] - cfg["min_run_s"]:
+            break
+        partial = Path(args.out) / f".partial-{args.network}-w{world}.jsonl"
+        partial.unlink(missing_ok=True)
+        wcfg = dict(cfg, runs=todo, partial=str(partial), measure_profile=cfg["measure_profile"] and attempt == 0)
+        error = None
+        try:
+            launch(child_main, wcfg, nnodes=1, cpn=world, node_rank=0, master_addr="127.0.0.1",
+                   master_port=get_free_port(), timeout_s=args.dist_timeout)
+        except (LaunchError, RuntimeError) as e:
+            error = str(e)
+        done, started = read_partial(partial)
+        records.update(done)
+        partial.unlink(missing_ok=True)
+        if error is None:
+            break
+        crashed = [k for k in started if k not in done] or [todo[0]["key"]]
+        for r in todo:
+            if r["key"] in crashed:
+                records[r["key"]] = dict(r, network=args.network, status="failed",
+                                         error=f"the process group failed during this run: {error[-3000:]}")
+        print(f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
+              f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}", flush=True)
+    for r in runs:
+        records.setdefault(r["key"], dict(r, network=args.network, status="skipped",
+                                          error="not run: time budget exhausted or the group failed"))
+    return records
+
+
+def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
+    """Runs per world (in order) and the search jobs they need."""
+    import torch
+
+    overrides = benchsearch.overrides_of(args)
+    per_world, jobs = {}, {}
+    prec_search = {p: ("fp32" if not torch.cuda.is_available() else p) for p in args.precisions}
+    for world in sorted(set(args.worlds), reverse=True):
+        runs = []
+        for model in args.models:
+            for precision in args.precisions:
+                name = job_name(model, world, prec_search[precision], overrides)
+                for method in args.methods:
+                    r = {"key": run_key(world, model, precision, method), "world": world, "model": model,
+                         "precision": precision, "method": method}
+                    if method in ("hidup", "hidup-nodup"):
+                        r["plan"] = name
+                        jobs[name] = {"name": name, "model": model, "world": world,
+                                      "precision": prec_search[precision], "overrides": overrides}
+                    runs.append(r)
+        per_world[world] = runs
+    return per_world, jobs
+
+
+def parse_args(argv):
+    from hidup.cli import MODEL_FLAGS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--network", choices=sorted(NETWORK_ENV), default="nvlink")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "tf32", "bf16"), default=["tf32", "bf16"])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per run at most (default 10)")
+    p.add_argument("--run-cap", type=float, default=25.0, help="seconds of stepping per run at most (default 25)")
+    p.add_argument("--time-budget", type=float, default=480.0,
+                   help="seconds after which no run starts (default 480, for a < 9 min command)")
+    p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
+    p.add_argument("--profile-budget", type=float, default=0.1, help="seconds per measured point (default 0.1)")
+    p.add_argument("--search-jobs", type=int, default=None,
+                   help="parallel search processes (default: by CPUs; 0: search in this process)")
+    p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
+    p.add_argument("--relaunch", type=int, default=1, help="relaunches of a group that crashed (default 1)")
+    p.add_argument("--dist-timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    g = p.add_argument_group("model overrides (applied to every model)")
+    for flag, (typ, text) in MODEL_FLAGS.items():
+        g.add_argument(f"--{flag}", type=typ, default=None, help=text)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    started = time.time()
+    env = apply_network(args.network)
+    import hidup.models
+
+    unknown = [m for m in args.models if m not in hidup.models.names()]
+    if unknown:
+        raise SystemExit(f"--models: unknown model(s) {', '.join(unknown)}; the zoo has "
+                         f"{', '.join(hidup.models.names())}")
+    if min(args.worlds) < 2:
+        raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
+                         "'single' method of each world)")
+    if torch.cuda.is_available() and max(args.worlds) > torch.cuda.device_count():
+        raise SystemExit(f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has "
+                         f"{torch.cuda.device_count()}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = started + args.time_budget
+    if args.profile:
+        profile_path, measure = benchsearch.resolve_profile(args.profile), False
+    else:
+        profile_path, measure = args.out / f"{args.network}-profile.json", True
+        for stale in (profile_path, profile_path.with_name(profile_path.name + ".error")):
+            stale.unlink(missing_ok=True)
+    per_world, jobs = plan_runs(args)
+    plan_dir = args.out / "plans" / args.network
+    searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], deadline,
+                        workers=args.search_jobs, reserve_cpus=2 * max(args.worlds))
+    searcher.start()
+    cfg = {"network": args.network, "out": str(args.out), "plan_dir": str(plan_dir), "profile": str(profile_path),
+           "profile_budget": args.profile_budget, "measure_profile": measure, "deadline": deadline,
+           "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
+           "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown}
+    records: dict = {}
+    worlds = list(per_world)
+    try:
+        for i, world in enumerate(worlds):
+            future = sum(len(per_world[w]) for w in worlds[i + 1:])
+            records.update(run_world(world, per_world[world], dict(cfg, future_runs=future), args))
+            cfg["measure_profile"] = False
+    finally:
+        searcher.stop()
+    bench_finish(args, records, env, hardware(), command_line("exp/bench.py", argv), profile_path,
+                     time.time() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The rank side of the benchmark drivers: prepare one method, time it, agree across ranks.
+
+One *run* trains one model (built once per rank, deep-copied per run so every method starts from the
+same weights) with one *method* for a bounded number of Adam steps on a fixed synthetic batch:
+
+* ``single``: one rank's share (``batch_per_gpu`` groups, the ``N``-rank model) with no communication,
+  run concurrently on every rank; its time is the median over ranks of each rank's median;
+* ``ddp``, ``fsdp``, ``expert``: the baselines of ``exp/baselines`` on the rank's ``B/N`` groups;
+* ``hidup`` / ``hidup-nodup``: ``hidup.codegen.compile`` of a searched plan with duplication on / off,
+  fed the global batch (each rank slices its part per the plan's input forms).
+
+Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
+device synchronizations; the step time is the max over ranks (``t(i) = max_r t_r(i)``) and a run
+reports the median over its timed steps.  Bounded time: after ``warmup`` steps every rank agrees on
+the slowest warm-up step ``t_w`` and the elapsed time ``e`` (max over ranks) and runs
+``n = clamp(floor((cap - e) / t_w), 1, iters)`` timed steps, so a run takes about ``cap`` seconds at
+most and every rank runs the same number of steps.  Peak memory is ``max_r`` of
+``torch.cuda.max_memory_allocated`` over the timed steps.
+
+Agreement.  Every decision that changes which collectives run (skip, which run is next, how many
+steps, whether a run failed) is taken on rank 0 and broadcast, so ranks never diverge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import importlib
+import math
+import statistics
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from report import bootstrap
+
+bootstrap()
+
+import harness  # noqa: E402  (exp/baselines: puts the baseline modules on sys.path)
+
+# Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
+warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
+warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
+
+METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
+BASELINE_METHODS = ("single", "ddp", "fsdp", "expert")
+HIDUP_METHODS = ("hidup", "hidup-nodup")
+
+
+# ------------------------------------------------------------------------------------ agreement
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast(obj, device: torch.device):
+    """Rank 0's ``obj`` on every rank (any picklable object)."""
+    if not distributed():
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
+def reduce_max(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def gather_floats(value: float, device: torch.device) -> list[float]:
+    """``[value of rank 0, value of rank 1, ...]`` on every rank."""
+    if not distributed():
+        return [value]
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(device: torch.device) -> None:
+    reduce_max([0.0], device)
+
+
+# ------------------------------------------------------------------------------------ precision
+def effective_precision(precision: str, device: torch.device) -> str:
+    """The precision a run uses: tf32 and bf16 become fp32 on a CPU (no TF32 units there, and CPU
+    bf16 autocast would time a different kernel set than the GPU runs)."""
+    return "fp32" if device.type != "cuda" else precision
+
+
+@contextlib.contextmanager
+def precision_mode(precision: str, device: torch.device):
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------ methods
+class Prepared:
+    """What the timed loop needs of a method (mirrors exp/baselines/common.Prepared)."""
+
+    def __init__(self, module, loss_scale=1.0, after_backward=None, info=None, cleanup=None):
+        self.module, self.loss_scale, self.after_backward = module, loss_scale, after_backward
+        self.info, self.cleanup = info or {}, cleanup
+        self.coupled = True  # ranks communicate within a step
+
+
+def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
+            plan=None) -> tuple[Prepared, tuple]:
+    """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified."""
+    model = copy.deepcopy(model_cpu)
+    if method in BASELINE_METHODS:
+        baseline = importlib.import_module(method)
+        if method == "single":
+            got = baseline.prepare(model, 0, 1, device)
+        else:
+            got = baseline.prepare(model, rank, world, device)
+        prep = Prepared(got.module, got.loss_scale, got.after_backward, dict(got.info))
+        prep.coupled = method != "single"
+        inputs = harness.local_batch(inputs_cpu, rank, world)
+        return prep, tuple(t.to(device) for t in inputs)
+    if method in HIDUP_METHODS:
+        from hidup.codegen import compile as hidup_compile
+
+        if plan is None:
+            raise ValueError(f"method {method} needs a plan (none was given)")
+        model = model.to(device)
+        inputs = tuple(t.to(device) for t in inputs_cpu)
+        module = hidup_compile(model, plan, rank, world, inputs, duplication=(method == "hidup"))
+
+        def cleanup():
+            groups = getattr(module, "copy_groups", None) or ()
+            for g in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(g)
+        info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication)}
+        return Prepared(module, 1.0, None, info, cleanup), inputs
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def applicable(method: str, model_cpu) -> str | None:
+    """Why ``method`` cannot run on this model (``None`` when it can)."""
+    if method == "expert" and not getattr(model_cpu.config, "is_moe", False):
+        return f"expert parallelism needs MoE layers; {model_cpu.config.name} is dense"
+    return None
+
+
+# ------------------------------------------------------------------------------------ timing
+def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
+               cap_s: float, trace_path=None, lr: float = 1e-4) -> dict:
+    """Warm up, agree on the number of timed steps, time them (see the module docstring)."""
+    module = prep.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    warmup = max(1, warmup)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(precision, device):
+            loss = module(*inputs)
+        (loss * prep.loss_scale if prep.loss_scale != 1.0 else loss).backward()
+        if prep.after_backward is not None:
+            prep.after_backward()
+        optimizer.step()
+        return loss.detach().float()
+
+    start = time.perf_counter()
+    times, losses = [], []
+    with precision_mode(precision, device):
+        for _ in range(warmup):
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step())
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        t_w, elapsed = reduce_max([times[-1], time.perf_counter() - start], device)
+        n = int(max(1, min(iters, math.floor((cap_s - elapsed) / max(t_w, 1e-9)))))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timed = []
+        for _ in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step())
+            _sync(device)
+            timed.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        breakdown = None
+        if trace_path is not None:
+            breakdown = _profiled_step(step, device, trace_path)
+    loss_t = torch.stack(losses).to(device=device, dtype=torch.float64)
+    if prep.coupled:
+        per_step = reduce_max(timed, device)
+        median = statistics.median(per_step)
+        if distributed():
+            dist.all_reduce(loss_t)
+    else:  # independent copies: median over ranks of each rank's median
+        per_step = timed
+        median = statistics.median(gather_floats(statistics.median(timed), device))
+    peak_all = reduce_max([float(peak or 0)], device)[0]
+    return {"iter_time_s": median, "iter_times_s": per_step, "iters": n, "warmup": warmup,
+            "capped": n < iters, "warmup_s": elapsed, "loss_first": loss_t[0].item(), "loss_last": loss_t[-1].item(),
+            "peak_memory_bytes": int(peak_all) if peak is not None else None, "breakdown": breakdown}
+
+
+def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
+    """One more step; rank 0 records it with torch.profiler, writes the chrome trace, and analyzes it."""
+    from pathlib import Path
+
+    rank0 = not distributed() or dist.get_rank() == 0
+    if not rank0:
+        step()
+        _sync(device)
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    path = Path(trace_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    from breakdown import analyze_file
+
+    try:
+        out = analyze_file(path)
+    except ValueError as e:
+        out = {"error": str(e), "trace": str(path)}
+    import gzip
+    import shutil
+
+    with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)  # traces compress about tenfold
+    path.unlink()
+    out["trace"] = str(path) + ".gz"
+    return out
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: torch.device, precision: str, *,
+            warmup: int, iters: int, cap_s: float, plan=None, trace_path=None) -> dict:
+    """One run on every rank, failures caught and agreed: returns rank 0's view of the outcome.
+
+    A failure on any rank (an exception, e.g. CUDA out of memory) makes the run ``failed`` with the
+    first failing rank's error; the process group stays usable when the ranks fail symmetrically
+    (an asymmetric failure inside a collective ends in the process-group timeout instead)."""
+    prep = None
+    out: dict = {}
+    error = ""
+    try:
+        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan)
+        out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s,
+                         trace_path=trace_path)
+        out["info"] = prep.info
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+        if "out of memory" not in str(e).lower():
+            error += "\n" + traceback.format_exc(limit=6)
+    finally:
+        if prep is not None and prep.cleanup is not None:
+            with contextlib.suppress(Exception):
+                prep.cleanup()
+        prep = None
+        free_memory(device)
+    failed = reduce_max([1.0 if error else 0.0], device)[0] > 0
+    if failed:
+        errors = [error]
+        if distributed():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), "a rank failed")
+        return {"status": "failed", "error": first[:4000]}
+    out["status"] = "ok"
+    return out

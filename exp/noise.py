@@ -1,0 +1,387 @@
+"""Robustness of hidup's plan to errors in the profile (the HiDup paper's Table IV), in one command.
+
+    python exp/noise.py                        # BERT-SGMoE (paper defaults), 4 GPUs, sockets network
+    python exp/noise.py --predict-only         # no GPU: price every plan with the clean cost model
+
+The clean profile ``P`` is the network's profile (``--profile``; else ``<bench-out>/<network>-profile.json``
+written by exp/bench.py; else measured here first).  Perturbed profiles:
+
+* ``x%`` random noise: ``P.perturb(noise=x, seed=s)`` -- every FLOP rate, op time and bandwidth times
+  its own ``U[1-x, 1+x]`` factor -- for ``x`` in ``--noise`` (0.2 0.4 0.8) and ``s < --seeds`` (10);
+* ``±y%`` communication: ``P.perturb(noise=0, comm_scale=1+y/100)`` -- every collective ``1+y/100``
+  times as slow -- for ``y`` in ``--comm`` (-50 -25 25 100).
+
+Each profile is searched (DP, duplication-aware, in a pool of CPU processes); plans are identified by
+their decisions (every node's signature and the duplication mode), and each distinct plan is RUN
+once on the launched ranks in its own mode (exp/benchrun.py timing: median step time).  With
+``t(plan)`` the measured time and ``c`` the clean plan, a perturbation's row reports over its plans::
+
+    relative time r = t(plan) / t(c)          mean_s r    and    worst = max_s r
+
+and the same with the clean profile's cost model in place of measurement (``predicted``:
+``T_P(plan) / T_P(c)``, the search's own evaluation under ``P``).  ``flips`` are the nodes whose
+signature differs from the clean plan's, summarized as ``kind -> kind`` counts.  The clean plan is
+measured again at the end when time allows; the difference is the measurement noise.
+
+Writes ``docs/robustness.json``, ``docs/robustness.md`` (table, flips, command, hardware) and
+``docs/robustness.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import (ROOT, bootstrap, command_line, hardware, hardware_line, load_json, pyplot,  # noqa: E402
+                    save_json, table, text_table)
+
+bootstrap()
+
+from bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial  # noqa: E402
+from benchsearch import Searcher, job_name, make_problem, overrides_of, predict  # noqa: E402
+from benchsearch import resolve_profile  # noqa: E402
+
+
+def perturbations(args) -> list[dict]:
+    """Clean first, then the communication scalings, then the noise seeds interleaved by level."""
+    out = [{"tag": "clean", "label": "clean", "kind": "clean", "perturb": None}]
+    for y in args.comm:
+        if y <= -100:
+            raise SystemExit(f"--comm {y}: communication can shrink by less than 100%")
+        out.append({"tag": f"comm{y:+d}", "label": f"{y:+d}% communication", "kind": "comm", "level": y,
+                    "perturb": {"noise": 0.0, "seed": 0, "comm_scale": 1.0 + y / 100.0}})
+    for s in range(args.seeds):
+        for x in args.noise:
+            if not 0.0 <= x < 1.0:
+                raise SystemExit(f"--noise {x}: the noise level is a fraction in [0, 1)")
+            out.append({"tag": f"noise{x:g}-s{s}", "label": f"{100 * x:g}% random noise", "kind": "noise",
+                        "level": x, "seed": s, "perturb": {"noise": x, "seed": s, "comm_scale": 1.0}})
+    return out
+
+
+# ============================================================================ rank side
+def child_main(ctx, cfg: dict) -> None:
+    """Measure each distinct plan once, in the order the searches finish (clean first)."""
+    import json
+
+    import torch
+
+    import benchrun as br
+    import hidup.models
+    from hidup.plan import Plan
+
+    device, rank, world = ctx.device, ctx.rank, ctx.world_size
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (__import__("os").cpu_count() or 1) // max(1, world)))
+    if cfg.get("measure_profile"):
+        measure_profile(cfg, device)
+    model_cpu, inputs_cpu = hidup.models.build(cfg["model"], world_size=world, seed=0, **cfg["overrides"])
+    plan_dir, names = Path(cfg["plan_dir"]), cfg["names"]
+    state = {"measured": set(), "bad": set(), "repeated": False}
+    docs: dict[str, dict] = {}  # finished search results (written once, atomically)
+
+    def decide() -> dict:
+        left = cfg["deadline"] - time.time()
+        if left < cfg["min_run_s"]:
+            return {"action": "stop"}
+        cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.5 * left))
+        for n in names:
+            if n not in docs and (plan_dir / f"{n}.json").is_file():
+                docs[n] = load_json(plan_dir / f"{n}.json")
+        clean = docs.get(names[0])
+        if not state["measured"]:
+            if clean is None:
+                return {"action": "wait"}
+            if clean.get("status") != "ok":
+                return {"action": "stop"}
+            return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": False}
+        for n in names:
+            d = docs.get(n)
+            if d and d.get("status") == "ok" and d["identity"] not in state["measured"] | state["bad"]:
+                return {"action": "run", "name": n, "doc": d, "cap": cap, "repeat": False}
+        if len(docs) < len(names):
+            return {"action": "wait"}
+        if not state["repeated"]:
+            return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": True}
+        return {"action": "stop"}
+
+    while True:
+        choice = br.broadcast(decide() if rank == 0 else None, device)
+        if choice["action"] == "stop":
+            break
+        if choice["action"] == "wait":
+            time.sleep(1.0)
+            continue
+        doc = choice["doc"]
+        plan = Plan.from_dict(doc["plan"])
+        method = "hidup" if plan.duplication else "hidup-nodup"
+        res = br.execute(method, model_cpu, inputs_cpu, rank, world, device, cfg["precision_run"],
+                         warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan)
+        if choice["repeat"]:
+            state["repeated"] = True
+        else:
+            (state["measured"] if res["status"] == "ok" else state["bad"]).add(doc["identity"])
+        if rank == 0:
+            with open(cfg["partial"], "a") as f:
+                f.write(json.dumps({"event": "result", "record": dict(
+                    res, key=f"{doc['identity']}{'-repeat' if choice['repeat'] else ''}", identity=doc["identity"],
+                    name=choice["name"], method=method, repeat=choice["repeat"])}, default=str) + "\n")
+            t = res.get("iter_time_s")
+            print(f"[noise] plan {doc['identity']} ({choice['name']}{', repeat' if choice['repeat'] else ''}): "
+                  + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"), flush=True)
+
+
+# ============================================================================ launcher side
+def _flips(clean: dict, plan: dict) -> dict:
+    """Nodes whose signature differs from the clean plan's, as names and kind transitions."""
+    nodes, kinds = [], Counter()
+    for name, sig in plan["choices"].items():
+        ref = clean["choices"].get(name)
+        if ref is not None and sig != ref:
+            nodes.append(name)
+            kinds[f"{ref.get('kind', '?')}->{sig.get('kind', '?')}"] += 1
+    return {"nodes": nodes, "kinds": dict(kinds.most_common()),
+            "duplication": None if plan["duplication"] == clean["duplication"] else plan["duplication"]}
+
+
+def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured: dict, profile_path: Path) -> dict:
+    """Rows of the table from the search results and the measured times (see the module docstring)."""
+    import hidup.models
+    from hidup.plan import Plan
+    from hidup.profiler import load
+    from hidup.trace import trace
+
+    docs = {n: load_json(plan_dir / f"{n}.json") for n in names}
+    clean = docs[names[0]]
+    if not clean or clean.get("status") != "ok":
+        raise SystemExit(f"the clean search failed or did not finish: {(clean or {}).get('error', 'no result')}")
+    model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **overrides_of(args))
+    problem = make_problem(trace(model, inputs, world_size=args.world), load(profile_path), args.search_precision)
+
+    def pred(doc):
+        plan = Plan.from_dict(doc["plan"])
+        return predict(problem, plan)["hidup" if plan.duplication else "hidup-nodup"]
+    t_clean_pred = pred(clean)
+    t_clean = (measured.get(clean["identity"]) or {}).get("iter_time_s")
+    jobs = []
+    for p, n in zip(perts, names):
+        d = docs.get(n) or {"status": "failed", "error": "the search did not finish in time"}
+        j = {"tag": p["tag"], "label": p["label"], "kind": p["kind"], "perturb": p["perturb"], "status": d["status"]}
+        if d["status"] == "ok":
+            t = (measured.get(d["identity"]) or {}).get("iter_time_s")
+            j.update(identity=d["identity"], duplication=d["plan"]["duplication"], search_s=d.get("search_s"),
+                     predicted_clean_model_s=pred(d), predicted_own_profile_s=d["predicted"][
+                         "hidup" if d["plan"]["duplication"] else "hidup-nodup"],
+                     measured_s=t, flips=_flips(clean["plan"], d["plan"]))
+            j["relative_predicted"] = j["predicted_clean_model_s"] / t_clean_pred
+            j["relative_measured"] = t / t_clean if t and t_clean else None
+        else:
+            j["error"] = d.get("error")
+        jobs.append(j)
+    rows = []
+    for label in dict.fromkeys(j["label"] for j in jobs if j["kind"] != "clean"):
+        group = [j for j in jobs if j["label"] == label]
+        ok = [j for j in group if j["status"] == "ok"]
+        meas = [j["relative_measured"] for j in ok if j["relative_measured"] is not None]
+        predv = [j["relative_predicted"] for j in ok]
+        kinds = Counter()
+        for j in ok:
+            kinds.update(j["flips"]["kinds"])
+        rows.append({"label": label, "plans": len(group), "searched": len(ok),
+                     "distinct": len({j["identity"] for j in ok}), "measured": len(meas),
+                     "mean_measured": statistics.fmean(meas) if meas else None,
+                     "worst_measured": max(meas, default=None),
+                     "mean_predicted": statistics.fmean(predv) if predv else None,
+                     "worst_predicted": max(predv, default=None),
+                     "flipped_nodes_mean": statistics.fmean(len(j["flips"]["nodes"]) for j in ok) if ok else None,
+                     "duplication_flips": sum(j["flips"]["duplication"] is not None for j in ok),
+                     "flip_kinds": dict(kinds.most_common()),
+                     "flip_examples": sorted({n for j in ok for n in j["flips"]["nodes"]})[:8]})
+    repeat = measured.get(f"{clean['identity']}-repeat", {}).get("iter_time_s")
+    return {"clean": {"identity": clean["identity"], "measured_s": t_clean, "predicted_s": t_clean_pred,
+                      "duplication": clean["plan"]["duplication"], "repeat_measured_s": repeat,
+                      "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None},
+            "rows": rows, "jobs": jobs}
+
+
+def _f(x, pct=False) -> str:
+    return "-" if x is None else (f"{x:.3f}" if not pct else f"{100 * x:.1f}%")
+
+
+HEADERS = ["perturbation", "plans", "distinct", "measured", "mean rel. (measured)", "worst rel. (measured)",
+           "mean rel. (predicted)", "worst rel. (predicted)", "flipped nodes (mean)", "dup. flips"]
+
+
+def _rows(result: dict) -> list[list]:
+    return [[r["label"], r["searched"] if r["searched"] == r["plans"] else f"{r['searched']}/{r['plans']}",
+             r["distinct"], r["measured"], _f(r["mean_measured"]), _f(r["worst_measured"]), _f(r["mean_predicted"]),
+             _f(r["worst_predicted"]),
+             "-" if r["flipped_nodes_mean"] is None else f"{r['flipped_nodes_mean']:.1f}", r["duplication_flips"]]
+            for r in result["rows"]]
+
+
+def write_docs(args, result: dict, meta: dict) -> None:
+    docs = Path(args.docs)
+    save_json(docs / "robustness.json", dict(meta, **result))
+    c = result["clean"]
+    lines = [f"# Robustness to profile errors ({args.model}, {args.world} GPUs, {args.network})", "",
+             f"Command: `{meta['command']}`  ", f"Hardware: {hardware_line(meta['hardware'])}  ",
+             f"Date: {meta['hardware'].get('date')}  ", f"Clean profile: `{meta['profile']}`"
+             + (f" ({meta['profile_note']})" if meta.get("profile_note") else "") + "  ",
+             f"Precision: {args.precision}" + (f" (searched as {args.search_precision})"
+                                              if args.search_precision != args.precision else "")
+             + (", predicted only (no runs)" if args.predict_only else ""), "",
+             f"Clean plan `{c['identity']}` (duplication {'on' if c['duplication'] else 'off'}): predicted "
+             f"{_f(c['predicted_s'] and c['predicted_s'] * 1e3)} ms"
+             + (f", measured {c['measured_s'] * 1e3:.2f} ms" if c["measured_s"] else "")
+             + (f", re-measured at the end {c['repeat_measured_s'] * 1e3:.2f} ms (measurement noise "
+                f"{_f(c['measurement_noise'], pct=True)})" if c["repeat_measured_s"] else "") + ".", "",
+             "Relative time = iteration time of the plan searched with the perturbed profile / that of the clean "
+             "plan (mean and worst over the perturbation's seeds). Predicted: both priced by the clean profile's "
+             "cost model; measured: both run on the GPUs (each distinct plan once).", "",
+             table(HEADERS, _rows(result)), "", "## Decisions that flipped", ""]
+    for r in result["rows"]:
+        kinds = ", ".join(f"{k} x{v}" for k, v in r["flip_kinds"].items()) or "none"
+        ex = ", ".join(f"`{n}`" for n in r["flip_examples"])
+        lines.append(f"- {r['label']}: {kinds}" + (f" (e.g. {ex})" if ex else ""))
+    (docs / "robustness.md").write_text("\n".join(lines) + "\n")
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib is not installed: skipped docs/robustness.png")
+        return
+    labels = [r["label"] for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    xs = range(len(labels))
+    for off, key, name in ((-0.3, "mean_predicted", "mean (predicted)"), (-0.1, "worst_predicted", "worst (predicted)"),
+                           (0.1, "mean_measured", "mean (measured)"), (0.3, "worst_measured", "worst (measured)")):
+        ys = [r[key] for r in result["rows"]]
+        if any(y is not None for y in ys):
+            ax.bar([x + off for x in xs], [y or 0.0 for y in ys], 0.2, label=name)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("relative iteration time")
+    ax.set_title(f"{args.model}, {args.world} GPUs: plans searched with a perturbed profile")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(docs / "robustness.png", dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    from hidup.cli import MODEL_FLAGS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bert-sgmoe")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--network", choices=("sockets", "nvlink"), default="sockets")
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
+    p.add_argument("--noise", type=float, nargs="+", default=[0.2, 0.4, 0.8])
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--comm", type=int, nargs="+", default=[-50, -25, 25, 100], help="communication change in %%")
+    p.add_argument("--profile", default=None, help="clean profile (builtin name or path)")
+    p.add_argument("--predict-only", action="store_true", help="do not run plans; price them with the clean "
+                   "profile's cost model (needs no GPU)")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs")
+    p.add_argument("--bench-out", type=Path, default=ROOT / "docs" / "bench", help="exp/bench.py's results "
+                   "directory (its <network>-profile.json is the default clean profile; plans are cached there)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--run-cap", type=float, default=20.0)
+    p.add_argument("--time-budget", type=float, default=480.0)
+    p.add_argument("--profile-budget", type=float, default=0.1)
+    p.add_argument("--search-jobs", type=int, default=None,
+                   help="parallel search processes (default: by CPUs; 0: search in this process)")
+    p.add_argument("--dist-timeout", type=float, default=120.0)
+    g = p.add_argument_group("model overrides")
+    for flag, (typ, text) in MODEL_FLAGS.items():
+        g.add_argument(f"--{flag}", type=typ, default=None, help=text)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    started = time.time()
+    deadline = started + args.time_budget
+    env = apply_network(args.network)
+    gpu = torch.cuda.is_available() and not args.predict_only
+    if not args.predict_only and torch.cuda.is_available() and args.world > torch.cuda.device_count():
+        raise SystemExit(f"--world {args.world} needs {args.world} GPUs; this host has {torch.cuda.device_count()} "
+                         "(or use --predict-only)")
+    import hidup.models
+
+    if args.model not in hidup.models.names():
+        raise SystemExit(f"--model {args.model}: not in the zoo ({', '.join(hidup.models.names())})")
+    args.search_precision = args.precision if torch.cuda.is_available() else "fp32"
+    bench_profile = args.bench_out / f"{args.network}-profile.json"
+    note, measure = "", False
+    if args.profile:
+        profile_path = resolve_profile(args.profile)
+    elif bench_profile.is_file():
+        profile_path = bench_profile
+    elif args.predict_only:
+        profile_path = resolve_profile(FALLBACK_PROFILE[args.network])
+        note = f"no measured profile at {bench_profile}; the builtin {FALLBACK_PROFILE[args.network]} was used"
+    else:
+        profile_path, measure = bench_profile, True
+    perts = perturbations(args)
+    overrides = overrides_of(args)
+    names = [job_name(args.model, args.world, args.search_precision, overrides, f"-{p['tag']}") for p in perts]
+    jobs = {n: {"name": n, "model": args.model, "world": args.world, "precision": args.search_precision,
+                "overrides": overrides, "perturb": p["perturb"]} for n, p in zip(names, perts)}
+    plan_dir = args.bench_out / "plans" / f"robustness-{args.network}"
+    searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], deadline,
+                        workers=args.search_jobs, reserve_cpus=0 if args.predict_only else 2 * args.world)
+    args.bench_out.mkdir(parents=True, exist_ok=True)
+    searcher.start()
+    measured: dict = {}
+    try:
+        if args.predict_only:
+            if not searcher.wait(timeout=max(1.0, deadline - time.time())):
+                print("[noise] the time budget ran out before every search finished; rows use the finished ones")
+        else:
+            from torch.distributed.elastic.utils.distributed import get_free_port
+
+            from hidup.runtime.launch import LaunchError, launch
+
+            partial = args.bench_out / f".partial-robustness-{args.network}.jsonl"
+            partial.unlink(missing_ok=True)
+            cfg = {"network": args.network, "profile": str(profile_path), "profile_budget": args.profile_budget,
+                   "measure_profile": measure, "model": args.model, "overrides": overrides, "plan_dir": str(plan_dir),
+                   "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
+                   "warmup": args.warmup, "iters": args.iters, "partial": str(partial),
+                   "precision_run": args.precision if gpu else "fp32"}
+            try:
+                launch(child_main, cfg, nnodes=1, cpn=args.world, node_rank=0, master_addr="127.0.0.1",
+                       master_port=get_free_port(), timeout_s=args.dist_timeout)
+            except (LaunchError, RuntimeError) as e:
+                print(f"[noise] the process group failed; reporting what was measured:\n{str(e)[-2000:]}")
+            measured, _ = read_partial(partial)
+            partial.unlink(missing_ok=True)
+            if profile_path.with_name(profile_path.name + ".error").is_file():
+                note = searcher.note
+    finally:
+        searcher.stop()
+    result = assemble(args, perts, names, plan_dir, measured, profile_path if not searcher.note else
+                      resolve_profile(FALLBACK_PROFILE[args.network]))
+    meta = {"command": command_line("exp/noise.py", argv), "hardware": hardware("cuda" if gpu else "cpu"),
+            "env": env, "profile": str(profile_path), "profile_note": note or searcher.note, "model": args.model,
+            "world": args.world, "precision": args.precision, "predict_only": args.predict_only,
+            "elapsed_s": time.time() - started}
+    write_docs(args, result, meta)
+    print(text_table(HEADERS, _rows(result)))
+    print(f"\nwrote {Path(args.docs) / 'robustness.md'} and robustness.json ({time.time() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

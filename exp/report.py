@@ -1,0 +1,334 @@
+"""Shared helpers of the benchmark drivers: import bootstrap, host facts, JSON and markdown output.
+
+* :func:`bootstrap` makes ``hidup`` and its subpackages (``hidup.search``, ``hidup.codegen``,
+  ``hidup.profiler``, which live in ``search/``, ``codegen/``, ``profiler/``) importable from a plain
+  checkout, also where ``pip install -e .`` was not run.
+* :func:`hardware` records what a result was measured on (GPU name and count, torch, CUDA and NCCL
+  versions, host, date).
+* :func:`write_section` replaces one marked section of a markdown file, so that several drivers
+  (bench, breakdown) can write into ``docs/benchmarks.md`` without erasing each other's tables.
+* :func:`table` renders a markdown table; :func:`pyplot` returns ``matplotlib.pyplot`` or ``None``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXP = ROOT / "exp"
+
+
+def bootstrap() -> None:
+    """Put the repository and ``exp/`` on ``sys.path`` and make ``hidup.search`` (etc.) importable.
+
+    With an editable install nothing changes.  In a bare checkout the repository root is appended to
+    the ``hidup`` package path, so ``hidup.search`` resolves to ``<root>/search`` exactly as
+    ``[tool.setuptools.package-dir]`` maps it."""
+    for p in (str(ROOT), str(EXP), str(EXP / "baselines")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import hidup
+
+    try:
+        importlib.import_module("hidup.profiler")
+    except ModuleNotFoundError:
+        if str(ROOT) not in list(hidup.__path__):
+            hidup.__path__.append(str(ROOT))
+        importlib.import_module("hidup.profiler")
+
+
+def hardware(device_type: str | None = None) -> dict:
+    """Facts about this host and its accelerators (GPU name/count, torch, CUDA, NCCL, Python)."""
+    import torch
+
+    info = {"host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    if torch.cuda.is_available() and device_type != "cpu":
+        info["device"] = torch.cuda.get_device_name(0)
+        info["device_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001 - a missing NCCL is a fact to record, not an error
+            info["nccl"] = f"unavailable ({type(e).__name__})"
+    else:
+        info["device"] = f"cpu ({platform.processor() or platform.machine()})"
+        info["device_count"] = 0
+    return info
+
+
+def hardware_line(hw: dict) -> str:
+    parts = [f"{hw.get('device_count', 0)} x {hw.get('device', '?')}" if hw.get("device_count")
+             else str(hw.get("device", "?")), f"torch {hw.get('torch', '?')}"]
+    if hw.get("cuda"):
+        parts.append(f"CUDA {hw['cuda']}")
+    if hw.get("nccl"):
+        parts.append(f"NCCL {hw['nccl']}")
+    parts += [f"Python {hw.get('python', '?')}", f"host {hw.get('host', '?')} ({hw.get('cpus', '?')} CPUs)"]
+    return ", ".join(parts)
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that produced a result, as a user would type it."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", script] + [a if a and " " not in a else repr(a) for a in args])
+
+
+def save_json(path: str | Path, obj) -> Path:
+    """Write ``obj`` as indented JSON atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_json(path: str | Path, default=None):
+    path = Path(path)
+    if not path.is_file():
+        return default
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete or repair the file") from None
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table (cells converted with ``str``; ``None`` shows as ``-``)."""
+    def cell(v) -> str:
+        return "-" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def text_table(headers: list[str], rows: list[list]) -> str:
+    """A fixed-width plain-text table for the terminal."""
+    cells = [[("-" if v is None else str(v)) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def write_section(path: str | Path, name: str, body: str, title: str | None = None) -> Path:
+    """Replace the section ``name`` of the markdown file ``path`` (created with ``title`` if new).
+
+    A section is everything between ``<!-- begin NAME -->`` and ``<!-- end NAME -->``; sections
+    not named are kept as they are, a new one is appended at the end."""
+    path = Path(path)
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.is_file() else (f"# {title}\n\n" if title else "")
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + ("\n\n" if text.strip() else "") + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend, or ``None`` if not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
+
+
+def rate(x) -> str:
+    if x is None:
+        return "-"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.1f}"
+
+
+# ============================================================================ benchmark results
+BENCH_HEADERS = ["world", "model", "prec", "method", "iter (ms)", "throughput", "scaling eff.", "peak mem (GiB)",
+                 "predicted (ms)", "measured/pred.", "note"]
+
+
+def add_efficiency(runs: list[dict]) -> None:
+    """``scaling_efficiency = t_single / t`` per run, with ``t_single`` the floor of the same
+    (world, model, precision); ``None`` where either time is missing."""
+    floor = {(r["world"], r["model"], r["precision"]): r["iter_time_s"] for r in runs
+             if r.get("method") == "single" and r.get("status") == "ok"}
+    ref_loss = {}
+    for r in runs:  # the first step's global loss of the first distributed method: all must agree
+        if r.get("status") == "ok" and r.get("method") != "single" and r.get("loss_first") is not None:
+            ref_loss.setdefault((r["world"], r["model"], r["precision"]), (r["method"], r["loss_first"]))
+    for r in runs:
+        g = (r["world"], r["model"], r["precision"])
+        f = floor.get(g)
+        r["scaling_efficiency"] = f / r["iter_time_s"] if f and r.get("status") == "ok" else None
+        ref = ref_loss.get(g)
+        if ref and r.get("status") == "ok" and r.get("method") != "single":
+            r["loss_check"] = {"reference": ref[0], "relative_difference":
+                               abs(r["loss_first"] - ref[1]) / max(abs(ref[1]), 1e-12)}
+
+
+def _note(r: dict) -> str:
+    if r.get("status") != "ok":
+        first = str(r.get("error") or "").strip().splitlines()
+        return f"{r.get('status')}: {first[0][:90] if first else ''}"
+    notes = []
+    if r.get("capped"):
+        notes.append(f"{r.get('iters')} timed steps (time cap)")
+    if r.get("precision_run") and r["precision_run"] != r["precision"]:
+        notes.append(f"ran as {r['precision_run']}")
+    if r.get("method") == "hidup" and r.get("plan_duplication") is False:
+        notes.append("search preferred no duplication")
+    check = r.get("loss_check") or {}
+    tol = 2e-2 if r.get("precision_run", r.get("precision")) == "bf16" else 5e-3
+    if check.get("relative_difference", 0.0) > tol:
+        notes.append(f"first loss differs from {check['reference']} by {100 * check['relative_difference']:.1f}%")
+    return "; ".join(notes)
+
+
+def bench_rows(runs: list[dict]) -> list[list]:
+    rows = []
+    for r in runs:
+        ok = r.get("status") == "ok"
+        pred = r.get("predicted_s")
+        eff = r.get("scaling_efficiency")
+        rows.append([r["world"], r["model"], r["precision"], r["method"], ms(r.get("iter_time_s")) if ok else None,
+                     f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
+                     f"{eff:.2f}" if eff is not None else None, gib(r.get("peak_memory_bytes")) if ok else None,
+                     ms(pred) if pred else None, f"{r['iter_time_s'] / pred:.2f}" if ok and pred else None, _note(r)])
+    return rows
+
+
+def _sort_key(r: dict):
+    from benchrun import METHODS
+
+    m = r.get("method")
+    return (r["world"], r["model"], r["precision"], METHODS.index(m) if m in METHODS else 99)
+
+
+def _profile_summary(path: Path) -> dict:
+    doc = load_json(path, {}) or {}
+    out = {"name": doc.get("name"), "path": str(path), "source": doc.get("source"), "gpu": doc.get("gpu"),
+           "flops": doc.get("flops"), "collectives": {}}
+    for c, groups in (doc.get("collectives") or {}).items():
+        out["collectives"][c] = {g: {"alpha_s": t["alpha"], "algbw_at_max": t["algbw"][-1], "max_bytes": t["sizes"][-1]}
+                                 for g, t in groups.items()}
+    return out
+
+
+def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile_path: Path, elapsed: float) -> dict:
+    """Merge ``records`` into ``<out>/<network>.json``, rewrite this network's section of
+    ``<docs>/benchmarks.md`` and the figure, and print the compact table."""
+    path = Path(args.out) / f"{args.network}.json"
+    doc = load_json(path, {}) or {}
+    runs = {r["key"]: r for r in doc.get("runs", [])}
+    runs.update(records)
+    ordered = sorted(runs.values(), key=_sort_key)
+    add_efficiency(ordered)
+    invocation = {"command": command, "hardware": hw, "env": env, "elapsed_s": elapsed,
+                  "time_budget_s": args.time_budget, "profile": _profile_summary(profile_path),
+                  "runs": sorted(records)}
+    doc = {"network": args.network, "env": env, "latest": invocation,
+           "invocations": (doc.get("invocations", []) + [invocation])[-20:], "runs": ordered}
+    save_json(path, doc)
+    write_section(Path(args.docs) / "benchmarks.md", f"bench-{args.network}", bench_markdown(doc), title="Benchmarks")
+    figure = bench_figure(Path(args.out), Path(args.docs) / "benchmarks.png")
+    new = [r for r in ordered if r["key"] in records]
+    print()
+    print(text_table(BENCH_HEADERS, bench_rows(new)))
+    print(f"\n{len(new)} runs ({sum(r.get('status') == 'ok' for r in new)} ok) in {elapsed:.0f} s; "
+          f"results: {path}; report: {Path(args.docs) / 'benchmarks.md'}"
+          + (f"; figure: {figure}" if figure else " (no figure: matplotlib is not installed)"), flush=True)
+    return doc
+
+
+def bench_markdown(doc: dict) -> str:
+    inv = doc["latest"]
+    prof = inv.get("profile") or {}
+    lines = [f"## Network: {doc['network']}", "",
+             f"Command: `{inv['command']}`  ", f"Hardware: {hardware_line(inv['hardware'])}  ",
+             f"Date: {inv['hardware'].get('date')}  ",
+             f"NCCL environment: {', '.join(f'{k}={v}' for k, v in sorted(doc['env'].items())) or '(defaults)'}  ",
+             f"Profile used by the search: {prof.get('name')} ({prof.get('source')}, `{prof.get('path')}`)"]
+    ar = (prof.get("collectives") or {}).get("all_reduce") or {}
+    if ar:
+        lines[-1] += "  "
+        lines.append("Measured all-reduce: " + ", ".join(
+            f"{g} ranks alpha {v['alpha_s'] * 1e6:.0f} us, {v['algbw_at_max'] / 1e9:.1f} GB/s at "
+            f"{v['max_bytes'] / 2**20:.0f} MiB" for g, v in sorted(ar.items())))
+    lines += ["", "Median iteration time over the timed steps (max over ranks per step); scaling efficiency = "
+              "single-rank-share time / time (weak scaling); predicted = the plan's cost-model time in that mode.",
+              "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
+    items = [(r["key"], r["breakdown"]) for r in doc["runs"] if isinstance(r.get("breakdown"), dict)
+             and "span_s" in r["breakdown"]]
+    if items:
+        from breakdown import BREAKDOWN_HEADERS, breakdown_rows
+
+        lines += ["", f"### Time breakdown of one iteration ({doc['network']}, rank 0)", "",
+                  table(BREAKDOWN_HEADERS, breakdown_rows(items)), "",
+                  "compute / comm: busy time of compute kernels / NCCL kernels and device-to-device copies; "
+                  "hidden: communication overlapped by compute on another stream; exposed = comm - hidden."]
+    return "\n".join(lines)
+
+
+def bench_figure(out_dir: Path, target: Path) -> Path | None:
+    """Scaling efficiency per method, one panel per (network, world), from every ``<out>/<net>.json``."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    docs = [d for d in (load_json(p, None) for p in sorted(out_dir.glob("*.json"))) if d and "runs" in d
+            and "network" in d]
+    panels = sorted({(d["network"], r["world"]) for d in docs for r in d["runs"]})
+    if not panels:
+        return None
+    from benchrun import METHODS
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    for ax, (net, world) in zip(axes[:, 0], panels):
+        runs = [r for d in docs if d["network"] == net for r in d["runs"] if r["world"] == world]
+        groups = sorted({(r["model"], r["precision"]) for r in runs})
+        methods = [m for m in METHODS if m != "single" and any(r["method"] == m for r in runs)]
+        width = 0.8 / max(1, len(methods))
+        for j, m in enumerate(methods):
+            ys = []
+            for g in groups:
+                r = next((r for r in runs if (r["model"], r["precision"]) == g and r["method"] == m), None)
+                ys.append((r or {}).get("scaling_efficiency") or 0.0)
+            ax.bar([i + j * width for i in range(len(groups))], ys, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{m}\n{p}" for m, p in groups], fontsize=8)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_ylabel("scaling efficiency")
+        ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone)")
+        ax.legend(fontsize=8, ncol=len(methods))
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target

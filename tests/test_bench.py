@@ -1,0 +1,228 @@
+"""The benchmark drivers on a CPU: bench and noise smoke runs at world 2 on a tiny model, and the
+time breakdown of a synthetic chrome trace checked number by number."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "exp"))
+
+import breakdown  # noqa: E402
+import report  # noqa: E402
+
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64", "--seq-len", "8", "--batch-per-gpu", "4",
+        "--vocab", "64"]
+
+
+def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "exp" / script)] + args, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+# ------------------------------------------------------------------------------------ bench
+def test_bench_smoke_world2(tmp_path):
+    out, docs = tmp_path / "bench", tmp_path / "docs"
+    proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
+                             "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
+                             "--profile-budget", "0.02", "--time-budget", "90", "--breakdown"] + TINY, timeout=150)
+    doc = json.loads((out / "sockets.json").read_text())
+    runs = {r["method"]: r for r in doc["runs"]}
+    assert set(runs) == {"single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup"}
+    for method, r in runs.items():
+        assert r["status"] == "ok", (method, r.get("error"))
+        assert r["precision"] == "tf32" and r["precision_run"] == "fp32"  # CPU runs tf32 as fp32
+        assert r["iter_time_s"] > 0 and r["iters"] >= 1 and r["unit"] == "tok/s"
+        assert r["throughput"] == pytest.approx(r["global_batch"] * 8 / r["iter_time_s"])
+        assert r["breakdown"]["source"] == "cpu" and Path(r["breakdown"]["trace"]).is_file()
+    assert runs["single"]["scaling_efficiency"] == pytest.approx(1.0)
+    floor = runs["single"]["iter_time_s"]
+    assert runs["ddp"]["scaling_efficiency"] == pytest.approx(floor / runs["ddp"]["iter_time_s"])
+    # same weights, same batch: every distributed method starts from the same global loss
+    ref = runs["ddp"]["loss_first"]
+    for m in ("fsdp", "expert", "hidup", "hidup-nodup"):
+        assert runs[m]["loss_first"] == pytest.approx(ref, rel=1e-4), m
+    assert runs["single"]["loss_first"] < ref  # one rank's share of the batch
+    for m in ("hidup", "hidup-nodup"):
+        assert runs[m]["predicted_s"] > 0 and runs[m]["search_s"] >= 0
+        assert runs[m]["profile"]["name"] == "sockets-measured"  # searched with the profile measured here
+    assert runs["hidup"]["info"]["duplication"] is True and runs["hidup-nodup"]["info"]["duplication"] is False
+    assert (out / "sockets-profile.json").is_file()
+    inv = doc["latest"]
+    assert inv["env"]["NCCL_P2P_DISABLE"] == "1" and inv["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert inv["command"].startswith("python exp/bench.py --network sockets")
+    md = (docs / "benchmarks.md").read_text()
+    assert "<!-- begin bench-sockets -->" in md and inv["command"] in md and "Time breakdown" in md
+    assert "w2/bert-sgmoe/tf32/hidup" in proc.stdout  # the compact table / progress reach stdout
+
+
+def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    report.write_section(docs, "bench-nvlink", "NVLINK TABLE", title="Benchmarks")
+    report.write_section(docs, "bench-sockets", "SOCKETS v1")
+    report.write_section(docs, "bench-sockets", "SOCKETS v2")
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks") and "NVLINK TABLE" in text and "SOCKETS v2" in text
+    assert "SOCKETS v1" not in text and text.count("<!-- begin bench-sockets -->") == 1
+
+
+def test_read_partial_skips_a_cut_line(tmp_path):
+    from bench import read_partial
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"event": "start", "key": "a"}) + "\n"
+                    + json.dumps({"event": "result", "record": {"key": "a", "status": "ok"}}) + "\n"
+                    + json.dumps({"event": "start", "key": "b"}) + "\n" + '{"event": "res')
+    records, started = read_partial(path)
+    assert list(records) == ["a"] and started == ["a", "b"]
+
+
+# ------------------------------------------------------------------------------------ breakdown
+def _kernel(name, ts, dur, stream, device=0, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": stream, "pid": device,
+            "args": {"device": device, "stream": stream}}
+
+
+SYNTHETIC = {"traceEvents": [
+    _kernel("ampere_sgemm_128x64_nn", 1000, 10, 7),                          # compute [0, 10)
+    _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1005, 20, 20),         # comm    [5, 25)
+    _kernel("void at::native::vectorized_elementwise_kernel", 1020, 10, 7),  # compute [20, 30)
+    _kernel("Memcpy DtoD (Device -> Device)", 1030, 2, 7, cat="gpu_memcpy"),  # comm by default [30, 32)
+    _kernel("Memset (Device)", 1040, 1, 7, cat="gpu_memset"),                # compute [40, 41)
+    _kernel("ncclDevKernel_AllGather_RING_LL", 900, 500, 20, device=1),      # another device: ignored
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000, "tid": 1, "pid": 1},  # host: ignored
+    {"ph": "i", "name": "marker", "ts": 1000},
+]}
+
+
+def test_breakdown_of_a_synthetic_trace():
+    b = breakdown.analyze(SYNTHETIC)
+    us = 1e-6
+    assert b["source"] == "device" and b["device"] == 0 and b["events"] == 5
+    assert b["compute_s"] == pytest.approx(21 * us)   # [0,10) + [20,30) + [40,41)
+    assert b["comm_s"] == pytest.approx(22 * us)      # [5,25) + [30,32)
+    assert b["hidden_s"] == pytest.approx(10 * us)    # [5,10) + [20,25)
+    assert b["exposed_s"] == pytest.approx(12 * us)
+    assert b["span_s"] == pytest.approx(41 * us)
+    assert b["idle_s"] == pytest.approx(8 * us)       # [32,40)
+    assert b["hidden_fraction"] == pytest.approx(10 / 22)
+    assert b["streams"] == {"comm": 2, "compute": 1}
+
+    c = breakdown.analyze(SYNTHETIC["traceEvents"], dtod_as_comm=False)  # a bare event list works too
+    assert c["compute_s"] == pytest.approx(23 * us) and c["comm_s"] == pytest.approx(20 * us)
+    assert c["hidden_s"] == pytest.approx(10 * us) and c["idle_s"] == pytest.approx(8 * us)
+
+    other = breakdown.analyze(SYNTHETIC, device=1)
+    assert other["comm_s"] == pytest.approx(500 * us) and other["compute_s"] == 0.0
+
+
+def test_breakdown_cpu_fallback_and_cli(tmp_path):
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 100, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 40, "dur": 20, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 10, "dur": 20, "tid": 1}]
+    b = breakdown.analyze(events)
+    assert b["source"] == "cpu"
+    assert b["comm_s"] == pytest.approx(20e-6) and b["compute_s"] == pytest.approx(80e-6)
+    assert b["hidden_s"] == 0.0 and b["span_s"] == pytest.approx(100e-6)
+
+    import gzip
+
+    trace = tmp_path / "w2-ddp.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump(SYNTHETIC, f)
+    doc = tmp_path / "benchmarks.md"
+    assert breakdown.main([str(trace), "--doc", str(doc), "--json", str(tmp_path / "b.json")]) == 0
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["w2-ddp"]["hidden_s"] == pytest.approx(10e-6)
+    text = doc.read_text()
+    assert "<!-- begin breakdown -->" in text and "| w2-ddp | 0.04 | 0.02 | 0.02 | 0.01 | 0.01 | 45 | 0.01 |" in text
+
+
+def test_breakdown_rejects_a_non_trace(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"not": "a trace"}')
+    with pytest.raises(ValueError, match="traceEvents"):
+        breakdown.analyze(bad)
+    with pytest.raises(ValueError, match="no device kernels"):
+        breakdown.analyze([{"ph": "X", "cat": "python_function", "name": "f", "ts": 0, "dur": 1}])
+
+
+_intervals = st.lists(st.tuples(st.integers(0, 100), st.integers(0, 30)).map(lambda t: (t[0], t[0] + t[1])),
+                      max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_intervals, _intervals)
+def test_interval_algebra(a, b):
+    # inclusion-exclusion: |A ∩ B| = |A| + |B| - |A ∪ B|; and |A \ B| = |A| - |A ∩ B|
+    inter = breakdown.intersect_length(a, b)
+    assert inter == breakdown.total_length(a) + breakdown.total_length(b) - breakdown.total_length(a + b)
+    assert breakdown.total_length(breakdown.subtract(a, b)) == breakdown.total_length(a) - inter
+
+
+# ------------------------------------------------------------------------------------ noise
+def test_noise_predict_only(tmp_path):
+    docs = tmp_path / "docs"
+    _run("noise.py", ["--predict-only", "--world", "2", "--seeds", "2", "--noise", "0.4", "--comm", "100",
+                      "--docs", str(docs), "--bench-out", str(tmp_path / "bench"), "--search-jobs", "0",
+                      "--time-budget", "100"] + TINY, timeout=150)
+    res = json.loads((docs / "robustness.json").read_text())
+    assert res["predict_only"] is True and res["world"] == 2
+    assert [r["label"] for r in res["rows"]] == ["+100% communication", "40% random noise"]
+    comm, noise = res["rows"]
+    assert comm["plans"] == comm["searched"] == 1 and noise["plans"] == noise["searched"] == 2
+    assert noise["distinct"] in (1, 2) and noise["measured"] == 0 and noise["mean_measured"] is None
+    clean = res["clean"]
+    assert clean["predicted_s"] > 0 and clean["measured_s"] is None
+    for job in res["jobs"]:
+        assert job["status"] == "ok"
+        # the clean plan is the search's optimum under the clean cost model: no perturbed plan beats it
+        assert job["relative_predicted"] >= 1.0 - 1e-9
+        if job["kind"] == "clean":
+            assert job["relative_predicted"] == pytest.approx(1.0) and job["flips"]["nodes"] == []
+        if job["identity"] == clean["identity"]:
+            assert job["flips"]["nodes"] == []
+    assert noise["worst_predicted"] >= noise["mean_predicted"] >= 1.0 - 1e-9
+    md = (docs / "robustness.md").read_text()
+    assert "predicted only" in md and "40% random noise" in md and "Decisions that flipped" in md
+
+
+def test_noise_perturbation_list():
+    from argparse import Namespace
+
+    import noise
+
+    perts = noise.perturbations(Namespace(comm=[-50, 100], noise=[0.2, 0.8], seeds=2))
+    assert [p["tag"] for p in perts] == ["clean", "comm-50", "comm+100", "noise0.2-s0", "noise0.8-s0",
+                                         "noise0.2-s1", "noise0.8-s1"]
+    assert perts[1]["perturb"]["comm_scale"] == 0.5 and perts[2]["perturb"]["comm_scale"] == 2.0
+    with pytest.raises(SystemExit, match="less than 100%"):
+        noise.perturbations(Namespace(comm=[-100], noise=[], seeds=0))
+
+
+def test_a_failing_run_is_recorded_not_raised():
+    import torch
+
+    import benchrun
+    import hidup.models
+
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=2, layers=2, d_model=32, heads=2, ffn=64, seq_len=8,
+                                       batch_per_gpu=4, vocab=64)
+    out = benchrun.execute("hidup", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=5.0,
+                           plan=None)
+    assert out["status"] == "failed" and "needs a plan" in out["error"] and out["error"].startswith("rank 0")
+    ok = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=2, cap_s=5.0)
+    assert ok["status"] == "ok" and ok["iters"] == 2 and len(ok["iter_times_s"]) == 2
+    capped = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=5, cap_s=0.0)
+    assert capped["iters"] == 1 and capped["capped"]  # over the time cap: one timed step, flagged
+    assert benchrun.applicable("expert", hidup.models.build("gpt", layers=1, d_model=32, heads=2, ffn=64, seq_len=8,
+                                                             batch_per_gpu=2, vocab=64)[0])

@@ -29,12 +29,14 @@ Duplication (two half-batch copies A and B)
 A tensor is *batch-dependent* when it derives from a model input; parameters, buffers and tensors
 computed only from them are not.  Per copy:
 
-* a batch-dependent node computes ``t/2`` in each copy (``cA = cB = t/2``); a batch-independent one
-  runs once, in copy A (``cA = t, cB = 0``);
+* a batch-dependent node computes ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op
+  cost in each); a batch-independent one (an op on weights only) runs in both copies, since each copy
+  runs the whole per-rank program (``cA = cB = t``);
 * a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
-  (alpha is paid twice); a batch-independent one (a weight's all-gather, a gradient's all-reduce)
-  runs once on the whole tensor in copy A: ``mA = T(c, bytes), mB = 0`` (its gradient is summed
-  over both copies first).
+  (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
+  (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
+  once per copy) -- except the gradient all-reduce of a ``replicate`` parameter, which the bucketed
+  gradient synchronization does once per step after both copies: ``bA = T(c, bytes), bB = 0``.
 """
 
 from __future__ import annotations
@@ -155,8 +157,10 @@ class CostModel:
             if batch:
                 fA = fB = self.comm(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2)
-            else:
+            elif src.kind == "replicate" and dst.kind == "full":
                 fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
+            else:
+                fA, fB, bA, bB = fwd, fwd, bwd, bwd
             cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB)
         self._conv_cache[key] = cost
         return cost

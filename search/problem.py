@@ -245,9 +245,9 @@ class Problem:
             hf, hb = (cf - of) / 2 + of, (cb - ob) / 2 + ob
             f4 = (fA, fB, hf, hf)
             b4 = (bA, bB, hb, hb)
-        else:
-            f4 = (fA, fB, cf, 0.0)
-            b4 = (bA, bB, cb, 0.0)
+        else:  # ops on weights only run in both copies (each copy runs the whole program)
+            f4 = (fA, fB, cf, cf)
+            b4 = (bA, bB, cb, cb)
         step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb, tuple(convs))
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []

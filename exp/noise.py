@@ -265,7 +265,7 @@ def write_docs(args, result: dict, meta: dict) -> None:
             ax.bar([x + off for x in xs], [y or 0.0 for y in ys], 0.2, label=name)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xticklabels(labels, fontsize=8, rotation=20, ha="right")
     ax.set_ylabel("relative iteration time")
     ax.set_title(f"{args.model}, {args.world} GPUs: plans searched with a perturbed profile")
     ax.legend(fontsize=8)

@@ -60,15 +60,17 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
         p.error(f"--config {path}: no such file")
     except tomllib.TOMLDecodeError as e:
         p.error(f"--config {path}: not valid TOML ({e})")
-    known = {a.dest for a in p._actions}
+    subparsers = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    sub = subparsers[0].choices[args.command] if subparsers else p
+    known = {a.dest for a in sub._actions} - {"help", "config"}
     defaults = {}
     for key, value in data.items():
         dest = key.replace("-", "_")
         if dest not in known:
             p.error(f"--config {path}: unknown key {key!r}; valid keys: "
-                    + ", ".join(sorted(k.replace('_', '-') for k in known if k != 'help')))
+                    + ", ".join(sorted(k.replace('_', '-') for k in known)))
         defaults[dest] = value
-    p.set_defaults(**defaults)
+    sub.set_defaults(**defaults)
     return p.parse_args(argv)
 
 
@@ -120,6 +122,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
                   duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
                   progress=not args.quiet)
+    plan.model = args.model
+    plan.model_config = model_overrides(args)  # lets `hidup show` rebuild the same graph
     out = args.out or Path(f"strategy_{args.model}.json")
     plan.save(out)
     if not args.quiet:

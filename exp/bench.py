@@ -298,7 +298,7 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
 
 
 def parse_args(argv):
-    from hidup.cli import MODEL_FLAGS
+    from hidup.cli import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -321,9 +321,7 @@ def parse_args(argv):
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
     p.add_argument("--relaunch", type=int, default=1, help="relaunches of a group that crashed (default 1)")
     p.add_argument("--dist-timeout", type=float, default=120.0, help="process-group timeout in seconds")
-    g = p.add_argument_group("model overrides (applied to every model)")
-    for flag, (typ, text) in MODEL_FLAGS.items():
-        g.add_argument(f"--{flag}", type=typ, default=None, help=text)
+    add_model_flags(p.add_argument_group("model overrides (applied to every model)"))
     return p.parse_args(argv)
 
 

@@ -275,7 +275,7 @@ def write_docs(args, result: dict, meta: dict) -> None:
 
 
 def parse_args(argv):
-    from hidup.cli import MODEL_FLAGS
+    from hidup.cli import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -300,9 +300,7 @@ def parse_args(argv):
     p.add_argument("--search-jobs", type=int, default=None,
                    help="parallel search processes (default: by CPUs; 0: search in this process)")
     p.add_argument("--dist-timeout", type=float, default=120.0)
-    g = p.add_argument_group("model overrides")
-    for flag, (typ, text) in MODEL_FLAGS.items():
-        g.add_argument(f"--{flag}", type=typ, default=None, help=text)
+    add_model_flags(p.add_argument_group("model overrides"))
     return p.parse_args(argv)
 
 

@@ -29,12 +29,17 @@ DEFAULT_WORLD = 8
 DEFAULT_PROFILE = "paper-v100-9.7gbps"
 
 
+def add_model_flags(group) -> None:
+    """The model override flags (``--layers``, ``--d-model``, ...), each defaulting to the model's."""
+    for flag, (typ, text) in MODEL_FLAGS.items():
+        group.add_argument(f"--{flag}", type=typ, default=None, help=f"{text} (default: the model's)")
+
+
 def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DEFAULT_WORLD) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"zoo model name (default {DEFAULT_MODEL}); "
                    "see `hidup models`")
-    for flag, (typ, text) in MODEL_FLAGS.items():
-        g.add_argument(f"--{flag}", type=typ, default=None, help=f"{text} (default: the model's)")
+    add_model_flags(g)
     g.add_argument("--world", type=int, default=world_default, help="number of ranks (GPUs)")
     g.add_argument("--config", type=Path, default=None, help="TOML file with defaults for these flags")
 

@@ -70,6 +70,13 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
         raise ValueError(f"algorithm must be 'dp' or 'ilp', got {algorithm!r}")
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    with dp.no_gc():
+        return _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
+                       max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)
+
+
+def _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress, max_states,
+            max_points, reuse_blocks, optimizer_factor, time_limit, explain) -> Plan:
     problem = Problem(graph, profile, precision, restrict, optimizer_factor)
     candidates: list[list[int]] = []
     if algorithm == "ilp":

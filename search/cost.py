@@ -79,7 +79,8 @@ class CostModel:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
         self.graph, self.profile, self.precision = graph, profile, precision
         self.world = graph.world_size
-        self._conv_cache: dict[tuple, ConvCost | None] = {}
+        self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (bytes, grad, batch, src, dst)
+        self._conv_by_tensor: dict[tuple, ConvCost | None] = {}  # by (tensor id, src, dst)
         self.batch = self._batch_dependence(graph)
 
     @staticmethod
@@ -140,10 +141,14 @@ class CostModel:
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
+        hit = self._conv_by_tensor.get((tid, src, dst), self._conv_by_tensor)
+        if hit is not self._conv_by_tensor:
+            return hit
         t: Tensor = self.graph.tensors[tid]
         batch = self.batch.get(tid, False)
         key = (t.nbytes, t.requires_grad, batch, src, dst)
         if key in self._conv_cache:
+            self._conv_by_tensor[(tid, src, dst)] = self._conv_cache[key]
             return self._conv_cache[key]
         conv = conversion(src, dst)
         if conv is None:
@@ -162,5 +167,5 @@ class CostModel:
             else:
                 fA, fB, bA, bB = fwd, fwd, bwd, bwd
             cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB)
-        self._conv_cache[key] = cost
+        self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
         return cost

@@ -13,7 +13,11 @@ need, and maps every point ``p`` to ``apply(p, step)``:
   enumerating every assignment (:func:`hidup.search.brute.brute_force`);
 * with duplication a point is ``(T_f, d_f, -s_f, T_b, d_b, -s_b)``: forward and backward
   ``(time, debt, slack)`` of :mod:`hidup.search.schedule`, and ``apply`` runs that recurrence.
-  Future cost is monotone in every coordinate, so dominated points are dropped without loss;
+  Whatever follows, the final time of a pass is ``T`` plus a function of ``(d, s)`` that grows by at
+  most ``x`` when ``d`` grows by ``x`` or ``s`` shrinks by ``x`` (:mod:`hidup.search.schedule`).  So
+  ``a`` is never worse than ``b`` in the same state when ``(T_a - T_b) + max(0, d_a - d_b) +
+  max(0, s_b - s_a)``, summed over both passes, is at most 0 (implied by componentwise ``a <= b``);
+  such dominated points are dropped without loss;
 * with a memory budget every point also carries its memory (an additive coordinate), and a point is
   dropped once ``memory + (least memory the remaining positions can use) > budget``.
 
@@ -21,15 +25,21 @@ The answer is the point at the last position with the least ``time`` (``T_f + d_
 
 Speed
 -----
-* Transitions are cached per (position, signature, states of the node's inputs).
+* Transitions are cached per (position, signature, states of the node's inputs), and the list of
+  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes.
+* A front stores each point with its predicted time, so sorting and ranking use no Python key.
+* The cyclic garbage collector is paused while the DP runs (it allocates no cycles, and full
+  collections over a large heap cost as much as the search).
 * Cross-state dominance: a state whose tensors differ from a cheaper state's in one tensor is
   dropped when the cheaper one stays cheaper even after paying every conversion it might need
-  that the other would not (:meth:`_DP.cross_prune`; exact without duplication, where it always
-  runs; with duplication a heuristic, run only when the beam would cut anyway).
+  that the other would not (:meth:`_DP.cross_prune`; exact without duplication, where it runs
+  once a position has more than 8 states; with duplication a heuristic, run only when the beam
+  would cut anyway).  The candidates A of a state B are found by grouping the keys with one
+  coordinate left out.
 * ``max_points`` caps each Pareto set (keeping the points of least predicted time) and
   ``max_states`` caps the number of states after each position (keeping those whose best point is
   fastest): a beam.  ``None`` means unlimited (exact, as the tests against enumeration use); the
-  defaults (256 states, 4 points) trade exactness for speed.  With a memory budget the point of
+  defaults (128 states, 4 points) trade exactness for speed.  With a memory budget the point of
   least memory of each state is always kept.
 * Repeated layers (:mod:`hidup.search.segments`): for an occurrence of a repeated block the DP looks
   up, per state of the block's external inputs, a table of reachable exit states with their
@@ -41,9 +51,11 @@ Speed
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from typing import Callable
 
-from hidup.search.problem import Problem, SearchError
+from hidup.search.problem import Problem, SearchError, _getter
 from hidup.search.schedule import compress_steps, dup_apply_stages
 from hidup.search.segments import Occurrence, find_blocks
 
@@ -53,9 +65,39 @@ DEFAULT_MAX_STATES = 128  # same plans as 256 on the zoo at world 8 (bert-sgmoe,
 DEFAULT_MAX_POINTS = 4
 
 
-def _dominator(dims: int):
-    """A fast ``a <= b`` componentwise test for tuples of ``dims`` entries."""
-    body = " and ".join(f"a[{i}] <= b[{i}]" for i in range(dims))
+@contextmanager
+def no_gc():
+    """Pause the cyclic garbage collector: the search allocates many small tuples and no cycles,
+    and with a large heap (a traced model) the collector's full passes cost as much as the search."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _first(x):
+    return x[0]
+
+
+def _first_est(item):
+    """Sort key of a (state key, front) pair: the estimate of the front's best point."""
+    return item[1][0][0]
+
+
+def _dominator(dims: int, duplication: bool):
+    """A fast "point ``a`` is never worse than point ``b``" test for tuples of ``dims`` entries.
+
+    Without duplication: ``a <= b`` componentwise.  With duplication (module docstring): the summed
+    ``T`` gap of both passes plus every excess of ``a``'s debt and minus-slack over ``b``'s is at most
+    zero, and (with a memory coordinate) ``a`` uses no more memory."""
+    if not duplication:
+        body = " and ".join(f"a[{i}] <= b[{i}]" for i in range(dims))
+    else:
+        gap = "(a[0] - b[0]) + (a[3] - b[3])" + "".join(f" + max(0.0, a[{i}] - b[{i}])" for i in (1, 2, 4, 5))
+        body = f"{gap} <= 0.0" + (" and a[6] <= b[6]" if dims == 7 else "")
     return eval(f"lambda a, b: {body}")  # noqa: S307 -- generated from integers only
 
 
@@ -66,11 +108,13 @@ class _DP:
         self.max_states, self.max_points = max_states, max_points
         self.has_mem = memory_budget is not None
         self.zero = (0.0,) * ((6 if duplication else 1) + (1 if self.has_mem else 0))
-        self.dominates = _dominator(len(self.zero))
+        self.dominates = _dominator(len(self.zero), duplication)
         self.tables: dict[tuple, list] = {}
         self.reps: dict[int, Occurrence] = {}
 
     # ---------------------------------------------------------------------------- point algebra
+    # A front is a list of entries ``(est(point), point, trace)``: the estimate is stored so that
+    # sorting and ranking need no Python-level key function.
     def est(self, v: tuple) -> float:
         return v[0] + v[1] + v[3] + v[4] if self.dup else v[0]
 
@@ -106,39 +150,68 @@ class _DP:
         return out + (v[-1] + mem,) if self.has_mem else out
 
     def finalize(self, bucket: list) -> list:
-        """The Pareto set of a bucket of (point, trace), at most ``max_points`` of least time.
+        """The Pareto set of a bucket of (est, point, trace), at most ``max_points`` of least time.
 
         Sorted by predicted time, a point can only be dominated by one before it (domination
         implies no more time), so one pass keeps exactly the first non-dominated points."""
         if len(bucket) <= 1:
             return bucket
-        if len(bucket[0][0]) == 1:
-            return [min(bucket, key=lambda x: x[0][0])]
-        bucket.sort(key=lambda x: self.est(x[0]))
+        if len(bucket[0][1]) == 1:
+            return [min(bucket, key=_first)]
+        bucket.sort(key=_first)
         kept: list = []
-        dom = self.dominates
         cap = self.max_points or len(bucket)
-        for v, tr in bucket:
-            for u, _ in kept:
+        if len(bucket[0][1]) == 6:  # duplication without memory: the dominance test inlined
+            for x in bucket:
+                v0, v1, v2, v3, v4, v5 = x[1]
+                for _, u, _ in kept:  # self.dominates(u, v), inlined
+                    gap = (u[0] - v0) + (u[3] - v3)
+                    w = u[1] - v1
+                    if w > 0.0:
+                        gap += w
+                    w = u[2] - v2
+                    if w > 0.0:
+                        gap += w
+                    w = u[4] - v4
+                    if w > 0.0:
+                        gap += w
+                    w = u[5] - v5
+                    if w > 0.0:
+                        gap += w
+                    if gap <= 0.0:
+                        break
+                else:
+                    kept.append(x)
+                    if len(kept) >= cap:
+                        break
+            return kept
+        dom = self.dominates
+        for x in bucket:
+            v = x[1]
+            for _, u, _ in kept:
                 if dom(u, v):
                     break
             else:
-                kept.append((v, tr))
+                kept.append(x)
                 if len(kept) >= cap:
                     break
         if self.has_mem and len(kept) >= cap and len(bucket) > cap:
-            lean = min(bucket, key=lambda x: (x[0][-1], self.est(x[0])))
+            lean = min(bucket, key=lambda x: (x[1][-1], x[0]))
             if not any(lean is x for x in kept):  # keep the leanest plan too, so a tight budget is not lost to the cap
                 kept[-1] = lean
         return kept
 
     def prune(self, states: dict, pos: int) -> dict:
-        states = {k: self.finalize(b) for k, b in states.items() if b}
+        if self.dup or self.has_mem:
+            fin = self.finalize
+            states = {k: fin(b) for k, b in states.items() if b}
+        # else: node_step keeps one point per state already; block_step's buckets still need it
+        elif any(len(b) != 1 for b in states.values()):
+            states = {k: [min(b, key=_first)] for k, b in states.items() if b}
         if not self.has_mem and (len(states) > 8 if not self.dup else bool(self.max_states) and len(states) > self.max_states):
             states = self.cross_prune(states, pos)
         if self.max_states and len(states) > self.max_states:
-            ranked = sorted(states, key=lambda k: self.est(states[k][0][0]))
-            keep = set(ranked[: self.max_states])
+            keep = {k for k, _ in sorted(states.items(), key=_first_est)[: self.max_states]}
             states = {k: f for k, f in states.items() if k in keep}
         return states
 
@@ -146,49 +219,103 @@ class _DP:
         """Drop state B when a state A differing in one tensor reaches every future of B for less:
         ``time(A) + penalty(A, B) <= time(B)``, where the penalty bounds the extra conversions A may
         pay (:meth:`Problem.penalty`).  Exact without duplication (costs add); with duplication a
-        heuristic, used only together with the beam."""
-        p = self.p
-        est = self.est
-        cost = {k: est(f[0][0]) for k, f in states.items()}
-        ranked = sorted(states, key=cost.__getitem__)
-        rank = {k: r for r, k in enumerate(ranked)}
-        width = len(ranked[0])
-        values = [list(dict.fromkeys(k[j] for k in ranked)) for j in range(width)]
-        coords = [j for j in range(width) if len(values[j]) > 1]
-        dead = set()
-        for key in ranked:
-            c, r = cost[key], rank[key]
-            for j in coords:
-                bj = key[j]
-                for v in values[j]:
-                    if v == bj:
-                        continue
-                    a = key[:j] + (v,) + key[j + 1:]
-                    ra = rank.get(a)
-                    if ra is None or ra > r or a in dead:
-                        continue
-                    if cost[a] + p.penalty(pos, j, v, bj) <= c:
-                        dead.add(key)
-                        break
-                if key in dead:
-                    break
-        return {k: f for k, f in states.items() if k not in dead} if dead else states
+        heuristic, used only together with the beam.
+
+        States are visited from the cheapest; each is compared with the kept (cheaper) states that
+        share all its tensors but one, found by grouping keys with one coordinate left out."""
+        penalty = self.p.penalty
+        ranked = sorted(states.items(), key=_first_est)
+        width = len(ranked[0][0])
+        coords = [j for j in range(width) if len({k[j] for k, _ in ranked}) > 1]
+        if not coords:
+            return states
+        rest_of = [_getter([a for a in range(width) if a != j]) for j in coords]
+        groups: list[dict] = [{} for _ in coords]
+        slots = list(zip(coords, rest_of, groups))
+        pen: dict = {}
+        dead = False
+        out = {}
+        for key, front in ranked:
+            c = front[0][0]
+            rests = []
+            alive = True
+            for j, rest_fn, g in slots:
+                rest = rest_fn(key)
+                rests.append(rest)
+                if alive:
+                    members = g.get(rest)
+                    if members:
+                        bj = key[j]
+                        for aj, ca in members:
+                            pk = (j, aj, bj)
+                            pa = pen.get(pk)
+                            if pa is None:
+                                pa = pen[pk] = penalty(pos, j, aj, bj)
+                            if ca + pa <= c:
+                                alive = False
+                                break
+            if alive:
+                out[key] = front
+                for (j, _, g), rest in zip(slots, rests):
+                    members = g.get(rest)
+                    if members is None:
+                        g[rest] = [(key[j], c)]
+                    else:
+                        members.append((key[j], c))
+            else:
+                dead = True
+        if not dead:
+            return states
+        return {k: f for k, f in states.items() if k in out}
 
     # ---------------------------------------------------------------------------- transitions
     def node_step(self, states: dict, i: int, mem_floor: float) -> dict:
-        p, new = self.p, {}
-        for key, front in states.items():
-            for k in range(len(p.sigs[i])):
-                res = p.step(i, k, key)
-                if res is None:
-                    continue
-                step, nkey = res
-                bucket = new.setdefault(nkey, [])
-                for v, tr in front:
-                    nv = self.apply_step(v, step)
-                    if self.has_mem and nv[-1] + mem_floor > self.budget:
-                        continue
-                    bucket.append((nv, (tr, i, k)))
+        trans = self.p.transitions
+        new: dict = {}
+        get = new.get
+        if self.has_mem:
+            budget, apply, est = self.budget, self.apply_step, self.est
+            for key, front in states.items():
+                for k, step, nkey in trans(i, key):
+                    bucket = new.setdefault(nkey, [])
+                    for _, v, tr in front:
+                        nv = apply(v, step)
+                        if nv[-1] + mem_floor > budget:
+                            continue
+                        bucket.append((est(nv), nv, (tr, i, k)))
+        elif not self.dup:  # one point per state: keep the cheapest per new key (the first on ties)
+            for key, front in states.items():
+                e, _, tr = front[0]
+                for k, step, nkey in trans(i, key):
+                    t = e + step.fwd + step.bwd
+                    old = get(nkey)
+                    if old is None or t < old[0][0]:
+                        new[nkey] = [(t, (t,), (tr, i, k))]
+        else:  # apply_step for duplication, inlined
+            for key, front in states.items():
+                for k, step, nkey in trans(i, key):
+                    bucket = get(nkey)
+                    if bucket is None:
+                        bucket = new[nkey] = []
+                    app = bucket.append
+                    fmA, fmB, fcA, fcB = step.f4
+                    bmA, bmB, bcA, bcB = step.b4
+                    fcomm = fmA > 0.0 or fmB > 0.0
+                    bcomm = bmA > 0.0 or bmB > 0.0
+                    for _, (T, d, ns, T2, d2, ns2), tr in front:
+                        if fcomm:
+                            T = T + (fmA if fmA > d else d) + (fcA if fcA > fmB else fmB)
+                            d, ns = fcB, (fcA - fmB if fmB > fcA else 0.0)
+                        else:
+                            s = -ns
+                            T, d, ns = T + (fcA - s if fcA > s else 0.0), d + fcB, (fcA - s if s > fcA else 0.0)
+                        if bcomm:
+                            T2 = T2 + (bmA if bmA > d2 else d2) + (bcA if bcA > bmB else bmB)
+                            d2, ns2 = bcB, (bcA - bmB if bmB > bcA else 0.0)
+                        else:
+                            s = -ns2
+                            T2, d2, ns2 = T2 + (bcA - s if bcA > s else 0.0), d2 + bcB, (bcA - s if s > bcA else 0.0)
+                        app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))
         return new
 
     def run_positions(self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float],
@@ -232,7 +359,7 @@ class _DP:
             key[j] = st
         block_min = p.min_mem_suffix[rep.start] - p.min_mem_suffix[rep.end]
         outside_min = p.min_mem_suffix[0] - block_min
-        states = {tuple(key): [(self.zero, None)]}
+        states = {tuple(key): [(0.0, self.zero, None)]}
         states = self.run_positions(states, rep.start, rep.end,
                                     lambda i: outside_min + p.min_mem_suffix[i] - p.min_mem_suffix[rep.end])
         li = p.live_index[rep.end]
@@ -240,7 +367,7 @@ class _DP:
         for nkey, front in states.items():
             exit_sub = tuple(nkey[li[t]] for t in rep.exit_tensors)
             cands = []
-            for v, tr in front:
+            for _, v, tr in front:
                 ks = []
                 while tr is not None:
                     tr, _, k = tr
@@ -270,11 +397,11 @@ class _DP:
                 nkey = tuple(exit_sub[a] if kind else key[a] for kind, a in occ.exit_src)
                 bucket = new.setdefault(nkey, [])
                 for cand, ks in cands:
-                    for v, tr in front:
+                    for _, v, tr in front:
                         nv = self.apply_cand(v, cand)
                         if self.has_mem and nv[-1] + floor > self.budget:
                             continue
-                        bucket.append((nv, (tr, -1 - occ_index, ks)))
+                        bucket.append((self.est(nv), nv, (tr, -1 - occ_index, ks)))
         return new
 
     # ---------------------------------------------------------------------------- driver
@@ -284,7 +411,7 @@ class _DP:
         for o in occs:
             self.reps.setdefault(o.type, o)
         starts = {o.start: (n, o) for n, o in enumerate(occs)}
-        states = {p.initial_key(): [(self.zero, None)]}
+        states = {p.initial_key(): [(0.0, self.zero, None)]}
         i = 0
         while i < p.n:
             if i in starts:
@@ -301,7 +428,7 @@ class _DP:
             if progress:
                 progress(i, p.n)
         (front,) = states.values()
-        best_v, best_tr = min(front, key=lambda x: self.est(x[0]))
+        _, best_v, best_tr = min(front, key=_first)
         ks = [-1] * p.n
         tr = best_tr
         while tr is not None:
@@ -320,5 +447,6 @@ def solve(problem: Problem, duplication: bool = True, memory_budget: float | Non
           reuse_blocks: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring)."""
     dp = _DP(problem, duplication, memory_budget, max_states, max_points)
-    ks, v = dp.solve(reuse_blocks, progress)
+    with no_gc():
+        ks, v = dp.solve(reuse_blocks, progress)
     return ks, dp.est(v)

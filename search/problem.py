@@ -136,6 +136,7 @@ class Problem:
                 raise AssertionError("live order: kept tensors must precede new outputs")
             self._keep.append(_getter(keep))
         self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
+        self._sub = [_getter(list(idx)) for idx in self.input_idx]
         # relevant[i][j]: forms that readers at positions >= i may still need of tensor live[i][j];
         # converted forms outside it are forgotten, so equal futures get equal keys.
         need_from: dict[int, int] = {}
@@ -152,6 +153,7 @@ class Problem:
         for i in range(self.n - 1, -1, -1):
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
         self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
+        self._trans_cache: list[dict[tuple, tuple]] = [{} for _ in range(self.n)]
         self._pen_cache: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------------------------ setup
@@ -200,20 +202,35 @@ class Problem:
         """Apply signature ``k`` at position ``i`` to state ``key`` (aligned with ``live[i]``).
 
         Returns (step cost, new key aligned with ``live[i+1]``), or None if infeasible."""
-        idx = self.input_idx[i]
-        sub = tuple(key[j] for j in idx)
+        sub = self._sub[i](key)
         ck = (i, k, sub)
         hit = self._step_cache.get(ck, ck)
         if hit is ck:
-            hit = self._make_step(i, k, idx, sub)
+            hit = self._make_step(i, k, self.input_idx[i], sub)
             self._step_cache[ck] = hit
         if hit is None:
             return None
         step, updates, outs = hit
+        if not updates:
+            return step, self._keep[i](key) + outs
         new = list(key)
         for j, st in updates:
             new[j] = st
         return step, self._keep[i](new) + outs
+
+    def transitions(self, i: int, key: tuple) -> tuple[tuple[int, Step, tuple], ...]:
+        """Every feasible ``(k, step, new key)`` of :meth:`step` at position ``i`` from ``key``, in
+        signature order; cached per (position, key), so the DP's passes share them."""
+        cache = self._trans_cache[i]
+        hit = cache.get(key)
+        if hit is None:
+            out = []
+            for k in range(len(self.sigs[i])):
+                res = self.step(i, k, key)
+                if res is not None:
+                    out.append((k, res[0], res[1]))
+            hit = cache[key] = tuple(out)
+        return hit
 
     def _make_step(self, i: int, k: int, idx: tuple, sub: tuple):
         node = self.order[i]

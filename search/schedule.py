@@ -29,8 +29,14 @@ communication outlasts A's computation (room for A's computation of later comm-f
 * the pass ends at ``T + d``.
 
 Each equation describes a feasible two-stream schedule, so the prediction is an achievable time.
-The future cost grows with ``T`` and ``d`` and shrinks with ``s``, so a state dominates another when
-it is no worse in all three: that is the Pareto set the DP keeps.
+The future cost grows with ``T`` and ``d`` and shrinks with ``s``.  More precisely, ``T`` only adds
+to the end time, and the end time grows by at most ``x`` when ``d`` grows by ``x`` (an open stage
+adds ``max(mA, d)``, a joining node carries ``d`` on, the pass ends at ``T + d``) or when ``s``
+shrinks by ``x`` (a joining node turns lost slack into at most as much ``T``, keeps the rest as
+slack; an open stage forgets ``s``).  So ``(T, d, s)`` is never worse than ``(T', d', s')`` when
+``T + max(0, d - d') + max(0, s' - s) <= T'`` (in particular when it is no worse in all three), and
+since the two passes add, the DP compares the sum of both passes' sides: that dominance defines the
+Pareto set the DP keeps.
 
 The backward pass runs the nodes in reverse: node ``n``'s backward compute, then the backward
 collectives of the conversions charged to ``n``.  Reversing time turns that sequence into a forward

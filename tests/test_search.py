@@ -126,6 +126,40 @@ def test_duplication_recurrence_by_hand():
     assert len(compress_steps(items)) == 3
 
 
+def test_duplication_dominance_is_safe_for_every_future():
+    # the DP drops point a for point b when T_a - T_b + max(0, d_a - d_b) + max(0, s_b - s_a) <= 0
+    # (summed over both passes): the end time after any future item list must then be no larger
+    import random
+
+    from hidup.search.dp import _dominator
+    rng = random.Random(7)
+    dom = _dominator(6, True)
+
+    def end(st, items):
+        for it in items:
+            st = dup_apply(*st, it)
+        return st[0] + st[1]
+
+    def rand_state():
+        return (rng.uniform(0, 5), rng.choice((0.0, rng.uniform(0, 3))), -rng.choice((0.0, rng.uniform(0, 3))))
+
+    checked = 0
+    for _ in range(3000):
+        a, b = rand_state() + rand_state(), rand_state() + rand_state()
+        if not dom(a, b):
+            continue
+        checked += 1
+        for _ in range(5):
+            fut = [[(m, m2, rng.uniform(0, 2), rng.uniform(0, 2)) if rng.random() < 0.4 else
+                    (0.0, 0.0, rng.uniform(0, 2), rng.uniform(0, 2))
+                    for m, m2 in ((rng.uniform(0, 2), rng.uniform(0, 2)) for _ in range(rng.randint(0, 6)))]
+                   for _ in range(2)]
+            ta = end(a[:3], fut[0]) + end(a[3:], fut[1])
+            tb = end(b[:3], fut[0]) + end(b[3:], fut[1])
+            assert ta <= tb + 1e-9
+    assert checked > 50
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_duplication_never_predicts_slower(seed):
     g = random_graph(500 + seed, calls=7, max_sigs=4)

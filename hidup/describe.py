@@ -32,13 +32,21 @@ def _row(graph: Graph, node: Node) -> tuple[str, ...]:
     return (node.name, target, shape, str(len(node.signatures)), f"{node.flops / 1e9:.4g}", node.module)
 
 
+def _count(n: int) -> str:
+    """13,024 -> '13K', 9.8e9 -> '9.80B'."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def _header(graph: Graph) -> str:
     params = graph.params()
     numel = sum(t.numel for t in graph.tensors.values() if t.is_param)
     lines = [f"graph {graph.model or '<unnamed>'} for world size {graph.world_size} "
              f"(fingerprint {graph.fingerprint()})",
-             f"  nodes: {len(graph.nodes)}   param nodes: {len(params)}   parameters: {numel:,} "
-             f"({numel / 1e9:.3g} B)   forward: {graph.total_flops / 1e9:.4g} GFLOPs",
+             f"  nodes: {len(graph.nodes)}   param nodes: {len(params)}   parameters: {_count(numel)}   "
+             f"forward: {graph.total_flops / 1e9:.4g} GFLOPs",
              f"  fallbacks (replicated, no rule): {len(graph.fallbacks)}"
              + (f" -- {', '.join(graph.fallbacks)}" if graph.fallbacks else "")]
     return "\n".join(lines)

@@ -103,7 +103,7 @@ def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
 
 def hidup_tensor_leaves(value: Any) -> tuple:
     """The tensors of a (nested) tuple/list/dict value, in the tracer's order."""
-    from hidup.trace import _leaves
+    from hidup.fxvalues import value_leaves as _leaves
 
     return tuple(_leaves(value, torch.Tensor))
 
@@ -156,7 +156,7 @@ def _stage_index(plan) -> dict[str, int]:
 def _replace_meta(value, replacements: list):
     """Replace the tensor slots of a RuleContext argument structure by ``replacements`` in order."""
     from hidup.rules.base import TensorMeta
-    from hidup.trace import _map
+    from hidup.fxvalues import map_value as _map
 
     it = iter(replacements)
     return _map(value, lambda v: next(it) if isinstance(v, TensorMeta) else v)
@@ -164,7 +164,7 @@ def _replace_meta(value, replacements: list):
 
 def _fix_devices(value, device: torch.device):
     """Devices folded during shape propagation are ``meta``; the program runs on ``device``."""
-    from hidup.trace import _map
+    from hidup.fxvalues import map_value as _map
 
     def fix(v):
         if isinstance(v, torch.device) and v.type == "meta":
@@ -400,7 +400,7 @@ def _getitem(seq, i):
 
 def _count_meta(value) -> int:
     from hidup.rules.base import TensorMeta
-    from hidup.trace import _leaves
+    from hidup.fxvalues import value_leaves as _leaves
 
     return len(_leaves(value, TensorMeta))
 

@@ -45,7 +45,6 @@ import inspect
 import math
 import operator
 import os
-import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -55,6 +54,15 @@ import torch
 import torch.fx
 from torch import nn
 
+from hidup.fxvalues import TORCH_DIR as _TORCH_DIR
+from hidup.fxvalues import dtype_name as _dtype_name
+from hidup.fxvalues import map_value, value_leaves
+from hidup.fxvalues import map_value as _map
+from hidup.fxvalues import value_leaves as _leaves
+from hidup.fxvalues import module_of as _module_of
+from hidup.fxvalues import source_of as _source_of
+from hidup.fxvalues import target_name as _target_name
+from hidup.fxvalues import to_meta as _to_meta
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
 
@@ -62,8 +70,6 @@ __all__ = ["Traced", "TraceFailure", "FallbackWarning", "DEFAULT_LEAF_MODULES", 
            "map_value", "value_leaves"]
 
 DEFAULT_LEAF_MODULES: tuple[type, ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class TraceFailure(RuntimeError):
@@ -136,64 +142,6 @@ class _Ref:
 
     tid: int
     meta: TensorMeta
-
-
-def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every leaf of nested tuple/list/dict/slice ``value`` (fx's visiting order),
-    keeping tuple subclasses (named tuples, ``torch.return_types``) intact."""
-    if isinstance(value, tuple):
-        items = tuple(_map(v, fn) for v in value)
-        if hasattr(type(value), "n_fields"):  # torch.return_types.* (struct sequences)
-            return type(value)(items)
-        if hasattr(value, "_fields"):
-            return type(value)(*items)
-        return items
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_map(value.start, fn), _map(value.stop, fn), _map(value.step, fn))
-    return fn(value)
-
-
-def _leaves(value: Any, kind: type) -> list:
-    found: list = []
-    _map(value, lambda v: found.append(v) if isinstance(v, kind) else None)
-    return found
-
-
-map_value, value_leaves = _map, _leaves  # public names for code that walks traced values
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "meta":
-        return t
-    m = torch.empty_like(t, device="meta")
-    return m.requires_grad_(True) if t.requires_grad else m
-
-
-def _module_of(n: torch.fx.Node) -> str:
-    stack = n.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else ""
-
-
-def _source_of(n: torch.fx.Node) -> str:
-    """The innermost user (non-torch) frame of the node's recorded stack, as file:line."""
-    frames = [f for f in _FRAME_RE.findall(n.stack_trace or "") if not f[0].startswith(_TORCH_DIR)]
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
-
-
-def _target_name(n: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
-    if n.op == "call_module":
-        return type(gm.get_submodule(n.target)).__name__
-    if n.op == "call_method":
-        return str(n.target)
-    return getattr(n.target, "__name__", None) or str(n.target)
 
 
 def _user_frame(tb) -> str:

@@ -103,12 +103,6 @@ def precision_mode(precision: str, device: torch.device):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _autocast(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -174,14 +168,7 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     warmup = max(1, warmup)
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
-        with _autocast(precision, device):
-            loss = module(*inputs)
-        (loss * prep.loss_scale if prep.loss_scale != 1.0 else loss).backward()
-        if prep.after_backward is not None:
-            prep.after_backward()
-        optimizer.step()
-        return loss.detach().float()
+        return harness.train_step(prep, optimizer, inputs, precision, device)
 
     start = time.perf_counter()
     times, losses = [], []

@@ -83,10 +83,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _autocast(spec: RunSpec, device: torch.device):
-    if spec.precision == "bf16":
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for ``precision == "bf16"``; fp32 and tf32 run without autocast."""
+    if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device) -> torch.Tensor:
+    """One optimizer step of a prepared baseline; returns the (local) loss, detached, as float32."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(precision, device):
+        loss = prepared.module(*inputs)
+    (loss * prepared.loss_scale if prepared.loss_scale != 1.0 else loss).backward()
+    if prepared.after_backward is not None:
+        prepared.after_backward()
+    optimizer.step()
+    return loss.detach().float()
 
 
 def train_loop(prepared, inputs: tuple, spec: RunSpec, device: torch.device):
@@ -102,16 +115,10 @@ def train_loop(prepared, inputs: tuple, spec: RunSpec, device: torch.device):
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            with _autocast(spec, device):
-                loss = module(*inputs)
-            (loss * prepared.loss_scale if prepared.loss_scale != 1.0 else loss).backward()
-            if prepared.after_backward is not None:
-                prepared.after_backward()
-            optimizer.step()
+            loss = train_step(prepared, optimizer, inputs, spec.precision, device)
             _sync(device)
             times.append(time.perf_counter() - t0)
-            losses.append(loss.detach().float())
+            losses.append(loss)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

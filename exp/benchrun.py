@@ -170,26 +170,26 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     def step():
         return harness.train_step(prep, optimizer, inputs, precision, device)
 
-    start = time.perf_counter()
-    times, losses = [], []
-    with precision_mode(precision, device):
-        for _ in range(warmup):
+    def run(steps: int) -> list[float]:
+        """Run ``steps`` steps, appending their losses; seconds of each, between device syncs."""
+        seconds = []
+        for _ in range(steps):
             _sync(device)
             t0 = time.perf_counter()
             losses.append(step())
             _sync(device)
-            times.append(time.perf_counter() - t0)
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    start = time.perf_counter()
+    losses = []
+    with precision_mode(precision, device):
+        times = run(warmup)
         t_w, elapsed = reduce_max([times[-1], time.perf_counter() - start], device)
         n = int(max(1, min(iters, math.floor((cap_s - elapsed) / max(t_w, 1e-9)))))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        timed = []
-        for _ in range(n):
-            _sync(device)
-            t0 = time.perf_counter()
-            losses.append(step())
-            _sync(device)
-            timed.append(time.perf_counter() - t0)
+        timed = run(n)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         breakdown = None
         if trace_path is not None:

@@ -20,6 +20,8 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hidup.runtime.launch import shutdown
+
 
 class DistributedFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -53,11 +55,7 @@ def _worker(fn, rank, world, port, results, args, pg_timeout, env, backend):
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        shutdown()
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 90.0, pg_timeout: float = 30.0,

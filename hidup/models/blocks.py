@@ -63,35 +63,41 @@ def _maybe_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return F.dropout(x, p, training) if p > 0.0 else x
 
 
-class DenseBlock(nn.Module):
+class _PreLNAttention(nn.Module):
+    """The attention half shared by both blocks: ``x + attn(ln1(x))``; ``ln2`` feeds the FFN half."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, causal: bool):
+        super().__init__()
+        self.p = cfg.dropout
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.heads, seq_len, causal, cfg.dropout)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _maybe_dropout(self.attn(self.ln1(x)), self.p, self.training)
+
+
+class DenseBlock(_PreLNAttention):
     """Pre-LN transformer block; ``forward(x) -> x``."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, causal: bool):
-        super().__init__()
-        self.p = cfg.dropout
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.heads, seq_len, causal, cfg.dropout)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        super().__init__(cfg, seq_len, causal)
         self.ffn = FeedForward(cfg.d_model, cfg.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + _maybe_dropout(self.attn(self.ln1(x)), self.p, self.training)
+        x = self.attend(x)
         return x + _maybe_dropout(self.ffn(self.ln2(x)), self.p, self.training)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(_PreLNAttention):
     """Pre-LN block with an MoE feed-forward; ``forward(x) -> (x, aux[B])``."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, causal: bool):
-        super().__init__()
-        self.p = cfg.dropout
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.heads, seq_len, causal, cfg.dropout)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        super().__init__(cfg, seq_len, causal)
         self.moe = MoEFFN(cfg.d_model, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.capacity)
 
     def forward(self, x: torch.Tensor):
-        x = x + _maybe_dropout(self.attn(self.ln1(x)), self.p, self.training)
+        x = self.attend(x)
         y, aux = self.moe(self.ln2(x))
         return x + _maybe_dropout(y, self.p, self.training), aux
 

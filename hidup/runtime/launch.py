@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch",
+__all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch", "shutdown",
            "add_launch_args", "launch_kwargs", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -190,11 +190,14 @@ def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_
         results.put((local_rank, False, traceback.format_exc()))
         raise
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group, if any; a peer that already died must not turn exit into an error."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = None, node_rank: int | None = None,
@@ -213,8 +216,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
         try:
             return [fn(ctx, *args)]
         finally:
-            if layout.world_size > 1 and dist.is_initialized():
-                dist.destroy_process_group()
+            if layout.world_size > 1:
+                shutdown()
 
     import torch.multiprocessing as mp
 

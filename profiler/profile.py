@@ -25,6 +25,31 @@ larger one) with ring scaling: a ring collective moves ``(n-1)/n`` of the buffer
 all-gather, reduce-scatter and all-to-all and ``2(n-1)/n`` for all-reduce, so at a fixed link (bus)
 bandwidth ``algbw_n = algbw_m * ((m-1)/m) / ((n-1)/n)`` for all four collectives; alpha is kept.
 
+Fitted tables: collectives that share a link
+---------------------------------------------
+Ring all-gather, reduce-scatter and all-reduce over the same group run on the same link, and a ring
+all-reduce *is* a reduce-scatter followed by an all-gather.  At a fixed logical size ``S`` their
+bandwidth-bound times ``tau_c(S) = S / algbw_c(S)`` (net of alpha) are therefore three measurements of
+one *link time* ``u(S)``: ``tau_c(S) = k_c u(S)`` with ``k = 1`` for all-gather and reduce-scatter and
+``k = 2`` for all-reduce.  :meth:`Profile.fitted` (what the cost model reads) estimates, per group
+size and measured size, ``log u`` as the weighted median of ``log(tau_c / k_c)`` with weights
+``w_c = tau_c / t_c`` (``t_c = alpha_c + tau_c``): the least-absolute-deviation fit in log *time*,
+linearized (an error ``e`` in ``log tau_c`` moves ``log t_c`` by ``(tau_c / t_c) e``, so
+alpha-dominated points, which carry no bandwidth information, get no weight), and unlike a mean not
+dragged by one wrong measurement out of three.  Each collective then keeps its own measurement as long as it
+lies within ``tolerance`` (15 %) of the link's consensus, and is pulled back to that band otherwise::
+
+    log tau'_c = log(k_c u) + clip(log tau_c - log(k_c u), -tolerance, +tolerance)
+
+On a consistent measurement nothing changes (the measured sockets and NVLink profiles agree to within
+the tolerance at every size that is not alpha-dominated, and their clean plans' predictions move by
+less than 0.01 %); a single wrong entry (a noisy sample, a busy host during one point) can no longer
+make all-reduce look much dearer or cheaper than the reduce-scatter plus all-gather it consists of,
+which is exactly the difference the search would otherwise exploit (sharding weights to replace
+gradient all-reduces, or the opposite).  All-to-all follows another pattern (direct exchanges, not a
+ring) and keeps its table.  Tables whose sizes differ between the three collectives are left as
+measured.
+
 Memory-bound ops and launch overhead
 ------------------------------------
 ``memory_bandwidth`` (bytes/s, bytes read plus bytes written, as a device-to-device copy counts them)
@@ -56,8 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key",
-           "COLLECTIVES", "DTYPES", "SCHEMA_VERSION"]
+__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "fit_ring_tables",
+           "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK", "RING_TOLERANCE"]
 
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -79,6 +104,62 @@ def op_key(target: str, shapes: Iterable[Iterable[int]], dtype: str) -> str:
 def _ring_factor(measured: int, wanted: int) -> float:
     """algbw(wanted) / algbw(measured) for a ring collective at fixed bus bandwidth."""
     return ((measured - 1) / measured) / ((wanted - 1) / wanted)
+
+
+# collective -> link time multiple on a ring (all-reduce = reduce-scatter + all-gather)
+RING_LINK = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+RING_TOLERANCE = 0.15  # a ring collective may differ from its link's consensus by this much (in log time)
+
+
+def _weighted_median(values: list[float], weights: list[float]) -> float | None:
+    """The value where the cumulative weight (values ascending) first reaches half the total;
+    the midpoint of the two values when it lands exactly on half; None without weight."""
+    total = sum(weights)
+    if total <= 0:
+        return None
+    pairs = sorted(zip(values, weights))
+    acc = 0.0
+    for j, (v, w) in enumerate(pairs):
+        acc += w
+        if acc >= 0.5 * total * (1 - 1e-12):
+            if abs(acc - 0.5 * total) <= 1e-12 * total and j + 1 < len(pairs):
+                return 0.5 * (v + pairs[j + 1][0])
+            return v
+    return pairs[-1][0]
+
+
+def fit_ring_tables(collectives: dict[str, dict[int, "CommTable"]],
+                    tolerance: float = RING_TOLERANCE) -> dict[str, dict[int, "CommTable"]]:
+    """Tables with the ring collectives of each group size made consistent with one link time per
+    size (see "Fitted tables" in the module docstring); other tables are returned unchanged."""
+    if tolerance < 0:
+        raise ValueError(f"fit_ring_tables: tolerance must be >= 0, got {tolerance}")
+    out = {c: dict(tabs) for c, tabs in collectives.items()}
+    if not all(c in collectives for c in RING_LINK):
+        return out
+    groups = set.intersection(*(set(collectives[c]) for c in RING_LINK))
+    for g in sorted(groups):
+        tabs = {c: collectives[c][g] for c in RING_LINK}
+        sizes = tabs["all_gather"].sizes
+        if any(len(t.sizes) != len(sizes) or any(abs(a - b) > 1e-9 * b for a, b in zip(t.sizes, sizes))
+               for t in tabs.values()):
+            continue
+        new = {c: list(t.algbw) for c, t in tabs.items()}
+        for i, size in enumerate(sizes):
+            logs, weights = {}, {}
+            for c, t in tabs.items():
+                tau = size / t.algbw[i]
+                logs[c] = math.log(tau / RING_LINK[c])
+                weights[c] = tau / (t.alpha + tau)
+            center = _weighted_median([logs[c] for c in tabs], [weights[c] for c in tabs])
+            if center is None:
+                continue
+            for c in tabs:
+                y = center + min(max(logs[c] - center, -tolerance), tolerance)
+                new[c][i] = size / (RING_LINK[c] * math.exp(y))
+        for c, t in tabs.items():
+            out[c][g] = CommTable(t.alpha, list(t.sizes), new[c])
+    return out
 
 
 @dataclass
@@ -164,6 +245,13 @@ class Profile:
         return tab.alpha + nbytes / (tab.bandwidth(nbytes) * factor)
 
     # ----------------------------------------------------------------------------- derived profiles
+    def fitted(self, tolerance: float = RING_TOLERANCE) -> "Profile":
+        """A copy whose ring collective tables agree with one link time per size (module docstring,
+        "Fitted tables"); the cost model reads collective times from it."""
+        p = copy.copy(self)
+        p.collectives = fit_ring_tables(self.collectives, tolerance)
+        return p
+
     def perturb(self, noise: float, seed: int = 0, comm_scale: float = 1.0) -> "Profile":
         """A copy with each rate, op time and bandwidth scaled by an independent U[1-noise, 1+noise]
         factor; bandwidths divided and alphas multiplied by ``comm_scale``."""

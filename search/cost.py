@@ -22,7 +22,10 @@ Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``
 ``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
 where ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the
 logical (global) size of ``t`` (nccl-tests convention), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
-the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.
+the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.  ``algbw`` comes from
+the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather,
+reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
+measurement of one of them does not make the search trade it for the others.
 
 Duplication (two half-batch copies A and B)
 -------------------------------------------
@@ -82,6 +85,8 @@ class CostModel:
         self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (bytes, grad, batch, src, dst)
         self._conv_by_tensor: dict[tuple, ConvCost | None] = {}  # by (tensor id, src, dst)
         self.batch = self._batch_dependence(graph)
+        fitted = getattr(profile, "fitted", None)
+        self.comm_profile = fitted() if callable(fitted) else profile  # collective times (fitted tables)
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -137,7 +142,7 @@ class CostModel:
         """Seconds of one collective over the whole world on a logical buffer of ``nbytes``."""
         if not collective:
             return 0.0
-        return self.profile.comm_time(collective, self.world, nbytes)
+        return self.comm_profile.comm_time(collective, self.world, nbytes)
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""

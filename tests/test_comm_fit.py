@@ -1,0 +1,132 @@
+"""Fitted collective tables (profile.fit_ring_tables) and the DP's Pareto cap: robustness of the
+search to a wrong profile (docs/robustness.md)."""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+
+import hidup.models
+import hidup.profiler as P
+from hidup.profiler.profile import RING_LINK, RING_TOLERANCE, CommTable, fit_ring_tables
+from hidup.search import dp
+from hidup.search.problem import Problem
+from hidup.search.schedule import evaluate
+from hidup.trace import trace
+
+MB = 2**20
+SIZES = [4096.0, 64 * 1024.0, 1.0 * MB, 16.0 * MB, 256.0 * MB]
+SOCKETS = Path(__file__).resolve().parents[1] / "docs" / "bench" / "sockets-profile.json"
+
+
+def _link_tables(link_bw=(5e8, 2e9, 4e9, 6e9, 6.5e9), alpha=4e-5, skew=None):
+    """Ring tables of one 4-rank link: all-reduce moves twice the link time of all-gather and
+    reduce-scatter; ``skew[c][i]`` multiplies collective ``c``'s bandwidth at size ``i``."""
+    tabs = {}
+    for c, k in RING_LINK.items():
+        bws = [bw / k * (skew or {}).get(c, [1.0] * len(SIZES))[i] for i, bw in enumerate(link_bw)]
+        tabs[c] = {4: CommTable(alpha, list(SIZES), bws)}
+    tabs["all_to_all"] = {4: CommTable(alpha, list(SIZES), [3 * b for b in link_bw])}
+    return tabs
+
+
+def test_fit_keeps_consistent_tables_and_small_deviations():
+    tabs = _link_tables(skew={"all_gather": [1.0, 1.05, 0.95, 1.1, 0.92]})
+    fit = fit_ring_tables(tabs)
+    for c in tabs:
+        assert fit[c][4].algbw == pytest.approx(tabs[c][4].algbw, rel=1e-12)
+
+
+def test_fit_pulls_a_wrong_entry_back_to_its_link():
+    """One all-reduce point measured 4x too slow: the fit brings it within the tolerance of the link
+    time that all-gather and reduce-scatter agree on; the other entries stay put; all-to-all is untouched."""
+    clean = _link_tables()
+    bad = _link_tables(skew={"all_reduce": [1.0, 1.0, 1.0, 0.25, 1.0]})
+    fit = fit_ring_tables(bad)
+    i = 3
+    true_t = SIZES[i] / clean["all_reduce"][4].algbw[i]
+    raw_t = SIZES[i] / bad["all_reduce"][4].algbw[i]
+    fit_t = SIZES[i] / fit["all_reduce"][4].algbw[i]
+    assert raw_t == pytest.approx(4 * true_t)
+    assert fit_t == pytest.approx(true_t * math.exp(RING_TOLERANCE))  # from 4x to the tolerance
+    for c in ("all_gather", "reduce_scatter"):  # the two that agree are not dragged by the wrong one
+        assert fit[c][4].algbw[i] == pytest.approx(clean[c][4].algbw[i])
+    for j in (0, 1, 2, 4):
+        assert fit["all_reduce"][4].algbw[j] == pytest.approx(clean["all_reduce"][4].algbw[j])
+    assert fit["all_to_all"][4].algbw == bad["all_to_all"][4].algbw
+
+
+def test_alpha_dominated_points_carry_no_weight():
+    """At a size where the time is all latency, a wildly high bandwidth of one collective does not
+    move the others (its own weight, its share of the time, is nil)."""
+    tabs = _link_tables(link_bw=(1e12, 2e9, 4e9, 6e9, 6.5e9), skew={"all_gather": [1e3, 1, 1, 1, 1]})
+    fit = fit_ring_tables(tabs)
+    for c in ("reduce_scatter", "all_reduce"):
+        t_raw = tabs[c][4].time(SIZES[0])
+        assert tabs[c][4].alpha + SIZES[0] / fit[c][4].algbw[0] == pytest.approx(t_raw, rel=1e-3)
+
+
+def test_fit_skips_groups_with_different_sizes():
+    tabs = _link_tables()
+    tabs["all_reduce"][4] = CommTable(4e-5, SIZES[:-1], tabs["all_reduce"][4].algbw[:-1])
+    fit = fit_ring_tables(copy.deepcopy(tabs))
+    for c in tabs:
+        assert fit[c][4].algbw == tabs[c][4].algbw
+
+
+@pytest.mark.parametrize("noise", [0.4, 0.8])
+def test_fitted_perturbed_profile_stays_closer_to_the_clean_one(noise):
+    """Over 10 seeds, the fitted tables of a perturbed measured profile err less (time-weighted, in
+    log time) than its raw tables, and the worst ring entry errs less too."""
+    clean = P.load(SOCKETS)
+
+    def err(prof):
+        out = []
+        for c in RING_LINK:
+            ref = clean.collectives[c][4]
+            for i, s in enumerate(ref.sizes[1:], 1):  # 4 KiB is all latency
+                out.append(abs(math.log(prof.comm_time(c, 4, s) / clean.comm_time(c, 4, s))))
+        return out
+
+    raw, fit = [], []
+    for seed in range(10):
+        q = clean.perturb(noise, seed)
+        raw += err(q)
+        fit += err(q.fitted())
+    assert sum(fit) < 0.85 * sum(raw)  # 0.80 at 40 % noise, 0.70 at 80 %
+    assert max(fit) < max(raw)
+
+
+def test_fit_keeps_measured_profiles():
+    """The measured sockets profile is consistent: fitting it moves no time by more than 1 %
+    (alpha-dominated points aside, where the table's bandwidth means nothing)."""
+    prof = P.load(SOCKETS)
+    fit = prof.fitted()
+    for c in RING_LINK:
+        for s in prof.collectives[c][4].sizes:
+            assert fit.comm_time(c, 4, s) == pytest.approx(prof.comm_time(c, 4, s), rel=0.25)
+        for s in prof.collectives[c][4].sizes[3:]:
+            assert fit.comm_time(c, 4, s) == pytest.approx(prof.comm_time(c, 4, s), rel=0.01)
+
+
+def test_cost_model_reads_fitted_tables():
+    from hidup.search.cost import CostModel
+
+    prof = P.load(SOCKETS).perturb(0.8, 6)
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=1)
+    cm = CostModel(trace(model, inputs, world_size=4), prof)
+    nb = 9437184.0
+    assert cm.comm("all_reduce", nb) == pytest.approx(prof.fitted().comm_time("all_reduce", 4, nb))
+    assert cm.comm("all_reduce", nb) != pytest.approx(prof.comm_time("all_reduce", 4, nb), rel=0.05)
+
+
+def test_duplicated_dp_finds_the_duplicated_optimum():
+    """BERT-SGMoE on 4 H200s over sockets: the duplicated DP alone reaches the plan that the
+    no-duplication choices give with duplication (a Pareto cap of 4 points per state lost it)."""
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta")
+    problem = Problem(trace(model, inputs, world_size=4), P.load(SOCKETS), "fp32")
+    ks_plain, _ = dp.solve(problem, False)
+    ks_dup, est = dp.solve(problem, True)
+    assert evaluate(problem, ks_dup, True).total == pytest.approx(est)
+    assert est <= evaluate(problem, ks_plain, True).total * (1 + 1e-9)

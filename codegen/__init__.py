@@ -3,11 +3,14 @@
     module = hidup.compile(model, plan, rank, world_size, example_inputs)
     hidup.clip_grad_norm_(module, 1.0)
     state = hidup.full_state_dict(module)      # logical (unsharded) parameters, on every rank
+    step = hidup.graphed_step(module, batch)   # forward + backward as one CUDA graph (eager on CPU)
 """
 
 from hidup.codegen.grads import GradBucketer, clip_grad_norm_
+from hidup.codegen.graphs import GraphCaptureError, GraphedStep, graphed_step
 from hidup.codegen.params import ParamShard, full_state_dict, load_full_state_dict
 from hidup.codegen.rewrite import CompileError, HidupModule, compile
 
 __all__ = ["compile", "HidupModule", "CompileError", "clip_grad_norm_", "full_state_dict",
-           "load_full_state_dict", "ParamShard", "GradBucketer"]
+           "load_full_state_dict", "ParamShard", "GradBucketer", "GraphedStep", "graphed_step",
+           "GraphCaptureError"]

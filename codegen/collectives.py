@@ -74,8 +74,15 @@ def _backend(group) -> str:
 
 
 def _fused(group, op: str, fn, fallback):
-    """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``."""
-    key = (_backend(group), op)
+    """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``.
+
+    NCCL supports every fused collective used here, so on NCCL an error propagates: falling back on
+    one rank only (a transient error, an error during CUDA-graph capture) would make the ranks issue
+    different collectives and hang."""
+    backend = _backend(group)
+    if backend == "nccl":
+        return fn()
+    key = (backend, op)
     if key not in _UNSUPPORTED:
         try:
             return fn()

@@ -12,7 +12,9 @@ The network flag sets NCCL's environment before any process group exists (``sock
    ``hidup.profiler.measure.profile_machine`` and saved as ``<out>/<network>-profile.json``;
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
    (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
-   on) and ``hidup-nodup`` (the same plan, duplication off); see ``exp/benchrun.py`` for the timing.
+   on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
+   as one CUDA graph; on request also ``single-graph`` (the floor captured the same way) and
+   ``hidup-eager`` / ``hidup-nodup-eager`` (no capture); see ``exp/benchrun.py`` for the timing.
 
 Plans are searched (DP, duplication-aware) in a pool of CPU worker processes of this launcher as soon
 as the profile exists, while the group runs the baselines; a run whose plan is ready goes first.  Plans
@@ -58,7 +60,9 @@ NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISA
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
 FALLBACK_PROFILE = {"nvlink": "h200x4-nvlink", "sockets": "h200x4-socket"}
 DEFAULT_MODELS = ("bert-sgmoe", "bert-switch", "vit-sgmoe", "vit-switch")
-METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
+METHODS = ("single", "single-graph", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-eager",
+           "hidup-nodup-eager")
+DEFAULT_METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
 
 
 def apply_network(network: str) -> dict:
@@ -138,7 +142,7 @@ def child_main(ctx, cfg: dict) -> None:
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
             if plan_doc is not None:
-                record["predicted_s"] = plan_doc["predicted"][run["method"]]
+                record["predicted_s"] = plan_doc["predicted"][br.mode_of(run["method"])]
                 record["search_s"] = plan_doc.get("search_s")
                 record["plan_duplication"] = plan_doc["plan"]["duplication"]
                 record["profile"] = plan_doc.get("profile")
@@ -207,7 +211,7 @@ def _wait_plan(name: str, cfg: dict, device) -> dict:
 
 
 def _throughput(record: dict, cfg, world: int) -> None:
-    groups = cfg.batch_per_gpu * (1 if record["method"] == "single" else world)
+    groups = cfg.batch_per_gpu * (1 if record["method"].startswith("single") else world)
     t = record["iter_time_s"]
     record["samples_per_s"] = groups / t
     if cfg.family == "vit":
@@ -288,7 +292,7 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
                 for method in args.methods:
                     r = {"key": run_key(world, model, precision, method), "world": world, "model": model,
                          "precision": precision, "method": method}
-                    if method in ("hidup", "hidup-nodup"):
+                    if method.startswith("hidup"):
                         r["plan"] = name
                         jobs[name] = {"name": name, "model": model, "world": world,
                                       "precision": prec_search[precision], "overrides": overrides}
@@ -306,7 +310,8 @@ def parse_args(argv):
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--precisions", nargs="+", choices=("fp32", "tf32", "bf16"), default=["tf32", "bf16"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                   help=f"default: {' '.join(DEFAULT_METHODS)}")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")

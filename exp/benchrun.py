@@ -7,7 +7,11 @@ same weights) with one *method* for a bounded number of Adam steps on a fixed sy
   run concurrently on every rank; its time is the median over ranks of each rank's median;
 * ``ddp``, ``fsdp``, ``expert``: the baselines of ``exp/baselines`` on the rank's ``B/N`` groups;
 * ``hidup`` / ``hidup-nodup``: ``hidup.codegen.compile`` of a searched plan with duplication on / off,
-  fed the global batch (each rank slices its part per the plan's input forms).
+  fed the global batch (each rank slices its part per the plan's input forms), its forward and
+  backward captured as one CUDA graph (:class:`hidup.codegen.GraphedStep`; eager on a CPU);
+* ``hidup-eager`` / ``hidup-nodup-eager``: the same without the CUDA graph (every op dispatched from
+  Python), to show what the capture buys;
+* ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs.
 
 Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
 device synchronizations; the step time is the max over ranks (``t(i) = max_r t_r(i)``) and a run
@@ -46,9 +50,20 @@ import harness  # noqa: E402  (exp/baselines: puts the baseline modules on sys.p
 warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
 warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
 
-METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
-BASELINE_METHODS = ("single", "ddp", "fsdp", "expert")
-HIDUP_METHODS = ("hidup", "hidup-nodup")
+METHODS = ("single", "single-graph", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-eager",
+           "hidup-nodup-eager")
+BASELINE_METHODS = ("single", "single-graph", "ddp", "fsdp", "expert")
+HIDUP_METHODS = ("hidup", "hidup-nodup", "hidup-eager", "hidup-nodup-eager")
+
+
+def mode_of(method: str) -> str:
+    """The duplication mode a hidup method is priced in: ``hidup`` (on) or ``hidup-nodup`` (off)."""
+    return "hidup-nodup" if method.startswith("hidup-nodup") else "hidup"
+
+
+def graphed(method: str) -> bool:
+    """Whether a method runs its forward and backward as one CUDA graph (on CUDA devices)."""
+    return method in ("single-graph", "hidup", "hidup-nodup")
 
 
 # ------------------------------------------------------------------------------------ agreement
@@ -116,6 +131,8 @@ class Prepared:
         self.module, self.loss_scale, self.after_backward = module, loss_scale, after_backward
         self.info, self.cleanup = info or {}, cleanup
         self.coupled = True  # ranks communicate within a step
+        self.graph = False  # capture forward + backward as one CUDA graph (see timed_loop)
+        self.graphed = None  # the GraphedStep once captured
 
 
 def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
@@ -123,13 +140,15 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
     """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified."""
     model = copy.deepcopy(model_cpu)
     if method in BASELINE_METHODS:
-        baseline = importlib.import_module(method)
-        if method == "single":
+        single = method.startswith("single")
+        baseline = importlib.import_module("single" if single else method)
+        if single:
             got = baseline.prepare(model, 0, 1, device)
         else:
             got = baseline.prepare(model, rank, world, device)
         prep = Prepared(got.module, got.loss_scale, got.after_backward, dict(got.info))
-        prep.coupled = method != "single"
+        prep.coupled = not single
+        prep.graph = graphed(method) and device.type == "cuda"
         inputs = harness.local_batch(inputs_cpu, rank, world)
         return prep, tuple(t.to(device) for t in inputs)
     if method in HIDUP_METHODS:
@@ -139,15 +158,19 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             raise ValueError(f"method {method} needs a plan (none was given)")
         model = model.to(device)
         inputs = tuple(t.to(device) for t in inputs_cpu)
-        module = hidup_compile(model, plan, rank, world, inputs, duplication=(method == "hidup"))
+        module = hidup_compile(model, plan, rank, world, inputs, duplication=(mode_of(method) == "hidup"))
 
         def cleanup():
             groups = getattr(module, "copy_groups", None) or ()
             for g in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
-        info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication)}
-        return Prepared(module, 1.0, None, info, cleanup), inputs
+        graph = graphed(method) and device.type == "cuda"
+        info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
+                "cuda_graph": graph}
+        prep = Prepared(module, 1.0, None, info, cleanup)
+        prep.graph = graph
+        return prep, inputs
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -166,6 +189,11 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     warmup = max(1, warmup)
+    if prep.graph and prep.graphed is None:
+        from hidup.codegen.graphs import GraphedStep
+
+        with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
+            prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision))
 
     def step():
         return harness.train_step(prep, optimizer, inputs, precision, device)
@@ -270,6 +298,10 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
         if "out of memory" not in str(e).lower():
             error += "\n" + traceback.format_exc(limit=6)
     finally:
+        if prep is not None and prep.graphed is not None:
+            with contextlib.suppress(Exception):
+                prep.graphed.release()  # before the copy groups' communicators are destroyed
+            prep.graphed = None
         if prep is not None and prep.cleanup is not None:
             with contextlib.suppress(Exception):
                 prep.cleanup()

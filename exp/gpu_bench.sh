@@ -6,7 +6,7 @@ set -u
 out=${1:-gpu_out}; shift || true
 work=/tmp/hidup_bench; mkdir -p "$out" "$work"
 . exp/gpu_env.sh
-common=(--worlds 4 --models bert-sgmoe --precisions tf32 --methods single ddp expert hidup hidup-nodup
+common=(--worlds 4 --models bert-sgmoe --precisions tf32 --methods single single-graph ddp expert hidup hidup-nodup hidup-eager
         --out "$work/bench" --docs "$work/docs" --time-budget 100 "$@")
 python3 exp/bench.py --network nvlink --breakdown "${common[@]}" 2>&1 | grep -v Warning | tail -25
 python3 exp/bench.py --network sockets "${common[@]}" 2>&1 | grep -v Warning | tail -25

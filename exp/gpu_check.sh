@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-host session: NCCL parity suite, a quick machine profile, and a paper-default training run.
+# One GPU-host session: NCCL parity suite (eager and with each step captured as a CUDA graph), a quick machine profile, and a paper-default training run.
 #   bash exp/gpu_check.sh OUTDIR [WORLD]
 set -u
 out=${1:-gpu_out}; world=${2:-4}
@@ -7,6 +7,8 @@ mkdir -p "$out"
 . exp/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 python3 exp/parity.py --world "$world" --steps 3 --json "$out/parity_nccl.json" 2>&1 | grep -v Warning | tee "$out/parity.log"
+python3 exp/parity.py --world "$world" --steps 3 --cuda-graph --json "$out/parity_nccl_graph.json" 2>&1 | grep -v Warning \
+  | tee "$out/parity_graph.log"
 CPN=$world NNODES=1 NODERANK=0 MASTER_PORT=29517 python3 exp/profiler.py --quick --name "h200x${world}-nvlink-measured" \
   --out "$out/h200x${world}-nvlink-measured.json" --no-progress 2>&1 | tail -5 | tee "$out/profile.log"
 python3 exp/strategy.py --world "$world" --profile "$out/h200x${world}-nvlink-measured.json" --precision tf32 \

@@ -7,6 +7,7 @@ and NCCL (GPUs, where duplication runs the two copies on two CUDA streams).
 
     python exp/parity.py --world 4                       # CPU, gloo
     NCCL_NVLS_ENABLE=0 python exp/parity.py --world 4    # on a 4-GPU host, NCCL
+    NCCL_NVLS_ENABLE=0 python exp/parity.py --world 4 --cuda-graph   # the same, each step one CUDA graph
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _rank(ctx, args) -> list:
     for m, over, style, dup in configs(args.models, args.styles, args.duplication):
         t0 = time.perf_counter()
         try:
-            r = parity_report(ctx, m, over, style=style, duplication=dup, steps=args.steps, profile=args.profile)
+            r = parity_report(ctx, m, over, style=style, duplication=dup, steps=args.steps, profile=args.profile,
+                              cuda_graph=args.cuda_graph)
         except Exception as e:  # recorded, the sweep goes on
             r = {"model": m, "style": style, "duplication": dup, "error": f"{type(e).__name__}: {e}"}
             if ctx.world_size > 1:
@@ -52,7 +54,7 @@ def _rank(ctx, args) -> list:
             r.pop("grads", None)
             ok = "error" not in r and max(r["loss_rel"], r["grad_rel"], r.get("steps_rel", 0.0) / 10) <= args.tolerance
             r["ok"] = ok
-            print(f"{m:18s} {style:9s} dup={str(dup):5s} " + (
+            print(f"{m:18s} {style:9s} dup={str(dup):5s} " + ("graph " if r.get("cuda_graph") else "") + (
                 f"loss {r['loss_rel']:.1e} grads {r['grad_rel']:.1e} steps {r.get('steps_rel', 0):.1e} "
                 f"[{','.join(r['kinds'])}] {'OK' if ok else 'MISMATCH'}" if "error" not in r else r["error"]),
                 flush=True)
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", default="paper-v100-9.7gbps")
     p.add_argument("--tolerance", type=float, default=1e-5)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run the compiled modules' forward+backward as one captured CUDA graph (GPUs)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

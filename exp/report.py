@@ -171,25 +171,31 @@ def rate(x) -> str:
 
 
 # ============================================================================ benchmark results
-BENCH_HEADERS = ["world", "model", "prec", "method", "iter (ms)", "throughput", "scaling eff.", "peak mem (GiB)",
-                 "predicted (ms)", "measured/pred.", "note"]
+BENCH_HEADERS = ["world", "model", "prec", "method", "iter (ms)", "throughput", "scaling eff.", "eff. (graphed floor)",
+                 "peak mem (GiB)", "predicted (ms)", "measured/pred.", "note"]
 
 
 def add_efficiency(runs: list[dict]) -> None:
     """``scaling_efficiency = t_single / t`` per run, with ``t_single`` the floor of the same
-    (world, model, precision); ``None`` where either time is missing."""
-    floor = {(r["world"], r["model"], r["precision"]): r["iter_time_s"] for r in runs
-             if r.get("method") == "single" and r.get("status") == "ok"}
+    (world, model, precision); ``None`` where either time is missing.  Where the floor was also run
+    as one CUDA graph (``single-graph``), ``scaling_efficiency_graphed = t_single_graph / t``."""
+    def floor_of(method):
+        return {(r["world"], r["model"], r["precision"]): r["iter_time_s"] for r in runs
+                if r.get("method") == method and r.get("status") == "ok"}
+
+    floor, floor_graph = floor_of("single"), floor_of("single-graph")
     ref_loss = {}
     for r in runs:  # the first step's global loss of the first distributed method: all must agree
-        if r.get("status") == "ok" and r.get("method") != "single" and r.get("loss_first") is not None:
+        if r.get("status") == "ok" and not r.get("method", "").startswith("single") and r.get("loss_first") is not None:
             ref_loss.setdefault((r["world"], r["model"], r["precision"]), (r["method"], r["loss_first"]))
     for r in runs:
         g = (r["world"], r["model"], r["precision"])
         f = floor.get(g)
         r["scaling_efficiency"] = f / r["iter_time_s"] if f and r.get("status") == "ok" else None
+        fg = floor_graph.get(g)
+        r["scaling_efficiency_graphed"] = fg / r["iter_time_s"] if fg and r.get("status") == "ok" else None
         ref = ref_loss.get(g)
-        if ref and r.get("status") == "ok" and r.get("method") != "single":
+        if ref and r.get("status") == "ok" and not r.get("method", "").startswith("single"):
             r["loss_check"] = {"reference": ref[0], "relative_difference":
                                abs(r["loss_first"] - ref[1]) / max(abs(ref[1]), 1e-12)}
 
@@ -203,8 +209,10 @@ def _note(r: dict) -> str:
         notes.append(f"{r.get('iters')} timed steps (time cap)")
     if r.get("precision_run") and r["precision_run"] != r["precision"]:
         notes.append(f"ran as {r['precision_run']}")
-    if r.get("method") == "hidup" and r.get("plan_duplication") is False:
+    if r.get("method") in ("hidup", "hidup-eager") and r.get("plan_duplication") is False:
         notes.append("search preferred no duplication")
+    if r.get("method") in ("hidup-nodup", "hidup-nodup-eager") and r.get("plan_duplication") is True:
+        notes.append("search preferred duplication")
     check = r.get("loss_check") or {}
     tol = 2e-2 if r.get("precision_run", r.get("precision")) == "bf16" else 5e-3
     if check.get("relative_difference", 0.0) > tol:
@@ -218,9 +226,11 @@ def bench_rows(runs: list[dict]) -> list[list]:
         ok = r.get("status") == "ok"
         pred = r.get("predicted_s")
         eff = r.get("scaling_efficiency")
+        effg = r.get("scaling_efficiency_graphed")
         rows.append([r["world"], r["model"], r["precision"], r["method"], ms(r.get("iter_time_s")) if ok else None,
                      f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
-                     f"{eff:.2f}" if eff is not None else None, gib(r.get("peak_memory_bytes")) if ok else None,
+                     f"{eff:.2f}" if eff is not None else None, f"{effg:.2f}" if effg is not None else None,
+                     gib(r.get("peak_memory_bytes")) if ok else None,
                      ms(pred) if pred else None, f"{r['iter_time_s'] / pred:.2f}" if ok and pred else None, _note(r)])
     return rows
 
@@ -283,7 +293,7 @@ def bench_markdown(doc: dict) -> str:
             f"{g} ranks alpha {v['alpha_s'] * 1e6:.0f} us, {v['algbw_at_max'] / 1e9:.1f} GB/s at "
             f"{v['max_bytes'] / 2**20:.0f} MiB" for g, v in sorted(ar.items())))
     lines += ["", "Median iteration time over the timed steps (max over ranks per step); scaling efficiency = "
-              "single-rank-share time / time (weak scaling); predicted = the plan's cost-model time in that mode.",
+              "single-rank-share time / time (weak scaling; the graphed floor: that share captured as one CUDA graph); predicted = the plan's cost-model time in that mode.",
               "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
     items = [(r["key"], r["breakdown"]) for r in doc["runs"] if isinstance(r.get("breakdown"), dict)
              and "span_s" in r["breakdown"]]
@@ -313,7 +323,7 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
     for ax, (net, world) in zip(axes[:, 0], panels):
         runs = [r for d in docs if d["network"] == net for r in d["runs"] if r["world"] == world]
         groups = sorted({(r["model"], r["precision"]) for r in runs})
-        methods = [m for m in METHODS if m != "single" and any(r["method"] == m for r in runs)]
+        methods = [m for m in METHODS if not m.startswith("single") and any(r["method"] == m for r in runs)]
         width = 0.8 / max(1, len(methods))
         for j, m in enumerate(methods):
             ys = []

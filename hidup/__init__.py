@@ -24,6 +24,7 @@ _LAZY = {
     "compile": ("hidup.codegen", "compile"),
     "clip_grad_norm_": ("hidup.codegen", "clip_grad_norm_"),
     "full_state_dict": ("hidup.codegen", "full_state_dict"),
+    "graphed_step": ("hidup.codegen", "graphed_step"),
 }
 _SUBMODULES = {"models", "profiler", "rules", "ir", "plan", "codegen", "runtime"}
 

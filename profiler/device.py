@@ -213,11 +213,13 @@ def memory_bandwidth(device: torch.device | str, nbytes: int | None = None, *, b
     return 2.0 * n * 4 / seconds
 
 
-def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 0.2) -> float:
+def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 0.2, graphed: bool = False) -> float:
     """Seconds of fixed cost per op: a torch.fx program of ``ops`` elementwise ops on a tiny tensor,
     forward and backward, timed as a whole and divided by ``3 * ops`` (a backward launches about two
     kernels per forward op).  At this size no kernel does measurable work, so what is left is the
-    launch and host-dispatch cost that every op of a generated program pays."""
+    launch and host-dispatch cost that every op of a generated program pays.  ``graphed=True``
+    (CUDA only) times the same step captured as one CUDA graph
+    (:class:`hidup.codegen.graphs.GraphedStep`): what is left is the GPU's gap between kernels."""
     import torch.fx
 
     device = torch.device(device)
@@ -232,5 +234,23 @@ def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 
 
     def step():
         program(leaf).backward()
+
+    if graphed:
+        if device.type != "cuda":
+            raise ValueError(f"op_overhead(graphed=True) needs a CUDA device, got {device}")
+        from hidup.codegen.graphs import GraphedStep
+
+        class _Loss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.leaf = torch.nn.Parameter(leaf.detach().clone())
+
+            def forward(self):
+                return program(self.leaf)
+
+        replay = GraphedStep(_Loss().to(device), ())
+
+        def step():  # noqa: F811 - the captured variant
+            replay()
 
     return time_call(step, device, budget_s=budget_s) / (3 * ops)

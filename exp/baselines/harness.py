@@ -90,8 +90,23 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def autocast_dtype(precision: str):
+    """The autocast dtype of ``precision`` (None: no autocast)."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device) -> torch.Tensor:
-    """One optimizer step of a prepared baseline; returns the (local) loss, detached, as float32."""
+    """One optimizer step of a prepared baseline; returns the (local) loss, detached, as float32.
+
+    A prepared run with a captured step (``prepared.graphed``, a :class:`hidup.codegen.GraphedStep`)
+    replays it for the forward and backward (it overwrites the gradients itself)."""
+    graphed = getattr(prepared, "graphed", None)
+    if graphed is not None:
+        loss = graphed(*inputs)
+        if prepared.after_backward is not None:
+            prepared.after_backward()
+        optimizer.step()
+        return loss.float()
     optimizer.zero_grad(set_to_none=True)
     with autocast(precision, device):
         loss = prepared.module(*inputs)

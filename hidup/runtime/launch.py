@@ -180,8 +180,20 @@ def init_distributed(layout: Layout, *, backend: str | None = None,
     return Distributed(layout.rank, layout.world_size, layout.local_rank, layout.node_rank, device, backend, layout)
 
 
+def dump_stacks_on_sigusr2() -> None:
+    """``kill -USR2 <pid>`` of a rank prints every thread's Python stack to its stderr (a hung rank)."""
+    import faulthandler
+    import signal
+
+    sig = getattr(signal, "SIGUSR2", None)
+    if sig is not None:
+        with contextlib.suppress(Exception):
+            faulthandler.register(sig, all_threads=True)
+
+
 def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s):
     ctx = None
+    dump_stacks_on_sigusr2()
     try:
         ctx = init_distributed(replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s)
         out = fn(ctx, *args)
@@ -212,6 +224,7 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
                              master_port=master_port)
     if layout.source in ("torchrun", "single"):
         layout = replace(layout, local_rank=layout.local_rank or 0)
+        dump_stacks_on_sigusr2()
         ctx = init_distributed(layout, backend=backend, timeout_s=timeout_s)
         try:
             return [fn(ctx, *args)]

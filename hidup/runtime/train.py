@@ -50,6 +50,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
     g.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)")
+    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
+                        "--precision fp16, whose loss scaler checks gradients on the host)")
     g.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
                    help="synthetic batches, or byte-level tokens of the Python standard library's source "
                         "(language models; needs --vocab >= 256)")
@@ -146,6 +149,13 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
            else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+    use_graph = device.type == "cuda" and scaler is None if args.cuda_graphs == "auto" else args.cuda_graphs == "on"
+    if use_graph and device.type != "cuda":
+        raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
+    if use_graph and scaler is not None:
+        raise SystemExit("--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
+                         "gradients on the host every step); use bf16, or --cuda-graphs off")
+    graphed = None
 
     start, losses = 0, []
     ckpt_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
@@ -171,14 +181,22 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         batch = tuple(x.to(device, non_blocking=True) for x in batch_at(inputs, step, args.seed, cfg, data))
         if cuda:
             torch.cuda.synchronize(device)
+        if use_graph and graphed is None:
+            from hidup.codegen.graphs import GraphedStep
+
+            graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype)  # warm-up + capture, once
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-            loss = module(*batch)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
+        if graphed is not None:
+            loss = graphed(*batch)
         else:
-            loss.backward()
+            with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                loss = module(*batch)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
         if args.clip is not None:
             clip_grad_norm_(module, args.clip)
         if scaler is not None:
@@ -219,6 +237,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
               "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
               "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
               "duplication": bool(getattr(module, "duplication", False)), "precision": args.precision,
+              "cuda_graph": graphed is not None and graphed.graph is not None,
               "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""

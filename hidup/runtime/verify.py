@@ -82,11 +82,13 @@ def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
 
 def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=None, style: str = "searched",
                   profile: str = "paper-v100-9.7gbps", duplication: bool = True, steps: int = 0,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, cuda_graph: bool = False) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
     Every rank must call it.  Returns (rank 0) the loss, the per-gradient relative differences and,
-    with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``."""
+    with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``.
+    ``cuda_graph`` runs the compiled module's forward and backward through
+    :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere)."""
     import hidup.models
     from hidup.codegen import compile
     from hidup.codegen.params import full_grad_dict
@@ -97,8 +99,21 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     module = compile(model.to(device), the_plan, ctx.rank, world, tuple(x.to(device) for x in inputs),
                      duplication=duplication)
     batch = tuple(x.to(device) for x in inputs)
-    loss = module(*batch)
-    loss.backward()
+    if cuda_graph:
+        from hidup.codegen.graphs import GraphedStep
+
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        graphed = GraphedStep(module, batch)
+        module.load_state_dict(state)  # capture ran warm-up steps (they do not step the weights; be sure)
+
+        def forward_backward(b):
+            return graphed(*b)
+    else:
+        def forward_backward(b):
+            out = module(*b)
+            out.backward()
+            return out
+    loss = forward_backward(batch)
     total = module.global_loss(loss)
     grads = full_grad_dict(module)
     module.zero_grad(set_to_none=True)
@@ -106,10 +121,9 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     if steps:
         opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-2)
         for _ in range(steps):
-            l = module(*batch)
-            l.backward()
-            opt.step()
             opt.zero_grad()
+            l = forward_backward(batch)
+            opt.step()
             step_losses.append(float(module.global_loss(l)))
     if ctx.rank != 0:
         return {}
@@ -118,6 +132,7 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     ref_loss.backward()
     kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
     report = {"model": model_name, "style": style, "duplication": bool(module.duplication), "kinds": kinds,
+              "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
               "loss": float(total), "loss_ref": float(ref_loss.detach()), "loss_rel": rel_diff(total, ref_loss),
               "grads": {}}
     scale = max((float(p.grad.abs().max()) for p in ref_model.parameters() if p.grad is not None), default=0.0)

@@ -1,0 +1,173 @@
+"""Whole-step CUDA-graph capture of a training step's forward and backward.
+
+A compiled rank program is many small ops, each dispatched from Python (form conversions, localized
+ops, gradient-bucket hooks, and with duplication a two-stream stage runner).  On fast GPUs and a
+fast network that host work, not the GPU, sets the iteration time.  :class:`GraphedStep` records
+the whole forward + backward of one step -- every kernel, every NCCL collective, the gradient
+buckets and both duplication streams -- into one CUDA graph and replays it, so a step costs one
+graph launch on the host:
+
+    step = hidup.graphed_step(module, example_inputs)     # warm-up and capture happen here
+    for batch in data:
+        loss = step(*batch)        # this step's loss (detached); p.grad holds this step's gradients
+        optimizer.step()           # any optimizer, eager (or clip first: hidup.clip_grad_norm_)
+
+Semantics of one call: every parameter gradient is *overwritten* with this step's gradient (as if
+``zero_grad()`` had been called before ``loss.backward()``); gradient accumulation across calls is
+not supported (accumulate in the optimizer step, or run eagerly).  ``zero_grad(set_to_none=True)``
+between steps is harmless: the gradients are re-attached after each replay.  Inputs are copied
+into static buffers, so each call's inputs must have the shapes and dtypes of the example inputs
+(a clear error says otherwise).
+
+Requirements for capture (checked or documented): CUDA, static shapes (the zoo's models and every
+plan hidup compiles have them: the tracer refuses data-dependent shapes), no host synchronization in
+the step, and every process group used in the step already initialized (the warm-up runs each
+collective once before capture).  ``autocast`` runs with its weight-cast cache disabled, which
+graph capture requires.  On a CPU, or with ``enabled=False``, the same object runs the step eagerly
+with the same semantics, so training code does not branch.
+
+Release: :meth:`GraphedStep.release` frees the graph; it must run before any process group the
+step uses is destroyed (NCCL forbids destroying a communicator that a live graph still uses).
+
+Cost and memory: the graph keeps the step's activations and gradients in a private memory pool
+(they are reused by every replay, so peak memory is that of one eager step), and capture costs
+``warmup + 1`` eager steps once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+__all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
+
+
+class GraphCaptureError(RuntimeError):
+    """The step could not be captured as a CUDA graph (names the cause and the fallback)."""
+
+
+def _autocast(device: torch.device, dtype):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class GraphedStep:
+    """Forward + backward of ``module`` (which returns a scalar loss) as one replayable CUDA graph.
+
+    ``module(*inputs)`` must return the loss to differentiate (a :class:`hidup.codegen.HidupModule`
+    returns this rank's part of the loss).  ``autocast_dtype`` (``torch.bfloat16``/``float16``)
+    runs the forward under autocast.  ``warmup`` eager steps precede the capture (NCCL communicators
+    and autograd state are created there).  ``enabled=None`` captures on CUDA and runs eagerly
+    elsewhere."""
+
+    def __init__(self, module: nn.Module, example_inputs, *, autocast_dtype=None, warmup: int = 3,
+                 enabled: bool | None = None, capture_error_mode: str = "thread_local"):
+        self.module = module
+        self.device = _device_of(module)
+        self.autocast_dtype = autocast_dtype
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        examples = tuple(example_inputs)
+        self._specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in examples]
+        self.enabled = (self.device.type == "cuda") if enabled is None else bool(enabled)
+        if self.enabled and self.device.type != "cuda":
+            raise GraphCaptureError(f"CUDA-graph capture needs the module on a CUDA device, it is on {self.device}; "
+                                    f"pass enabled=False (or None) to run the step eagerly")
+        self.graph = None
+        self._static_inputs: list = []
+        self._static_loss: torch.Tensor | None = None
+        self._static_grads: list = []
+        if self.enabled:
+            self._capture(examples, max(1, int(warmup)), capture_error_mode)
+
+    # -- eager path (CPU, or capture disabled): the same semantics
+    def _eager(self, inputs) -> torch.Tensor:
+        for p in self.params:
+            p.grad = None
+        with _autocast(self.device, self.autocast_dtype):
+            loss = self.module(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    def _capture(self, examples, warmup: int, mode: str) -> None:
+        self._static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in examples]
+        for x in self._static_inputs:
+            if isinstance(x, torch.Tensor) and x.device != self.device:
+                raise GraphCaptureError(f"example input on {x.device} but the module is on {self.device}; "
+                                        f"move the inputs to {self.device}")
+        main = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._eager(self._static_inputs)
+        main.wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        for p in self.params:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode=mode):
+                with _autocast(self.device, self.autocast_dtype):
+                    loss = self.module(*self._static_inputs)
+                loss.backward()
+        except Exception as e:
+            raise GraphCaptureError(
+                f"capturing the training step as a CUDA graph failed ({type(e).__name__}: {e}). The step must have "
+                f"static shapes and no host synchronization (.item(), .cpu(), data-dependent shapes). Fix: remove "
+                f"those from the model, or run eagerly (hidup train --no-cuda-graphs, GraphedStep(enabled=False))"
+            ) from e
+        self.graph = graph
+        self._static_loss = loss.detach()
+        self._static_grads = [p.grad for p in self.params]
+        torch.cuda.synchronize(self.device)
+
+    def _check(self, inputs) -> None:
+        if len(inputs) != len(self._specs):
+            raise ValueError(f"the graphed step was captured with {len(self._specs)} inputs, got {len(inputs)}")
+        for i, (x, spec) in enumerate(zip(inputs, self._specs)):
+            if spec is None:
+                continue
+            if not isinstance(x, torch.Tensor) or (tuple(x.shape), x.dtype) != spec:
+                got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"input {i}: the graphed step was captured for shape/dtype {spec}, got {got}; "
+                                 f"a CUDA graph replays fixed shapes (use a fixed batch shape, drop the last "
+                                 f"partial batch, or run eagerly with --no-cuda-graphs)")
+
+    def __call__(self, *inputs) -> torch.Tensor:
+        """One step: this step's loss (detached); every parameter's ``.grad`` holds its gradient."""
+        self._check(inputs)
+        if self.graph is None:
+            return self._eager(inputs)
+        for static, x in zip(self._static_inputs, inputs):
+            if isinstance(static, torch.Tensor) and x is not static:
+                static.copy_(x, non_blocking=True)
+        self.graph.replay()
+        for p, g in zip(self.params, self._static_grads):
+            if p.grad is not g:
+                p.grad = g
+        return self._static_loss.clone()
+
+
+    def release(self) -> None:
+        """Free the graph and its memory pool; the step then runs eagerly.  Call it before
+        destroying a process group the step communicates on: NCCL requires the graphs that use a
+        communicator to be gone before the communicator is."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = None
+        self._static_loss, self._static_grads, self._static_inputs = None, [], []
+
+
+def graphed_step(module: nn.Module, example_inputs, **kwargs) -> GraphedStep:
+    """:class:`GraphedStep` of ``module`` (see the module docstring)."""
+    return GraphedStep(module, example_inputs, **kwargs)

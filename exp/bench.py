@@ -142,7 +142,7 @@ def child_main(ctx, cfg: dict) -> None:
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
             if plan_doc is not None:
-                record["predicted_s"] = plan_doc["predicted"][br.mode_of(run["method"])]
+                record["predicted_s"] = plan_doc["predicted"].get(run["method"])
                 record["search_s"] = plan_doc.get("search_s")
                 record["plan_duplication"] = plan_doc["plan"]["duplication"]
                 record["profile"] = plan_doc.get("profile")

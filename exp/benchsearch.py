@@ -5,12 +5,14 @@ the model on the meta device, runs ``hidup.search(graph, profile, algorithm="dp"
 precision=...)`` and writes ``<plan dir>/<name>.json``::
 
     {"name", "status": "ok" | "failed", "plan": Plan.to_dict(), "error",
-     "predicted": {"hidup": s, "hidup-nodup": s},   # the plan's choices priced with / without duplication
+     "predicted": {"hidup": s, "hidup-nodup": s,    # the plan's choices priced with / without duplication,
+                   "hidup-eager": s, "hidup-nodup-eager": s},  # as one CUDA graph / dispatched eagerly
      "search_s", "trace_s", "profile": {"name", "path", "sha256", "note"}}
 
 ``predicted`` uses the search's own cost model (:func:`hidup.search.schedule.evaluate`) on the
 profile the plan was searched with (perturbed when the job perturbs it).  A result file whose
-profile digest and job match is reused, so a rerun on the same profile searches nothing.
+profile digest, job and source digest (:func:`code_digest`) match is reused, so a rerun on the same
+profile with the same code searches nothing.
 
 :class:`Searcher` waits (in a thread) until the profile file exists -- the launched ranks measure it
 -- and then submits every job to a ``spawn`` process pool; ``<profile>.error`` next to the profile
@@ -69,6 +71,21 @@ def resolve_profile(text: str) -> Path:
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def code_digest() -> str:
+    """A digest of the sources a searched plan depends on (tracer, rules, zoo, cost model, search):
+    a cached plan is reused only when they are unchanged."""
+    from report import ROOT
+
+    h = hashlib.sha256()
+    files = [ROOT / "hidup" / "ir.py", ROOT / "hidup" / "trace.py", ROOT / "profiler" / "profile.py"]
+    for folder in ("search", "hidup/rules", "hidup/models"):
+        files += sorted((ROOT / folder).rglob("*.py"))
+    for f in files:
+        h.update(f.relative_to(ROOT).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def plan_identity(plan_dict: dict) -> str:
@@ -133,7 +150,9 @@ def search_job(job: dict) -> str:
         plan = search(graph, profile, world_size=job["world"], algorithm="dp", duplication=True,
                       precision=job["precision"])
         t2 = time.perf_counter()
-        predicted = predict(make_problem(graph, profile, job["precision"]), plan)
+        predicted = predict(make_problem(graph, profile.launched(True), job["precision"]), plan)
+        eager = predict(make_problem(graph, profile.launched(False), job["precision"]), plan)
+        predicted.update({f"{mode}-eager": t for mode, t in eager.items()})
         doc.update(status="ok", plan=plan.to_dict(), predicted=predicted,
                    search_s=t2 - t1, trace_s=t1 - t0, identity=plan_identity(plan.to_dict()))
     except Exception as e:  # noqa: BLE001 - recorded in the result file
@@ -185,11 +204,14 @@ class Searcher:
             return
         path, self.note = got
         sha = _sha(path)
+        code = code_digest()
         todo = []
         for name, job in self.jobs.items():
-            job = dict(job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir))
+            job = dict(job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir),
+                       code=code)
             old = load_json(self.plan_dir / f"{name}.json")
             if old and old.get("status") == "ok" and old.get("profile", {}).get("sha256") == sha \
+                    and old.get("job", {}).get("code") == code \
                     and old.get("job", {}).get("perturb") == job.get("perturb") \
                     and old.get("job", {}).get("overrides") == job.get("overrides"):
                 continue  # cached result of the same job on the same profile

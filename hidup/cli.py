@@ -107,6 +107,9 @@ def _search_parser(sub) -> None:
                    help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
                    help="compute precision assumed by the cost model (default fp32)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
+                        "step captured as one CUDA graph")
     p.add_argument("--noise", type=float, default=0.0, metavar="X",
                    help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]")
     p.add_argument("--seed", type=int, default=0, help="seed for --noise")
@@ -126,7 +129,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     budget = None if args.memory is None else args.memory * 1e9
     plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
                   duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
-                  progress=not args.quiet)
+                  progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs)
     plan.model = args.model
     plan.model_config = model_overrides(args)  # lets `hidup show` rebuild the same graph
     out = args.out or Path(f"strategy_{args.model}.json")

@@ -177,6 +177,10 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
+        overhead_graph = 0.0
+        if device.type == "cuda":
+            per_op = op_overhead(device, budget_s=budget, graphed=True)
+            overhead_graph = 1.0 / _rates_agreed({"ops": 1.0 / per_op}, device)["ops"]
         curves = []
         if world > 1:
             curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget,
@@ -186,7 +190,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     elapsed = time.perf_counter() - t_start
 
     notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s; "
-             f"op overhead {overhead * 1e6:.1f} us"]
+             f"op overhead {overhead * 1e6:.1f} us" +
+             (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")]
     flops = dict(base.flops) if base is not None else {}
     flops.update(rates)
     missing = [d for d in profile_mod.DTYPES if d not in flops]
@@ -210,10 +215,11 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
         host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
         date=_dt.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
+        op_overhead_graph=overhead_graph,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
-           "op_overhead": overhead,
+           "op_overhead": overhead, "op_overhead_graph": overhead_graph,
            "matmul": {d: r.to_dict() for d, r in matmul.items()},
            "collectives": [c.to_dict() for c in curves]}
     return prof, raw

@@ -56,6 +56,9 @@ Memory-bound ops and launch overhead
 and ``op_overhead`` (seconds per op: kernel launch plus the host-side dispatch of one generated op)
 are optional; with them the cost model prices an unmeasured op as a roofline plus a fixed cost:
 ``overhead + max(flops / rate, bytes / memory_bandwidth)``.  Without them (0) it uses FLOPs alone.
+``op_overhead_graph`` is the fixed cost per op when the step runs as one captured CUDA graph (no
+host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
+(0 = not measured: the eager figure is used).
 
 Per-op times
 ------------
@@ -208,6 +211,7 @@ class Profile:
     notes: str = ""
     memory_bandwidth: float = 0.0  # bytes/s (read + written); 0 = unknown, compute priced by FLOPs
     op_overhead: float = 0.0  # seconds per op (launch + host dispatch)
+    op_overhead_graph: float = 0.0  # seconds per op inside a captured CUDA graph; 0 = not measured
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -252,6 +256,15 @@ class Profile:
         p.collectives = fit_ring_tables(self.collectives, tolerance)
         return p
 
+    def launched(self, cuda_graphs: bool) -> "Profile":
+        """The profile as seen by a step run eagerly (``cuda_graphs=False``: ``op_overhead``) or
+        captured as one CUDA graph (``op_overhead_graph`` when measured, else ``op_overhead``)."""
+        if not cuda_graphs or self.op_overhead_graph <= 0:
+            return self
+        p = copy.copy(self)
+        p.op_overhead = self.op_overhead_graph
+        return p
+
     def perturb(self, noise: float, seed: int = 0, comm_scale: float = 1.0) -> "Profile":
         """A copy with each rate, op time and bandwidth scaled by an independent U[1-noise, 1+noise]
         factor; bandwidths divided and alphas multiplied by ``comm_scale``."""
@@ -280,7 +293,8 @@ class Profile:
                 colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
         return Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
-                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f())
+                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
+                       self.op_overhead_graph * f())
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
         """A copy with extra measured per-op times (keys from :func:`op_key`)."""
@@ -295,6 +309,7 @@ class Profile:
             "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
+            "op_overhead_graph": self.op_overhead_graph,
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
             "collectives": {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())}
                             for c, tabs in self.collectives.items()},
@@ -397,8 +412,9 @@ class Profile:
             raise bad("collectives", f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
         membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
         overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
+        overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, d.get("notes", ""), membw, overhead)
+                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph)
 
 
 def builtin_names() -> list[str]:

@@ -51,12 +51,14 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
            restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
            max_states: int | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
            reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = None,
-           explain: int = 6) -> Plan:
+           explain: int = 6, cuda_graphs: bool = True) -> Plan:
     """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
 
     ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
     bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures; ``max_states`` /
     ``max_points`` bound the DP (None: exact); ``explain`` heaviest nodes get a runner-up in the plan.
+    ``cuda_graphs`` prices the fixed cost per op of a step captured as one CUDA graph (how
+    ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
     """
     from hidup.profiler import load
 
@@ -70,9 +72,12 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
         raise ValueError(f"algorithm must be 'dp' or 'ilp', got {algorithm!r}")
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    profile = profile.launched(cuda_graphs)
     with dp.no_gc():
-        return _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
+        plan = _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
                        max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)
+    plan.options["cuda_graphs"] = bool(cuda_graphs)
+    return plan
 
 
 def _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress, max_states,

@@ -189,3 +189,35 @@ def test_conversion_cost_uses_logical_bytes_and_backward_only_with_grad():
     w = cm.conversion(1, FULL, gather(0))  # slice / zero_pad: local, free
     assert w.fwd == w.bwd == 0.0
     assert cm.conversion(1, FULL, REPLICATE) is None  # only a parameter produces 'replicate'
+
+
+def test_launched_picks_the_graph_overhead():
+    from hidup.profiler import load
+    from hidup.profiler.profile import Profile
+
+    prof = load("h200x4-nvlink")
+    assert 0 < prof.op_overhead_graph < prof.op_overhead
+    assert prof.launched(False) is prof
+    graphed = prof.launched(True)
+    assert graphed.op_overhead == prof.op_overhead_graph and prof.op_overhead > graphed.op_overhead
+    again = Profile.from_dict(prof.to_dict())
+    assert again.op_overhead_graph == prof.op_overhead_graph
+    unmeasured = Profile.from_dict({k: v for k, v in prof.to_dict().items() if k != "op_overhead_graph"})
+    assert unmeasured.op_overhead_graph == 0.0 and unmeasured.launched(True).op_overhead == prof.op_overhead
+    noisy = prof.perturb(0.5, seed=1)
+    assert noisy.op_overhead_graph != prof.op_overhead_graph and noisy.op_overhead_graph > 0
+
+
+def test_search_prices_graph_or_eager_dispatch():
+    import hidup.models
+    from hidup.search import search
+    from hidup.trace import trace
+
+    model, inputs = hidup.models.build("gpt", world_size=4, layers=2, d_model=64, heads=4, ffn=128,
+                                       batch_per_gpu=2, seq_len=16, vocab=128, device="meta")
+    graph = trace(model, inputs, world_size=4)
+    graphed = search(graph, "h200x4-nvlink", cuda_graphs=True)
+    eager = search(graph, "h200x4-nvlink", cuda_graphs=False)
+    assert graphed.options["cuda_graphs"] is True and eager.options["cuda_graphs"] is False
+    # the fixed cost per op is ~10x smaller in a graph, so the graphed plan is predicted faster
+    assert graphed.predicted["total"] < eager.predicted["total"]

@@ -117,8 +117,10 @@ def _plan_for(args, model, inputs, world: int):
     from hidup.trace import trace
 
     graph = trace(model, inputs, world_size=world)
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available()
+                                          and args.precision != "fp16")
     return search(graph, hidup.profiler.load(args.profile), world_size=world,
-                  duplication=not args.no_duplication, precision=args.precision)
+                  duplication=not args.no_duplication, precision=args.precision, cuda_graphs=graphs)
 
 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:

@@ -67,10 +67,14 @@ class GraphedStep:
     returns this rank's part of the loss).  ``autocast_dtype`` (``torch.bfloat16``/``float16``)
     runs the forward under autocast.  ``warmup`` eager steps precede the capture (NCCL communicators
     and autograd state are created there).  ``enabled=None`` captures on CUDA and runs eagerly
-    elsewhere."""
+    elsewhere.  ``choose=True`` times ``trials`` replays against as many eager steps after the
+    capture and keeps the faster mode (agreed over ``group``, the default group when ``None``):
+    a graph removes host dispatch, but over a slow network a replayed graph can interleave two
+    duplicated copies less well than eager launches do, so neither mode always wins."""
 
     def __init__(self, module: nn.Module, example_inputs, *, autocast_dtype=None, warmup: int = 3,
-                 enabled: bool | None = None, capture_error_mode: str = "thread_local"):
+                 enabled: bool | None = None, capture_error_mode: str = "thread_local", choose: bool = False,
+                 trials: int = 5, group=None):
         self.module = module
         self.device = _device_of(module)
         self.autocast_dtype = autocast_dtype
@@ -85,8 +89,11 @@ class GraphedStep:
         self._static_inputs: list = []
         self._static_loss: torch.Tensor | None = None
         self._static_grads: list = []
+        self.timings: dict[str, float] = {}
         if self.enabled:
             self._capture(examples, max(1, int(warmup)), capture_error_mode)
+            if choose:
+                self._choose(examples, max(1, int(trials)), group)
 
     # -- eager path (CPU, or capture disabled): the same semantics
     def _eager(self, inputs) -> torch.Tensor:
@@ -129,6 +136,41 @@ class GraphedStep:
         self._static_loss = loss.detach()
         self._static_grads = [p.grad for p in self.params]
         torch.cuda.synchronize(self.device)
+
+    def _choose(self, examples, trials: int, group) -> None:
+        """Time ``trials`` replays against ``trials`` eager steps and keep the faster (the slowest
+        rank's medians decide, so every rank makes the same choice); eager frees the graph."""
+        import statistics
+        import time
+
+        import torch.distributed as dist
+
+        def median_time(fn) -> float:
+            times = []
+            for _ in range(trials):
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        graph_s = median_time(lambda: self(*examples))
+        eager_s = median_time(lambda: self._eager(examples))
+        both = torch.tensor([graph_s, eager_s], dtype=torch.float64, device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        graph_s, eager_s = both.tolist()
+        self.timings = {"graph_s": graph_s, "eager_s": eager_s}
+        if eager_s < graph_s:
+            self.release()
+        else:
+            self(*examples)  # leave this step's gradients attached, as after any call
+
+    @property
+    def mode(self) -> str:
+        """``graph`` (replaying a captured graph) or ``eager``."""
+        return "graph" if self.graph is not None else "eager"
 
     def _check(self, inputs) -> None:
         if len(inputs) != len(self._specs):

@@ -7,8 +7,10 @@ same weights) with one *method* for a bounded number of Adam steps on a fixed sy
   run concurrently on every rank; its time is the median over ranks of each rank's median;
 * ``ddp``, ``fsdp``, ``expert``: the baselines of ``exp/baselines`` on the rank's ``B/N`` groups;
 * ``hidup`` / ``hidup-nodup``: ``hidup.codegen.compile`` of a searched plan with duplication on / off,
-  fed the global batch (each rank slices its part per the plan's input forms), its forward and
-  backward captured as one CUDA graph (:class:`hidup.codegen.GraphedStep`; eager on a CPU);
+  fed the global batch (each rank slices its part per the plan's input forms), run as ``hidup
+  train`` runs it: forward and backward captured as one CUDA graph
+  (:class:`hidup.codegen.GraphedStep`), kept when replaying beats eager steps in a short trial
+  (``info.step_mode``; eager on a CPU);
 * ``hidup-eager`` / ``hidup-nodup-eager``: the same without the CUDA graph (every op dispatched from
   Python), to show what the capture buys;
 * ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs.
@@ -132,6 +134,7 @@ class Prepared:
         self.info, self.cleanup = info or {}, cleanup
         self.coupled = True  # ranks communicate within a step
         self.graph = False  # capture forward + backward as one CUDA graph (see timed_loop)
+        self.choose = False  # after capture, keep the faster of graph replay and eager steps
         self.graphed = None  # the GraphedStep once captured
 
 
@@ -169,7 +172,7 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
                 "cuda_graph": graph}
         prep = Prepared(module, 1.0, None, info, cleanup)
-        prep.graph = graph
+        prep.graph = prep.choose = graph
         return prep, inputs
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
@@ -193,7 +196,9 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
         from hidup.codegen.graphs import GraphedStep
 
         with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
-            prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision))
+            prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
+                                       choose=prep.choose, group=getattr(module, "group", None))
+        prep.info.update(step_mode=prep.graphed.mode, mode_timings=prep.graphed.timings)
 
     def step():
         return harness.train_step(prep, optimizer, inputs, precision, device)

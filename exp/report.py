@@ -213,6 +213,12 @@ def _note(r: dict) -> str:
         notes.append("search preferred no duplication")
     if r.get("method") in ("hidup-nodup", "hidup-nodup-eager") and r.get("plan_duplication") is True:
         notes.append("search preferred duplication")
+    mode = (r.get("info") or {}).get("step_mode")
+    if mode and r.get("method") in ("hidup", "hidup-nodup"):
+        trial = (r.get("info") or {}).get("mode_timings") or {}
+        notes.append(f"{'CUDA graph' if mode == 'graph' else 'eager steps'} kept" + (
+            f" (trial: graph {trial['graph_s'] * 1e3:.1f} ms, eager {trial['eager_s'] * 1e3:.1f} ms)"
+            if "graph_s" in trial else ""))
     check = r.get("loss_check") or {}
     tol = 2e-2 if r.get("precision_run", r.get("precision")) == "bf16" else 5e-3
     if check.get("relative_difference", 0.0) > tol:

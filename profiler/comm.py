@@ -73,6 +73,13 @@ class CommCurve:
     seconds: list[float] = field(default_factory=list)  # median time per call, made monotone
     raw_seconds: list[float] = field(default_factory=list)  # the medians as measured
     alpha: float = 0.0  # latency fitted on the smallest sizes [s]
+    pair_seconds: list[float] = field(default_factory=list)  # two calls at once on two communicators
+
+    @property
+    def pair_speedup(self) -> list[float]:
+        """Aggregate throughput of two concurrent calls relative to one, ``2 t(S) / t_pair(S)``, per
+        size (empty when pairs were not measured)."""
+        return [2.0 * t / max(p, 1e-12) for t, p in zip(self.raw_seconds, self.pair_seconds)]
 
     @property
     def algbw(self) -> list[float]:
@@ -82,7 +89,8 @@ class CommCurve:
     def to_dict(self) -> dict:
         return {"op": self.op, "group_size": self.group_size, "sizes": list(self.sizes),
                 "seconds": list(self.seconds), "raw_seconds": list(self.raw_seconds),
-                "algbw": self.algbw, "alpha": self.alpha}
+                "algbw": self.algbw, "alpha": self.alpha, "pair_seconds": list(self.pair_seconds),
+                "pair_speedup": self.pair_speedup}
 
 
 def monotone(seconds: list[float]) -> list[float]:
@@ -173,17 +181,46 @@ def _barrier(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _pair_call(op: str, numel: int, groups, g: int, device: torch.device, dtype: torch.dtype):
+    """Two ``op`` calls issued together on two communicators of the same ranks, then both awaited."""
+    calls = []
+    for grp in groups:
+        full = torch.ones(numel, device=device, dtype=dtype)
+        part = torch.ones(numel // g, device=device, dtype=dtype)
+        out = torch.empty_like(part)
+        calls.append({"all_reduce": lambda f=full, p=part, o=out, gr=grp: dist.all_reduce(f, group=gr, async_op=True),
+                      "all_gather": lambda f=full, p=part, o=out, gr=grp: _all_gather_tensor(f, p, group=gr,
+                                                                                            async_op=True),
+                      "reduce_scatter": lambda f=full, p=part, o=out, gr=grp: _reduce_scatter_tensor(
+                          p, f, group=gr, async_op=True),
+                      "all_to_all": lambda f=full, p=part, o=out, gr=grp: dist.all_to_all_single(
+                          o, p, group=gr, async_op=True)}[op])
+
+    def run():
+        works = [c() for c in calls]
+        for w in works:
+            w.wait()
+    return run
+
+
 def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *, member: bool = True,
                     sample_s: float = 0.02, budget_s: float = 0.25, min_samples: int = 3,
-                    max_samples: int = 20, dtype: torch.dtype = torch.float32) -> float:
+                    max_samples: int = 20, dtype: torch.dtype = torch.float32, pair_with=None) -> float:
     """Median seconds of one ``op`` of logical size ``nbytes`` on ``group`` (``g`` ranks), max over
     the world.  Every rank of the world must call this with the same arguments; ranks outside any
-    group pass ``member=False`` and only take part in the agreement collectives."""
+    group pass ``member=False`` and only take part in the agreement collectives.  With
+    ``pair_with`` (a second communicator over the same ranks) it times two calls issued together,
+    one on each."""
     device = torch.device(device)
     elem = torch.empty((), dtype=dtype).element_size()
     numel = _elements(nbytes, g, op, elem)
     timer = Timer(device)
-    fn = collective_call(op, numel, group, g, device, dtype) if member else (lambda: None)
+    if not member:
+        fn = lambda: None  # noqa: E731
+    elif pair_with is not None:
+        fn = _pair_call(op, numel, (group, pair_with), g, device, dtype)
+    else:
+        fn = collective_call(op, numel, group, g, device, dtype)
     _barrier(device)
     fn()  # warm-up: communicator setup, buffer registration
     timer.sync()
@@ -220,9 +257,12 @@ def _make_groups(world: int, g: int):
 def profile_collectives(device: torch.device | str, sizes: list[int] | None = None,
                         ops: tuple[str, ...] = COLLECTIVES, group_sizes: list[int] | None = None, *,
                         budget_s: float = 0.25, n_fit: int = 3, dtype: torch.dtype = torch.float32,
-                        on_point: Callable[[str, int, int], None] | None = None) -> list[CommCurve]:
+                        on_point: Callable[[str, int, int], None] | None = None,
+                        pairs: bool = True) -> list[CommCurve]:
     """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
     ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
+    With ``pairs``, the whole-world group also times two calls at once on two communicators
+    (``CommCurve.pair_seconds``): what two duplicated copies communicating together get.
 
     Must be called by every rank of an initialized process group.  ``on_point(op, g, nbytes)`` is
     called after each point (for progress bars).
@@ -246,6 +286,7 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
     curves: list[CommCurve] = []
     for g in group_sizes:
         group, member, created = _make_groups(world, g)
+        second = dist.new_group(list(range(world))) if pairs and g == world else None
         for op in ops:
             curve = CommCurve(op, g)
             for s in sizes:
@@ -253,13 +294,16 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
                 elem = torch.empty((), dtype=dtype).element_size()
                 curve.sizes.append(_elements(s, g, op, elem) * elem)
                 curve.raw_seconds.append(t)
+                if second is not None:
+                    curve.pair_seconds.append(time_collective(op, s, group, g, device, budget_s=budget_s, dtype=dtype,
+                                                              pair_with=second))
                 if on_point is not None:
                     on_point(op, g, s)
             curve.seconds = monotone(curve.raw_seconds)
             curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
             curves.append(curve)
         _barrier(device)
-        for grp in created:
+        for grp in created + ([second] if second is not None else []):
             dist.destroy_process_group(grp)
     return curves
 

@@ -7,7 +7,11 @@ measures the device only) and returns a :class:`hidup.profiler.profile.Profile`:
 * ``collectives[c][g]`` for the world and for pairs (comm.py): ``alpha`` fitted on the smallest
   sizes and the table bandwidth *net of alpha*, ``algbw(S) = S / (t(S) - alpha)``, because the
   profile charges ``time(S) = alpha + S / algbw(S)``; at every measured size that is ``t(S)``.
-  The nccl-tests bandwidth ``S / t(S)`` is kept in the raw sidecar file ``<out>.raw.json``.
+  The nccl-tests bandwidth ``S / t(S)`` is kept in the raw sidecar file ``<out>.raw.json``;
+* ``concurrency[c][world]``: at every size, ``2 t(S) / t_pair(S)`` with ``t_pair`` the time of two
+  equal calls issued together on two communicators of the whole world (what duplication's two
+  copies do), in [1, 2] once clamped by the cost model; ``op_overhead`` / ``op_overhead_graph``:
+  the fixed cost per op, eager and inside a CUDA graph (device.py).
 
 Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (one launcher per
 host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
@@ -15,8 +19,8 @@ and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and `
 ``--ops-model`` adds per-op times of a zoo model (ops.py) to the profile.
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
-seconds (0.3 s, 0.1 s with ``quick``), so a 4-GPU host (17 sizes x 4 collectives x 2 group
-sizes) takes about a minute.
+seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
+(17 sizes x 4 collectives x 2 group sizes) takes one to two minutes.
 """
 
 from __future__ import annotations
@@ -200,8 +204,12 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         for d in missing:
             flops[d] = fallback
         notes.append(f"{', '.join(missing)}: not measured (unsupported or not requested), fp32 rate used")
+    concurrency = {}
     if curves:
         collectives = comm_tables(curves)
+        for c in curves:
+            if c.pair_seconds:
+                concurrency.setdefault(c.op, {})[c.group_size] = ([float(x) for x in c.sizes], c.pair_speedup)
         notes.append(f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
                      f"{group_sizes}; algbw is net of alpha")
     else:
@@ -215,7 +223,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
         host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
         date=_dt.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
-        op_overhead_graph=overhead_graph,
+        op_overhead_graph=overhead_graph, concurrency=concurrency,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,

@@ -212,6 +212,9 @@ class Profile:
     memory_bandwidth: float = 0.0  # bytes/s (read + written); 0 = unknown, compute priced by FLOPs
     op_overhead: float = 0.0  # seconds per op (launch + host dispatch)
     op_overhead_graph: float = 0.0  # seconds per op inside a captured CUDA graph; 0 = not measured
+    # collective -> group size -> (sizes, speedup): aggregate throughput of two equal collectives run
+    # at once on two communicators, relative to one (1 = they serialize, 2 = no interference)
+    concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -247,6 +250,24 @@ class Profile:
             return 0.0
         tab, factor = self.table(collective, group)
         return tab.alpha + nbytes / (tab.bandwidth(nbytes) * factor)
+
+    def pair_speedup(self, collective: str, group: int, nbytes: float) -> float:
+        """Aggregate speedup of two concurrent ``collective`` calls of ``nbytes`` each on two
+        communicators over ``group`` ranks (see ``concurrency``); 1.0 where not measured.
+        Interpolated linearly in log(size), clamped at both ends and to [1, 2]."""
+        table = self.concurrency.get(collective, {}).get(group)
+        if not table or nbytes <= 0:
+            return 1.0
+        sizes, speed = table
+        if nbytes <= sizes[0]:
+            k = speed[0]
+        elif nbytes >= sizes[-1]:
+            k = speed[-1]
+        else:
+            i = bisect.bisect_right(sizes, nbytes)
+            w = (math.log(nbytes) - math.log(sizes[i - 1])) / (math.log(sizes[i]) - math.log(sizes[i - 1]))
+            k = speed[i - 1] * (1 - w) + speed[i] * w
+        return min(2.0, max(1.0, k))
 
     # ----------------------------------------------------------------------------- derived profiles
     def fitted(self, tolerance: float = RING_TOLERANCE) -> "Profile":
@@ -292,9 +313,14 @@ class Profile:
                 bws = [b * f() / comm_scale for b in t.algbw]
                 colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
-        return Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
-                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
-                       self.op_overhead_graph * f())
+        out = Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
+                      self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
+                      self.op_overhead_graph * f())
+        for c in sorted(self.concurrency):  # measured like a bandwidth: perturbed like one, kept in [1, 2]
+            for g in sorted(self.concurrency[c]):
+                sizes, speed = self.concurrency[c][g]
+                out.concurrency.setdefault(c, {})[g] = (list(sizes), [min(2.0, max(1.0, k * f())) for k in speed])
+        return out
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
         """A copy with extra measured per-op times (keys from :func:`op_key`)."""
@@ -310,6 +336,8 @@ class Profile:
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
+            "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
+                            for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
             "collectives": {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())}
                             for c, tabs in self.collectives.items()},
@@ -413,8 +441,28 @@ class Profile:
         membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
         overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
         overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
+        concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
+        cc = d.get("concurrency", {}) or {}
+        if not isinstance(cc, dict):
+            raise bad("concurrency", "expected an object {collective: {group size: {sizes, speedup}}}")
+        for c, groups in cc.items():
+            if c not in COLLECTIVES or not isinstance(groups, dict):
+                raise bad("concurrency", f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
+            for g, entry in groups.items():
+                f = f"concurrency.{c}.{g}"
+                try:
+                    gi = int(g)
+                except (TypeError, ValueError):
+                    raise bad(f, "group size must be an integer") from None
+                if not isinstance(entry, dict):
+                    raise bad(f, "expected {sizes, speedup}")
+                sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]
+                speed = [number(x, f + ".speedup") for x in entry.get("speedup", [])]
+                if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+                    raise bad(f, "sizes must be strictly increasing and as many as the speedups")
+                concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph)
+                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency)
 
 
 def builtin_names() -> list[str]:

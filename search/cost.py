@@ -39,7 +39,12 @@ computed only from them are not.  Per copy:
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
   (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
   once per copy) -- except the gradient all-reduce of a ``replicate`` parameter, which the bucketed
-  gradient synchronization does once per step after both copies: ``bA = T(c, bytes), bB = 0``.
+  gradient synchronization does once per step after both copies: ``bA = T(c, bytes), bB = 0``;
+* the two copies communicate on two communicators, and two collectives in flight at once can move
+  more bytes per second than one (parallel connections over sockets): a per-copy collective
+  ``c`` of ``b`` bytes is charged ``T(c, b) / k_c(b)``, with ``k_c(b)`` in [1, 2] the profile's
+  measured ``pair_speedup`` (aggregate throughput of two equal concurrent calls over one), so the
+  serialized two-copy schedule below occupies the network as long as the concurrent calls do.
 """
 
 from __future__ import annotations
@@ -144,6 +149,14 @@ class CostModel:
             return 0.0
         return self.comm_profile.comm_time(collective, self.world, nbytes)
 
+    def pair_speedup(self, collective: str, nbytes: float) -> float:
+        """How much faster two copies' equal collectives go together than one after the other
+        (the profile's measured ``concurrency``; 1 where unmeasured)."""
+        if not collective:
+            return 1.0
+        fn = getattr(self.profile, "pair_speedup", None)
+        return fn(collective, self.world, nbytes) if fn is not None else 1.0
+
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
         hit = self._conv_by_tensor.get((tid, src, dst), self._conv_by_tensor)
@@ -165,12 +178,13 @@ class CostModel:
             b = float(t.nbytes)
             fwd, bwd = self.comm(cf, b), self.comm(cb, b)
             if batch:
-                fA = fB = self.comm(cf, b / 2)
-                bA = bB = self.comm(cb, b / 2)
+                fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
+                bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
             elif src.kind == "replicate" and dst.kind == "full":
                 fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
             else:
-                fA, fB, bA, bB = fwd, fwd, bwd, bwd
+                fA = fB = fwd / self.pair_speedup(cf, b)
+                bA = bB = bwd / self.pair_speedup(cb, b)
             cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB)
         self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
         return cost

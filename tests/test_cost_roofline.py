@@ -62,3 +62,27 @@ def test_profile_fields_round_trip_and_validate(tmp_path):
     d["op_overhead"] = -1
     with pytest.raises(hidup.profiler.ProfileError, match="op_overhead"):
         hidup.profiler.profile.Profile.from_dict(d)
+
+
+def test_concurrent_copies_divide_per_copy_collectives():
+    """Duplicated copies communicate on two communicators: per-copy collectives are divided by the
+    measured pair speedup; the no-duplication costs and the once-per-step gradient all-reduce not."""
+    from hidup.ir import REPLICATE
+
+    g = _graph()
+    base = _profile(concurrency={})
+    fast = _profile(concurrency={c: {4: ([1e3, 1e9], [1.6, 1.6])} for c in hidup.profiler.COLLECTIVES})
+    plain, paired = CostModel(g, base), CostModel(g, fast)
+    for src, dst in ((FULL, gather(0)), (gather(0), FULL)):  # batch tensor 0: both copies move half
+        a, b = plain.conversion(0, gather(0), FULL), paired.conversion(0, gather(0), FULL)
+        assert (b.fwd, b.bwd) == (a.fwd, a.bwd)
+        assert b.fA == pytest.approx(a.fA / 1.6) and b.fB == pytest.approx(a.fB / 1.6)
+    w = Tensor(2, (1024, 1024), "float32", "w", requires_grad=True)
+    g2 = Graph(g.nodes, {**g.tensors, 2: w}, 4)
+    plain, paired = CostModel(g2, base), CostModel(g2, fast)
+    a, b = plain.conversion(2, REPLICATE, FULL), paired.conversion(2, REPLICATE, FULL)
+    assert (b.bA, b.bB) == (a.bA, a.bB) and b.bA > 0  # the gradient all-reduce runs once, alone
+    a, b = plain.conversion(2, gather(0), FULL), paired.conversion(2, gather(0), FULL)
+    assert b.fA == pytest.approx(a.fA / 1.6) and b.bB == pytest.approx(a.bB / 1.6)
+    assert fast.pair_speedup("all_reduce", 4, 1e6) == 1.6 and base.pair_speedup("all_reduce", 4, 1e6) == 1.0
+    assert _profile(concurrency={"all_gather": {4: ([1e3], [3.0])}}).pair_speedup("all_gather", 4, 1e4) == 2.0

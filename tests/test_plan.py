@@ -116,7 +116,7 @@ def test_runner_up_delta_is_exact(graph):
     import hidup.profiler as P
 
     plan = hidup.search(graph, "h200x4-socket", duplication=False)
-    pr = Problem(graph, P.load("h200x4-socket"))
+    pr = Problem(graph, P.load("h200x4-socket").launched(True))  # what search prices by default
     ks = [pr.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(pr.order)]
     for name, alt in plan.alternatives.items():
         if not alt["runner_up"]:

@@ -101,6 +101,8 @@ def test_comm_profile_validates_and_loads(world2):
     assert dicts[0] == dicts[1], "every rank must return the same profile"
     prof = hidup.profiler.load(str(out))
     assert prof.name == "test-cpu" and prof.world_sizes == [2] and prof.source == "measured"
+    for c in hidup.profiler.COLLECTIVES:  # two copies' collectives at once, measured and loaded back
+        assert 1.0 <= prof.pair_speedup(c, 2, SIZES[1]) <= 2.0 and len(prof.concurrency[c][2][1]) == len(SIZES)
     assert all(prof.rate(d) > 0 for d in ("fp32", "tf32", "bf16", "fp16"))
     raw = json.loads(out.with_name("prof.raw.json").read_text())
     curves = {(c["op"], c["group_size"]): c for c in raw["collectives"]}
@@ -119,16 +121,19 @@ def _subgroup_rank(rank, world):
     from hidup.profiler.comm import profile_collectives
 
     curves = profile_collectives("cpu", [4096, 65536], ("all_reduce", "all_to_all"), budget_s=0.01)
-    return [(c.op, c.group_size, c.sizes, c.seconds) for c in curves]
+    return [(c.op, c.group_size, c.sizes, c.seconds, c.pair_speedup) for c in curves]
 
 
 def test_world4_measures_world_and_pairs():
     res = run_distributed(_subgroup_rank, 4, timeout=90)
     assert all(r == res[0] for r in res)
-    assert {(op, g) for op, g, _, _ in res[0]} == {("all_reduce", 4), ("all_to_all", 4),
-                                                    ("all_reduce", 2), ("all_to_all", 2)}
-    for op, g, sizes, secs in res[0]:
+    assert {(op, g) for op, g, *_ in res[0]} == {("all_reduce", 4), ("all_to_all", 4),
+                                                  ("all_reduce", 2), ("all_to_all", 2)}
+    for op, g, sizes, secs, pairs in res[0]:
         assert sizes[0] >= 4096 and all(s > 0 for s in secs)
+        # two communicators at once are timed for the whole world only (what duplication uses)
+        assert (len(pairs) == len(sizes)) if g == 4 else not pairs
+        assert all(0 < k < 10 for k in pairs)
 
 
 def test_single_process_needs_collectives_from_somewhere():

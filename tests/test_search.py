@@ -14,9 +14,9 @@ from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply, dup_apply_stages, evaluate
 from hidup.search.synthetic import layered_graph, random_graph
 
-SOCKET = dataclasses.replace(P.load("h200x4-socket"), memory_bandwidth=0.0, op_overhead=0.0)
+SOCKET = dataclasses.replace(P.load("h200x4-socket"), memory_bandwidth=0.0, op_overhead=0.0, op_overhead_graph=0.0)
 # FLOP-only pricing keeps the hand-computed costs below simple (the roofline has its own tests)
-NVLINK = dataclasses.replace(P.load("h200x4-nvlink"), memory_bandwidth=0.0, op_overhead=0.0)
+NVLINK = dataclasses.replace(P.load("h200x4-nvlink"), memory_bandwidth=0.0, op_overhead=0.0, op_overhead_graph=0.0)
 PAPER = P.load("paper-v100-9.7gbps")
 EXACT = dict(max_states=None, max_points=None)
 

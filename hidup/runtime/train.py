@@ -52,7 +52,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)")
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
-                        "--precision fp16, whose loss scaler checks gradients on the host)")
+                        "--precision fp16, whose loss scaler checks gradients on the host, and kept only "
+                        "when replaying beats eager steps in a short trial)")
     g.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
                    help="synthetic batches, or byte-level tokens of the Python standard library's source "
                         "(language models; needs --vocab >= 256)")
@@ -186,7 +187,11 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         if use_graph and graphed is None:
             from hidup.codegen.graphs import GraphedStep
 
-            graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype)  # warm-up + capture, once
+            graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype,  # warm-up + capture, once
+                                  choose=args.cuda_graphs == "auto", group=module.group)
+            if rank == 0:
+                timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
+                print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         if graphed is not None:
@@ -240,6 +245,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
               "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
               "duplication": bool(getattr(module, "duplication", False)), "precision": args.precision,
               "cuda_graph": graphed is not None and graphed.graph is not None,
+              "step_mode_trial": graphed.timings if graphed is not None else {},
               "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""

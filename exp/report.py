@@ -314,7 +314,8 @@ def bench_markdown(doc: dict) -> str:
 
 
 def bench_figure(out_dir: Path, target: Path) -> Path | None:
-    """Scaling efficiency per method, one panel per (network, world), from every ``<out>/<net>.json``."""
+    """Scaling efficiency per method, one panel per (network, world), from every ``<out>/<net>.json``
+    (against the graphed floor where one was measured: the eager floor pays host dispatch too)."""
     plt = pyplot()
     if plt is None:
         return None
@@ -334,14 +335,16 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
         for j, m in enumerate(methods):
             ys = []
             for g in groups:
-                r = next((r for r in runs if (r["model"], r["precision"]) == g and r["method"] == m), None)
-                ys.append((r or {}).get("scaling_efficiency") or 0.0)
+                r = next((r for r in runs if (r["model"], r["precision"]) == g and r["method"] == m), None) or {}
+                ys.append(r.get("scaling_efficiency_graphed") or r.get("scaling_efficiency") or 0.0)
             ax.bar([i + j * width for i in range(len(groups))], ys, width, label=m)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
         ax.set_xticklabels([f"{m}\n{p}" for m, p in groups], fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_ylabel("scaling efficiency")
-        ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone)")
+        graphed = any(r.get("scaling_efficiency_graphed") for r in runs)
+        ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone"
+                     + (", captured as one CUDA graph)" if graphed else ")"))
         ax.legend(fontsize=8, ncol=len(methods))
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)

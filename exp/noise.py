@@ -13,15 +13,20 @@ written by exp/bench.py; else measured here first).  Perturbed profiles:
 
 Each profile is searched (DP, duplication-aware, in a pool of CPU processes); plans are identified by
 their decisions (every node's signature and the duplication mode), and each distinct plan is RUN
-once on the launched ranks in its own mode (exp/benchrun.py timing: median step time).  With
-``t(plan)`` the measured time and ``c`` the clean plan, a perturbation's row reports over its plans::
+once on the launched ranks in its own mode (exp/benchrun.py timing: median step time).  Runs over a
+shared network drift by several percent within minutes, so by default the clean plan ``c`` is run
+again right after each perturbed plan (*paired*), and a perturbation's row reports over its plans::
 
-    relative time r = t(plan) / t(c)          mean_s r    and    worst = max_s r
+    relative time r = t(plan) / mean(t(c) right before, t(c) right after)
+    mean_s r    and    worst = max_s r
+
+(``--unpaired``: ``r = t(plan) / t(c)`` with ``c`` measured once, first).  The spread of all clean
+runs, ``(max - min) / median``, is reported as the measurement noise.
 
 and the same with the clean profile's cost model in place of measurement (``predicted``:
 ``T_P(plan) / T_P(c)``, the search's own evaluation under ``P``).  ``flips`` are the nodes whose
 signature differs from the clean plan's, summarized as ``kind -> kind`` counts.  The clean plan is
-measured again at the end when time allows; the difference is the measurement noise.
+also measured again at the end when time allows.
 
 Writes ``docs/robustness.json``, ``docs/robustness.md`` (table, flips, command, hardware) and
 ``docs/robustness.png``.
@@ -83,7 +88,7 @@ def child_main(ctx, cfg: dict) -> None:
         measure_profile(cfg, device)
     model_cpu, inputs_cpu = hidup.models.build(cfg["model"], world_size=world, seed=0, **cfg["overrides"])
     plan_dir, names = Path(cfg["plan_dir"]), cfg["names"]
-    state = {"measured": set(), "bad": set(), "repeated": False}
+    state = {"measured": set(), "bad": set(), "repeated": False, "last_clean": None, "pending": None}
     docs: dict[str, dict] = {}  # finished search results (written once, atomically)
 
     def decide() -> dict:
@@ -101,6 +106,8 @@ def child_main(ctx, cfg: dict) -> None:
             if clean.get("status") != "ok":
                 return {"action": "stop"}
             return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": False}
+        if state["pending"] is not None:  # paired: the clean plan again, right after the perturbed one
+            return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": False, "ref": True}
         for n in names:
             d = docs.get(n)
             if d and d.get("status") == "ok" and d["identity"] not in state["measured"] | state["bad"]:
@@ -111,6 +118,12 @@ def child_main(ctx, cfg: dict) -> None:
             return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": True}
         return {"action": "stop"}
 
+    def emit(record: dict) -> None:
+        if rank == 0:
+            with open(cfg["partial"], "a") as f:
+                f.write(json.dumps({"event": "result", "record": record}, default=str) + "\n")
+
+    n_refs = 0
     while True:
         choice = br.broadcast(decide() if rank == 0 else None, device)
         if choice["action"] == "stop":
@@ -120,21 +133,38 @@ def child_main(ctx, cfg: dict) -> None:
             continue
         doc = choice["doc"]
         plan = Plan.from_dict(doc["plan"])
-        method = "hidup" if plan.duplication else "hidup-nodup"
+        method = ("hidup" if plan.duplication else "hidup-nodup") + ("-eager" if cfg.get("mode") == "eager" else "")
         res = br.execute(method, model_cpu, inputs_cpu, rank, world, device, cfg["precision_run"],
                          warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan)
+        t = res.get("iter_time_s")
+        tag = "repeat" if choice["repeat"] else ("reference" if choice.get("ref") else "")
+        if rank == 0:
+            print(f"[noise] plan {doc['identity']} ({choice['name']}{', ' + tag if tag else ''}): "
+                  + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"), flush=True)
+        if choice.get("ref"):
+            n_refs += 1
+            emit(dict(res, key=f"{doc['identity']}-ref{n_refs}", identity=doc["identity"], name=choice["name"],
+                      method=method, repeat=False, reference=True))
+            pending, state["pending"] = state["pending"], None
+            pending["ref_after_s"] = t
+            state["last_clean"] = t or state["last_clean"]
+            emit(pending)
+            continue
         if choice["repeat"]:
             state["repeated"] = True
         else:
             (state["measured"] if res["status"] == "ok" else state["bad"]).add(doc["identity"])
-        if rank == 0:
-            with open(cfg["partial"], "a") as f:
-                f.write(json.dumps({"event": "result", "record": dict(
-                    res, key=f"{doc['identity']}{'-repeat' if choice['repeat'] else ''}", identity=doc["identity"],
-                    name=choice["name"], method=method, repeat=choice["repeat"])}, default=str) + "\n")
-            t = res.get("iter_time_s")
-            print(f"[noise] plan {doc['identity']} ({choice['name']}{', repeat' if choice['repeat'] else ''}): "
-                  + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"), flush=True)
+        record = dict(res, key=f"{doc['identity']}{'-repeat' if choice['repeat'] else ''}", identity=doc["identity"],
+                      name=choice["name"], method=method, repeat=choice["repeat"])
+        if choice["name"] == names[0] and not choice["repeat"]:
+            state["last_clean"] = t
+        elif cfg.get("paired") and not choice["repeat"] and res["status"] == "ok":
+            record["ref_before_s"] = state["last_clean"]
+            state["pending"] = record  # emitted with the clean plan's time measured right after it
+            continue
+        emit(record)
+    if state["pending"] is not None:  # the budget ran out before the reference run
+        emit(state["pending"])
 
 
 # ============================================================================ launcher side
@@ -174,13 +204,21 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
         d = docs.get(n) or {"status": "failed", "error": "the search did not finish in time"}
         j = {"tag": p["tag"], "label": p["label"], "kind": p["kind"], "perturb": p["perturb"], "status": d["status"]}
         if d["status"] == "ok":
-            t = (measured.get(d["identity"]) or {}).get("iter_time_s")
+            rec = measured.get(d["identity"]) or {}
+            t = rec.get("iter_time_s")
+            refs = [x for x in (rec.get("ref_before_s"), rec.get("ref_after_s")) if x]
             j.update(identity=d["identity"], duplication=d["plan"]["duplication"], search_s=d.get("search_s"),
                      predicted_clean_model_s=pred(d), predicted_own_profile_s=d["predicted"][
                          "hidup" if d["plan"]["duplication"] else "hidup-nodup"],
                      measured_s=t, flips=_flips(clean["plan"], d["plan"]))
             j["relative_predicted"] = j["predicted_clean_model_s"] / t_clean_pred
-            j["relative_measured"] = t / t_clean if t and t_clean else None
+            if d["identity"] == clean["identity"]:
+                j["relative_measured"] = 1.0 if t_clean else None
+            elif t and refs:  # paired: against the clean plan measured right before and after
+                j["relative_measured"] = t / statistics.fmean(refs)
+                j["reference_s"] = refs
+            else:
+                j["relative_measured"] = t / t_clean if t and t_clean else None
         else:
             j["error"] = d.get("error")
         jobs.append(j)
@@ -204,9 +242,13 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
                      "flip_kinds": dict(kinds.most_common()),
                      "flip_examples": sorted({n for j in ok for n in j["flips"]["nodes"]})[:8]})
     repeat = measured.get(f"{clean['identity']}-repeat", {}).get("iter_time_s")
+    refs = [r["iter_time_s"] for k, r in measured.items() if r.get("reference") and r.get("iter_time_s")]
+    clean_times = [t for t in [t_clean, repeat] + refs if t]
+    spread = (max(clean_times) - min(clean_times)) / statistics.median(clean_times) if len(clean_times) > 1 else None
     return {"clean": {"identity": clean["identity"], "measured_s": t_clean, "predicted_s": t_clean_pred,
                       "duplication": clean["plan"]["duplication"], "repeat_measured_s": repeat,
-                      "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None},
+                      "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None,
+                      "runs_s": clean_times, "spread": spread},
             "rows": rows, "jobs": jobs}
 
 
@@ -241,10 +283,14 @@ def write_docs(args, result: dict, meta: dict) -> None:
              f"{_f(c['predicted_s'] and c['predicted_s'] * 1e3)} ms"
              + (f", measured {c['measured_s'] * 1e3:.2f} ms" if c["measured_s"] else "")
              + (f", re-measured at the end {c['repeat_measured_s'] * 1e3:.2f} ms (measurement noise "
-                f"{_f(c['measurement_noise'], pct=True)})" if c["repeat_measured_s"] else "") + ".", "",
+                f"{_f(c['measurement_noise'], pct=True)})" if c["repeat_measured_s"] else "")
+             + (f"; {len(c['runs_s'])} runs of the clean plan spread {_f(c['spread'], pct=True)} "
+                f"((max - min) / median)" if c.get("spread") is not None else "") + ".", "",
              "Relative time = iteration time of the plan searched with the perturbed profile / that of the clean "
              "plan (mean and worst over the perturbation's seeds). Predicted: both priced by the clean profile's "
-             "cost model; measured: both run on the GPUs (each distinct plan once).", "",
+             "cost model; measured: both run on the GPUs (each distinct plan once"
+             + (", divided by the mean of the clean plan's runs right before and after it)"
+                if any(j.get("reference_s") for j in result["jobs"]) else ")") + ".", "",
              table(HEADERS, _rows(result)), "", "## Decisions that flipped", ""]
     for r in result["rows"]:
         kinds = ", ".join(f"{k} x{v}" for k, v in r["flip_kinds"].items()) or "none"
@@ -292,6 +338,11 @@ def parse_args(argv):
     p.add_argument("--docs", type=Path, default=ROOT / "docs")
     p.add_argument("--bench-out", type=Path, default=ROOT / "docs" / "bench", help="exp/bench.py's results "
                    "directory (its <network>-profile.json is the default clean profile; plans are cached there)")
+    p.add_argument("--unpaired", action="store_true",
+                   help="measure each plan once against one clean run (default: run the clean plan again right "
+                        "after each perturbed plan and divide by the mean of the clean runs around it)")
+    p.add_argument("--mode", choices=("auto", "eager"), default="auto",
+                   help="how plans run: as hidup train runs them (auto: CUDA graph kept when faster) or eagerly")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--run-cap", type=float, default=20.0)
@@ -357,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                    "measure_profile": measure, "model": args.model, "overrides": overrides, "plan_dir": str(plan_dir),
                    "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
                    "warmup": args.warmup, "iters": args.iters, "partial": str(partial),
+                   "paired": not args.unpaired, "mode": args.mode,
                    "precision_run": args.precision if gpu else "fp32"}
             try:
                 launch(child_main, cfg, nnodes=1, cpn=args.world, node_rank=0, master_addr="127.0.0.1",

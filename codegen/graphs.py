@@ -54,12 +54,6 @@ def _autocast(device: torch.device, dtype):
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    for t in list(module.parameters()) + list(module.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 class GraphedStep:
     """Forward + backward of ``module`` (which returns a scalar loss) as one replayable CUDA graph.
 
@@ -76,6 +70,8 @@ class GraphedStep:
                  enabled: bool | None = None, capture_error_mode: str = "thread_local", choose: bool = False,
                  trials: int = 5, group=None):
         self.module = module
+        from hidup.codegen.rewrite import _device_of
+
         self.device = _device_of(module)
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -130,7 +126,7 @@ class GraphedStep:
             raise GraphCaptureError(
                 f"capturing the training step as a CUDA graph failed ({type(e).__name__}: {e}). The step must have "
                 f"static shapes and no host synchronization (.item(), .cpu(), data-dependent shapes). Fix: remove "
-                f"those from the model, or run eagerly (hidup train --no-cuda-graphs, GraphedStep(enabled=False))"
+                f"those from the model, or run eagerly (hidup train --cuda-graphs off, GraphedStep(enabled=False))"
             ) from e
         self.graph = graph
         self._static_loss = loss.detach()
@@ -182,7 +178,7 @@ class GraphedStep:
                 got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"input {i}: the graphed step was captured for shape/dtype {spec}, got {got}; "
                                  f"a CUDA graph replays fixed shapes (use a fixed batch shape, drop the last "
-                                 f"partial batch, or run eagerly with --no-cuda-graphs)")
+                                 f"partial batch, or run eagerly: hidup train --cuda-graphs off)")
 
     def __call__(self, *inputs) -> torch.Tensor:
         """One step: this step's loss (detached); every parameter's ``.grad`` holds its gradient."""
@@ -197,7 +193,6 @@ class GraphedStep:
             if p.grad is not g:
                 p.grad = g
         return self._static_loss.clone()
-
 
     def release(self) -> None:
         """Free the graph and its memory pool; the step then runs eagerly.  Call it before

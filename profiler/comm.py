@@ -151,20 +151,21 @@ def _elements(nbytes: int, g: int, op: str, elem: int) -> int:
 
 
 def collective_call(op: str, numel: int, group, g: int, device: torch.device,
-                    dtype: torch.dtype = torch.float32) -> Callable[[], object]:
-    """A zero-argument function that runs ``op`` once on preallocated buffers (logical ``numel``)."""
+                    dtype: torch.dtype = torch.float32, async_op: bool = False) -> Callable[[], object]:
+    """A zero-argument function that runs ``op`` once on preallocated buffers (logical ``numel``);
+    with ``async_op`` it returns the collective's work handle."""
     if op not in COLLECTIVES:
         raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
     full = torch.ones(numel, device=device, dtype=dtype)
     part = torch.ones(numel // g, device=device, dtype=dtype)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
+        return lambda: dist.all_reduce(full, group=group, async_op=async_op)
     if op == "all_gather":
-        return lambda: _all_gather_tensor(full, part, group=group)
+        return lambda: _all_gather_tensor(full, part, group=group, async_op=async_op)
     if op == "reduce_scatter":
-        return lambda: _reduce_scatter_tensor(part, full, group=group)
+        return lambda: _reduce_scatter_tensor(part, full, group=group, async_op=async_op)
     out = torch.empty_like(part)
-    return lambda: dist.all_to_all_single(out, part, group=group)
+    return lambda: dist.all_to_all_single(out, part, group=group, async_op=async_op)
 
 
 def _world_max(values: list[float], device: torch.device) -> list[float]:
@@ -183,23 +184,11 @@ def _barrier(device: torch.device) -> None:
 
 def _pair_call(op: str, numel: int, groups, g: int, device: torch.device, dtype: torch.dtype):
     """Two ``op`` calls issued together on two communicators of the same ranks, then both awaited."""
-    calls = []
-    for grp in groups:
-        full = torch.ones(numel, device=device, dtype=dtype)
-        part = torch.ones(numel // g, device=device, dtype=dtype)
-        out = torch.empty_like(part)
-        calls.append({"all_reduce": lambda f=full, p=part, o=out, gr=grp: dist.all_reduce(f, group=gr, async_op=True),
-                      "all_gather": lambda f=full, p=part, o=out, gr=grp: _all_gather_tensor(f, p, group=gr,
-                                                                                            async_op=True),
-                      "reduce_scatter": lambda f=full, p=part, o=out, gr=grp: _reduce_scatter_tensor(
-                          p, f, group=gr, async_op=True),
-                      "all_to_all": lambda f=full, p=part, o=out, gr=grp: dist.all_to_all_single(
-                          o, p, group=gr, async_op=True)}[op])
+    calls = [collective_call(op, numel, grp, g, device, dtype, async_op=True) for grp in groups]
 
     def run():
-        works = [c() for c in calls]
-        for w in works:
-            w.wait()
+        for work in [call() for call in calls]:
+            work.wait()
     return run
 
 

@@ -223,34 +223,23 @@ def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 
     import torch.fx
 
     device = torch.device(device)
+    root = torch.nn.Module()
+    root.leaf = torch.nn.Parameter(torch.ones(8, device=device))
     graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    y = x
+    y = graph.get_attr("leaf")
     for i in range(ops):
         y = graph.call_function(torch.mul if i % 2 else torch.add, (y, 1.0001))
     graph.output(graph.call_function(torch.sum, (y,)))
-    program = torch.fx.GraphModule(torch.nn.Module(), graph)
-    leaf = torch.ones(8, device=device, requires_grad=True)
+    program = torch.fx.GraphModule(root, graph)  # a loss of the parameter `leaf`, no inputs
 
     def step():
-        program(leaf).backward()
+        program().backward()
 
     if graphed:
         if device.type != "cuda":
             raise ValueError(f"op_overhead(graphed=True) needs a CUDA device, got {device}")
         from hidup.codegen.graphs import GraphedStep
 
-        class _Loss(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.leaf = torch.nn.Parameter(leaf.detach().clone())
-
-            def forward(self):
-                return program(self.leaf)
-
-        replay = GraphedStep(_Loss().to(device), ())
-
-        def step():  # noqa: F811 - the captured variant
-            replay()
+        step = GraphedStep(program, ())  # noqa: F811 - the same step, captured and replayed
 
     return time_call(step, device, budget_s=budget_s) / (3 * ops)

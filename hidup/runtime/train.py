@@ -118,10 +118,17 @@ def _plan_for(args, model, inputs, world: int):
     from hidup.trace import trace
 
     graph = trace(model, inputs, world_size=world)
-    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available()
-                                          and args.precision != "fp16")
     return search(graph, hidup.profiler.load(args.profile), world_size=world,
-                  duplication=not args.no_duplication, precision=args.precision, cuda_graphs=graphs)
+                  duplication=not args.no_duplication, precision=args.precision,
+                  cuda_graphs=_captures(args, torch.cuda.is_available()))
+
+
+def _captures(args, cuda: bool) -> bool:
+    """Whether steps are captured as CUDA graphs (``--cuda-graphs``; fp16's loss scaler reads the
+    gradients on the host every step, so auto leaves it eager)."""
+    if args.cuda_graphs == "auto":
+        return cuda and args.precision != "fp16"
+    return args.cuda_graphs == "on"
 
 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
@@ -152,7 +159,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
            else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
-    use_graph = device.type == "cuda" and scaler is None if args.cuda_graphs == "auto" else args.cuda_graphs == "on"
+    use_graph = _captures(args, device.type == "cuda")
     if use_graph and device.type != "cuda":
         raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
     if use_graph and scaler is not None:

@@ -102,9 +102,7 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     if cuda_graph:
         from hidup.codegen.graphs import GraphedStep
 
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        graphed = GraphedStep(module, batch)
-        module.load_state_dict(state)  # capture ran warm-up steps (they do not step the weights; be sure)
+        graphed = GraphedStep(module, batch)  # its warm-up steps compute gradients, never step the weights
 
         def forward_backward(b):
             return graphed(*b)

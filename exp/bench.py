@@ -9,7 +9,9 @@ The network flag sets NCCL's environment before any process group exists (``sock
 ``N`` (largest first), the ranks are launched once and, inside that group:
 
 1. (first group only) a quick profile of this network is measured with
-   ``hidup.profiler.measure.profile_machine`` and saved as ``<out>/<network>-profile.json``;
+   ``hidup.profiler.measure.profile_machine`` -- with the per-op times of every benchmarked model at
+   its sharded and half-batch shapes, for every world size and precision, the ranks splitting them --
+   and saved as ``<out>/<network>-profile.json``;
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
    (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
    on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
@@ -166,9 +168,12 @@ def measure_profile(cfg: dict, device) -> None:
 
     path = Path(cfg["profile"])
     error = ""
+    ops_models = [(m, cfg["overrides"]) for m in cfg["models"]] if cfg["ops_seconds"] > 0 else None
     try:
         profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
-                        name=f"{cfg['network']}-measured")
+                        name=f"{cfg['network']}-measured", ops_models=ops_models,
+                        ops_worlds=cfg["worlds"], ops_precisions=tuple(cfg["precisions"]),
+                        ops_seconds=cfg["ops_seconds"])
     except Exception as e:  # noqa: BLE001 - reported through the marker file
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
     failed = br.reduce_max([1.0 if error else 0.0], device)[0] > 0
@@ -321,6 +326,9 @@ def parse_args(argv):
                    help="seconds after which no run starts (default 480, for a < 9 min command)")
     p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
     p.add_argument("--profile-budget", type=float, default=0.1, help="seconds per measured point (default 0.1)")
+    p.add_argument("--ops-seconds", type=float, default=60.0,
+                   help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
+                        "(model, world, precision) and rank at most (default 60; 0: price ops by the roofline)")
     p.add_argument("--search-jobs", type=int, default=None,
                    help="parallel search processes (default: by CPUs; 0: search in this process)")
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
@@ -364,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"network": args.network, "out": str(args.out), "plan_dir": str(plan_dir), "profile": str(profile_path),
            "profile_budget": args.profile_budget, "measure_profile": measure, "deadline": deadline,
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
-           "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown}
+           "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
+           "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
+           "ops_seconds": args.ops_seconds}
     records: dict = {}
     worlds = list(per_world)
     try:

@@ -143,7 +143,7 @@ def search_job(job: dict) -> str:
     try:
         t0 = time.perf_counter()
         model, inputs = hidup.models.build(job["model"], world_size=job["world"], device="meta", **job["overrides"])
-        graph = trace(model, inputs, world_size=job["world"])
+        graph = trace(model, inputs, world_size=job["world"], half_batch=True)
         t1 = time.perf_counter()
         profile = load_profile(job)
         prof_info["name"] = profile.name

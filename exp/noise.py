@@ -192,7 +192,8 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
     if not clean or clean.get("status") != "ok":
         raise SystemExit(f"the clean search failed or did not finish: {(clean or {}).get('error', 'no result')}")
     model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **overrides_of(args))
-    problem = make_problem(trace(model, inputs, world_size=args.world), load(profile_path), args.search_precision)
+    problem = make_problem(trace(model, inputs, world_size=args.world, half_batch=True), load(profile_path),
+                           args.search_precision)
 
     def pred(doc):
         plan = Plan.from_dict(doc["plan"])
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                    "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
                    "warmup": args.warmup, "iters": args.iters, "partial": str(partial),
                    "paired": not args.unpaired, "mode": args.mode,
-                   "precision_run": args.precision if gpu else "fp32"}
+                   "precision_run": args.precision if gpu else "fp32", "models": [args.model],
+                   "worlds": [args.world], "precisions": [args.search_precision], "ops_seconds": 60.0}
             try:
                 launch(child_main, cfg, nnodes=1, cpn=args.world, node_rank=0, master_addr="127.0.0.1",
                        master_port=get_free_port(), timeout_s=args.dist_timeout)

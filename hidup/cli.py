@@ -87,7 +87,7 @@ def build_graph(args: argparse.Namespace):
     if args.model not in hidup.models.names():
         raise SystemExit(f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}")
     model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **model_overrides(args))
-    graph = trace(model, inputs, world_size=args.world)
+    graph = trace(model, inputs, world_size=args.world, half_batch=True)
     graph.model = args.model
     return graph
 

@@ -268,6 +268,9 @@ class Graph:
     world_size: int
     model: str = ""
     fallbacks: list[str] = field(default_factory=list)  # names of nodes replicated for lack of a rule
+    # the same step traced at half the batch (one duplicated copy's program), when the tracer was
+    # asked for it: the cost model reads its shapes to price the half-batch copies' ops
+    half: "Graph | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.nodes}

@@ -465,10 +465,42 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
     return out
 
 
+def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
+                     leaf_modules: Iterable[type | str] | None = None,
+                     batch_dims: list | None = None) -> Traced | None:
+    """``model`` traced at half the batch: the program one duplicated copy runs (the first half of
+    every tensor input along its batch dim, ``batch_dims`` defaulting to 0 as in
+    :func:`hidup.codegen.compile`).  None when the model cannot be traced at that size (an odd batch,
+    shapes fixed by the model); the cost model then halves the full batch's times instead."""
+    values, _ = _forward_inputs(model, example_inputs)
+    dims = batch_dims if batch_dims is not None else [0] * len(values)
+    if len(dims) != len(values):
+        raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
+    halved = []
+    for v, d in zip(values, dims):
+        if isinstance(v, torch.Tensor) and d is not None:
+            if v.shape[d] < 2 or v.shape[d] % 2:
+                return None
+            v = v.narrow(d, 0, v.shape[d] // 2)
+        halved.append(v)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks
+            return trace_module(model, tuple(halved), world_size, leaf_modules=leaf_modules)
+    except Exception:  # noqa: BLE001 - documented fallback: half-batch times are estimated
+        return None
+
+
 def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-          leaf_modules: Iterable[type | str] | None = None) -> Graph:
-    """:func:`trace_module` returning only the IR graph."""
-    return trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules).graph
+          leaf_modules: Iterable[type | str] | None = None, half_batch: bool = False) -> Graph:
+    """:func:`trace_module` returning only the IR graph; ``half_batch=True`` also traces the model at
+    half the batch (:func:`trace_half_batch`) and keeps that graph as ``graph.half``, which lets the
+    search price duplication's half-batch copies with ops measured at their own shapes."""
+    graph = trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules).graph
+    if half_batch:
+        half = trace_half_batch(model, example_inputs, world_size, leaf_modules=leaf_modules)
+        graph.half = half.graph if half is not None else None
+    return graph
 
 
 from hidup._callable import make_callable  # noqa: E402

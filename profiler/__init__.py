@@ -5,7 +5,7 @@ Builtin profiles live in ``profiler/defaults/*.json`` so that search runs with n
 """
 
 from hidup.profiler.profile import (COLLECTIVES, DTYPES, CommTable, Profile, ProfileError, builtin_names,
-                                    load, op_key, save)
+                                    load, op_dtype, op_key, save)
 
-__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key",
+__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
            "COLLECTIVES", "DTYPES"]

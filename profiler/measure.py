@@ -16,7 +16,7 @@ measures the device only) and returns a :class:`hidup.profiler.profile.Profile`:
 Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (one launcher per
 host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
 and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and ``hidup profile``;
-``--ops-model`` adds per-op times of a zoo model (ops.py) to the profile.
+``--ops-model`` adds per-op times of a zoo model (ops.py, :func:`measure_model_ops`) to the profile.
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
 seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
@@ -38,7 +38,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from hidup.profiler.profile import CommTable, Profile
 
-__all__ = ["profile_machine", "write_profile", "comm_tables", "parse_sizes", "parse_overrides",
+__all__ = ["profile_machine", "measure_model_ops", "write_profile", "comm_tables", "parse_sizes", "parse_overrides",
            "add_profile_args", "run_profile"]
 
 
@@ -108,7 +108,9 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
                     device: torch.device | str | None = None, out: str | Path | None = None,
                     name: str | None = None, quick: bool = False, merge=None,
                     matmul_sizes: tuple[int, ...] | None = None, group_sizes: list[int] | None = None,
-                    budget_s: float | None = None) -> "Profile":
+                    budget_s: float | None = None, ops_models: list[tuple[str, dict]] | None = None,
+                    ops_worlds: list[int] | None = None, ops_precisions: tuple[str, ...] = ("fp32",),
+                    ops_seconds: float = 120.0) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
     Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
@@ -117,9 +119,19 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     tables come from ``merge`` (a builtin profile name, a path, or a ``Profile``).  ``merge`` also
     contributes per-op times and any dtype not measured.  Rank 0 writes ``out`` (the profile JSON)
     and ``<out>.raw.json`` (the raw measurements, including the nccl-tests ``algbw = S / t``).
+    ``ops_models`` ((zoo name, overrides) pairs) adds their per-op times for each world size of
+    ``ops_worlds`` (default: this group's) in each of ``ops_precisions`` (:func:`measure_model_ops`).
     """
     prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
                          matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s)
+    if ops_models:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        t0 = time.perf_counter()
+        group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for w in ops_worlds or [group]:
+            prof = measure_model_ops(prof, ops_models, w, torch.device(device), tuple(ops_precisions), ops_seconds)
+        raw["ops_s"] = time.perf_counter() - t0
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
     return prof
@@ -283,18 +295,65 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def _with_model_ops(prof, spec: tuple, world: int, device: torch.device):
-    """``prof`` plus the per-op times of a zoo model traced for ``world`` ranks (rank 0's device)."""
+def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: torch.device,
+                      precisions: tuple[str, ...] = ("fp32",), seconds: float = 120.0, half_batch: bool = True):
+    """``prof`` plus the per-op times of zoo models traced for ``world`` ranks, at every signature's
+    local shapes, at the batch and at half of it (ops.py), in each of ``precisions``.
+
+    Every rank of an initialized process group calls this: each measures its share of the distinct
+    op shapes on its own device (``shard=(rank, world)``) and the parts are gathered, so the whole
+    group returns the same profile.  ``models`` holds (zoo name, overrides) pairs; ``seconds`` bounds
+    each (model, precision) on every rank.  Then the ranks time each (model, precision)'s
+    single-device step (:func:`hidup.profiler.ops.in_context_scale`) and the profile's ``ops_scale``
+    becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
+    80% measured ops (a factor outside [0.5, 2] is reported, not used)."""
+    import math
+
     import hidup.models
 
-    from .ops import profile_ops
+    from .ops import in_context_scale, model_op_times
 
-    name, overrides, seconds = spec
-    model, inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
-    before = len(prof.ops)
-    prof = profile_ops(prof, model, inputs, world, device=device, total_s=seconds)
-    print(f"timed {len(prof.ops) - before} op shapes of {name} (world {world})")
-    return prof
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    graphed = device.type == "cuda"
+
+    def gathered(part):
+        parts = [part]
+        if initialized and ranks > 1:
+            parts = [None] * ranks
+            dist.all_gather_object(parts, part)
+        return parts
+
+    mine: dict = {}
+    for name, overrides in models:
+        model, inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
+        for precision in precisions:
+            mine = model_op_times(model, inputs, world, device=device, precision=precision, half_batch=half_batch,
+                                  graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
+    ops = {}
+    for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
+        ops.update(part or {})
+    out = prof.with_ops(ops)
+    out.ops_timing = "graph" if graphed else "eager"
+    # in-context factor: each rank times the single-device step of some (model, precision) pairs
+    pairs = [(name, overrides, precision) for name, overrides in models for precision in precisions]
+    checks = []
+    for name, overrides, precision in pairs[rank::ranks]:
+        try:
+            checks.append(in_context_scale(out, name, overrides, world, device, precision))
+        except Exception as e:  # noqa: BLE001 - the factor is optional: reported, the ops stay unscaled
+            checks.append({"model": name, "precision": precision, "error": f"{type(e).__name__}: {e}"})
+    checks = [c for part in gathered(checks) for c in (part or [])]
+    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
+    if usable:
+        out.ops_scale = math.exp(sum(math.log(x) for x in usable) / len(usable))
+    detail = "; ".join(f"{c['model']} {c['precision']}: " + (
+        f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
+        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}" if "scale" in c else c["error"]) for c in checks)
+    out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
+                  f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
+                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'})")
+    return out
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -315,7 +374,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    "the collectives in a single-process run, per-op times, unsupported dtypes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--ops-model", default=None, help="also time the ops of this zoo model at their sharded "
-                   "shapes (every signature, for the profiled world size) and store them in the profile")
+                   "shapes (every signature, for the profiled world size; at the batch and at half of it, "
+                   "for duplication) and store them in the profile; the ranks split the work")
+    p.add_argument("--ops-precisions", default="fp32,tf32",
+                   help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)")
     p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
     p.add_argument("--ops-seconds", type=float, default=120.0, help="time limit for --ops-model (default 120)")
     add_launch_args(p)
@@ -327,10 +389,13 @@ def _rank_main(ctx, kwargs: dict):
     out = kwargs.pop("out")
     ops_model = kwargs.pop("ops_model")
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
+    if ops_model is not None:
+        name, overrides, seconds, precisions = ops_model
+        prof = measure_model_ops(prof, [(name, overrides)], ctx.world_size, ctx.device, precisions, seconds)
+        if ctx.rank == 0:
+            print(f"timed {len(prof.ops)} op shapes of {name} (world {ctx.world_size}, {', '.join(precisions)})")
     if ctx.rank != 0:
         return None
-    if ops_model is not None:
-        prof = _with_model_ops(prof, ops_model, ctx.world_size, ctx.device)
     return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
 
 
@@ -344,7 +409,9 @@ def run_profile(args: argparse.Namespace) -> int:
         progress=not args.no_progress, quick=args.quick, name=args.name, merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
         budget_s=args.budget, group_sizes=None,
-        ops_model=(args.ops_model, parse_overrides(args.ops_overrides), args.ops_seconds) if args.ops_model else None)
+        ops_model=(args.ops_model, parse_overrides(args.ops_overrides), args.ops_seconds,
+                   tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()))
+        if args.ops_model else None)
     lk = launch_kwargs(args)
     if layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single" \
             and args.merge is None:

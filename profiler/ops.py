@@ -10,11 +10,25 @@ gathers), then time
            random output gradient, with respect to every floating input that requires a gradient)
     t_b  = max(t_fb - t_f, 0)
 
-and store ``(t_f, t_b)`` under ``op_key(n.target, local input shapes, dtype of n's first output)``,
-the key the cost model looks up.  Identical keys (repeated layers, signatures with equal local
-shapes) are measured once.  An op whose first forward takes more than ``max_op_s`` is skipped, and
-measuring stops after ``total_s`` seconds; the cost model prices whatever is missing from FLOPs.
-Leaf modules (``call_module`` nodes) are not timed: their weights live in the module.
+and store ``(t_f, t_b)`` under ``op_key(n.target, local input shapes, op_dtype(dtype of n's first
+output, precision))``, the key the cost model looks up.  ``precision`` sets how float32 ops run:
+``fp32`` / ``tf32`` (TF32 matmuls) or ``bf16`` / ``fp16`` (autocast), as in training.
+
+On a GPU (``graphed``, the default there) each of the two calls is captured ``reps`` times in a
+row as one CUDA graph and the graph is replayed: the time per call then holds the kernels and the
+gaps between them but no host dispatch, which is what a step captured as one CUDA graph pays; for
+an eager step the cost model adds the dispatch cost (``op_overhead``) per op.  An op that cannot be
+captured (a host synchronization) is timed eagerly.  On a CPU the wall time of eager calls is used.
+
+Identical keys (repeated layers, signatures with equal local shapes) are measured once, and
+``shard=(i, n)`` measures only every ``n``-th distinct key starting at ``i`` so that ``n`` ranks split
+the work (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  An op whose first
+forward takes more than ``max_op_s`` is skipped, and measuring stops after ``total_s`` seconds; the
+cost model prices whatever is missing from the roofline.  Leaf modules (``call_module`` nodes) are
+not timed: their weights live in the module.
+
+:func:`profile_ops` times a model at its batch and, for duplication, at half the batch
+(:func:`hidup.trace.trace_half_batch`: the shapes of one copy).
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from hidup.ir import Graph, Signature
 
 from .device import time_call
 
-__all__ = ["time_ops", "profile_ops", "node_signatures"]
+__all__ = ["time_ops", "profile_ops", "model_op_times", "in_context_scale", "predicted_step", "node_signatures"]
 
 
 def node_signatures(graph: Graph, plan: Any = None) -> list[tuple[str, Signature]]:
@@ -99,27 +113,50 @@ def _flat_tensors(value) -> list[torch.Tensor]:
     return out
 
 
-def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", budget_s: float = 0.05,
-             max_op_s: float = 0.5, total_s: float = 60.0, warmup: int = 1, cache: dict | None = None,
-             seed: int = 0) -> dict[str, tuple[float, float]]:
+def _precision(precision: str, device: torch.device):
+    """The context float32 ops run in under ``precision`` (see the module docstring)."""
+    import contextlib
+
+    from .device import tf32
+
+    if precision not in ("fp32", "tf32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, tf32, bf16 or fp16, got {precision!r}")
+    stack = contextlib.ExitStack()
+    stack.enter_context(tf32(precision == "tf32"))
+    if precision in ("bf16", "fp16"):
+        stack.enter_context(torch.autocast(device_type=device.type, cache_enabled=False,
+                                           dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
+    return stack
+
+
+def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", precision: str = "fp32",
+             graphed: bool | None = None, budget_s: float = 0.05, max_op_s: float = 0.5, total_s: float = 60.0,
+             warmup: int = 1, cache: dict | None = None, seed: int = 0,
+             shard: tuple[int, int] = (0, 1)) -> dict[str, tuple[float, float]]:
     """Measured ``{op_key: (forward s, backward s)}`` for the call nodes of ``traced``
     (a :class:`hidup.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
 
     ``cache`` (a dict) carries measurements across calls; keys already in it are not re-measured.
+    ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
+    measures every ``n``-th distinct key from the ``i``-th (see the module docstring).
     """
     import hidup.rules as rules
-    from hidup.profiler.profile import op_key
+    from hidup.profiler.profile import op_dtype, op_key
 
     device = torch.device(device)
+    graphed = device.type == "cuda" if graphed is None else graphed
+    if graphed and device.type != "cuda":
+        raise ValueError(f"time_ops(graphed=True) needs a CUDA device, got {device}")
+    index, parts = shard
+    if not 0 <= index < parts:
+        raise ValueError(f"shard={shard}: need 0 <= index < parts")
     graph: Graph = traced.graph
     world = graph.world_size
     cache = {} if cache is None else cache
     skipped: dict[str, str] = {}
     gen = torch.Generator().manual_seed(seed)
-    t_end = time.perf_counter() + total_s
+    todo, seen = [], set(cache)
     for name, sig in node_signatures(graph, plan):
-        if time.perf_counter() > t_end:
-            break
         node = graph.node(name)
         ctx = traced.contexts.get(name)
         if ctx is None or ctx.module is not None:
@@ -129,25 +166,54 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", bu
         except ValueError:
             continue
         dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
-        key = op_key(node.target, shapes, dtype)
-        if key in cache or key in skipped:
-            continue
-        try:
-            measured = _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup)
-        except Exception as e:  # an op that cannot run on synthetic inputs is priced from FLOPs
-            measured = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        if isinstance(measured, tuple):
-            cache[key] = measured
-        else:
-            skipped[key] = f"{name} ({measured})"
+        key = op_key(node.target, shapes, op_dtype(dtype, precision))
+        if key not in seen:
+            seen.add(key)
+            todo.append((name, ctx, sig, shapes, key))
+    t_end = time.perf_counter() + total_s
+    with _precision(precision, device):
+        for name, ctx, sig, shapes, key in todo[index::parts]:
+            if time.perf_counter() > t_end:
+                break
+            try:
+                measured = _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed)
+            except Exception as e:  # an op that cannot run on synthetic inputs is priced from the roofline
+                measured = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            if isinstance(measured, tuple):
+                cache[key] = measured
+            else:
+                skipped[key] = f"{name} ({measured})"
     if skipped:
         warnings.warn(f"hidup.profiler.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
-                      f"FLOPs: " + "; ".join(list(skipped.values())[:10]) + (" ..." if len(skipped) > 10 else ""),
-                      stacklevel=2)
+                      f"the roofline: " + "; ".join(list(skipped.values())[:10]) +
+                      (" ..." if len(skipped) > 10 else ""), stacklevel=2)
     return cache
 
 
-def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup):
+def _graph_time(fn, device: torch.device, budget_s: float, reps: int) -> float | None:
+    """Seconds per call of ``fn`` captured ``reps`` times as one CUDA graph and replayed; None when
+    ``fn`` cannot be captured."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(reps):
+                fn()
+    except Exception:  # noqa: BLE001 - a host sync or an uncapturable kernel: timed eagerly
+        torch.cuda.synchronize(device)
+        return None
+    try:
+        return time_call(graph.replay, device, warmup=1, budget_s=budget_s, sample_s=budget_s / 4) / reps
+    finally:
+        del graph
+
+
+def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False):
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
     call = rules.localize(ctx, sig, 0)
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
@@ -159,28 +225,141 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup):
     first = time.perf_counter() - t0
     if first > max_op_s:
         return f"one forward took {first:.2f} s > max_op_s={max_op_s} s"
-    fwd = time_call(fn, device, warmup=warmup, budget_s=budget_s, sample_s=budget_s / 4)
     wrt = [t for t in inputs if t.requires_grad]
     outs = [o for o in _flat_tensors(out) if o.requires_grad and o.is_floating_point()]
-    if not wrt or not outs:
+    del out
+    fwd_bwd = None
+    if wrt and outs:
+        grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)
+                 for o in outs]
+
+        def fwd_bwd():
+            res = [o for o in _flat_tensors(fn()) if o.requires_grad and o.is_floating_point()]
+            torch.autograd.grad(res, wrt, grads, allow_unused=True)
+    del outs
+
+    def timed(f, budget):
+        if graphed:
+            eager = time_call(f, device, warmup=warmup, budget_s=budget / 4, sample_s=budget / 16)
+            reps = max(1, min(64, int(2e-3 / max(eager, 1e-6))))
+            t = _graph_time(f, device, budget, reps)
+            if t is not None:
+                return t
+        return time_call(f, device, warmup=warmup, budget_s=budget, sample_s=budget / 4)
+
+    fwd = timed(fn, budget_s)
+    if fwd_bwd is None:
         return fwd, 0.0
-    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)
-             for o in outs]
-
-    def fwd_bwd():
-        res = [o for o in _flat_tensors(fn()) if o.requires_grad and o.is_floating_point()]
-        torch.autograd.grad(res, wrt, grads, allow_unused=True)
-
-    both = time_call(fwd_bwd, device, warmup=warmup, budget_s=2 * budget_s, sample_s=budget_s / 2)
+    both = timed(fwd_bwd, 2 * budget_s)
     return fwd, max(both - fwd, 0.0)
 
 
 def profile_ops(profile, model: torch.nn.Module, example_inputs, world_size: int, plan: Any = None, *,
-                device: torch.device | str = "cpu", **kwargs):
-    """``profile`` plus the per-op times of ``model`` traced for ``world_size`` ranks (see
-    :func:`time_ops`; ``example_inputs`` may live on ``meta``)."""
-    from hidup.trace import trace_module
+                device: torch.device | str = "cpu", precision: str = "fp32", half_batch: bool = True,
+                graphed: bool | None = None, **kwargs):
+    """``profile`` plus the per-op times of ``model`` traced for ``world_size`` ranks at its batch and,
+    with ``half_batch``, at half of it (the shapes of one duplicated copy); see :func:`time_ops`
+    (``example_inputs`` may live on ``meta``).  Returns the new profile (``ops_timing`` set to how
+    these ops were timed)."""
+    device = torch.device(device)
+    graphed = device.type == "cuda" if graphed is None else graphed
+    ops = model_op_times(model, example_inputs, world_size, plan, device=device, precision=precision,
+                         half_batch=half_batch, graphed=graphed, cache=dict(profile.ops), **kwargs)
+    out = profile.with_ops(ops)
+    out.ops_timing = "graph" if graphed else "eager"
+    return out
+
+
+def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan: Any = None, *,
+                   half_batch: bool = True, cache: dict | None = None,
+                   **kwargs) -> dict[str, tuple[float, float]]:
+    """:func:`time_ops` of ``model`` traced at its batch, then (``half_batch``) at half of it; a
+    ``plan`` restricts both to its signatures (matched by node name and forms at half the batch)."""
+    from hidup.trace import trace_half_batch, trace_module
 
     traced = trace_module(model, example_inputs, world_size)
-    ops = time_ops(traced, plan, device=device, cache=dict(profile.ops), **kwargs)
-    return profile.with_ops(ops)
+    cache = {} if cache is None else cache
+    ops = time_ops(traced, plan, cache=cache, **kwargs)
+    if half_batch:
+        half = trace_half_batch(model, example_inputs, world_size)
+        if half is not None:
+            half_plan = None
+            if plan is not None:
+                half_plan = []
+                for name, sig in node_signatures(traced.graph, plan):
+                    try:
+                        node = half.graph.node(name)
+                    except KeyError:
+                        continue
+                    match = [s for s in node.signatures if (s.inputs, s.outputs) == (sig.inputs, sig.outputs)]
+                    if match:
+                        half_plan.append((name, match[0]))
+            ops = time_ops(half, half_plan, cache=ops, **kwargs)
+    return ops
+
+
+def _local_share(inputs: tuple, world: int) -> tuple:
+    """Rank 0's share of every input along dim 0 (the batch), as the single-device floor runs it."""
+    out = []
+    for t in inputs:
+        if t.shape[0] % world:
+            raise ValueError(f"input of shape {tuple(t.shape)}: batch {t.shape[0]} is not divisible by world {world}")
+        out.append(t.narrow(0, 0, t.shape[0] // world).contiguous())
+    return tuple(out)
+
+
+def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
+                   precision: str = "fp32") -> tuple[float, float]:
+    """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
+    share of the ``world_size``-rank model run on one device, priced by the cost model from
+    ``profile`` as a CUDA-graph step (no scale applied: ``ops_scale`` is taken as 1)."""
+    import copy
+
+    from hidup.search.cost import CostModel
+    from hidup.trace import trace
+
+    graph = trace(model, _local_share(tuple(example_inputs), world_size), 1)
+    prof = copy.copy(profile.launched(True))
+    prof.ops_scale = 1.0
+    cost = CostModel(graph, prof, precision)
+    total = measured = 0.0
+    for node in graph.nodes:
+        if node.op != "call":
+            continue
+        sig = node.signatures[0]  # one rank: every signature has the same local shapes
+        f, b = cost.compute(node, sig)
+        total += f + b
+        if cost._measured(graph, node, sig) is not None:
+            measured += f + b
+    return total, (measured / total if total else 0.0)
+
+
+def in_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
+                     precision: str = "fp32", budget_s: float = 1.0) -> dict:
+    """Measured over predicted time of one rank's share of zoo model ``name`` (built for
+    ``world_size`` ranks) on ``device``: forward and backward captured as one CUDA graph
+    (:class:`hidup.codegen.graphs.GraphedStep`) against :func:`predicted_step` from ``profile``'s
+    measured ops.  Returns ``{"model", "precision", "measured_s", "predicted_s", "coverage",
+    "scale"}``; the caller decides what to keep (see :func:`hidup.profiler.measure.measure_model_ops`)."""
+    import hidup.models
+    from hidup.codegen.graphs import GraphedStep
+
+    from .device import time_call
+
+    device = torch.device(device)
+    meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
+    predicted, coverage = predicted_step(profile, meta_model, meta_inputs, world_size, precision)
+    model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
+    model = model.to(device)
+    local = tuple(t.to(device) for t in _local_share(inputs, world_size))
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    from .device import tf32
+
+    with tf32(precision == "tf32"):
+        step = GraphedStep(model, local, autocast_dtype=autocast)
+        try:
+            measured = time_call(lambda: step(*local), device, warmup=2, budget_s=budget_s, sample_s=budget_s / 5)
+        finally:
+            step.release()
+    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
+            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}

@@ -63,8 +63,16 @@ host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks th
 Per-op times
 ------------
 ``ops`` maps :func:`op_key` ``(target, local input shapes, dtype)`` to measured forward and backward
-seconds of one rank running the op at those (sharded) shapes.  The cost model uses them in
-preference to ``flops / rate``.
+seconds of one rank running the op at those (sharded) shapes, ``dtype`` being the precision the op
+computes in (:func:`op_dtype`: ``tf32`` and ``fp32`` float32 matmuls are different keys).  The cost
+model uses them in preference to the roofline.  ``ops_timing`` says how they were timed: ``"graph"``
+(on GPUs: each op replayed inside a CUDA graph, so a time holds the kernels and the GPU's gaps
+between them but no host dispatch; the cost model adds the dispatch cost of an eager step) or
+``"eager"`` (wall time of eager calls, dispatch included; on CPUs).  An op timed alone runs faster
+than inside the step (its inputs stay in cache, nothing else shares the GPU), so ``ops_scale``
+multiplies every measured time: the time of a whole single-device step (one rank's share, forward
+and backward, as one CUDA graph) over the sum of its ops' measured times
+(:func:`hidup.profiler.ops.in_context_scale`; 1 when not calibrated).
 
 Perturbation
 ------------
@@ -84,8 +92,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "fit_ring_tables",
-           "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK", "RING_TOLERANCE"]
+__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
+           "fit_ring_tables", "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK", "RING_TOLERANCE"]
 
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -98,8 +106,17 @@ class ProfileError(ValueError):
     """A profile document is malformed; the message names the field and the fix."""
 
 
+def op_dtype(torch_dtype: str, precision: str = "fp32") -> str:
+    """The dtype part of an :func:`op_key`: a floating dtype as the precision it computes in (float32 ->
+    ``precision``: fp32, tf32, or bf16 / fp16 under autocast; bfloat16 -> bf16; float16 -> fp16),
+    anything else (integer outputs) as its torch name."""
+    if torch_dtype == "float32":
+        return precision
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, torch_dtype)
+
+
 def op_key(target: str, shapes: Iterable[Iterable[int]], dtype: str) -> str:
-    """Key of a measured per-op time: ``linear(8x512,1024x512)float32``."""
+    """Key of a measured per-op time: ``linear(8x512,1024x512)tf32`` (``dtype`` from :func:`op_dtype`)."""
     dims = ",".join("x".join(str(int(d)) for d in s) for s in shapes)
     return f"{target}({dims}){dtype}"
 
@@ -215,6 +232,8 @@ class Profile:
     # collective -> group size -> (sizes, speedup): aggregate throughput of two equal collectives run
     # at once on two communicators, relative to one (1 = they serialize, 2 = no interference)
     concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
+    ops_timing: str = "eager"  # how `ops` were timed: "graph" (device time in a CUDA graph) or "eager"
+    ops_scale: float = 1.0  # in-context factor applied to every measured op time (see "Per-op times")
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -315,7 +334,8 @@ class Profile:
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
         out = Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
-                      self.op_overhead_graph * f())
+                      self.op_overhead_graph * f(), ops_timing=self.ops_timing)
+        out.ops_scale = self.ops_scale * f() if self.ops else self.ops_scale
         for c in sorted(self.concurrency):  # measured like a bandwidth: perturbed like one, kept in [1, 2]
             for g in sorted(self.concurrency[c]):
                 sizes, speed = self.concurrency[c][g]
@@ -335,7 +355,7 @@ class Profile:
             "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
-            "op_overhead_graph": self.op_overhead_graph,
+            "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -441,6 +461,10 @@ class Profile:
         membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
         overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
         overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
+        ops_timing = d.get("ops_timing", "eager")
+        ops_scale = number(d.get("ops_scale", 1.0), "ops_scale")
+        if ops_timing not in ("graph", "eager"):
+            raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
         cc = d.get("concurrency", {}) or {}
         if not isinstance(cc, dict):
@@ -462,7 +486,8 @@ class Profile:
                     raise bad(f, "sizes must be strictly increasing and as many as the speedups")
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency)
+                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
+                       ops_timing, ops_scale)
 
 
 def builtin_names() -> list[str]:

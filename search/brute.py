@@ -1,8 +1,9 @@
 """Exhaustive enumeration of every signature assignment: the reference the DP is tested against.
 
 ``brute_force`` evaluates ``prod_i |signatures(i)|`` assignments with
-:func:`hidup.search.schedule.evaluate` and returns the first one of least predicted time (under
-the memory budget, if any).  Only for small graphs.
+:func:`hidup.search.schedule.evaluate` and returns the first one of least DP objective
+(:attr:`~hidup.search.schedule.Evaluation.objective`: the predicted time with duplication, the
+serialized sum without) under the memory budget, if any.  Only for small graphs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def brute_force(problem: Problem, duplication: bool = False, memory_budget: floa
             continue
         if memory_budget is not None and ev.memory["total"] > memory_budget:
             continue
-        if ev.total < best_t:
-            best, best_t = list(ks), ev.total
+        if ev.objective < best_t:
+            best, best_t = list(ks), ev.objective
     if best is None:
         raise SearchError("brute_force: no feasible assignment")
     return best, best_t

@@ -3,7 +3,9 @@
 Compute (one rank, the whole per-rank batch)
 --------------------------------------------
 ``t_fwd(n, s) = measured forward time`` when the profile has ``op_key(n.target, local input shapes
-under s, dtype)``, else the roofline plus a fixed per-op cost::
+under s, op_dtype(dtype, precision))``, times the profile's in-context factor ``ops_scale`` (plus,
+for times measured inside a CUDA graph, the host dispatch an eager step adds: ``op_overhead -
+op_overhead_graph`` per op, twice backward), else the roofline plus a fixed per-op cost::
 
     t_fwd(n, s) = o + max(s.flops / rate(dtype), bytes(n, s) / memory_bandwidth)
 
@@ -32,8 +34,11 @@ Duplication (two half-batch copies A and B)
 A tensor is *batch-dependent* when it derives from a model input; parameters, buffers and tensors
 computed only from them are not.  Per copy:
 
-* a batch-dependent node computes ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op
-  cost in each); a batch-independent one (an op on weights only) runs in both copies, since each copy
+* a batch-dependent node computes its measured time at the copy's own shapes when the graph carries
+  its half-batch trace (``graph.half``, :func:`hidup.trace.trace_half_batch`) and the profile has
+  both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
+  half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each); a
+  batch-independent one (an op on weights only) runs in both copies, since each copy
   runs the whole per-rank program (``cA = cB = t``);
 * a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
@@ -53,6 +58,7 @@ import math
 from dataclasses import dataclass
 
 from hidup.ir import DTYPE_BYTES, Conversion, Form, Graph, Node, Signature, Tensor, conversion
+from hidup.profiler.profile import op_dtype
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
 
@@ -92,6 +98,12 @@ class CostModel:
         self.batch = self._batch_dependence(graph)
         fitted = getattr(profile, "fitted", None)
         self.comm_profile = fitted() if callable(fitted) else profile  # collective times (fitted tables)
+        # measured op times timed inside a CUDA graph hold no host dispatch: an eager step adds it
+        launched = getattr(profile, "op_overhead", 0.0)
+        in_graph = getattr(profile, "op_overhead_graph", 0.0)
+        self._dispatch_extra = max(0.0, launched - in_graph) \
+            if getattr(profile, "ops_timing", "eager") == "graph" and in_graph > 0 else 0.0
+        self._half_sigs: dict[str, dict] = {}
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -109,21 +121,38 @@ class CostModel:
     def requires_backward(self, node: Node) -> bool:
         return any(self.graph.tensors[t].requires_grad for t in node.inputs)
 
+    def _local_shapes(self, graph: Graph, node: Node, sig: Signature) -> list | None:
+        try:
+            return [f.local_shape(graph.tensors[t].shape, self.world) for t, f in zip(node.inputs, sig.inputs)]
+        except ValueError:
+            return None
+
+    def _measured(self, graph: Graph, node: Node, sig: Signature) -> tuple[float, float] | None:
+        """The profile's measured (forward, backward) of ``node`` (a node of ``graph``) under ``sig``,
+        plus the dispatch cost a graph-timed measurement leaves out; None when not measured."""
+        shapes = self._local_shapes(graph, node, sig)
+        if shapes is None or not self.profile.ops:
+            return None
+        dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+        measured = self.profile.op_time(node.target, shapes, op_dtype(dtype, self.precision))
+        if measured is None:
+            return None
+        scale = getattr(self.profile, "ops_scale", 1.0)
+        fwd, bwd = measured[0] * scale, measured[1] * scale
+        extra = self._dispatch_extra
+        return fwd + extra, (bwd + 2.0 * extra if self.requires_backward(node) else 0.0)
+
     def compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch)."""
         if node.op != "call":
             return 0.0, 0.0
         g = self.graph
+        measured = self._measured(g, node, sig)
+        if measured is not None:
+            return measured
         dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
         needs_bwd = self.requires_backward(node)
-        try:
-            shapes = [f.local_shape(g.tensors[t].shape, self.world) for t, f in zip(node.inputs, sig.inputs)]
-        except ValueError:
-            shapes = None
-        measured = self.profile.op_time(node.target, shapes, dtype) if shapes is not None else None
-        if measured is not None:
-            fwd, bwd = measured
-            return fwd, (bwd if needs_bwd else 0.0)
+        shapes = self._local_shapes(g, node, sig)
         fwd = sig.flops / self.profile.rate(profile_dtype(dtype, self.precision))
         membw = getattr(self.profile, "memory_bandwidth", 0.0)
         if membw and shapes is not None:
@@ -134,6 +163,27 @@ class CostModel:
             fwd = max(fwd, moved / membw)
         fwd += getattr(self.profile, "op_overhead", 0.0)
         return fwd, (2.0 * fwd if needs_bwd else 0.0)
+
+    def compute_half(self, node: Node, sig: Signature) -> tuple[float, float] | None:
+        """(forward, backward) seconds of one duplicated copy of ``node`` under ``sig``, measured at the
+        half-batch shapes of ``graph.half``; None when there is no half-batch graph, the node or the
+        signature is not in it, or either batch size was not measured (the caller then halves)."""
+        half = self.graph.half
+        if half is None or node.op != "call" or not self.profile.ops:
+            return None
+        try:
+            hnode = half.node(node.name)
+        except KeyError:
+            return None
+        if hnode.target != node.target or len(hnode.inputs) != len(node.inputs):
+            return None
+        hsig = self._half_sigs.get(node.name)
+        if hsig is None:
+            hsig = self._half_sigs[node.name] = {(s.inputs, s.outputs): s for s in hnode.signatures}
+        match = hsig.get((sig.inputs, sig.outputs))
+        if match is None or self._measured(self.graph, node, sig) is None:
+            return None
+        return self._measured(half, hnode, match)
 
     def fixed(self, node: Node) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` that do not depend on the batch size (launch and

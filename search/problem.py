@@ -67,6 +67,8 @@ class Step:
     mem: float
     compute: float  # no duplication: forward + backward compute
     convs: tuple[tuple[int, int, int, int], ...]  # (tensor id, input index, src form id, dst form id)
+    bwd_compute: float = 0.0  # no duplication: backward compute (part of ``bwd``)
+    bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
 
 
 def _getter(idx: list[int]):
@@ -108,6 +110,18 @@ class Problem:
             self.mem.append([self.memory.total(node, s) for s in sigs])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self.fixed = [self.cost.fixed(node) for node in self.order]
+        # per copy (half batch) compute of batch nodes: measured at the half-batch shapes, else halved
+        self.compute_half: list[list[tuple[float, float]]] = []
+        for i, node in enumerate(self.order):
+            row = []
+            for k, s in enumerate(self.sigs[i]):
+                cf, cb = self.compute[i][k]
+                half = self.cost.compute_half(node, s) if self.node_batch[i] else None
+                if half is None:
+                    of, ob = self.fixed[i]
+                    half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
+                row.append(half)
+            self.compute_half.append(row)
 
         # liveness
         self.last_use: dict[int, int] = {}
@@ -236,7 +250,7 @@ class Problem:
         node = self.order[i]
         states = dict(zip(idx, sub))
         need = self.in_forms[i][k]
-        ff = fb = 0.0
+        ff = fb = fb_async = 0.0
         fA = fB = bA = bB = 0.0
         convs = []
         for inp, (j, f) in enumerate(zip(idx, need)):
@@ -250,6 +264,8 @@ class Problem:
                 return None
             ff += c.fwd
             fb += c.bwd
+            if self.forms[prod].kind == "replicate" and self.forms[f].kind == "full":
+                fb_async += c.bwd  # the bucketed, asynchronous gradient all-reduce
             fA += c.fA
             fB += c.fB
             bA += c.bA
@@ -258,14 +274,13 @@ class Problem:
             convs.append((node.inputs[inp], inp, prod, f))
         cf, cb = self.compute[i][k]
         if self.node_batch[i]:
-            of, ob = self.fixed[i]
-            hf, hb = (cf - of) / 2 + of, (cb - ob) / 2 + ob
+            hf, hb = self.compute_half[i][k]
             f4 = (fA, fB, hf, hf)
             b4 = (bA, bB, hb, hb)
         else:  # ops on weights only run in both copies (each copy runs the whole program)
             f4 = (fA, fB, cf, cf)
             b4 = (bA, bB, cb, cb)
-        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb, tuple(convs))
+        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb, tuple(convs), cb, fb_async)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
         for j in dict.fromkeys(idx):

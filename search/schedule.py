@@ -2,8 +2,19 @@
 
 Without duplication
 -------------------
-Every transition adds its cost: ``forward = sum(compute_f + comm_f)``,
-``backward = sum(compute_b + comm_b)``, ``total = forward + backward``.
+The forward adds up: ``forward = sum(compute_f + comm_f)``.  In the backward, the gradient
+all-reduces of replicated parameters are bucketed and asynchronous (:mod:`hidup.codegen.grads`):
+they overlap the backward of the nodes before them, sharing the network (one communicator, first
+come first served) with the blocking backward collectives of form changes.  Over the nodes in
+reverse order, with ``Tc`` the compute stream's time and ``Tn`` the network's::
+
+    Tc += compute_b                                        (the node's backward)
+    blocking collectives:   Tc = Tn = max(Tc, Tn) + comm   (the stream waits for them)
+    gradient all-reduce:    Tn = max(Tn, Tc) + comm        (launched, not waited for)
+
+and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  The DP minimizes the
+serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
+(:attr:`Evaluation.objective`); candidate plans are compared on ``total = forward + backward``.
 
 With duplication: stages and the (time, debt, slack) recurrence
 ----------------------------------------------------------------
@@ -56,7 +67,8 @@ from dataclasses import dataclass, field
 
 from hidup.search.problem import Problem, SearchError, Step
 
-__all__ = ["dup_apply", "dup_apply_stages", "Evaluation", "evaluate", "compress_steps", "ZERO_DUP"]
+__all__ = ["dup_apply", "dup_apply_stages", "Evaluation", "evaluate", "overlapped_backward", "compress_steps",
+           "ZERO_DUP"]
 
 ZERO_DUP = (0.0, 0.0, 0.0)  # (T, d, -s)
 
@@ -102,6 +114,7 @@ class Evaluation:
     memory: dict[str, float]
     steps: list[Step] = field(repr=False)
     stages: list[list[str]] = field(repr=False)
+    objective: float = 0.0  # what the DP minimizes: ``total`` with duplication, the serialized sum without
 
     @property
     def total(self) -> float:
@@ -140,8 +153,8 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         forward, backward = f[0] + f[1], b[0] + b[1]
     else:
         forward = sum(s.fwd for s in steps)
-        backward = sum(s.bwd for s in steps)
-        comm = forward + backward - compute
+        comm = forward + sum(s.bwd for s in steps) - compute
+        backward = overlapped_backward(steps)
     parts = [0.0] * 5
     for i, k in enumerate(ks):
         for j, v in enumerate(problem.memory.breakdown(problem.order[i], problem.sigs[i][k])):
@@ -154,4 +167,20 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         if not stages or s.f4[0] > 0.0 or s.f4[1] > 0.0:
             stages.append([])
         stages[-1].append(problem.order[i].name)
-    return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages)
+    objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
+    return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages,
+                      objective)
+
+
+def overlapped_backward(steps: list[Step]) -> float:
+    """Backward time without duplication, the gradient all-reduces of replicated parameters
+    overlapping the rest of the backward (module docstring)."""
+    tc = tn = 0.0
+    for s in reversed(steps):
+        tc += s.bwd_compute
+        blocking = s.bwd - s.bwd_compute - s.bwd_async
+        if blocking > 0.0:
+            tc = tn = max(tc, tn) + blocking
+        if s.bwd_async > 0.0:
+            tn = max(tn, tc) + s.bwd_async
+    return max(tc, tn)

@@ -62,11 +62,11 @@ def test_group_size_scaling_from_nearest_measured():
 
 
 def test_save_load_round_trip(tmp_path):
-    nv = P.load("h200x4-nvlink").with_ops({op_key("linear", [(8, 16), (32, 16)], "float32"): (1e-5, 2e-5)})
+    nv = P.load("h200x4-nvlink").with_ops({op_key("linear", [(8, 16), (32, 16)], "fp32"): (1e-5, 2e-5)})
     path = P.save(nv, tmp_path / "p.json")
     back = P.load(str(path))
     assert back.to_dict() == nv.to_dict()
-    assert back.op_time("linear", [(8, 16), (32, 16)], "float32") == (1e-5, 2e-5)
+    assert back.op_time("linear", [(8, 16), (32, 16)], "fp32") == (1e-5, 2e-5)
 
 
 def test_load_unknown_name_lists_builtins():
@@ -167,8 +167,11 @@ def test_cost_model_uses_measured_op_times_then_flops():
     assert fwd == pytest.approx(sig_full.flops / 51e12) and bwd == pytest.approx(2 * fwd)
     assert CostModel(g, prof, precision="tf32").compute(g.node("lin"), sig_full)[0] == pytest.approx(
         sig_full.flops / 407e12)
-    measured = prof.with_ops({op_key("linear", [(2, 16), (32, 16)], "float32"): (3e-6, 5e-6)})
+    measured = prof.with_ops({op_key("linear", [(2, 16), (32, 16)], "fp32"): (3e-6, 5e-6)})
     assert CostModel(g, measured).compute(g.node("lin"), sig_data) == (3e-6, 5e-6)
+    # keys carry the precision: a tf32 search does not read an fp32 measurement
+    assert CostModel(g, measured, precision="tf32").compute(g.node("lin"), sig_data)[0] == pytest.approx(
+        sig_data.flops / 407e12)
     # not measured at the full shapes: falls back to FLOPs
     assert CostModel(g, measured).compute(g.node("lin"), sig_full)[0] == pytest.approx(sig_full.flops / 51e12)
     gb, sf, _ = _one_linear_graph("bfloat16")

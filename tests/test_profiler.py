@@ -231,7 +231,7 @@ def test_expert_baseline_rejects_dense_models():
 def test_op_times_are_keyed_as_the_cost_model_reads_them():
     import hidup.models
     from hidup.profiler.ops import node_signatures, time_ops
-    from hidup.profiler.profile import op_key
+    from hidup.profiler.profile import op_dtype, op_key
     from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("gpt", world_size=2, device="meta", layers=1, d_model=16, heads=2,
@@ -248,7 +248,7 @@ def test_op_times_are_keyed_as_the_cost_model_reads_them():
     for name, sig in plan.items():
         node = graph.node(name)
         shapes = [f.local_shape(graph.tensors[t].shape, 2) for t, f in zip(node.inputs, sig.inputs)]
-        dtype = graph.tensors[node.outputs[0]].dtype
+        dtype = op_dtype(graph.tensors[node.outputs[0]].dtype)
         if op_key(node.target, shapes, dtype) in ops:
             assert prof.op_time(node.target, shapes, dtype) == ops[op_key(node.target, shapes, dtype)]
             hits += 1

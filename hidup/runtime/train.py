@@ -117,7 +117,7 @@ def _plan_for(args, model, inputs, world: int):
     from hidup.search import search
     from hidup.trace import trace
 
-    graph = trace(model, inputs, world_size=world)
+    graph = trace(model, inputs, world_size=world, half_batch=True)
     return search(graph, hidup.profiler.load(args.profile), world_size=world,
                   duplication=not args.no_duplication, precision=args.precision,
                   cuda_graphs=_captures(args, torch.cuda.is_available()))

@@ -1,0 +1,138 @@
+"""Measured per-op times in the cost model: half-batch traces, precision keys, graph-timed entries,
+and the search's reaction to what duplication's half-batch copies really cost."""
+
+import dataclasses
+
+import pytest
+
+import hidup.models
+import hidup.profiler as P
+from hidup.profiler.profile import op_dtype, op_key
+from hidup.search import search
+from hidup.search.cost import CostModel
+from hidup.search.problem import Problem
+from hidup.trace import trace, trace_half_batch, trace_module
+
+TINY = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32)
+
+
+def _gpt(world=2, **kw):
+    return hidup.models.build("gpt", world_size=world, device="meta", **dict(TINY, **kw))
+
+
+def _shapes(graph, node, sig):
+    return [f.local_shape(graph.tensors[t].shape, graph.world_size) for t, f in zip(node.inputs, sig.inputs)]
+
+
+def _key(graph, node, sig, precision="fp32"):
+    return op_key(node.target, _shapes(graph, node, sig), op_dtype(graph.tensors[node.outputs[0]].dtype, precision))
+
+
+def test_half_batch_trace_matches_the_full_graph():
+    model, inputs = _gpt()
+    g = trace(model, inputs, 2, half_batch=True)
+    assert g.half is not None and [n.name for n in g.half.nodes] == [n.name for n in g.nodes]
+    x = next(n for n in g.nodes if n.op == "input")
+    assert g.half.tensors[x.outputs[0]].shape[0] * 2 == g.tensors[x.outputs[0]].shape[0]
+    assert trace(model, inputs, 2).half is None  # only on request
+    odd = model, tuple(t.narrow(0, 0, 3) for t in inputs)
+    assert trace_half_batch(*odd, world_size=1) is None  # an odd batch cannot be halved: caller halves times
+
+
+def _linear(graph):
+    node = next(n for n in graph.nodes if n.op == "call" and n.target == "linear")
+    return node, node.signatures[0]
+
+
+def test_copies_are_priced_from_half_batch_measurements():
+    model, inputs = _gpt()
+    g = trace(model, inputs, 2, half_batch=True)
+    node, sig = _linear(g)
+    hnode = g.half.node(node.name)
+    hsig = next(s for s in hnode.signatures if (s.inputs, s.outputs) == (sig.inputs, sig.outputs))
+    base = dataclasses.replace(P.load("h200x4-nvlink"), op_overhead=8e-6, op_overhead_graph=1e-6)
+    full_only = base.with_ops({_key(g, node, sig): (10e-6, 20e-6)})
+    both = full_only.with_ops({_key(g.half, hnode, hsig): (7e-6, 13e-6)})
+    assert CostModel(g, full_only).compute_half(node, sig) is None  # half not measured: caller halves
+    assert CostModel(g, both).compute_half(node, sig) == (7e-6, 13e-6)
+    pr = Problem(g, both)
+    i = pr.pos_of[node.name]
+    k = next(k for k, s in enumerate(pr.sigs[i]) if s == sig)
+    assert pr.compute_half[i][k] == (7e-6, 13e-6)
+    of, ob = pr.fixed[i]
+    pr_half = Problem(g, full_only)
+    assert pr_half.compute_half[i][k] == pytest.approx(((10e-6 - of) / 2 + of, (20e-6 - ob) / 2 + ob))
+    # without the half-batch graph the copies are halved even when the profile has both
+    g.half = None
+    assert CostModel(g, both).compute_half(node, sig) is None
+
+
+def test_graph_timed_ops_pay_dispatch_only_when_eager():
+    model, inputs = _gpt()
+    g = trace(model, inputs, 2)
+    node, sig = _linear(g)
+    prof = dataclasses.replace(P.load("h200x4-nvlink"), op_overhead=8e-6, op_overhead_graph=1e-6)
+    eager_timed = prof.with_ops({_key(g, node, sig): (10e-6, 20e-6)})
+    graph_timed = dataclasses.replace(eager_timed, ops_timing="graph")
+    assert CostModel(g, eager_timed).compute(node, sig) == (10e-6, 20e-6)
+    assert CostModel(g, graph_timed).compute(node, sig) == pytest.approx((17e-6, 34e-6))
+    assert CostModel(g, graph_timed.launched(True)).compute(node, sig) == pytest.approx((10e-6, 20e-6))
+    assert P.Profile.from_dict(graph_timed.to_dict()).ops_timing == "graph"
+    with pytest.raises(P.ProfileError, match="ops_timing"):
+        P.Profile.from_dict(dict(graph_timed.to_dict(), ops_timing="sometimes"))
+
+
+def test_ranks_split_the_op_shapes_and_cover_them_all():
+    from hidup.profiler.ops import model_op_times, time_ops
+
+    model, inputs = _gpt()
+    traced = trace_module(model, inputs, 2)
+    kw = dict(budget_s=0.001, total_s=30)
+    whole = time_ops(traced, **kw)
+    parts = [time_ops(traced, shard=(i, 2), **kw) for i in range(2)]
+    assert not set(parts[0]) & set(parts[1]) and set(parts[0]) | set(parts[1]) == set(whole)
+    both = model_op_times(model, inputs, 2, precision="tf32", **kw)
+    half = trace_half_batch(model, inputs, 2).graph
+    node, sig = _linear(traced.graph)
+    hsig = next(s for s in half.node(node.name).signatures if (s.inputs, s.outputs) == (sig.inputs, sig.outputs))
+    assert _key(traced.graph, node, sig, "tf32") in both and _key(half, half.node(node.name), hsig, "tf32") in both
+    assert not any(k.endswith("fp32") for k in both)  # float32 ops keyed by the precision they ran in
+    with pytest.raises(ValueError, match="shard"):
+        time_ops(traced, shard=(2, 2))
+
+
+def _roofline_ops(graph, profile, copy_share, precision="tf32"):
+    """Every op 'measured' at its roofline time; each half-batch copy takes ``copy_share`` of it."""
+    ops = {}
+    full = CostModel(graph, profile, precision)
+    for node in graph.nodes:
+        if node.op != "call":
+            continue
+        hnode = graph.half.node(node.name)
+        for sig in node.signatures:
+            hsig = next((s for s in hnode.signatures if (s.inputs, s.outputs) == (sig.inputs, sig.outputs)), None)
+            try:
+                key, hkey = _key(graph, node, sig, precision), _key(graph.half, hnode, hsig, precision)
+            except (ValueError, AttributeError):
+                continue
+            f, b = full.compute(node, sig)
+            ops[key] = (f, b)
+            ops.setdefault(hkey, (copy_share * f, copy_share * b))
+    return profile.with_ops(ops)
+
+
+def test_duplication_is_dropped_when_half_batch_kernels_are_inefficient():
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2, batch_per_gpu=8)
+    g = trace(model, inputs, 4, half_batch=True)
+    nvlink = P.load("h200x4-nvlink")
+    efficient = search(g, _roofline_ops(g, nvlink, 0.5), precision="tf32")
+    assert efficient.duplication  # perfect halves: the overlap pays
+    # each copy's kernels take as long as the whole batch's: duplication doubles compute
+    wasteful = _roofline_ops(g, nvlink, 1.0)
+    plan = search(g, wasteful, precision="tf32")
+    assert not plan.duplication
+    pr = Problem(g, wasteful, "tf32")
+    from hidup.search.schedule import evaluate
+
+    ks = [pr.sigs[i].index(efficient.choices[n.name]) for i, n in enumerate(pr.order)]
+    assert evaluate(pr, ks, True).total > evaluate(pr, ks, False).total

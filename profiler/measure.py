@@ -306,7 +306,8 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: 
     each (model, precision) on every rank.  Then the ranks time each (model, precision)'s
     single-device step (:func:`hidup.profiler.ops.in_context_scale`) and the profile's ``ops_scale``
     becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
-    80% measured ops (a factor outside [0.5, 2] is reported, not used)."""
+    80% measured ops (a factor outside [0.5, 2] is reported, not used), and ``optimizer_s_per_byte``
+    the Adam step's time per parameter byte over all pairs."""
     import math
 
     import hidup.models
@@ -343,13 +344,19 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: 
             checks.append(in_context_scale(out, name, overrides, world, device, precision))
         except Exception as e:  # noqa: BLE001 - the factor is optional: reported, the ops stay unscaled
             checks.append({"model": name, "precision": precision, "error": f"{type(e).__name__}: {e}"})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
     checks = [c for part in gathered(checks) for c in (part or [])]
     usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
     if usable:
         out.ops_scale = math.exp(sum(math.log(x) for x in usable) / len(usable))
+    opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
+    if opt:
+        out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
     detail = "; ".join(f"{c['model']} {c['precision']}: " + (
         f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
-        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}" if "scale" in c else c["error"]) for c in checks)
+        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
+        f"{c['optimizer_bytes'] / 2**20:.0f} MiB" if "scale" in c else c["error"]) for c in checks)
     out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
                   f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
                   f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'})")

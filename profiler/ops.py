@@ -201,9 +201,11 @@ def _graph_time(fn, device: torch.device, budget_s: float, reps: int) -> float |
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(reps):
-                fn()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a failed capture warns on its way out; the caller falls back
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for _ in range(reps):
+                    fn()
     except Exception:  # noqa: BLE001 - a host sync or an uncapturable kernel: timed eagerly
         torch.cuda.synchronize(device)
         return None
@@ -339,8 +341,9 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
     """Measured over predicted time of one rank's share of zoo model ``name`` (built for
     ``world_size`` ranks) on ``device``: forward and backward captured as one CUDA graph
     (:class:`hidup.codegen.graphs.GraphedStep`) against :func:`predicted_step` from ``profile``'s
-    measured ops.  Returns ``{"model", "precision", "measured_s", "predicted_s", "coverage",
-    "scale"}``; the caller decides what to keep (see :func:`hidup.profiler.measure.measure_model_ops`)."""
+    measured ops, and the Adam step on its parameters after it.  Returns ``{"model", "precision",
+    "measured_s", "predicted_s", "coverage", "scale", "optimizer_s", "optimizer_bytes"}``; the caller
+    decides what to keep (see :func:`hidup.profiler.measure.measure_model_ops`)."""
     import hidup.models
     from hidup.codegen.graphs import GraphedStep
 
@@ -359,7 +362,12 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
         step = GraphedStep(model, local, autocast_dtype=autocast)
         try:
             measured = time_call(lambda: step(*local), device, warmup=2, budget_s=budget_s, sample_s=budget_s / 5)
+            params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+            optimizer = torch.optim.Adam(params, lr=1e-6)  # as the benchmarks and `hidup train` step
+            opt_s = time_call(optimizer.step, device, warmup=2, budget_s=budget_s / 2, sample_s=budget_s / 10)
         finally:
             step.release()
+    nbytes = sum(p.numel() * p.element_size() for p in params)
     return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
-            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}
+            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0,
+            "optimizer_s": opt_s, "optimizer_bytes": nbytes}

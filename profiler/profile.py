@@ -72,7 +72,9 @@ between them but no host dispatch; the cost model adds the dispatch cost of an e
 than inside the step (its inputs stay in cache, nothing else shares the GPU), so ``ops_scale``
 multiplies every measured time: the time of a whole single-device step (one rank's share, forward
 and backward, as one CUDA graph) over the sum of its ops' measured times
-(:func:`hidup.profiler.ops.in_context_scale`; 1 when not calibrated).
+(:func:`hidup.profiler.ops.in_context_scale`; 1 when not calibrated).  The same measurement times the
+optimizer step (Adam) that follows: ``optimizer_s_per_byte`` is its time per byte of trainable
+parameters, which the plan's evaluation charges on the parameters each rank keeps.
 
 Perturbation
 ------------
@@ -234,6 +236,7 @@ class Profile:
     concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
     ops_timing: str = "eager"  # how `ops` were timed: "graph" (device time in a CUDA graph) or "eager"
     ops_scale: float = 1.0  # in-context factor applied to every measured op time (see "Per-op times")
+    optimizer_s_per_byte: float = 0.0  # Adam step seconds per byte of local trainable parameters; 0 = unknown
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -336,6 +339,7 @@ class Profile:
                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
                       self.op_overhead_graph * f(), ops_timing=self.ops_timing)
         out.ops_scale = self.ops_scale * f() if self.ops else self.ops_scale
+        out.optimizer_s_per_byte = self.optimizer_s_per_byte * f() if self.optimizer_s_per_byte else 0.0
         for c in sorted(self.concurrency):  # measured like a bandwidth: perturbed like one, kept in [1, 2]
             for g in sorted(self.concurrency[c]):
                 sizes, speed = self.concurrency[c][g]
@@ -356,6 +360,7 @@ class Profile:
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
+            "optimizer_s_per_byte": self.optimizer_s_per_byte,
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -463,6 +468,7 @@ class Profile:
         overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
         ops_timing = d.get("ops_timing", "eager")
         ops_scale = number(d.get("ops_scale", 1.0), "ops_scale")
+        opt_rate = number(d.get("optimizer_s_per_byte", 0.0), "optimizer_s_per_byte", positive=False)
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -487,7 +493,7 @@ class Profile:
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
                        d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
-                       ops_timing, ops_scale)
+                       ops_timing, ops_scale, opt_rate)
 
 
 def builtin_names() -> list[str]:

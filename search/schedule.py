@@ -56,9 +56,14 @@ unchanged by time reversal; so the backward pass uses the same recurrence over t
 order with the backward items ``(mA, mB, cA, cB)``, with its own ``(T, d, s)``.
 Iteration time with duplication = forward ``T + d`` + backward ``T + d``.
 
-Predicted times reported for a plan: ``forward``, ``backward``, ``total``; ``comm`` the summed
-collective time (both copies); ``exposed_comm = max(0, total - compute)`` with ``compute`` the
-summed compute time.
+The optimizer step follows both passes and overlaps nothing: ``optimizer = optimizer_s_per_byte *
+local trainable parameter bytes`` (the profile's measured Adam step; sharded parameters update only
+their slice).  The DP does not see it (its objective covers the two passes); candidate plans are
+compared on ``total = forward + backward + optimizer``.
+
+Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
+the summed collective time (both copies); ``exposed_comm = max(0, forward + backward - compute)``
+with ``compute`` the summed compute time.
 """
 
 from __future__ import annotations
@@ -114,18 +119,19 @@ class Evaluation:
     memory: dict[str, float]
     steps: list[Step] = field(repr=False)
     stages: list[list[str]] = field(repr=False)
-    objective: float = 0.0  # what the DP minimizes: ``total`` with duplication, the serialized sum without
+    objective: float = 0.0  # what the DP minimizes: both passes with duplication, their serialized sum without
+    optimizer: float = 0.0  # the optimizer step after the passes
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward
+        return self.forward + self.backward + self.optimizer
 
     @property
     def exposed_comm(self) -> float:
-        return max(0.0, self.total - self.compute)
+        return max(0.0, self.forward + self.backward - self.compute)
 
     def times(self) -> dict[str, float]:
-        return {"forward": self.forward, "backward": self.backward, "comm": self.comm,
+        return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer, "comm": self.comm,
                 "exposed_comm": self.exposed_comm, "total": self.total}
 
 
@@ -168,8 +174,9 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             stages.append([])
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
+    optimizer = getattr(problem.profile, "optimizer_s_per_byte", 0.0) * memory["grads"]
     return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages,
-                      objective)
+                      objective, optimizer)
 
 
 def overlapped_backward(steps: list[Step]) -> float:

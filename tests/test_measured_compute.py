@@ -136,3 +136,21 @@ def test_duplication_is_dropped_when_half_batch_kernels_are_inefficient():
 
     ks = [pr.sigs[i].index(efficient.choices[n.name]) for i, n in enumerate(pr.order)]
     assert evaluate(pr, ks, True).total > evaluate(pr, ks, False).total
+
+
+def test_the_optimizer_step_is_charged_on_the_parameters_each_rank_keeps():
+    from hidup.search import forced
+
+    model, inputs = _gpt(world=4, d_model=64, ffn=128)
+    g = trace(model, inputs, 4)
+    prof = dataclasses.replace(P.load("h200x4-nvlink"), optimizer_s_per_byte=1e-12)
+    data = forced(g, prof, "data")
+    assert data.predicted["optimizer"] == pytest.approx(1e-12 * data.memory["grads"])
+    assert data.memory["grads"] == pytest.approx(sum(p.numel() * 4 for p in model.parameters()))
+    assert data.predicted["total"] == pytest.approx(data.predicted["forward"] + data.predicted["backward"]
+                                                    + data.predicted["optimizer"])
+    tensor = forced(g, prof, "tensor")  # sharded weights: each rank updates its slice only
+    assert tensor.memory["grads"] < data.memory["grads"]
+    assert tensor.predicted["optimizer"] == pytest.approx(1e-12 * tensor.memory["grads"])
+    assert P.Profile.from_dict(prof.to_dict()).optimizer_s_per_byte == 1e-12
+    assert forced(g, P.load("h200x4-nvlink"), "data").predicted["optimizer"] == 0.0  # not measured

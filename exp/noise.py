@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model not in hidup.models.names():
         raise SystemExit(f"--model {args.model}: not in the zoo ({', '.join(hidup.models.names())})")
-    args.search_precision = args.precision if torch.cuda.is_available() else "fp32"
+    # plans run on CPU ranks compute in fp32; priced only, they are priced as the GPU would run them
+    args.search_precision = args.precision if torch.cuda.is_available() or args.predict_only else "fp32"
     bench_profile = args.bench_out / f"{args.network}-profile.json"
     note, measure = "", False
     if args.profile:

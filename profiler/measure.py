@@ -386,7 +386,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-precisions", default="fp32,tf32",
                    help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)")
     p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
-    p.add_argument("--ops-seconds", type=float, default=120.0, help="time limit for --ops-model (default 120)")
+    p.add_argument("--ops-seconds", type=float, default=120.0,
+                   help="time limit of --ops-model per precision and rank, in seconds (default 120)")
     add_launch_args(p)
 
 

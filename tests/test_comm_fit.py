@@ -9,7 +9,8 @@ import pytest
 
 import hidup.models
 import hidup.profiler as P
-from hidup.profiler.profile import RING_LINK, RING_TOLERANCE, CommTable, fit_ring_tables
+from hidup.profiler.profile import (A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, Profile, fit_all_to_all,
+                                    fit_ring_tables)
 from hidup.search import dp
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
@@ -131,3 +132,107 @@ def test_duplicated_dp_finds_the_duplicated_optimum():
     ks_dup, est = dp.solve(problem, True)
     assert evaluate(problem, ks_dup, True).total == pytest.approx(est)
     assert est <= evaluate(problem, ks_plain, True).total * (1 + 1e-9)
+
+
+# ------------------------------------------------------------------------------------------ all-to-all
+def _a2a_times(tabs, fit, i):
+    """(measured, fitted) net all-to-all time at size index i."""
+    return SIZES[i] / tabs["all_to_all"][4].algbw[i], SIZES[i] / fit["all_to_all"][4].algbw[i]
+
+
+def test_all_to_all_that_follows_its_link_is_unchanged():
+    """An all-to-all whose shape along the sizes follows the ring link (a monotone curve here), or
+    departs from it by less than the all-to-all tolerance, is kept exactly as measured."""
+    tabs = _link_tables()
+    assert fit_ring_tables(tabs)["all_to_all"][4].algbw == tabs["all_to_all"][4].algbw
+    a2a = tabs["all_to_all"][4]
+    wobble = [1.0, 1.5, 1.25, 0.8, 1.05]  # 1 MiB to 256 MiB within exp(0.3) of their median ratio
+    tabs["all_to_all"][4] = CommTable(a2a.alpha, list(SIZES), [b * w for b, w in zip(a2a.algbw, wobble)])
+    assert fit_ring_tables(tabs)["all_to_all"][4].algbw == tabs["all_to_all"][4].algbw
+
+
+@pytest.mark.parametrize("i,factor", [(2, 0.25), (3, 0.25), (4, 0.25), (3, 4.0), (4, 4.0)])
+def test_single_wrong_all_to_all_entry_is_pulled_back(i, factor):
+    """One all-to-all entry 4x too slow or too fast, at any bandwidth-bound size (1, 16, 256 MiB):
+    the fit brings it to the all-to-all tolerance of what the link's shape predicts; the other
+    entries stay as measured; the ring tables are not touched by it."""
+    clean = _link_tables()
+    bad = _link_tables()
+    a2a = bad["all_to_all"][4]
+    bad["all_to_all"][4] = CommTable(a2a.alpha, list(SIZES), [b * (factor if j == i else 1.0)
+                                                              for j, b in enumerate(a2a.algbw)])
+    fit = fit_ring_tables(bad)
+    true_t, _ = _a2a_times(clean, clean, i)
+    raw_t, fit_t = _a2a_times(bad, fit, i)
+    assert raw_t == pytest.approx(true_t / factor)
+    assert fit_t == pytest.approx(true_t * math.exp(math.copysign(A2A_TOLERANCE, raw_t - true_t)))
+    for j in set(range(len(SIZES))) - {i}:
+        assert fit["all_to_all"][4].algbw[j] == bad["all_to_all"][4].algbw[j]
+    for c in RING_LINK:
+        assert fit[c][4].algbw == fit_ring_tables(clean)[c][4].algbw
+    # turned off: as measured
+    assert fit_ring_tables(bad, a2a_tolerance=math.inf)["all_to_all"][4].algbw == bad["all_to_all"][4].algbw
+
+
+def test_all_to_all_check_needs_three_bandwidth_bound_sizes():
+    """With only 16 and 256 MiB bandwidth-bound (a large latency, as on NVLink), two entries cannot
+    say which of them is wrong: the all-to-all stays as measured."""
+    tabs = _link_tables(alpha=2e-3)
+    a2a = tabs["all_to_all"][4]
+    tabs["all_to_all"][4] = CommTable(a2a.alpha, list(SIZES), [b * (0.25 if j == 3 else 1.0)
+                                                               for j, b in enumerate(a2a.algbw)])
+    assert fit_ring_tables(tabs)["all_to_all"][4].algbw == tabs["all_to_all"][4].algbw
+    with pytest.raises(ValueError):
+        fit_ring_tables(tabs, a2a_tolerance=-0.1)
+    with pytest.raises(ValueError):
+        fit_all_to_all(a2a, [0.0] * len(SIZES), [1.0] * len(SIZES), tolerance=-1.0)
+
+
+def _ring_only(monkeypatch):
+    """Make Profile.fitted leave all-to-all as measured (the fit before the all-to-all check)."""
+    fitted = Profile.fitted
+    monkeypatch.setattr(Profile, "fitted", lambda self, tolerance=RING_TOLERANCE, a2a_tolerance=math.inf:
+                        fitted(self, tolerance, math.inf))
+
+
+def _moe_graph():
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2)
+    return trace(model, inputs, world_size=4)
+
+
+@pytest.mark.parametrize("name", [str(SOCKETS), "h200x4-socket", "h200x4-nvlink"])
+def test_measured_profiles_keep_all_to_all_and_the_clean_plan(name, monkeypatch):
+    """On the measured sockets profile and the builtins, the all-to-all check moves no entry, and the
+    clean plan and its prediction are those of the ring-only fit (well under 1 %)."""
+    from hidup.search import search
+
+    prof = P.load(name)
+    for g, tab in prof.collectives["all_to_all"].items():
+        assert prof.fitted().collectives["all_to_all"][g].algbw == tab.algbw
+    graph = _moe_graph()
+    plan = search(graph, prof, world_size=4, algorithm="dp", duplication=True)
+    problem = Problem(graph, prof)
+    ks = [problem.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(problem.order)]
+    t_new = evaluate(problem, ks, True).total
+    _ring_only(monkeypatch)
+    assert search(graph, prof, world_size=4, algorithm="dp", duplication=True).choices == plan.choices
+    assert evaluate(Problem(graph, prof), ks, True).total == pytest.approx(t_new, rel=0.01)
+
+
+def test_one_wrong_all_to_all_entry_no_longer_changes_the_moe_plan(monkeypatch):
+    """BERT-SGMoE (2 layers) on the measured sockets profile with its 256 MiB all-to-all entry 4x too
+    slow: the ring-only fit takes it at its word and changes the plan (the MoE dispatch); with the
+    all-to-all checked against the link the search keeps the clean plan."""
+    from hidup.search import search
+
+    prof = P.load(SOCKETS)
+    a2a = prof.collectives["all_to_all"][4]
+    bad = copy.copy(prof)
+    bad.collectives = {c: dict(t) for c, t in prof.collectives.items()}
+    bad.collectives["all_to_all"][4] = CommTable(a2a.alpha, list(a2a.sizes), a2a.algbw[:-1] + [a2a.algbw[-1] / 4])
+    graph = _moe_graph()
+    clean_plan = search(graph, prof, world_size=4, algorithm="dp", duplication=True)
+    assert search(graph, bad, world_size=4, algorithm="dp", duplication=True).choices == clean_plan.choices
+    _ring_only(monkeypatch)
+    assert search(graph, prof, world_size=4, algorithm="dp", duplication=True).choices == clean_plan.choices
+    assert search(graph, bad, world_size=4, algorithm="dp", duplication=True).choices != clean_plan.choices

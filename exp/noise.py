@@ -61,7 +61,7 @@ def perturbations(args) -> list[dict]:
             raise SystemExit(f"--comm {y}: communication can shrink by less than 100%")
         out.append({"tag": f"comm{y:+d}", "label": f"{y:+d}% communication", "kind": "comm", "level": y,
                     "perturb": {"noise": 0.0, "seed": 0, "comm_scale": 1.0 + y / 100.0}})
-    for s in range(args.seeds):
+    for s in range(args.first_seed, args.seeds):
         for x in args.noise:
             if not 0.0 <= x < 1.0:
                 raise SystemExit(f"--noise {x}: the noise level is a fraction in [0, 1)")
@@ -332,6 +332,8 @@ def parse_args(argv):
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
     p.add_argument("--noise", type=float, nargs="+", default=[0.2, 0.4, 0.8])
     p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="start at this seed (to complete a study that ran out of time: seeds first..seeds-1)")
     p.add_argument("--comm", type=int, nargs="+", default=[-50, -25, 25, 100], help="communication change in %%")
     p.add_argument("--profile", default=None, help="clean profile (builtin name or path)")
     p.add_argument("--predict-only", action="store_true", help="do not run plans; price them with the clean "

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hidup.profiler
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exp"))
 
@@ -57,6 +59,9 @@ def test_bench_smoke_world2(tmp_path):
         assert runs[m]["profile"]["name"] == "sockets-measured"  # searched with the profile measured here
     assert runs["hidup"]["info"]["duplication"] is True and runs["hidup-nodup"]["info"]["duplication"] is False
     assert (out / "sockets-profile.json").is_file()
+    prof = hidup.profiler.load(out / "sockets-profile.json")  # with the model's op times, both ranks' shares
+    assert prof.ops_timing == "eager" and prof.optimizer_s_per_byte > 0 and "in-context scale" in prof.notes
+    assert len(prof.ops) > 20 and all(k.endswith(("tf32", "int64")) for k in prof.ops), sorted(prof.ops)[:5]
     inv = doc["latest"]
     assert inv["env"]["NCCL_P2P_DISABLE"] == "1" and inv["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert inv["command"].startswith("python exp/bench.py --network sockets")

@@ -59,6 +59,8 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     ``max_points`` bound the DP (None: exact); ``explain`` heaviest nodes get a runner-up in the plan.
     ``cuda_graphs`` prices the fixed cost per op of a step captured as one CUDA graph (how
     ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
+    A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be
+    priced from ops measured at their own shapes (see :mod:`hidup.search.cost`).
     """
     from hidup.profiler import load
 

@@ -61,6 +61,8 @@ def perturbations(args) -> list[dict]:
             raise SystemExit(f"--comm {y}: communication can shrink by less than 100%")
         out.append({"tag": f"comm{y:+d}", "label": f"{y:+d}% communication", "kind": "comm", "level": y,
                     "perturb": {"noise": 0.0, "seed": 0, "comm_scale": 1.0 + y / 100.0}})
+    if not 0 <= args.first_seed < max(args.seeds, 1):
+        raise SystemExit(f"--first-seed {args.first_seed}: must be at least 0 and below --seeds {args.seeds}")
     for s in range(args.first_seed, args.seeds):
         for x in args.noise:
             if not 0.0 <= x < 1.0:

@@ -230,12 +230,15 @@ def test_noise_perturbation_list():
 
     import noise
 
-    perts = noise.perturbations(Namespace(comm=[-50, 100], noise=[0.2, 0.8], seeds=2))
+    perts = noise.perturbations(Namespace(comm=[-50, 100], noise=[0.2, 0.8], seeds=2, first_seed=0))
     assert [p["tag"] for p in perts] == ["clean", "comm-50", "comm+100", "noise0.2-s0", "noise0.8-s0",
                                          "noise0.2-s1", "noise0.8-s1"]
     assert perts[1]["perturb"]["comm_scale"] == 0.5 and perts[2]["perturb"]["comm_scale"] == 2.0
+    # completing a study that ran out of time: the same seeds' perturbations from --first-seed on
+    rest = noise.perturbations(Namespace(comm=[], noise=[0.2, 0.8], seeds=2, first_seed=1))
+    assert [p["tag"] for p in rest] == ["clean", "noise0.2-s1", "noise0.8-s1"] and rest[1:] == perts[5:]
     with pytest.raises(SystemExit, match="less than 100%"):
-        noise.perturbations(Namespace(comm=[-100], noise=[], seeds=0))
+        noise.perturbations(Namespace(comm=[-100], noise=[], seeds=0, first_seed=0))
 
 
 def test_a_failing_run_is_recorded_not_raised():

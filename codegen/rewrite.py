@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hidup.codegen import collectives
-from hidup.codegen.duplicate import SequentialCopies, StagedCopies, halve_example, split_inputs
+from hidup.codegen.duplicate import SequentialCopies, StagedCopies, split_inputs, trace_copy
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_group
 
@@ -161,8 +161,8 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     dims = batch_dims if batch_dims is not None else [0] * len(values)
     if len(dims) != len(values):
         raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
-    traced_inputs = halve_example(values, dims) if duplication else values
-    traced = trace_module(model, tuple(traced_inputs), world_size, leaf_modules=leaf_modules)
+    traced = (trace_copy(model, tuple(values), world_size, leaf_modules=leaf_modules, batch_dims=dims)
+              if duplication else trace_module(model, tuple(values), world_size, leaf_modules=leaf_modules))
     check = getattr(plan, "check", None)
     if check is not None and not duplication:
         check(traced.graph)

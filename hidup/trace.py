@@ -466,27 +466,16 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
 
 
 def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-                     leaf_modules: Iterable[type | str] | None = None,
-                     batch_dims: list | None = None) -> Traced | None:
-    """``model`` traced at half the batch: the program one duplicated copy runs (the first half of
-    every tensor input along its batch dim, ``batch_dims`` defaulting to 0 as in
-    :func:`hidup.codegen.compile`).  None when the model cannot be traced at that size (an odd batch,
-    shapes fixed by the model); the cost model then halves the full batch's times instead."""
-    values, _ = _forward_inputs(model, example_inputs)
-    dims = batch_dims if batch_dims is not None else [0] * len(values)
-    if len(dims) != len(values):
-        raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
-    halved = []
-    for v, d in zip(values, dims):
-        if isinstance(v, torch.Tensor) and d is not None:
-            if v.shape[d] < 2 or v.shape[d] % 2:
-                return None
-            v = v.narrow(d, 0, v.shape[d] // 2)
-        halved.append(v)
+                     leaf_modules: Iterable[type | str] | None = None) -> Traced | None:
+    """The program one duplicated copy runs (:func:`hidup.codegen.duplicate.trace_copy`), or None when
+    the model cannot be traced at half the batch (an odd batch, shapes fixed by the model): the cost
+    model then halves the full batch's times instead."""
+    from hidup.codegen.duplicate import trace_copy
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks
-            return trace_module(model, tuple(halved), world_size, leaf_modules=leaf_modules)
+            return trace_copy(model, example_inputs, world_size, leaf_modules=leaf_modules)
     except Exception:  # noqa: BLE001 - documented fallback: half-batch times are estimated
         return None
 

@@ -27,7 +27,7 @@ forward takes more than ``max_op_s`` is skipped, and measuring stops after ``tot
 cost model prices whatever is missing from the roofline.  Leaf modules (``call_module`` nodes) are
 not timed: their weights live in the module.
 
-:func:`profile_ops` times a model at its batch and, for duplication, at half the batch
+:func:`model_op_times` times a model at its batch and, for duplication, at half the batch
 (:func:`hidup.trace.trace_half_batch`: the shapes of one copy).
 """
 
@@ -44,7 +44,7 @@ from hidup.ir import Graph, Signature
 
 from .device import time_call
 
-__all__ = ["time_ops", "profile_ops", "model_op_times", "in_context_scale", "predicted_step", "node_signatures"]
+__all__ = ["time_ops", "model_op_times", "in_context_scale", "predicted_step", "node_signatures"]
 
 
 def node_signatures(graph: Graph, plan: Any = None) -> list[tuple[str, Signature]]:
@@ -118,9 +118,10 @@ def _precision(precision: str, device: torch.device):
     import contextlib
 
     from .device import tf32
+    from .profile import DTYPES
 
-    if precision not in ("fp32", "tf32", "bf16", "fp16"):
-        raise ValueError(f"precision must be fp32, tf32, bf16 or fp16, got {precision!r}")
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {DTYPES}, got {precision!r}")
     stack = contextlib.ExitStack()
     stack.enter_context(tf32(precision == "tf32"))
     if precision in ("bf16", "fp16"):
@@ -229,16 +230,13 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
         return f"one forward took {first:.2f} s > max_op_s={max_op_s} s"
     wrt = [t for t in inputs if t.requires_grad]
     outs = [o for o in _flat_tensors(out) if o.requires_grad and o.is_floating_point()]
-    del out
-    fwd_bwd = None
-    if wrt and outs:
-        grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)
-                 for o in outs]
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)
+             for o in outs] if wrt else []
+    del out, outs
 
-        def fwd_bwd():
-            res = [o for o in _flat_tensors(fn()) if o.requires_grad and o.is_floating_point()]
-            torch.autograd.grad(res, wrt, grads, allow_unused=True)
-    del outs
+    def fwd_bwd():
+        res = [o for o in _flat_tensors(fn()) if o.requires_grad and o.is_floating_point()]
+        torch.autograd.grad(res, wrt, grads, allow_unused=True)
 
     def timed(f, budget):
         if graphed:
@@ -250,26 +248,10 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
         return time_call(f, device, warmup=warmup, budget_s=budget, sample_s=budget / 4)
 
     fwd = timed(fn, budget_s)
-    if fwd_bwd is None:
+    if not grads:  # nothing to differentiate
         return fwd, 0.0
     both = timed(fwd_bwd, 2 * budget_s)
     return fwd, max(both - fwd, 0.0)
-
-
-def profile_ops(profile, model: torch.nn.Module, example_inputs, world_size: int, plan: Any = None, *,
-                device: torch.device | str = "cpu", precision: str = "fp32", half_batch: bool = True,
-                graphed: bool | None = None, **kwargs):
-    """``profile`` plus the per-op times of ``model`` traced for ``world_size`` ranks at its batch and,
-    with ``half_batch``, at half of it (the shapes of one duplicated copy); see :func:`time_ops`
-    (``example_inputs`` may live on ``meta``).  Returns the new profile (``ops_timing`` set to how
-    these ops were timed)."""
-    device = torch.device(device)
-    graphed = device.type == "cuda" if graphed is None else graphed
-    ops = model_op_times(model, example_inputs, world_size, plan, device=device, precision=precision,
-                         half_batch=half_batch, graphed=graphed, cache=dict(profile.ops), **kwargs)
-    out = profile.with_ops(ops)
-    out.ops_timing = "graph" if graphed else "eager"
-    return out
 
 
 def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan: Any = None, *,
@@ -300,16 +282,6 @@ def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan
     return ops
 
 
-def _local_share(inputs: tuple, world: int) -> tuple:
-    """Rank 0's share of every input along dim 0 (the batch), as the single-device floor runs it."""
-    out = []
-    for t in inputs:
-        if t.shape[0] % world:
-            raise ValueError(f"input of shape {tuple(t.shape)}: batch {t.shape[0]} is not divisible by world {world}")
-        out.append(t.narrow(0, 0, t.shape[0] // world).contiguous())
-    return tuple(out)
-
-
 def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
                    precision: str = "fp32") -> tuple[float, float]:
     """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
@@ -317,10 +289,11 @@ def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: 
     ``profile`` as a CUDA-graph step (no scale applied: ``ops_scale`` is taken as 1)."""
     import copy
 
+    from hidup.runtime.data import rank_share
     from hidup.search.cost import CostModel
     from hidup.trace import trace
 
-    graph = trace(model, _local_share(tuple(example_inputs), world_size), 1)
+    graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1)
     prof = copy.copy(profile.launched(True))
     prof.ops_scale = 1.0
     cost = CostModel(graph, prof, precision)
@@ -331,7 +304,7 @@ def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: 
         sig = node.signatures[0]  # one rank: every signature has the same local shapes
         f, b = cost.compute(node, sig)
         total += f + b
-        if cost._measured(graph, node, sig) is not None:
+        if cost.measured(graph, node, sig) is not None:
             measured += f + b
     return total, (measured / total if total else 0.0)
 
@@ -346,6 +319,7 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
     decides what to keep (see :func:`hidup.profiler.measure.measure_model_ops`)."""
     import hidup.models
     from hidup.codegen.graphs import GraphedStep
+    from hidup.runtime.data import rank_share
 
     from .device import time_call
 
@@ -354,7 +328,7 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
     predicted, coverage = predicted_step(profile, meta_model, meta_inputs, world_size, precision)
     model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
     model = model.to(device)
-    local = tuple(t.to(device) for t in _local_share(inputs, world_size))
+    local = tuple(t.to(device) for t in rank_share(inputs, 0, world_size))
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     from .device import tf32
 

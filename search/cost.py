@@ -127,7 +127,7 @@ class CostModel:
         except ValueError:
             return None
 
-    def _measured(self, graph: Graph, node: Node, sig: Signature) -> tuple[float, float] | None:
+    def measured(self, graph: Graph, node: Node, sig: Signature) -> tuple[float, float] | None:
         """The profile's measured (forward, backward) of ``node`` (a node of ``graph``) under ``sig``,
         plus the dispatch cost a graph-timed measurement leaves out; None when not measured."""
         shapes = self._local_shapes(graph, node, sig)
@@ -147,7 +147,7 @@ class CostModel:
         if node.op != "call":
             return 0.0, 0.0
         g = self.graph
-        measured = self._measured(g, node, sig)
+        measured = self.measured(g, node, sig)
         if measured is not None:
             return measured
         dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
@@ -181,9 +181,9 @@ class CostModel:
         if hsig is None:
             hsig = self._half_sigs[node.name] = {(s.inputs, s.outputs): s for s in hnode.signatures}
         match = hsig.get((sig.inputs, sig.outputs))
-        if match is None or self._measured(self.graph, node, sig) is None:
+        if match is None or self.measured(self.graph, node, sig) is None:
             return None
-        return self._measured(half, hnode, match)
+        return self.measured(half, hnode, match)
 
     def fixed(self, node: Node) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` that do not depend on the batch size (launch and

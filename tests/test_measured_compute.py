@@ -11,6 +11,7 @@ from hidup.profiler.profile import op_dtype, op_key
 from hidup.search import search
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
+from hidup.codegen.duplicate import trace_copy
 from hidup.trace import trace, trace_half_batch, trace_module
 
 TINY = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32)
@@ -37,6 +38,9 @@ def test_half_batch_trace_matches_the_full_graph():
     assert trace(model, inputs, 2).half is None  # only on request
     odd = model, tuple(t.narrow(0, 0, 3) for t in inputs)
     assert trace_half_batch(*odd, world_size=1) is None  # an odd batch cannot be halved: caller halves times
+    assert trace(*odd, world_size=1, half_batch=True).half is None
+    with pytest.raises(ValueError, match="does not divide 3"):  # what compile says for duplication
+        trace_copy(*odd, world_size=1)
 
 
 def _linear(graph):

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hidup.runtime.data import rank_share
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BASELINES = ("ddp", "fsdp", "expert", "single")
@@ -68,14 +70,7 @@ class RunSpec:
 
 def local_batch(inputs: tuple, rank: int, world: int) -> tuple:
     """Rank ``rank``'s equal share of every input along dim 0 (the batch)."""
-    out = []
-    for t in inputs:
-        if t.shape[0] % world:
-            raise ValueError(f"input of shape {tuple(t.shape)}: batch {t.shape[0]} is not divisible by "
-                             f"world {world}")
-        n = t.shape[0] // world
-        out.append(t[rank * n:(rank + 1) * n].contiguous())
-    return tuple(out)
+    return rank_share(inputs, rank, world)
 
 
 def _sync(device: torch.device) -> None:

@@ -21,7 +21,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SyntheticTokens", "StdlibCorpus", "stdlib_bytes"]
+__all__ = ["SyntheticTokens", "StdlibCorpus", "stdlib_bytes", "rank_share"]
+
+
+def rank_share(inputs, rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s equal share (``B / world`` consecutive rows) of every input along dim 0."""
+    out = []
+    for t in inputs:
+        if t.shape[0] % world:
+            raise ValueError(f"input of shape {tuple(t.shape)}: global batch {t.shape[0]} does not split over "
+                             f"{world} ranks; choose a batch that is a multiple of the world size")
+        k = t.shape[0] // world
+        out.append(t[rank * k:(rank + 1) * k].contiguous())
+    return tuple(out)
 
 
 class _Batches:
@@ -36,12 +48,7 @@ class _Batches:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def local_batch(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch % world:
-            raise ValueError(f"global batch {self.batch} does not split over {world} ranks; "
-                             f"choose a batch that is a multiple of the world size")
-        k = self.batch // world
-        tokens, targets = self.batch_at(step)
-        return tokens[rank * k:(rank + 1) * k].contiguous(), targets[rank * k:(rank + 1) * k].contiguous()
+        return rank_share(self.batch_at(step), rank, world)
 
     def __iter__(self):
         step = 0

@@ -93,10 +93,12 @@ class Plan:
         problems = []
         if self.world_size != graph.world_size:
             problems.append(f"world size: plan {self.world_size}, graph {graph.world_size}")
-        if self.model and graph.model and self.model != graph.model:
-            problems.append(f"model: plan {self.model!r}, graph {graph.model!r}")
+        # The fingerprint decides: a plan names its model by the zoo name it was searched for
+        # (``hidup search --model``) while a traced graph carries the module's class name.
         fp = graph.fingerprint()
         if self.fingerprint != fp:
+            if self.model and graph.model and self.model != graph.model:
+                problems.append(f"model: plan {self.model!r}, graph {graph.model!r}")
             names = {n.name for n in graph.nodes}
             missing = sorted(names - set(self.choices))[:5]
             extra = sorted(set(self.choices) - names)[:5]

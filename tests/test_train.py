@@ -103,3 +103,24 @@ def test_noderank_cpn_two_nodes_match_one_node(tmp_path):
     result = json.loads(two.read_text())
     assert result["world"] == 4
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-6)
+
+
+def test_strategy_then_train_with_the_saved_plan(tmp_path):
+    """The original workflow: exp/strategy.py saves a plan, exp/train.py --plan trains with it exactly as
+    with the same plan searched on the spot; a plan for another model is refused with the fix."""
+    plan = tmp_path / "plan.json"
+    model_flags = TINY[:TINY.index("--lr")]
+    search = subprocess.run([sys.executable, str(ROOT / "exp" / "strategy.py"), *model_flags, "--world", "2",
+                             "--profile", "h200x4-socket", "--out", str(plan), "--quiet"],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert search.returncode == 0, search.stdout + search.stderr
+    saved, spot = tmp_path / "saved.json", tmp_path / "spot.json"
+    _train(["--world", "2", "--iterations", "3", "--plan", str(plan), "--json", str(saved),
+            "--master-port", str(_port())])
+    _train(["--world", "2", "--iterations", "3", "--profile", "h200x4-socket", "--json", str(spot),
+            "--master-port", str(_port())])
+    assert _losses(saved) == pytest.approx(_losses(spot), rel=1e-6)
+    other = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--layers", "1", "--world", "2",
+             "--iterations", "1", "--plan", str(plan), "--master-port", str(_port())]
+    out = subprocess.run(other, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0 and "run `hidup search` again" in out.stdout + out.stderr

@@ -20,8 +20,12 @@ again right after each perturbed plan (*paired*), and a perturbation's row repor
     relative time r = t(plan) / mean(t(c) right before, t(c) right after)
     mean_s r    and    worst = max_s r
 
-(``--unpaired``: ``r = t(plan) / t(c)`` with ``c`` measured once, first).  The spread of all clean
-runs, ``(max - min) / median``, is reported as the measurement noise.
+(``--unpaired``: ``r = t(plan) / t(c)`` with ``c`` measured once, first).  A plan whose ``r``
+exceeds ``--again-above`` (1.10) is measured once more, paired, when every plan has been measured
+and time is left; its ``r`` is then the mean of both.  Every duplicated run uses the same two copy
+communicators (``benchrun.copy_groups``): fresh ones per run differ in speed by tens of percent over
+sockets.  The spread of all clean runs, ``(max - min) / median``, is reported as the measurement
+noise.
 
 and the same with the clean profile's cost model in place of measurement (``predicted``:
 ``T_P(plan) / T_P(c)``, the search's own evaluation under ``P``).  ``flips`` are the nodes whose
@@ -90,7 +94,8 @@ def child_main(ctx, cfg: dict) -> None:
         measure_profile(cfg, device)
     model_cpu, inputs_cpu = hidup.models.build(cfg["model"], world_size=world, seed=0, **cfg["overrides"])
     plan_dir, names = Path(cfg["plan_dir"]), cfg["names"]
-    state = {"measured": set(), "bad": set(), "repeated": False, "last_clean": None, "pending": None}
+    state = {"measured": set(), "bad": set(), "repeated": False, "last_clean": None, "pending": None,
+             "relative": {}}  # identity -> paired relative times measured so far
     docs: dict[str, dict] = {}  # finished search results (written once, atomically)
 
     def decide() -> dict:
@@ -116,6 +121,13 @@ def child_main(ctx, cfg: dict) -> None:
                 return {"action": "run", "name": n, "doc": d, "cap": cap, "repeat": False}
         if len(docs) < len(names):
             return {"action": "wait"}
+        again = cfg.get("again_above")
+        if again and cfg.get("paired"):  # a plan far above the clean one: measure it once more, paired
+            slow = [(max(r), i) for i, r in state["relative"].items() if len(r) == 1 and max(r) > again]
+            if slow:
+                ident = max(slow)[1]
+                n, d = next((n, d) for n, d in docs.items() if d.get("identity") == ident)
+                return {"action": "run", "name": n, "doc": d, "cap": cap, "repeat": False, "again": True}
         if not state["repeated"]:
             return {"action": "run", "name": names[0], "doc": clean, "cap": cap, "repeat": True}
         return {"action": "stop"}
@@ -139,7 +151,8 @@ def child_main(ctx, cfg: dict) -> None:
         res = br.execute(method, model_cpu, inputs_cpu, rank, world, device, cfg["precision_run"],
                          warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan)
         t = res.get("iter_time_s")
-        tag = "repeat" if choice["repeat"] else ("reference" if choice.get("ref") else "")
+        tag = "repeat" if choice["repeat"] else ("reference" if choice.get("ref") else
+                                                 ("measured again" if choice.get("again") else ""))
         if rank == 0:
             print(f"[noise] plan {doc['identity']} ({choice['name']}{', ' + tag if tag else ''}): "
                   + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"), flush=True)
@@ -150,14 +163,19 @@ def child_main(ctx, cfg: dict) -> None:
             pending, state["pending"] = state["pending"], None
             pending["ref_after_s"] = t
             state["last_clean"] = t or state["last_clean"]
+            refs = [x for x in (pending.get("ref_before_s"), t) if x]
+            if pending.get("iter_time_s") and refs:
+                state["relative"].setdefault(pending["identity"], []).append(
+                    pending["iter_time_s"] / statistics.fmean(refs))
             emit(pending)
             continue
         if choice["repeat"]:
             state["repeated"] = True
         else:
             (state["measured"] if res["status"] == "ok" else state["bad"]).add(doc["identity"])
-        record = dict(res, key=f"{doc['identity']}{'-repeat' if choice['repeat'] else ''}", identity=doc["identity"],
-                      name=choice["name"], method=method, repeat=choice["repeat"])
+        suffix = "-repeat" if choice["repeat"] else (f"-again{n_refs}" if choice.get("again") else "")
+        record = dict(res, key=f"{doc['identity']}{suffix}", identity=doc["identity"], name=choice["name"],
+                      method=method, repeat=choice["repeat"], again=bool(choice.get("again")))
         if choice["name"] == names[0] and not choice["repeat"]:
             state["last_clean"] = t
         elif cfg.get("paired") and not choice["repeat"] and res["status"] == "ok":
@@ -210,6 +228,11 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
             rec = measured.get(d["identity"]) or {}
             t = rec.get("iter_time_s")
             refs = [x for x in (rec.get("ref_before_s"), rec.get("ref_after_s")) if x]
+            paired = []  # (time, its references) of every paired measurement of this plan
+            for r in [rec] + [r for k, r in sorted(measured.items()) if k.startswith(d["identity"] + "-again")]:
+                rr = [x for x in (r.get("ref_before_s"), r.get("ref_after_s")) if x]
+                if r.get("iter_time_s") and rr:
+                    paired.append((r["iter_time_s"], rr))
             j.update(identity=d["identity"], duplication=d["plan"]["duplication"], search_s=d.get("search_s"),
                      predicted_clean_model_s=pred(d), predicted_own_profile_s=d["predicted"][
                          "hidup" if d["plan"]["duplication"] else "hidup-nodup"],
@@ -217,8 +240,10 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
             j["relative_predicted"] = j["predicted_clean_model_s"] / t_clean_pred
             if d["identity"] == clean["identity"]:
                 j["relative_measured"] = 1.0 if t_clean else None
-            elif t and refs:  # paired: against the clean plan measured right before and after
-                j["relative_measured"] = t / statistics.fmean(refs)
+            elif paired:  # paired: against the clean plan measured right before and after (mean over runs)
+                j["relative_runs"] = [x / statistics.fmean(rr) for x, rr in paired]
+                j["relative_measured"] = statistics.fmean(j["relative_runs"])
+                j["measured_runs_s"] = [x for x, _ in paired]
                 j["reference_s"] = refs
             else:
                 j["relative_measured"] = t / t_clean if t and t_clean else None
@@ -343,6 +368,9 @@ def parse_args(argv):
     p.add_argument("--docs", type=Path, default=ROOT / "docs")
     p.add_argument("--bench-out", type=Path, default=ROOT / "docs" / "bench", help="exp/bench.py's results "
                    "directory (its <network>-profile.json is the default clean profile; plans are cached there)")
+    p.add_argument("--again-above", type=float, default=1.10,
+                   help="measure a plan a second time (paired) when it measured above this multiple of the "
+                        "clean plan, time allowing; its relative time is then the mean of both (0: never)")
     p.add_argument("--unpaired", action="store_true",
                    help="measure each plan once against one clean run (default: run the clean plan again right "
                         "after each perturbed plan and divide by the mean of the clean runs around it)")
@@ -414,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                    "measure_profile": measure, "model": args.model, "overrides": overrides, "plan_dir": str(plan_dir),
                    "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
                    "warmup": args.warmup, "iters": args.iters, "partial": str(partial),
-                   "paired": not args.unpaired, "mode": args.mode,
+                   "paired": not args.unpaired, "mode": args.mode, "again_above": args.again_above,
                    "precision_run": args.precision if gpu else "fp32", "models": [args.model],
                    "worlds": [args.world], "precisions": [args.search_precision], "ops_seconds": 60.0}
             try:

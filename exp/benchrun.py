@@ -161,35 +161,22 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             raise ValueError(f"method {method} needs a plan (none was given)")
         model = model.to(device)
         inputs = tuple(t.to(device) for t in inputs_cpu)
-        dup = mode_of(method) == "hidup"
-        module = hidup_compile(model, plan, rank, world, inputs, duplication=dup,
-                               copy_groups=copy_groups(world, device) if dup else None)
+        module = hidup_compile(model, plan, rank, world, inputs, duplication=(mode_of(method) == "hidup"))
+
+        def cleanup():
+            # each run gets fresh copy communicators: one pair reused by runs captured as different
+            # CUDA graphs ended in illegal memory accesses after about twenty runs (NCCL 2.28, sockets)
+            groups = getattr(module, "copy_groups", None) or ()
+            for g in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(g)
         graph = graphed(method) and device.type == "cuda"
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
                 "cuda_graph": graph}
-        prep = Prepared(module, 1.0, None, info)
+        prep = Prepared(module, 1.0, None, info, cleanup)
         prep.graph = prep.choose = graph
         return prep, inputs
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-
-
-_COPY_GROUPS: dict = {}
-
-
-def copy_groups(world: int, device: torch.device):
-    """The two communicators every duplicated hidup run of this process uses, one per copy (None
-    where there are no copies to stage: one rank, or no GPU).  Created once and kept, so that every
-    plan of a study runs on the same connections: communicators created anew for each run (and their
-    socket connections and proxy threads) differ in speed by tens of percent over sockets, which
-    would be charged to the plans."""
-    if world < 2 or device.type != "cuda" or not distributed():
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _COPY_GROUPS:
-        _COPY_GROUPS.clear()
-        ranks = list(range(world))
-        _COPY_GROUPS[key] = (dist.new_group(ranks), dist.new_group(ranks))
-    return _COPY_GROUPS[key]
 
 
 def applicable(method: str, model_cpu) -> str | None:

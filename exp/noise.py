@@ -22,10 +22,8 @@ again right after each perturbed plan (*paired*), and a perturbation's row repor
 
 (``--unpaired``: ``r = t(plan) / t(c)`` with ``c`` measured once, first).  A plan whose ``r``
 exceeds ``--again-above`` (1.10) is measured once more, paired, when every plan has been measured
-and time is left; its ``r`` is then the mean of both.  Every duplicated run uses the same two copy
-communicators (``benchrun.copy_groups``): fresh ones per run differ in speed by tens of percent over
-sockets.  The spread of all clean runs, ``(max - min) / median``, is reported as the measurement
-noise.
+and time is left; its ``r`` is then the mean of both.  The spread of all clean runs,
+``(max - min) / median``, is reported as the measurement noise.
 
 and the same with the clean profile's cost model in place of measurement (``predicted``:
 ``T_P(plan) / T_P(c)``, the search's own evaluation under ``P``).  ``flips`` are the nodes whose

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import (ROOT, bootstrap, command_line, hardware, hardware_line, load_json, pyplot,  # noqa: E402
-                    save_json, table, text_table)
+                    save_json, table, text_table, write_section)
 
 bootstrap()
 
@@ -227,14 +227,17 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
             t = rec.get("iter_time_s")
             refs = [x for x in (rec.get("ref_before_s"), rec.get("ref_after_s")) if x]
             paired = []  # (time, its references) of every paired measurement of this plan
+            modes = []  # how each measurement ran its steps (GraphedStep's choice: "graph" or "eager")
             for r in [rec] + [r for k, r in sorted(measured.items()) if k.startswith(d["identity"] + "-again")]:
                 rr = [x for x in (r.get("ref_before_s"), r.get("ref_after_s")) if x]
                 if r.get("iter_time_s") and rr:
                     paired.append((r["iter_time_s"], rr))
+                if r.get("info"):
+                    modes.append({k: r["info"].get(k) for k in ("step_mode", "mode_timings")})
             j.update(identity=d["identity"], duplication=d["plan"]["duplication"], search_s=d.get("search_s"),
                      predicted_clean_model_s=pred(d), predicted_own_profile_s=d["predicted"][
                          "hidup" if d["plan"]["duplication"] else "hidup-nodup"],
-                     measured_s=t, flips=_flips(clean["plan"], d["plan"]))
+                     measured_s=t, flips=_flips(clean["plan"], d["plan"]), step_modes=modes)
             j["relative_predicted"] = j["predicted_clean_model_s"] / t_clean_pred
             if d["identity"] == clean["identity"]:
                 j["relative_measured"] = 1.0 if t_clean else None
@@ -274,7 +277,9 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
     return {"clean": {"identity": clean["identity"], "measured_s": t_clean, "predicted_s": t_clean_pred,
                       "duplication": clean["plan"]["duplication"], "repeat_measured_s": repeat,
                       "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None,
-                      "runs_s": clean_times, "spread": spread},
+                      "runs_s": clean_times, "spread": spread,
+                      "step_modes": [r.get("info", {}).get("step_mode") for k, r in measured.items()
+                                     if r.get("identity") == clean["identity"] and r.get("info")]},
             "rows": rows, "jobs": jobs}
 
 
@@ -323,27 +328,110 @@ def write_docs(args, result: dict, meta: dict) -> None:
         ex = ", ".join(f"`{n}`" for n in r["flip_examples"])
         lines.append(f"- {r['label']}: {kinds}" + (f" (e.g. {ex})" if ex else ""))
     (docs / "robustness.md").write_text("\n".join(lines) + "\n")
+    figure(result["rows"], docs / "robustness.png", f"{args.model}, {args.world} GPUs")
+
+
+def figure(rows: list[dict], target: Path, title: str) -> None:
+    """Bar chart of the rows' mean and worst relative times, predicted and measured."""
     plt = pyplot()
     if plt is None:
-        print("matplotlib is not installed: skipped docs/robustness.png")
+        print(f"matplotlib is not installed: skipped {target}")
         return
-    labels = [r["label"] for r in result["rows"]]
+    labels = [r["label"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 3.8))
     xs = range(len(labels))
     for off, key, name in ((-0.3, "mean_predicted", "mean (predicted)"), (-0.1, "worst_predicted", "worst (predicted)"),
                            (0.1, "mean_measured", "mean (measured)"), (0.3, "worst_measured", "worst (measured)")):
-        ys = [r[key] for r in result["rows"]]
+        ys = [r[key] for r in rows]
         if any(y is not None for y in ys):
             ax.bar([x + off for x in xs], [y or 0.0 for y in ys], 0.2, label=name)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=8, rotation=20, ha="right")
     ax.set_ylabel("relative iteration time")
-    ax.set_title(f"{args.model}, {args.world} GPUs: plans searched with a perturbed profile")
+    ax.set_title(f"{title}: plans searched with a perturbed profile")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(docs / "robustness.png", dpi=110)
+    fig.savefig(target, dpi=110)
     plt.close(fig)
+
+
+# ============================================================================ combining studies
+def combine(paths: list[Path]) -> dict:
+    """One study from several runs of it (``robustness.json`` files of ``exp/noise.py``: a study that
+    ran out of time and was completed with ``--first-seed``, or measured again): per perturbation,
+    the plan its first run searched; its relative time is the mean over every paired measurement of
+    that plan (by identity) in all runs.  The runs must share the clean plan (same build and
+    profile); ValueError otherwise."""
+    runs = [(Path(p), load_json(p)) for p in paths]
+    if not runs:
+        raise ValueError("nothing to combine: give the robustness.json files of the study's runs")
+    clean = {r["clean"]["identity"] for _, r in runs}
+    if len(clean) != 1:
+        raise ValueError(f"the runs searched different clean plans ({', '.join(sorted(clean))}): combine only runs "
+                         "of one build on one profile")
+    clean = clean.pop()
+    measured: dict[str, list[dict]] = {}  # identity -> every paired measurement
+    jobs: dict[str, dict] = {}  # tag -> its job in the first run that has it
+    for path, run in runs:
+        seen = set()
+        for j in run["jobs"]:
+            if j.get("status") != "ok":
+                continue
+            jobs.setdefault(j["tag"], j)
+            ident = j["identity"]
+            if ident == clean or ident in seen:
+                continue
+            seen.add(ident)
+            rel = j.get("relative_runs") or ([j["relative_measured"]] if j.get("reference_s") else [])
+            measured.setdefault(ident, []).extend({"run": path.name, "relative": x} for x in rel)
+    seeds = []
+    for tag, j in jobs.items():
+        if j["kind"] == "clean":
+            continue
+        runs_of = measured.get(j["identity"], [])
+        rel = 1.0 if j["identity"] == clean else (statistics.fmean(m["relative"] for m in runs_of) if runs_of
+                                                   else None)
+        seeds.append({"tag": tag, "label": j["label"], "kind": j["kind"], "identity": j["identity"],
+                      "duplication_flip": j["flips"].get("duplication") is not None,
+                      "predicted": j["relative_predicted"], "measured": runs_of, "relative": rel,
+                      "flips": j["flips"].get("kinds", {})})
+    rows = []
+    for label in dict.fromkeys(x["label"] for x in seeds):
+        group = [x for x in seeds if x["label"] == label]
+        meas = [x["relative"] for x in group if x["relative"] is not None]
+        pred = [x["predicted"] for x in group]
+        rows.append({"label": label, "plans": len(group), "distinct": len({x["identity"] for x in group}),
+                     "measured": len(meas), "mean_measured": statistics.fmean(meas) if meas else None,
+                     "worst_measured": max(meas, default=None), "mean_predicted": statistics.fmean(pred),
+                     "worst_predicted": max(pred), "duplication_flips": sum(x["duplication_flip"] for x in group)})
+    return {"description": "Per perturbation: the relative measured time of its plan (the mean over every "
+                           "measurement of that plan in the runs, each paired with the clean plan's runs right "
+                           "before and after it) and its relative predicted time (the clean profile's cost model).",
+            "clean": clean, "runs": [{"file": p.name, "command": r.get("command"), "date": r.get("hardware", {})
+                                      .get("date")} for p, r in runs],
+            "seeds": seeds, "rows": rows}
+
+
+COMBINED_HEADERS = ["perturbation", "plans", "distinct", "measured", "mean rel. (measured)", "worst rel. (measured)",
+                    "mean rel. (predicted)", "worst rel. (predicted)", "dup. flips"]
+
+
+def write_combined(result: dict, docs: Path) -> None:
+    """``robustness.json`` (combined), the ``combined`` section of ``robustness.md``, the figure."""
+    docs = Path(docs)
+    save_json(docs / "robustness.json", result)
+    rows = [[r["label"], r["plans"], r["distinct"], r["measured"], _f(r["mean_measured"]), _f(r["worst_measured"]),
+             _f(r["mean_predicted"]), _f(r["worst_predicted"]), r["duplication_flips"]] for r in result["rows"]]
+    worst = sorted((x for x in result["seeds"] if x["measured"]), key=lambda x: -x["relative"])[:3]
+    lines = ["Combined from " + ", ".join(f"`{r['file']}`" for r in result["runs"])
+             + f" (`python exp/noise.py --combine ...`); clean plan `{result['clean']}`.", "",
+             table(COMBINED_HEADERS, rows), "", "Slowest measured plans (relative time of each measurement):", ""]
+    for x in worst:
+        lines.append(f"- {x['tag']} (`{x['identity']}`, predicted {x['predicted']:.3f}): "
+                     + ", ".join(f"{m['relative']:.3f} ({m['run']})" for m in x["measured"]))
+    write_section(docs / "robustness.md", "combined", "\n".join(lines), title="Robustness to profile errors")
+    figure(result["rows"], docs / "robustness.png", "combined runs")
 
 
 def parse_args(argv):
@@ -366,6 +454,10 @@ def parse_args(argv):
     p.add_argument("--docs", type=Path, default=ROOT / "docs")
     p.add_argument("--bench-out", type=Path, default=ROOT / "docs" / "bench", help="exp/bench.py's results "
                    "directory (its <network>-profile.json is the default clean profile; plans are cached there)")
+    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="RUN",
+                   help="run nothing: combine these runs' robustness.json files into one study (each plan's "
+                        "measurements averaged) and write it to --docs (robustness.json, the 'combined' section "
+                        "of robustness.md, robustness.png)")
     p.add_argument("--again-above", type=float, default=1.10,
                    help="measure a plan a second time (paired) when it measured above this multiple of the "
                         "clean plan, time allowing; its relative time is then the mean of both (0: never)")
@@ -390,6 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = parse_args(argv)
+    if args.combine:
+        try:
+            result = combine(args.combine)
+        except ValueError as e:
+            raise SystemExit(f"--combine: {e}")
+        write_combined(result, args.docs)
+        print(text_table(COMBINED_HEADERS, [[r["label"], r["plans"], r["distinct"], r["measured"],
+                                             _f(r["mean_measured"]), _f(r["worst_measured"]), _f(r["mean_predicted"]),
+                                             _f(r["worst_predicted"]), r["duplication_flips"]] for r in result["rows"]]))
+        print(f"\nwrote {Path(args.docs) / 'robustness.json'}, robustness.md (section 'combined'), robustness.png")
+        return 0
     started = time.time()
     deadline = started + args.time_budget
     env = apply_network(args.network)

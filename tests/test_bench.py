@@ -262,3 +262,46 @@ def test_a_failing_run_is_recorded_not_raised():
     assert capped["iters"] == 1 and capped["capped"]  # over the time cap: one timed step, flagged
     assert benchrun.applicable("expert", hidup.models.build("gpt", layers=1, d_model=32, heads=2, ffn=64, seq_len=8,
                                                              batch_per_gpu=2, vocab=64)[0])
+
+
+def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
+    """--combine: a plan's relative time is the mean of its paired measurements in every run (found by
+    identity, whichever perturbation measured it); runs of another clean plan are refused."""
+    import noise
+
+    def job(tag, label, ident, rel=None, runs=None, pred=1.0):
+        j = {"tag": tag, "label": label, "kind": "clean" if tag == "clean" else "noise", "status": "ok",
+             "identity": ident, "relative_predicted": pred, "flips": {"kinds": {}, "duplication": None}}
+        if runs is not None:
+            j.update(relative_runs=runs, relative_measured=sum(runs) / len(runs), reference_s=[0.1])
+        elif rel is not None:  # an older run: one measurement, no list
+            j.update(relative_measured=rel, reference_s=[0.1, 0.1])
+        return j
+
+    a = {"clean": {"identity": "c"}, "command": "a", "jobs": [
+        job("clean", "clean", "c"), job("n0.8-s0", "80%", "p", rel=1.2, pred=1.1), job("n0.8-s1", "80%", "c"),
+        job("n0.2-s0", "20%", "q")]}  # q: searched, not measured in this run
+    b = {"clean": {"identity": "c"}, "command": "b", "jobs": [
+        job("clean", "clean", "c"), job("n0.2-s0", "20%", "q", runs=[1.0, 1.1]), job("n0.8-s1", "80%", "p", runs=[1.4])]}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    res = noise.combine([pa, pb])
+    seeds = {x["tag"]: x for x in res["seeds"]}
+    assert seeds["n0.8-s0"]["relative"] == pytest.approx((1.2 + 1.4) / 2)  # p measured in both runs
+    assert seeds["n0.8-s1"]["relative"] == 1.0  # the first run's plan for that seed is the clean one
+    assert seeds["n0.2-s0"]["relative"] == pytest.approx(1.05) and len(seeds["n0.2-s0"]["measured"]) == 2
+    rows = {r["label"]: r for r in res["rows"]}
+    assert rows["80%"]["mean_measured"] == pytest.approx(1.15) and rows["80%"]["worst_measured"] == pytest.approx(1.3)
+    assert rows["80%"]["worst_predicted"] == 1.1 and rows["80%"]["measured"] == 2
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "robustness.md").write_text("# Robustness\n\nkept text\n")
+    assert noise.main(["--combine", str(pa), str(pb), "--docs", str(docs)]) == 0
+    md = (docs / "robustness.md").read_text()
+    assert "kept text" in md and "<!-- begin combined -->" in md and "`a.json`, `b.json`" in md
+    assert json.loads((docs / "robustness.json").read_text())["clean"] == "c"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(b, clean={"identity": "d"})))
+    with pytest.raises(SystemExit, match="different clean plans"):
+        noise.main(["--combine", str(pa), str(other), "--docs", str(docs)])

@@ -16,6 +16,12 @@ With ``U(S)`` the union of the intervals of a set of events and ``|.|`` its leng
     span     = last end - first start      (over C and M)
     idle     = span - |U(C) ∪ U(M)|
     hidden fraction = hidden / communication
+    concurrent comm = time during which communication of two or more streams runs at once
+
+The last one shows collectives sharing the network: duplication's two copies, each on its own
+communicator and stream, and the gradient all-reduce beside them.  A trace of several iterations
+(``ProfilerStep#N`` annotations, as ``hidup train --chrome-trace`` writes) is divided by their
+number (``steps``), so the table is always per iteration.
 
 Events on one stream never overlap, so ``hidden > 0`` means communication and computation ran on
 different streams at the same time (DDP's bucketed all-reduce, FSDP's prefetch, duplication's
@@ -123,6 +129,26 @@ def load_events(trace) -> list[dict]:
     return trace
 
 
+def concurrent_length(by_stream: dict) -> float:
+    """Time covered by the intervals of at least two of the streams (``stream -> intervals``)."""
+    edges = []
+    for intervals in by_stream.values():
+        for s, e in union(intervals):
+            edges += [(s, 1), (e, -1)]
+    total, depth, last = 0.0, 0, None
+    for t, d in sorted(edges, key=lambda x: (x[0], x[1])):
+        if depth >= 2 and last is not None:
+            total += t - last
+        depth += d
+        last = t
+    return total
+
+
+def _steps(events: list[dict]) -> int:
+    """Iterations in the trace: distinct ``ProfilerStep#N`` annotations (1 when there are none)."""
+    return max(1, len({e.get("name") for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}))
+
+
 def _is_comm_device(ev: dict, dtod_as_comm: bool) -> bool:
     name = str(ev.get("name", ""))
     if "nccl" in name.lower():
@@ -143,6 +169,11 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
         comp = [(e["ts"], e["ts"] + e["dur"]) for e in dev_events if not _is_comm_device(e, dtod_as_comm)]
         streams = {"comm": len({e.get("tid") for e in dev_events if _is_comm_device(e, dtod_as_comm)}),
                    "compute": len({e.get("tid") for e in dev_events if not _is_comm_device(e, dtod_as_comm)})}
+        by_stream: dict = {}
+        for e in dev_events:
+            if _is_comm_device(e, dtod_as_comm):
+                by_stream.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"]))
+        concurrent = concurrent_length(by_stream)
         source, n = "device", len(dev_events)
     else:
         chosen = None
@@ -153,6 +184,7 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
                         comm)
         streams = {"comm": len({e.get("tid") for e in comm_ev}), "compute": len({e.get("tid") for e in ops})}
         source, n = "cpu", len(ops)
+        concurrent = 0.0  # gloo's collectives run on its own threads: not visible per stream
     if not comm and not comp:
         raise ValueError("the trace has no device kernels and no cpu_op events to analyze; profile with "
                          "activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] around one iteration")
@@ -161,11 +193,12 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
     c, m = total_length(comp), total_length(comm)
     hidden = intersect_length(comm, comp)
     busy = total_length(everything)
-    us = 1e-6
-    return {"source": source, "device": chosen, "events": n, "span_s": span * us, "compute_s": c * us,
-            "comm_s": m * us, "hidden_s": hidden * us, "exposed_s": (m - hidden) * us,
+    steps = _steps(events)
+    us = 1e-6 / steps
+    return {"source": source, "device": chosen, "events": n, "steps": steps, "span_s": span * us,
+            "compute_s": c * us, "comm_s": m * us, "hidden_s": hidden * us, "exposed_s": (m - hidden) * us,
             "idle_s": (span - busy) * us, "hidden_fraction": hidden / m if m > 0 else None,
-            "streams": streams, "dtod_as_comm": dtod_as_comm}
+            "concurrent_comm_s": concurrent * us, "streams": streams, "dtod_as_comm": dtod_as_comm}
 
 
 def analyze_file(path: str | Path, **kwargs) -> dict:
@@ -175,7 +208,7 @@ def analyze_file(path: str | Path, **kwargs) -> dict:
 
 
 BREAKDOWN_HEADERS = ["run", "iteration span (ms)", "compute (ms)", "comm (ms)", "hidden comm (ms)",
-                     "exposed comm (ms)", "hidden %", "idle (ms)"]
+                     "exposed comm (ms)", "hidden %", "idle (ms)", "concurrent comm (ms)"]
 
 
 def breakdown_rows(items: list[tuple[str, dict]]) -> list[list]:
@@ -184,7 +217,8 @@ def breakdown_rows(items: list[tuple[str, dict]]) -> list[list]:
     for label, b in items:
         frac = b.get("hidden_fraction")
         rows.append([label, ms(b["span_s"]), ms(b["compute_s"]), ms(b["comm_s"]), ms(b["hidden_s"]),
-                     ms(b["exposed_s"]), "-" if frac is None else f"{100 * frac:.0f}", ms(b["idle_s"])])
+                     ms(b["exposed_s"]), "-" if frac is None else f"{100 * frac:.0f}", ms(b["idle_s"]),
+                     ms(b.get("concurrent_comm_s", 0.0))])
     return rows
 
 

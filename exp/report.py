@@ -309,7 +309,9 @@ def bench_markdown(doc: dict) -> str:
         lines += ["", f"### Time breakdown of one iteration ({doc['network']}, rank 0)", "",
                   table(BREAKDOWN_HEADERS, breakdown_rows(items)), "",
                   "compute / comm: busy time of compute kernels / NCCL kernels and device-to-device copies; "
-                  "hidden: communication overlapped by compute on another stream; exposed = comm - hidden."]
+                  "hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
+                  "concurrent comm: communication of two or more streams at once (the copies' communicators, "
+                  "a gradient all-reduce beside them)."]
     return "\n".join(lines)
 
 

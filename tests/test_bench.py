@@ -130,6 +130,27 @@ def test_breakdown_of_a_synthetic_trace():
     assert other["comm_s"] == pytest.approx(500 * us) and other["compute_s"] == 0.0
 
 
+def test_breakdown_concurrent_comm_and_several_steps():
+    """Communication of two streams at once (two copies' communicators, an all-reduce beside them) is
+    measured; a trace of several ProfilerStep annotations is reported per iteration."""
+    events = [_kernel("ncclDevKernel_SendRecv", 0, 20, 16),      # copy A  [0, 20)
+              _kernel("ncclDevKernel_SendRecv", 10, 20, 20),     # copy B  [10, 30)
+              _kernel("ncclDevKernel_AllReduce", 25, 10, 36),    # gradient all-reduce [25, 35)
+              _kernel("ncclDevKernel_SendRecv", 40, 10, 16),     # copy A alone [40, 50)
+              _kernel("sm90_gemm", 30, 20, 7)]                   # compute [30, 50)
+    b = breakdown.analyze(events)
+    us = 1e-6
+    assert b["steps"] == 1 and b["concurrent_comm_s"] == pytest.approx(15 * us)  # [10, 20) + [25, 30)
+    assert b["comm_s"] == pytest.approx(45 * us) and b["streams"]["comm"] == 3
+    steps = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 0, "dur": 50, "tid": 1}
+             for i in (1, 2)]
+    two = breakdown.analyze(events + steps)
+    assert two["steps"] == 2 and two["concurrent_comm_s"] == pytest.approx(7.5 * us)
+    assert two["span_s"] == pytest.approx(25 * us) and two["comm_s"] == pytest.approx(22.5 * us)
+    row = breakdown.breakdown_rows([("r", b)])[0]
+    assert len(row) == len(breakdown.BREAKDOWN_HEADERS) and row[-1] == breakdown.ms(15 * us)
+
+
 def test_breakdown_cpu_fallback_and_cli(tmp_path):
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 100, "tid": 1},
               {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 40, "dur": 20, "tid": 1},

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"Command: `{cmd}`\n\n" + table(BREAKDOWN_HEADERS, rows) + "\n\n"
                 "compute / comm: busy time of compute kernels / NCCL kernels"
                 + ("" if args.dtod_compute else " and device-to-device copies")
-                + "; hidden: communication overlapped by compute on another stream; exposed = comm - hidden.")
+                + "; hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
+                "concurrent comm: communication of two or more streams at once.")
         write_section(args.doc, "breakdown", body, title="Benchmarks")
         print(f"wrote the breakdown section of {args.doc}")
     return 0

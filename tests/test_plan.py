@@ -52,8 +52,13 @@ def test_refuses_other_world_size(plan, graph):
         plan.check(g8)
 
 
-def test_refuses_other_model(plan, graph):
-    other = Graph.from_dict({**graph.to_dict(), "model": "something-else"})
+def test_the_structure_decides_not_the_model_name(plan, graph):
+    """A plan names its model by the zoo name it was searched for, a traced graph by the module's class:
+    the same structure under another name is accepted; another structure is refused, naming both."""
+    renamed = Graph.from_dict({**graph.to_dict(), "model": "SomeClass"})
+    plan.check(renamed)
+    other = layered_graph(layers=4, nodes_per_layer=6, seed=2, shape=(256, 256))
+    other.model = "something-else"
     with pytest.raises(PlanError, match="model: plan 'layered-3x6', graph 'something-else'"):
         plan.check(other)
 

@@ -93,7 +93,7 @@ def child_main(ctx, cfg: dict) -> None:
     model_cpu, inputs_cpu = hidup.models.build(cfg["model"], world_size=world, seed=0, **cfg["overrides"])
     plan_dir, names = Path(cfg["plan_dir"]), cfg["names"]
     state = {"measured": set(), "bad": set(), "repeated": False, "last_clean": None, "pending": None,
-             "relative": {}}  # identity -> paired relative times measured so far
+             "relative": {}, "again": set()}  # identity -> paired relative times; plans measured again
     docs: dict[str, dict] = {}  # finished search results (written once, atomically)
 
     def decide() -> dict:
@@ -121,7 +121,7 @@ def child_main(ctx, cfg: dict) -> None:
             return {"action": "wait"}
         again = cfg.get("again_above")
         if again and cfg.get("paired"):  # a plan far above the clean one: measure it once more, paired
-            slow = [(max(r), i) for i, r in state["relative"].items() if len(r) == 1 and max(r) > again]
+            slow = [(max(r), i) for i, r in state["relative"].items() if i not in state["again"] and max(r) > again]
             if slow:
                 ident = max(slow)[1]
                 n, d = next((n, d) for n, d in docs.items() if d.get("identity") == ident)
@@ -167,6 +167,8 @@ def child_main(ctx, cfg: dict) -> None:
                     pending["iter_time_s"] / statistics.fmean(refs))
             emit(pending)
             continue
+        if choice.get("again"):
+            state["again"].add(doc["identity"])  # once, whether or not the run succeeds
         if choice["repeat"]:
             state["repeated"] = True
         else:

@@ -276,6 +276,15 @@ class Profile:
                 raise bad(fieldname, f"must be >= 0, got {value!r}")
             return float(value)
 
+        def group_size(key, fieldname: str) -> int:
+            try:
+                g = int(key)
+            except (TypeError, ValueError):
+                raise bad(fieldname, "group size keys must be integers >= 2") from None
+            if g < 2:
+                raise bad(fieldname, "group size keys must be integers >= 2")
+            return g
+
         if not isinstance(d, dict):
             raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
         version = d.get("version", SCHEMA_VERSION)
@@ -331,12 +340,7 @@ class Profile:
             colls[c] = {}
             for g, t in groups.items():
                 f = f"collectives.{c}.{g}"
-                try:
-                    gi = int(g)
-                except (TypeError, ValueError):
-                    raise bad(f, "group size keys must be integers >= 2") from None
-                if gi < 2:
-                    raise bad(f, "group size keys must be integers >= 2")
+                gi = group_size(g, f)
                 if not isinstance(t, dict):
                     raise bad(f, "expected {alpha, sizes, algbw}")
                 for key in ("alpha", "sizes", "algbw"):
@@ -373,10 +377,7 @@ class Profile:
                 raise bad("concurrency", f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
             for g, entry in groups.items():
                 f = f"concurrency.{c}.{g}"
-                try:
-                    gi = int(g)
-                except (TypeError, ValueError):
-                    raise bad(f, "group size must be an integer") from None
+                gi = group_size(g, f)
                 if not isinstance(entry, dict):
                     raise bad(f, "expected {sizes, speedup}")
                 sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]

@@ -292,7 +292,7 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
 
     def job(tag, label, ident, rel=None, runs=None, pred=1.0):
         j = {"tag": tag, "label": label, "kind": "clean" if tag == "clean" else "noise", "status": "ok",
-             "identity": ident, "relative_predicted": pred, "flips": {"kinds": {}, "duplication": None}}
+             "identity": ident, "relative_predicted": pred, "flips": {"nodes": [], "kinds": {}, "duplication": None}}
         if runs is not None:
             j.update(relative_runs=runs, relative_measured=sum(runs) / len(runs), reference_s=[0.1])
         elif rel is not None:  # an older run: one measurement, no list
@@ -303,15 +303,16 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
         job("clean", "clean", "c"), job("n0.8-s0", "80%", "p", rel=1.2, pred=1.1), job("n0.8-s1", "80%", "c"),
         job("n0.2-s0", "20%", "q")]}  # q: searched, not measured in this run
     b = {"clean": {"identity": "c"}, "command": "b", "jobs": [
-        job("clean", "clean", "c"), job("n0.2-s0", "20%", "q", runs=[1.0, 1.1]), job("n0.8-s1", "80%", "p", runs=[1.4])]}
+        job("clean", "clean", "c"), job("n0.2-s0", "20%", "q", runs=[1.0, 1.1]),
+        job("n0.8-s1", "80%", "p", runs=[1.4])]}
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
     res = noise.combine([pa, pb])
     seeds = {x["tag"]: x for x in res["seeds"]}
-    assert seeds["n0.8-s0"]["relative"] == pytest.approx((1.2 + 1.4) / 2)  # p measured in both runs
-    assert seeds["n0.8-s1"]["relative"] == 1.0  # the first run's plan for that seed is the clean one
-    assert seeds["n0.2-s0"]["relative"] == pytest.approx(1.05) and len(seeds["n0.2-s0"]["measured"]) == 2
+    assert seeds["n0.8-s0"]["relative_measured"] == pytest.approx((1.2 + 1.4) / 2)  # p measured in both runs
+    assert seeds["n0.8-s1"]["relative_measured"] == 1.0  # the first run's plan for that seed is the clean one
+    assert seeds["n0.2-s0"]["relative_measured"] == pytest.approx(1.05) and len(seeds["n0.2-s0"]["measured"]) == 2
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["80%"]["mean_measured"] == pytest.approx(1.15) and rows["80%"]["worst_measured"] == pytest.approx(1.3)
     assert rows["80%"]["worst_predicted"] == 1.1 and rows["80%"]["measured"] == 2

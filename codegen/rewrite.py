@@ -133,13 +133,14 @@ def _positional(model: nn.Module, example_inputs) -> list:
 def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
             local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
             bucket_mb: float = 25.0, device: torch.device | str | None = None, streams: bool | None = None,
-            leaf_modules=None) -> HidupModule:
+            leaf_modules=None, copy_groups: tuple | None = None) -> HidupModule:
     """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
 
     ``example_inputs`` hold the global batch (as for tracing).  ``batch_dims`` gives each forward
     input's batch dim for duplication (default 0 for every tensor; None keeps an input whole).
     ``device`` defaults to the model's.  Every rank of ``group`` must call this (duplication creates
-    two process groups on CUDA)."""
+    two process groups on CUDA, one per copy, unless ``copy_groups`` passes two that already exist:
+    a process that compiles many modules can reuse one pair of communicators for all of them)."""
     from hidup.trace import trace_module
 
     if world_size < 1 or not 0 <= rank < world_size:
@@ -168,9 +169,13 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         check(traced.graph)
     program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch)
 
-    copy_groups = None
     staged = device.type == "cuda" if streams is None else streams
-    if duplication and staged and world_size > 1:
+    if not (duplication and staged and world_size > 1):
+        copy_groups = None
+    elif copy_groups is not None:
+        if len(copy_groups) != 2 or any(collectives.world_of(g) != world_size for g in copy_groups):
+            raise CompileError(f"copy_groups must be two process groups of the {world_size} ranks of the job")
+    else:
         ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
         copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
     return HidupModule(program, rank=rank, world_size=world_size, group=group, local_batch=local_batch,

@@ -12,7 +12,8 @@ same weights) with one *method* for a bounded number of Adam steps on a fixed sy
   (:class:`hidup.codegen.GraphedStep`), kept when replaying beats eager steps in a short trial
   (``info.step_mode``; eager on a CPU);
 * ``hidup-eager`` / ``hidup-nodup-eager``: the same without the CUDA graph (every op dispatched from
-  Python), to show what the capture buys;
+  Python), to show what the capture buys; duplicated eager runs of one process all use the same
+  pair of copy communicators (created at the first), graph-captured runs a fresh pair each;
 * ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs.
 
 Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
@@ -138,6 +139,23 @@ class Prepared:
         self.graphed = None  # the GraphedStep once captured
 
 
+_COPY_GROUPS: dict[int, tuple] = {}  # world size -> the copy communicators shared by eager runs
+
+
+def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> tuple | None:
+    """The pair of copy process groups every eager duplicated run of this process uses (created at
+    the first such run; every rank reaches it at the same run).  Creating and destroying a pair per
+    run costs seconds of NCCL setup over sockets each time, and NCCL communicator teardown next to
+    new ones is a known source of hangs; eager runs issue the same collectives on the same
+    communicators whatever the plan, so sharing them is safe.  None where no pair is needed."""
+    if not (duplication and device.type == "cuda" and distributed() and world > 1):
+        return None
+    if world not in _COPY_GROUPS:
+        ranks = list(range(dist.get_world_size()))
+        _COPY_GROUPS[world] = (dist.new_group(ranks), dist.new_group(ranks))
+    return _COPY_GROUPS[world]
+
+
 def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
             plan=None) -> tuple[Prepared, tuple]:
     """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified."""
@@ -161,16 +179,19 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             raise ValueError(f"method {method} needs a plan (none was given)")
         model = model.to(device)
         inputs = tuple(t.to(device) for t in inputs_cpu)
-        module = hidup_compile(model, plan, rank, world, inputs, duplication=(mode_of(method) == "hidup"))
+        graph = graphed(method) and device.type == "cuda"
+        duplication = mode_of(method) == "hidup"
+        shared = None if graph else _shared_copy_groups(world, device, duplication)
+        module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared)
 
         def cleanup():
-            # each run gets fresh copy communicators: one pair reused by runs captured as different
-            # CUDA graphs ended in illegal memory accesses after about twenty runs (NCCL 2.28, sockets)
-            groups = getattr(module, "copy_groups", None) or ()
+            # a run captured as a CUDA graph gets fresh copy communicators: one pair reused by runs
+            # captured as different graphs ended in illegal memory accesses after about twenty runs
+            # (NCCL 2.28, sockets).  Eager runs share one pair (see _shared_copy_groups).
+            groups = () if shared is not None else (getattr(module, "copy_groups", None) or ())
             for g in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
-        graph = graphed(method) and device.type == "cuda"
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
                 "cuda_graph": graph}
         prep = Prepared(module, 1.0, None, info, cleanup)

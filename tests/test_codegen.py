@@ -222,7 +222,17 @@ def _rank_staged(rank, world, plan):
     distinct = len({id(g) for g in m.copy_groups}) == 2 and dist.get_world_size(m.copy_groups[0]) == world
     r = _parity(rank, world, model, inputs, plan, True, ref, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9},
                 streams=True)
-    return {**r, "stages": stages, "groups": distinct}
+    # a second module on the first one's communicators: the same step, no new process groups
+    again = hidup.compile(model, plan, rank, world, inputs, duplication=True, streams=True, copy_groups=m.copy_groups)
+    reused = again.copy_groups == m.copy_groups
+    r2 = _parity(rank, world, model, inputs, plan, True, ref, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9},
+                 streams=True, copy_groups=m.copy_groups)
+    try:
+        hidup.compile(model, plan, rank, world, inputs, duplication=True, streams=True, copy_groups=m.copy_groups[:1])
+        bad = ""
+    except hidup.codegen.CompileError as e:
+        bad = str(e)
+    return {**r, "stages": stages, "groups": distinct, "reused": reused, "reused_parity": r2, "bad_groups": bad}
 
 
 def _rank_tied(rank, world, plans):
@@ -386,6 +396,9 @@ def test_staged_duplication_schedule():
         assert r["stages"] > 1, "the searched plan should have several stages"
         assert r["groups"], "each copy needs its own process group"
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"rank {rank}: {r}"
+        r2 = r["reused_parity"]
+        assert r["reused"] and r2["loss"] < 1e-5 and r2["grad"] < 1e-5 and r2["params"] < 1e-5, f"rank {rank}: {r2}"
+        assert "copy_groups must be two process groups" in r["bad_groups"]
 
 
 def test_checkpoint_resumes_on_another_world_and_plan():

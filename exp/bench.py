@@ -31,7 +31,8 @@ of the plan in that mode and ``measured / predicted``.
 Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed steps within ``--run-cap``
 seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
-group is relaunched for the remaining runs).  Results merge into ``<out>/<network>.json`` (a rerun
+group is relaunched for the remaining runs; so is a group whose run has not finished after
+``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun
 replaces the runs it repeats), ``docs/benchmarks.md`` gets this network's section and
 ``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
 records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
@@ -244,6 +245,27 @@ def read_partial(path: Path) -> tuple[dict, list[str]]:
     return records, started
 
 
+def stall_watch(partial: Path, limit_s: float):
+    """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
+    event is its start) has gone ``limit_s`` seconds without a result; None otherwise."""
+    def stalled() -> str | None:
+        try:
+            st = partial.stat()
+            lines = partial.read_text().splitlines()
+        except OSError:
+            return None
+        if limit_s <= 0 or not lines or time.time() - st.st_mtime < limit_s:
+            return None
+        try:
+            last = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            return None
+        if last.get("event") != "start":
+            return None
+        return f"run {last.get('key')} made no progress for {limit_s:.0f} s (--stall-timeout)"
+    return stalled
+
+
 def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
     """Launch ``world`` ranks for ``runs`` (relaunching after a crash while time is left)."""
     from torch.distributed.elastic.utils.distributed import get_free_port
@@ -261,7 +283,8 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         error = None
         try:
             launch(child_main, wcfg, nnodes=1, cpn=world, node_rank=0, master_addr="127.0.0.1",
-                   master_port=get_free_port(), timeout_s=args.dist_timeout)
+                   master_port=get_free_port(), timeout_s=args.dist_timeout,
+                   stalled=stall_watch(partial, args.stall_timeout))
         except (LaunchError, RuntimeError) as e:
             error = str(e)
         done, started = read_partial(partial)
@@ -334,6 +357,9 @@ def parse_args(argv):
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
     p.add_argument("--relaunch", type=int, default=1, help="relaunches of a group that crashed (default 1)")
     p.add_argument("--dist-timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    p.add_argument("--stall-timeout", type=float, default=180.0,
+                   help="seconds a run may go without finishing before its group is killed and relaunched for "
+                        "the remaining runs (a hang no process-group timeout ends; 0: never)")
     add_model_flags(p.add_argument_group("model overrides (applied to every model)"))
     return p.parse_args(argv)
 

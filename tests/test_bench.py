@@ -327,3 +327,24 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
     other.write_text(json.dumps(dict(b, clean={"identity": "d"})))
     with pytest.raises(SystemExit, match="different clean plans"):
         noise.main(["--combine", str(pa), str(other), "--docs", str(docs)])
+
+
+def test_stall_watch_fires_only_on_a_run_in_progress(tmp_path):
+    import os
+    import time
+
+    import bench
+
+    partial = tmp_path / "progress.jsonl"
+    watch = bench.stall_watch(partial, 60)
+    assert watch() is None  # no file yet: the group is starting (profile, plans)
+    partial.write_text(json.dumps({"event": "start", "key": "w2/m/tf32/hidup"}) + "\n")
+    assert watch() is None  # started just now
+    old = time.time() - 120
+    os.utime(partial, (old, old))
+    assert "w2/m/tf32/hidup made no progress for 60 s" in watch()
+    with open(partial, "a") as f:
+        f.write(json.dumps({"event": "result", "record": {"key": "w2/m/tf32/hidup"}}) + "\n")
+    os.utime(partial, (old, old))
+    assert watch() is None  # between runs: nothing in progress
+    assert bench.stall_watch(partial, 0)() is None

@@ -136,6 +136,27 @@ def test_launch_dead_rank_fails_fast():
     assert time.monotonic() - t0 < 30
 
 
+def _hangs(ctx, marker):
+    """Every rank writes the marker, then waits forever outside any collective (no timeout ends it)."""
+    with open(marker, "a") as f:
+        f.write(f"{ctx.rank}\n")
+    while True:
+        time.sleep(0.1)
+
+
+def test_launch_stops_ranks_that_stall(tmp_path):
+    marker = tmp_path / "started"
+
+    def stalled():
+        return "no progress" if marker.is_file() and len(marker.read_text().split()) == 2 else None
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="were stopped: no progress"):
+        launch(_hangs, str(marker), cpn=2, master_port=_free_port(), env={}, timeout_s=20, backend="gloo",
+               stalled=stalled)
+    assert time.monotonic() - t0 < 60
+
+
 def test_launch_single_process():
     out = launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.device.type), env={})
     assert out == [(0, 1, "cuda" if torch.cuda.is_available() else "cpu")]

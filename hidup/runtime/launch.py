@@ -214,12 +214,16 @@ def shutdown() -> None:
 
 def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = None, node_rank: int | None = None,
            master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> list:
+           timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+           stalled: Callable[[], str | None] | None = None) -> list:
     """Run ``fn(ctx: Distributed, *args)`` on this node's ranks and return their results by local rank.
 
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
     launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
-    failure is raised here with its traceback.  With neither, it runs one rank in this process."""
+    failure is raised here with its traceback.  With neither, it runs one rank in this process.
+    ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks are
+    killed and :class:`LaunchError` raised with it -- a watchdog for hangs that no process-group
+    timeout ends."""
     layout = layout_from_env(env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr,
                              master_port=master_port)
     if layout.source in ("torchrun", "single"):
@@ -242,6 +246,16 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     try:
         while not procs.join(timeout=0.5):
             _drain(results, out)
+            reason = stalled() if stalled is not None else None
+            if reason:
+                for p in procs.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in procs.processes:
+                    p.join(timeout=10)
+                raise LaunchError(f"the ranks of node {layout.node_rank} were stopped: {reason}")
+    except LaunchError:
+        raise
     except Exception as e:
         _drain(results, out)
         failures = [v for v in out.values() if isinstance(v, _Failure)]

@@ -13,7 +13,8 @@ written by exp/bench.py; else measured here first).  Perturbed profiles:
 
 Each profile is searched (DP, duplication-aware, in a pool of CPU processes); plans are identified by
 their decisions (every node's signature and the duplication mode), and each distinct plan is RUN
-once on the launched ranks in its own mode (exp/benchrun.py timing: median step time).  Runs over a
+once on the launched ranks in its own mode (exp/benchrun.py timing: median step time; on sockets
+eagerly, all plans on the same pair of copy communicators, see ``--mode``).  Runs over a
 shared network drift by several percent within minutes, so by default the clean plan ``c`` is run
 again right after each perturbed plan (*paired*), and a perturbation's row reports over its plans::
 
@@ -297,8 +298,11 @@ def parse_args(argv):
     p.add_argument("--unpaired", action="store_true",
                    help="measure each plan once against one clean run (default: run the clean plan again right "
                         "after each perturbed plan and divide by the mean of the clean runs around it)")
-    p.add_argument("--mode", choices=("auto", "eager"), default="auto",
-                   help="how plans run: as hidup train runs them (auto: CUDA graph kept when faster) or eagerly")
+    p.add_argument("--mode", choices=("auto", "eager"), default=None,
+                   help="how plans run: eagerly, every plan on one shared pair of copy communicators (the "
+                        "default on sockets, where hidup train's automatic choice keeps eager steps; about 4 s "
+                        "per run), or as hidup train runs them (auto: CUDA graph kept when faster, fresh copy "
+                        "communicators per run, about 25 s per run over sockets; the default on nvlink)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--run-cap", type=float, default=20.0)
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text_table(HEADERS, table_rows(result["rows"])))
         print(f"\nwrote {Path(args.docs) / 'robustness.json'}, robustness.md (section 'combined'), robustness.png")
         return 0
+    if args.mode is None:
+        args.mode = "eager" if args.network == "sockets" else "auto"
     started = time.time()
     deadline = started + args.time_budget
     env = apply_network(args.network)
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                       resolve_profile(FALLBACK_PROFILE[args.network]))
     meta = {"command": command_line("exp/noise.py", argv), "hardware": hardware("cuda" if gpu else "cpu"),
             "env": env, "profile": str(profile_path), "profile_note": note or searcher.note, "model": args.model,
-            "world": args.world, "precision": args.precision, "predict_only": args.predict_only,
+            "world": args.world, "precision": args.precision, "predict_only": args.predict_only, "mode": args.mode,
             "elapsed_s": time.time() - started}
     write_docs(args, result, meta)
     print(text_table(HEADERS, table_rows(result["rows"])))

@@ -69,7 +69,10 @@ def write_docs(args, result: dict, meta: dict) -> None:
              + (f" ({meta['profile_note']})" if meta.get("profile_note") else "") + "  ",
              f"Precision: {args.precision}" + (f" (searched as {args.search_precision})"
                                               if args.search_precision != args.precision else "")
-             + (", predicted only (no runs)" if args.predict_only else ""), "",
+             + (", predicted only (no runs)" if args.predict_only else
+                {"eager": "; plans run eagerly on one shared pair of copy communicators",
+                 "auto": "; plans run as hidup train runs them, fresh copy communicators per run"}.get(
+                    meta.get("mode"), "")), "",
              f"Clean plan `{c['identity']}` (duplication {'on' if c['duplication'] else 'off'}): predicted "
              f"{_f(c['predicted_s'] and c['predicted_s'] * 1e3)} ms"
              + (f", measured {c['measured_s'] * 1e3:.2f} ms" if c["measured_s"] else "")

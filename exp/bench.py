@@ -33,7 +33,8 @@ seconds (fewer near the end of the budget); no new run starts after ``--time-bud
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
 group is relaunched for the remaining runs; so is a group whose run has not finished after
 ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun
-replaces the runs it repeats), ``docs/benchmarks.md`` gets this network's section and
+replaces the runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs
+only what is not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this network's section and
 ``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
 records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
 
@@ -329,6 +330,18 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
     return per_world, jobs
 
 
+def resume_runs(per_world: dict[int, list[dict]], jobs: dict[str, dict], results: Path):
+    """``per_world`` without the runs ``results`` already records as ok, and the search jobs the
+    remaining runs need (``--resume``)."""
+    done = {r["key"] for r in (load_json(results, {}) or {}).get("runs", []) if r.get("status") == "ok"}
+    left = {w: [r for r in runs if r["key"] not in done] for w, runs in per_world.items()}
+    kept = sum(len(runs) for runs in per_world.values()) - sum(len(runs) for runs in left.values())
+    print(f"[bench] --resume: {kept} runs already recorded as ok in {results}, "
+          f"{sum(len(runs) for runs in left.values())} to run", flush=True)
+    needed = {r["plan"] for runs in left.values() for r in runs if "plan" in r}
+    return {w: runs for w, runs in left.items() if runs}, {n: j for n, j in jobs.items() if n in needed}
+
+
 def parse_args(argv):
     from hidup.cli import add_model_flags
 
@@ -348,6 +361,10 @@ def parse_args(argv):
     p.add_argument("--time-budget", type=float, default=480.0,
                    help="seconds after which no run starts (default 480, for a < 9 min command)")
     p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the runs <out>/<network>.json already records as ok and, without --profile, reuse "
+                        "<out>/<network>-profile.json: a matrix larger than one time budget completes over "
+                        "several invocations")
     p.add_argument("--profile-budget", type=float, default=0.1, help="seconds per measured point (default 0.1)")
     p.add_argument("--ops-seconds", type=float, default=60.0,
                    help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
@@ -384,13 +401,18 @@ def main(argv: list[str] | None = None) -> int:
                          f"{torch.cuda.device_count()}")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = started + args.time_budget
+    resumed_profile = args.out / f"{args.network}-profile.json"
     if args.profile:
         profile_path, measure = benchsearch.resolve_profile(args.profile), False
+    elif args.resume and resumed_profile.is_file():
+        profile_path, measure = resumed_profile, False
     else:
         profile_path, measure = args.out / f"{args.network}-profile.json", True
         for stale in (profile_path, profile_path.with_name(profile_path.name + ".error")):
             stale.unlink(missing_ok=True)
     per_world, jobs = plan_runs(args)
+    if args.resume:
+        per_world, jobs = resume_runs(per_world, jobs, args.out / f"{args.network}.json")
     plan_dir = args.out / "plans" / args.network
     searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], deadline,
                         workers=args.search_jobs, reserve_cpus=2 * max(args.worlds))

@@ -264,7 +264,8 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     path = Path(args.out) / f"{args.network}.json"
     doc = load_json(path, {}) or {}
     runs = {r["key"]: r for r in doc.get("runs", [])}
-    runs.update(records)
+    runs.update({k: r for k, r in records.items()  # a run this invocation did not reach keeps its result
+                 if not (r.get("status") == "skipped" and runs.get(k, {}).get("status") == "ok")})
     ordered = sorted(runs.values(), key=_sort_key)
     add_efficiency(ordered)
     invocation = {"command": command, "hardware": hw, "env": env, "elapsed_s": elapsed,

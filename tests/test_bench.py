@@ -70,6 +70,35 @@ def test_bench_smoke_world2(tmp_path):
     assert "w2/bert-sgmoe/tf32/hidup" in proc.stdout  # the compact table / progress reach stdout
 
 
+def test_bench_resume_runs_only_what_is_missing(tmp_path):
+    out, docs = tmp_path / "bench", tmp_path / "docs"
+    common = ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--out",
+              str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2", "--profile-budget", "0.02",
+              "--ops-seconds", "0"] + TINY
+    _run("bench.py", common + ["--methods", "single", "ddp", "--time-budget", "60"], timeout=120)
+    first = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
+    assert first["single"]["status"] == first["ddp"]["status"] == "ok"
+    profile_before = (out / "sockets-profile.json").read_bytes()
+
+    proc = _run("bench.py", common + ["--methods", "single", "ddp", "hidup-nodup", "--time-budget", "60", "--resume"],
+                timeout=120)
+    assert "2 runs already recorded as ok" in proc.stdout and "1 to run" in proc.stdout
+    doc = json.loads((out / "sockets.json").read_text())
+    runs = {r["method"]: r for r in doc["runs"]}
+    assert doc["latest"]["runs"] == ["w2/bert-sgmoe/tf32/hidup-nodup"]  # only the missing run ran
+    assert runs["hidup-nodup"]["status"] == "ok" and runs["hidup-nodup"]["profile"]["name"] == "sockets-measured"
+    assert runs["single"]["date"] == first["single"]["date"]  # kept as recorded
+    assert runs["hidup-nodup"]["scaling_efficiency"] == pytest.approx(
+        first["single"]["iter_time_s"] / runs["hidup-nodup"]["iter_time_s"])  # against the earlier floor
+    assert (out / "sockets-profile.json").read_bytes() == profile_before  # reused, not measured again
+
+    # an invocation that reaches no run (no time) leaves the recorded results as they were
+    _run("bench.py", common + ["--methods", "single", "--time-budget", "0", "--profile", str(out / "sockets-profile.json")],
+         timeout=120)
+    runs = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
+    assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
+
+
 def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
     docs = tmp_path / "benchmarks.md"
     report.write_section(docs, "bench-nvlink", "NVLINK TABLE", title="Benchmarks")

@@ -325,7 +325,7 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: 
             dist.all_gather_object(parts, part)
         return parts
 
-    mine: dict = {}
+    mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
     for name, overrides in models:
         model, inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
         for precision in precisions:

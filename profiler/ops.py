@@ -21,8 +21,10 @@ an eager step the cost model adds the dispatch cost (``op_overhead``) per op.  A
 captured (a host synchronization) is timed eagerly.  On a CPU the wall time of eager calls is used.
 
 Identical keys (repeated layers, signatures with equal local shapes) are measured once, and
-``shard=(i, n)`` measures only every ``n``-th distinct key starting at ``i`` so that ``n`` ranks split
-the work (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  An op whose first
+``shard=(i, n)`` measures only the distinct keys whose CRC-32 is ``i`` modulo ``n`` so that ``n``
+ranks split the work.  The owner of a key depends on the key alone, not on what a rank measured
+before, so ranks whose caches differ (each holds its own share) still split every later model,
+precision and half-batch trace exactly (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  An op whose first
 forward takes more than ``max_op_s`` is skipped, and measuring stops after ``total_s`` seconds; the
 cost model prices whatever is missing from the roofline.  Leaf modules (``call_module`` nodes) are
 not timed: their weights live in the module.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import zlib
 from typing import Any, Mapping
 
 import torch
@@ -139,7 +142,7 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
 
     ``cache`` (a dict) carries measurements across calls; keys already in it are not re-measured.
     ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
-    measures every ``n``-th distinct key from the ``i``-th (see the module docstring).
+    measures the distinct keys whose CRC-32 is ``i`` modulo ``n`` (see the module docstring).
     """
     import hidup.rules as rules
     from hidup.profiler.profile import op_dtype, op_key
@@ -170,10 +173,11 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
         key = op_key(node.target, shapes, op_dtype(dtype, precision))
         if key not in seen:
             seen.add(key)
-            todo.append((name, ctx, sig, shapes, key))
+            if zlib.crc32(key.encode()) % parts == index:
+                todo.append((name, ctx, sig, shapes, key))
     t_end = time.perf_counter() + total_s
     with _precision(precision, device):
-        for name, ctx, sig, shapes, key in todo[index::parts]:
+        for name, ctx, sig, shapes, key in todo:
             if time.perf_counter() > t_end:
                 break
             try:

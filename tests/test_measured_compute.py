@@ -103,6 +103,15 @@ def test_ranks_split_the_op_shapes_and_cover_them_all():
     assert not any(k.endswith("fp32") for k in both)  # float32 ops keyed by the precision they ran in
     with pytest.raises(ValueError, match="shard"):
         time_ops(traced, shard=(2, 2))
+    # each rank keeps only its own share across precisions and the half-batch trace: the shares
+    # still cover every key once (a split by position in each rank's own to-do list left gaps)
+    whole, caches = {}, [{}, {}]
+    for precision in ("tf32", "bf16"):
+        model_op_times(model, inputs, 2, precision=precision, cache=whole, **kw)
+        for i in range(2):
+            model_op_times(model, inputs, 2, precision=precision, cache=caches[i], shard=(i, 2), **kw)
+    assert not set(caches[0]) & set(caches[1]) and set(caches[0]) | set(caches[1]) == set(whole)
+    assert min(len(c) for c in caches) > 0.3 * len(whole)  # roughly even
 
 
 def _roofline_ops(graph, profile, copy_share, precision="tf32"):

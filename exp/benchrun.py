@@ -331,8 +331,12 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
                 prep.graphed.release()  # before the copy groups' communicators are destroyed
             prep.graphed = None
         if prep is not None and prep.cleanup is not None:
-            with contextlib.suppress(Exception):
-                prep.cleanup()
+            # every rank is done with the run's communicators before any destroys them, and all have
+            # destroyed them before the next run creates new ones (NCCL teardown beside communicators
+            # in use or being created is a known source of hangs)
+            for step in (lambda: reduce_max([0.0], device), prep.cleanup, lambda: reduce_max([0.0], device)):
+                with contextlib.suppress(Exception):
+                    step()
         prep = None
         free_memory(device)
     failed = reduce_max([1.0 if error else 0.0], device)[0] > 0

@@ -83,6 +83,7 @@ class ConvCost:
     fB: float
     bA: float
     bB: float
+    grad_sync: bool = False  # replicate -> full: the bucketed, asynchronous gradient all-reduce (bwd)
 
 
 class CostModel:
@@ -227,14 +228,15 @@ class CostModel:
                 cb = ""
             b = float(t.nbytes)
             fwd, bwd = self.comm(cf, b), self.comm(cb, b)
+            grad_sync = src.kind == "replicate" and dst.kind == "full"
             if batch:
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
-            elif src.kind == "replicate" and dst.kind == "full":
+            elif grad_sync:
                 fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
             else:
                 fA = fB = fwd / self.pair_speedup(cf, b)
                 bA = bB = bwd / self.pair_speedup(cb, b)
-            cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB)
+            cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB, grad_sync)
         self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
         return cost

@@ -264,8 +264,8 @@ class Problem:
                 return None
             ff += c.fwd
             fb += c.bwd
-            if self.forms[prod].kind == "replicate" and self.forms[f].kind == "full":
-                fb_async += c.bwd  # the bucketed, asynchronous gradient all-reduce
+            if c.grad_sync:
+                fb_async += c.bwd
             fA += c.fA
             fB += c.fB
             bA += c.bA

@@ -139,7 +139,7 @@ class Prepared:
         self.graphed = None  # the GraphedStep once captured
 
 
-_COPY_GROUPS: dict[int, tuple] = {}  # world size -> the copy communicators shared by eager runs
+_COPY_GROUPS: list[tuple] = []  # the copy communicators shared by eager runs, once created
 
 
 def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> tuple | None:
@@ -150,10 +150,10 @@ def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> 
     communicators whatever the plan, so sharing them is safe.  None where no pair is needed."""
     if not (duplication and device.type == "cuda" and distributed() and world > 1):
         return None
-    if world not in _COPY_GROUPS:
+    if not _COPY_GROUPS:
         ranks = list(range(dist.get_world_size()))
-        _COPY_GROUPS[world] = (dist.new_group(ranks), dist.new_group(ranks))
-    return _COPY_GROUPS[world]
+        _COPY_GROUPS.append((dist.new_group(ranks), dist.new_group(ranks)))
+    return _COPY_GROUPS[0]
 
 
 def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
@@ -184,17 +184,19 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         shared = None if graph else _shared_copy_groups(world, device, duplication)
         module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared)
 
+        # a run captured as a CUDA graph gets fresh copy communicators, destroyed after it: one pair
+        # reused by runs captured as different graphs ended in illegal memory accesses after about
+        # twenty runs (NCCL 2.28, sockets).  Eager runs share one pair (see _shared_copy_groups).
+        owned = [] if shared is not None else [g for g in getattr(module, "copy_groups", None) or ()
+                                               if g is not None and g is not dist.group.WORLD]
+
         def cleanup():
-            # a run captured as a CUDA graph gets fresh copy communicators: one pair reused by runs
-            # captured as different graphs ended in illegal memory accesses after about twenty runs
-            # (NCCL 2.28, sockets).  Eager runs share one pair (see _shared_copy_groups).
-            groups = () if shared is not None else (getattr(module, "copy_groups", None) or ())
-            for g in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
+            for g in {id(g): g for g in owned}.values():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
                 "cuda_graph": graph}
-        prep = Prepared(module, 1.0, None, info, cleanup)
+        prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
         prep.graph = prep.choose = graph
         return prep, inputs
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

@@ -167,12 +167,12 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
         dev_events = [e for e in dev_events if (e.get("args") or {}).get("device", 0) == chosen]
         comm = [(e["ts"], e["ts"] + e["dur"]) for e in dev_events if _is_comm_device(e, dtod_as_comm)]
         comp = [(e["ts"], e["ts"] + e["dur"]) for e in dev_events if not _is_comm_device(e, dtod_as_comm)]
-        streams = {"comm": len({e.get("tid") for e in dev_events if _is_comm_device(e, dtod_as_comm)}),
-                   "compute": len({e.get("tid") for e in dev_events if not _is_comm_device(e, dtod_as_comm)})}
-        by_stream: dict = {}
+        by_stream: dict = {}  # comm stream -> its intervals
         for e in dev_events:
             if _is_comm_device(e, dtod_as_comm):
                 by_stream.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"]))
+        streams = {"comm": len(by_stream),
+                   "compute": len({e.get("tid") for e in dev_events if not _is_comm_device(e, dtod_as_comm)})}
         concurrent = concurrent_length(by_stream)
         source, n = "device", len(dev_events)
     else:

@@ -32,10 +32,10 @@ Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed step
 seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
 group is relaunched for the remaining runs; so is a group whose run has not finished after
-``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun
-replaces the runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs
-only what is not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this network's section and
-``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
+``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
+runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only what is
+not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this
+network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
 records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
 
 On a CPU the same command runs on gloo ranks (tiny models: ``--layers 2 --d-model 32 ...``); tf32 and

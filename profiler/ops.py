@@ -22,12 +22,12 @@ captured (a host synchronization) is timed eagerly.  On a CPU the wall time of e
 
 Identical keys (repeated layers, signatures with equal local shapes) are measured once, and
 ``shard=(i, n)`` measures only the distinct keys whose CRC-32 is ``i`` modulo ``n`` so that ``n``
-ranks split the work.  The owner of a key depends on the key alone, not on what a rank measured
-before, so ranks whose caches differ (each holds its own share) still split every later model,
-precision and half-batch trace exactly (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  An op whose first
-forward takes more than ``max_op_s`` is skipped, and measuring stops after ``total_s`` seconds; the
-cost model prices whatever is missing from the roofline.  Leaf modules (``call_module`` nodes) are
-not timed: their weights live in the module.
+ranks split the work (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  The
+owner of a key depends on the key alone, not on what a rank measured before, so ranks whose caches
+differ (each holds its own share) still split every later model, precision and half-batch trace
+exactly.  An op whose first forward takes more than ``max_op_s`` is skipped, and measuring stops
+after ``total_s`` seconds; the cost model prices whatever is missing from the roofline.  Leaf
+modules (``call_module`` nodes) are not timed: their weights live in the module.
 
 :func:`model_op_times` times a model at its batch and, for duplication, at half the batch
 (:func:`hidup.trace.trace_half_batch`: the shapes of one copy).

@@ -48,6 +48,7 @@ from report import bootstrap
 bootstrap()
 
 import harness  # noqa: E402  (exp/baselines: puts the baseline modules on sys.path)
+from hidup.runtime.data import rank_share  # noqa: E402
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
 warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
@@ -170,7 +171,7 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         prep = Prepared(got.module, got.loss_scale, got.after_backward, dict(got.info))
         prep.coupled = not single
         prep.graph = graphed(method) and device.type == "cuda"
-        inputs = harness.local_batch(inputs_cpu, rank, world)
+        inputs = rank_share(inputs_cpu, rank, world)
         return prep, tuple(t.to(device) for t in inputs)
     if method in HIDUP_METHODS:
         from hidup.codegen import compile as hidup_compile

@@ -68,11 +68,6 @@ class RunSpec:
                              f"iters={self.iters}, warmup={self.warmup}")
 
 
-def local_batch(inputs: tuple, rank: int, world: int) -> tuple:
-    """Rank ``rank``'s equal share of every input along dim 0 (the batch)."""
-    return rank_share(inputs, rank, world)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -145,11 +140,11 @@ def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict
     cfg = model.config
     if spec.baseline == "single":
         rank, world = 0, 1
-        inputs = local_batch(inputs, 0, spec.world)
+        inputs = rank_share(inputs, 0, spec.world)
     else:
         if world != spec.world:
             raise ValueError(f"the process group has {world} ranks but the run asks for world={spec.world}")
-        inputs = local_batch(inputs, rank, world)
+        inputs = rank_share(inputs, rank, world)
     inputs = tuple(t.to(device) for t in inputs)
     torch.manual_seed(spec.seed + 17 + rank)  # dropout streams, if the config enables dropout
     prepared = baseline.prepare(model, rank, world, device)

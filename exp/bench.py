@@ -11,7 +11,8 @@ The network flag sets NCCL's environment before any process group exists (``sock
 1. (first group only) a quick profile of this network is measured with
    ``hidup.profiler.measure.profile_machine`` -- with the per-op times of every benchmarked model at
    its sharded and half-batch shapes, for every world size and precision, the ranks splitting them --
-   and saved as ``<out>/<network>-profile.json``;
+   and saved as ``<out>/<network>-profile.json`` (``--ops-from P`` takes the per-op times already in
+   profile ``P`` -- compute does not depend on the network -- and times only the shapes it lacks);
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
    (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
    on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
@@ -173,7 +174,7 @@ def measure_profile(cfg: dict, device) -> None:
     ops_models = [(m, cfg["overrides"]) for m in cfg["models"]] if cfg["ops_seconds"] > 0 else None
     try:
         profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
-                        name=f"{cfg['network']}-measured", ops_models=ops_models,
+                        name=f"{cfg['network']}-measured", merge=cfg.get("ops_from"), ops_models=ops_models,
                         ops_worlds=cfg["worlds"], ops_precisions=tuple(cfg["precisions"]),
                         ops_seconds=cfg["ops_seconds"])
     except Exception as e:  # noqa: BLE001 - reported through the marker file
@@ -369,6 +370,9 @@ def parse_args(argv):
     p.add_argument("--ops-seconds", type=float, default=60.0,
                    help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
                         "(model, world, precision) and rank at most (default 60; 0: price ops by the roofline)")
+    p.add_argument("--ops-from", type=Path, default=None, metavar="PROFILE",
+                   help="take the per-op times of this profile (e.g. one measured on another network of the same "
+                        "GPUs) into the measured profile and time only the shapes it lacks")
     p.add_argument("--search-jobs", type=int, default=None,
                    help="parallel search processes (default: by CPUs; 0: search in this process)")
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
@@ -399,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available() and max(args.worlds) > torch.cuda.device_count():
         raise SystemExit(f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has "
                          f"{torch.cuda.device_count()}")
+    if args.ops_from is not None:
+        from hidup.profiler.profile import load as load_profile
+        try:
+            carried = load_profile(args.ops_from)
+        except Exception as e:  # noqa: BLE001 - reported with the flag's name
+            raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})")
+        if not carried.ops:
+            raise SystemExit(f"--ops-from {args.ops_from}: the profile has no per-op times; measure them with "
+                             f"--ops-seconds instead")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = started + args.time_budget
     resumed_profile = args.out / f"{args.network}-profile.json"
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
            "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
-           "ops_seconds": args.ops_seconds}
+           "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None}
     records: dict = {}
     worlds = list(per_world)
     try:

@@ -348,7 +348,8 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
         graphed = any(r.get("scaling_efficiency_graphed") for r in runs)
         ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone"
                      + (", captured as one CUDA graph)" if graphed else ")"))
-        ax.legend(fontsize=8, ncol=len(methods))
+        if methods:  # a sweep of the floors alone has no bar to label
+            ax.legend(fontsize=8, ncol=len(methods))
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=110)

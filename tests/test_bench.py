@@ -99,6 +99,28 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
 
 
+def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
+    common = ["--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--methods", "single",
+              "--warmup", "1", "--iters", "1", "--profile-budget", "0.02", "--time-budget", "60"] + TINY
+    first = tmp_path / "a"
+    _run("bench.py", common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],
+         timeout=150)
+    carried = hidup.profiler.load(first / "nvlink-profile.json")
+    assert len(carried.ops) > 20
+    second = tmp_path / "b"
+    _run("bench.py", common + ["--network", "sockets", "--out", str(second), "--docs", str(tmp_path / "docs-b"),
+                               "--ops-from", str(first / "nvlink-profile.json")], timeout=150)
+    prof = hidup.profiler.load(second / "sockets-profile.json")
+    assert prof.name == "sockets-measured" and prof.collectives  # the network measured anew
+    assert prof.ops == carried.ops  # every op time carried over, none timed again
+
+    bad = tmp_path / "no-ops.json"
+    hidup.profiler.save(hidup.profiler.load("h200x4-nvlink"), bad)
+    proc = subprocess.run([sys.executable, str(ROOT / "exp" / "bench.py"), "--ops-from", str(bad), "--out",
+                           str(tmp_path / "c")] + common, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--ops-from" in proc.stderr and "no per-op times" in proc.stderr
+
+
 def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
     docs = tmp_path / "benchmarks.md"
     report.write_section(docs, "bench-nvlink", "NVLINK TABLE", title="Benchmarks")

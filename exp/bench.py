@@ -142,7 +142,8 @@ def child_main(ctx, cfg: dict) -> None:
                          if cfg.get("breakdown") else None)
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
-                                    trace_path=trace)
+                                    trace_path=trace,
+                                    phase=lambda name: emit({"event": "phase", "key": run["key"], "phase": name}))
         record.update(result)
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
@@ -249,7 +250,8 @@ def read_partial(path: Path) -> tuple[dict, list[str]]:
 
 def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
-    event is its start) has gone ``limit_s`` seconds without a result; None otherwise."""
+    event is its start or one of its phases) has gone ``limit_s`` seconds without a result or a next
+    phase -- naming the phase it stopped in; None otherwise."""
     def stalled() -> str | None:
         try:
             st = partial.stat()
@@ -262,9 +264,10 @@ def stall_watch(partial: Path, limit_s: float):
             last = json.loads(lines[-1])
         except json.JSONDecodeError:
             return None
-        if last.get("event") != "start":
+        if last.get("event") not in ("start", "phase"):
             return None
-        return f"run {last.get('key')} made no progress for {limit_s:.0f} s (--stall-timeout)"
+        where = f" in phase {last['phase']!r}" if last.get("phase") else ""
+        return f"run {last.get('key')} made no progress{where} for {limit_s:.0f} s (--stall-timeout)"
     return stalled
 
 

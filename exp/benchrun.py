@@ -212,8 +212,10 @@ def applicable(method: str, model_cpu) -> str | None:
 
 # ------------------------------------------------------------------------------------ timing
 def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
-               cap_s: float, trace_path=None, lr: float = 1e-4) -> dict:
-    """Warm up, agree on the number of timed steps, time them (see the module docstring)."""
+               cap_s: float, trace_path=None, lr: float = 1e-4, phase=None) -> dict:
+    """Warm up, agree on the number of timed steps, time them (see the module docstring).  ``phase(name)``
+    is told each phase as it starts (``capture``, ``warmup``, ``timing``, ``trace``)."""
+    phase = phase or (lambda name: None)
     module = prep.module
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -221,6 +223,7 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     if prep.graph and prep.graphed is None:
         from hidup.codegen.graphs import GraphedStep
 
+        phase("capture")
         with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
             prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
                                        choose=prep.choose, group=getattr(module, "group", None))
@@ -243,15 +246,18 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     start = time.perf_counter()
     losses = []
     with precision_mode(precision, device):
+        phase("warmup")
         times = run(warmup)
         t_w, elapsed = reduce_max([times[-1], time.perf_counter() - start], device)
         n = int(max(1, min(iters, math.floor((cap_s - elapsed) / max(t_w, 1e-9)))))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        phase("timing")
         timed = run(n)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         breakdown = None
         if trace_path is not None:
+            phase("trace")
             breakdown = _profiled_step(step, device, trace_path)
     loss_t = torch.stack(losses).to(device=device, dtype=torch.float64)
     if prep.coupled:
@@ -310,25 +316,30 @@ def free_memory(device: torch.device) -> None:
 
 
 def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: torch.device, precision: str, *,
-            warmup: int, iters: int, cap_s: float, plan=None, trace_path=None) -> dict:
+            warmup: int, iters: int, cap_s: float, plan=None, trace_path=None, phase=None) -> dict:
     """One run on every rank, failures caught and agreed: returns rank 0's view of the outcome.
 
     A failure on any rank (an exception, e.g. CUDA out of memory) makes the run ``failed`` with the
     first failing rank's error; the process group stays usable when the ranks fail symmetrically
-    (an asymmetric failure inside a collective ends in the process-group timeout instead)."""
+    (an asymmetric failure inside a collective ends in the process-group timeout instead).
+    ``phase(name)`` is told each phase as it starts (``prepare``, those of :func:`timed_loop`, ``cleanup``),
+    so that a watchdog can say where a hung run stopped."""
+    phase = phase or (lambda name: None)
     prep = None
     out: dict = {}
     error = ""
     try:
+        phase("prepare")
         prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan)
         out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s,
-                         trace_path=trace_path)
+                         trace_path=trace_path, phase=phase)
         out["info"] = prep.info
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         error = f"rank {rank}: {type(e).__name__}: {e}"
         if "out of memory" not in str(e).lower():
             error += "\n" + traceback.format_exc(limit=6)
     finally:
+        phase("cleanup")
         if prep is not None and prep.graphed is not None:
             with contextlib.suppress(Exception):
                 prep.graphed.release()  # before the copy groups' communicators are destroyed

@@ -15,6 +15,7 @@ flags=(--network "$net" --out "$m" --docs "$docs" --resume --stall-timeout 120)
 if [[ ! -f $m/$net-profile.json && -f $m/nvlink-profile.json && $net != nvlink ]]; then
   flags+=(--ops-from "$m/nvlink-profile.json")
 fi
-python3 exp/bench.py "${flags[@]}" "$@" 2>&1 | grep -v Warning | tail -60
+python3 exp/bench.py "${flags[@]}" "$@" >"$out/bench-$net.log" 2>&1  # whole: a stall prints the ranks' stacks
+grep -v Warning "$out/bench-$net.log" | tail -60
 tar czf "$out/matrix-$net.tgz" "$m"/"$net"*.json "$m/plans/$net" "$docs" 2>/dev/null
 ls -la "$out"

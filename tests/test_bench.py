@@ -398,4 +398,10 @@ def test_stall_watch_fires_only_on_a_run_in_progress(tmp_path):
         f.write(json.dumps({"event": "result", "record": {"key": "w2/m/tf32/hidup"}}) + "\n")
     os.utime(partial, (old, old))
     assert watch() is None  # between runs: nothing in progress
+    with open(partial, "a") as f:
+        f.write(json.dumps({"event": "start", "key": "w2/m/tf32/ddp"}) + "\n")
+        f.write(json.dumps({"event": "phase", "key": "w2/m/tf32/ddp", "phase": "capture"}) + "\n")
+    assert watch() is None  # a phase began just now
+    os.utime(partial, (old, old))
+    assert "w2/m/tf32/ddp made no progress in phase 'capture' for 60 s" in watch()
     assert bench.stall_watch(partial, 0)() is None

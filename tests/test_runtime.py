@@ -144,7 +144,7 @@ def _hangs(ctx, marker):
         time.sleep(0.1)
 
 
-def test_launch_stops_ranks_that_stall(tmp_path):
+def test_launch_stops_ranks_that_stall(tmp_path, capfd):
     marker = tmp_path / "started"
 
     def stalled():
@@ -155,6 +155,9 @@ def test_launch_stops_ranks_that_stall(tmp_path):
         launch(_hangs, str(marker), cpn=2, master_port=_free_port(), env={}, timeout_s=20, backend="gloo",
                stalled=stalled)
     assert time.monotonic() - t0 < 60
+    err = capfd.readouterr().err  # each rank printed where it waited before it was killed
+    assert err.count("in _hangs") == 2, err[-3000:]
+    assert "Python stacks of local rank 0" in err and "Python stacks of local rank 1" in err
 
 
 def test_launch_single_process():

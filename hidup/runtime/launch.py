@@ -25,6 +25,7 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import time
 import traceback
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
@@ -221,8 +222,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
     launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
     failure is raised here with its traceback.  With neither, it runs one rank in this process.
-    ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks are
-    killed and :class:`LaunchError` raised with it -- a watchdog for hangs that no process-group
+    ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks
+    print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it -- a watchdog for hangs that no process-group
     timeout ends."""
     layout = layout_from_env(env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr,
                              master_port=master_port)
@@ -248,9 +249,7 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
             _drain(results, out)
             reason = stalled() if stalled is not None else None
             if reason:
-                for p in procs.processes:
-                    if p.is_alive():
-                        p.kill()
+                _dump_then_kill(procs.processes)
                 for p in procs.processes:
                     p.join(timeout=10)
                 raise LaunchError(f"the ranks of node {layout.node_rank} were stopped: {reason}")
@@ -271,6 +270,24 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     if failures:
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{failures[0].text}")
     return [out[r] for r in range(layout.cpn)]
+
+
+def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
+    """Kill stalled ranks, after asking each in turn for its Python stacks (SIGUSR2, printed to its
+    stderr under a header naming the rank) so that the report shows where every rank was waiting."""
+    import signal
+    import sys
+
+    sig = getattr(signal, "SIGUSR2", None)
+    alive = [(i, p) for i, p in enumerate(processes) if p.is_alive()]
+    for i, p in alive if sig is not None else ():
+        print(f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, sig)
+        time.sleep(grace_s)  # one rank's dump at a time: they share the terminal
+    for _, p in alive:
+        if p.is_alive():
+            p.kill()
 
 
 def _forward_signals(procs) -> dict:

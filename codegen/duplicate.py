@@ -30,7 +30,7 @@ from torch.fx.passes.split_module import split_module
 
 from hidup.codegen.program import using_group
 
-__all__ = ["half", "split_inputs", "halve_example", "trace_copy", "SequentialCopies", "StagedCopies"]
+__all__ = ["half", "copy_inputs", "halve_example", "trace_copy", "SequentialCopies", "StagedCopies"]
 
 
 def half(x: torch.Tensor, dim: int, copy: int, blocks: int) -> torch.Tensor:
@@ -44,13 +44,10 @@ def half(x: torch.Tensor, dim: int, copy: int, blocks: int) -> torch.Tensor:
         if blocks > 1 else x.narrow(dim, copy * (m // 2), m // 2)
 
 
-def split_inputs(values: list, batch_dims: list, blocks: list[int]) -> tuple[list, list]:
-    """Both copies' inputs; ``batch_dims[i]`` None (or a non-tensor input) passes it to both."""
-    copies: tuple[list, list] = ([], [])
-    for v, d, b in zip(values, batch_dims, blocks):
-        for c in (0, 1):
-            copies[c].append(half(v, d, c, b) if isinstance(v, torch.Tensor) and d is not None else v)
-    return copies
+def copy_inputs(values: list, batch_dims: list, blocks: list[int], copy: int) -> list:
+    """Copy ``copy``'s inputs; ``batch_dims[i]`` None (or a non-tensor input) passes it unchanged."""
+    return [half(v, d, copy, b) if isinstance(v, torch.Tensor) and d is not None else v
+            for v, d, b in zip(values, batch_dims, blocks)]
 
 
 def halve_example(values: list, batch_dims: list) -> list:
@@ -82,11 +79,12 @@ class SequentialCopies:
     def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
 
-    def __call__(self, copies, groups):
+    def __call__(self, inputs_of, groups):
+        """``inputs_of(c)``: copy ``c``'s inputs; ``groups``: each copy's process group."""
         total = None
-        for inputs, group in zip(copies, groups):
+        for c, group in enumerate(groups):
             with using_group(group):
-                loss = self.gm(*inputs)
+                loss = self.gm(*inputs_of(c))
             total = loss if total is None else total + loss
         return total
 
@@ -121,9 +119,15 @@ class StagedCopies:
     def _on(self, c: int):
         return torch.cuda.stream(self.streams[c]) if self.cuda else contextlib.nullcontext()
 
-    def __call__(self, copies, groups):
+    def __call__(self, inputs_of, groups):
+        """``inputs_of(c)``: copy ``c``'s inputs, made on copy ``c``'s stream.  A half that is a new
+        tensor (a global input's rows gathered by :func:`half`) is then allocated on the stream that
+        reads it, in the forward and, saved for it, in the backward: made on the calling stream, it
+        would return to that stream's pool when the backward frees it, while the copy stream's
+        kernels reading it may not have run yet, and the next allocation there (a gradient bucket,
+        say) could overwrite it first."""
         if self.num_stages == 1:
-            return SequentialCopies(self.split)(copies, groups)
+            return SequentialCopies(self.split)(inputs_of, groups)
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             for s in self.streams:
@@ -133,7 +137,9 @@ class StagedCopies:
         graph = self.split.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for c in (0, 1):
-            for ph, value in zip(placeholders, copies[c]):
+            with self._on(c):
+                values = inputs_of(c)
+            for ph, value in zip(placeholders, values):
                 envs[c][ph] = value
         for node in graph.nodes:
             if node.op == "placeholder":

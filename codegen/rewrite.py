@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hidup.codegen import collectives
-from hidup.codegen.duplicate import SequentialCopies, StagedCopies, split_inputs, trace_copy
+from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs, trace_copy
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_group
 
@@ -88,8 +88,7 @@ class HidupModule(nn.Module):
             d = dims[self.input_names.index(name)]
             local_split = self.local_batch and form is not None and form.is_gather and form.dim == d
             blocks.append(1 if local_split else self.world_size)
-        copies = split_inputs(values, dims, blocks)
-        return self.runner(copies, self.copy_groups)
+        return self.runner(lambda c: copy_inputs(values, dims, blocks, c), self.copy_groups)
 
     # -- helpers
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:

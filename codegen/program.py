@@ -365,7 +365,10 @@ class _Builder:
                 placeholders[n.name] = self._tag(self.graph.placeholder(n.name, default_value=default))
                 self.input_forms.setdefault(n.name, None)
         for node in ir.nodes:
-            self.stage = max(self.stage, self.stage_of.get(node.name, self.stage))  # keep stages monotone
+            if node.op == "call":  # keep stages monotone; an input or a parameter joins the stage it is in:
+                # the plan files it under its first consumer's stage, which the trace may reach much later
+                # (the labels feed the loss), and jumping there would put the whole step in one stage
+                self.stage = max(self.stage, self.stage_of.get(node.name, self.stage))
             sig = self.choice(node)
             if node.op == "input":
                 self.add_input(node, sig, placeholders[node.name])

@@ -232,7 +232,7 @@ def _rank_staged(rank, world, plan):
         bad = ""
     except hidup.codegen.CompileError as e:
         bad = str(e)
-    return {**r, "stages": stages, "groups": distinct, "reused": reused, "reused_parity": r2, "bad_groups": bad}
+    return {**r, "stages": stages, "plan_stages": len(plan.stages), "groups": distinct, "reused": reused, "reused_parity": r2, "bad_groups": bad}
 
 
 def _rank_tied(rank, world, plans):
@@ -394,6 +394,9 @@ def test_staged_duplication_schedule():
     for rank, res in enumerate(_results(2)):
         r = res["staged"]
         assert r["stages"] > 1, "the searched plan should have several stages"
+        # every stage of the plan is a stage of the runner: inputs and parameters (the labels are
+        # traced first but filed under the loss's stage) must not pull the whole step into one
+        assert r["stages"] == r["plan_stages"], r
         assert r["groups"], "each copy needs its own process group"
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"rank {rank}: {r}"
         r2 = r["reused_parity"]

@@ -316,36 +316,51 @@ def bench_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _runs_of(out_dir: Path, network: str, world: int) -> list[dict]:
+    doc = load_json(out_dir / f"{network}.json", None) or {}
+    return [r for r in doc.get("runs", []) if r.get("world") == world]
+
+
+def figure_panels(out_dir: Path) -> dict:
+    """``{(network, world): {(model, precision): {method: efficiency}}}`` from each network's merged
+    ``<out>/<network>.json`` (copies beside it, a run's own file, repeat its keys and are ignored);
+    the efficiency against the graphed floor where one was measured: the eager floor pays host
+    dispatch too."""
+    from benchrun import METHODS
+
+    docs = [d for p, d in ((p, load_json(p, None)) for p in sorted(out_dir.glob("*.json"))) if d and "runs" in d
+            and d.get("network") == p.stem]
+    panels: dict = {}
+    for d in docs:
+        for r in d["runs"]:
+            group = panels.setdefault((d["network"], r["world"]), {}).setdefault((r["model"], r["precision"]), {})
+            if not r["method"].startswith("single") and r["method"] in METHODS:  # the floors are the 1.0 line
+                group[r["method"]] = r.get("scaling_efficiency_graphed") or r.get("scaling_efficiency") or 0.0
+    return dict(sorted(panels.items()))
+
+
 def bench_figure(out_dir: Path, target: Path) -> Path | None:
-    """Scaling efficiency per method, one panel per (network, world), from every ``<out>/<net>.json``
-    (against the graphed floor where one was measured: the eager floor pays host dispatch too)."""
+    """Scaling efficiency per method, one panel per (network, world) (:func:`figure_panels`)."""
     plt = pyplot()
     if plt is None:
         return None
-    docs = [d for d in (load_json(p, None) for p in sorted(out_dir.glob("*.json"))) if d and "runs" in d
-            and "network" in d]
-    panels = sorted({(d["network"], r["world"]) for d in docs for r in d["runs"]})
+    panels = figure_panels(out_dir)
     if not panels:
         return None
     from benchrun import METHODS
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
-    for ax, (net, world) in zip(axes[:, 0], panels):
-        runs = [r for d in docs if d["network"] == net for r in d["runs"] if r["world"] == world]
-        groups = sorted({(r["model"], r["precision"]) for r in runs})
-        methods = [m for m in METHODS if not m.startswith("single") and any(r["method"] == m for r in runs)]
+    for ax, ((net, world), groups) in zip(axes[:, 0], panels.items()):
+        keys = sorted(groups)
+        methods = [m for m in METHODS if any(m in groups[g] for g in keys)]
         width = 0.8 / max(1, len(methods))
         for j, m in enumerate(methods):
-            ys = []
-            for g in groups:
-                r = next((r for r in runs if (r["model"], r["precision"]) == g and r["method"] == m), None) or {}
-                ys.append(r.get("scaling_efficiency_graphed") or r.get("scaling_efficiency") or 0.0)
-            ax.bar([i + j * width for i in range(len(groups))], ys, width, label=m)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-        ax.set_xticklabels([f"{m}\n{p}" for m, p in groups], fontsize=8)
+            ax.bar([i + j * width for i in range(len(keys))], [groups[g].get(m, 0.0) for g in keys], width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{m}\n{p}" for m, p in keys], fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_ylabel("scaling efficiency")
-        graphed = any(r.get("scaling_efficiency_graphed") for r in runs)
+        graphed = any(r.get("scaling_efficiency_graphed") for r in _runs_of(out_dir, net, world))
         ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone"
                      + (", captured as one CUDA graph)" if graphed else ")"))
         if methods:  # a sweep of the floors alone has no bar to label

@@ -131,6 +131,19 @@ def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
     assert "SOCKETS v1" not in text and text.count("<!-- begin bench-sockets -->") == 1
 
 
+def test_figure_reads_each_networks_merged_results_only(tmp_path):
+    def run(method, eff, status="ok"):
+        return {"key": f"w2/m/tf32/{method}", "world": 2, "model": "m", "precision": "tf32", "method": method,
+                "status": status, "scaling_efficiency": eff}
+
+    merged = {"network": "nvlink", "runs": [run("single", 1.0), run("ddp", 0.8), run("hidup", 1.1)]}
+    copy = {"network": "nvlink", "runs": [run("ddp", None, "skipped"), run("hidup", None, "skipped")]}
+    (tmp_path / "nvlink.json").write_text(json.dumps(merged))
+    (tmp_path / "nvlink-run1.json").write_text(json.dumps(copy))  # sorts first; must not shadow nvlink.json
+    (tmp_path / "nvlink-profile.json").write_text(json.dumps({"name": "p"}))
+    assert report.figure_panels(tmp_path) == {("nvlink", 2): {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}
+
+
 def test_read_partial_skips_a_cut_line(tmp_path):
     from bench import read_partial
 

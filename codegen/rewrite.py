@@ -26,6 +26,7 @@ in ``reduce`` form).  The returned :class:`HidupModule`:
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,10 @@ class HidupModule(nn.Module):
             device = _device_of(self.gm)
             use_streams = device.type == "cuda" if streams is None else streams
             self.runner = StagedCopies(self.gm, device) if use_streams else SequentialCopies(self.gm)
+            if use_streams and self.runner.num_stages < program.num_stages:
+                warnings.warn(f"duplication: the generated program has {self.runner.num_stages} of the plan's "
+                              f"{program.num_stages} stages (the trace orders some op after an op of a later "
+                              f"stage), so the copies overlap less than the search assumed", stacklevel=2)
 
     # -- running
     def _bind(self, args, kwargs) -> list:

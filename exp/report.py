@@ -316,16 +316,11 @@ def bench_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _runs_of(out_dir: Path, network: str, world: int) -> list[dict]:
-    doc = load_json(out_dir / f"{network}.json", None) or {}
-    return [r for r in doc.get("runs", []) if r.get("world") == world]
-
-
 def figure_panels(out_dir: Path) -> dict:
-    """``{(network, world): {(model, precision): {method: efficiency}}}`` from each network's merged
-    ``<out>/<network>.json`` (copies beside it, a run's own file, repeat its keys and are ignored);
-    the efficiency against the graphed floor where one was measured: the eager floor pays host
-    dispatch too."""
+    """``{(network, world): {"graphed": bool, "groups": {(model, precision): {method: efficiency}}}}`` from
+    each network's merged ``<out>/<network>.json`` (copies beside it, a run's own file, repeat its keys
+    and are ignored); the efficiency is against the graphed floor where one was measured (``graphed``):
+    the eager floor pays host dispatch too."""
     from benchrun import METHODS
 
     docs = [d for p, d in ((p, load_json(p, None)) for p in sorted(out_dir.glob("*.json"))) if d and "runs" in d
@@ -333,7 +328,9 @@ def figure_panels(out_dir: Path) -> dict:
     panels: dict = {}
     for d in docs:
         for r in d["runs"]:
-            group = panels.setdefault((d["network"], r["world"]), {}).setdefault((r["model"], r["precision"]), {})
+            panel = panels.setdefault((d["network"], r["world"]), {"graphed": False, "groups": {}})
+            panel["graphed"] = panel["graphed"] or bool(r.get("scaling_efficiency_graphed"))
+            group = panel["groups"].setdefault((r["model"], r["precision"]), {})
             if not r["method"].startswith("single") and r["method"] in METHODS:  # the floors are the 1.0 line
                 group[r["method"]] = r.get("scaling_efficiency_graphed") or r.get("scaling_efficiency") or 0.0
     return dict(sorted(panels.items()))
@@ -350,7 +347,8 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
     from benchrun import METHODS
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
-    for ax, ((net, world), groups) in zip(axes[:, 0], panels.items()):
+    for ax, ((net, world), panel) in zip(axes[:, 0], panels.items()):
+        groups = panel["groups"]
         keys = sorted(groups)
         methods = [m for m in METHODS if any(m in groups[g] for g in keys)]
         width = 0.8 / max(1, len(methods))
@@ -360,9 +358,8 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
         ax.set_xticklabels([f"{m}\n{p}" for m, p in keys], fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_ylabel("scaling efficiency")
-        graphed = any(r.get("scaling_efficiency_graphed") for r in _runs_of(out_dir, net, world))
         ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone"
-                     + (", captured as one CUDA graph)" if graphed else ")"))
+                     + (", captured as one CUDA graph)" if panel["graphed"] else ")"))
         if methods:  # a sweep of the floors alone has no bar to label
             ax.legend(fontsize=8, ncol=len(methods))
     fig.tight_layout()

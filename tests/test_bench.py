@@ -141,7 +141,8 @@ def test_figure_reads_each_networks_merged_results_only(tmp_path):
     (tmp_path / "nvlink.json").write_text(json.dumps(merged))
     (tmp_path / "nvlink-run1.json").write_text(json.dumps(copy))  # sorts first; must not shadow nvlink.json
     (tmp_path / "nvlink-profile.json").write_text(json.dumps({"name": "p"}))
-    assert report.figure_panels(tmp_path) == {("nvlink", 2): {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}
+    assert report.figure_panels(tmp_path) == {
+        ("nvlink", 2): {"graphed": False, "groups": {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}}
 
 
 def test_read_partial_skips_a_cut_line(tmp_path):

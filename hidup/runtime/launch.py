@@ -223,8 +223,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
     failure is raised here with its traceback.  With neither, it runs one rank in this process.
     ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks
-    print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it -- a watchdog for hangs that no process-group
-    timeout ends."""
+    print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it --
+    a watchdog for hangs that no process-group timeout ends."""
     layout = layout_from_env(env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr,
                              master_port=master_port)
     if layout.source in ("torchrun", "single"):
@@ -280,11 +280,13 @@ def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
 
     sig = getattr(signal, "SIGUSR2", None)
     alive = [(i, p) for i, p in enumerate(processes) if p.is_alive()]
-    for i, p in alive if sig is not None else ():
-        print(f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr, flush=True)
-        with contextlib.suppress(OSError):
-            os.kill(p.pid, sig)
-        time.sleep(grace_s)  # one rank's dump at a time: they share the terminal
+    if sig is not None:
+        for i, p in alive:
+            print(f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr,
+                  flush=True)
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, sig)
+            time.sleep(grace_s)  # one rank's dump at a time: they share the terminal
     for _, p in alive:
         if p.is_alive():
             p.kill()

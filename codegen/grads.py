@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.codegen.collectives import world_of
+from hidup.ir import GRAD_BUCKET_MB
 from hidup.codegen.params import iter_shards
 
 __all__ = ["GradBucketer", "clip_grad_norm_"]
@@ -51,7 +52,7 @@ class _Bucket:
 class GradBucketer:
     """Bucketed, overlapped all-reduce of the gradients of ``params`` (in forward first-use order)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = 25.0):
+    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = GRAD_BUCKET_MB):
         self.group = group
         self.enabled = True
         self.buckets: list[_Bucket] = []

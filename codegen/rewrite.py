@@ -36,6 +36,7 @@ from hidup.codegen import collectives
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs, trace_copy
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_group
+from hidup.ir import GRAD_BUCKET_MB
 
 __all__ = ["compile", "HidupModule", "CompileError"]
 
@@ -44,7 +45,7 @@ class HidupModule(nn.Module):
     """One rank's compiled training step (see module docstring)."""
 
     def __init__(self, program: RankProgram, *, rank: int, world_size: int, group=None, local_batch: bool = False,
-                 duplication: bool = False, copy_groups=None, batch_dims=None, bucket_mb: float = 25.0,
+                 duplication: bool = False, copy_groups=None, batch_dims=None, bucket_mb: float = GRAD_BUCKET_MB,
                  streams: bool | None = None, plan=None):
         super().__init__()
         self.gm = program.gm
@@ -136,7 +137,7 @@ def _positional(model: nn.Module, example_inputs) -> list:
 
 def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
             local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
-            bucket_mb: float = 25.0, device: torch.device | str | None = None, streams: bool | None = None,
+            bucket_mb: float = GRAD_BUCKET_MB, device: torch.device | str | None = None, streams: bool | None = None,
             leaf_modules=None, copy_groups: tuple | None = None) -> HidupModule:
     """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
 

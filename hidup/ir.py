@@ -45,8 +45,12 @@ from typing import Iterable
 
 __all__ = [
     "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion",
-    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES",
+    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES", "GRAD_BUCKET_MB",
 ]
+
+# Size of the buckets in which the runtime all-reduces the gradients of replicated parameters
+# (hidup.codegen.grads); the search prices that all-reduce per bucket (hidup.search.cost).
+GRAD_BUCKET_MB = 25.0
 
 # Collective operations that cost communication; every other conversion op is local.
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")

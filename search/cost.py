@@ -29,6 +29,19 @@ the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring a
 reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
 measurement of one of them does not make the search trade it for the others.
 
+Gradient all-reduce of a ``replicate`` parameter (``replicate -> full``, backward)
+-----------------------------------------------------------------------------------
+The runtime does not all-reduce each such gradient on its own: it packs them into buckets of
+``bucket_mb`` MB (:mod:`hidup.codegen.grads`, as DDP does) and all-reduces whole buckets.  A
+parameter of ``b`` bytes is charged its share of one bucket::
+
+    G(b) = T(all_reduce, B) * b / B,   B = max(b, min(bucket_mb MB, trainable parameter bytes))
+
+so the step pays one latency ``alpha`` per bucket, not per parameter, at the bandwidth of a
+bucket-sized message (a parameter larger than a bucket gets a bucket of its own: ``G(b) = T(b)``;
+a model smaller than one bucket syncs in one message).  The share is node-local, so the DP sums it
+like any other cost; only the last, partly filled bucket is priced as if it were full.
+
 Duplication (two half-batch copies A and B)
 -------------------------------------------
 A tensor is *batch-dependent* when it derives from a model input; parameters, buffers and tensors
@@ -44,7 +57,7 @@ computed only from them are not.  Per copy:
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
   (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
   once per copy) -- except the gradient all-reduce of a ``replicate`` parameter, which the bucketed
-  gradient synchronization does once per step after both copies: ``bA = T(c, bytes), bB = 0``;
+  gradient synchronization does once per step after both copies: ``bA = G(bytes), bB = 0``;
 * the two copies communicate on two communicators, and two collectives in flight at once can move
   more bytes per second than one (parallel connections over sockets): a per-copy collective
   ``c`` of ``b`` bytes is charged ``T(c, b) / k_c(b)``, with ``k_c(b)`` in [1, 2] the profile's
@@ -57,7 +70,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hidup.ir import DTYPE_BYTES, Conversion, Form, Graph, Node, Signature, Tensor, conversion
+from hidup.ir import DTYPE_BYTES, GRAD_BUCKET_MB, Conversion, Form, Graph, Node, Signature, Tensor, conversion
 from hidup.profiler.profile import op_dtype
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
@@ -89,11 +102,15 @@ class ConvCost:
 class CostModel:
     """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
 
-    def __init__(self, graph: Graph, profile, precision: str = "fp32"):
+    def __init__(self, graph: Graph, profile, precision: str = "fp32", bucket_mb: float = GRAD_BUCKET_MB):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0 (the runtime's gradient bucket size in MB), got {bucket_mb!r}")
         self.graph, self.profile, self.precision = graph, profile, precision
         self.world = graph.world_size
+        trainable = sum(t.nbytes for t in graph.tensors.values() if t.is_param and t.requires_grad)
+        self.bucket_bytes = float(min(bucket_mb * 2**20, trainable)) if trainable else bucket_mb * 2**20
         self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (bytes, grad, batch, src, dst)
         self._conv_by_tensor: dict[tuple, ConvCost | None] = {}  # by (tensor id, src, dst)
         self.batch = self._batch_dependence(graph)
@@ -200,6 +217,12 @@ class CostModel:
             return 0.0
         return self.comm_profile.comm_time(collective, self.world, nbytes)
 
+    def grad_sync(self, nbytes: float) -> float:
+        """Seconds of a replicated parameter's gradient all-reduce of ``nbytes``: its share of one
+        bucket's all-reduce (module docstring)."""
+        bucket = max(float(nbytes), self.bucket_bytes)
+        return self.comm("all_reduce", bucket) * float(nbytes) / bucket
+
     def pair_speedup(self, collective: str, nbytes: float) -> float:
         """How much faster two copies' equal collectives go together than one after the other
         (the profile's measured ``concurrency``; 1 where unmeasured)."""
@@ -227,8 +250,9 @@ class CostModel:
             if not t.requires_grad:
                 cb = ""
             b = float(t.nbytes)
-            fwd, bwd = self.comm(cf, b), self.comm(cb, b)
             grad_sync = src.kind == "replicate" and dst.kind == "full"
+            fwd = self.comm(cf, b)
+            bwd = self.grad_sync(b) if grad_sync and cb == "all_reduce" else self.comm(cb, b)
             if batch:
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import hidup.profiler
-from hidup.ir import FULL, Graph, Node, Signature, Tensor, gather
+from hidup.ir import FULL, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.search.cost import CostModel
 
 
@@ -86,3 +86,46 @@ def test_concurrent_copies_divide_per_copy_collectives():
     assert b.fA == pytest.approx(a.fA / 1.6) and b.bB == pytest.approx(a.bB / 1.6)
     assert fast.pair_speedup("all_reduce", 4, 1e6) == 1.6 and base.pair_speedup("all_reduce", 4, 1e6) == 1.0
     assert _profile(concurrency={"all_gather": {4: ([1e3], [3.0])}}).pair_speedup("all_gather", 4, 1e4) == 2.0
+
+
+def _params_graph(sizes, world=4):
+    """Parameters of ``sizes`` float32 elements, each used whole (``replicate -> full``) by one op."""
+    nodes, tensors = [], {}
+    for i, n in enumerate(sizes):
+        w, y = 2 * i, 2 * i + 1
+        tensors[w] = Tensor(w, (n,), "float32", f"p{i}", requires_grad=True, is_param=True)
+        tensors[y] = Tensor(y, (n,), "float32", f"f{i}", requires_grad=True)
+        nodes.append(Node(f"p{i}", "param", "parameter", [], [w], [Signature((), (REPLICATE,), 0, "param")]))
+        nodes.append(Node(f"f{i}", "call", "neg", [w], [y], [Signature((FULL,), (FULL,), n)]))
+    return Graph(nodes, tensors, world)
+
+
+def test_gradient_all_reduce_is_priced_by_the_runtimes_buckets():
+    mb = 2**20
+    sizes = [mb // 4, mb // 2, 3 * mb]  # 1 MiB, 2 MiB, 12 MiB of float32 gradients
+    g = _params_graph(sizes)
+    cm = CostModel(g, _profile(), bucket_mb=4.0)
+    assert cm.bucket_bytes == 4 * mb
+    costs = [cm.conversion(2 * i, REPLICATE, FULL) for i in range(len(sizes))]
+    assert all(c.grad_sync and c.fwd == 0.0 for c in costs)
+    bucket = cm.comm("all_reduce", 4 * mb)
+    # a parameter smaller than a bucket pays its share of one bucket: one alpha per bucket, not per parameter
+    assert costs[0].bwd == pytest.approx(bucket / 4) and costs[1].bwd == pytest.approx(bucket / 2)
+    assert costs[0].bwd < cm.comm("all_reduce", mb)
+    # one larger than a bucket is a bucket of its own
+    assert costs[2].bwd == pytest.approx(cm.comm("all_reduce", 12 * mb))
+    # with duplication, the sync runs once per step, after both copies
+    assert (costs[0].bA, costs[0].bB) == (costs[0].bwd, 0.0)
+    # four such 1 MiB parameters cost exactly one full bucket
+    assert 4 * costs[0].bwd == pytest.approx(bucket)
+
+
+def test_gradient_bucket_is_capped_by_the_trainable_bytes():
+    mb = 2**20
+    g = _params_graph([mb // 4, mb // 4])  # 2 MiB of gradients in all: one message of 2 MiB
+    cm = CostModel(g, _profile())  # the runtime's default bucket (25 MB) is larger
+    assert cm.bucket_bytes == 2 * mb
+    both = sum(cm.conversion(2 * i, REPLICATE, FULL).bwd for i in range(2))
+    assert both == pytest.approx(cm.comm("all_reduce", 2 * mb))
+    with pytest.raises(ValueError, match="bucket_mb"):
+        CostModel(g, _profile(), bucket_mb=0)

@@ -156,14 +156,16 @@ class Profile:
     def bandwidth(self, collective: str, group: int, nbytes: float) -> float:
         """Algorithmic bandwidth (bytes/s) of ``collective`` over ``group`` ranks at ``nbytes``."""
         tab, factor = self.table(collective, group)
-        return tab.bandwidth(nbytes) * factor
+        net = tab.net_time(nbytes)
+        return (nbytes / net if net > 0 else tab.bandwidth(nbytes)) * factor
 
     def comm_time(self, collective: str, group: int, nbytes: float) -> float:
-        """alpha + nbytes / algbw(nbytes); 0 for a group of one rank or an empty buffer."""
+        """alpha + nbytes / algbw(nbytes), within the band of the measured neighbours
+        (:meth:`CommTable.net_time`); 0 for a group of one rank or an empty buffer."""
         if group <= 1 or nbytes <= 0:
             return 0.0
         tab, factor = self.table(collective, group)
-        return tab.alpha + nbytes / (tab.bandwidth(nbytes) * factor)
+        return tab.alpha + tab.net_time(nbytes) / factor
 
     def pair_speedup(self, collective: str, group: int, nbytes: float) -> float:
         """Aggregate speedup of two concurrent ``collective`` calls of ``nbytes`` each on two

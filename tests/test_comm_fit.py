@@ -236,3 +236,47 @@ def test_one_wrong_all_to_all_entry_no_longer_changes_the_moe_plan(monkeypatch):
     _ring_only(monkeypatch)
     assert search(graph, prof, world_size=4, algorithm="dp", duplication=True).choices == clean_plan.choices
     assert search(graph, bad, world_size=4, algorithm="dp", duplication=True).choices != clean_plan.choices
+
+
+def _table_of_times(alpha, times):
+    """A table whose measured call times at SIZES are ``times`` (algbw net of alpha)."""
+    return CommTable(alpha, list(SIZES), [s / max(t - alpha, 1e-12) for s, t in zip(SIZES, times)])
+
+
+def test_interpolated_time_stays_between_measured_neighbours():
+    # NVLink all-to-all over 4 ranks as measured: every size up to 16 MiB is all latency, so the
+    # net bandwidth at 16 MiB is near infinite; 256 MiB took 209 us.
+    alpha = 33.9e-6
+    tab = _table_of_times(alpha, [alpha, alpha, alpha, alpha + 0.07e-6, 209.2e-6])
+    s = 120e6
+    raw = alpha + s / tab.bandwidth(s)  # the log-size interpolation of the net bandwidth alone
+    assert raw < 40e-6
+    t = tab.time(s)
+    assert t == pytest.approx(209.2e-6 * s / SIZES[-1])  # no less time per byte than 256 MiB took
+    assert tab.time(SIZES[3]) <= t <= tab.time(SIZES[4])
+    # the profile prices it the same way, and its bandwidth agrees with its time
+    prof = Profile(name="t", flops={"fp32": 1e12}, collectives={"all_to_all": {4: tab}})
+    assert prof.comm_time("all_to_all", 4, s) == pytest.approx(t)
+    assert prof.comm_time("all_to_all", 4, s) == pytest.approx(alpha + s / prof.bandwidth("all_to_all", 4, s))
+    # monotone over the whole range
+    grid = [2 ** (k / 4) for k in range(40, 116)]
+    times = [tab.time(x) for x in grid]
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:]))
+
+
+def test_well_conditioned_tables_interpolate_as_before():
+    alpha, link = 4e-5, (5e8, 2e9, 4e9, 6e9, 6.5e9)  # bandwidth ramping up with size
+    tab = CommTable(alpha, list(SIZES), list(link))
+    for s in [10e3, 300e3, 4e6, 100e6]:
+        assert tab.time(s) == pytest.approx(alpha + s / tab.bandwidth(s), rel=1e-12)
+
+
+def test_a_dipping_curve_keeps_only_the_bound_it_obeys():
+    # 256 MiB is slower per byte than 16 MiB (measured: NVLink all-reduce over 2 ranks); only the
+    # monotone-time bound applies between them, so the interpolation is kept as long as it lies in it
+    alpha = 23.6e-6
+    tab = _table_of_times(alpha, [23.7e-6, 23.7e-6, 26.8e-6, 74.8e-6, 2259.5e-6])
+    for s in [20e6, 64e6, 200e6]:
+        t = tab.time(s)
+        assert tab.time(SIZES[3]) <= t <= tab.time(SIZES[4])
+        assert t == pytest.approx(alpha + s / tab.bandwidth(s), rel=1e-12)

@@ -103,6 +103,22 @@ def _rank1_vanishes(ctx):
     dist.all_reduce(torch.ones(1))
 
 
+def _abort_on_exit(ctx):
+    import atexit
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+    if ctx.rank == 1:
+        atexit.register(os.abort)  # returns its result, then dies with SIGABRT while exiting
+    return ctx.rank
+
+
+def test_launch_keeps_results_when_a_rank_dies_after_returning():
+    with pytest.warns(RuntimeWarning, match="returned its result, then one died on exit"):
+        out = launch(_abort_on_exit, cpn=2, master_port=_free_port(), env={}, timeout_s=30, backend="gloo")
+    assert out == [0, 1]
+
+
 def test_launch_spawns_cpn_ranks():
     out = launch(_sum_ranks, 10.0, cpn=2, master_port=_free_port(), env={}, timeout_s=30, backend="gloo")
     assert out == [(0, 2, 0, "gloo", 10.0), (1, 2, 1, "gloo", 10.0)]

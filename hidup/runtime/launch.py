@@ -27,6 +27,7 @@ import pickle
 import queue as queue_mod
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
@@ -221,7 +222,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
 
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
     launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
-    failure is raised here with its traceback.  With neither, it runs one rank in this process.
+    failure is raised here with its traceback (a rank that dies while exiting, after every rank
+    returned its result, only warns: the results are complete).  With neither, it runs one rank in this process.
     ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks
     print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it --
     a watchdog for hangs that no process-group timeout ends."""
@@ -258,6 +260,13 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     except Exception as e:
         _drain(results, out)
         failures = [v for v in out.values() if isinstance(v, _Failure)]
+        if not failures and len(out) == layout.cpn:
+            # every rank returned its result; one then died leaving (a library's teardown at exit)
+            warnings.warn(f"hidup launch: every rank of node {layout.node_rank} returned its result, then one "
+                          f"died on exit ({e}); the results are kept", RuntimeWarning, stacklevel=2)
+            for p in procs.processes:
+                p.join(timeout=10)
+            return [out[r] for r in range(layout.cpn)]
         detail = failures[0].text if failures else str(e)
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{detail}") from None
     finally:

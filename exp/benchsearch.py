@@ -74,16 +74,20 @@ def _sha(path: Path) -> str:
 
 
 def code_digest() -> str:
-    """A digest of the sources a searched plan depends on (tracer, rules, zoo, cost model, search):
-    a cached plan is reused only when they are unchanged."""
+    """A digest of the sources a searched plan depends on (tracer, rules, zoo, profile format and
+    collective tables, cost model, search): a cached plan is reused only when they are unchanged."""
     from report import ROOT
 
+    return _digest_of(ROOT)
+
+
+def _digest_of(root: Path) -> str:
     h = hashlib.sha256()
-    files = [ROOT / "hidup" / "ir.py", ROOT / "hidup" / "trace.py", ROOT / "profiler" / "profile.py"]
-    for folder in ("search", "hidup/rules", "hidup/models"):
-        files += sorted((ROOT / folder).rglob("*.py"))
+    files = [root / "hidup" / "ir.py", root / "hidup" / "trace.py"]
+    for folder in ("search", "profiler", "hidup/rules", "hidup/models"):
+        files += sorted((root / folder).rglob("*.py"))
     for f in files:
-        h.update(f.relative_to(ROOT).as_posix().encode())
+        h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

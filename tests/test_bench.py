@@ -419,3 +419,21 @@ def test_stall_watch_fires_only_on_a_run_in_progress(tmp_path):
     os.utime(partial, (old, old))
     assert "w2/m/tf32/ddp made no progress in phase 'capture' for 60 s" in watch()
     assert bench.stall_watch(partial, 0)() is None
+
+
+def test_cached_plans_are_keyed_by_every_source_the_search_reads(tmp_path):
+    import shutil
+
+    import benchsearch
+
+    for part in ("hidup", "search", "profiler"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = benchsearch._digest_of(tmp_path)
+    assert before == benchsearch.code_digest()  # the repository's own digest, from the same files
+    for changed in ("profiler/tables.py", "search/cost.py", "hidup/ir.py"):  # collective tables, cost model, IR
+        f = tmp_path / changed
+        text = f.read_text()
+        f.write_text(text + "\n# changed\n")
+        assert benchsearch._digest_of(tmp_path) != before, changed
+        f.write_text(text)
+    assert benchsearch._digest_of(tmp_path) == before

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from hidup.codegen.collectives import world_of
-from hidup.ir import GRAD_BUCKET_MB
 from hidup.codegen.params import iter_shards
+from hidup.ir import GRAD_BUCKET_MB
 
 __all__ = ["GradBucketer", "clip_grad_norm_"]
 

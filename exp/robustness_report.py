@@ -16,6 +16,7 @@ from pathlib import Path
 
 from report import hardware_line, load_json, pyplot, save_json, table, write_section
 
+
 def _f(x, pct=False) -> str:
     return "-" if x is None else (f"{x:.3f}" if not pct else f"{100 * x:.1f}%")
 

@@ -17,7 +17,17 @@ measured rate equals ``fp32``'s.
 Memory bandwidth
 ----------------
 A device-to-device copy of ``b`` bytes reads ``b`` and writes ``b`` bytes, so
-``bandwidth = 2 b / t_copy`` [bytes/s].
+``bandwidth = 2 b / t_copy`` [bytes/s].  A copy that changes the layout (``x.movedim(1, 0)
+.contiguous()``, what a collective on a dim other than the first needs around it) reads and writes as
+much but strides through one side: :func:`layout_bandwidth` times it the same way.
+
+Gradient bucket copies
+----------------------
+The runtime packs the gradients of replicated parameters into flat buckets before each all-reduce
+and copies the sums back (:mod:`hidup.codegen.grads`): per parameter, a share of one ``torch.cat``
+and one ``copy_``.  :func:`grad_copy_overhead` times both on tiny tensors (the bytes are
+negligible) and divides by their number: the fixed cost per parameter, eagerly or inside a CUDA
+graph; the bytes are priced at the memory bandwidth.
 
 Timing
 ------
@@ -38,7 +48,7 @@ from typing import Callable, Iterator
 import torch
 
 __all__ = ["DTYPES", "MatmulRate", "Timer", "time_call", "matmul_rate", "device_rates",
-           "memory_bandwidth", "default_matmul_sizes", "torch_dtype"]
+           "memory_bandwidth", "layout_bandwidth", "grad_copy_overhead", "default_matmul_sizes", "torch_dtype"]
 
 # Compute dtypes of a profile (hidup.profiler.profile.DTYPES); "tf32" means float32 tensors with
 # TF32 matmuls enabled.
@@ -211,6 +221,51 @@ def memory_bandwidth(device: torch.device | str, nbytes: int | None = None, *, b
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 2.0 * n * 4 / seconds
+
+
+def layout_bandwidth(device: torch.device | str, nbytes: int | None = None, *, budget_s: float = 0.2) -> float:
+    """Bandwidth in bytes/s (read + written) of a layout-changing copy: ``x.movedim(1, 0).contiguous()``
+    of a 4-d float32 tensor of about ``nbytes`` (default 32 MiB on a GPU, 64 MiB on a CPU) whose moved
+    dim is neither the first nor the last, as the collectives' ``_to_front`` / ``_from_front`` copy."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (32 << 20) if device.type == "cuda" else (64 << 20)
+    rows = max(1, nbytes // (8 * 64 * 256 * 4))
+    x = torch.ones((8, 64, rows, 256), device=device, dtype=torch.float32)
+    seconds = time_call(lambda: x.movedim(1, 0).contiguous(), device, budget_s=budget_s)
+    moved = 2.0 * x.numel() * 4
+    x = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return moved / seconds
+
+
+def grad_copy_overhead(device: torch.device | str, params: int = 64, *, budget_s: float = 0.2,
+                       graphed: bool = False) -> float:
+    """Seconds per parameter of packing ``params`` tiny gradients into one flat buffer
+    (``torch.cat``) and copying each back out of it (``copy_``), as the gradient buckets do
+    (:mod:`hidup.codegen.grads`); ``graphed=True`` (CUDA only) times them captured in a CUDA graph."""
+    device = torch.device(device)
+    grads = [torch.ones(64, device=device) for _ in range(params)]
+
+    def step():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    if graphed:
+        if device.type != "cuda":
+            raise ValueError(f"grad_copy_overhead(graphed=True) needs a CUDA device, got {device}")
+        from .ops import _graph_time
+
+        seconds = _graph_time(step, device, budget_s, reps=1)
+        if seconds is None:
+            raise RuntimeError("grad_copy_overhead: the bucket copies could not be captured in a CUDA graph")
+    else:
+        seconds = time_call(step, device, budget_s=budget_s)
+    return seconds / params
 
 
 def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 0.2, graphed: bool = False) -> float:

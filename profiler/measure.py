@@ -162,7 +162,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     from hidup.profiler import profile as profile_mod
 
     from .comm import default_comm_sizes, default_group_sizes, profile_collectives
-    from .device import canonical_dtype, default_matmul_sizes, device_rates, memory_bandwidth, op_overhead
+    from .device import (canonical_dtype, default_matmul_sizes, device_rates, grad_copy_overhead, layout_bandwidth,
+                         memory_bandwidth, op_overhead)
 
     initialized = dist.is_available() and dist.is_initialized()
     pg_world = dist.get_world_size() if initialized else 1
@@ -193,10 +194,14 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
-        overhead_graph = 0.0
+        layout_bw = _rates_agreed({"layout": layout_bandwidth(device, budget_s=budget)}, device)["layout"]
+        grad_copy = 1.0 / _rates_agreed({"params": 1.0 / grad_copy_overhead(device, budget_s=budget)}, device)["params"]
+        overhead_graph = grad_copy_graph = 0.0
         if device.type == "cuda":
             per_op = op_overhead(device, budget_s=budget, graphed=True)
             overhead_graph = 1.0 / _rates_agreed({"ops": 1.0 / per_op}, device)["ops"]
+            per_param = grad_copy_overhead(device, budget_s=budget, graphed=True)
+            grad_copy_graph = 1.0 / _rates_agreed({"params": 1.0 / per_param}, device)["params"]
         curves = []
         if world > 1:
             curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget,
@@ -205,9 +210,11 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         bar.close()
     elapsed = time.perf_counter() - t_start
 
-    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s; "
-             f"op overhead {overhead * 1e6:.1f} us" +
-             (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")]
+    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
+             f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us" +
+             (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "") +
+             f"; gradient bucket copies {grad_copy * 1e6:.2f} us per parameter" +
+             (f" ({grad_copy_graph * 1e6:.2f} us in a CUDA graph)" if grad_copy_graph else "")]
     flops = dict(base.flops) if base is not None else {}
     flops.update(rates)
     missing = [d for d in profile_mod.DTYPES if d not in flops]
@@ -226,6 +233,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
                      f"{group_sizes}; algbw is net of alpha")
     else:
         collectives = {c: dict(t) for c, t in base.collectives.items()}
+        concurrency = {c: dict(t) for c, t in base.concurrency.items()}
         notes.append(f"collectives taken from profile {base.name!r}")
     gpu = _device_name(device)
     if name is None:
@@ -235,10 +243,16 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
         host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
         date=_dt.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
-        op_overhead_graph=overhead_graph, concurrency=concurrency,
+        op_overhead_graph=overhead_graph, concurrency=concurrency, layout_bandwidth=layout_bw,
+        grad_copy_overhead=grad_copy, grad_copy_overhead_graph=grad_copy_graph,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
+    if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
+        prof.ops_timing, prof.ops_scale = base.ops_timing, base.ops_scale
+        prof.optimizer_s_per_byte = base.optimizer_s_per_byte
+        prof.notes += f"; per-op times, their in-context scale and the Adam rate from profile {base.name!r}"
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
+           "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
            "op_overhead": overhead, "op_overhead_graph": overhead_graph,
            "matmul": {d: r.to_dict() for d, r in matmul.items()},
            "collectives": [c.to_dict() for c in curves]}

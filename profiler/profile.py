@@ -39,6 +39,17 @@ are optional; with them the cost model prices an unmeasured op as a roofline plu
 host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
 (0 = not measured: the eager figure is used).
 
+Layout copies and gradient buckets
+----------------------------------
+Around its collectives the runtime copies memory the graph does not show: a collective on a dim
+other than the first moves that dim to the front and back (``_to_front`` / ``_from_front`` in
+:mod:`hidup.codegen.collectives`), an all-to-all concatenates what it received, and the gradients of
+replicated parameters are packed into flat buckets and copied back (:mod:`hidup.codegen.grads`).
+``layout_bandwidth`` (bytes/s, read plus written) prices the layout-changing copies (0 = not
+measured: ``memory_bandwidth``); ``grad_copy_overhead`` is the fixed cost per parameter of the bucket
+copies, eagerly, and ``grad_copy_overhead_graph`` inside a CUDA graph (0 = not measured: two op
+overheads, one kernel each way); their bytes are priced at ``memory_bandwidth``.
+
 Per-op times
 ------------
 ``ops`` maps :func:`op_key` ``(target, local input shapes, dtype)`` to measured forward and backward
@@ -129,6 +140,9 @@ class Profile:
     ops_timing: str = "eager"  # how `ops` were timed: "graph" (device time in a CUDA graph) or "eager"
     ops_scale: float = 1.0  # in-context factor applied to every measured op time (see "Per-op times")
     optimizer_s_per_byte: float = 0.0  # Adam step seconds per byte of local trainable parameters; 0 = unknown
+    layout_bandwidth: float = 0.0  # bytes/s (read + written) of a layout-changing copy; 0 = memory_bandwidth
+    grad_copy_overhead: float = 0.0  # seconds per parameter of the gradient bucket copies (eager); 0 = unknown
+    grad_copy_overhead_graph: float = 0.0  # the same inside a CUDA graph; 0 = not measured
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -197,11 +211,24 @@ class Profile:
     def launched(self, cuda_graphs: bool) -> "Profile":
         """The profile as seen by a step run eagerly (``cuda_graphs=False``: ``op_overhead``) or
         captured as one CUDA graph (``op_overhead_graph`` when measured, else ``op_overhead``)."""
-        if not cuda_graphs or self.op_overhead_graph <= 0:
+        if not cuda_graphs or (self.op_overhead_graph <= 0 and self.grad_copy_overhead_graph <= 0):
             return self
         p = copy.copy(self)
-        p.op_overhead = self.op_overhead_graph
+        if self.op_overhead_graph > 0:
+            p.op_overhead = self.op_overhead_graph
+        if self.grad_copy_overhead_graph > 0:
+            p.grad_copy_overhead = self.grad_copy_overhead_graph
         return p
+
+    def layout_rate(self) -> float:
+        """Bytes/s (read + written) of a layout-changing copy: ``layout_bandwidth``, else
+        ``memory_bandwidth`` (0 when neither is known)."""
+        return self.layout_bandwidth if self.layout_bandwidth > 0 else self.memory_bandwidth
+
+    def grad_copy_fixed(self) -> float:
+        """Seconds per parameter of the gradient bucket copies: ``grad_copy_overhead``, else two op
+        overheads (one kernel into the bucket, one out)."""
+        return self.grad_copy_overhead if self.grad_copy_overhead > 0 else 2.0 * self.op_overhead
 
     def perturb(self, noise: float, seed: int = 0, comm_scale: float = 1.0) -> "Profile":
         """A copy with each rate, op time and bandwidth scaled by an independent U[1-noise, 1+noise]
@@ -239,6 +266,10 @@ class Profile:
             for g in sorted(self.concurrency[c]):
                 sizes, speed = self.concurrency[c][g]
                 out.concurrency.setdefault(c, {})[g] = (list(sizes), [min(2.0, max(1.0, k * f())) for k in speed])
+        # drawn last, so that a seed perturbs everything above as it did before these were measured
+        out.layout_bandwidth = self.layout_bandwidth * f()
+        out.grad_copy_overhead = self.grad_copy_overhead * f()
+        out.grad_copy_overhead_graph = self.grad_copy_overhead_graph * f()
         return out
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
@@ -255,7 +286,8 @@ class Profile:
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
-            "optimizer_s_per_byte": self.optimizer_s_per_byte,
+            "optimizer_s_per_byte": self.optimizer_s_per_byte, "layout_bandwidth": self.layout_bandwidth,
+            "grad_copy_overhead": self.grad_copy_overhead, "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -368,6 +400,9 @@ class Profile:
         ops_timing = d.get("ops_timing", "eager")
         ops_scale = number(d.get("ops_scale", 1.0), "ops_scale")
         opt_rate = number(d.get("optimizer_s_per_byte", 0.0), "optimizer_s_per_byte", positive=False)
+        layout_bw = number(d.get("layout_bandwidth", 0.0), "layout_bandwidth", positive=False)
+        grad_copy = number(d.get("grad_copy_overhead", 0.0), "grad_copy_overhead", positive=False)
+        grad_copy_graph = number(d.get("grad_copy_overhead_graph", 0.0), "grad_copy_overhead_graph", positive=False)
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -389,7 +424,7 @@ class Profile:
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
                        d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
-                       ops_timing, ops_scale, opt_rate)
+                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph)
 
 
 def builtin_names() -> list[str]:

@@ -75,7 +75,7 @@ class Plan:
     memory: dict[str, float]
     conversions: list[ConversionRecord]
     options: dict = field(default_factory=dict)
-    node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, comm_f, comm_b]
+    node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, conv_f, conv_b]: form changes = collectives + their copies
     layers: dict[str, str] = field(default_factory=dict)  # node name -> layer label
     alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
     model_config: dict = field(default_factory=dict)

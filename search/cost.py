@@ -29,6 +29,28 @@ the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring a
 reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
 measurement of one of them does not make the search trade it for the others.
 
+Memory copies around a form change (compute stream)
+---------------------------------------------------
+The runtime (:mod:`hidup.codegen.collectives`) copies memory around its collectives, and those
+copies run on the compute stream: ``L(b) = o + 2 b / layout_rate`` for a layout-changing copy of
+``b`` bytes (``layout_rate`` the profile's :meth:`~hidup.profiler.Profile.layout_rate`),
+``M(b) = o + 2 b / memory_bandwidth`` for a plain one, ``Z(b) = o + b / memory_bandwidth`` to zero
+``b`` bytes.  With ``B = bytes(t)``, ``n`` ranks, and a dim ``d`` *moved* when the dims before it (of
+the tensor the op reads) are not all of size 1:
+
+* ``slice`` to ``gather_d``: ``L(B/n)`` if ``d`` is moved (the slice is strided), else 0;
+* ``zero_pad`` from ``gather_d``: ``Z(B) + L(B/n)`` (``M(B/n)`` if ``d`` is not moved);
+* ``keep_rank0``: ``Z(B)`` (the ranks other than 0 hold zeros);
+* ``all_gather`` from ``gather_d``: ``L(B/n) + L(B)`` if ``d`` is moved (to the front and back), else 0;
+* ``reduce_scatter`` to ``gather_d``: ``L(B) + L(B/n)`` if ``d`` is moved, else 0;
+* ``all_reduce``: ``M(B)`` (the sum goes to a new buffer);
+* ``all_to_all`` ``gather_s -> gather_d``: ``L(B/n)`` if ``d`` is moved, plus the concatenation of
+  what was received: ``L(B/n)`` when ``d != 0`` (the parts are strided), else ``M(B/n)``.
+
+Each is added to the compute of the consumer that pays the conversion (``ConvCost.lf``/``lb``, part
+of ``fwd``/``bwd``).  Per duplicated copy a batch-dependent tensor copies half as many bytes (one
+fixed cost ``o`` each); a batch-independent one copies the whole tensor in each copy.
+
 Gradient all-reduce of a ``replicate`` parameter (``replicate -> full``, backward)
 -----------------------------------------------------------------------------------
 The runtime does not all-reduce each such gradient on its own: it packs them into buckets of
@@ -40,7 +62,10 @@ parameter of ``b`` bytes is charged its share of one bucket::
 so the step pays one latency ``alpha`` per bucket, not per parameter, at the bandwidth of a
 bucket-sized message (a parameter larger than a bucket gets a bucket of its own: ``G(b) = T(b)``;
 a model smaller than one bucket syncs in one message).  The share is node-local, so the DP sums it
-like any other cost; only the last, partly filled bucket is priced as if it were full.
+like any other cost; only the last, partly filled bucket is priced as if it were full.  Packing
+the gradient into its bucket and copying the sum back costs the compute stream
+``g + 4 b / memory_bandwidth`` (``g`` the profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`),
+once per step (with duplication: in copy A's item).
 
 Duplication (two half-batch copies A and B)
 -------------------------------------------
@@ -97,6 +122,13 @@ class ConvCost:
     bA: float
     bB: float
     grad_sync: bool = False  # replicate -> full: the bucketed, asynchronous gradient all-reduce (bwd)
+    # memory copies on the compute stream (part of fwd / bwd; per copy beside fA..bB)
+    lf: float = 0.0
+    lb: float = 0.0
+    lfA: float = 0.0
+    lfB: float = 0.0
+    lbA: float = 0.0
+    lbB: float = 0.0
 
 
 class CostModel:
@@ -111,7 +143,7 @@ class CostModel:
         self.world = graph.world_size
         trainable = sum(t.nbytes for t in graph.tensors.values() if t.is_param and t.requires_grad)
         self.bucket_bytes = float(min(bucket_mb * 2**20, trainable)) if trainable else bucket_mb * 2**20
-        self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (bytes, grad, batch, src, dst)
+        self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (shape, bytes, grad, batch, src, dst)
         self._conv_by_tensor: dict[tuple, ConvCost | None] = {}  # by (tensor id, src, dst)
         self.batch = self._batch_dependence(graph)
         fitted = getattr(profile, "fitted", None)
@@ -231,6 +263,52 @@ class CostModel:
         fn = getattr(self.profile, "pair_speedup", None)
         return fn(collective, self.world, nbytes) if fn is not None else 1.0
 
+    def _copy(self, nbytes: float, rate: float, passes: float = 2.0) -> float:
+        """Seconds of one copy kernel moving ``nbytes`` (read and written: ``passes=2``; written
+        only: 1) at ``rate`` bytes/s, plus the fixed per-op cost."""
+        moved = passes * nbytes / rate if rate > 0 else 0.0
+        return getattr(self.profile, "op_overhead", 0.0) + moved
+
+    def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float) -> float:
+        """Seconds of the memory copies conversion op ``op`` makes on the compute stream turning a
+        tensor of global ``shape`` and ``nbytes`` from form ``frm`` into ``to`` (module docstring,
+        "Memory copies around a form change")."""
+        if op in ("identity", "local", ""):
+            return 0.0
+        n = self.world
+        membw = getattr(self.profile, "memory_bandwidth", 0.0)
+        layout = self.profile.layout_rate() if hasattr(self.profile, "layout_rate") else membw
+
+        def moved(form: Form, dim: int) -> bool:  # the dims before `dim` of the local tensor are not all 1
+            local = form.local_shape(shape, n)
+            return dim > 0 and math.prod(local[:dim]) > 1
+
+        part = nbytes / n
+        if op == "keep_rank0":
+            return self._copy(nbytes, membw, 1.0)
+        if op == "all_reduce":
+            return self._copy(nbytes, membw)
+        if op == "slice":
+            return self._copy(part, layout) if moved(frm, to.dim) else 0.0
+        if op == "zero_pad":
+            return self._copy(nbytes, membw, 1.0) + self._copy(part, layout if moved(to, frm.dim) else membw)
+        if op == "all_gather":
+            return self._copy(part, layout) + self._copy(nbytes, layout) if moved(frm, frm.dim) else 0.0
+        if op == "reduce_scatter":
+            return self._copy(nbytes, layout) + self._copy(part, layout) if moved(frm, to.dim) else 0.0
+        if op == "all_to_all":
+            front = self._copy(part, layout) if moved(frm, to.dim) else 0.0
+            return front + self._copy(part, layout if to.dim != 0 else membw)
+        raise ValueError(f"no copy model for conversion op {op!r}")
+
+    def grad_copies(self, nbytes: float) -> float:
+        """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket and
+        copying the sum back (module docstring)."""
+        membw = getattr(self.profile, "memory_bandwidth", 0.0)
+        fixed = self.profile.grad_copy_fixed() if hasattr(self.profile, "grad_copy_fixed") else \
+            2.0 * getattr(self.profile, "op_overhead", 0.0)
+        return fixed + (4.0 * nbytes / membw if membw > 0 else 0.0)
+
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
         hit = self._conv_by_tensor.get((tid, src, dst), self._conv_by_tensor)
@@ -238,7 +316,7 @@ class CostModel:
             return hit
         t: Tensor = self.graph.tensors[tid]
         batch = self.batch.get(tid, False)
-        key = (t.nbytes, t.requires_grad, batch, src, dst)
+        key = (t.shape, t.nbytes, t.requires_grad, batch, src, dst)
         if key in self._conv_cache:
             self._conv_by_tensor[(tid, src, dst)] = self._conv_cache[key]
             return self._conv_cache[key]
@@ -251,16 +329,29 @@ class CostModel:
                 cb = ""
             b = float(t.nbytes)
             grad_sync = src.kind == "replicate" and dst.kind == "full"
+            bwd_op = conv.backward if conv.backward != "local" else conv.forward  # the adjoint of a local op
+            if not t.requires_grad:
+                bwd_op = ""
             fwd = self.comm(cf, b)
-            bwd = self.grad_sync(b) if grad_sync and cb == "all_reduce" else self.comm(cb, b)
+            if grad_sync and cb == "all_reduce":
+                bwd, lf, lb = self.grad_sync(b), 0.0, self.grad_copies(b)
+            else:
+                bwd = self.comm(cb, b)
+                lf = self.local_copies(conv.forward, src, dst, t.shape, b)
+                lb = self.local_copies(bwd_op, dst, src, t.shape, b)
             if batch:
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
+                lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b / 2)
+                lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b / 2)
             elif grad_sync:
                 fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
+                lfA, lfB, lbA, lbB = lf, 0.0, lb, 0.0
             else:
                 fA = fB = fwd / self.pair_speedup(cf, b)
                 bA = bB = bwd / self.pair_speedup(cb, b)
-            cost = ConvCost(conv, fwd, bwd, fA, fB, bA, bB, grad_sync)
+                lfA = lfB = lf
+                lbA = lbB = lb
+            cost = ConvCost(conv, fwd + lf, bwd + lb, fA, fB, bA, bB, grad_sync, lf, lb, lfA, lfB, lbA, lbB)
         self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
         return cost

@@ -22,6 +22,9 @@ by the order alone.  Each live tensor carries ``(produced form, set of converted
 The conversion is charged to the first consumer needing it: its forward collective runs just
 before that consumer, its backward collective just after that consumer's backward (by then every
 reader of that form has contributed its gradient).
+The memory copies the runtime makes around a conversion (:mod:`hidup.search.cost`, "Memory copies
+around a form change") and the gradient bucket copies of a replicated parameter are that consumer's
+compute: they count in ``Step.compute`` and, per copy, in the stage items' ``cA``/``cB``.
 
 A transition (position ``i``, signature ``k``, state of the node's inputs) yields a :class:`Step`:
 no-duplication forward and backward seconds (compute + communication), the per-copy stage items
@@ -250,8 +253,9 @@ class Problem:
         node = self.order[i]
         states = dict(zip(idx, sub))
         need = self.in_forms[i][k]
-        ff = fb = fb_async = 0.0
+        ff = fb = fb_async = lf = lb = 0.0
         fA = fB = bA = bB = 0.0
+        lfA = lfB = lbA = lbB = 0.0
         convs = []
         for inp, (j, f) in enumerate(zip(idx, need)):
             prod, mask = states[j]
@@ -265,7 +269,13 @@ class Problem:
             ff += c.fwd
             fb += c.bwd
             if c.grad_sync:
-                fb_async += c.bwd
+                fb_async += c.bwd - c.lb  # the all-reduce; packing and unpacking run on the compute stream
+            lf += c.lf
+            lb += c.lb
+            lfA += c.lfA
+            lfB += c.lfB
+            lbA += c.lbA
+            lbB += c.lbB
             fA += c.fA
             fB += c.fB
             bA += c.bA
@@ -275,12 +285,12 @@ class Problem:
         cf, cb = self.compute[i][k]
         if self.node_batch[i]:
             hf, hb = self.compute_half[i][k]
-            f4 = (fA, fB, hf, hf)
-            b4 = (bA, bB, hb, hb)
+            f4 = (fA, fB, hf + lfA, hf + lfB)
+            b4 = (bA, bB, hb + lbA, hb + lbB)
         else:  # ops on weights only run in both copies (each copy runs the whole program)
-            f4 = (fA, fB, cf, cf)
-            b4 = (bA, bB, cb, cb)
-        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb, tuple(convs), cb, fb_async)
+            f4 = (fA, fB, cf + lfA, cf + lfB)
+            b4 = (bA, bB, cb + lbA, cb + lbB)
+        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
         for j in dict.fromkeys(idx):

@@ -1,0 +1,169 @@
+"""Memory copies around form changes and gradient buckets (search/cost.py, "Memory copies around a
+form change"; profile fields layout_bandwidth, grad_copy_overhead[_graph])."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import hidup.profiler
+from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.search.cost import CostModel
+from hidup.search.problem import Problem
+
+MEM, LAYOUT, O = 4e12, 2e12, 1e-6
+
+
+def _profile(**changes):
+    base = dict(memory_bandwidth=MEM, layout_bandwidth=LAYOUT, op_overhead=O, grad_copy_overhead=3e-6)
+    base.update(changes)
+    return dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), **base)
+
+
+def _graph(shape=(8, 16, 32, 64), world=4, grad=True):
+    """One activation ``a`` (from input ``x``) read by ``f``; every gather form is allowed."""
+    forms = [FULL] + [gather(d) for d in range(len(shape))]
+    x = Tensor(0, shape, "float32", "x")
+    a = Tensor(1, shape, "float32", "e", requires_grad=grad)
+    y = Tensor(2, shape, "float32", "f", requires_grad=grad)
+    nodes = [Node("x", "input", "input", [], [0], [Signature((), (f,)) for f in forms]),
+             Node("e", "call", "exp", [0], [1], [Signature((f,), (f,), 1.0) for f in forms]),
+             Node("f", "call", "neg", [1], [2], [Signature((f,), (f,), 1.0) for f in forms])]
+    return Graph(nodes, {0: x, 1: a, 2: y}, world)
+
+
+def _copy(nbytes, rate, passes=2.0):
+    return O + passes * nbytes / rate
+
+
+def test_all_to_all_copies_depend_on_which_dims_move():
+    g = _graph()
+    cm = CostModel(g, _profile())
+    nb = 8 * 16 * 32 * 64 * 4
+    part = nb / 4
+    # gather_1 -> gather_0: no dim to move to the front; the received parts are concatenated on dim 1
+    c = cm.conversion(1, gather(1), gather(0))
+    assert c.lf == pytest.approx(_copy(part, MEM))
+    # backward runs gather_0 -> gather_1: dim 1 moves to the front, and the parts are strided
+    assert c.lb == pytest.approx(2 * _copy(part, LAYOUT))
+    assert c.fwd == pytest.approx(cm.comm("all_to_all", nb) + c.lf)
+    assert c.bwd == pytest.approx(cm.comm("all_to_all", nb) + c.lb)
+
+
+def test_leading_dims_of_size_one_move_nothing():
+    g = _graph(shape=(1, 16, 32, 64))
+    cm = CostModel(g, _profile())
+    nb = 16 * 32 * 64 * 4
+    # dim 1 after a dim of size 1: the all-gather needs no layout copy
+    assert cm.conversion(1, gather(1), FULL).lf == 0.0
+    g2 = _graph(shape=(8, 16, 32, 64))
+    cm2 = CostModel(g2, _profile())
+    ag = cm2.conversion(1, gather(1), FULL)
+    nb2 = 8 * nb
+    assert ag.lf == pytest.approx(_copy(nb2 / 4, LAYOUT) + _copy(nb2, LAYOUT))  # to the front and back
+    assert ag.lb == pytest.approx(_copy(nb2, LAYOUT) + _copy(nb2 / 4, LAYOUT))  # the reduce-scatter's
+    # on dim 0 the collectives work in place
+    assert cm2.conversion(1, gather(0), FULL).lf == cm2.conversion(1, gather(0), FULL).lb == 0.0
+
+
+def test_slice_zero_pad_all_reduce_and_keep_rank0_copies():
+    g = _graph()
+    cm = CostModel(g, _profile())
+    nb = 8 * 16 * 32 * 64 * 4
+    s0 = cm.conversion(1, FULL, gather(0))  # slice of dim 0 is a view; its adjoint zero-pads
+    assert s0.lf == 0.0
+    assert s0.lb == pytest.approx(_copy(nb, MEM, 1.0) + _copy(nb / 4, MEM))
+    s2 = cm.conversion(1, FULL, gather(2))  # a strided slice is a copy
+    assert s2.lf == pytest.approx(_copy(nb / 4, LAYOUT))
+    ar = cm.conversion(1, REDUCE, FULL)  # the sum lands in a new buffer, both ways
+    assert ar.lf == ar.lb == pytest.approx(_copy(nb, MEM))
+    k = cm.conversion(1, FULL, REDUCE)  # keep_rank0: the other ranks hold zeros; its adjoint is the same mask
+    assert k.lf == k.lb == pytest.approx(_copy(nb, MEM, 1.0))
+    assert cm.conversion(1, FULL, FULL).lf == 0.0
+
+
+def test_without_gradient_no_backward_copies_and_copies_halve_per_duplicated_copy():
+    g = _graph(grad=False)
+    cm = CostModel(g, _profile())
+    c = cm.conversion(1, gather(1), gather(0))
+    assert c.lb == 0.0 and c.bwd == 0.0
+    g2 = _graph()
+    c2 = CostModel(g2, _profile()).conversion(1, gather(1), gather(0))  # batch-dependent: half the bytes each
+    nb = 8 * 16 * 32 * 64 * 4
+    assert c2.lfA == c2.lfB == pytest.approx(_copy(nb / 8, MEM))
+    assert c2.lbA == c2.lbB == pytest.approx(2 * _copy(nb / 8, LAYOUT))
+
+
+def test_layout_rate_falls_back_to_the_memory_bandwidth():
+    g = _graph()
+    nb = 8 * 16 * 32 * 64 * 4
+    measured = CostModel(g, _profile()).conversion(1, gather(0), gather(1))
+    fallback = CostModel(g, _profile(layout_bandwidth=0.0)).conversion(1, gather(0), gather(1))
+    assert fallback.lf == pytest.approx(2 * _copy(nb / 4, MEM))
+    assert fallback.lf < measured.lf
+    free = CostModel(g, _profile(memory_bandwidth=0.0, layout_bandwidth=0.0, op_overhead=0.0))
+    assert free.conversion(1, gather(0), gather(1)).lf == 0.0
+
+
+def _param_graph(n=1 << 18, world=4):
+    w = Tensor(0, (n,), "float32", "w", requires_grad=True, is_param=True)
+    y = Tensor(1, (n,), "float32", "f", requires_grad=True)
+    nodes = [Node("w", "param", "parameter", [], [0], [Signature((), (REPLICATE,), 0, "param")]),
+             Node("f", "call", "neg", [0], [1], [Signature((FULL,), (FULL,), n)])]
+    return Graph(nodes, {0: w, 1: y}, world)
+
+
+def test_gradient_bucket_copies_run_on_the_compute_stream():
+    g = _param_graph()
+    prof = _profile()
+    cm = CostModel(g, prof)
+    c = cm.conversion(0, REPLICATE, FULL)
+    nb = (1 << 18) * 4
+    assert c.lb == pytest.approx(3e-6 + 4 * nb / MEM)  # packed into the bucket and copied back
+    assert c.bwd == pytest.approx(cm.grad_sync(nb) + c.lb)
+    assert (c.lbA, c.lbB) == (c.lb, 0.0)  # once per step, after both copies
+    # the problem counts them as backward compute, not as the asynchronous all-reduce
+    p = Problem(g, prof)
+    i = p.pos_of["f"]
+    step, _ = p.step(i, 0, p.initial_key()) if i == 0 else _walk(p, i)
+    assert step.bwd_async == pytest.approx(cm.grad_sync(nb))
+    assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.lb)
+    assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.lb)
+    # unmeasured: two op overheads per parameter; in a CUDA graph the graph figure
+    assert CostModel(g, _profile(grad_copy_overhead=0.0)).grad_copies(0.0) == pytest.approx(2 * O)
+    graphed = _profile(grad_copy_overhead_graph=5e-7, op_overhead_graph=2e-7).launched(True)
+    assert graphed.grad_copy_fixed() == 5e-7 and graphed.op_overhead == 2e-7
+    assert _profile(grad_copy_overhead_graph=5e-7).launched(False).grad_copy_fixed() == 3e-6
+
+
+def _walk(p, i):
+    key = p.initial_key()
+    for j in range(i + 1):
+        step, key = p.step(j, 0, key)
+    return step, key
+
+
+def test_new_profile_fields_round_trip_validate_and_perturb_last(tmp_path):
+    p = _profile(grad_copy_overhead_graph=7e-7)
+    q = hidup.profiler.load(hidup.profiler.save(p, tmp_path / "p.json"))
+    assert (q.layout_bandwidth, q.grad_copy_overhead, q.grad_copy_overhead_graph) == (LAYOUT, 3e-6, 7e-7)
+    d = p.to_dict()
+    d["layout_bandwidth"] = -1.0
+    with pytest.raises(hidup.profiler.ProfileError, match="layout_bandwidth"):
+        hidup.profiler.profile.Profile.from_dict(d)
+    # the new fields are drawn after every older one: a seed perturbs the rest as before
+    old = dataclasses.replace(p, layout_bandwidth=0.0, grad_copy_overhead=0.0, grad_copy_overhead_graph=0.0)
+    a, b = p.perturb(0.3, seed=5), old.perturb(0.3, seed=5)
+    assert a.flops == b.flops and a.memory_bandwidth == b.memory_bandwidth and a.ops_scale == b.ops_scale
+    assert a.layout_bandwidth != LAYOUT and 0.7 * LAYOUT <= a.layout_bandwidth <= 1.3 * LAYOUT
+
+
+def test_device_measures_layout_bandwidth_and_bucket_copy_cost():
+    from hidup.profiler.device import grad_copy_overhead, layout_bandwidth
+
+    assert layout_bandwidth("cpu", 1 << 20, budget_s=0.02) > 0
+    per_param = grad_copy_overhead("cpu", params=16, budget_s=0.02)
+    assert 0 < per_param < 1e-3
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            grad_copy_overhead("cpu", graphed=True)

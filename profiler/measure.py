@@ -392,7 +392,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-sizes", default=None, help="square matmul sizes, e.g. 2048,4096,8192")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
     p.add_argument("--merge", default=None, help="profile (builtin name or path) supplying what is not measured: "
-                   "the collectives in a single-process run, per-op times, unsupported dtypes")
+                   "the collectives (and their concurrency) in a single-process run, per-op times (with their "
+                   "in-context scale and the Adam rate), unsupported dtypes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--ops-model", default=None, help="also time the ops of this zoo model at their sharded "
                    "shapes (every signature, for the profiled world size; at the batch and at half of it, "

@@ -267,7 +267,7 @@ class CostModel:
         """Seconds of one copy kernel moving ``nbytes`` (read and written: ``passes=2``; written
         only: 1) at ``rate`` bytes/s, plus the fixed per-op cost."""
         moved = passes * nbytes / rate if rate > 0 else 0.0
-        return getattr(self.profile, "op_overhead", 0.0) + moved
+        return self.profile.op_overhead + moved
 
     def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float) -> float:
         """Seconds of the memory copies conversion op ``op`` makes on the compute stream turning a
@@ -276,8 +276,7 @@ class CostModel:
         if op in ("identity", "local", ""):
             return 0.0
         n = self.world
-        membw = getattr(self.profile, "memory_bandwidth", 0.0)
-        layout = self.profile.layout_rate() if hasattr(self.profile, "layout_rate") else membw
+        membw, layout = self.profile.memory_bandwidth, self.profile.layout_rate()
 
         def moved(form: Form, dim: int) -> bool:  # the dims before `dim` of the local tensor are not all 1
             local = form.local_shape(shape, n)
@@ -304,10 +303,8 @@ class CostModel:
     def grad_copies(self, nbytes: float) -> float:
         """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket and
         copying the sum back (module docstring)."""
-        membw = getattr(self.profile, "memory_bandwidth", 0.0)
-        fixed = self.profile.grad_copy_fixed() if hasattr(self.profile, "grad_copy_fixed") else \
-            2.0 * getattr(self.profile, "op_overhead", 0.0)
-        return fixed + (4.0 * nbytes / membw if membw > 0 else 0.0)
+        membw = self.profile.memory_bandwidth
+        return self.profile.grad_copy_fixed() + (4.0 * nbytes / membw if membw > 0 else 0.0)
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""

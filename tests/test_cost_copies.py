@@ -125,7 +125,7 @@ def test_gradient_bucket_copies_run_on_the_compute_stream():
     # the problem counts them as backward compute, not as the asynchronous all-reduce
     p = Problem(g, prof)
     i = p.pos_of["f"]
-    step, _ = p.step(i, 0, p.initial_key()) if i == 0 else _walk(p, i)
+    step, _ = _walk(p, i)
     assert step.bwd_async == pytest.approx(cm.grad_sync(nb))
     assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.lb)
     assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.lb)
@@ -137,6 +137,7 @@ def test_gradient_bucket_copies_run_on_the_compute_stream():
 
 
 def _walk(p, i):
+    """The steps of positions 0..i, each with its first signature; returns position i's."""
     key = p.initial_key()
     for j in range(i + 1):
         step, key = p.step(j, 0, key)

@@ -129,8 +129,8 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         t0 = time.perf_counter()
         group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        for w in ops_worlds or [group]:
-            prof = measure_model_ops(prof, ops_models, w, torch.device(device), tuple(ops_precisions), ops_seconds)
+        prof = measure_model_ops(prof, ops_models, list(ops_worlds or [group]), torch.device(device),
+                                 tuple(ops_precisions), ops_seconds)
         raw["ops_s"] = time.perf_counter() - t0
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
@@ -247,9 +247,10 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         grad_copy_overhead=grad_copy, grad_copy_overhead_graph=grad_copy_graph,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
-        prof.ops_timing, prof.ops_scale = base.ops_timing, base.ops_scale
+        prof.ops_timing, prof.ops_scale, prof.dup_scale = base.ops_timing, base.ops_scale, base.dup_scale
         prof.optimizer_s_per_byte = base.optimizer_s_per_byte
-        prof.notes += f"; per-op times, their in-context scale and the Adam rate from profile {base.name!r}"
+        prof.notes += (f"; per-op times, their in-context and two-copy scales and the Adam rate from profile "
+                       f"{base.name!r}")
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
            "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
@@ -309,24 +310,26 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: torch.device,
+def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
                       precisions: tuple[str, ...] = ("fp32",), seconds: float = 120.0, half_batch: bool = True):
-    """``prof`` plus the per-op times of zoo models traced for ``world`` ranks, at every signature's
-    local shapes, at the batch and at half of it (ops.py), in each of ``precisions``.
+    """``prof`` plus the per-op times of zoo models traced for ``world`` ranks (a world size, or a
+    list of them), at every signature's local shapes, at the batch and at half of it (ops.py), in
+    each of ``precisions``.
 
     Every rank of an initialized process group calls this: each measures its share of the distinct
     op shapes on its own device (``shard=(rank, world)``) and the parts are gathered, so the whole
     group returns the same profile.  ``models`` holds (zoo name, overrides) pairs; ``seconds`` bounds
-    each (model, precision) on every rank.  Then the ranks time each (model, precision)'s
+    each (model, precision, world) on every rank.  Then the ranks time each (model, precision, world)'s
     single-device step (:func:`hidup.profiler.ops.in_context_scale`) and the profile's ``ops_scale``
     becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
     80% measured ops (a factor outside [0.5, 2] is reported, not used), and ``optimizer_s_per_byte``
-    the Adam step's time per parameter byte over all pairs."""
-    import math
-
+    the Adam step's time per parameter byte over all pairs.  Last (``half_batch``), the ranks time
+    the same pairs run as duplication's two copies on two streams
+    (:func:`hidup.profiler.ops.dup_context_scale`, priced with the new ``ops_scale``), and the
+    profile's ``dup_scale`` becomes their geometric mean on the same terms."""
     import hidup.models
 
-    from .ops import in_context_scale, model_op_times
+    from .ops import dup_context_scale, in_context_scale, model_op_times
 
     initialized = dist.is_available() and dist.is_initialized()
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
@@ -339,42 +342,65 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int, device: 
             dist.all_gather_object(parts, part)
         return parts
 
+    worlds = [world] if isinstance(world, int) else list(world)
     mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
-    for name, overrides in models:
-        model, inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
-        for precision in precisions:
-            mine = model_op_times(model, inputs, world, device=device, precision=precision, half_batch=half_batch,
-                                  graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
+    for w in worlds:
+        for name, overrides in models:
+            model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
+            for precision in precisions:
+                mine = model_op_times(model, inputs, w, device=device, precision=precision, half_batch=half_batch,
+                                      graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
     ops = {}
     for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
         ops.update(part or {})
     out = prof.with_ops(ops)
     out.ops_timing = "graph" if graphed else "eager"
-    # in-context factor: each rank times the single-device step of some (model, precision) pairs
-    pairs = [(name, overrides, precision) for name, overrides in models for precision in precisions]
-    checks = []
-    for name, overrides, precision in pairs[rank::ranks]:
+    # in-context factor: each rank times the single-device step of some (model, precision, world)
+    pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
+
+    def check(fn, name, overrides, precision, w):
         try:
-            checks.append(in_context_scale(out, name, overrides, world, device, precision))
-        except Exception as e:  # noqa: BLE001 - the factor is optional: reported, the ops stay unscaled
-            checks.append({"model": name, "precision": precision, "error": f"{type(e).__name__}: {e}"})
+            return dict(fn(out, name, overrides, w, device, precision), world=w)
+        except Exception as e:  # noqa: BLE001 - the factors are optional: reported, the ops stay unscaled
+            return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
+
+    checks = [check(in_context_scale, *pair) for pair in pairs[rank::ranks]]
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
     checks = [c for part in gathered(checks) for c in (part or [])]
-    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
-    if usable:
-        out.ops_scale = math.exp(sum(math.log(x) for x in usable) / len(usable))
+    out.ops_scale = _geomean_scale(checks, out.ops_scale)
     opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
     if opt:
         out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
-    detail = "; ".join(f"{c['model']} {c['precision']}: " + (
+    # two-copy factor: the same pairs run as duplication's two copies, against the calibrated ops
+    dup_checks = []
+    if half_batch:
+        dup_checks = [check(dup_context_scale, *pair) for pair in pairs[rank::ranks]]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
+        out.dup_scale = _geomean_scale(dup_checks, out.dup_scale)
+    detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
         f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
         f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
         f"{c['optimizer_bytes'] / 2**20:.0f} MiB" if "scale" in c else c["error"]) for c in checks)
+    dup_detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
+        f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms one copy after the other "
+        f"= {c['scale']:.3f}" if "scale" in c else c["error"]) for c in dup_checks)
     out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
                   f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
-                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'})")
+                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'}); "
+                  f"two-copy scale {out.dup_scale:.3f} ({dup_detail or 'not measured'})")
     return out
+
+
+def _geomean_scale(checks: list[dict], default: float) -> float:
+    """Geometric mean of the checks' ``scale`` over those whose prediction is at least 80% measured
+    ops and whose factor lies in [0.5, 2] (others are reported, not used); ``default`` if none."""
+    import math
+
+    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
+    return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -395,9 +421,13 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    "the collectives (and their concurrency) in a single-process run, per-op times (with their "
                    "in-context scale and the Adam rate), unsupported dtypes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--ops-model", default=None, help="also time the ops of this zoo model at their sharded "
-                   "shapes (every signature, for the profiled world size; at the batch and at half of it, "
-                   "for duplication) and store them in the profile; the ranks split the work")
+    p.add_argument("--ops-model", default=None, help="also time the ops of these zoo models (comma-separated) at "
+                   "their sharded shapes (every signature, for each --ops-worlds; at the batch and at half of it, "
+                   "for duplication), calibrate them against whole single-device steps (ops_scale, and dup_scale "
+                   "with the two copies on two streams) and store them in the profile; the ranks split the work. "
+                   "Op shapes the --merge profile already has are not timed again")
+    p.add_argument("--ops-worlds", default=None, help="world sizes to trace --ops-model for, e.g. '4,2' (default: the "
+                   "profiled world size; a single process with --merge needs it)")
     p.add_argument("--ops-precisions", default="fp32,tf32",
                    help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)")
     p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
@@ -413,13 +443,31 @@ def _rank_main(ctx, kwargs: dict):
     ops_model = kwargs.pop("ops_model")
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
     if ops_model is not None:
-        name, overrides, seconds, precisions = ops_model
-        prof = measure_model_ops(prof, [(name, overrides)], ctx.world_size, ctx.device, precisions, seconds)
+        names, overrides, seconds, precisions, worlds = ops_model
+        prof = measure_model_ops(prof, [(n, overrides) for n in names], list(worlds or [ctx.world_size]), ctx.device,
+                                 precisions, seconds)
         if ctx.rank == 0:
-            print(f"timed {len(prof.ops)} op shapes of {name} (world {ctx.world_size}, {', '.join(precisions)})")
+            print(f"{len(prof.ops)} op shapes of {', '.join(names)} (world {', '.join(map(str, worlds or [ctx.world_size]))}, "
+                  f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
     if ctx.rank != 0:
         return None
     return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
+
+
+def _names(text: str, flag: str) -> list[str]:
+    """The comma-separated items of ``flag``'s value, checked (zoo model names or world sizes)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if flag == "--ops-worlds":
+        if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
+            raise SystemExit(f"{flag} {text!r}: expected world sizes >= 1 separated by commas, e.g. '4,2'")
+        return items
+    import hidup.models
+
+    unknown = [x for x in items if x not in hidup.models.names()]
+    if not items or unknown:
+        raise SystemExit(f"{flag} {text!r}: unknown model(s) {', '.join(unknown) or '(none given)'}; the zoo has "
+                         f"{', '.join(hidup.models.names())}")
+    return items
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -432,8 +480,9 @@ def run_profile(args: argparse.Namespace) -> int:
         progress=not args.no_progress, quick=args.quick, name=args.name, merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
         budget_s=args.budget, group_sizes=None,
-        ops_model=(args.ops_model, parse_overrides(args.ops_overrides), args.ops_seconds,
-                   tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()))
+        ops_model=(_names(args.ops_model, "--ops-model"), parse_overrides(args.ops_overrides), args.ops_seconds,
+                   tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()),
+                   [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
         if args.ops_model else None)
     lk = launch_kwargs(args)
     if layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single" \

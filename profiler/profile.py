@@ -66,6 +66,13 @@ and backward, as one CUDA graph) over the sum of its ops' measured times
 optimizer step (Adam) that follows: ``optimizer_s_per_byte`` is its time per byte of trainable
 parameters, which the plan's evaluation charges on the parameters each rank keeps.
 
+With duplication the two copies' kernels run on two streams at once, and the GPU overlaps them
+(each kernel of half the batch leaves part of the device idle).  ``dup_scale`` multiplies the
+per-copy compute of a duplicated plan: the time of a duplicated single-device step (one rank's
+share split into two half-batch copies on two streams, forward and backward as one CUDA graph)
+over the cost model's per-copy compute of both copies, as if they ran one after the other
+(:func:`hidup.profiler.ops.dup_context_scale`; 1 when not calibrated: the copies serialize).
+
 Perturbation
 ------------
 :meth:`Profile.perturb` multiplies every FLOP rate, every per-op time and every bandwidth entry by its
@@ -143,6 +150,7 @@ class Profile:
     layout_bandwidth: float = 0.0  # bytes/s (read + written) of a layout-changing copy; 0 = memory_bandwidth
     grad_copy_overhead: float = 0.0  # seconds per parameter of the gradient bucket copies (eager); 0 = unknown
     grad_copy_overhead_graph: float = 0.0  # the same inside a CUDA graph; 0 = not measured
+    dup_scale: float = 1.0  # two-stream overlap factor of the copies' compute (see "Per-op times")
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -270,6 +278,7 @@ class Profile:
         out.layout_bandwidth = self.layout_bandwidth * f()
         out.grad_copy_overhead = self.grad_copy_overhead * f()
         out.grad_copy_overhead_graph = self.grad_copy_overhead_graph * f()
+        out.dup_scale = self.dup_scale * f() if self.ops else self.dup_scale
         return out
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
@@ -288,6 +297,7 @@ class Profile:
             "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
             "optimizer_s_per_byte": self.optimizer_s_per_byte, "layout_bandwidth": self.layout_bandwidth,
             "grad_copy_overhead": self.grad_copy_overhead, "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
+            "dup_scale": self.dup_scale,
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -403,6 +413,7 @@ class Profile:
         layout_bw = number(d.get("layout_bandwidth", 0.0), "layout_bandwidth", positive=False)
         grad_copy = number(d.get("grad_copy_overhead", 0.0), "grad_copy_overhead", positive=False)
         grad_copy_graph = number(d.get("grad_copy_overhead_graph", 0.0), "grad_copy_overhead_graph", positive=False)
+        dup_scale = number(d.get("dup_scale", 1.0), "dup_scale")
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -424,7 +435,7 @@ class Profile:
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
                        d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
-                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph)
+                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph, dup_scale)
 
 
 def builtin_names() -> list[str]:

@@ -77,7 +77,10 @@ computed only from them are not.  Per copy:
   both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
   half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each); a
   batch-independent one (an op on weights only) runs in both copies, since each copy
-  runs the whole per-rank program (``cA = cB = t``);
+  runs the whole per-rank program (``cA = cB = t``); either is multiplied by the profile's
+  ``dup_scale``, the measured overlap of the two copies' kernels on their two streams (the schedule
+  below serializes the copies' compute; on the GPU their kernels run side by side) --
+  :meth:`CostModel.copy_compute`;
 * a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
   (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
@@ -234,6 +237,24 @@ class CostModel:
         if match is None or self.measured(self.graph, node, sig) is None:
             return None
         return self.measured(half, hnode, match)
+
+    def copy_compute(self, node: Node, sig: Signature, whole: tuple[float, float] | None = None,
+                     batch: bool | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy (module
+        docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half of
+        ``whole`` (:meth:`compute`) above the fixed per-op cost; the whole of it for a node on weights
+        only; times the profile's two-copy factor ``dup_scale``."""
+        if node.op != "call":
+            return 0.0, 0.0
+        cf, cb = whole if whole is not None else self.compute(node, sig)
+        if batch if batch is not None else self.node_is_batch(node):
+            half = self.compute_half(node, sig)
+            if half is None:
+                of, ob = self.fixed(node)
+                half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
+            cf, cb = half
+        k = getattr(self.profile, "dup_scale", 1.0)
+        return cf * k, cb * k
 
     def fixed(self, node: Node) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` that do not depend on the batch size (launch and

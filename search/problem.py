@@ -113,18 +113,10 @@ class Problem:
             self.mem.append([self.memory.total(node, s) for s in sigs])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self.fixed = [self.cost.fixed(node) for node in self.order]
-        # per copy (half batch) compute of batch nodes: measured at the half-batch shapes, else halved
-        self.compute_half: list[list[tuple[float, float]]] = []
-        for i, node in enumerate(self.order):
-            row = []
-            for k, s in enumerate(self.sigs[i]):
-                cf, cb = self.compute[i][k]
-                half = self.cost.compute_half(node, s) if self.node_batch[i] else None
-                if half is None:
-                    of, ob = self.fixed[i]
-                    half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
-                row.append(half)
-            self.compute_half.append(row)
+        # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
+        self.compute_copy: list[list[tuple[float, float]]] = [
+            [self.cost.copy_compute(node, s, self.compute[i][k], self.node_batch[i]) for k, s in enumerate(self.sigs[i])]
+            for i, node in enumerate(self.order)]
 
         # liveness
         self.last_use: dict[int, int] = {}
@@ -283,13 +275,9 @@ class Problem:
             states[j] = (prod, mask | (1 << f))
             convs.append((node.inputs[inp], inp, prod, f))
         cf, cb = self.compute[i][k]
-        if self.node_batch[i]:
-            hf, hb = self.compute_half[i][k]
-            f4 = (fA, fB, hf + lfA, hf + lfB)
-            b4 = (bA, bB, hb + lbA, hb + lbB)
-        else:  # ops on weights only run in both copies (each copy runs the whole program)
-            f4 = (fA, fB, cf + lfA, cf + lfB)
-            b4 = (bA, bB, cb + lbA, cb + lbB)
+        hf, hb = self.compute_copy[i][k]
+        f4 = (fA, fB, hf + lfA, hf + lfB)
+        b4 = (bA, bB, hb + lbA, hb + lbB)
         step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []

@@ -62,10 +62,10 @@ def test_copies_are_priced_from_half_batch_measurements():
     pr = Problem(g, both)
     i = pr.pos_of[node.name]
     k = next(k for k, s in enumerate(pr.sigs[i]) if s == sig)
-    assert pr.compute_half[i][k] == (7e-6, 13e-6)
+    assert pr.compute_copy[i][k] == (7e-6, 13e-6)
     of, ob = pr.fixed[i]
     pr_half = Problem(g, full_only)
-    assert pr_half.compute_half[i][k] == pytest.approx(((10e-6 - of) / 2 + of, (20e-6 - ob) / 2 + ob))
+    assert pr_half.compute_copy[i][k] == pytest.approx(((10e-6 - of) / 2 + of, (20e-6 - ob) / 2 + ob))
     # without the half-batch graph the copies are halved even when the profile has both
     g.half = None
     assert CostModel(g, both).compute_half(node, sig) is None
@@ -167,3 +167,61 @@ def test_the_optimizer_step_is_charged_on_the_parameters_each_rank_keeps():
     assert tensor.predicted["optimizer"] == pytest.approx(1e-12 * tensor.memory["grads"])
     assert P.Profile.from_dict(prof.to_dict()).optimizer_s_per_byte == 1e-12
     assert forced(g, P.load("h200x4-nvlink"), "data").predicted["optimizer"] == 0.0  # not measured
+
+
+def test_the_two_copy_factor_scales_each_copys_compute_and_can_turn_duplication_on():
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2, batch_per_gpu=8)
+    g = trace(model, inputs, 4, half_batch=True)
+    wasteful = _roofline_ops(g, P.load("h200x4-nvlink"), 1.0)  # each copy as slow as the whole batch
+    overlapped = dataclasses.replace(wasteful, dup_scale=0.5)  # ... but the two copies' kernels overlap fully
+    plain, scaled = Problem(g, wasteful, "tf32"), Problem(g, overlapped, "tf32")
+    batch_seen = weight_seen = False
+    for i, node in enumerate(plain.order):
+        for k in range(len(plain.sigs[i])):
+            assert scaled.compute[i][k] == plain.compute[i][k]  # no duplication: unchanged
+            assert scaled.compute_copy[i][k] == pytest.approx(tuple(0.5 * x for x in plain.compute_copy[i][k]))
+            if node.op == "call" and plain.compute[i][k][0] > 0:
+                # a batch node's copy was measured as slow as the whole batch; a weight-only node runs whole
+                assert plain.compute_copy[i][k] == pytest.approx(plain.compute[i][k])
+                batch_seen |= plain.node_batch[i]
+                weight_seen |= not plain.node_batch[i]
+    assert batch_seen
+    assert not search(g, wasteful, precision="tf32").duplication
+    assert search(g, overlapped, precision="tf32").duplication
+
+
+def test_two_copies_on_one_device_give_the_whole_batch_loss_and_gradients():
+    import torch
+
+    from hidup.profiler.ops import TwoCopies
+
+    model, inputs = hidup.models.build("gpt", world_size=1, seed=0, **TINY)
+    loss = model(*inputs)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    both = TwoCopies(model, "cpu")(*inputs)
+    both.backward()
+    assert torch.allclose(both, loss, rtol=1e-5)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+def test_profiling_model_ops_calibrates_the_two_copy_factor(tmp_path):
+    import torch
+
+    from hidup.profiler.measure import measure_model_ops
+
+    prof = P.load("h200x4-nvlink")
+    out = measure_model_ops(prof, [("gpt", TINY)], 2, torch.device("cpu"), ("fp32",), seconds=20.0)
+    assert "two-copy scale" in out.notes and "one copy after the other" in out.notes
+    assert 0.5 <= out.dup_scale <= 2.0 and out.dup_scale != 1.0
+    back = P.load(P.save(out, tmp_path / "p.json"))
+    assert back.dup_scale == out.dup_scale
+    assert P.Profile.from_dict(dict(back.to_dict(), dup_scale=1.0)).dup_scale == 1.0
+    with pytest.raises(P.ProfileError, match="dup_scale"):
+        P.Profile.from_dict(dict(back.to_dict(), dup_scale=0.0))
+    # drawn last: a seed perturbs every older field as before
+    a, b = out.perturb(0.2, seed=3), dataclasses.replace(out, dup_scale=1.0).perturb(0.2, seed=3)
+    assert a.ops == b.ops and a.ops_scale == b.ops_scale and a.grad_copy_overhead == b.grad_copy_overhead
+    assert a.dup_scale != out.dup_scale

@@ -257,3 +257,25 @@ def test_op_times_are_keyed_as_the_cost_model_reads_them():
     # measured keys are cached: a second call re-measures none (fresh timings would differ)
     again = time_ops(traced, plan, cache=dict(ops), budget_s=0.002, total_s=30)
     assert again == ops
+
+
+def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
+    """``--merge P --ops-model a,b --ops-worlds N``: one process adds the models' op times for N ranks
+    and both calibration factors to P's collectives (how a profile is re-calibrated on a new host)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(BASELINES_DIR))
+    tiny = "layers=1,d_model=16,heads=2,ffn=32,seq_len=4,batch_per_gpu=4,vocab=32,experts_per_gpu=1"
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink", "--quick",
+           "--budget", "0.01", "--matmul-sizes", "64", "--dtypes", "fp32", "--no-progress",
+           "--ops-model", "gpt,bert-switch", "--ops-worlds", "2", "--ops-precisions", "fp32",
+           "--ops-overrides", tiny, "--ops-seconds", "10", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prof = hidup.profiler.load(out)
+    assert "gpt fp32 x2" in prof.notes and "bert-switch fp32 x2" in prof.notes and "two-copy scale" in prof.notes
+    assert prof.collectives == hidup.profiler.load("h200x4-nvlink").collectives
+    assert prof.ops and prof.ops_timing == "eager"
+    bad = subprocess.run(cmd[:-2] + ["--ops-worlds", "two", "--out", str(out)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--ops-worlds 'two'" in bad.stderr

@@ -4,13 +4,15 @@
     hidup.clip_grad_norm_(module, 1.0)
     state = hidup.full_state_dict(module)      # logical (unsharded) parameters, on every rank
     step = hidup.graphed_step(module, batch)   # forward + backward as one CUDA graph (eager on CPU)
+    module, info = hidup.codegen.choose_duplication(model, plan, rank, world_size, batch)  # faster mode, timed
 """
 
 from hidup.codegen.grads import GradBucketer, clip_grad_norm_
 from hidup.codegen.graphs import GraphCaptureError, GraphedStep, graphed_step
 from hidup.codegen.params import ParamShard, full_state_dict, load_full_state_dict
 from hidup.codegen.rewrite import CompileError, HidupModule, compile
+from hidup.codegen.trial import choose_duplication
 
 __all__ = ["compile", "HidupModule", "CompileError", "clip_grad_norm_", "full_state_dict",
            "load_full_state_dict", "ParamShard", "GradBucketer", "GraphedStep", "graphed_step",
-           "GraphCaptureError"]
+           "GraphCaptureError", "choose_duplication"]

@@ -11,10 +11,14 @@ same weights) with one *method* for a bounded number of Adam steps on a fixed sy
   train`` runs it: forward and backward captured as one CUDA graph
   (:class:`hidup.codegen.GraphedStep`), kept when replaying beats eager steps in a short trial
   (``info.step_mode``; eager on a CPU);
+* ``hidup-auto``: the plan as ``hidup train`` runs it by default: duplication on or off by a short
+  timed trial of both modes (:func:`hidup.codegen.choose_duplication`; ``info.duplication_trial``);
 * ``hidup-eager`` / ``hidup-nodup-eager``: the same without the CUDA graph (every op dispatched from
   Python), to show what the capture buys; duplicated eager runs of one process all use the same
   pair of copy communicators (created at the first), graph-captured runs a fresh pair each;
-* ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs.
+* ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs;
+* ``single-dup``: the share run as duplication runs it, two half-batch copies on two streams
+  (:class:`hidup.profiler.ops.TwoCopies`), captured the same way: the floor of a duplicated plan.
 
 Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
 device synchronizations; the step time is the max over ranks (``t(i) = max_r t_r(i)``) and a run
@@ -54,10 +58,10 @@ from hidup.runtime.data import rank_share  # noqa: E402
 warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
 warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
 
-METHODS = ("single", "single-graph", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-eager",
-           "hidup-nodup-eager")
-BASELINE_METHODS = ("single", "single-graph", "ddp", "fsdp", "expert")
-HIDUP_METHODS = ("hidup", "hidup-nodup", "hidup-eager", "hidup-nodup-eager")
+METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup",
+           "hidup-auto", "hidup-eager", "hidup-nodup-eager")
+BASELINE_METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert")
+HIDUP_METHODS = ("hidup", "hidup-nodup", "hidup-auto", "hidup-eager", "hidup-nodup-eager")
 
 
 def mode_of(method: str) -> str:
@@ -67,7 +71,7 @@ def mode_of(method: str) -> str:
 
 def graphed(method: str) -> bool:
     """Whether a method runs its forward and backward as one CUDA graph (on CUDA devices)."""
-    return method in ("single-graph", "hidup", "hidup-nodup")
+    return method in ("single-graph", "single-dup", "hidup", "hidup-nodup", "hidup-auto")
 
 
 # ------------------------------------------------------------------------------------ agreement
@@ -158,7 +162,7 @@ def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> 
 
 
 def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
-            plan=None) -> tuple[Prepared, tuple]:
+            plan=None, precision: str = "fp32") -> tuple[Prepared, tuple]:
     """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified."""
     model = copy.deepcopy(model_cpu)
     if method in BASELINE_METHODS:
@@ -168,7 +172,12 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             got = baseline.prepare(model, 0, 1, device)
         else:
             got = baseline.prepare(model, rank, world, device)
-        prep = Prepared(got.module, got.loss_scale, got.after_backward, dict(got.info))
+        module = got.module
+        if method == "single-dup":
+            from hidup.profiler.ops import TwoCopies
+
+            module = TwoCopies(module, device)
+        prep = Prepared(module, got.loss_scale, got.after_backward, dict(got.info))
         prep.coupled = not single
         prep.graph = graphed(method) and device.type == "cuda"
         inputs = rank_share(inputs_cpu, rank, world)
@@ -183,7 +192,15 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         graph = graphed(method) and device.type == "cuda"
         duplication = mode_of(method) == "hidup"
         shared = None if graph else _shared_copy_groups(world, device, duplication)
-        module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared)
+        trial = None
+        if method == "hidup-auto":
+            from hidup.codegen import choose_duplication
+
+            with precision_mode(precision, device):
+                module, trial = choose_duplication(model, plan, rank, world, inputs, cuda_graphs=graph,
+                                                   autocast_dtype=harness.autocast_dtype(precision))
+        else:
+            module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared)
 
         # a run captured as a CUDA graph gets fresh copy communicators, destroyed after it: one pair
         # reused by runs captured as different graphs ended in illegal memory accesses after about
@@ -197,6 +214,8 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
                     dist.destroy_process_group(g)
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
                 "cuda_graph": graph}
+        if trial is not None:
+            info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
         prep.graph = prep.choose = graph
         return prep, inputs
@@ -330,7 +349,7 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
     error = ""
     try:
         phase("prepare")
-        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan)
+        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan, precision)
         out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s,
                          trace_path=trace_path, phase=phase)
         out["info"] = prep.info

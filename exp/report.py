@@ -213,8 +213,13 @@ def _note(r: dict) -> str:
         notes.append("search preferred no duplication")
     if r.get("method") in ("hidup-nodup", "hidup-nodup-eager") and r.get("plan_duplication") is True:
         notes.append("search preferred duplication")
+    dup_trial = (r.get("info") or {}).get("duplication_trial") or {}
+    if "on_s" in dup_trial:
+        notes.append(f"duplication {'on' if r['info'].get('duplication') else 'off'} by trial (on "
+                     f"{dup_trial['on_s'] * 1e3:.1f} ms, off {dup_trial['off_s'] * 1e3:.1f} ms; plan: "
+                     f"{'on' if r.get('plan_duplication') else 'off'})")
     mode = (r.get("info") or {}).get("step_mode")
-    if mode and r.get("method") in ("hidup", "hidup-nodup"):
+    if mode and r.get("method") in ("hidup", "hidup-nodup", "hidup-auto"):
         trial = (r.get("info") or {}).get("mode_timings") or {}
         notes.append(f"{'CUDA graph' if mode == 'graph' else 'eager steps'} kept" + (
             f" (trial: graph {trial['graph_s'] * 1e3:.1f} ms, eager {trial['eager_s'] * 1e3:.1f} ms)"

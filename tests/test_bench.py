@@ -36,10 +36,12 @@ def test_bench_smoke_world2(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
     proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
                              "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
-                             "--profile-budget", "0.02", "--time-budget", "90", "--breakdown"] + TINY, timeout=150)
+                             "--profile-budget", "0.02", "--time-budget", "120", "--breakdown", "--methods",
+                             "single", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"]
+                + TINY, timeout=200)
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
-    assert set(runs) == {"single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup"}
+    assert set(runs) == {"single", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"}
     for method, r in runs.items():
         assert r["status"] == "ok", (method, r.get("error"))
         assert r["precision"] == "tf32" and r["precision_run"] == "fp32"  # CPU runs tf32 as fp32
@@ -51,9 +53,13 @@ def test_bench_smoke_world2(tmp_path):
     assert runs["ddp"]["scaling_efficiency"] == pytest.approx(floor / runs["ddp"]["iter_time_s"])
     # same weights, same batch: every distributed method starts from the same global loss
     ref = runs["ddp"]["loss_first"]
-    for m in ("fsdp", "expert", "hidup", "hidup-nodup"):
+    for m in ("fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"):
         assert runs[m]["loss_first"] == pytest.approx(ref, rel=1e-4), m
     assert runs["single"]["loss_first"] < ref  # one rank's share of the batch
+    assert runs["single-dup"]["loss_first"] == pytest.approx(runs["single"]["loss_first"], rel=1e-4)  # two halves
+    auto = runs["hidup-auto"]
+    assert set(auto["info"]["duplication_trial"]) == {"on_s", "off_s"} and "by trial" in report._note(auto)
+    assert auto["predicted_s"] == runs["hidup" if auto["info"]["duplication"] else "hidup-nodup"]["predicted_s"]
     for m in ("hidup", "hidup-nodup"):
         assert runs[m]["predicted_s"] > 0 and runs[m]["search_s"] >= 0
         assert runs[m]["profile"]["name"] == "sockets-measured"  # searched with the profile measured here
@@ -61,6 +67,7 @@ def test_bench_smoke_world2(tmp_path):
     assert (out / "sockets-profile.json").is_file()
     prof = hidup.profiler.load(out / "sockets-profile.json")  # with the model's op times, both ranks' shares
     assert prof.ops_timing == "eager" and prof.optimizer_s_per_byte > 0 and "in-context scale" in prof.notes
+    assert "two-copy scale" in prof.notes
     assert len(prof.ops) > 20 and all(k.endswith(("tf32", "int64")) for k in prof.ops), sorted(prof.ops)[:5]
     inv = doc["latest"]
     assert inv["env"]["NCCL_P2P_DISABLE"] == "1" and inv["env"]["NCCL_NVLS_ENABLE"] == "0"

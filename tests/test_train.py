@@ -120,6 +120,15 @@ def test_strategy_then_train_with_the_saved_plan(tmp_path):
     _train(["--world", "2", "--iterations", "3", "--profile", "h200x4-socket", "--json", str(spot),
             "--master-port", str(_port())])
     assert _losses(saved) == pytest.approx(_losses(spot), rel=1e-6)
+    # --duplication on / off overrides the plan's mode; the two copies train the same model
+    modes = {}
+    for mode in ("on", "off"):
+        modes[mode] = tmp_path / f"{mode}.json"
+        _train(["--world", "2", "--iterations", "3", "--plan", str(plan), "--duplication", mode, "--json",
+                str(modes[mode]), "--master-port", str(_port())])
+    on, off = (json.loads(modes[m].read_text()) for m in ("on", "off"))
+    assert on["duplication"] is True and off["duplication"] is False
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-5)
     other = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--layers", "1", "--world", "2",
              "--iterations", "1", "--plan", str(plan), "--master-port", str(_port())]
     out = subprocess.run(other, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)

@@ -41,7 +41,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--plan", type=Path, default=None, help="plan JSON from `hidup search` (default: search now)")
     g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile used when searching on the spot")
-    g.add_argument("--no-duplication", action="store_true", help="run one copy per rank (no two-stream overlap)")
+    g.add_argument("--duplication", choices=("auto", "plan", "on", "off"), default="auto",
+                   help="two half-batch copies per rank overlapping communication and compute: as the plan says, "
+                        "on, off, or auto (default): on GPUs with more than one rank, time a few steps of the plan "
+                        "with and without and keep the faster (the plan's choice unless the other wins by 2%%); "
+                        "elsewhere as the plan says")
+    g.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
     g.add_argument("--iterations", type=int, default=20, help="optimizer steps (default 20)")
     g.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
     g.add_argument("--last-k", type=int, default=10, help="report time over the last K steps (default 10)")
@@ -119,8 +124,13 @@ def _plan_for(args, model, inputs, world: int):
 
     graph = trace(model, inputs, world_size=world, half_batch=True)
     return search(graph, hidup.profiler.load(args.profile), world_size=world,
-                  duplication=not args.no_duplication, precision=args.precision,
+                  duplication=_duplication_mode(args) != "off", precision=args.precision,
                   cuda_graphs=_captures(args, torch.cuda.is_available()))
+
+
+def _duplication_mode(args) -> str:
+    """``--duplication``, with ``--no-duplication`` meaning off."""
+    return "off" if args.no_duplication else args.duplication
 
 
 def _captures(args, cuda: bool) -> bool:
@@ -151,15 +161,25 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
         data = StdlibCorpus(inputs[0].shape[0], inputs[0].shape[1])
     plan = _plan_for(args, model, inputs, world)
-    duplication = False if args.no_duplication else None
+    mode, trial = _duplication_mode(args), {}
     model = model.to(device)
-    module = compile(model, plan, rank, world, tuple(x.to(device) for x in inputs), duplication=duplication)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    use_graph = _captures(args, device.type == "cuda")
+    if mode == "auto" and device.type == "cuda" and world > 1:
+        from hidup.codegen import choose_duplication
+
+        trial_batch = tuple(x.to(device) for x in batch_at(inputs, 0, args.seed, cfg, data))
+        module, trial = choose_duplication(model, plan, rank, world, trial_batch, cuda_graphs=use_graph,
+                                           autocast_dtype=autocast_dtype)
+        if rank == 0:
+            print(trial["reason"], flush=True)
+    else:
+        duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
+        module = compile(model, plan, rank, world, tuple(x.to(device) for x in inputs), duplication=duplication)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = (torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam"
            else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
-    use_graph = _captures(args, device.type == "cuda")
     if use_graph and device.type != "cuda":
         raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
     if use_graph and scaler is not None:
@@ -253,6 +273,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
               "duplication": bool(getattr(module, "duplication", False)), "precision": args.precision,
               "cuda_graph": graphed is not None and graphed.graph is not None,
               "step_mode_trial": graphed.timings if graphed is not None else {},
+              "duplication_trial": trial.get("trial", {}),
               "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""

@@ -1,0 +1,115 @@
+"""Duplication on or off, decided by timing both (``hidup train --duplication auto``).
+
+The search decides duplication with the cost model.  Where the two modes are close -- a fast network
+hides little communication, and half-batch kernels cost a little more than half -- the model can
+misjudge which one is faster by the few percent that separate them.  :func:`choose_duplication`
+settles it the way :class:`hidup.codegen.graphs.GraphedStep` settles graph against eager replay: it
+compiles the plan without and with duplication, times ``trials`` training steps of each as training
+runs them (forward and backward as one CUDA graph when ``cuda_graphs``, else eagerly; the optimizer
+step is the same in both modes and is not run), and keeps the faster.  The slowest rank's medians
+decide, so every rank keeps the same mode.  The plan's own mode is kept unless the other is faster
+by more than ``margin`` (noise does not flip it).
+
+The trial changes no parameter (no optimizer step runs) and leaves no gradient.  Only one compiled
+module lives at a time, so the trial needs no more memory than training.  A plan whose batch cannot
+be halved (an odd batch) runs without duplication and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["choose_duplication"]
+
+
+def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
+    """Median seconds of ``trials`` forward + backward steps of ``module`` on ``inputs``."""
+    from hidup.codegen.graphs import GraphedStep
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=warmup,
+                       enabled=cuda_graphs and cuda)
+    times = []
+    try:
+        if not step.enabled:
+            for _ in range(warmup):
+                step(*inputs)
+        for _ in range(trials):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step(*inputs)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        step.release()
+        for p in module.parameters():
+            p.grad = None
+    return statistics.median(times)
+
+
+def _agreed(values: list[float], group, device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks of ``group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, *, group=None,
+                       cuda_graphs: bool = True, autocast_dtype=None, trials: int = 5, warmup: int = 2,
+                       margin: float = 0.02, **compile_kwargs):
+    """``(module, info)``: ``plan`` compiled (:func:`hidup.codegen.compile`) in the faster of its two
+    modes, and ``info = {"duplication": bool, "trial": {"on_s", "off_s"}, "reason": str}`` (see the
+    module docstring).  ``example_inputs`` are the inputs of the timed steps (the global batch, as
+    for ``compile``); every rank of ``group`` must call this."""
+    from hidup.codegen.rewrite import CompileError, compile
+
+    inputs = tuple(example_inputs)
+    planned = bool(getattr(plan, "duplication", False))
+    kw = dict(compile_kwargs, group=group)
+    timing = dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials),
+                  warmup=max(1, warmup))
+
+    def single():
+        return compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
+
+    def release_groups(module):  # the copy communicators compile created for a module we drop
+        if compile_kwargs.get("copy_groups") is not None:
+            return
+        owned = [g for g in (getattr(module, "copy_groups", None) or ())
+                 if g is not None and g is not group and g is not dist.group.WORLD]
+        for g in {id(g): g for g in owned}.values():
+            dist.destroy_process_group(g)
+
+    off = single()
+    device = next((p.device for p in off.parameters()), torch.device("cpu"))
+    off_s = _timed(off, inputs, **timing)
+    del off  # one compiled module at a time
+    on = None
+    try:
+        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
+        on_s = _timed(on, inputs, **timing)
+    except (CompileError, ValueError) as e:  # a batch that does not halve: the same on every rank
+        if on is not None:
+            release_groups(on)
+        return single(), {"duplication": False, "trial": {"off_s": off_s},
+                          "reason": f"duplication cannot run this batch ({e}); running one copy"}
+    on_s, off_s = _agreed([on_s, off_s], group, device)
+    keep_on = on_s <= off_s * (1.0 + margin) if planned else on_s * (1.0 + margin) < off_s
+    chosen = "on" if keep_on else "off"
+    info = {"duplication": keep_on, "trial": {"on_s": on_s, "off_s": off_s},
+            "reason": f"duplication {chosen} (trial: on {on_s * 1e3:.2f} ms, off {off_s * 1e3:.2f} ms per forward + "
+                      f"backward; the plan says {'on' if planned else 'off'})"}
+    if keep_on:
+        return on, info
+    release_groups(on)
+    del on
+    return single(), info

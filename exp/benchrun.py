@@ -18,7 +18,7 @@ same weights) with one *method* for a bounded number of Adam steps on a fixed sy
   pair of copy communicators (created at the first), graph-captured runs a fresh pair each;
 * ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs;
 * ``single-dup``: the share run as duplication runs it, two half-batch copies on two streams
-  (:class:`hidup.profiler.ops.TwoCopies`), captured the same way: the floor of a duplicated plan.
+  (:class:`hidup.profiler.calibrate.TwoCopies`), captured the same way: the floor of a duplicated plan.
 
 Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
 device synchronizations; the step time is the max over ranks (``t(i) = max_r t_r(i)``) and a run
@@ -174,7 +174,7 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             got = baseline.prepare(model, rank, world, device)
         module = got.module
         if method == "single-dup":
-            from hidup.profiler.ops import TwoCopies
+            from hidup.profiler.calibrate import TwoCopies
 
             module = TwoCopies(module, device)
         prep = Prepared(module, got.loss_scale, got.after_backward, dict(got.info))

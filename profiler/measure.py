@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .calibrate import measure_model_ops
+
 if TYPE_CHECKING:
     from hidup.profiler.profile import CommTable, Profile
 
@@ -308,99 +310,6 @@ def parse_overrides(text: str) -> dict:
             except ValueError:
                 raise ValueError(f"model override {item!r}: the value must be a number") from None
     return out
-
-
-def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
-                      precisions: tuple[str, ...] = ("fp32",), seconds: float = 120.0, half_batch: bool = True):
-    """``prof`` plus the per-op times of zoo models traced for ``world`` ranks (a world size, or a
-    list of them), at every signature's local shapes, at the batch and at half of it (ops.py), in
-    each of ``precisions``.
-
-    Every rank of an initialized process group calls this: each measures its share of the distinct
-    op shapes on its own device (``shard=(rank, world)``) and the parts are gathered, so the whole
-    group returns the same profile.  ``models`` holds (zoo name, overrides) pairs; ``seconds`` bounds
-    each (model, precision, world) on every rank.  Then the ranks time each (model, precision, world)'s
-    single-device step (:func:`hidup.profiler.ops.in_context_scale`) and the profile's ``ops_scale``
-    becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
-    80% measured ops (a factor outside [0.5, 2] is reported, not used), and ``optimizer_s_per_byte``
-    the Adam step's time per parameter byte over all pairs.  Last (``half_batch``), the ranks time
-    the same pairs run as duplication's two copies on two streams
-    (:func:`hidup.profiler.ops.dup_context_scale`, priced with the new ``ops_scale``), and the
-    profile's ``dup_scale`` becomes their geometric mean on the same terms."""
-    import hidup.models
-
-    from .ops import dup_context_scale, in_context_scale, model_op_times
-
-    initialized = dist.is_available() and dist.is_initialized()
-    rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-    graphed = device.type == "cuda"
-
-    def gathered(part):
-        parts = [part]
-        if initialized and ranks > 1:
-            parts = [None] * ranks
-            dist.all_gather_object(parts, part)
-        return parts
-
-    worlds = [world] if isinstance(world, int) else list(world)
-    mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
-    for w in worlds:
-        for name, overrides in models:
-            model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
-            for precision in precisions:
-                mine = model_op_times(model, inputs, w, device=device, precision=precision, half_batch=half_batch,
-                                      graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
-    ops = {}
-    for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
-        ops.update(part or {})
-    out = prof.with_ops(ops)
-    out.ops_timing = "graph" if graphed else "eager"
-    # in-context factor: each rank times the single-device step of some (model, precision, world)
-    pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
-
-    def check(fn, name, overrides, precision, w):
-        try:
-            return dict(fn(out, name, overrides, w, device, precision), world=w)
-        except Exception as e:  # noqa: BLE001 - the factors are optional: reported, the ops stay unscaled
-            return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
-
-    checks = [check(in_context_scale, *pair) for pair in pairs[rank::ranks]]
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
-    checks = [c for part in gathered(checks) for c in (part or [])]
-    out.ops_scale = _geomean_scale(checks, out.ops_scale)
-    opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
-    if opt:
-        out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
-    # two-copy factor: the same pairs run as duplication's two copies, against the calibrated ops
-    dup_checks = []
-    if half_batch:
-        dup_checks = [check(dup_context_scale, *pair) for pair in pairs[rank::ranks]]
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
-        out.dup_scale = _geomean_scale(dup_checks, out.dup_scale)
-    detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
-        f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
-        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
-        f"{c['optimizer_bytes'] / 2**20:.0f} MiB" if "scale" in c else c["error"]) for c in checks)
-    dup_detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
-        f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms one copy after the other "
-        f"= {c['scale']:.3f}" if "scale" in c else c["error"]) for c in dup_checks)
-    out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
-                  f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
-                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'}); "
-                  f"two-copy scale {out.dup_scale:.3f} ({dup_detail or 'not measured'})")
-    return out
-
-
-def _geomean_scale(checks: list[dict], default: float) -> float:
-    """Geometric mean of the checks' ``scale`` over those whose prediction is at least 80% measured
-    ops and whose factor lies in [0.5, 2] (others are reported, not used); ``default`` if none."""
-    import math
-
-    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
-    return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:

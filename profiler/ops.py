@@ -22,7 +22,7 @@ captured (a host synchronization) is timed eagerly.  On a CPU the wall time of e
 
 Identical keys (repeated layers, signatures with equal local shapes) are measured once, and
 ``shard=(i, n)`` measures only the distinct keys whose CRC-32 is ``i`` modulo ``n`` so that ``n``
-ranks split the work (:func:`hidup.profiler.measure.measure_model_ops` gathers the parts).  The
+ranks split the work (:func:`hidup.profiler.calibrate.measure_model_ops` gathers the parts).  The
 owner of a key depends on the key alone, not on what a rank measured before, so ranks whose caches
 differ (each holds its own share) still split every later model, precision and half-batch trace
 exactly.  An op whose first forward takes more than ``max_op_s`` is skipped, and measuring stops
@@ -30,13 +30,8 @@ after ``total_s`` seconds; the cost model prices whatever is missing from the ro
 modules (``call_module`` nodes) are not timed: their weights live in the module.
 
 :func:`model_op_times` times a model at its batch and, for duplication, at half the batch
-(:func:`hidup.trace.trace_half_batch`: the shapes of one copy).
-
-Whole steps calibrate the sum of the op times: :func:`in_context_scale` times one rank's share of
-a model as one CUDA graph against the ops' prediction (the profile's ``ops_scale``), and
-:func:`dup_context_scale` times the same share split into duplication's two half-batch copies on
-two streams (:class:`TwoCopies`) against the copies' prediction one after the other (the
-profile's ``dup_scale``).
+(:func:`hidup.trace.trace_half_batch`: the shapes of one copy).  :mod:`hidup.profiler.calibrate`
+checks their sum against whole steps.
 """
 
 from __future__ import annotations
@@ -53,8 +48,7 @@ from hidup.ir import Graph, Signature
 
 from .device import time_call
 
-__all__ = ["time_ops", "model_op_times", "in_context_scale", "predicted_step", "node_signatures", "TwoCopies",
-           "predicted_copies", "dup_context_scale"]
+__all__ = ["time_ops", "model_op_times", "node_signatures"]
 
 
 def node_signatures(graph: Graph, plan: Any = None) -> list[tuple[str, Signature]]:
@@ -291,148 +285,3 @@ def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan
                         half_plan.append((name, match[0]))
             ops = time_ops(half, half_plan, cache=ops, **kwargs)
     return ops
-
-
-def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
-                   precision: str = "fp32") -> tuple[float, float]:
-    """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
-    share of the ``world_size``-rank model run on one device, priced by the cost model from
-    ``profile`` as a CUDA-graph step (no scale applied: ``ops_scale`` is taken as 1)."""
-    return _predicted(profile, model, example_inputs, world_size, precision, copies=False)
-
-
-class TwoCopies(torch.nn.Module):
-    """``model`` run as duplication runs it, on one device: the inputs split along dim 0 into two
-    halves (:func:`hidup.codegen.duplicate.half`), each half run on its own CUDA stream, the two
-    losses added.  Autograd runs each copy's backward on its copy's stream, so the copies' kernels
-    can overlap in both passes; on a CPU the copies run one after the other."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device | str):
-        super().__init__()
-        self.model = model
-        self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(2)] if cuda else None
-        if cuda:  # both copies accumulate into the same gradients from their own streams, by design
-            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-            if quiet is not None:
-                quiet(False)
-
-    def forward(self, *inputs):
-        from hidup.codegen.duplicate import half
-
-        def copy(c):
-            return self.model(*(half(x, 0, c, 1) if isinstance(x, torch.Tensor) else x for x in inputs))
-
-        if self.streams is None:
-            return copy(0) + copy(1)
-        main = torch.cuda.current_stream(self.device)
-        losses = []
-        for c, stream in enumerate(self.streams):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                losses.append(copy(c))
-        for stream, loss in zip(self.streams, losses):
-            main.wait_stream(stream)
-            loss.record_stream(main)
-        return losses[0] + losses[1]
-
-
-def predicted_copies(profile, model: torch.nn.Module, example_inputs, world_size: int,
-                     precision: str = "fp32") -> tuple[float, float]:
-    """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
-    share of the ``world_size``-rank model run on one device as two duplicated copies one after the
-    other: :meth:`hidup.search.cost.CostModel.copy_compute` of every op, twice, from ``profile`` as
-    a CUDA-graph step (its ``ops_scale`` applied, ``dup_scale`` taken as 1)."""
-    return _predicted(profile, model, example_inputs, world_size, precision, copies=True)
-
-
-def _predicted(profile, model, example_inputs, world_size: int, precision: str, copies: bool):
-    import copy
-
-    from hidup.runtime.data import rank_share
-    from hidup.search.cost import CostModel
-    from hidup.trace import trace
-
-    graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1, half_batch=copies)
-    prof = copy.copy(profile.launched(True))
-    if copies:
-        prof.dup_scale = 1.0
-    else:
-        prof.ops_scale = 1.0
-    cost = CostModel(graph, prof, precision)
-    total = measured = 0.0
-    for node in graph.nodes:
-        if node.op != "call":
-            continue
-        sig = node.signatures[0]  # one rank: every signature has the same local shapes
-        f, b = cost.copy_compute(node, sig) if copies else cost.compute(node, sig)
-        total += (f + b) * (2 if copies else 1)
-        if cost.measured(graph, node, sig) is not None:
-            measured += (f + b) * (2 if copies else 1)
-    return total, (measured / total if total else 0.0)
-
-
-def _time_step(name: str, overrides: dict, world_size: int, device: torch.device, precision: str,
-               budget_s: float, copies: bool) -> tuple[float, float, int]:
-    """(seconds of one step, seconds of its Adam step, trainable bytes) of one rank's share of zoo
-    model ``name`` on ``device``, forward and backward as one CUDA graph; ``copies`` runs it as
-    :class:`TwoCopies` (the Adam step is then not timed: 0.0)."""
-    import hidup.models
-    from hidup.codegen.graphs import GraphedStep
-    from hidup.runtime.data import rank_share
-
-    from .device import tf32, time_call
-
-    model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
-    model = model.to(device)
-    local = tuple(t.to(device) for t in rank_share(inputs, 0, world_size))
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    opt_s = 0.0
-    with tf32(precision == "tf32"):
-        step = GraphedStep(TwoCopies(model, device) if copies else model, local, autocast_dtype=autocast)
-        try:
-            measured = time_call(lambda: step(*local), device, warmup=2, budget_s=budget_s, sample_s=budget_s / 5)
-            params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-            if not copies:
-                optimizer = torch.optim.Adam(params, lr=1e-6)  # as the benchmarks and `hidup train` step
-                opt_s = time_call(optimizer.step, device, warmup=2, budget_s=budget_s / 2, sample_s=budget_s / 10)
-        finally:
-            step.release()
-    return measured, opt_s, sum(p.numel() * p.element_size() for p in params)
-
-
-def in_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
-                     precision: str = "fp32", budget_s: float = 1.0) -> dict:
-    """Measured over predicted time of one rank's share of zoo model ``name`` (built for
-    ``world_size`` ranks) on ``device``: forward and backward captured as one CUDA graph
-    (:class:`hidup.codegen.graphs.GraphedStep`) against :func:`predicted_step` from ``profile``'s
-    measured ops, and the Adam step on its parameters after it.  Returns ``{"model", "precision",
-    "measured_s", "predicted_s", "coverage", "scale", "optimizer_s", "optimizer_bytes"}``; the caller
-    decides what to keep (see :func:`hidup.profiler.measure.measure_model_ops`)."""
-    import hidup.models
-
-    device = torch.device(device)
-    meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
-    predicted, coverage = predicted_step(profile, meta_model, meta_inputs, world_size, precision)
-    measured, opt_s, nbytes = _time_step(name, overrides, world_size, device, precision, budget_s, copies=False)
-    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
-            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0,
-            "optimizer_s": opt_s, "optimizer_bytes": nbytes}
-
-
-def dup_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
-                      precision: str = "fp32", budget_s: float = 1.0) -> dict:
-    """Measured over predicted time of one rank's share of zoo model ``name`` run as two duplicated
-    copies on two streams (:class:`TwoCopies`, forward and backward as one CUDA graph) against
-    :func:`predicted_copies` from ``profile`` (whose ``ops_scale`` should already be calibrated).
-    Returns ``{"model", "precision", "measured_s", "predicted_s", "coverage", "scale"}``: the
-    profile's ``dup_scale`` candidate (see :func:`hidup.profiler.measure.measure_model_ops`)."""
-    import hidup.models
-
-    device = torch.device(device)
-    meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
-    predicted, coverage = predicted_copies(profile, meta_model, meta_inputs, world_size, precision)
-    measured, _, _ = _time_step(name, overrides, world_size, device, precision, budget_s, copies=True)
-    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
-            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}

@@ -62,7 +62,7 @@ between them but no host dispatch; the cost model adds the dispatch cost of an e
 than inside the step (its inputs stay in cache, nothing else shares the GPU), so ``ops_scale``
 multiplies every measured time: the time of a whole single-device step (one rank's share, forward
 and backward, as one CUDA graph) over the sum of its ops' measured times
-(:func:`hidup.profiler.ops.in_context_scale`; 1 when not calibrated).  The same measurement times the
+(:func:`hidup.profiler.calibrate.in_context_scale`; 1 when not calibrated).  The same measurement times the
 optimizer step (Adam) that follows: ``optimizer_s_per_byte`` is its time per byte of trainable
 parameters, which the plan's evaluation charges on the parameters each rank keeps.
 
@@ -71,7 +71,7 @@ With duplication the two copies' kernels run on two streams at once, and the GPU
 per-copy compute of a duplicated plan: the time of a duplicated single-device step (one rank's
 share split into two half-batch copies on two streams, forward and backward as one CUDA graph)
 over the cost model's per-copy compute of both copies, as if they ran one after the other
-(:func:`hidup.profiler.ops.dup_context_scale`; 1 when not calibrated: the copies serialize).
+(:func:`hidup.profiler.calibrate.dup_context_scale`; 1 when not calibrated: the copies serialize).
 
 Perturbation
 ------------

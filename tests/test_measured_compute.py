@@ -193,7 +193,7 @@ def test_the_two_copy_factor_scales_each_copys_compute_and_can_turn_duplication_
 def test_two_copies_on_one_device_give_the_whole_batch_loss_and_gradients():
     import torch
 
-    from hidup.profiler.ops import TwoCopies
+    from hidup.profiler.calibrate import TwoCopies
 
     model, inputs = hidup.models.build("gpt", world_size=1, seed=0, **TINY)
     loss = model(*inputs)
@@ -210,7 +210,7 @@ def test_two_copies_on_one_device_give_the_whole_batch_loss_and_gradients():
 def test_profiling_model_ops_calibrates_the_two_copy_factor(tmp_path):
     import torch
 
-    from hidup.profiler.measure import measure_model_ops
+    from hidup.profiler.calibrate import measure_model_ops
 
     prof = P.load("h200x4-nvlink")
     out = measure_model_ops(prof, [("gpt", TINY)], 2, torch.device("cpu"), ("fp32",), seconds=20.0)

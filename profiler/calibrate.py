@@ -1,0 +1,260 @@
+"""A model's per-op times, gathered over the ranks and calibrated against whole steps.
+
+:func:`measure_model_ops` times every op of zoo models at their sharded and half-batch shapes
+(:mod:`hidup.profiler.ops`, the ranks splitting the shapes), then checks the sum on whole
+single-device steps of one rank's share:
+
+* :func:`in_context_scale`: the share as one CUDA graph against :func:`predicted_step`, the ops'
+  sum (the profile's ``ops_scale``), and the Adam step after it (``optimizer_s_per_byte``);
+* :func:`dup_context_scale`: the share split into duplication's two half-batch copies on two
+  streams (:class:`TwoCopies`) against :func:`predicted_copies`, the cost model's per-copy compute
+  of both copies one after the other (the profile's ``dup_scale``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["measure_model_ops", "in_context_scale", "dup_context_scale", "predicted_step", "predicted_copies",
+           "TwoCopies"]
+
+
+def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
+                      precisions: tuple[str, ...] = ("fp32",), seconds: float = 120.0, half_batch: bool = True):
+    """``prof`` plus the per-op times of zoo models traced for ``world`` ranks (a world size, or a
+    list of them), at every signature's local shapes, at the batch and at half of it (ops.py), in
+    each of ``precisions``.
+
+    Every rank of an initialized process group calls this: each measures its share of the distinct
+    op shapes on its own device (``shard=(rank, world)``) and the parts are gathered, so the whole
+    group returns the same profile.  ``models`` holds (zoo name, overrides) pairs; ``seconds`` bounds
+    each (model, precision, world) on every rank.  Then the ranks time each (model, precision, world)'s
+    single-device step (:func:`in_context_scale`) and the profile's ``ops_scale``
+    becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
+    80% measured ops (a factor outside [0.5, 2] is reported, not used), and ``optimizer_s_per_byte``
+    the Adam step's time per parameter byte over all pairs.  Last (``half_batch``), the ranks time
+    the same pairs run as duplication's two copies on two streams
+    (:func:`dup_context_scale`, priced with the new ``ops_scale``), and the
+    profile's ``dup_scale`` becomes their geometric mean on the same terms."""
+    import hidup.models
+
+    from .ops import model_op_times
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    graphed = device.type == "cuda"
+
+    def gathered(part):
+        parts = [part]
+        if initialized and ranks > 1:
+            parts = [None] * ranks
+            dist.all_gather_object(parts, part)
+        return parts
+
+    worlds = [world] if isinstance(world, int) else list(world)
+    mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
+    for w in worlds:
+        for name, overrides in models:
+            model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
+            for precision in precisions:
+                mine = model_op_times(model, inputs, w, device=device, precision=precision, half_batch=half_batch,
+                                      graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
+    ops = {}
+    for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
+        ops.update(part or {})
+    out = prof.with_ops(ops)
+    out.ops_timing = "graph" if graphed else "eager"
+    # in-context factor: each rank times the single-device step of some (model, precision, world)
+    pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
+
+    def check(fn, name, overrides, precision, w):
+        try:
+            return dict(fn(out, name, overrides, w, device, precision), world=w)
+        except Exception as e:  # noqa: BLE001 - the factors are optional: reported, the ops stay unscaled
+            return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
+
+    checks = [check(in_context_scale, *pair) for pair in pairs[rank::ranks]]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
+    checks = [c for part in gathered(checks) for c in (part or [])]
+    out.ops_scale = _geomean_scale(checks, out.ops_scale)
+    opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
+    if opt:
+        out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
+    # two-copy factor: the same pairs run as duplication's two copies, against the calibrated ops
+    dup_checks = []
+    if half_batch:
+        dup_checks = [check(dup_context_scale, *pair) for pair in pairs[rank::ranks]]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
+        out.dup_scale = _geomean_scale(dup_checks, out.dup_scale)
+    detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
+        f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
+        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
+        f"{c['optimizer_bytes'] / 2**20:.0f} MiB" if "scale" in c else c["error"]) for c in checks)
+    dup_detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
+        f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms one copy after the other "
+        f"= {c['scale']:.3f}" if "scale" in c else c["error"]) for c in dup_checks)
+    out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
+                  f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
+                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'}); "
+                  f"two-copy scale {out.dup_scale:.3f} ({dup_detail or 'not measured'})")
+    return out
+
+
+def _geomean_scale(checks: list[dict], default: float) -> float:
+    """Geometric mean of the checks' ``scale`` over those whose prediction is at least 80% measured
+    ops and whose factor lies in [0.5, 2] (others are reported, not used); ``default`` if none."""
+    import math
+
+    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
+    return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
+
+
+def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
+                   precision: str = "fp32") -> tuple[float, float]:
+    """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
+    share of the ``world_size``-rank model run on one device, priced by the cost model from
+    ``profile`` as a CUDA-graph step (no scale applied: ``ops_scale`` is taken as 1)."""
+    return _predicted(profile, model, example_inputs, world_size, precision, copies=False)
+
+
+class TwoCopies(torch.nn.Module):
+    """``model`` run as duplication runs it, on one device: the inputs split along dim 0 into two
+    halves (:func:`hidup.codegen.duplicate.half`), each half run on its own CUDA stream, the two
+    losses added.  Autograd runs each copy's backward on its copy's stream, so the copies' kernels
+    can overlap in both passes; on a CPU the copies run one after the other."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str):
+        super().__init__()
+        self.model = model
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(2)] if cuda else None
+        if cuda:  # both copies accumulate into the same gradients from their own streams, by design
+            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+            if quiet is not None:
+                quiet(False)
+
+    def forward(self, *inputs):
+        from hidup.codegen.duplicate import half
+
+        def copy(c):
+            return self.model(*(half(x, 0, c, 1) if isinstance(x, torch.Tensor) else x for x in inputs))
+
+        if self.streams is None:
+            return copy(0) + copy(1)
+        main = torch.cuda.current_stream(self.device)
+        losses = []
+        for c, stream in enumerate(self.streams):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                losses.append(copy(c))
+        for stream, loss in zip(self.streams, losses):
+            main.wait_stream(stream)
+            loss.record_stream(main)
+        return losses[0] + losses[1]
+
+
+def predicted_copies(profile, model: torch.nn.Module, example_inputs, world_size: int,
+                     precision: str = "fp32") -> tuple[float, float]:
+    """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
+    share of the ``world_size``-rank model run on one device as two duplicated copies one after the
+    other: :meth:`hidup.search.cost.CostModel.copy_compute` of every op, twice, from ``profile`` as
+    a CUDA-graph step (its ``ops_scale`` applied, ``dup_scale`` taken as 1)."""
+    return _predicted(profile, model, example_inputs, world_size, precision, copies=True)
+
+
+def _predicted(profile, model, example_inputs, world_size: int, precision: str, copies: bool):
+    import copy
+
+    from hidup.runtime.data import rank_share
+    from hidup.search.cost import CostModel
+    from hidup.trace import trace
+
+    graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1, half_batch=copies)
+    prof = copy.copy(profile.launched(True))
+    if copies:
+        prof.dup_scale = 1.0
+    else:
+        prof.ops_scale = 1.0
+    cost = CostModel(graph, prof, precision)
+    price = cost.copy_compute if copies else cost.compute
+    total = measured = 0.0
+    for node in graph.nodes:
+        if node.op != "call":
+            continue
+        sig = node.signatures[0]  # one rank: every signature has the same local shapes
+        t = sum(price(node, sig))  # per copy with duplication: both copies take the same
+        total += t
+        if cost.measured(graph, node, sig) is not None:
+            measured += t
+    n = 2 if copies else 1
+    return n * total, (measured / total if total else 0.0)
+
+
+def _time_step(name: str, overrides: dict, world_size: int, device: torch.device, precision: str,
+               budget_s: float, copies: bool) -> tuple[float, float, int]:
+    """(seconds of one step, seconds of its Adam step, trainable bytes) of one rank's share of zoo
+    model ``name`` on ``device``, forward and backward as one CUDA graph; ``copies`` runs it as
+    :class:`TwoCopies` (the Adam step is then not timed: 0.0)."""
+    import hidup.models
+    from hidup.codegen.graphs import GraphedStep
+    from hidup.runtime.data import rank_share
+
+    from .device import tf32, time_call
+
+    model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
+    model = model.to(device)
+    local = tuple(t.to(device) for t in rank_share(inputs, 0, world_size))
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    opt_s = 0.0
+    with tf32(precision == "tf32"):
+        step = GraphedStep(TwoCopies(model, device) if copies else model, local, autocast_dtype=autocast)
+        try:
+            measured = time_call(lambda: step(*local), device, warmup=2, budget_s=budget_s, sample_s=budget_s / 5)
+            params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+            if not copies:
+                optimizer = torch.optim.Adam(params, lr=1e-6)  # as the benchmarks and `hidup train` step
+                opt_s = time_call(optimizer.step, device, warmup=2, budget_s=budget_s / 2, sample_s=budget_s / 10)
+        finally:
+            step.release()
+    return measured, opt_s, sum(p.numel() * p.element_size() for p in params)
+
+
+def in_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
+                     precision: str = "fp32", budget_s: float = 1.0) -> dict:
+    """Measured over predicted time of one rank's share of zoo model ``name`` (built for
+    ``world_size`` ranks) on ``device``: forward and backward captured as one CUDA graph
+    (:class:`hidup.codegen.graphs.GraphedStep`) against :func:`predicted_step` from ``profile``'s
+    measured ops, and the Adam step on its parameters after it.  Returns ``{"model", "precision",
+    "measured_s", "predicted_s", "coverage", "scale", "optimizer_s", "optimizer_bytes"}``; the caller
+    decides what to keep (see :func:`measure_model_ops`)."""
+    import hidup.models
+
+    device = torch.device(device)
+    meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
+    predicted, coverage = predicted_step(profile, meta_model, meta_inputs, world_size, precision)
+    measured, opt_s, nbytes = _time_step(name, overrides, world_size, device, precision, budget_s, copies=False)
+    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
+            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0,
+            "optimizer_s": opt_s, "optimizer_bytes": nbytes}
+
+
+def dup_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
+                      precision: str = "fp32", budget_s: float = 1.0) -> dict:
+    """Measured over predicted time of one rank's share of zoo model ``name`` run as two duplicated
+    copies on two streams (:class:`TwoCopies`, forward and backward as one CUDA graph) against
+    :func:`predicted_copies` from ``profile`` (whose ``ops_scale`` should already be calibrated).
+    Returns ``{"model", "precision", "measured_s", "predicted_s", "coverage", "scale"}``: the
+    profile's ``dup_scale`` candidate (see :func:`measure_model_ops`)."""
+    import hidup.models
+
+    device = torch.device(device)
+    meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
+    predicted, coverage = predicted_copies(profile, meta_model, meta_inputs, world_size, precision)
+    measured, _, _ = _time_step(name, overrides, world_size, device, precision, budget_s, copies=True)
+    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
+            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}

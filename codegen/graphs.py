@@ -41,7 +41,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-__all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
+__all__ = ["GraphedStep", "graphed_step", "GraphCaptureError", "median_seconds", "max_over_ranks"]
 
 
 class GraphCaptureError(RuntimeError):
@@ -136,27 +136,9 @@ class GraphedStep:
     def _choose(self, examples, trials: int, group) -> None:
         """Time ``trials`` replays against ``trials`` eager steps and keep the faster (the slowest
         rank's medians decide, so every rank makes the same choice); eager frees the graph."""
-        import statistics
-        import time
-
-        import torch.distributed as dist
-
-        def median_time(fn) -> float:
-            times = []
-            for _ in range(trials):
-                torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize(self.device)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-
-        graph_s = median_time(lambda: self(*examples))
-        eager_s = median_time(lambda: self._eager(examples))
-        both = torch.tensor([graph_s, eager_s], dtype=torch.float64, device=self.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        graph_s, eager_s = both.tolist()
+        graph_s = median_seconds(lambda: self(*examples), self.device, trials)
+        eager_s = median_seconds(lambda: self._eager(examples), self.device, trials)
+        graph_s, eager_s = max_over_ranks([graph_s, eager_s], group, self.device)
         self.timings = {"graph_s": graph_s, "eager_s": eager_s}
         if eager_s < graph_s:
             self.release()
@@ -203,6 +185,36 @@ class GraphedStep:
             self.graph.reset()
             self.graph = None
         self._static_loss, self._static_grads, self._static_inputs = None, [], []
+
+
+def median_seconds(fn, device: torch.device, trials: int) -> float:
+    """Median wall seconds of ``trials`` calls of ``fn``, each between device synchronizations."""
+    import statistics
+    import time
+
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(trials):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def max_over_ranks(values: list[float], group, device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks of ``group`` (``values`` as is without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    on = device if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 def graphed_step(module: nn.Module, example_inputs, **kwargs) -> GraphedStep:

@@ -17,50 +17,28 @@ be halved (an odd batch) runs without duplication and says so.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
+
+from hidup.codegen.graphs import GraphedStep, max_over_ranks, median_seconds
 
 __all__ = ["choose_duplication"]
 
 
 def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
     """Median seconds of ``trials`` forward + backward steps of ``module`` on ``inputs``."""
-    from hidup.codegen.graphs import GraphedStep
-
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    cuda = device.type == "cuda"
     step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=warmup,
-                       enabled=cuda_graphs and cuda)
-    times = []
+                       enabled=cuda_graphs and device.type == "cuda")
     try:
-        if not step.enabled:
+        if not step.enabled:  # a captured step warmed up before its capture
             for _ in range(warmup):
                 step(*inputs)
-        for _ in range(trials):
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            step(*inputs)
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        return median_seconds(lambda: step(*inputs), device, trials)
     finally:
         step.release()
         for p in module.parameters():
             p.grad = None
-    return statistics.median(times)
-
-
-def _agreed(values: list[float], group, device: torch.device) -> list[float]:
-    """Each value's maximum over the ranks of ``group``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, *, group=None,
@@ -102,7 +80,7 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
             release_groups(on)
         return single(), {"duplication": False, "trial": {"off_s": off_s},
                           "reason": f"duplication cannot run this batch ({e}); running one copy"}
-    on_s, off_s = _agreed([on_s, off_s], group, device)
+    on_s, off_s = max_over_ranks([on_s, off_s], group, device)
     keep_on = on_s <= off_s * (1.0 + margin) if planned else on_s * (1.0 + margin) < off_s
     chosen = "on" if keep_on else "off"
     info = {"duplication": keep_on, "trial": {"on_s": on_s, "off_s": off_s},

@@ -109,15 +109,10 @@ def make_problem(graph, profile, precision: str):
 def predict(problem, plan) -> dict:
     """Predicted seconds per iteration of ``plan``'s choices under ``problem``'s cost model: with
     duplication (``hidup``) and without (``hidup-nodup``)."""
+    from hidup.search import plan_indices
     from hidup.search.schedule import evaluate
 
-    ks = []
-    for i, node in enumerate(problem.order):
-        sig = plan.choices[node.name]
-        if sig not in problem.sigs[i]:
-            raise ValueError(f"plan signature {sig} of node {node.name} is not among its allowed signatures; "
-                             "the plan was made for another graph")
-        ks.append(problem.sigs[i].index(sig))
+    ks = plan_indices(problem, plan)
     return {"hidup": evaluate(problem, ks, True).total, "hidup-nodup": evaluate(problem, ks, False).total}
 
 

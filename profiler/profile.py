@@ -73,6 +73,17 @@ share split into two half-batch copies on two streams, forward and backward as o
 over the cost model's per-copy compute of both copies, as if they ran one after the other
 (:func:`hidup.profiler.calibrate.dup_context_scale`; 1 when not calibrated: the copies serialize).
 
+Inside the distributed program
+------------------------------
+One device cannot show what the ranks' program does to its own compute: NCCL kernels share the SMs
+with the compute kernels beside them, the stream waits between kernels around each collective, and,
+with duplication, one copy's kernels filling the other's gaps.  ``dist_scale`` multiplies every
+node's compute of a plan without duplication and ``dist_dup_scale`` every per-copy compute with
+it: on the ranks themselves, searched plans of calibration models are compiled in both modes and
+their forward + backward timed (:func:`hidup.profiler.calibrate.program_scales`); each factor is
+the one that makes the cost model's prediction of the plan equal the measured time, the geometric
+mean over the plans (1 when not calibrated, or when a plan's time hardly depends on its compute).
+
 Perturbation
 ------------
 :meth:`Profile.perturb` multiplies every FLOP rate, every per-op time and every bandwidth entry by its
@@ -151,6 +162,8 @@ class Profile:
     grad_copy_overhead: float = 0.0  # seconds per parameter of the gradient bucket copies (eager); 0 = unknown
     grad_copy_overhead_graph: float = 0.0  # the same inside a CUDA graph; 0 = not measured
     dup_scale: float = 1.0  # two-stream overlap factor of the copies' compute (see "Per-op times")
+    dist_scale: float = 1.0  # compute inside the distributed program, one copy (see "Inside the distributed program")
+    dist_dup_scale: float = 1.0  # the same, per copy with duplication
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -279,6 +292,8 @@ class Profile:
         out.grad_copy_overhead = self.grad_copy_overhead * f()
         out.grad_copy_overhead_graph = self.grad_copy_overhead_graph * f()
         out.dup_scale = self.dup_scale * f() if self.ops else self.dup_scale
+        out.dist_scale = self.dist_scale * f() if self.ops else self.dist_scale
+        out.dist_dup_scale = self.dist_dup_scale * f() if self.ops else self.dist_dup_scale
         return out
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
@@ -297,7 +312,7 @@ class Profile:
             "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
             "optimizer_s_per_byte": self.optimizer_s_per_byte, "layout_bandwidth": self.layout_bandwidth,
             "grad_copy_overhead": self.grad_copy_overhead, "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
-            "dup_scale": self.dup_scale,
+            "dup_scale": self.dup_scale, "dist_scale": self.dist_scale, "dist_dup_scale": self.dist_dup_scale,
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -414,6 +429,8 @@ class Profile:
         grad_copy = number(d.get("grad_copy_overhead", 0.0), "grad_copy_overhead", positive=False)
         grad_copy_graph = number(d.get("grad_copy_overhead_graph", 0.0), "grad_copy_overhead_graph", positive=False)
         dup_scale = number(d.get("dup_scale", 1.0), "dup_scale")
+        dist_scale = number(d.get("dist_scale", 1.0), "dist_scale")
+        dist_dup_scale = number(d.get("dist_dup_scale", 1.0), "dist_dup_scale")
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -435,7 +452,8 @@ class Profile:
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
                        d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
-                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph, dup_scale)
+                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph, dup_scale,
+                       dist_scale, dist_dup_scale)
 
 
 def builtin_names() -> list[str]:

@@ -5,6 +5,16 @@ both results are priced both ways; the plan keeps the fastest (choices, executio
 prediction is never worse than running the same choices without duplication, nor worse than the
 best plan without duplication.  ``plan.duplication`` records the mode the plan should run in.  The
 ILP always optimizes the plain cost (compute + communication); its choices are then priced both ways.
+
+Factors inside the distributed program
+--------------------------------------
+A profile's ``dist_scale`` and ``dist_dup_scale`` (:mod:`hidup.profiler.profile`) are fitted on the
+ranks to the plans a search finds without them, in each mode.  They hold near those plans: a plan
+with much more communication slows the compute beside it more than the factor says.  So the search
+runs with both factors taken as 1, and the factors then price the plan it found in both modes and
+keep the faster: they settle the mode, not the plan.  Searching with them instead found, for
+BERT-SGMoE on 4 H200s, plans that trade compute for per-copy weight all-gathers the factor prices as
+hidden; those ran 3-4% slower (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from hidup.search import dp, ilp
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
-__all__ = ["search", "forced", "make_plan", "STYLES"]
+__all__ = ["search", "forced", "make_plan", "price", "plan_indices", "STYLES"]
 
 STYLES = ("data", "tensor", "expert")
 # style -> (preferred kinds in order, kinds never used)
@@ -82,29 +92,75 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     return plan
 
 
+def plan_indices(problem: Problem, plan: Plan) -> list[int]:
+    """Each node's signature index in ``problem`` for ``plan``'s choices; ValueError when the plan
+    was made for another graph."""
+    ks = []
+    for i, node in enumerate(problem.order):
+        sig = plan.choices.get(node.name)
+        if sig not in problem.sigs[i]:
+            raise ValueError(f"plan signature {sig} of node {node.name} is not among its allowed signatures; "
+                             "the plan was made for another graph")
+        ks.append(problem.sigs[i].index(sig))
+    return ks
+
+
+def price(graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True) -> dict[bool, Evaluation]:
+    """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
+    with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
+    from hidup.profiler import load
+
+    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
+        profile = load(profile)
+    problem = Problem(graph, profile.launched(cuda_graphs), precision)
+    ks = plan_indices(problem, plan)
+    return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
+
+
+def _fastest(evaluations: list[Evaluation]) -> Evaluation:
+    """The evaluation with the least total (ties to duplication, then to the earlier)."""
+    best: Evaluation | None = None
+    for ev in evaluations:
+        if best is None or ev.total < best.total - 1e-15 * max(1.0, best.total) or \
+                (ev.total <= best.total and ev.duplication and not best.duplication):
+            best = ev
+    return best
+
+
+def _without_program_factors(profile):
+    """``profile`` with ``dist_scale`` and ``dist_dup_scale`` taken as 1."""
+    import copy
+
+    p = copy.copy(profile)
+    p.dist_scale = p.dist_dup_scale = 1.0
+    return p
+
+
 def _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress, max_states,
             max_points, reuse_blocks, optimizer_factor, time_limit, explain) -> Plan:
     problem = Problem(graph, profile, precision, restrict, optimizer_factor)
+    # the factors inside the distributed program settle the mode of the plan a search without them
+    # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
+    local = getattr(profile, "dist_scale", 1.0) != 1.0 or getattr(profile, "dist_dup_scale", 1.0) != 1.0
+    explore = Problem(graph, _without_program_factors(profile), precision, restrict, optimizer_factor) \
+        if local else problem
     candidates: list[list[int]] = []
     if algorithm == "ilp":
         try:  # the DP's answer seeds CBC with a good incumbent
-            start, _ = dp.solve(problem, False, memory_budget, max_states, max_points, reuse_blocks)
+            start, _ = dp.solve(explore, False, memory_budget, max_states, max_points, reuse_blocks)
         except SearchError:
             start = None
-        candidates.append(ilp.solve(problem, memory_budget, time_limit, start))
+        candidates.append(ilp.solve(explore, memory_budget, time_limit, start))
     else:
         modes = (False, True) if duplication else (False,)
         for mode in modes:
             fn = _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
-            ks, _ = dp.solve(problem, mode, memory_budget, max_states, max_points, reuse_blocks, fn)
+            ks, _ = dp.solve(explore, mode, memory_budget, max_states, max_points, reuse_blocks, fn)
             candidates.append(ks)
-    best: Evaluation | None = None
-    for ks in candidates:
-        for mode in ((False, True) if duplication else (False,)):
-            ev = evaluate(problem, ks, mode)
-            if best is None or ev.total < best.total - 1e-15 * max(1.0, best.total) or \
-                    (ev.total <= best.total and mode and not best.duplication):
-                best = ev
+    modes = (False, True) if duplication else (False,)
+    best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
+    if local:
+        best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
     options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": duplication,
                "optimizer_factor": optimizer_factor, "max_states": max_states, "max_points": max_points}
     return make_plan(problem, best, algorithm, options, explain)

@@ -19,6 +19,11 @@ input of ``n`` requires a gradient (nothing to differentiate).  Only ``call`` no
 The fixed part ``o`` (``2 o`` backward) does not shrink when a copy runs half the batch:
 :meth:`CostModel.fixed` reports it so that duplication pays it once per copy.
 
+Inside the distributed program a node's compute is ``t_fwd`` and ``t_bwd`` times the profile's
+``dist_scale`` (measured on the ranks: NCCL kernels beside the compute, the waits around each
+collective; :mod:`hidup.profiler.profile`, "Inside the distributed program");
+:meth:`CostModel.device_compute` is the time on one device without it.
+
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
 ``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
@@ -79,8 +84,8 @@ computed only from them are not.  Per copy:
   batch-independent one (an op on weights only) runs in both copies, since each copy
   runs the whole per-rank program (``cA = cB = t``); either is multiplied by the profile's
   ``dup_scale``, the measured overlap of the two copies' kernels on their two streams (the schedule
-  below serializes the copies' compute; on the GPU their kernels run side by side) --
-  :meth:`CostModel.copy_compute`;
+  below serializes the copies' compute; on the GPU their kernels run side by side), and by
+  ``dist_scale``'s counterpart with duplication, ``dist_dup_scale`` -- :meth:`CostModel.copy_compute`;
 * a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
   (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
@@ -157,6 +162,7 @@ class CostModel:
         self._dispatch_extra = max(0.0, launched - in_graph) \
             if getattr(profile, "ops_timing", "eager") == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
+        self.dist_scale = getattr(profile, "dist_scale", 1.0)
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -196,7 +202,15 @@ class CostModel:
         return fwd + extra, (bwd + 2.0 * extra if self.requires_backward(node) else 0.0)
 
     def compute(self, node: Node, sig: Signature) -> tuple[float, float]:
-        """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch)."""
+        """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch), inside the
+        distributed program without duplication (times the profile's ``dist_scale``)."""
+        fwd, bwd = self.device_compute(node, sig)
+        k = self.dist_scale
+        return fwd * k, bwd * k
+
+    def device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
+        """(forward, backward) seconds of ``node`` under ``sig`` on one device (whole batch): the
+        measured time or the roofline (module docstring, "Compute")."""
         if node.op != "call":
             return 0.0, 0.0
         g = self.graph
@@ -242,18 +256,22 @@ class CostModel:
                      batch: bool | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy (module
         docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half of
-        ``whole`` (:meth:`compute`) above the fixed per-op cost; the whole of it for a node on weights
-        only; times the profile's two-copy factor ``dup_scale``."""
+        its whole-batch time above the fixed per-op cost; the whole of it for a node on weights only;
+        times the profile's two-copy factor ``dup_scale`` and its factor inside the distributed
+        program ``dist_dup_scale``.  ``whole`` is this node's :meth:`compute` when the caller has it."""
         if node.op != "call":
             return 0.0, 0.0
-        cf, cb = whole if whole is not None else self.compute(node, sig)
+        if whole is not None:
+            cf, cb = whole[0] / self.dist_scale, whole[1] / self.dist_scale
+        else:
+            cf, cb = self.device_compute(node, sig)
         if batch if batch is not None else self.node_is_batch(node):
             half = self.compute_half(node, sig)
             if half is None:
                 of, ob = self.fixed(node)
                 half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
             cf, cb = half
-        k = getattr(self.profile, "dup_scale", 1.0)
+        k = getattr(self.profile, "dup_scale", 1.0) * getattr(self.profile, "dist_dup_scale", 1.0)
         return cf * k, cb * k
 
     def fixed(self, node: Node) -> tuple[float, float]:

@@ -72,6 +72,7 @@ class Step:
     convs: tuple[tuple[int, int, int, int], ...]  # (tensor id, input index, src form id, dst form id)
     bwd_compute: float = 0.0  # no duplication: backward compute (part of ``bwd``)
     bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
+    bwd_block: float = 0.0  # no duplication: backward collectives the compute stream waits for (part of ``bwd``)
 
 
 def _getter(idx: list[int]):
@@ -245,7 +246,7 @@ class Problem:
         node = self.order[i]
         states = dict(zip(idx, sub))
         need = self.in_forms[i][k]
-        ff = fb = fb_async = lf = lb = 0.0
+        ff = fb = fb_async = fb_block = lf = lb = 0.0
         fA = fB = bA = bB = 0.0
         lfA = lfB = lbA = lbB = 0.0
         convs = []
@@ -262,6 +263,8 @@ class Problem:
             fb += c.bwd
             if c.grad_sync:
                 fb_async += c.bwd - c.lb  # the all-reduce; packing and unpacking run on the compute stream
+            else:  # summed apart, not as a difference of sums: rounding must not invent a wait
+                fb_block += c.bwd - c.lb
             lf += c.lf
             lb += c.lb
             lfA += c.lfA
@@ -278,7 +281,8 @@ class Problem:
         hf, hb = self.compute_copy[i][k]
         f4 = (fA, fB, hf + lfA, hf + lfB)
         b4 = (bA, bB, hb + lbA, hb + lbB)
-        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async)
+        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async,
+                    fb_block)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
         for j in dict.fromkeys(idx):

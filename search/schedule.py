@@ -185,7 +185,7 @@ def overlapped_backward(steps: list[Step]) -> float:
     tc = tn = 0.0
     for s in reversed(steps):
         tc += s.bwd_compute
-        blocking = s.bwd - s.bwd_compute - s.bwd_async
+        blocking = s.bwd_block
         if blocking > 0.0:
             tc = tn = max(tc, tn) + blocking
         if s.bwd_async > 0.0:

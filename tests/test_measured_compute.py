@@ -225,3 +225,53 @@ def test_profiling_model_ops_calibrates_the_two_copy_factor(tmp_path):
     a, b = out.perturb(0.2, seed=3), dataclasses.replace(out, dup_scale=1.0).perturb(0.2, seed=3)
     assert a.ops == b.ops and a.ops_scale == b.ops_scale and a.grad_copy_overhead == b.grad_copy_overhead
     assert a.dup_scale != out.dup_scale
+
+
+def test_the_factors_inside_the_distributed_program_scale_their_own_mode_only(tmp_path):
+    """``dist_scale`` multiplies every node's compute without duplication and leaves the copies'
+    compute alone; ``dist_dup_scale`` does the reverse.  Both round-trip, and are perturbed last."""
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2, batch_per_gpu=8)
+    g = trace(model, inputs, 4, half_batch=True)
+    base = _roofline_ops(g, P.load("h200x4-nvlink"), 0.6)
+    plain = Problem(g, base, "tf32")
+    one = Problem(g, dataclasses.replace(base, dist_scale=1.3), "tf32")
+    two = Problem(g, dataclasses.replace(base, dist_dup_scale=0.7), "tf32")
+    for i in range(plain.n):
+        for k in range(len(plain.sigs[i])):
+            assert one.compute[i][k] == pytest.approx(tuple(1.3 * x for x in plain.compute[i][k]))
+            assert one.compute_copy[i][k] == pytest.approx(plain.compute_copy[i][k])
+            assert two.compute[i][k] == plain.compute[i][k]
+            assert two.compute_copy[i][k] == pytest.approx(tuple(0.7 * x for x in plain.compute_copy[i][k]))
+    # a slow one-copy program and fast copies turn duplication on; the reverse turns it off
+    assert search(g, dataclasses.replace(base, dist_scale=1.5, dist_dup_scale=0.7), precision="tf32").duplication
+    assert not search(g, dataclasses.replace(base, dist_scale=0.7, dist_dup_scale=1.5), precision="tf32").duplication
+    prof = dataclasses.replace(base, dist_scale=1.08, dist_dup_scale=0.93)
+    back = P.load(P.save(prof, tmp_path / "p.json"))
+    assert (back.dist_scale, back.dist_dup_scale) == (1.08, 0.93)
+    assert P.Profile.from_dict({k: v for k, v in back.to_dict().items() if not k.startswith("dist_")}).dist_scale == 1.0
+    with pytest.raises(P.ProfileError, match="dist_dup_scale"):
+        P.Profile.from_dict(dict(back.to_dict(), dist_dup_scale=-1.0))
+    a, b = prof.perturb(0.2, seed=3), dataclasses.replace(prof, dist_scale=1.0, dist_dup_scale=1.0).perturb(0.2, seed=3)
+    assert a.ops == b.ops and a.dup_scale == b.dup_scale and a.layout_bandwidth == b.layout_bandwidth
+    assert a.dist_scale != prof.dist_scale and a.dist_dup_scale != prof.dist_dup_scale
+
+
+def test_program_factors_settle_the_mode_of_the_plan_found_without_them():
+    """The search finds its plan with ``dist_scale`` and ``dist_dup_scale`` taken as 1; the factors
+    then price that plan both ways and keep the faster mode (they were fitted near such plans)."""
+    from hidup.search import price
+
+    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2, batch_per_gpu=8)
+    g = trace(model, inputs, 4, half_batch=True)
+    base = _roofline_ops(g, P.load("h200x4-nvlink"), 0.6)
+    plain = search(g, base, precision="tf32")
+    for one, dup in ((1.4, 0.7), (0.7, 1.4), (1.1, 0.93)):
+        prof = dataclasses.replace(base, dist_scale=one, dist_dup_scale=dup)
+        plan = search(g, prof, precision="tf32")
+        assert plan.choices == plain.choices
+        priced = price(g, prof, plan, "tf32")
+        faster = priced[True].total <= priced[False].total
+        assert plan.duplication == faster
+        assert plan.predicted["total"] == pytest.approx(priced[plan.duplication].total)
+    assert search(g, dataclasses.replace(base, dist_scale=1.4, dist_dup_scale=0.7), precision="tf32").duplication
+    assert not search(g, dataclasses.replace(base, dist_scale=0.7, dist_dup_scale=1.4), precision="tf32").duplication

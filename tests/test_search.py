@@ -317,7 +317,8 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     from hidup.search.schedule import overlapped_backward
 
     def step(compute_b, blocking=0.0, grads=0.0):
-        return Step(0.0, compute_b + blocking + grads, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads)
+        return Step(0.0, compute_b + blocking + grads, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads,
+                    blocking)
 
     # reverse order: the last node's parameter gradient (3) is reduced while the others compute (4, then 2)
     assert overlapped_backward([step(4.0), step(2.0), step(1.0, grads=3.0)]) == pytest.approx(7.0)
@@ -333,3 +334,25 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     ev = evaluate(pr, [pr.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(pr.order)], False)
     assert ev.compute < ev.total < ev.objective
     assert plan.predicted["total"] == pytest.approx(ev.total)
+
+
+def test_backward_without_duplication_grows_with_compute():
+    """Only a blocking collective makes the compute stream wait: the gradient all-reduce's packing
+    copies, summed apart, leave no rounding residue that would act as one, so the backward never
+    gets shorter when every compute item gets longer (``dist_scale``)."""
+    import copy
+
+    g = hidup.trace(*hidup.models.build("bert-switch", world_size=2, device="meta", layers=2, d_model=32, heads=2,
+                                         ffn=64, seq_len=8, batch_per_gpu=4, vocab=64, experts_per_gpu=1),
+                    world_size=2, half_batch=True)
+    measured = P.load("h200x4-socket")  # its magnitudes left residues before
+    for style in ("data", "expert"):
+        plan = hidup.search.forced(g, measured, style, duplication=False)
+        times = []
+        for k in [0.9 + 0.005 * j for j in range(41)]:
+            prof = copy.copy(measured)
+            prof.dist_scale = k
+            ev = hidup.search.price(g, prof, plan)[False]
+            assert all(s.bwd_block == 0.0 for s in ev.steps if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)
+            times.append(ev.forward + ev.backward)
+        assert all(b >= a for a, b in zip(times, times[1:])), f"{style}: {times}"

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hidup.codegen.graphs import GraphedStep, max_over_ranks, median_seconds
 
-__all__ = ["choose_duplication"]
+__all__ = ["choose_duplication", "time_modes"]
 
 
 def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
@@ -39,6 +39,49 @@ def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, wa
         step.release()
         for p in module.parameters():
             p.grad = None
+
+
+def _release_copy_groups(module, group, compile_kwargs: dict) -> None:
+    """Destroy the copy communicators :func:`hidup.codegen.compile` created for ``module`` (a module
+    being dropped); groups the caller passed in (``copy_groups``) are the caller's to keep."""
+    if compile_kwargs.get("copy_groups") is not None:
+        return
+    owned = [g for g in (getattr(module, "copy_groups", None) or ())
+             if g is not None and g is not group and g is not dist.group.WORLD]
+    for g in {id(g): g for g in owned}.values():
+        dist.destroy_process_group(g)
+
+
+def time_modes(model, plan, rank: int, world_size: int, example_inputs, *, group=None, cuda_graphs: bool = True,
+               autocast_dtype=None, trials: int = 5, warmup: int = 2, **compile_kwargs) -> dict:
+    """``{"off_s", "on_s"}``: median seconds of a forward + backward step of ``plan`` compiled without
+    and with duplication, timed as :func:`choose_duplication` times them (the slowest rank's medians;
+    ``on_s`` is None when the batch does not halve).  Keeps no module: each is dropped after its
+    timing, with the copy communicators it created.  Every rank of ``group`` must call this."""
+    from hidup.codegen.rewrite import CompileError, compile
+
+    inputs = tuple(example_inputs)
+    kw = dict(compile_kwargs, group=group)
+    timing = dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials),
+                  warmup=max(1, warmup))
+    off = compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
+    device = next((p.device for p in off.parameters()), torch.device("cpu"))
+    off_s = _timed(off, inputs, **timing)
+    del off
+    on = None
+    try:
+        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
+        on_s = _timed(on, inputs, **timing)
+    except (CompileError, ValueError):  # a batch that does not halve: the same on every rank
+        on_s = None
+    finally:
+        if on is not None:
+            _release_copy_groups(on, group, compile_kwargs)
+        del on
+    if on_s is None:
+        return {"off_s": max_over_ranks([off_s], group, device)[0], "on_s": None}
+    on_s, off_s = max_over_ranks([on_s, off_s], group, device)
+    return {"off_s": off_s, "on_s": on_s}
 
 
 def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, *, group=None,
@@ -59,13 +102,8 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     def single():
         return compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
 
-    def release_groups(module):  # the copy communicators compile created for a module we drop
-        if compile_kwargs.get("copy_groups") is not None:
-            return
-        owned = [g for g in (getattr(module, "copy_groups", None) or ())
-                 if g is not None and g is not group and g is not dist.group.WORLD]
-        for g in {id(g): g for g in owned}.values():
-            dist.destroy_process_group(g)
+    def release_groups(module):
+        _release_copy_groups(module, group, compile_kwargs)
 
     off = single()
     device = next((p.device for p in off.parameters()), torch.device("cpu"))

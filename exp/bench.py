@@ -12,7 +12,9 @@ The network flag sets NCCL's environment before any process group exists (``sock
    ``hidup.profiler.measure.profile_machine`` -- with the per-op times of every benchmarked model at
    its sharded and half-batch shapes, for every world size and precision, the ranks splitting them --
    and saved as ``<out>/<network>-profile.json`` (``--ops-from P`` takes the per-op times already in
-   profile ``P`` -- compute does not depend on the network -- and times only the shapes it lacks);
+   profile ``P`` -- compute does not depend on the network -- and times only the shapes it lacks;
+   ``--calibrate-plans M ...`` then times the searched plans of models ``M`` on the ranks and stores the
+   cost model's compute factors inside the distributed program, ``hidup profile --calibrate-plans``);
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
    (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
    on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
@@ -183,7 +185,8 @@ def measure_profile(cfg: dict, device) -> None:
         profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
                         name=f"{cfg['network']}-measured", merge=cfg.get("ops_from"), ops_models=ops_models,
                         ops_worlds=cfg["worlds"], ops_precisions=tuple(cfg["precisions"]),
-                        ops_seconds=cfg["ops_seconds"])
+                        ops_seconds=cfg["ops_seconds"],
+                        calibrate_plans=[(m, cfg["overrides"]) for m in cfg.get("calibrate_plans") or []])
     except Exception as e:  # noqa: BLE001 - reported through the marker file
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
     failed = br.reduce_max([1.0 if error else 0.0], device)[0] > 0
@@ -382,6 +385,10 @@ def parse_args(argv):
     p.add_argument("--ops-from", type=Path, default=None, metavar="PROFILE",
                    help="take the per-op times of this profile (e.g. one measured on another network of the same "
                         "GPUs) into the measured profile and time only the shapes it lacks")
+    p.add_argument("--calibrate-plans", nargs="*", default=None, metavar="MODEL",
+                   help="when measuring the profile: time these models' searched plans on the ranks, without and "
+                        "with duplication, and store the cost model's compute factors inside the distributed "
+                        "program (hidup profile --calibrate-plans); with --profile, nothing is measured")
     p.add_argument("--search-jobs", type=int, default=None,
                    help="parallel search processes (default: by CPUs; 0: search in this process)")
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
@@ -402,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     env = apply_network(args.network)
     import hidup.models
 
-    unknown = [m for m in args.models if m not in hidup.models.names()]
-    if unknown:
-        raise SystemExit(f"--models: unknown model(s) {', '.join(unknown)}; the zoo has "
-                         f"{', '.join(hidup.models.names())}")
+    for flag, names in (("--models", args.models), ("--calibrate-plans", args.calibrate_plans or [])):
+        unknown = [m for m in names if m not in hidup.models.names()]
+        if unknown:
+            raise SystemExit(f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has "
+                             f"{', '.join(hidup.models.names())}")
     if min(args.worlds) < 2:
         raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
                          "'single' method of each world)")
@@ -444,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
            "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
-           "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None}
+           "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None,
+           "calibrate_plans": args.calibrate_plans or []}
     records: dict = {}
     worlds = list(per_world)
     try:

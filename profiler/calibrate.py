@@ -9,6 +9,10 @@ single-device steps of one rank's share:
 * :func:`dup_context_scale`: the share split into duplication's two half-batch copies on two
   streams (:class:`TwoCopies`) against :func:`predicted_copies`, the cost model's per-copy compute
   of both copies one after the other (the profile's ``dup_scale``).
+
+:func:`program_scales` then calibrates on the ranks themselves: searched plans of the calibration
+models, compiled without and with duplication and timed as training runs them, against the cost
+model's prediction of the same plans (the profile's ``dist_scale`` and ``dist_dup_scale``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["measure_model_ops", "in_context_scale", "dup_context_scale", "predicted_step", "predicted_copies",
-           "TwoCopies"]
+           "TwoCopies", "program_scales", "program_checks", "apply_program_checks", "fit_program_scale"]
 
 
 def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
@@ -65,6 +69,7 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
         ops.update(part or {})
     out = prof.with_ops(ops)
     out.ops_timing = "graph" if graphed else "eager"
+    out.dist_scale = out.dist_dup_scale = 1.0  # calibrated against the factors below: measure them again
     # in-context factor: each rank times the single-device step of some (model, precision, world)
     pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
 
@@ -104,12 +109,15 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
     return out
 
 
-def _geomean_scale(checks: list[dict], default: float) -> float:
-    """Geometric mean of the checks' ``scale`` over those whose prediction is at least 80% measured
-    ops and whose factor lies in [0.5, 2] (others are reported, not used); ``default`` if none."""
+def _geomean_scale(checks: list[dict], default: float, min_coverage: float = 0.8) -> float:
+    """Geometric mean of the checks' ``scale`` over those whose ``coverage`` is at least
+    ``min_coverage`` (the share of the prediction from measured ops, or for :func:`program_scales`
+    the share that moves with compute) and whose factor lies in [0.5, 2] (others are reported, not
+    used); ``default`` if none."""
     import math
 
-    usable = [c["scale"] for c in checks if "scale" in c and c["coverage"] >= 0.8 and 0.5 <= c["scale"] <= 2.0]
+    usable = [c["scale"] for c in checks
+              if "scale" in c and c["coverage"] >= min_coverage and 0.5 <= c["scale"] <= 2.0]
     return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
 
 
@@ -176,6 +184,7 @@ def _predicted(profile, model, example_inputs, world_size: int, precision: str, 
 
     graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1, half_batch=copies)
     prof = copy.copy(profile.launched(True))
+    prof.dist_scale = prof.dist_dup_scale = 1.0  # one device: nothing of the ranks' program
     if copies:
         prof.dup_scale = 1.0
     else:
@@ -258,3 +267,126 @@ def dup_context_scale(profile, name: str, overrides: dict, world_size: int, devi
     measured, _, _ = _time_step(name, overrides, world_size, device, precision, budget_s, copies=True)
     return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
             "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}
+
+
+def fit_program_scale(predict, measured: float, lo: float = 0.25, hi: float = 4.0) -> tuple[float | None, float]:
+    """``(k, coverage)``: the compute factor ``k`` in [lo, hi] at which ``predict(k)`` (predicted
+    seconds with every compute item times ``k``, non-decreasing in ``k``) equals ``measured``, by
+    bisection on log k (None when even ``lo`` or ``hi`` cannot reach it); ``coverage`` is the share
+    of the prediction at ``k = 1`` that moves with compute (a step bound by communication has little,
+    and its factor says nothing about compute)."""
+    import math
+
+    at1 = predict(1.0)
+    coverage = (predict(1.1) - at1) / (0.1 * at1) if at1 > 0 else 0.0
+    if not measured > 0 or predict(lo) > measured or predict(hi) < measured:
+        return None, coverage
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(40):
+        mid = (a + b) / 2
+        a, b = (mid, b) if predict(math.exp(mid)) < measured else (a, mid)
+    return math.exp((a + b) / 2), coverage
+
+
+def program_scales(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
+                   **kwargs):
+    """``prof`` with ``dist_scale`` and ``dist_dup_scale`` measured on the ranks of the initialized
+    process group (every rank calls this; world size >= 2): :func:`program_checks` (``kwargs`` go
+    there), then :func:`apply_program_checks`."""
+    return apply_program_checks(prof, program_checks(prof, models, precisions, device, **kwargs))
+
+
+def apply_program_checks(prof, checks: list[dict]):
+    """A copy of ``prof`` whose ``dist_scale`` and ``dist_dup_scale`` are each the geometric mean of
+    the :func:`program_checks` for it whose prediction moves with compute for at least half of it
+    and whose factor lies in [0.5, 2] (others are reported in the notes, not used: 1 when none is)."""
+    import copy
+
+    out = copy.copy(prof)
+    out.dist_scale = _geomean_scale([c for c in checks if c.get("factor") == "dist_scale"], 1.0, 0.5)
+    out.dist_dup_scale = _geomean_scale([c for c in checks if c.get("factor") == "dist_dup_scale"], 1.0, 0.5)
+    detail = "; ".join(
+        f"{c['model']} {c['precision']}"
+        f"{dict(dist_scale=' one copy', dist_dup_scale=' duplicated').get(c.get('factor'), '')}: " + (
+            f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms predicted, "
+            f"{c['coverage']:.0%} of it compute -> {c['scale']:.3f}" if "scale" in c else c["error"])
+        for c in checks)
+    world = next((c["world"] for c in checks if "world" in c), "?")
+    graphs = any(c.get("cuda_graphs") for c in checks)
+    out.notes += (f"; inside the distributed program (x{world}, {'CUDA graphs' if graphs else 'eager'}): "
+                  f"dist_scale {out.dist_scale:.3f}, dist_dup_scale {out.dist_dup_scale:.3f} "
+                  f"({detail or 'no plan'})")
+    return out
+
+
+def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
+                   *, cuda_graphs: bool | None = None, trials: int = 5, warmup: int = 2, seed: int = 0) -> list[dict]:
+    """One check per (zoo model with overrides, precision, mode), the same on every rank.
+
+    The search's plan for this world under ``prof`` (its own two factors taken as 1) is compiled
+    without and with duplication and its forward + backward timed as training runs it
+    (:func:`hidup.codegen.trial.time_modes`: a CUDA graph when ``cuda_graphs``, by default on GPUs;
+    the slowest rank's median of ``trials``).  A check is ``{"model", "precision", "factor"
+    ("dist_scale" or "dist_dup_scale"), "measured_s", "predicted_s" (at factor 1), "coverage",
+    "scale" | "error", "cuda_graphs", "plan"}``: ``scale`` is the factor that makes the cost model's
+    forward + backward of the plan in that mode equal the measured time (:func:`fit_program_scale`)."""
+    import copy
+
+    import hidup.models
+    from hidup.codegen.trial import time_modes
+    from hidup.search import price, search
+    from hidup.search.problem import SearchError
+    from hidup.trace import trace
+
+    from .device import tf32
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        raise ValueError("program_scales times plans on the ranks: run it on >= 2 ranks (NODERANK/CPN or torchrun)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    graphed = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+    base = copy.copy(prof)
+    base.dist_scale = base.dist_dup_scale = 1.0
+    checks: list[dict] = []
+    for name, overrides in models:
+        meta_model, meta_inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
+        graph = trace(meta_model, meta_inputs, world_size=world, half_batch=True)
+        for precision in precisions:
+            row = {"model": name, "precision": precision, "world": world, "cuda_graphs": graphed}
+            try:
+                plan = search(graph, base, world_size=world, algorithm="dp", duplication=True, precision=precision,
+                              cuda_graphs=graphed)
+            except SearchError as e:  # deterministic: every rank skips the same pair
+                checks.append(dict(row, error=f"search: {e}"))
+                continue
+            model, inputs = hidup.models.build(name, world_size=world, seed=seed, **overrides)
+            model = model.to(device)
+            inputs = tuple(x.to(device) for x in inputs)
+            autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+            with tf32(precision == "tf32"):
+                measured = time_modes(model, plan, rank, world, inputs, cuda_graphs=graphed, autocast_dtype=autocast,
+                                      trials=trials, warmup=warmup)
+            del model, inputs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            for mode, field in ((False, "dist_scale"), (True, "dist_dup_scale")):
+                secs = measured["on_s" if mode else "off_s"]
+                if secs is None:
+                    checks.append(dict(row, factor=field, error="the batch does not halve"))
+                    continue
+
+                def predict(k, mode=mode, field=field):
+                    p = copy.copy(base)
+                    setattr(p, field, k)
+                    ev = price(graph, p, plan, precision, graphed)[mode]
+                    return ev.forward + ev.backward
+
+                k, coverage = fit_program_scale(predict, secs)
+                check = dict(row, factor=field, measured_s=secs, predicted_s=predict(1.0), coverage=coverage,
+                             plan=plan.to_dict())
+                if k is None:
+                    check["error"] = (f"measured {secs * 1e3:.2f} ms is out of reach of the prediction "
+                                      f"({check['predicted_s'] * 1e3:.2f} ms at factor 1)")
+                else:
+                    check["scale"] = k
+                checks.append(check)
+    return checks

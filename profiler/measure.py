@@ -16,7 +16,8 @@ measures the device only) and returns a :class:`hidup.profiler.profile.Profile`:
 Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (one launcher per
 host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
 and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and ``hidup profile``;
-``--ops-model`` adds per-op times of a zoo model (ops.py, :func:`measure_model_ops`) to the profile.
+``--ops-model`` adds per-op times of a zoo model (ops.py, :func:`measure_model_ops`) to the profile;
+``--calibrate-plans`` last times searched plans on the ranks (:func:`hidup.profiler.calibrate.program_scales`).
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
 seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .calibrate import measure_model_ops
+from .calibrate import measure_model_ops, program_scales
 
 if TYPE_CHECKING:
     from hidup.profiler.profile import CommTable, Profile
@@ -112,7 +113,8 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
                     matmul_sizes: tuple[int, ...] | None = None, group_sizes: list[int] | None = None,
                     budget_s: float | None = None, ops_models: list[tuple[str, dict]] | None = None,
                     ops_worlds: list[int] | None = None, ops_precisions: tuple[str, ...] = ("fp32",),
-                    ops_seconds: float = 120.0) -> "Profile":
+                    ops_seconds: float = 120.0, calibrate_plans: list[tuple[str, dict]] | None = None,
+                    calibrate_precisions: tuple[str, ...] | None = None) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
     Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
@@ -123,6 +125,9 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     and ``<out>.raw.json`` (the raw measurements, including the nccl-tests ``algbw = S / t``).
     ``ops_models`` ((zoo name, overrides) pairs) adds their per-op times for each world size of
     ``ops_worlds`` (default: this group's) in each of ``ops_precisions`` (:func:`measure_model_ops`).
+    ``calibrate_plans`` ((zoo name, overrides) pairs) last times their searched plans on the ranks in
+    each of ``calibrate_precisions`` (default ``ops_precisions``) and stores the compute factors
+    inside the distributed program (:func:`hidup.profiler.calibrate.program_scales`).
     """
     prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
                          matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s)
@@ -134,6 +139,12 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
         prof = measure_model_ops(prof, ops_models, list(ops_worlds or [group]), torch.device(device),
                                  tuple(ops_precisions), ops_seconds)
         raw["ops_s"] = time.perf_counter() - t0
+    if calibrate_plans:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        t0 = time.perf_counter()
+        prof = program_scales(prof, calibrate_plans, tuple(calibrate_precisions or ops_precisions), torch.device(device))
+        raw["calibrate_plans_s"] = time.perf_counter() - t0
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
     return prof
@@ -253,6 +264,10 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         prof.optimizer_s_per_byte = base.optimizer_s_per_byte
         prof.notes += (f"; per-op times, their in-context and two-copy scales and the Adam rate from profile "
                        f"{base.name!r}")
+        if not curves:  # the same network: its factors inside the distributed program hold too
+            prof.dist_scale, prof.dist_dup_scale = base.dist_scale, base.dist_dup_scale
+            if (base.dist_scale, base.dist_dup_scale) != (1.0, 1.0):
+                prof.notes += f" (and its factors inside the distributed program)"
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
            "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
@@ -342,6 +357,11 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
     p.add_argument("--ops-seconds", type=float, default=120.0,
                    help="time limit of --ops-model per precision and rank, in seconds (default 120)")
+    p.add_argument("--calibrate-plans", default=None, metavar="MODELS",
+                   help="last, on the ranks: search these zoo models' plans (comma-separated; --ops-overrides and "
+                        "--ops-precisions apply) with the profile so far, time each plan's forward + backward "
+                        "without and with duplication as training runs it, and store the compute factors that "
+                        "make the cost model match (dist_scale, dist_dup_scale); needs >= 2 ranks")
     add_launch_args(p)
 
 
@@ -350,6 +370,7 @@ def _rank_main(ctx, kwargs: dict):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ctx.layout.cpn)))
     out = kwargs.pop("out")
     ops_model = kwargs.pop("ops_model")
+    calibrate = kwargs.pop("calibrate_plans", None)
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
     if ops_model is not None:
         names, overrides, seconds, precisions, worlds = ops_model
@@ -358,6 +379,12 @@ def _rank_main(ctx, kwargs: dict):
         if ctx.rank == 0:
             print(f"{len(prof.ops)} op shapes of {', '.join(names)} (world {', '.join(map(str, worlds or [ctx.world_size]))}, "
                   f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
+    if calibrate is not None:
+        names, overrides, precisions = calibrate
+        prof = program_scales(prof, [(n, overrides) for n in names], precisions, ctx.device)
+        if ctx.rank == 0:
+            print(f"inside the distributed program ({', '.join(names)}; {', '.join(precisions)}): "
+                  f"dist_scale {prof.dist_scale:.3f}, dist_dup_scale {prof.dist_dup_scale:.3f}")
     if ctx.rank != 0:
         return None
     return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
@@ -392,10 +419,16 @@ def run_profile(args: argparse.Namespace) -> int:
         ops_model=(_names(args.ops_model, "--ops-model"), parse_overrides(args.ops_overrides), args.ops_seconds,
                    tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()),
                    [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
-        if args.ops_model else None)
+        if args.ops_model else None,
+        calibrate_plans=(_names(args.calibrate_plans, "--calibrate-plans"), parse_overrides(args.ops_overrides),
+                         tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()))
+        if args.calibrate_plans else None)
     lk = launch_kwargs(args)
-    if layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single" \
-            and args.merge is None:
+    single = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single"
+    if single and args.calibrate_plans:
+        raise SystemExit("--calibrate-plans times plans on the ranks: launch >= 2 (CPN=<GPUs> NODERANK=0, or "
+                         "torchrun), or leave it out")
+    if single and args.merge is None:
         return _device_only(kwargs, args.out)
     if lk.get("master_port") is None and not os.environ.get("MASTER_PORT") and (lk.get("nnodes") or
                                                                                 int(os.environ.get("NNODES", "1") or 1)) == 1:

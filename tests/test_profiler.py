@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -279,3 +280,84 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     assert prof.ops and prof.ops_timing == "eager"
     bad = subprocess.run(cmd[:-2] + ["--ops-worlds", "two", "--out", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "--ops-worlds 'two'" in bad.stderr
+
+
+def test_fit_program_scale_finds_the_factor_and_says_when_it_cannot():
+    from hidup.profiler.calibrate import fit_program_scale
+
+    def predict(k):  # 2 ms of communication nothing hides, 8 ms of compute
+        return 2e-3 + 8e-3 * k
+
+    k, coverage = fit_program_scale(predict, 12e-3)
+    assert k == pytest.approx(1.25, rel=1e-6) and coverage == pytest.approx(0.8)
+    assert fit_program_scale(predict, 1e-3)[0] is None  # faster than the communication alone
+    assert fit_program_scale(predict, 1.0)[0] is None  # beyond the factor range
+    assert fit_program_scale(lambda k: 5e-3 + max(0.0, 4e-3 * k - 5e-3), 5e-3)[1] == 0.0  # compute hidden
+
+
+TINY_MOE = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32, experts_per_gpu=1)
+
+
+def _program_rank(rank, world):
+    import hidup.codegen.trial as trial
+    from hidup.profiler.calibrate import program_checks
+
+    # this machine's own rates and gloo tables, so that predictions land near the measured times
+    prof = profile_machine(world, [4096, 65536, 1 << 20], ("fp32",), progress=False, matmul_sizes=(64, 128),
+                           budget_s=0.02, name="test-cpu")
+    models = [("bert-switch", TINY_MOE)]
+    checks = program_checks(prof, models, ("fp32",), torch.device("cpu"), trials=3, warmup=1)
+    # the same plans "measured" at 1.1 times what compute contributes: each factor must come out 1.1
+    want = {c["factor"]: c["predicted_s"] * (1 + 0.1 * c["coverage"]) for c in checks}
+    real = trial.time_modes
+    trial.time_modes = lambda *a, **k: {"off_s": want["dist_scale"], "on_s": want["dist_dup_scale"]}
+    try:
+        exact = program_checks(prof, models, ("fp32",), torch.device("cpu"))
+    finally:
+        trial.time_modes = real
+    return [{k: v for k, v in c.items() if k != "plan"} for c in checks], exact
+
+
+def test_program_checks_time_both_modes_on_the_ranks_and_fit_the_cost_model():
+    """On 2 gloo ranks: the searched plan of a small MoE model, both modes timed, the ranks agreeing;
+    a time the cost model would give at factor 1.1 is fitted back to 1.1 in each mode."""
+    (checks, exact), (checks1, _) = run_distributed(_program_rank, 2, timeout=180)
+    assert [(c["factor"], c["measured_s"]) for c in checks] == [(c["factor"], c["measured_s"]) for c in checks1]
+    assert [c["factor"] for c in checks] == ["dist_scale", "dist_dup_scale"]
+    for c in checks:
+        assert c["measured_s"] > 0 and c["predicted_s"] > 0 and not c["cuda_graphs"] and c["world"] == 2
+        assert ("scale" in c) != ("error" in c)
+    for c in exact:
+        assert c["coverage"] > 0 and c["scale"] == pytest.approx(1.1, rel=1e-6), c["factor"]
+
+
+def test_program_factors_average_the_usable_checks():
+    from hidup.profiler.calibrate import apply_program_checks
+
+    def check(factor, scale, coverage=0.9):
+        return {"model": "m", "precision": "tf32", "world": 4, "cuda_graphs": True, "factor": factor,
+                "measured_s": 1e-2, "predicted_s": 1e-2, "coverage": coverage, "scale": scale}
+
+    prof = hidup.profiler.load("h200x4-nvlink")
+    out = apply_program_checks(prof, [check("dist_scale", 1.21), check("dist_scale", 1.0),
+                                      check("dist_scale", 3.0),  # outside [0.5, 2]: reported, not used
+                                      check("dist_dup_scale", 0.8, coverage=0.2),  # bound by communication
+                                      {k: v for k, v in check("dist_dup_scale", 0.9).items() if k != "scale"}
+                                      | {"error": "out of reach"}])
+    assert out.dist_scale == pytest.approx(1.1) and out.dist_dup_scale == 1.0
+    assert prof.dist_scale == 1.0  # a copy
+    assert "inside the distributed program (x4, CUDA graphs): dist_scale 1.100, dist_dup_scale 1.000" in out.notes
+    assert "out of reach" in out.notes and "20% of it compute -> 0.800" in out.notes
+
+
+def test_calibrating_plans_needs_ranks():
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(BASELINES_DIR))
+    done = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink",
+                           "--calibrate-plans", "gpt"], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")})
+    assert done.returncode != 0 and "--calibrate-plans times plans on the ranks" in done.stderr
+    bad = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--calibrate-plans", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown model(s) nope" in bad.stderr

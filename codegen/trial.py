@@ -52,35 +52,44 @@ def _release_copy_groups(module, group, compile_kwargs: dict) -> None:
         dist.destroy_process_group(g)
 
 
+def _time_both(model, plan, rank: int, world_size: int, inputs: tuple, group, timing: dict, compile_kwargs: dict):
+    """``(off_s, on_s, on, why)``: ``plan`` compiled without duplication, timed and dropped, then
+    compiled with it and timed (the slowest rank's medians).  ``on`` is the duplicated module, kept
+    for the caller; when the batch does not halve (the same on every rank) ``on_s`` and ``on`` are
+    None and ``why`` says why."""
+    from hidup.codegen.rewrite import CompileError, compile
+
+    kw = dict(compile_kwargs, group=group)
+    off = compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
+    device = next((p.device for p in off.parameters()), torch.device("cpu"))
+    off_s = _timed(off, inputs, **timing)
+    del off  # one compiled module at a time
+    on = None
+    try:
+        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
+        on_s = _timed(on, inputs, **timing)
+    except (CompileError, ValueError) as e:
+        if on is not None:
+            _release_copy_groups(on, group, compile_kwargs)
+        return max_over_ranks([off_s], group, device)[0], None, None, str(e)
+    on_s, off_s = max_over_ranks([on_s, off_s], group, device)
+    return off_s, on_s, on, ""
+
+
+def _timing(cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> dict:
+    return dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials), warmup=max(1, warmup))
+
+
 def time_modes(model, plan, rank: int, world_size: int, example_inputs, *, group=None, cuda_graphs: bool = True,
                autocast_dtype=None, trials: int = 5, warmup: int = 2, **compile_kwargs) -> dict:
     """``{"off_s", "on_s"}``: median seconds of a forward + backward step of ``plan`` compiled without
     and with duplication, timed as :func:`choose_duplication` times them (the slowest rank's medians;
     ``on_s`` is None when the batch does not halve).  Keeps no module: each is dropped after its
     timing, with the copy communicators it created.  Every rank of ``group`` must call this."""
-    from hidup.codegen.rewrite import CompileError, compile
-
-    inputs = tuple(example_inputs)
-    kw = dict(compile_kwargs, group=group)
-    timing = dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials),
-                  warmup=max(1, warmup))
-    off = compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
-    device = next((p.device for p in off.parameters()), torch.device("cpu"))
-    off_s = _timed(off, inputs, **timing)
-    del off
-    on = None
-    try:
-        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
-        on_s = _timed(on, inputs, **timing)
-    except (CompileError, ValueError):  # a batch that does not halve: the same on every rank
-        on_s = None
-    finally:
-        if on is not None:
-            _release_copy_groups(on, group, compile_kwargs)
-        del on
-    if on_s is None:
-        return {"off_s": max_over_ranks([off_s], group, device)[0], "on_s": None}
-    on_s, off_s = max_over_ranks([on_s, off_s], group, device)
+    off_s, on_s, on, _ = _time_both(model, plan, rank, world_size, tuple(example_inputs), group,
+                                    _timing(cuda_graphs, autocast_dtype, trials, warmup), compile_kwargs)
+    if on is not None:
+        _release_copy_groups(on, group, compile_kwargs)
     return {"off_s": off_s, "on_s": on_s}
 
 
@@ -91,34 +100,19 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     modes, and ``info = {"duplication": bool, "trial": {"on_s", "off_s"}, "reason": str}`` (see the
     module docstring).  ``example_inputs`` are the inputs of the timed steps (the global batch, as
     for ``compile``); every rank of ``group`` must call this."""
-    from hidup.codegen.rewrite import CompileError, compile
+    from hidup.codegen.rewrite import compile
 
     inputs = tuple(example_inputs)
     planned = bool(getattr(plan, "duplication", False))
-    kw = dict(compile_kwargs, group=group)
-    timing = dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials),
-                  warmup=max(1, warmup))
 
     def single():
-        return compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
+        return compile(model, plan, rank, world_size, inputs, duplication=False, group=group, **compile_kwargs)
 
-    def release_groups(module):
-        _release_copy_groups(module, group, compile_kwargs)
-
-    off = single()
-    device = next((p.device for p in off.parameters()), torch.device("cpu"))
-    off_s = _timed(off, inputs, **timing)
-    del off  # one compiled module at a time
-    on = None
-    try:
-        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
-        on_s = _timed(on, inputs, **timing)
-    except (CompileError, ValueError) as e:  # a batch that does not halve: the same on every rank
-        if on is not None:
-            release_groups(on)
+    off_s, on_s, on, why = _time_both(model, plan, rank, world_size, inputs, group,
+                                      _timing(cuda_graphs, autocast_dtype, trials, warmup), compile_kwargs)
+    if on is None:
         return single(), {"duplication": False, "trial": {"off_s": off_s},
-                          "reason": f"duplication cannot run this batch ({e}); running one copy"}
-    on_s, off_s = max_over_ranks([on_s, off_s], group, device)
+                          "reason": f"duplication cannot run this batch ({why}); running one copy"}
     keep_on = on_s <= off_s * (1.0 + margin) if planned else on_s * (1.0 + margin) < off_s
     chosen = "on" if keep_on else "off"
     info = {"duplication": keep_on, "trial": {"on_s": on_s, "off_s": off_s},
@@ -126,6 +120,6 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
                       f"backward; the plan says {'on' if planned else 'off'})"}
     if keep_on:
         return on, info
-    release_groups(on)
+    _release_copy_groups(on, group, compile_kwargs)
     del on
     return single(), info

@@ -131,22 +131,29 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     """
     prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
                          matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s)
-    if ops_models:
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        t0 = time.perf_counter()
-        group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        prof = measure_model_ops(prof, ops_models, list(ops_worlds or [group]), torch.device(device),
-                                 tuple(ops_precisions), ops_seconds)
-        raw["ops_s"] = time.perf_counter() - t0
-    if calibrate_plans:
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        t0 = time.perf_counter()
-        prof = program_scales(prof, calibrate_plans, tuple(calibrate_precisions or ops_precisions), torch.device(device))
-        raw["calibrate_plans_s"] = time.perf_counter() - t0
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    prof = _calibrate(prof, raw, torch.device(device), ops_models, ops_worlds, tuple(ops_precisions), ops_seconds,
+                      calibrate_plans, tuple(calibrate_precisions or ops_precisions))
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
+    return prof
+
+
+def _calibrate(prof, raw: dict, device: torch.device, ops_models, ops_worlds, ops_precisions: tuple,
+               ops_seconds: float, calibrate_plans, calibrate_precisions: tuple):
+    """``prof`` with the models' per-op times and their single-device calibration
+    (:func:`measure_model_ops`, when ``ops_models``), then the factors inside the distributed
+    program (:func:`program_scales`, when ``calibrate_plans``); ``raw`` records how long each took."""
+    if ops_models:
+        t0 = time.perf_counter()
+        group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        prof = measure_model_ops(prof, ops_models, list(ops_worlds or [group]), device, ops_precisions, ops_seconds)
+        raw["ops_s"] = time.perf_counter() - t0
+    if calibrate_plans:
+        t0 = time.perf_counter()
+        prof = program_scales(prof, calibrate_plans, calibrate_precisions, device)
+        raw["calibrate_plans_s"] = time.perf_counter() - t0
     return prof
 
 
@@ -267,7 +274,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         if not curves:  # the same network: its factors inside the distributed program hold too
             prof.dist_scale, prof.dist_dup_scale = base.dist_scale, base.dist_dup_scale
             if (base.dist_scale, base.dist_dup_scale) != (1.0, 1.0):
-                prof.notes += f" (and its factors inside the distributed program)"
+                prof.notes += " (and its factors inside the distributed program)"
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
            "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
@@ -372,19 +379,16 @@ def _rank_main(ctx, kwargs: dict):
     ops_model = kwargs.pop("ops_model")
     calibrate = kwargs.pop("calibrate_plans", None)
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
-    if ops_model is not None:
-        names, overrides, seconds, precisions, worlds = ops_model
-        prof = measure_model_ops(prof, [(n, overrides) for n in names], list(worlds or [ctx.world_size]), ctx.device,
-                                 precisions, seconds)
-        if ctx.rank == 0:
-            print(f"{len(prof.ops)} op shapes of {', '.join(names)} (world {', '.join(map(str, worlds or [ctx.world_size]))}, "
-                  f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
-    if calibrate is not None:
-        names, overrides, precisions = calibrate
-        prof = program_scales(prof, [(n, overrides) for n in names], precisions, ctx.device)
-        if ctx.rank == 0:
-            print(f"inside the distributed program ({', '.join(names)}; {', '.join(precisions)}): "
-                  f"dist_scale {prof.dist_scale:.3f}, dist_dup_scale {prof.dist_dup_scale:.3f}")
+    names, overrides, seconds, precisions, worlds = ops_model or ((), {}, 0.0, (), None)
+    calibrated, _, plan_precisions = calibrate or ((), {}, ())
+    prof = _calibrate(prof, raw, ctx.device, [(n, overrides) for n in names], worlds, precisions, seconds,
+                      [(n, overrides) for n in calibrated], plan_precisions)
+    if ctx.rank == 0 and names:
+        print(f"{len(prof.ops)} op shapes of {', '.join(names)} (world {', '.join(map(str, worlds or [ctx.world_size]))}, "
+              f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
+    if ctx.rank == 0 and calibrated:
+        print(f"inside the distributed program ({', '.join(calibrated)}; {', '.join(plan_precisions)}): "
+              f"dist_scale {prof.dist_scale:.3f}, dist_dup_scale {prof.dist_dup_scale:.3f}")
     if ctx.rank != 0:
         return None
     return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
@@ -410,6 +414,7 @@ def run_profile(args: argparse.Namespace) -> int:
     """Launch the ranks per ``args`` (NODERANK/CPN, torchrun or one process) and profile."""
     from hidup.runtime.launch import launch, launch_kwargs, layout_from_env
 
+    precisions = tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip())
     kwargs = dict(
         sizes=parse_sizes(args.sizes) if args.sizes else None,
         dtypes=tuple(d for d in args.dtypes.split(",") if d.strip()),
@@ -417,11 +422,10 @@ def run_profile(args: argparse.Namespace) -> int:
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
         budget_s=args.budget, group_sizes=None,
         ops_model=(_names(args.ops_model, "--ops-model"), parse_overrides(args.ops_overrides), args.ops_seconds,
-                   tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()),
-                   [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
+                   precisions, [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
         if args.ops_model else None,
         calibrate_plans=(_names(args.calibrate_plans, "--calibrate-plans"), parse_overrides(args.ops_overrides),
-                         tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip()))
+                         precisions)
         if args.calibrate_plans else None)
     lk = launch_kwargs(args)
     single = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single"

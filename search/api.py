@@ -72,10 +72,7 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be
     priced from ops measured at their own shapes (see :mod:`hidup.search.cost`).
     """
-    from hidup.profiler import load
-
-    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
-        profile = load(profile)
+    profile = _loaded(profile)
     if world_size is not None and world_size != graph.world_size:
         raise SearchError(f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
                           "signatures only fit that world size. Fix: trace again with world_size="
@@ -90,6 +87,13 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
                        max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)
     plan.options["cuda_graphs"] = bool(cuda_graphs)
     return plan
+
+
+def _loaded(profile):
+    """``profile`` itself, or the profile a builtin name or a path names."""
+    from hidup.profiler import load
+
+    return load(profile) if isinstance(profile, str) or hasattr(profile, "__fspath__") else profile
 
 
 def plan_indices(problem: Problem, plan: Plan) -> list[int]:
@@ -108,11 +112,7 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 def price(graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True) -> dict[bool, Evaluation]:
     """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
     with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
-    from hidup.profiler import load
-
-    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
-        profile = load(profile)
-    problem = Problem(graph, profile.launched(cuda_graphs), precision)
+    problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision)
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
 

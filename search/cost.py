@@ -204,9 +204,12 @@ class CostModel:
     def compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch), inside the
         distributed program without duplication (times the profile's ``dist_scale``)."""
-        fwd, bwd = self.device_compute(node, sig)
-        k = self.dist_scale
-        return fwd * k, bwd * k
+        return self.in_program(self.device_compute(node, sig))
+
+    def in_program(self, device: tuple[float, float]) -> tuple[float, float]:
+        """A :meth:`device_compute` result inside the distributed program without duplication
+        (times the profile's ``dist_scale``)."""
+        return device[0] * self.dist_scale, device[1] * self.dist_scale
 
     def device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` on one device (whole batch): the
@@ -252,19 +255,17 @@ class CostModel:
             return None
         return self.measured(half, hnode, match)
 
-    def copy_compute(self, node: Node, sig: Signature, whole: tuple[float, float] | None = None,
+    def copy_compute(self, node: Node, sig: Signature, device: tuple[float, float] | None = None,
                      batch: bool | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy (module
         docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half of
         its whole-batch time above the fixed per-op cost; the whole of it for a node on weights only;
         times the profile's two-copy factor ``dup_scale`` and its factor inside the distributed
-        program ``dist_dup_scale``.  ``whole`` is this node's :meth:`compute` when the caller has it."""
+        program ``dist_dup_scale``.  ``device`` is this node's :meth:`device_compute` when the caller
+        has it."""
         if node.op != "call":
             return 0.0, 0.0
-        if whole is not None:
-            cf, cb = whole[0] / self.dist_scale, whole[1] / self.dist_scale
-        else:
-            cf, cb = self.device_compute(node, sig)
+        cf, cb = device if device is not None else self.device_compute(node, sig)
         if batch if batch is not None else self.node_is_batch(node):
             half = self.compute_half(node, sig)
             if half is None:

@@ -104,19 +104,23 @@ class Problem:
         self.in_forms: list[list[tuple[int, ...]]] = []
         self.out_forms: list[list[tuple[int, ...]]] = []
         self.compute: list[list[tuple[float, float]]] = []
+        self.device_compute: list[list[tuple[float, float]]] = []  # on one device (before dist_scale)
         self.mem: list[list[float]] = []
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
             self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
             self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
-            self.compute.append([self.cost.compute(node, s) for s in sigs])
+            device = [self.cost.device_compute(node, s) for s in sigs]
+            self.device_compute.append(device)
+            self.compute.append([self.cost.in_program(d) for d in device])
             self.mem.append([self.memory.total(node, s) for s in sigs])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self.fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
         self.compute_copy: list[list[tuple[float, float]]] = [
-            [self.cost.copy_compute(node, s, self.compute[i][k], self.node_batch[i]) for k, s in enumerate(self.sigs[i])]
+            [self.cost.copy_compute(node, s, self.device_compute[i][k], self.node_batch[i])
+             for k, s in enumerate(self.sigs[i])]
             for i, node in enumerate(self.order)]
 
         # liveness

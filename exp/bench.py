@@ -34,6 +34,12 @@ and ``B / t`` images/s for ViTs (``B`` the groups in the step: ``batch_per_gpu *
 keeps the per-rank share's time); peak memory (max over ranks); for hidup the predicted iteration time
 of the plan in that mode and ``measured / predicted``.
 
+Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
+round, a round starting only when the one before it is done; a run then reports the median of its
+rounds' medians (``rounds`` lists each), and the summary table gives each ratio with its range over the
+rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
+drift from landing on one method only.
+
 Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed steps within ``--run-cap``
 seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
@@ -53,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -121,7 +128,7 @@ def child_main(ctx, cfg: dict) -> None:
                 emit({"event": "result", "record": dict(run, status="skipped", error=choice["skip"])})
             break
         run = pending.pop(choice["index"])
-        emit({"event": "start", "key": run["key"]})
+        emit({"event": "start", "key": run["id"]})
         record = dict(run, network=cfg["network"], device=str(device), date=time.strftime("%Y-%m-%d %H:%M:%S"))
         record["precision_run"] = br.effective_precision(run["precision"], device)
         if run["model"] not in models:
@@ -143,12 +150,12 @@ def child_main(ctx, cfg: dict) -> None:
                 result = {"status": "failed", "error": f"search: {plan_doc.get('error')}"}
             else:
                 plan = Plan.from_dict(plan_doc["plan"]) if plan_doc is not None else None
-                trace = (Path(cfg["out"]) / "traces" / f"{cfg['network']}-{run['key'].replace('/', '-')}.json"
+                trace = (Path(cfg["out"]) / "traces" / f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
                          if cfg.get("breakdown") else None)
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
                                     trace_path=trace,
-                                    phase=lambda name: emit({"event": "phase", "key": run["key"], "phase": name}))
+                                    phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
         record.update(result)
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
@@ -165,7 +172,7 @@ def child_main(ctx, cfg: dict) -> None:
         emit({"event": "result", "record": record})
         if rank == 0:
             t = record.get("iter_time_s")
-            print(f"[bench {cfg['network']}] {run['key']}: {record['status']}"
+            print(f"[bench {cfg['network']}] {run['id']}: {record['status']}"
                   + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})"),
                   flush=True)
 
@@ -204,9 +211,16 @@ def _pick(pending: list[dict], cfg: dict) -> dict:
     runs_left = len(pending) + cfg["future_runs"]
     cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))
     plan_dir = Path(cfg["plan_dir"])
-    ready = [i for i, r in enumerate(pending) if r.get("plan") and (plan_dir / f"{r['plan']}.json").is_file()]
-    base = [i for i, r in enumerate(pending) if not r.get("plan")]
-    index = (ready or base or [0])[0]
+    # with --repeats, a run waits for the earlier rounds of its (world, model, precision): each round
+    # runs every method once, so slow drift of the host or network reaches every method alike
+    first_round = {}
+    for r in pending:
+        group = r["key"].rsplit("/", 1)[0]
+        first_round[group] = min(first_round.get(group, r["round"]), r["round"])
+    due = [i for i, r in enumerate(pending) if r["round"] == first_round[r["key"].rsplit("/", 1)[0]]]
+    ready = [i for i in due if pending[i].get("plan") and (plan_dir / f"{pending[i]['plan']}.json").is_file()]
+    base = [i for i in due if not pending[i].get("plan")]
+    index = (ready or base or due)[0]
     return {"skip": "", "index": index, "cap": cap}
 
 
@@ -253,7 +267,7 @@ def read_partial(path: Path) -> tuple[dict, list[str]]:
             if ev.get("event") == "start":
                 started.append(ev["key"])
             elif ev.get("event") == "result":
-                records[ev["record"]["key"]] = ev["record"]
+                records[ev["record"].get("id", ev["record"]["key"])] = ev["record"]
     return records, started
 
 
@@ -288,7 +302,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
     records: dict = {}
     for attempt in range(1 + args.relaunch):
-        todo = [r for r in runs if r["key"] not in records]
+        todo = [r for r in runs if r["id"] not in records]
         if not todo or time.time() > cfg["deadline"] - cfg["min_run_s"]:
             break
         partial = Path(args.out) / f".partial-{args.network}-w{world}.jsonl"
@@ -306,17 +320,57 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         partial.unlink(missing_ok=True)
         if error is None:
             break
-        crashed = [k for k in started if k not in done] or [todo[0]["key"]]
+        crashed = [k for k in started if k not in done] or [todo[0]["id"]]
         for r in todo:
-            if r["key"] in crashed:
-                records[r["key"]] = dict(r, network=args.network, status="failed",
+            if r["id"] in crashed:
+                records[r["id"]] = dict(r, network=args.network, status="failed",
                                          error=f"the process group failed during this run: {error[-3000:]}")
         print(f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
               f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}", flush=True)
     for r in runs:
-        records.setdefault(r["key"], dict(r, network=args.network, status="skipped",
+        records.setdefault(r["id"], dict(r, network=args.network, status="skipped",
                                           error="not run: time budget exhausted or the group failed"))
     return records
+
+
+def merge_rounds(records: dict[str, dict]) -> dict[str, dict]:
+    """One record per run key from the records of its rounds (``--repeats``), by key.
+
+    A single round is kept as it is.  For several, the record is that of the median round (the lower
+    one for an even count; its steps, losses, trial and trace) with ``iter_time_s`` the median of the
+    rounds' medians, the peak memory the largest, and ``rounds``: each round's status, time and steps.
+    A round that failed is listed there; the run fails only when every round failed (with the first
+    error)."""
+    by_key: dict[str, list[dict]] = {}
+    for rec in records.values():
+        by_key.setdefault(rec["key"], []).append(rec)
+    out = {}
+    for key, recs in by_key.items():
+        recs.sort(key=lambda r: r.get("round", 0))
+        if len(recs) == 1 and not recs[0].get("round"):
+            rec = dict(recs[0])
+            rec.pop("round", None)
+            rec.pop("id", None)
+            out[key] = rec
+            continue
+        ok = [r for r in recs if r.get("status") == "ok"]
+        times = [r["iter_time_s"] for r in ok]
+        base = dict(sorted(ok, key=lambda r: r["iter_time_s"])[(len(ok) - 1) // 2] if ok else recs[0])
+        base.pop("id", None)
+        base.pop("round", None)
+        base["rounds"] = [{"round": r.get("round", 0), "status": r.get("status"), "iter_time_s": r.get("iter_time_s"),
+                           "iters": r.get("iters"), "date": r.get("date")} for r in recs]
+        if ok:
+            median = statistics.median(times)
+            for field in ("samples_per_s", "throughput"):  # rates per step: rescaled to the median time
+                if base.get(field) is not None:
+                    base[field] *= base["iter_time_s"] / median
+            base["iter_time_s"] = median
+            base["round_spread"] = max(times) / min(times)
+            peaks = [r["peak_memory_bytes"] for r in ok if r.get("peak_memory_bytes") is not None]
+            base["peak_memory_bytes"] = max(peaks) if peaks else None
+        out[key] = base
+    return out
 
 
 def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
@@ -331,14 +385,16 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
         for model in args.models:
             for precision in args.precisions:
                 name = job_name(model, world, prec_search[precision], overrides)
-                for method in args.methods:
-                    r = {"key": run_key(world, model, precision, method), "world": world, "model": model,
-                         "precision": precision, "method": method}
-                    if method.startswith("hidup"):
-                        r["plan"] = name
-                        jobs[name] = {"name": name, "model": model, "world": world,
-                                      "precision": prec_search[precision], "overrides": overrides}
-                    runs.append(r)
+                for rnd in range(args.repeats):
+                    for method in args.methods:
+                        key = run_key(world, model, precision, method)
+                        r = {"key": key, "id": key if args.repeats == 1 else f"{key}#{rnd}", "round": rnd,
+                             "world": world, "model": model, "precision": precision, "method": method}
+                        if method.startswith("hidup"):
+                            r["plan"] = name
+                            jobs[name] = {"name": name, "model": model, "world": world,
+                                          "precision": prec_search[precision], "overrides": overrides}
+                        runs.append(r)
         per_world[world] = runs
     return per_world, jobs
 
@@ -371,6 +427,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed steps per run at most (default 10)")
     p.add_argument("--run-cap", type=float, default=25.0, help="seconds of stepping per run at most (default 25)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="run every method R times, in R rounds of all methods per (world, model, precision); a "
+                        "run reports the median of its rounds (default 1)")
     p.add_argument("--time-budget", type=float, default=480.0,
                    help="seconds after which no run starts (default 480, for a < 9 min command)")
     p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
@@ -463,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg["measure_profile"] = False
     finally:
         searcher.stop()
+    records = merge_rounds(records)
     bench_finish(args, records, env, hardware(), command_line("exp/bench.py", argv), profile_path,
                      time.time() - started)
     return 0

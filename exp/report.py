@@ -205,6 +205,11 @@ def _note(r: dict) -> str:
         first = str(r.get("error") or "").strip().splitlines()
         return f"{r.get('status')}: {first[0][:90] if first else ''}"
     notes = []
+    rounds = [x["iter_time_s"] for x in r.get("rounds") or [] if x.get("status") == "ok"]
+    if len(r.get("rounds") or []) > 1:
+        failed = len(r["rounds"]) - len(rounds)
+        notes.append(f"median of {len(rounds)} rounds ({ms(min(rounds))}-{ms(max(rounds))} ms)"
+                     + (f", {failed} failed" if failed else ""))
     if r.get("capped"):
         notes.append(f"{r.get('iters')} timed steps (time cap)")
     if r.get("precision_run") and r["precision_run"] != r["precision"]:
@@ -246,6 +251,52 @@ def bench_rows(runs: list[dict]) -> list[list]:
     return rows
 
 
+SPEEDUP_HEADERS = ["world", "model", "prec", "best baseline (ms)", "searched plan (ms)", "speedup",
+                   "dup. on vs off", "eff. (graphed floor)", "measured/pred."]
+BASELINES = ("ddp", "fsdp", "expert")
+
+
+def _round_times(r: dict) -> dict[int, float]:
+    return {x["round"]: x["iter_time_s"] for x in r.get("rounds") or [] if x.get("status") == "ok"}
+
+
+def _ratio(slow: dict, fast: dict) -> str:
+    """``t_slow / t_fast`` of two runs, with the range of the per-round ratios where both ran in rounds
+    (each round pairs runs taken minutes apart, so drift of the host or network cancels)."""
+    text = f"{slow['iter_time_s'] / fast['iter_time_s']:.2f}x"
+    a, b = _round_times(slow), _round_times(fast)
+    paired = [a[i] / b[i] for i in sorted(set(a) & set(b))]
+    if len(paired) > 1:
+        text += f" ({min(paired):.2f}-{max(paired):.2f} over {len(paired)} rounds)"
+    return text
+
+
+def speedup_rows(runs: list[dict]) -> list[list]:
+    """Per (world, model, precision): the fastest baseline, the searched plan in the mode the search
+    chose (``plan_duplication``), their ratio, duplication on vs off of that plan, its efficiency
+    against the graphed floor and its measured / predicted time: the issue's targets, side by side."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in runs:
+        if r.get("status") == "ok":
+            groups.setdefault((r["world"], r["model"], r["precision"]), {})[r["method"]] = r
+    rows = []
+    for (world, model, precision), by in sorted(groups.items()):
+        plan_dup = next((by[m].get("plan_duplication") for m in ("hidup", "hidup-nodup") if m in by), None)
+        searched = by.get("hidup" if plan_dup else "hidup-nodup")
+        bases = [by[m] for m in BASELINES if m in by]
+        if searched is None or not bases:
+            continue
+        best = min(bases, key=lambda r: r["iter_time_s"])
+        on, off = by.get("hidup"), by.get("hidup-nodup")
+        eff = searched.get("scaling_efficiency_graphed")
+        pred = searched.get("predicted_s")
+        rows.append([world, model, precision, f"{ms(best['iter_time_s'])} {best['method']}",
+                     f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}", _ratio(best, searched),
+                     _ratio(off, on) if on and off else None, f"{eff:.3f}" if eff is not None else None,
+                     f"{searched['iter_time_s'] / pred:.2f}" if pred else None])
+    return rows
+
+
 def _sort_key(r: dict):
     from benchrun import METHODS
 
@@ -284,6 +335,10 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     new = [r for r in ordered if r["key"] in records]
     print()
     print(text_table(BENCH_HEADERS, bench_rows(new)))
+    speedups = speedup_rows(new)
+    if speedups:
+        print()
+        print(text_table(SPEEDUP_HEADERS, speedups))
     print(f"\n{len(new)} runs ({sum(r.get('status') == 'ok' for r in new)} ok) in {elapsed:.0f} s; "
           f"results: {path}; report: {Path(args.docs) / 'benchmarks.md'}"
           + (f"; figure: {figure}" if figure else " (no figure: matplotlib is not installed)"), flush=True)
@@ -307,6 +362,13 @@ def bench_markdown(doc: dict) -> str:
     lines += ["", "Median iteration time over the timed steps (max over ranks per step); scaling efficiency = "
               "single-rank-share time / time (weak scaling; the graphed floor: that share captured as one CUDA graph); predicted = the plan's cost-model time in that mode.",
               "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
+    speedups = speedup_rows(doc["runs"])
+    if speedups:
+        lines += ["", f"### The searched plan against the fastest baseline ({doc['network']})", "",
+                  table(SPEEDUP_HEADERS, speedups), "",
+                  "searched plan: hidup's plan in the duplication mode the search chose; speedup = fastest "
+                  "baseline / searched plan; dup. on vs off = the same plan without / with duplication; with "
+                  "--repeats, the range of the ratios of each round's pair of runs."]
     items = [(r["key"], r["breakdown"]) for r in doc["runs"] if isinstance(r.get("breakdown"), dict)
              and "span_s" in r["breakdown"]]
     if items:

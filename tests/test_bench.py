@@ -106,6 +106,64 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
 
 
+def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
+    out, docs = tmp_path / "bench", tmp_path / "docs"
+    proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
+                             "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
+                             "--profile-budget", "0.02", "--ops-seconds", "0", "--time-budget", "120", "--repeats",
+                             "2", "--methods", "ddp", "hidup", "hidup-nodup"] + TINY, timeout=200)
+    # a round starts only when the one before it is done
+    order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
+    assert sorted(order[:3]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in ("ddp", "hidup", "hidup-nodup")]
+    assert sorted(order[3:]) == [f"w2/bert-sgmoe/tf32/{m}#1" for m in ("ddp", "hidup", "hidup-nodup")]
+    doc = json.loads((out / "sockets.json").read_text())
+    assert doc["latest"]["runs"] == [f"w2/bert-sgmoe/tf32/{m}" for m in ("ddp", "hidup", "hidup-nodup")]
+    for r in doc["runs"]:
+        times = [x["iter_time_s"] for x in r["rounds"]]
+        assert r["status"] == "ok" and [x["round"] for x in r["rounds"]] == [0, 1] and "id" not in r
+        assert r["iter_time_s"] == pytest.approx(sum(times) / 2)  # the median of two rounds
+        assert r["round_spread"] == pytest.approx(max(times) / min(times))
+        assert r["throughput"] == pytest.approx(r["global_batch"] * 8 / r["iter_time_s"])
+    md = (docs / "benchmarks.md").read_text()
+    assert "median of 2 rounds" in md and "The searched plan against the fastest baseline" in md
+    assert "over 2 rounds" in md
+
+
+def test_merge_rounds_and_the_speedup_table():
+    from bench import merge_rounds
+
+    def rec(method, rnd, t, status="ok", **kw):
+        key = f"w4/m/tf32/{method}"
+        return {"key": key, "id": f"{key}#{rnd}", "round": rnd, "world": 4, "model": "m", "precision": "tf32",
+                "method": method, "status": status, "iter_time_s": t if status == "ok" else None,
+                "peak_memory_bytes": 10 * (rnd + 1), "throughput": 100 / t if t else None, "iters": 5, **kw}
+
+    plan = {"plan_duplication": True, "predicted_s": 2.0}
+    records = [rec("expert", 0, 6.0), rec("expert", 1, 9.0), rec("expert", 2, 3.0, "failed", error="boom"),
+               rec("ddp", 0, 8.0), rec("ddp", 1, 8.0), rec("ddp", 2, 8.0),
+               rec("hidup", 0, 2.0, **plan), rec("hidup", 1, 4.0, **plan), rec("hidup", 2, 3.0, **plan),
+               rec("hidup-nodup", 0, 3.0, **plan), rec("hidup-nodup", 1, 5.0, **plan), rec("hidup-nodup", 2, 3.3, **plan),
+               rec("fsdp", 0, None, "failed", error="first"), rec("fsdp", 1, None, "failed", error="second")]
+    merged = merge_rounds({r["id"]: r for r in records})
+    expert = merged["w4/m/tf32/expert"]
+    assert expert["iter_time_s"] == 7.5 and expert["round_spread"] == 1.5  # the failed round is left out
+    assert [x["status"] for x in expert["rounds"]] == ["ok", "ok", "failed"]
+    assert expert["peak_memory_bytes"] == 20 and expert["throughput"] == pytest.approx(100 / 7.5)
+    assert merged["w4/m/tf32/hidup"]["iter_time_s"] == 3.0
+    assert merged["w4/m/tf32/fsdp"]["status"] == "failed" and merged["w4/m/tf32/fsdp"]["error"] == "first"
+    single = merge_rounds({"k": dict(rec("ddp", 0, 1.0), id="w4/m/tf32/ddp")})["w4/m/tf32/ddp"]
+    assert "rounds" not in single and "id" not in single and "round" not in single
+
+    rows = report.speedup_rows(list(merged.values()))
+    assert len(rows) == 1
+    world, model, prec, best, searched, speedup, dup, eff, pred = rows[0]
+    assert best == "7500.00 expert" and searched == "3000.00 dup"  # the failed round does not make expert faster
+    # expert / hidup per round: 6/2, 9/4 (round 2 failed for expert); nodup / on: 3/2, 5/4, 3.3/3
+    assert speedup == "2.50x (2.25-3.00 over 2 rounds)"
+    assert dup == "1.10x (1.10-1.50 over 3 rounds)"
+    assert pred == "1.50" and eff is None
+
+
 def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
     common = ["--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--methods", "single",
               "--warmup", "1", "--iters", "1", "--profile-budget", "0.02", "--time-budget", "60"] + TINY

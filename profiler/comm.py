@@ -25,7 +25,9 @@ one trial call whose time ``t1`` is max-reduced over the world so that every ran
 ``k = ceil(sample_s / t1)`` calls per sample and the same number of samples (bounded by
 ``budget_s``); before each sample a world barrier; each sample's per-call time is
 ``elapsed / k`` on each rank, max-reduced over the world (a collective is as slow as its slowest
-rank); ``t(S)`` is the median over samples.  Sub-groups of ``g`` consecutive ranks (``{0,1}``,
+rank); ``t(S)`` is the median over samples.  Two concurrent calls on two communicators (what two
+duplicated copies do) are sampled in turns with the single call, and their time is ``t(S)`` times
+the median ratio of each pair of samples, so that the network's drift stays out of the ratio.  Sub-groups of ``g`` consecutive ranks (``{0,1}``,
 ``{2,3}``, ...) run their collectives concurrently, as a plan's sub-group collectives would.
 
 Monotone times
@@ -192,39 +194,70 @@ def _pair_call(op: str, numel: int, groups, g: int, device: torch.device, dtype:
     return run
 
 
+def _sampled(fns: list[Callable[[], object]], timer: "Timer", device: torch.device, *, sample_s: float,
+             budget_s: float, min_samples: int, max_samples: int) -> list[list[float]]:
+    """Per-call seconds of each of ``fns``, per sample, max over the world, sampled in turns.
+
+    Each function is warmed up once and timed once to fix its calls per sample ``k`` (from the
+    world's slowest trial, so every rank derives the same schedule); the number of samples fits
+    ``budget_s`` for all of them together.  Sample ``i`` of every function is taken before sample
+    ``i + 1`` of any, each after a world barrier, in turns that reverse every round (A B, B A, A B,
+    ...): drift of the host or the network between samples then reaches every function alike."""
+    _barrier(device)
+    for fn in fns:
+        fn()  # warm-up: communicator setup, buffer registration
+    timer.sync()
+    trials = []
+    for fn in fns:
+        _barrier(device)
+        trials.append(timer.measure(fn, 1))
+    trials = [max(t, 1e-6) for t in _world_max(trials, device)]
+    ks = [max(1, min(int(math.ceil(sample_s / t)), 1000)) for t in trials]
+    per_round = sum(k * t for k, t in zip(ks, trials)) + 1e-4 * len(fns)
+    n_samples = int(min(max_samples, max(min_samples, budget_s // per_round)))
+    local: list[list[float]] = [[] for _ in fns]
+    for i in range(n_samples):
+        for j in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):
+            _barrier(device)
+            local[j].append(timer.measure(fns[j], ks[j]) / ks[j])
+    return [_world_max(samples, device) for samples in local]
+
+
 def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *, member: bool = True,
                     sample_s: float = 0.02, budget_s: float = 0.25, min_samples: int = 3,
-                    max_samples: int = 20, dtype: torch.dtype = torch.float32, pair_with=None) -> float:
+                    max_samples: int = 20, dtype: torch.dtype = torch.float32, pair_with=None):
     """Median seconds of one ``op`` of logical size ``nbytes`` on ``group`` (``g`` ranks), max over
     the world.  Every rank of the world must call this with the same arguments; ranks outside any
-    group pass ``member=False`` and only take part in the agreement collectives.  With
-    ``pair_with`` (a second communicator over the same ranks) it times two calls issued together,
-    one on each."""
+    group pass ``member=False`` and only take part in the agreement collectives.
+
+    With ``pair_with`` (a second communicator over the same ranks; every rank a member) it returns
+    ``(t, t_pair)``: ``t`` as above and ``t_pair`` the time of two calls issued together, one on
+    each communicator.  The single and the paired calls are sampled in turns, and ``t_pair = t *
+    median_i(pair_i / single_i)``: over a network whose speed drifts (sockets can move a quarter
+    from one second to the next), separate measurements would put the drift into the ratio, which
+    is what the cost model uses (``CommCurve.pair_speedup``)."""
     device = torch.device(device)
     elem = torch.empty((), dtype=dtype).element_size()
     numel = _elements(nbytes, g, op, elem)
     timer = Timer(device)
     if not member:
-        fn = lambda: None  # noqa: E731
-    elif pair_with is not None:
-        fn = _pair_call(op, numel, (group, pair_with), g, device, dtype)
+        if pair_with is not None:
+            raise ValueError("time_collective: a paired measurement needs every rank in the group")
+        fns = [lambda: None]
     else:
-        fn = collective_call(op, numel, group, g, device, dtype)
-    _barrier(device)
-    fn()  # warm-up: communicator setup, buffer registration
-    timer.sync()
-    _barrier(device)
-    t1 = _world_max([timer.measure(fn, 1) if member else 0.0], device)[0]
-    t1 = max(t1, 1e-6)
-    k = max(1, min(int(math.ceil(sample_s / t1)), 1000))
-    n_samples = int(min(max_samples, max(min_samples, budget_s // (k * t1 + 1e-4))))
-    local: list[float] = []
-    for _ in range(n_samples):
-        _barrier(device)
-        local.append(timer.measure(fn, k) / k if member else 0.0)
-    per_sample = _world_max(local, device)
-    del fn
-    return statistics.median(per_sample)
+        fns = [collective_call(op, numel, group, g, device, dtype)]
+        if pair_with is not None:
+            fns.append(_pair_call(op, numel, (group, pair_with), g, device, dtype))
+    samples = _sampled(fns, timer, device, sample_s=sample_s, budget_s=budget_s, min_samples=min_samples,
+                       max_samples=max_samples)
+    if not member:
+        return statistics.median(samples[0])
+    single = statistics.median(samples[0])
+    del fns
+    if pair_with is None:
+        return single
+    ratio = statistics.median(p / max(t, 1e-12) for t, p in zip(*samples))
+    return single, single * ratio
 
 
 def _make_groups(world: int, g: int):
@@ -279,13 +312,14 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
         for op in ops:
             curve = CommCurve(op, g)
             for s in sizes:
-                t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype)
+                t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype,
+                                    pair_with=second)
+                if second is not None:
+                    t, pair = t
+                    curve.pair_seconds.append(pair)
                 elem = torch.empty((), dtype=dtype).element_size()
                 curve.sizes.append(_elements(s, g, op, elem) * elem)
                 curve.raw_seconds.append(t)
-                if second is not None:
-                    curve.pair_seconds.append(time_collective(op, s, group, g, device, budget_s=budget_s, dtype=dtype,
-                                                              pair_with=second))
                 if on_point is not None:
                     on_point(op, g, s)
             curve.seconds = monotone(curve.raw_seconds)

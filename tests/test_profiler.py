@@ -118,6 +118,48 @@ def test_comm_profile_validates_and_loads(world2):
             assert t > 0 and math.isfinite(t)
 
 
+def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
+    """The network slows 5% per sample taken.  Sampling the single and the paired call in turns
+    keeps the drift out of their ratio (two concurrent calls 1.6x faster than two in a row)."""
+    from hidup.profiler import comm
+
+    clock = {"samples": 0}
+    order = []
+
+    class DriftingTimer:
+        def __init__(self, device):
+            pass
+
+        def sync(self):
+            pass
+
+        def measure(self, fn, k):
+            clock["samples"] += 1
+            return k * fn() * (1.0 + 0.05 * clock["samples"])
+
+    def single():
+        order.append("s")
+        return 1.0
+
+    def pair():
+        order.append("p")
+        return 2.0 / 1.6
+
+    monkeypatch.setattr(comm, "Timer", DriftingTimer)
+    monkeypatch.setattr(comm, "_barrier", lambda device: None)
+    monkeypatch.setattr(comm, "_world_max", lambda values, device: list(values))
+    monkeypatch.setattr(comm, "collective_call", lambda *a, **k: single)
+    monkeypatch.setattr(comm, "_pair_call", lambda *a, **k: pair)
+    t, t_pair = comm.time_collective("all_reduce", 4096, None, 2, "cpu", pair_with=object(), sample_s=0.0,
+                                     budget_s=0.0, min_samples=8)
+    timed = order[4:]  # after the warm-up and trial calls of each
+    assert timed == ["s", "p", "p", "s"] * 4
+    assert 2 * t / t_pair == pytest.approx(1.6, rel=0.03)
+    # measured one after the other (8 singles, then 8 pairs), the same drift would read as about 1.21
+    with pytest.raises(ValueError, match="every rank"):
+        comm.time_collective("all_reduce", 4096, None, 2, "cpu", member=False, pair_with=object())
+
+
 def _subgroup_rank(rank, world):
     from hidup.profiler.comm import profile_collectives
 

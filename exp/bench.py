@@ -9,7 +9,8 @@ The network flag sets NCCL's environment before any process group exists (``sock
 ``N`` (largest first), the ranks are launched once and, inside that group:
 
 1. (first group only) a quick profile of this network is measured with
-   ``hidup.profiler.measure.profile_machine`` -- with the per-op times of every benchmarked model at
+   ``hidup.profiler.measure.profile_machine`` (collective tables: the median of ``--comm-rounds``
+   passes) -- with the per-op times of every benchmarked model at
    its sharded and half-batch shapes, for every world size and precision, the ranks splitting them --
    and saved as ``<out>/<network>-profile.json`` (``--ops-from P`` takes the per-op times already in
    profile ``P`` -- compute does not depend on the network -- and times only the shapes it lacks;
@@ -192,7 +193,7 @@ def measure_profile(cfg: dict, device) -> None:
         profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
                         name=f"{cfg['network']}-measured", merge=cfg.get("ops_from"), ops_models=ops_models,
                         ops_worlds=cfg["worlds"], ops_precisions=tuple(cfg["precisions"]),
-                        ops_seconds=cfg["ops_seconds"],
+                        ops_seconds=cfg["ops_seconds"], comm_rounds=cfg["comm_rounds"],
                         calibrate_plans=[(m, cfg["overrides"]) for m in cfg.get("calibrate_plans") or []])
     except Exception as e:  # noqa: BLE001 - reported through the marker file
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
@@ -438,6 +439,9 @@ def parse_args(argv):
                         "<out>/<network>-profile.json: a matrix larger than one time budget completes over "
                         "several invocations")
     p.add_argument("--profile-budget", type=float, default=0.1, help="seconds per measured point (default 0.1)")
+    p.add_argument("--comm-rounds", type=int, default=3, metavar="R",
+                   help="passes over the collective tables of the measured profile, each point keeping its median "
+                        "(default 3: a sockets network drifts over seconds)")
     p.add_argument("--ops-seconds", type=float, default=60.0,
                    help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
                         "(model, world, precision) and rank at most (default 60; 0: price ops by the roofline)")
@@ -473,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has "
                              f"{', '.join(hidup.models.names())}")
+    if args.repeats < 1 or args.comm_rounds < 1:
+        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds}: each must be at least 1")
     if min(args.worlds) < 2:
         raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
                          "'single' method of each world)")
@@ -507,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                         workers=args.search_jobs, reserve_cpus=2 * max(args.worlds))
     searcher.start()
     cfg = {"network": args.network, "out": str(args.out), "plan_dir": str(plan_dir), "profile": str(profile_path),
-           "profile_budget": args.profile_budget, "measure_profile": measure, "deadline": deadline,
+           "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure, "deadline": deadline,
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
            "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),

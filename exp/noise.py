@@ -308,6 +308,8 @@ def parse_args(argv):
     p.add_argument("--run-cap", type=float, default=20.0)
     p.add_argument("--time-budget", type=float, default=480.0)
     p.add_argument("--profile-budget", type=float, default=0.1)
+    p.add_argument("--comm-rounds", type=int, default=3, metavar="R",
+                   help="passes over the collective tables of a measured profile (median per point; default 3)")
     p.add_argument("--search-jobs", type=int, default=None,
                    help="parallel search processes (default: by CPUs; 0: search in this process)")
     p.add_argument("--dist-timeout", type=float, default=120.0)
@@ -377,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             partial = args.bench_out / f".partial-robustness-{args.network}.jsonl"
             partial.unlink(missing_ok=True)
             cfg = {"network": args.network, "profile": str(profile_path), "profile_budget": args.profile_budget,
+                   "comm_rounds": args.comm_rounds,
                    "measure_profile": measure, "model": args.model, "overrides": overrides, "plan_dir": str(plan_dir),
                    "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
                    "warmup": args.warmup, "iters": args.iters, "partial": str(partial),

@@ -76,6 +76,7 @@ class CommCurve:
     raw_seconds: list[float] = field(default_factory=list)  # the medians as measured
     alpha: float = 0.0  # latency fitted on the smallest sizes [s]
     pair_seconds: list[float] = field(default_factory=list)  # two calls at once on two communicators
+    round_seconds: list[list[float]] = field(default_factory=list)  # per size, each pass's time (rounds)
 
     @property
     def pair_speedup(self) -> list[float]:
@@ -92,7 +93,7 @@ class CommCurve:
         return {"op": self.op, "group_size": self.group_size, "sizes": list(self.sizes),
                 "seconds": list(self.seconds), "raw_seconds": list(self.raw_seconds),
                 "algbw": self.algbw, "alpha": self.alpha, "pair_seconds": list(self.pair_seconds),
-                "pair_speedup": self.pair_speedup}
+                "pair_speedup": self.pair_speedup, "round_seconds": [list(r) for r in self.round_seconds]}
 
 
 def monotone(seconds: list[float]) -> list[float]:
@@ -280,11 +281,16 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
                         ops: tuple[str, ...] = COLLECTIVES, group_sizes: list[int] | None = None, *,
                         budget_s: float = 0.25, n_fit: int = 3, dtype: torch.dtype = torch.float32,
                         on_point: Callable[[str, int, int], None] | None = None,
-                        pairs: bool = True) -> list[CommCurve]:
+                        pairs: bool = True, rounds: int = 1) -> list[CommCurve]:
     """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
     ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
     With ``pairs``, the whole-world group also times two calls at once on two communicators
     (``CommCurve.pair_seconds``): what two duplicated copies communicating together get.
+
+    With ``rounds`` > 1 the whole table of a group size is measured that many times, one pass after
+    the other, and each point keeps the median of its passes (the passes' own times in
+    ``CommCurve.round_seconds``): a network whose speed drifts over seconds (NCCL over sockets) is
+    then described by its typical speed rather than by the one moment each point was taken.
 
     Must be called by every rank of an initialized process group.  ``on_point(op, g, nbytes)`` is
     called after each point (for progress bars).
@@ -305,23 +311,36 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
     for op in ops:
         if op not in COLLECTIVES:
             raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    elem = torch.empty((), dtype=dtype).element_size()
     curves: list[CommCurve] = []
     for g in group_sizes:
         group, member, created = _make_groups(world, g)
         second = dist.new_group(list(range(world))) if pairs and g == world else None
+        # (op, size) -> per round: the single call's time, and the pair's over the single's
+        single: dict[tuple[str, int], list[float]] = {}
+        ratio: dict[tuple[str, int], list[float]] = {}
+        for _ in range(rounds):
+            for op in ops:
+                for s in sizes:
+                    t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype,
+                                        pair_with=second)
+                    if second is not None:
+                        t, pair = t
+                        ratio.setdefault((op, s), []).append(pair / max(t, 1e-12))
+                    single.setdefault((op, s), []).append(t)
+                    if on_point is not None:
+                        on_point(op, g, s)
         for op in ops:
             curve = CommCurve(op, g)
             for s in sizes:
-                t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype,
-                                    pair_with=second)
-                if second is not None:
-                    t, pair = t
-                    curve.pair_seconds.append(pair)
-                elem = torch.empty((), dtype=dtype).element_size()
+                t = statistics.median(single[(op, s)])
                 curve.sizes.append(_elements(s, g, op, elem) * elem)
                 curve.raw_seconds.append(t)
-                if on_point is not None:
-                    on_point(op, g, s)
+                curve.round_seconds.append(single[(op, s)])
+                if second is not None:
+                    curve.pair_seconds.append(t * statistics.median(ratio[(op, s)]))
             curve.seconds = monotone(curve.raw_seconds)
             curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
             curves.append(curve)

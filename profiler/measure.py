@@ -21,7 +21,9 @@ and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and `
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
 seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
-(17 sizes x 4 collectives x 2 group sizes) takes one to two minutes.
+(17 sizes x 4 collectives x 2 group sizes) takes one to two minutes.  ``comm_rounds`` (``--comm-rounds``)
+measures the collective tables that many times over and keeps each point's median, for a network
+whose speed drifts over seconds.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
                     budget_s: float | None = None, ops_models: list[tuple[str, dict]] | None = None,
                     ops_worlds: list[int] | None = None, ops_precisions: tuple[str, ...] = ("fp32",),
                     ops_seconds: float = 120.0, calibrate_plans: list[tuple[str, dict]] | None = None,
-                    calibrate_precisions: tuple[str, ...] | None = None) -> "Profile":
+                    calibrate_precisions: tuple[str, ...] | None = None, comm_rounds: int = 1) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
     Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
@@ -128,9 +130,12 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     ``calibrate_plans`` ((zoo name, overrides) pairs) last times their searched plans on the ranks in
     each of ``calibrate_precisions`` (default ``ops_precisions``) and stores the compute factors
     inside the distributed program (:func:`hidup.profiler.calibrate.program_scales`).
+    ``comm_rounds`` measures the collective tables that many times and keeps each point's median
+    (:func:`hidup.profiler.comm.profile_collectives`).
     """
     prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
-                         matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s)
+                         matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s,
+                         comm_rounds=comm_rounds)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     prof = _calibrate(prof, raw, torch.device(device), ops_models, ops_worlds, tuple(ops_precisions), ops_seconds,
@@ -174,7 +179,7 @@ def write_profile(prof, raw: dict, out: str | Path) -> Path:
 
 
 def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matmul_sizes, group_sizes,
-             budget_s):
+             budget_s, comm_rounds: int = 1):
     """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
     import datetime as _dt
     import socket as _socket
@@ -205,7 +210,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     group_sizes = default_group_sizes(world) if group_sizes is None else list(group_sizes)
     budget = budget_s if budget_s is not None else (0.1 if quick else 0.3)
     ops = profile_mod.COLLECTIVES
-    n_points = len(dtypes) + (len(group_sizes) * len(ops) * len(sizes) if world > 1 else 0)
+    n_points = len(dtypes) + (len(group_sizes) * len(ops) * len(sizes) * comm_rounds if world > 1 else 0)
     bar = _Progress(progress and rank == 0, n_points)
     t_start = time.perf_counter()
     try:
@@ -224,7 +229,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
             grad_copy_graph = 1.0 / _rates_agreed({"params": 1.0 / per_param}, device)["params"]
         curves = []
         if world > 1:
-            curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget,
+            curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget, rounds=comm_rounds,
                                          on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"))
     finally:
         bar.close()
@@ -250,7 +255,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
             if c.pair_seconds:
                 concurrency.setdefault(c.op, {})[c.group_size] = ([float(x) for x in c.sizes], c.pair_speedup)
         notes.append(f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
-                     f"{group_sizes}; algbw is net of alpha")
+                     f"{group_sizes}" + (f", median of {comm_rounds} passes" if comm_rounds > 1 else "")
+                     + "; algbw is net of alpha")
     else:
         collectives = {c: dict(t) for c, t in base.collectives.items()}
         concurrency = {c: dict(t) for c, t in base.concurrency.items()}
@@ -348,6 +354,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="fp32,tf32,bf16,fp16", help="compute dtypes to time (default all four)")
     p.add_argument("--matmul-sizes", default=None, help="square matmul sizes, e.g. 2048,4096,8192")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
+    p.add_argument("--comm-rounds", type=int, default=1, metavar="R",
+                   help="measure the collective tables R times, one pass after the other, and keep each point's "
+                        "median: for a network whose speed drifts over seconds, e.g. NCCL over sockets (default 1)")
     p.add_argument("--merge", default=None, help="profile (builtin name or path) supplying what is not measured: "
                    "the collectives (and their concurrency) in a single-process run, per-op times (with their "
                    "in-context scale and the Adam rate), unsupported dtypes")
@@ -415,12 +424,14 @@ def run_profile(args: argparse.Namespace) -> int:
     from hidup.runtime.launch import launch, launch_kwargs, layout_from_env
 
     precisions = tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip())
+    if args.comm_rounds < 1:
+        raise SystemExit(f"--comm-rounds {args.comm_rounds}: give at least one pass (1 measures the tables once)")
     kwargs = dict(
         sizes=parse_sizes(args.sizes) if args.sizes else None,
         dtypes=tuple(d for d in args.dtypes.split(",") if d.strip()),
         progress=not args.no_progress, quick=args.quick, name=args.name, merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
-        budget_s=args.budget, group_sizes=None,
+        budget_s=args.budget, group_sizes=None, comm_rounds=args.comm_rounds,
         ops_model=(_names(args.ops_model, "--ops-model"), parse_overrides(args.ops_overrides), args.ops_seconds,
                    precisions, [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
         if args.ops_model else None,

@@ -129,6 +129,13 @@ def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
     assert "over 2 rounds" in md
 
 
+def test_bench_rejects_zero_rounds(tmp_path):
+    for flag in ("--repeats", "--comm-rounds"):
+        proc = subprocess.run([sys.executable, str(ROOT / "exp" / "bench.py"), flag, "0", "--out", str(tmp_path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and "each must be at least 1" in proc.stderr and flag in proc.stderr
+
+
 def test_merge_rounds_and_the_speedup_table():
     from bench import merge_rounds
 

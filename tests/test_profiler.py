@@ -160,6 +160,23 @@ def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
         comm.time_collective("all_reduce", 4096, None, 2, "cpu", member=False, pair_with=object())
 
 
+def _rounds_rank(rank, world):
+    from hidup.profiler.comm import profile_collectives
+
+    curves = profile_collectives("cpu", [4096, 65536], ("all_reduce",), budget_s=0.005, rounds=3)
+    return [c.to_dict() for c in curves]
+
+
+def test_collective_rounds_keep_each_points_median():
+    res = run_distributed(_rounds_rank, 2, timeout=90)
+    assert res[0] == res[1]
+    (curve,) = res[0]
+    assert [len(r) for r in curve["round_seconds"]] == [3, 3]
+    for t, passes in zip(curve["raw_seconds"], curve["round_seconds"]):
+        assert t == sorted(passes)[1]
+    assert len(curve["pair_seconds"]) == 2 and all(p > 0 for p in curve["pair_seconds"])
+
+
 def _subgroup_rank(rank, world):
     from hidup.profiler.comm import profile_collectives
 
@@ -392,7 +409,7 @@ def test_program_factors_average_the_usable_checks():
     assert "out of reach" in out.notes and "20% of it compute -> 0.800" in out.notes
 
 
-def test_calibrating_plans_needs_ranks():
+def test_calibrating_plans_needs_ranks_and_passes_are_counted():
     import subprocess
 
     root = os.path.dirname(os.path.dirname(BASELINES_DIR))
@@ -403,3 +420,6 @@ def test_calibrating_plans_needs_ranks():
     bad = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--calibrate-plans", "nope"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown model(s) nope" in bad.stderr
+    rounds = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--comm-rounds", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert rounds.returncode != 0 and "--comm-rounds 0: give at least one pass" in rounds.stderr

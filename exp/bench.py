@@ -37,7 +37,7 @@ of the plan in that mode and ``measured / predicted``.
 
 Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
 round, a round starting only when the one before it is done; a run then reports the median of its
-rounds' medians (``rounds`` lists each), and the summary table gives each ratio with its range over the
+rounds' medians (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
 rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
 drift from landing on one method only.
 
@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,7 +71,8 @@ from report import ROOT, bench_finish, bootstrap, command_line, hardware, load_j
 bootstrap()
 
 import benchsearch  # noqa: E402
-from benchsearch import Searcher, job_name  # noqa: E402
+from benchplan import merge_rounds, pick, plan_runs, resume_runs  # noqa: E402
+from benchsearch import Searcher  # noqa: E402
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -93,10 +93,6 @@ def apply_network(network: str) -> dict:
             os.environ.pop(k, None)
     os.environ.update(env)
     return env
-
-
-def run_key(world: int, model: str, precision: str, method: str) -> str:
-    return f"w{world}/{model}/{precision}/{method}"
 
 
 # =============================================================================== rank side
@@ -123,7 +119,7 @@ def child_main(ctx, cfg: dict) -> None:
     models: dict[str, tuple] = {}
     pending = list(cfg["runs"])
     while pending:
-        choice = br.broadcast(_pick(pending, cfg) if rank == 0 else None, device)
+        choice = br.broadcast(pick(pending, cfg) if rank == 0 else None, device)
         if choice["skip"]:
             for run in pending:
                 emit({"event": "result", "record": dict(run, status="skipped", error=choice["skip"])})
@@ -200,29 +196,6 @@ def measure_profile(cfg: dict, device) -> None:
     failed = br.reduce_max([1.0 if error else 0.0], device)[0] > 0
     if failed and (not br.distributed() or __import__("torch").distributed.get_rank() == 0):
         path.with_name(path.name + ".error").write_text(error or "another rank failed to measure the profile")
-
-
-def _pick(pending: list[dict], cfg: dict) -> dict:
-    """Rank 0's choice of the next run: a hidup run whose plan is ready, else the next baseline, else
-    the first hidup run (which then waits for its plan); with the per-run time cap."""
-    left = cfg["deadline"] - time.time() - cfg["reserve_s"]
-    if left < cfg["min_run_s"]:
-        return {"skip": "time budget exhausted before this run could start (raise --time-budget or run fewer "
-                        "models/worlds per command)"}
-    runs_left = len(pending) + cfg["future_runs"]
-    cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))
-    plan_dir = Path(cfg["plan_dir"])
-    # with --repeats, a run waits for the earlier rounds of its (world, model, precision): each round
-    # runs every method once, so slow drift of the host or network reaches every method alike
-    first_round = {}
-    for r in pending:
-        group = r["key"].rsplit("/", 1)[0]
-        first_round[group] = min(first_round.get(group, r["round"]), r["round"])
-    due = [i for i, r in enumerate(pending) if r["round"] == first_round[r["key"].rsplit("/", 1)[0]]]
-    ready = [i for i in due if pending[i].get("plan") and (plan_dir / f"{pending[i]['plan']}.json").is_file()]
-    base = [i for i in due if not pending[i].get("plan")]
-    index = (ready or base or due)[0]
-    return {"skip": "", "index": index, "cap": cap}
 
 
 def _wait_plan(name: str, cfg: dict, device) -> dict:
@@ -334,84 +307,6 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
     return records
 
 
-def merge_rounds(records: dict[str, dict]) -> dict[str, dict]:
-    """One record per run key from the records of its rounds (``--repeats``), by key.
-
-    A single round is kept as it is.  For several, the record is that of the median round (the lower
-    one for an even count; its steps, losses, trial and trace) with ``iter_time_s`` the median of the
-    rounds' medians, the peak memory the largest, and ``rounds``: each round's status, time and steps.
-    A round that failed is listed there; the run fails only when every round failed (with the first
-    error)."""
-    by_key: dict[str, list[dict]] = {}
-    for rec in records.values():
-        by_key.setdefault(rec["key"], []).append(rec)
-    out = {}
-    for key, recs in by_key.items():
-        recs.sort(key=lambda r: r.get("round", 0))
-        if len(recs) == 1 and not recs[0].get("round"):
-            rec = dict(recs[0])
-            rec.pop("round", None)
-            rec.pop("id", None)
-            out[key] = rec
-            continue
-        ok = [r for r in recs if r.get("status") == "ok"]
-        times = [r["iter_time_s"] for r in ok]
-        base = dict(sorted(ok, key=lambda r: r["iter_time_s"])[(len(ok) - 1) // 2] if ok else recs[0])
-        base.pop("id", None)
-        base.pop("round", None)
-        base["rounds"] = [{"round": r.get("round", 0), "status": r.get("status"), "iter_time_s": r.get("iter_time_s"),
-                           "iters": r.get("iters"), "date": r.get("date")} for r in recs]
-        if ok:
-            median = statistics.median(times)
-            for field in ("samples_per_s", "throughput"):  # rates per step: rescaled to the median time
-                if base.get(field) is not None:
-                    base[field] *= base["iter_time_s"] / median
-            base["iter_time_s"] = median
-            base["round_spread"] = max(times) / min(times)
-            peaks = [r["peak_memory_bytes"] for r in ok if r.get("peak_memory_bytes") is not None]
-            base["peak_memory_bytes"] = max(peaks) if peaks else None
-        out[key] = base
-    return out
-
-
-def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
-    """Runs per world (in order) and the search jobs they need."""
-    import torch
-
-    overrides = benchsearch.overrides_of(args)
-    per_world, jobs = {}, {}
-    prec_search = {p: ("fp32" if not torch.cuda.is_available() else p) for p in args.precisions}
-    for world in sorted(set(args.worlds), reverse=True):
-        runs = []
-        for model in args.models:
-            for precision in args.precisions:
-                name = job_name(model, world, prec_search[precision], overrides)
-                for rnd in range(args.repeats):
-                    for method in args.methods:
-                        key = run_key(world, model, precision, method)
-                        r = {"key": key, "id": key if args.repeats == 1 else f"{key}#{rnd}", "round": rnd,
-                             "world": world, "model": model, "precision": precision, "method": method}
-                        if method.startswith("hidup"):
-                            r["plan"] = name
-                            jobs[name] = {"name": name, "model": model, "world": world,
-                                          "precision": prec_search[precision], "overrides": overrides}
-                        runs.append(r)
-        per_world[world] = runs
-    return per_world, jobs
-
-
-def resume_runs(per_world: dict[int, list[dict]], jobs: dict[str, dict], results: Path):
-    """``per_world`` without the runs ``results`` already records as ok, and the search jobs the
-    remaining runs need (``--resume``)."""
-    done = {r["key"] for r in (load_json(results, {}) or {}).get("runs", []) if r.get("status") == "ok"}
-    left = {w: [r for r in runs if r["key"] not in done] for w, runs in per_world.items()}
-    kept = sum(len(runs) for runs in per_world.values()) - sum(len(runs) for runs in left.values())
-    print(f"[bench] --resume: {kept} runs already recorded as ok in {results}, "
-          f"{sum(len(runs) for runs in left.values())} to run", flush=True)
-    needed = {r["plan"] for runs in left.values() for r in runs if "plan" in r}
-    return {w: runs for w, runs in left.items() if runs}, {n: j for n, j in jobs.items() if n in needed}
-
-
 def parse_args(argv):
     from hidup.cli import add_model_flags
 
@@ -513,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                         workers=args.search_jobs, reserve_cpus=2 * max(args.worlds))
     searcher.start()
     cfg = {"network": args.network, "out": str(args.out), "plan_dir": str(plan_dir), "profile": str(profile_path),
-           "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure, "deadline": deadline,
+           "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure,
+           "deadline": deadline,
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
            "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),

@@ -27,8 +27,9 @@ one trial call whose time ``t1`` is max-reduced over the world so that every ran
 ``elapsed / k`` on each rank, max-reduced over the world (a collective is as slow as its slowest
 rank); ``t(S)`` is the median over samples.  Two concurrent calls on two communicators (what two
 duplicated copies do) are sampled in turns with the single call, and their time is ``t(S)`` times
-the median ratio of each pair of samples, so that the network's drift stays out of the ratio.  Sub-groups of ``g`` consecutive ranks (``{0,1}``,
-``{2,3}``, ...) run their collectives concurrently, as a plan's sub-group collectives would.
+the median ratio of each pair of samples, so that the network's drift stays out of the ratio.
+Sub-groups of ``g`` consecutive ranks (``{0,1}``, ``{2,3}``, ...) run their collectives
+concurrently, as a plan's sub-group collectives would.
 
 Monotone times
 --------------
@@ -251,10 +252,7 @@ def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *
             fns.append(_pair_call(op, numel, (group, pair_with), g, device, dtype))
     samples = _sampled(fns, timer, device, sample_s=sample_s, budget_s=budget_s, min_samples=min_samples,
                        max_samples=max_samples)
-    if not member:
-        return statistics.median(samples[0])
     single = statistics.median(samples[0])
-    del fns
     if pair_with is None:
         return single
     ratio = statistics.median(p / max(t, 1e-12) for t, p in zip(*samples))

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import operator
 import threading
 from typing import Any
 
@@ -43,7 +44,7 @@ from hidup.codegen import collectives
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.ir import FULL, REDUCE, Form, Signature
 
-__all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "CompileError"]
+__all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "using_copy_sums", "CompileError"]
 
 
 class CompileError(ValueError):
@@ -99,6 +100,23 @@ def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
                          f"{tuple(x.shape)}; the module was compiled with local_batch=True (see "
                          f"module.input_forms), pass local_batch=False to give the global batch instead")
     return x
+
+
+def hidup_copy_sum(x: torch.Tensor, key: int) -> torch.Tensor:
+    """Both duplicated copies' value of tensor ``key`` added, where the copy runner computed it
+    (:func:`using_copy_sums`); ``x`` itself otherwise (one copy, or the runner's side pass)."""
+    sums = getattr(_STATE, "copy_sums", None)
+    return sums[key] if sums is not None and key in sums else x
+
+
+@contextlib.contextmanager
+def using_copy_sums(sums: dict[int, torch.Tensor] | None):
+    before = getattr(_STATE, "copy_sums", None)
+    _STATE.copy_sums = sums
+    try:
+        yield
+    finally:
+        _STATE.copy_sums = before
 
 
 def hidup_tensor_leaves(value: Any) -> tuple:
@@ -175,8 +193,9 @@ def _fix_devices(value, device: torch.device):
 
 
 class _Builder:
-    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool):
+    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.copies = copies  # hidup.copies.CopyAxis of a duplicated copy's program, else None
         self.device, self.local_batch = device, local_batch
         self.graph = torch.fx.Graph()
         self.root = nn.Module()
@@ -319,6 +338,12 @@ class _Builder:
                 self.local[tid] = self._tag(self.graph.call_function(_getitem, (leaves, j)))
         for tid, form in zip(node.outputs, sig.outputs):
             self.produced[tid] = form
+        if self.copies is not None:  # one copy of two: halve its means over the batch, sum counts across copies
+            for tid in node.outputs:
+                if node.name in self.copies.scaled:
+                    self.local[tid] = self.call(operator.mul, (self.local[tid], self.copies.scaled[node.name]))
+                if tid in self.copies.summed:
+                    self.local[tid] = self.call(hidup_copy_sum, (self.local[tid], tid))
 
     def _structured(self, name: str) -> bool:
         """Whether the traced value of fx node ``name`` is a tuple/list the model indexes into."""
@@ -416,11 +441,14 @@ def _get_attr_path(module: nn.Module, path: str):
 
 
 def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.device | str = "cpu",
-                       local_batch: bool = False) -> RankProgram:
+                       local_batch: bool = False, copies=None) -> RankProgram:
     """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
-    under ``plan``; parameters are copied (sharded) from the traced model onto ``device``."""
+    under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
+    ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
+    is one of duplication's two copies: its means over the batch are halved and the tensors in
+    ``copies.summed`` pass through :func:`hidup_copy_sum`."""
     if traced.graph.world_size != world:
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:
         raise CompileError(f"rank {rank} is outside world size {world}")
-    return _Builder(traced, plan, rank, world, torch.device(device), local_batch).build()
+    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies).build()

@@ -30,12 +30,14 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.fx
 import torch.nn as nn
 
 from hidup.codegen import collectives
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs, trace_copy
 from hidup.codegen.grads import GradBucketer
-from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_group
+from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_copy_sums, using_group
+from hidup.copies import copy_axis
 from hidup.ir import GRAD_BUCKET_MB
 
 __all__ = ["compile", "HidupModule", "CompileError"]
@@ -60,6 +62,7 @@ class HidupModule(nn.Module):
         self.bucketer = GradBucketer(replicated, group, bucket_mb) if world_size > 1 else None
         self.batch_dims = batch_dims
         self.copy_groups = None
+        self.side_pass = _side_pass(self.gm) if duplication else None
         if duplication:
             self.copy_groups = copy_groups or (group, group)
             device = _device_of(self.gm)
@@ -94,7 +97,17 @@ class HidupModule(nn.Module):
             d = dims[self.input_names.index(name)]
             local_split = self.local_batch and form is not None and form.is_gather and form.dim == d
             blocks.append(1 if local_split else self.world_size)
-        return self.runner(lambda c: copy_inputs(values, dims, blocks, c), self.copy_groups)
+        inputs_of = lambda c: copy_inputs(values, dims, blocks, c)  # noqa: E731
+        if self.side_pass is None:
+            return self.runner(inputs_of, self.copy_groups)
+        gm, keys = self.side_pass
+        sums = None
+        for c, group in enumerate(self.copy_groups):
+            with using_group(group):
+                part = gm(*inputs_of(c))
+            sums = part if sums is None else [a + b for a, b in zip(sums, part)]
+        with using_copy_sums(dict(zip(keys, sums))):
+            return self.runner(inputs_of, self.copy_groups)
 
     # -- helpers
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -113,6 +126,33 @@ class HidupModule(nn.Module):
     def code(self) -> str:
         """The generated Python of this rank's program."""
         return self.gm.code
+
+
+def _side_pass(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int]] | None:
+    """The part of a copy's program that computes the values :func:`hidup_copy_sum` adds across the
+    two copies (counts of labels: no parameter, no gradient), as its own module returning them, with
+    their keys; None when the program has none.  Duplication runs it on both copies' inputs first
+    and hands each copy the sums (:mod:`hidup.copies`)."""
+    from hidup.codegen.program import hidup_copy_sum
+
+    sums = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hidup_copy_sum]
+    if not sums:
+        return None
+    needed: set[torch.fx.Node] = set()
+    stack = [n.args[0] for n in sums]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output([env[n.args[0]] for n in sums])
+    return torch.fx.GraphModule(gm, graph, "CopySums"), [n.args[1] for n in sums]
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -167,12 +207,22 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     dims = batch_dims if batch_dims is not None else [0] * len(values)
     if len(dims) != len(values):
         raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
-    traced = (trace_copy(model, tuple(values), world_size, leaf_modules=leaf_modules, batch_dims=dims)
-              if duplication else trace_module(model, tuple(values), world_size, leaf_modules=leaf_modules))
-    check = getattr(plan, "check", None)
-    if check is not None and not duplication:
-        check(traced.graph)
-    program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch)
+    copies = None
+    if duplication:
+        traced = trace_copy(model, tuple(values), world_size, leaf_modules=leaf_modules, batch_dims=dims)
+        inputs = [n.name for n in traced.graph.nodes if n.op == "input"]
+        names = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+        copies = copy_axis(traced.graph, {name: d for name, d in zip(names, dims) if name in inputs})
+        if not copies.exact:
+            warnings.warn(f"hidup.compile: duplication is off: {copies.reason}", stacklevel=2)
+            duplication, copies = False, None
+    if not duplication:
+        traced = trace_module(model, tuple(values), world_size, leaf_modules=leaf_modules)
+        check = getattr(plan, "check", None)
+        if check is not None:
+            check(traced.graph)
+    program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch,
+                                 copies=copies)
 
     staged = device.type == "cuda" if streams is None else streams
     if not (duplication and staged and world_size > 1):

@@ -68,4 +68,6 @@ def target_name(n: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
         return type(gm.get_submodule(n.target)).__name__
     if n.op == "call_method":
         return str(n.target)
+    if isinstance(n.target, torch._ops.OpOverload):  # aten.add.Tensor -> "add.Tensor", aten.linear.default -> "linear"
+        return n.target.__name__.removesuffix(".default")
     return getattr(n.target, "__name__", None) or str(n.target)

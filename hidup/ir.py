@@ -275,6 +275,9 @@ class Graph:
     # the same step traced at half the batch (one duplicated copy's program), when the tracer was
     # asked for it: the cost model reads its shapes to price the half-batch copies' ops
     half: "Graph | None" = field(default=None, repr=False, compare=False)
+    # why duplication's two half-batch copies would not add up to the step's loss, "" when they do
+    # (hidup.copies): the search then keeps duplication off
+    copy_reason: str = ""
 
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.nodes}
@@ -316,6 +319,7 @@ class Graph:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "fallbacks": list(self.fallbacks),
+                "copy_reason": self.copy_reason,
                 "nodes": [n.to_dict() for n in self.nodes],
                 "tensors": [self.tensors[t].to_dict() for t in sorted(self.tensors)]}
 
@@ -323,7 +327,7 @@ class Graph:
     def from_dict(d: dict) -> "Graph":
         tensors = {t["id"]: Tensor.from_dict(t) for t in d["tensors"]}
         return Graph([Node.from_dict(n) for n in d["nodes"]], tensors, d["world_size"], d.get("model", ""),
-                     list(d.get("fallbacks", [])))
+                     list(d.get("fallbacks", [])), copy_reason=d.get("copy_reason", ""))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

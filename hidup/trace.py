@@ -63,6 +63,7 @@ from hidup.fxvalues import module_of as _module_of
 from hidup.fxvalues import source_of as _source_of
 from hidup.fxvalues import target_name as _target_name
 from hidup.fxvalues import to_meta as _to_meta
+from hidup.copies import copy_axis
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
 
@@ -412,24 +413,69 @@ def _forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[list, dict]:
     return values, concrete
 
 
+FRONTENDS = ("auto", "export", "fx")
+
+
 def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-                 leaf_modules: Iterable[type | str] | None = None) -> Traced:
+                 leaf_modules: Iterable[type | str] | None = None, frontend: str = "auto") -> Traced:
     """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
-    may live on any device including ``meta``.  ``leaf_modules`` adds module classes or qualified
-    module names that stay opaque ``call_module`` nodes.  Returns a :class:`Traced`.
+    may live on any device including ``meta``.  ``frontend`` is ``export`` (torch.export, ATen ops:
+    :mod:`hidup.export`), ``fx`` (torch.fx symbolic tracing with opaque leaf modules) or ``auto``:
+    symbolic tracing, and torch.export where that fails (data-dependent Python control flow, as in
+    ``transformers`` models and ``nn.Transformer``).  ``leaf_modules`` (fx only) adds module classes
+    or qualified module names that stay opaque ``call_module`` nodes.  Returns a :class:`Traced`.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
     signatures_fn, rule_leaves, batch_functions, rules_missing = _rules_hooks()
+    values, concrete = _forward_inputs(model, example_inputs)
+    if frontend == "export" and leaf_modules:
+        raise ValueError("leaf_modules needs the fx front end (frontend='fx'); under torch.export an opaque "
+                         "op is a torch.library custom op with a rule")
+    if frontend != "export":
+        try:
+            gm = _symbolic(model, values, concrete, leaf_modules, rule_leaves, batch_functions)
+            return _build(model, gm, values, world_size, signatures_fn, rules_missing)
+        except TraceFailure as symbolic_failure:
+            if frontend == "fx" or leaf_modules:
+                raise
+            try:
+                gm = _exported(model, values)
+            except TraceFailure as e:
+                raise TraceFailure(f"{e}\n(symbolic tracing failed first: {symbolic_failure})") from e
+    else:
+        gm = _exported(model, values)
+    return _build(model, gm, values, world_size, signatures_fn, rules_missing)
+
+
+def _exported(model: nn.Module, values: list) -> torch.fx.GraphModule:
+    from hidup.export import ExportFailure, export_step
+
+    names = _forward_names(model, values)
+    try:
+        return export_step(model, values, names)
+    except ExportFailure as e:
+        raise TraceFailure(str(e)) from e
+
+
+def _forward_names(model: nn.Module, values: list) -> list[str]:
+    params = list(inspect.signature(model.forward).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return [f"input_{i}" for i in range(len(values))]
+    return [p.name for p in params]
+
+
+def _symbolic(model: nn.Module, values: list, concrete: dict, leaf_modules, rule_leaves,
+              batch_functions) -> torch.fx.GraphModule:
     extra = list(leaf_modules or ())
     leaf_types = DEFAULT_LEAF_MODULES + tuple(rule_leaves) + tuple(t for t in extra if isinstance(t, type))
     leaf_names = frozenset(t for t in extra if isinstance(t, str))
-    values, concrete = _forward_inputs(model, example_inputs)
-
     tracer = _Tracer(leaf_types, leaf_names, tuple(batch_functions))
     try:
         fx_graph = tracer.trace(model, concrete_args=concrete or None)
@@ -444,8 +490,14 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
             "it from shapes or configuration, move the code into a function wrapped with torch.fx.wrap (or "
             "hidup.rules.declare_batch_function) and declare a rule for it, or mark the module a leaf with "
             "trace(..., leaf_modules=[ThatModule]).") from e
-    gm = torch.fx.GraphModule(tracer.root, fx_graph, type(model).__name__)
+    return torch.fx.GraphModule(tracer.root, fx_graph, type(model).__name__)
 
+
+def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn,
+           rules_missing: str) -> Traced:
+    from hidup.losses import explicit_normalizers
+
+    explicit_normalizers(gm)
     builder = _Builder(gm, world_size, signatures_fn)
     with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too
         _MetaProp(gm, builder, values).run(enable_io_processing=False)
@@ -453,6 +505,7 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
     graph = Graph(builder.nodes, builder.tensors, world_size, type(model).__name__,
                   [name for name, *_ in builder.fallbacks])
     graph.validate()
+    graph.copy_reason = copy_axis(graph).reason
     if builder.fallbacks:
         listing = "; ".join(f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
                             for name, target, src, why in builder.fallbacks)
@@ -481,11 +534,12 @@ def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1,
 
 
 def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-          leaf_modules: Iterable[type | str] | None = None, half_batch: bool = False) -> Graph:
+          leaf_modules: Iterable[type | str] | None = None, half_batch: bool = False,
+          frontend: str = "auto") -> Graph:
     """:func:`trace_module` returning only the IR graph; ``half_batch=True`` also traces the model at
     half the batch (:func:`trace_half_batch`) and keeps that graph as ``graph.half``, which lets the
     search price duplication's half-batch copies with ops measured at their own shapes."""
-    graph = trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules).graph
+    graph = trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules, frontend=frontend).graph
     if half_batch:
         half = trace_half_batch(model, example_inputs, world_size, leaf_modules=leaf_modules)
         graph.half = half.graph if half is not None else None

@@ -20,6 +20,7 @@ hidden; those ran 3-4% slower (``docs/benchmarks.md``).
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
@@ -82,6 +83,9 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
     profile = profile.launched(cuda_graphs)
+    if duplication and graph.copy_reason:
+        warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
+        duplication = False
     with dp.no_gc():
         plan = _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
                        max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)

@@ -29,6 +29,7 @@ from hidup.rules.registry import Unsupported, default_localize, lookup, lookup_m
 from hidup.rules import (  # noqa: F401  (imported for registration)
     elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf,
 )
+from hidup.rules import aten  # noqa: E402,F401  (ATen overloads of torch.export graphs onto the rules above)
 from hidup.rules.embedding import vocab_parallel_embedding
 from hidup.rules.leaf import batch_functions, declare_batch_function, declare_leaf_module, leaf_modules
 from hidup.rules.reduction import scaled_mean

@@ -15,6 +15,7 @@ all-``full`` or ``(x reduce, index full) -> reduce``.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 
@@ -220,7 +221,16 @@ def _cat(ctx: RuleContext) -> list[Signature]:
     out = ctx.outputs[0]
     nd = len(out.shape)
     ins = ctx.inputs
-    if any(len(m.shape) != nd for m in ins):  # legacy: empty 1-D tensors mixed in
+    legacy = [j for j, m in enumerate(ins) if m.shape == (0,) and nd != 1]
+    if legacy:  # empty 1-D tensors (an empty cache, say) add nothing: every rank passes them whole
+        keep = [j for j in range(len(ins)) if j not in legacy]
+        sub = _cat(replace(ctx, args=([ins[j] for j in keep], dim), kwargs={}, inputs=[ins[j] for j in keep]))
+        out_sigs = []
+        for s in sub:
+            forms = dict(zip(keep, s.inputs))
+            out_sigs.append(replace(s, inputs=tuple(forms.get(j, FULL) for j in range(len(ins)))))
+        return out_sigs
+    if any(len(m.shape) != nd for m in ins):
         raise Unsupported("cat of tensors with different ranks")
     d = dim % nd
     tout = [f"d{k}" for k in range(nd)]
@@ -259,3 +269,39 @@ def _index_select(ctx: RuleContext) -> list[Signature]:
     idx_tok = ["b"]
     return shard_signatures([tin, idx_tok], [tout], ctx.inputs, ctx.outputs, ctx.world, 0.0,
                             fixed={"a", "b"}, linear=[(0,)], strict=False, where="index_select")
+
+
+@register(torch.gather, "gather", name="gather")
+def _gather(ctx: RuleContext) -> list[Signature]:
+    """``out[.., i, ..] = x[.., index[.., i, ..], ..]`` along ``dim``: the other dims, where ``x`` and
+    ``index`` have the same size, may be sharded together; ``dim`` never.  Linear in ``x``."""
+    b = bind(ctx.args, ctx.kwargs, ["input", "dim", "index", "sparse_grad"], {"sparse_grad": False}, where="gather")
+    x, index = ctx.inputs[0], ctx.inputs[1]
+    d = b["dim"] % len(x.shape)
+    tin = [f"d{k}" for k in range(len(x.shape))]
+    tidx = list(tin)
+    fixed = {"a", "b"}
+    for k in range(len(x.shape)):
+        if index.shape[k] != x.shape[k]:
+            tidx[k] = f"i{k}"
+            fixed |= {tin[k], tidx[k]}
+    tin[d], tidx[d] = "a", "b"
+    return shard_signatures([tin, tidx], [tidx], ctx.inputs, ctx.outputs, ctx.world, 0.0,
+                            fixed=fixed, linear=[(0,)], where="gather")
+
+
+@register(torch.nn.functional.pad, name="pad")
+def _pad(ctx: RuleContext) -> list[Signature]:
+    """``F.pad(x, pad)``: the padded dims (the last ``len(pad) // 2``) are never sharded, the others
+    may be.  Linear in ``x`` when it pads with zeros (constant mode, value 0 or None)."""
+    b = bind(ctx.args, ctx.kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None},
+             where="pad")
+    x = ctx.inputs[0]
+    nd = len(x.shape)
+    padded = {nd - 1 - k for k in range(len(b["pad"]) // 2)}
+    tin = [f"d{k}" for k in range(nd)]
+    tout = [f"p{k}" if k in padded else tin[k] for k in range(nd)]
+    fixed = {tin[k] for k in padded} | {tout[k] for k in padded}
+    zero = b["mode"] == "constant" and b["value"] in (None, 0, 0.0)
+    return shard_signatures([tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed=fixed,
+                            linear=[(0,)] if zero else (), strict=False, where="pad")

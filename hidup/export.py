@@ -1,0 +1,175 @@
+"""The ``torch.export`` front end: one training step as a flat graph of ATen ops.
+
+``export_step(model, values, names)`` exports ``model(*values)`` (``values`` in the order of
+``model.forward``'s parameters, as :func:`hidup.trace.forward_inputs` gives them) with
+``torch.export.export(strict=False)`` -- the training IR, so ``aten.linear``, ``aten.layer_norm``,
+``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss`` stay whole -- and returns it
+as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads exactly like a torch.fx trace:
+
+* one placeholder per forward parameter, named after it (non-tensor values are specialised by
+  export and their placeholders are unused);
+* every parameter and buffer is a ``get_attr`` of the model's own tensor at its qualified name
+  (``model.layers.0.attn.q_proj.weight``), so nothing is copied; tensors that export lifts out of
+  the code (``lifted_tensor_0``) are held by the GraphModule;
+* ``no_grad`` regions (``wrap_with_set_grad_enabled`` higher-order ops, e.g. rotary tables) are
+  inlined: their ops read no trainable tensor, so running them with grad enabled changes nothing;
+* every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
+  generation maps it to the device the rank runs on;
+* the output is the loss itself, not a one-element tuple; export's input guard call is dropped.
+
+Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
+costs nothing), which is why ``transformers`` models and ``nn.Transformer`` export where symbolic
+tracing fails.  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from hidup.fxvalues import map_value, value_leaves
+
+__all__ = ["export_step", "ExportFailure"]
+
+_META = torch.device("meta")
+
+
+class ExportFailure(RuntimeError):
+    """torch.export could not capture the step (the message says where and why)."""
+
+
+class _Step(nn.Module):
+    """``model(*values)`` with the tensor values as the only inputs."""
+
+    def __init__(self, model: nn.Module, values: list, tensor_slots: list[int]):
+        super().__init__()
+        self.m = model
+        self.values = values
+        self.tensor_slots = tensor_slots
+
+    def forward(self, *tensors):
+        values = list(self.values)
+        for i, t in zip(self.tensor_slots, tensors):
+            values[i] = t
+        return self.m(*values)
+
+
+def _strip(path: str) -> str:
+    return path[2:] if path.startswith("m.") else path
+
+
+def _hop_body(n: torch.fx.Node, owner: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, tuple] | None:
+    """(subgraph, operands) of an inlinable higher-order op node, else None."""
+    if n.op != "call_function" or getattr(n.target, "__name__", "") != "wrap_with_set_grad_enabled":
+        return None
+    body = n.args[1]
+    return owner.get_submodule(body.target), tuple(n.args[2:])
+
+
+def _fix_device(v: Any) -> Any:
+    return _META if isinstance(v, torch.device) else v
+
+
+def _user_location(e: BaseException) -> str:
+    import traceback
+
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(("hidup/export.py",)):
+            return f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
+    return "<unknown location>"
+
+
+def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.GraphModule:
+    """The step ``model(*values)`` as an ATen GraphModule (see module docstring)."""
+    slots = [i for i, v in enumerate(values) if value_leaves(v, torch.Tensor)]
+    for i in slots:
+        if not isinstance(values[i], torch.Tensor):
+            raise ExportFailure(f"model input {names[i]!r} is a {type(values[i]).__name__} of tensors; hidup traces "
+                                "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
+    step = _Step(model, list(values), slots)
+    try:
+        with torch.enable_grad():
+            exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the user's location and a fix
+        raise ExportFailure(
+            f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: {str(e).strip()[:1500]}\n"
+            f"  at {_user_location(e)}\n"
+            "  Fix: ops whose output shape depends on tensor values (nonzero, masked_select, .item(), .tolist()) "
+            "cannot be captured for a fixed shape; compute such values from shapes or configuration, or wrap the "
+            "code in a torch.library custom op with a fake (meta) implementation and declare a rule for it in "
+            "hidup.rules.") from e
+    unlifted = exported.module()
+    return _rebuild(unlifted, model, names, slots)
+
+
+def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
+             slots: list[int]) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = [graph.placeholder(name) for name in names]
+    tensor_placeholders = iter(placeholders[i] for i in slots)
+    attrs: dict[str, Any] = {}
+    model_state = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+
+    def load(a):
+        return env[a]
+
+    def copy_graph(source: torch.fx.GraphModule, inputs: list | None) -> Any:
+        """Copy ``source``'s nodes into ``graph``; ``inputs`` feed its placeholders (None: the step's)."""
+        feed = iter(inputs) if inputs is not None else None
+        for n in source.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(feed) if feed is not None else next(tensor_placeholders)
+            elif n.op == "get_attr":
+                obj = source.get_submodule(n.target) if isinstance(_attr(source, n.target), nn.Module) \
+                    else _attr(source, n.target)
+                if isinstance(obj, torch.fx.GraphModule):
+                    env[n] = obj
+                    continue
+                path = _strip(n.target) if source is unlifted else f"{n.target}"
+                attrs[path] = model_state.get(path, obj)
+                env[n] = graph.get_attr(path)
+                env[n].meta.update(n.meta)
+            elif n.op == "call_module":
+                continue  # export's input guard
+            elif n.op == "output":
+                return map_value(n.args[0], lambda a: env[a] if isinstance(a, torch.fx.Node) else a)
+            else:
+                body = _hop_body(n, source)
+                if body is not None:
+                    sub, operands = body
+                    env[n] = copy_graph(sub, [env[a] if isinstance(a, torch.fx.Node) else a for a in operands])
+                    continue
+                if n.target is operator.getitem and isinstance(env.get(n.args[0]), (tuple, list)):
+                    env[n] = env[n.args[0]][n.args[1]]
+                    continue
+                args = map_value(torch.fx.node.map_arg(n.args, load), _fix_device)
+                kwargs = map_value(torch.fx.node.map_arg(n.kwargs, load), _fix_device)
+                new = graph.create_node(n.op, n.target, tuple(args), dict(kwargs), name=n.name)
+                new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack")})
+                stack = new.meta.get("nn_module_stack")
+                if stack:
+                    new.meta["nn_module_stack"] = {k: (_strip(path), kind) for k, (path, kind) in stack.items()
+                                                   if _strip(path) and path != "m"}
+                env[n] = new
+        raise ExportFailure("the exported graph has no output")
+
+    out = copy_graph(unlifted, None)
+    while isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]
+    graph.output(out)
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(attrs, graph, type(model).__name__)
+
+
+def _attr(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for atom in path.split("."):
+        obj = getattr(obj, atom)
+    return obj

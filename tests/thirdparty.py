@@ -1,0 +1,89 @@
+"""Third-party models built from small configs (no downloads), each wrapped as a training step that
+returns the model's own loss: ``transformers`` GPT-2, BERT, Llama (grouped-query attention) and
+``torch.nn.Transformer``.  Everything is float64 so that parity with one device is exact up to
+float64 rounding whatever CPU kernels run (the ``transformers`` losses upcast logits to float32, so
+the loss itself carries float32 rounding, and tests allow for it).
+
+Labels are padded: the first ``PAD`` positions of every sequence and the whole first sequence are
+``-100`` (ignored), so ranks and duplicated copies hold different numbers of counted tokens and only
+a loss normalized by the *global* count matches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3
+
+
+class LMStep(nn.Module):
+    """``model(input_ids, labels=labels).loss`` (mean over the counted tokens)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+class Seq2SeqStep(nn.Module):
+    """``nn.Transformer`` over embedded tokens with a cross-entropy over the target vocabulary."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.core = nn.Transformer(d_model, heads, num_encoder_layers=1, num_decoder_layers=1,
+                                   dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        y = self.core(x, x)
+        logits = self.head(y)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _no_dropout(config) -> None:
+    for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                "attention_dropout", "hidden_dropout", "classifier_dropout"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+
+
+def build(name: str, seed: int = 0):
+    """(step module in float64, (input_ids, labels)) for model ``name``."""
+    torch.manual_seed(seed)
+    if name == "nn-transformer":
+        model = Seq2SeqStep()
+    else:
+        import transformers as T
+
+        if name == "gpt2":
+            config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                  bos_token_id=0, eos_token_id=0)
+            cls = T.GPT2LMHeadModel
+        elif name == "bert":
+            config = T.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=0)
+            cls = T.BertForMaskedLM
+        elif name == "llama":
+            config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+            cls = T.LlamaForCausalLM
+        else:
+            raise ValueError(f"unknown third-party model {name!r}")
+        _no_dropout(config)
+        model = LMStep(cls(config))
+    model = model.double()
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :PAD] = -100
+    labels[0] = -100
+    return model, (ids, labels)
+
+
+NAMES = ("gpt2", "bert", "llama", "nn-transformer")

@@ -7,9 +7,11 @@ rows as ``[blocks, 2, M / (2 blocks)]`` and taking index ``c`` of the middle axi
 slice along the batch dim.  Both views select the same rows of the global batch, so a module fed
 the global batch and one fed local batches run identical copies, and copy ``c`` on rank ``r``
 receives exactly rank ``r``'s share of copy ``c``'s half of the global batch.  Each copy is the
-plan's program traced at half the global batch; since the models' losses are sums over
-independent sequences, ``loss = loss_copy0 + loss_copy1`` equals the loss of the whole batch and
-one backward over the sum yields the same gradients.
+plan's program traced at half the global batch, adjusted by :mod:`hidup.copies` so that its loss is
+its *part* of the whole batch's loss (means over the batch halved, label counts summed across the
+copies), whatever the loss -- sum, mean, or mean over a masked count; so ``loss = loss_copy0 +
+loss_copy1`` equals the loss of the whole batch and one backward over the sum yields the same
+gradients.  A model whose loss is not such a sum runs one copy (:func:`hidup.codegen.compile` warns).
 
 Scheduling.  On CPU the copies run one after the other (``streams=True`` runs the CUDA schedule
 below without streams, to test it).  On CUDA the program is split at the

@@ -15,6 +15,7 @@ elements whose first gradient exceeds ``1e-3 * max over all parameters of max|g_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -35,6 +36,18 @@ PROFILE = "h200x4-nvlink"
 STEPS = 3
 
 
+@contextlib.contextmanager
+def _float64():
+    """Models and plans in float64: parity then holds to float64 rounding whatever CPU kernels run,
+    so the tolerances below (1e-5) are far from any kernel-dependent rounding."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _overrides(name: str) -> dict:
     if name == "mlp":
         return dict(layers=2, d_model=16, ffn=32, batch_per_gpu=4)
@@ -52,6 +65,7 @@ def _plans(name: str, world: int) -> dict:
     return _PLANS[(name, world)]
 
 
+@_float64()
 def _make_plans(name: str, world: int, **changes) -> dict:
     import hidup
     from hidup.search import forced, search
@@ -67,6 +81,7 @@ def _make_plans(name: str, world: int, **changes) -> dict:
     return plans
 
 
+@_float64()
 def _staged_plan(name: str, world: int):
     """A duplicated plan with several stages whatever the search prefers: expert parallelism (its
     all-to-alls open stages)."""
@@ -144,6 +159,8 @@ def _parity(rank, world, model, inputs, plan, dup, ref, opt_cls, opt_kwargs, **c
 def _rank_parity(rank, world, jobs, extras=None, sgd_only=False):
     import hidup
 
+    torch.set_default_dtype(torch.float64)  # this rank's process only (see _float64)
+
     out = {}
     for name, plans in jobs:
         model, inputs = hidup.models.build(name, world_size=world, device=device(), **_overrides(name))
@@ -185,6 +202,7 @@ def _tied_inputs():
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
+@_float64()
 def _tied_plans(world):
     from hidup.search import forced, search
     from hidup.trace import trace_module

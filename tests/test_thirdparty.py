@@ -23,11 +23,13 @@ from dist_util import run_distributed
 
 pytest.importorskip("transformers")
 
-GRAD_TOL = 1e-10
+LOSS_TOL = 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(torch.float32).eps
+# gradients: float64 rounding where the whole step is float64 (nn.Transformer); the transformers models
+# compute the loss in float32, so their gradients carry its rounding, bounded like the loss's
+GRAD_TOL = {"nn-transformer": 1e-10}
 # nn.Transformer's attention works sequence-first and merges the batch into the sequence dim
 # ((S, B, H, E) -> (S*B, H*E)), so its rows cannot be followed per half batch: duplication stays off
 COPIES_EXACT = {"gpt2": True, "bert": True, "llama": True, "nn-transformer": False}
-LOSS_TOL = 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(torch.float32).eps
 STYLES = ("searched", "data", "tensor")
 
 
@@ -71,9 +73,15 @@ def _rank_parity(rank, world, jobs):
         ref_loss = ref(*ref_inputs)
         ref_loss.backward()
         worst, where = 0.0, ""
+        # relative to the largest gradient of the model: a gradient that is zero in exact arithmetic
+        # (attention's key bias) holds only rounding noise, which no relative error can compare
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        aliases: dict[int, list[str]] = {}  # tied weights (GPT-2's lm_head and wte) have several names
+        for pname, p in ref.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(pname)
         for pname, p in ref.named_parameters():
-            g = grads[pname]
-            d = float((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+            g = next(grads[a] for a in aliases[id(p)] if a in grads)
+            d = float((g - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
             if d > worst:
                 worst, where = d, pname
         results.append({"job": (name, style, dup), "duplication": module.duplication,
@@ -101,6 +109,6 @@ def test_parity(world, name, style, dup):
     where = f"{name} world {world} {style} plan, duplication {dup}"
     assert r["duplication"] == (dup and COPIES_EXACT[name]), f"{where}: ran with duplication {r['duplication']}"
     assert abs(r["loss"] - r["ref"]) <= LOSS_TOL * abs(r["ref"]), f"{where}: loss {r['loss']} vs {r['ref']}"
-    assert r["grad"] <= GRAD_TOL, f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
+    assert r["grad"] <= GRAD_TOL.get(name, LOSS_TOL), f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
     if style in ("data", "tensor"):
         assert style in r["kinds"], f"{where}: the {style} plan uses {r['kinds']}"

@@ -17,6 +17,8 @@ be halved (an odd batch) runs without duplication and says so.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -66,7 +68,11 @@ def _time_both(model, plan, rank: int, world_size: int, inputs: tuple, group, ti
     del off  # one compiled module at a time
     on = None
     try:
-        on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # compile's warning is this function's reason below
+            on = compile(model, plan, rank, world_size, inputs, duplication=True, **kw)
+        if not on.duplication:
+            raise CompileError("the copies' losses would not add up to this batch's loss (hidup.copies)")
         on_s = _timed(on, inputs, **timing)
     except (CompileError, ValueError) as e:
         if on is not None:

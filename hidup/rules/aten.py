@@ -93,7 +93,9 @@ def _layer_norm(args, kwargs):
 def _slice(args, kwargs):
     b = dict(zip(["self", "dim", "start", "end", "step"], args)) | dict(kwargs)
     dim = b.get("dim", 0)
-    idx = (slice(None),) * dim + (slice(b.get("start"), b.get("end"), b.get("step", 1)),)
+    cut = slice(b.get("start"), b.get("end"), b.get("step", 1))
+    # a negative dim counts from the end: ``x[..., cut, :, ...]`` with -dim-1 whole dims after it
+    idx = (slice(None),) * dim + (cut,) if dim >= 0 else (Ellipsis, cut) + (slice(None),) * (-dim - 1)
     return (b["self"], idx), {}
 
 

@@ -110,6 +110,11 @@ def _to(args, kwargs):
     return (args[0], *pos), keep
 
 
+def _scalar_alpha(args, kwargs):  # aten.add.Scalar(self, other, alpha=1): torch.add takes alpha as a keyword
+    b = dict(zip(["self", "other", "alpha"], args)) | dict(kwargs)
+    return (b["self"], b["other"]), ({"alpha": b["alpha"]} if "alpha" in b else {})
+
+
 def _einsum(args, kwargs):
     return (args[0], *args[1]), {}
 
@@ -148,9 +153,9 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.einsum.default: (torch.einsum, _einsum),
     # elementwise arithmetic
     aten.add.Tensor: (torch.add, _same),
-    aten.add.Scalar: (torch.add, _same),
+    aten.add.Scalar: (torch.add, _scalar_alpha),
     aten.sub.Tensor: (torch.sub, _same),
-    aten.sub.Scalar: (torch.sub, _same),
+    aten.sub.Scalar: (torch.sub, _scalar_alpha),
     aten.mul.Tensor: (torch.mul, _same),
     aten.mul.Scalar: (torch.mul, _same),
     aten.div.Tensor: (torch.div, _same),

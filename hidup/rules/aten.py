@@ -232,6 +232,14 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten._log_softmax.default: (torch.log_softmax, _softmax_private),
     aten.layer_norm.default: (F.layer_norm, _layer_norm),
     aten.rms_norm.default: (F.rms_norm, _same),
+    # convolutions (aten.convolution also covers transposed ones)
+    aten.conv1d.default: (F.conv1d, _same),
+    aten.conv2d.default: (F.conv2d, _same),
+    aten.conv3d.default: (F.conv3d, _same),
+    aten.conv1d.padding: (F.conv1d, _same),
+    aten.conv2d.padding: (F.conv2d, _same),
+    aten.conv3d.padding: (F.conv3d, _same),
+    aten.convolution.default: (torch.convolution, _same),
     # attention, embedding, losses
     aten.scaled_dot_product_attention.default: (F.scaled_dot_product_attention, _same),
     aten.embedding.default: (F.embedding, _embedding),

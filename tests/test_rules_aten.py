@@ -491,6 +491,36 @@ def _nll_loss(extra=()):
     return cases
 
 
+def _conv(nsp: int, padded: bool = False):
+    """conv{nsp}d(input, weight, bias, stride, padding, dilation, groups): a patch embedding
+    (stride = kernel), a padded 3-wide kernel, a grouped one, an unbatched input; ``padded``: the
+    ``.padding`` overload, which takes ``"valid"`` or ``"same"``."""
+
+    def cases(draw):
+        b, cin, cout = draw(EVEN), draw(st.sampled_from([2, 4])), draw(EVEN)
+        x = rn(b, cin, *[4] * nsp)
+        w = rn(cout, cin, *[2] * nsp, param=True)
+        none, same = ("valid", "same") if padded else ([0] * nsp, [1] * nsp)
+        return [Call((x, w, rn(cout, param=True), [2] * nsp, none)), Call((x, w, None, [2] * nsp, none)),
+                Call((x, rn(cout, cin, *[3] * nsp, param=True), rn(cout, param=True), [1] * nsp, same, [1] * nsp)),
+                Call((x, rn(cout, cin // 2, *[1] * nsp), None, [1] * nsp, none, [1] * nsp, 2)),
+                Call((x[0], w, rn(cout, param=True), [2] * nsp, none))]
+
+    return cases
+
+
+def _convolution(draw):
+    # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    b, cin, cout = draw(EVEN), draw(st.sampled_from([2, 4])), draw(EVEN)
+    x = rn(b, cin, 4, 4)
+    return [Call((x, rn(cout, cin, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], False, [0, 0], 1)),
+            Call((x, rn(cout, cin // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)),
+            Call((rn(b, cin, 4), rn(cout, cin, 3), None, [1], [1], [2], False, [0], 1)),
+            # transposed: weight [C_in, C_out, k]
+            Call((x, rn(cin, cout, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], True, [1, 1], 1)),
+            Call((x, rn(cin, cout // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], True, [0, 0], 2))]
+
+
 def _arange(*args):
     return lambda draw: [Call(args), Call(args, {"dtype": D64, "device": CPU}),
                          Call(args, {"dtype": torch.int64, "layout": torch.strided, "pin_memory": False})]
@@ -611,6 +641,13 @@ CASES = {
     aten.layer_norm.default: _layer_norm,
     aten.rms_norm.default: _rms_norm,
     aten.scaled_dot_product_attention.default: _sdpa,
+    aten.conv1d.default: _conv(1),
+    aten.conv2d.default: _conv(2),
+    aten.conv3d.default: _conv(3),
+    aten.conv1d.padding: _conv(1, True),
+    aten.conv2d.padding: _conv(2, True),
+    aten.conv3d.padding: _conv(3, True),
+    aten.convolution.default: _convolution,
     aten.embedding.default: _embedding,
     aten.cross_entropy_loss.default: _cross_entropy,
     aten.nll_loss.default: _nll_loss(),
@@ -672,12 +709,14 @@ def _ids(op) -> str:
 @given(data=st.data())
 def test_binder(op, data):
     assert op in CASES, f"{op} is mapped in hidup/rules/aten.py but has no case in CASES"
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(op in _UNINITIALISED or deterministic)
+    torch.set_num_threads(1)  # tensors of a few dozen elements: a busy machine's threads only wait on each other
     try:
         sharded = [check_aten(op, call) for call in CASES[op](data.draw)]
     finally:
         torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
     assert op in REPLICATED or any(sharded), f"{op}: none of its calls offers a signature besides all-full"
 
 

@@ -1,12 +1,14 @@
 """Third-party models built from small configs (no downloads), each wrapped as a training step that
-returns the model's own loss: ``transformers`` GPT-2, BERT, Llama (grouped-query attention) and
-``torch.nn.Transformer``.  Everything is float64 so that parity with one device is exact up to
-float64 rounding whatever CPU kernels run (the ``transformers`` losses upcast logits to float32, so
-the loss itself carries float32 rounding, and tests allow for it).
+returns the model's own loss: ``transformers`` GPT-2, BERT, Llama (grouped-query attention), ViT
+(image classification, a convolutional patch embedding) and ``torch.nn.Transformer``.  Everything
+is float64 so that parity with one device is exact up to float64 rounding whatever CPU kernels run
+(the ``transformers`` language-model losses upcast logits to float32, so the loss itself carries
+float32 rounding, and tests allow for it: ``LOSS_DTYPE``).
 
-Labels are padded: the first ``PAD`` positions of every sequence and the whole first sequence are
-``-100`` (ignored), so ranks and duplicated copies hold different numbers of counted tokens and only
-a loss normalized by the *global* count matches.
+Labels are padded: for the token models the first ``PAD`` positions of every sequence and the whole
+first sequence are ``-100`` (ignored); for ViT the first image's label and every third one after it
+are ``-100``.  So ranks and duplicated copies hold different numbers of counted labels (some none at
+all) and only a loss normalized by the *global* count matches.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3
+IMAGE, PATCH, CHANNELS, CLASSES = 16, 4, 3, 10
 
 
 class LMStep(nn.Module):
@@ -26,6 +29,18 @@ class LMStep(nn.Module):
 
     def forward(self, input_ids, labels):
         return self.model(input_ids=input_ids, labels=labels).loss
+
+
+class ImageStep(nn.Module):
+    """``model(pixel_values, labels=labels).loss``: cross-entropy over the classes, mean over the
+    counted images."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values, labels):
+        return self.model(pixel_values=pixel_values, labels=labels).loss
 
 
 class Seq2SeqStep(nn.Module):
@@ -53,7 +68,7 @@ def _no_dropout(config) -> None:
 
 
 def build(name: str, seed: int = 0):
-    """(step module in float64, (input_ids, labels)) for model ``name``."""
+    """(step module in float64, (input_ids or pixel_values, labels)) for model ``name``."""
     torch.manual_seed(seed)
     if name == "nn-transformer":
         model = Seq2SeqStep()
@@ -73,12 +88,21 @@ def build(name: str, seed: int = 0):
                                    intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
             cls = T.LlamaForCausalLM
+        elif name == "vit":
+            config = T.ViTConfig(image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, num_hidden_layers=2,
+                                 hidden_size=32, num_attention_heads=4, intermediate_size=64, num_labels=CLASSES)
+            cls = T.ViTForImageClassification
         else:
             raise ValueError(f"unknown third-party model {name!r}")
         _no_dropout(config)
-        model = LMStep(cls(config))
+        model = (ImageStep if name == "vit" else LMStep)(cls(config))
     model = model.double()
     g = torch.Generator().manual_seed(seed + 1)
+    if name == "vit":
+        pixels = torch.randn(BATCH, CHANNELS, IMAGE, IMAGE, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
+        labels[::3] = -100
+        return model, (pixels, labels)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     labels = ids.clone()
     labels[:, :PAD] = -100
@@ -86,4 +110,8 @@ def build(name: str, seed: int = 0):
     return model, (ids, labels)
 
 
-NAMES = ("gpt2", "bert", "llama", "nn-transformer")
+NAMES = ("gpt2", "bert", "llama", "vit", "nn-transformer")
+# the dtype each model computes its loss in: the language-model losses of transformers upcast their
+# logits to float32; ViT's classification loss and nn.Transformer's stay in the model's float64
+LOSS_DTYPE = {"gpt2": torch.float32, "bert": torch.float32, "llama": torch.float32, "vit": torch.float64,
+              "nn-transformer": torch.float64}

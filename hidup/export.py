@@ -164,8 +164,41 @@ def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
     while isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     graph.output(out)
+    _functionalize(graph)
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(attrs, graph, type(model).__name__)
+
+
+def _fresh(n: Any) -> bool:
+    """Whether fx node ``n`` computes a new tensor (an ATen op whose result aliases no input)."""
+    if not isinstance(n, torch.fx.Node) or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    returns = n.target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
+
+
+def _functionalize(graph: torch.fx.Graph) -> None:
+    """In-place ATen ops on a tensor the step itself created (``zeros_like(mask).masked_fill_(mask,
+    -inf)`` inside ``nn.MultiheadAttention``) become their out-of-place overload, and every later
+    reader of that tensor reads the result instead; nothing else can see the old value, so the values
+    are unchanged and the op gets the rule of its functional form (or, unread, is dropped as dead)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        name = op._schema.name.split("::")[-1]
+        if not name.endswith("_") or name.endswith("__") or not n.args or not _fresh(n.args[0]):
+            continue
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        functional = getattr(packet, op._overloadname, None) if packet is not None else None
+        if functional is None:
+            continue
+        target = n.args[0]
+        for user in list(target.users):
+            if user is not n and order[user] > order[n]:
+                user.replace_input_with(target, n)
+        n.target = functional
 
 
 def _attr(module: nn.Module, path: str) -> Any:

@@ -4,7 +4,7 @@
 ``model.forward``'s parameters, as :func:`hidup.trace.forward_inputs` gives them) with
 ``torch.export.export(strict=False)`` -- the training IR, so ``aten.linear``, ``aten.layer_norm``,
 ``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss`` stay whole -- and returns it
-as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads exactly like a torch.fx trace:
+as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 
 * one placeholder per forward parameter, named after it (non-tensor values are specialised by
   export and their placeholders are unused);
@@ -15,11 +15,12 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads exactly like a
   inlined: their ops read no trainable tensor, so running them with grad enabled changes nothing;
 * every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
   generation maps it to the device the rank runs on;
-* the output is the loss itself, not a one-element tuple; export's input guard call is dropped.
+* the output is the loss itself, not a one-element tuple; export's input guard call is dropped;
+* an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`).
 
 Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
-costs nothing), which is why ``transformers`` models and ``nn.Transformer`` export where symbolic
-tracing fails.  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
+costs nothing), so ``transformers`` models, ``nn.Transformer`` and the zoo all export; opaque work
+that depends on tensor values is a ``torch.library`` custom op (``hidup::moe_gating``).  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
 """
 
 from __future__ import annotations

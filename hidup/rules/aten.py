@@ -15,7 +15,7 @@ rewrites the ATen call's arguments into the torch function's.  Nothing about sha
   slots); the torch rule localizes it, so the rank runs the torch function (or the rule's own
   per-rank implementation) on its pieces.
 
-Because the torch rule sees exactly the call it would see from a torch.fx trace, the simulated-SPMD
+Because the torch rule sees exactly the call the torch function makes, the simulated-SPMD
 property tests of the torch rules cover these ops; ``tests/test_rules_aten.py`` checks each binder
 against the ATen op itself (same values forward and backward) and the permuted signatures by
 simulated SPMD on the ATen op.

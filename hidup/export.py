@@ -104,12 +104,30 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
             "cannot be captured for a fixed shape; compute such values from shapes or configuration, or wrap the "
             "code in a torch.library custom op with a fake (meta) implementation and declare a rule for it in "
             "hidup.rules.") from e
-    unlifted = exported.module()
-    return _rebuild(unlifted, model, names, slots)
+    return _rebuild(exported, model, names, slots)
 
 
-def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
+def _lifted_inputs(exported: torch.export.ExportedProgram) -> dict[str, Any] | None:
+    """Placeholder name -> input spec of the exported graph, or None when the step mutates a buffer or
+    an input (the unlifted module then writes the new values back)."""
+    from torch.export.graph_signature import OutputKind
+
+    signature = exported.graph_signature
+    if any(s.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT) for s in signature.output_specs):
+        return None
+    return {s.arg.name: s for s in signature.input_specs}
+
+
+def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: list[str],
              slots: list[int]) -> torch.fx.GraphModule:
+    # The exported graph takes parameters, buffers and lifted constants as placeholders; each becomes a
+    # get_attr of the model's own tensor here (what ``exported.module()`` does, without generating and
+    # compiling the code of a module that is never run).
+    from torch.export.graph_signature import InputKind
+
+    lifted = _lifted_inputs(exported)
+    unlifted = exported.graph_module if lifted is not None else exported.module()
+    lifted_values = {**exported.state_dict, **exported.constants}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [graph.placeholder(name) for name in names]
@@ -126,7 +144,16 @@ def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
         feed = iter(inputs) if inputs is not None else None
         for n in source.graph.nodes:
             if n.op == "placeholder":
-                env[n] = next(feed) if feed is not None else next(tensor_placeholders)
+                spec = lifted.get(n.name) if lifted is not None and feed is None else None
+                if spec is None or spec.kind == InputKind.USER_INPUT:
+                    env[n] = next(feed) if feed is not None else next(tensor_placeholders)
+                    continue
+                if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                    raise ExportFailure(f"the exported step takes a {spec.kind.name} input ({spec.target}), "
+                                        "which hidup cannot hold")
+                path = _strip(spec.target)
+                attrs[path] = model_state.get(path, lifted_values.get(spec.target))
+                env[n] = graph.get_attr(path)
             elif n.op == "get_attr":
                 obj = source.get_submodule(n.target) if isinstance(_attr(source, n.target), nn.Module) \
                     else _attr(source, n.target)

@@ -93,7 +93,9 @@ def _layer_norm(args, kwargs):
 def _slice(args, kwargs):
     b = dict(zip(["self", "dim", "start", "end", "step"], args)) | dict(kwargs)
     dim = b.get("dim", 0)
-    idx = (slice(None),) * dim + (slice(b.get("start"), b.get("end"), b.get("step", 1)),)
+    cut = slice(b.get("start"), b.get("end"), b.get("step", 1))
+    # a negative dim counts from the end: ``x[..., cut, :, ...]`` with -dim-1 whole dims after it
+    idx = (slice(None),) * dim + (cut,) if dim >= 0 else (Ellipsis, cut) + (slice(None),) * (-dim - 1)
     return (b["self"], idx), {}
 
 
@@ -106,6 +108,11 @@ def _to(args, kwargs):
     keep = {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
     pos = [a for a in args[1:] if isinstance(a, (torch.dtype, torch.device))]
     return (args[0], *pos), keep
+
+
+def _scalar_alpha(args, kwargs):  # aten.add.Scalar(self, other, alpha=1): torch.add takes alpha as a keyword
+    b = dict(zip(["self", "other", "alpha"], args)) | dict(kwargs)
+    return (b["self"], b["other"]), ({"alpha": b["alpha"]} if "alpha" in b else {})
 
 
 def _einsum(args, kwargs):
@@ -146,9 +153,9 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.einsum.default: (torch.einsum, _einsum),
     # elementwise arithmetic
     aten.add.Tensor: (torch.add, _same),
-    aten.add.Scalar: (torch.add, _same),
+    aten.add.Scalar: (torch.add, _scalar_alpha),
     aten.sub.Tensor: (torch.sub, _same),
-    aten.sub.Scalar: (torch.sub, _same),
+    aten.sub.Scalar: (torch.sub, _scalar_alpha),
     aten.mul.Tensor: (torch.mul, _same),
     aten.mul.Scalar: (torch.mul, _same),
     aten.div.Tensor: (torch.div, _same),
@@ -229,6 +236,14 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten._log_softmax.default: (torch.log_softmax, _softmax_private),
     aten.layer_norm.default: (F.layer_norm, _layer_norm),
     aten.rms_norm.default: (F.rms_norm, _same),
+    # convolutions (aten.convolution also covers transposed ones)
+    aten.conv1d.default: (F.conv1d, _same),
+    aten.conv2d.default: (F.conv2d, _same),
+    aten.conv3d.default: (F.conv3d, _same),
+    aten.conv1d.padding: (F.conv1d, _same),
+    aten.conv2d.padding: (F.conv2d, _same),
+    aten.conv3d.padding: (F.conv3d, _same),
+    aten.convolution.default: (torch.convolution, _same),
     # attention, embedding, losses
     aten.scaled_dot_product_attention.default: (F.scaled_dot_product_attention, _same),
     aten.embedding.default: (F.embedding, _embedding),

@@ -12,8 +12,9 @@ outside every group.
 All of them are linear: ``reduce -> reduce`` is always offered; ``full -> full`` too.
 
 ``localize`` rewrites size arguments to the local output shape (``view``, ``reshape``,
-``expand``, ``unflatten``) and turns ``squeeze()`` into an explicit ``squeeze(dims)`` so that a
-sharded dim whose local size happens to be 1 is not squeezed away.
+``expand``, ``unflatten``) and turns ``squeeze()`` and ``squeeze(dims)`` into an explicit
+``squeeze(dims)`` of the dims of global size 1, so that a sharded dim whose local size happens to
+be 1 is not squeezed away.
 """
 
 from __future__ import annotations
@@ -198,8 +199,11 @@ def _squeeze_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     b = bind(ctx.args, ctx.kwargs, ["input", "dim"], {"dim": None}, where="squeeze")
     if b["dim"] is None:
         d = tuple(k for k, s in enumerate(x.shape) if s == 1)
-    else:
+    elif not x.shape:
         d = b["dim"]
+    else:  # a named dim of global size > 1 is kept by squeeze, even where a rank holds one row of it
+        named = [b["dim"]] if isinstance(b["dim"], int) else list(b["dim"])
+        d = tuple(k % len(x.shape) for k in named if x.shape[k % len(x.shape)] == 1)
     return LocalCall(callable_of(ctx.target), (ctx.args[0], d))
 
 

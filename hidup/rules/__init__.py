@@ -13,7 +13,7 @@ unsplit input gradients.
 Op families live in one module each: elementwise, matmul (linear/matmul/bmm/baddbmm/einsum), shape
 (view/reshape/transpose/...), indexing (getitem/split/chunk/cat/stack), reduction (sum/mean), norm
 (layer_norm/rms_norm/softmax), attention, embedding, loss, conv, leaf (declared batch functions and
-leaf modules).
+leaf modules), experts (the routed experts of third-party MoE models as one custom op, and ``topk``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hidup.rules.registry import Unsupported, default_localize, lookup, lookup_m
 
 # op families register themselves on import
 from hidup.rules import (  # noqa: F401  (imported for registration)
-    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf,
+    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf, experts,
 )
 from hidup.rules import aten  # noqa: E402,F401  (ATen overloads of torch.export graphs onto the rules above)
 from hidup.rules.embedding import vocab_parallel_embedding

@@ -270,3 +270,23 @@ def test_mixtral_parity(world, style, dup):
     assert r["grad"] <= TOL, f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
     if style == "expert":
         assert r["moe_kinds"] == ["expert"], f"{where}: the MoE ops run as {r['moe_kinds']}"
+
+
+# --------------------------------------------------------------------------------------------- search
+
+def test_search_shards_experts_that_dominate():
+    """Few tokens and wide experts: moving the tokens costs far less than all-reducing the experts'
+    gradients, so the searched plan (no signature forced) picks the expert signature of each MoE op."""
+    import hidup.profiler
+    from hidup.search import search
+    from hidup.trace import trace
+
+    config = mixtral_config(experts=8, hidden=64, ffn=8192)
+    with torch.device("meta"):
+        model = LMStep(T.MixtralForCausalLM(config))
+    ids = torch.randint(1, VOCAB, (4, SEQ), device="meta")
+    graph = trace(model, (ids, ids), world_size=4)
+    assert graph.fallbacks == []
+    plan = search(graph, hidup.profiler.load("h200x4-nvlink"), duplication=False)
+    moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
+    assert [plan.choices[name].kind for name in moe] == ["expert", "expert"]

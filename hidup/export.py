@@ -33,6 +33,7 @@ import torch.fx
 from torch import nn
 
 from hidup.fxvalues import map_value, value_leaves
+from hidup.rules.experts import routed_experts_as_custom_op
 
 __all__ = ["export_step", "ExportFailure"]
 
@@ -94,7 +95,7 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
                                 "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
     step = _Step(model, list(values), slots)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), routed_experts_as_custom_op(model):
             exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's location and a fix
         raise ExportFailure(

@@ -13,7 +13,8 @@ unsplit input gradients.
 Op families live in one module each: elementwise, matmul (linear/matmul/bmm/baddbmm/einsum), shape
 (view/reshape/transpose/...), indexing (getitem/split/chunk/cat/stack), reduction (sum/mean), norm
 (layer_norm/rms_norm/softmax), attention, embedding, loss, conv, leaf (custom ops declared sharded
-along the batch), and aten (the ATen overloads of an exported graph mapped onto those rules).
+along the batch), experts (the routed experts of third-party MoE models as one custom op, and
+``topk``), and aten (the ATen overloads of an exported graph mapped onto those rules).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hidup.rules.registry import Unsupported, default_localize, lookup
 
 # op families register themselves on import
 from hidup.rules import (  # noqa: F401  (imported for registration)
-    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf,
+    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf, experts,
 )
 from hidup.rules import aten  # noqa: E402,F401  (ATen overloads of torch.export graphs onto the rules above)
 from hidup.rules.embedding import vocab_parallel_embedding

@@ -230,6 +230,7 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.amin.default: (torch.amin, _same),
     aten.logsumexp.default: (torch.logsumexp, _same),
     aten.argmax.default: (torch.argmax, _same),
+    aten.topk.default: (torch.topk, _same),
     aten.softmax.int: (torch.softmax, _same),
     aten._softmax.default: (torch.softmax, _softmax_private),
     aten.log_softmax.int: (torch.log_softmax, _same),

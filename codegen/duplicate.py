@@ -58,13 +58,13 @@ def halve_example(values: list, batch_dims: list) -> list:
             for v, d in zip(values, batch_dims)]
 
 
-def trace_copy(model, example_inputs, world_size: int, *, leaf_modules=None, batch_dims: list | None = None):
+def trace_copy(model, example_inputs, world_size: int, *, batch_dims: list | None = None):
     """The program one copy runs: ``model`` traced for ``world_size`` ranks at half the global batch
     (:func:`halve_example` of every forward input; ``batch_dims`` default 0).  A
     :class:`hidup.trace.Traced`; ValueError when a batch dim is odd (the copies could not split it)."""
     from hidup.trace import _forward_inputs, trace_module
 
-    values, _ = _forward_inputs(model, example_inputs)
+    values = _forward_inputs(model, example_inputs)
     dims = batch_dims if batch_dims is not None else [0] * len(values)
     if len(dims) != len(values):
         raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
@@ -72,7 +72,7 @@ def trace_copy(model, example_inputs, world_size: int, *, leaf_modules=None, bat
         if isinstance(v, torch.Tensor) and d is not None and v.shape[d] % 2:
             raise ValueError(f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
                              f"does not divide {v.shape[d]}; use an even batch or turn duplication off")
-    return trace_module(model, tuple(halve_example(values, dims)), world_size, leaf_modules=leaf_modules)
+    return trace_module(model, tuple(halve_example(values, dims)), world_size)
 
 
 class SequentialCopies:

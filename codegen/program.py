@@ -27,7 +27,6 @@ Every generated node carries ``meta["stage"]``, the index of its plan stage, whi
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import inspect
@@ -222,11 +221,6 @@ class _Builder:
         kwargs = kwargs or {}
         if isinstance(target, str):
             node = self.graph.call_method(target, tuple(args), kwargs)
-        elif isinstance(target, nn.Module):
-            path = f"leaf_{self.n_wrappers}"
-            self.n_wrappers += 1
-            self.root.add_module(path, target)
-            node = self.graph.call_module(path, tuple(args), kwargs)
         else:
             try:
                 _get_qualified_name(target)
@@ -325,10 +319,7 @@ class _Builder:
         local_ctx = dataclasses.replace(ctx, args=_replace_meta(ctx.args, inputs[:n_args]),
                                         kwargs=_replace_meta(ctx.kwargs, inputs[n_args:]))
         call = rules.localize(local_ctx, sig, self.rank)
-        target = call.target
-        if isinstance(target, nn.Module):
-            target = self._leaf_module(node, sig, ctx, target, n_arg)
-        out = self.call(target, _fix_devices(tuple(call.args), self.device),
+        out = self.call(call.target, _fix_devices(tuple(call.args), self.device),
                         _fix_devices(dict(call.kwargs), self.device), name=node.name)
         if len(node.outputs) == 1 and not self._structured(node.name):
             self.local[node.outputs[0]] = out
@@ -349,31 +340,6 @@ class _Builder:
         """Whether the traced value of fx node ``name`` is a tuple/list the model indexes into."""
         fx_node = self.fx_nodes[name]
         return any(u.name in self.traced.tensor_ids and u.name not in self.traced.contexts for u in fx_node.users)
-
-    def _leaf_module(self, node, sig: Signature, ctx, module: nn.Module, n_arg: int) -> nn.Module:
-        """A copy of a leaf module whose parameters are the stored (possibly sharded) ones: the
-        node's inputs after its ``n_arg`` tensor arguments are ``ctx.module.named_parameters()``."""
-        names = [pname for pname, _ in ctx.module.named_parameters()]
-        if len(node.inputs) - n_arg != len(names):
-            raise CompileError(f"leaf module node {node.name}: {len(node.inputs) - n_arg} parameter inputs for "
-                               f"{len(names)} parameters of {type(ctx.module).__name__}")
-        module = copy.deepcopy(module)
-        for pname, tid, form in zip(names, node.inputs[n_arg:], sig.inputs[n_arg:]):
-            attr = self.lazy_params.get(tid)
-            if attr is None:
-                raise CompileError(f"leaf module node {node.name}: parameter {pname} is not a stored parameter")
-            need = FULL if form.kind in ("replicate", "full") else form
-            if self.produced[tid] != need:
-                raise CompileError(f"leaf module node {node.name}: its parameter {self.shards[attr].logical_name} is "
-                                   f"stored as {self.produced[tid]} but the signature needs {form}; leaf modules use "
-                                   f"their parameters as stored. Fix: choose matching forms in the plan")
-            owner_path, _, leaf = pname.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            if not hasattr(owner, leaf):
-                raise CompileError(f"leaf module node {node.name}: the localized module has no parameter {pname}")
-            delattr(owner, leaf)
-            owner.register_parameter(leaf, self.stored[attr])
-        return module
 
     def add_output(self, node) -> None:
         loss = self.value_in(node.inputs[0], REDUCE)
@@ -407,7 +373,7 @@ class _Builder:
                 raise CompileError(f"node {node.name}: unknown op {node.op!r}")
         self.graph.lint()
         gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
-        # GraphModule copies only what the graph references; leaf modules hold the rest.
+        # GraphModule copies only what the graph references.
         paths = {id(t): p for p, t in list(gm.named_parameters(remove_duplicate=False)) +
                  list(gm.named_buffers(remove_duplicate=False))}
         shards, replicated = {}, []

@@ -171,14 +171,14 @@ def _model_device(model: nn.Module) -> torch.device:
 def _positional(model: nn.Module, example_inputs) -> list:
     from hidup.trace import _forward_inputs
 
-    values, _ = _forward_inputs(model, example_inputs)
+    values = _forward_inputs(model, example_inputs)
     return values
 
 
 def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
             local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
             bucket_mb: float = GRAD_BUCKET_MB, device: torch.device | str | None = None, streams: bool | None = None,
-            leaf_modules=None, copy_groups: tuple | None = None) -> HidupModule:
+            copy_groups: tuple | None = None) -> HidupModule:
     """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
 
     ``example_inputs`` hold the global batch (as for tracing).  ``batch_dims`` gives each forward
@@ -209,7 +209,7 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
     copies = None
     if duplication:
-        traced = trace_copy(model, tuple(values), world_size, leaf_modules=leaf_modules, batch_dims=dims)
+        traced = trace_copy(model, tuple(values), world_size, batch_dims=dims)
         inputs = [n.name for n in traced.graph.nodes if n.op == "input"]
         names = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
         copies = copy_axis(traced.graph, {name: d for name, d in zip(names, dims) if name in inputs})
@@ -217,7 +217,7 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
             warnings.warn(f"hidup.compile: duplication is off: {copies.reason}", stacklevel=2)
             duplication, copies = False, None
     if not duplication:
-        traced = trace_module(model, tuple(values), world_size, leaf_modules=leaf_modules)
+        traced = trace_module(model, tuple(values), world_size)
         check = getattr(plan, "check", None)
         if check is not None:
             check(traced.graph)

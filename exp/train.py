@@ -2,13 +2,14 @@
 
 On each machine: ``NODERANK=<node index> CPN=<GPUs per node> [NNODES=<nodes>] MASTER_ADDR=... \
 python exp/train.py --plan strategy_bert-sgmoe.json``; under torchrun the RANK/WORLD_SIZE/LOCAL_RANK
-variables are used instead; on one machine ``--world N`` is enough.  Takes every flag of
-``hidup train`` (see ``python exp/train.py --help``).
+variables are used instead; on one machine the plan's world size (or ``--world N``) is enough.  The
+plan records its model (a zoo name or ``package.module:function``), so no model flags are needed.
+Takes every flag of ``hidup train`` (see ``python exp/train.py --help``).
 """
 
 import sys
 
-from hidup.runtime.train import main
+from hidup.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,13 +1,23 @@
 """The ``hidup`` command line: search, show, verify, profile, train, describe.
 
-Every subcommand that builds a zoo model takes the same model flags (``--model``, ``--layers``,
-``--d-model``, ...); a TOML file given with ``--config`` supplies defaults for any flag (keys are the
-flag names with dashes or underscores), and flags on the command line win.
+Every subcommand that builds a model takes the same model flags.  ``--model`` is a zoo name (``hidup
+models``) or ``package.module:function``, a factory returning ``(model, example_inputs)``
+(:mod:`hidup.models.source`).  The model's arguments are the flags ``--layers``, ``--d-model``, ...
+(keyword arguments ``layers``, ``d_model``, ...) and ``--model-arg KEY=VALUE`` (repeatable; VALUE is
+read as JSON -- ``2``, ``0.5``, ``true``, ``[1, 2]`` -- and as a plain string otherwise) for any
+other keyword.  A TOML file given with ``--config`` supplies defaults for any flag (keys are the flag
+names with dashes or underscores), and a ``[model]`` table gives the model: its ``spec`` key names
+it and every other key is a model argument.  Flags on the command line win.
+
+A plan records its model and arguments, so ``show``, ``train``, ``verify`` with a plan need no model
+flags.  Model flags given with a plan must agree with its record: a different model, a different
+value or an argument the plan does not record is refused (search again to change the model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +38,11 @@ DEFAULT_MODEL = "bert-sgmoe"
 DEFAULT_WORLD = 8
 DEFAULT_PROFILE = "paper-v100-9.7gbps"
 
+MODEL_HELP = (f"zoo model name (default {DEFAULT_MODEL}; see `hidup models`) or package.module:function, a "
+              "function returning (model, example_inputs) that gets the model flags as keyword arguments (plus "
+              "world_size and device if it takes them); the module is imported from the current directory or "
+              "sys.path")
+
 
 def add_model_flags(group) -> None:
     """The model override flags (``--layers``, ``--d-model``, ...), each defaulting to the model's."""
@@ -36,21 +51,108 @@ def add_model_flags(group) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DEFAULT_WORLD) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"zoo model name (default {DEFAULT_MODEL}); "
-                   "see `hidup models`")
+    g = p.add_argument_group("model", "with --plan, the plan's record of its model; flags that contradict it are "
+                             "refused")
+    g.add_argument("--model", default=None, metavar="NAME|MODULE:FUNCTION", help=MODEL_HELP)
     add_model_flags(g)
-    g.add_argument("--world", type=int, default=world_default, help="number of ranks (GPUs)")
-    g.add_argument("--config", type=Path, default=None, help="TOML file with defaults for these flags")
+    g.add_argument("--model-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="another keyword argument of the model (repeatable): VALUE is read as JSON (2, 0.5, true, "
+                        "null, [1, 2]) or else as a string (float64); zoo models take their overrides "
+                        "(dropout, aux_weight, ...)")
+    g.add_argument("--world", type=int, default=None, help="number of ranks (GPUs)"
+                   + ("" if world_default is None else f" (default {world_default}; with --plan the plan's)"))
+    g.add_argument("--config", type=Path, default=None,
+                   help="TOML file with defaults for these flags; a [model] table: spec = NAME or MODULE:FUNCTION "
+                        "and the model's arguments")
+    p.set_defaults(world_default=world_default)
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
+    """The model flags given (``--layers`` ...), as keyword arguments (``layers`` ...)."""
     return {flag.replace("-", "_"): getattr(args, flag.replace("-", "_"))
-            for flag in MODEL_FLAGS if getattr(args, flag.replace("-", "_")) is not None}
+            for flag in MODEL_FLAGS if getattr(args, flag.replace("-", "_"), None) is not None}
+
+
+def parse_model_arg(text: str) -> tuple[str, object]:
+    """``"key=value"`` -> ``("key", value)``; the value is JSON when it parses, else the string."""
+    from hidup.models.source import ModelSourceError
+
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key.isidentifier():
+        raise ModelSourceError(f"--model-arg {text!r}: write KEY=VALUE with KEY a Python identifier, e.g. "
+                               "--model-arg dtype=float64")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def model_request(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """The model spec and arguments given on the command line or in ``--config`` (spec None if none):
+    the ``[model]`` table, overridden by the model flags, and ``--model-arg``."""
+    from hidup.models.source import ModelSourceError
+
+    given = dict(getattr(args, "model_table", None) or {})  # --config's [model] table: defaults
+    flags = model_overrides(args)
+    given.update(flags)
+    for text in getattr(args, "model_arg", None) or ():
+        key, value = parse_model_arg(text)
+        if key in flags:
+            raise ModelSourceError(f"--model-arg {text!r} repeats --{key.replace('_', '-')} {flags[key]!r}; keep one")
+        given[key] = value
+    return getattr(args, "model", None), given
+
+
+def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
+    """Decide the job's model: set ``args.model`` (spec) and ``args.model_args``, and ``args.world``.
+
+    Without a plan: what was given (the default zoo model if nothing).  With a plan: its record, after
+    checking that the given flags agree with it (:class:`PlanError` otherwise); a plan without a record
+    needs ``--model``.  Returns the record ``{"model": spec, "args": {...}}``."""
+    from hidup.models.source import describe_source, recorded_source
+    from hidup.plan import PlanError
+
+    spec, given = model_request(args)
+    if plan is None:
+        record = {"model": spec or DEFAULT_MODEL, "args": given}
+        if getattr(args, "world", None) is None:
+            args.world = getattr(args, "world_default", None)
+    else:
+        where = plan_path or "the plan"
+        if getattr(args, "world", None) is not None and args.world != plan.world_size:
+            raise PlanError(f"{where} was searched for {plan.world_size} ranks, not --world {args.world}. Fix: drop "
+                            f"--world (the plan's {plan.world_size} is used), or search again with --world "
+                            f"{args.world}")
+        args.world = plan.world_size
+        record = recorded_source(plan)
+        if record is None:
+            if spec is None:
+                raise PlanError(f"{where} does not record its model (it was searched in Python without "
+                                "model_source=). Fix: pass --model NAME or --model package.module:function with "
+                                "the model's arguments (--layers ..., --model-arg KEY=VALUE), or search with "
+                                "hidup.search(..., model_source='package.module:function')")
+            record = {"model": spec, "args": given}
+        else:
+            wrong = []
+            if spec is not None and spec != record["model"]:
+                wrong.append(f"--model {spec}")
+            for key, value in given.items():
+                if key not in record["args"]:
+                    wrong.append(f"{key}={value!r} (the plan records no {key})")
+                elif record["args"][key] != value:
+                    wrong.append(f"{key}={value!r} (the plan has {record['args'][key]!r})")
+            if wrong:
+                raise PlanError(f"{where} was searched for {describe_source(record)}; the model flags "
+                                f"{', '.join(wrong)} contradict it. Fix: drop the model flags (the plan rebuilds "
+                                "its own model), or run `hidup search` again for the model you mean")
+    args.model, args.model_args = record["model"], dict(record["args"])
+    return record
 
 
 def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; values from ``--config FILE`` (TOML) become defaults that flags override."""
+    """Parse ``argv``; values from ``--config FILE`` (TOML) become defaults that flags override.
+    A ``[model]`` table names the model (``spec``) and holds its arguments."""
     args = p.parse_args(argv)
     path = getattr(args, "config", None)
     if path is None:
@@ -74,19 +176,37 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
         if dest not in known:
             p.error(f"--config {path}: unknown key {key!r}; valid keys: "
                     + ", ".join(sorted(k.replace('_', '-') for k in known)))
+        if dest == "model" and isinstance(value, dict):
+            table = {k.replace("-", "_"): v for k, v in value.items()}
+            spec = table.pop("spec", None)
+            if spec is not None:
+                defaults["model"] = spec
+            defaults["model_table"] = table
+            continue
         defaults[dest] = value
     sub.set_defaults(**defaults)
     return p.parse_args(argv)
 
 
 def build_graph(args: argparse.Namespace):
-    """Build the zoo model on the meta device and trace it (no weights are allocated)."""
+    """Build the model and trace it: a zoo model on the meta device (no weights are allocated), a
+    factory's on the CPU, as the ranks trace it when they compile (``torch.export`` records tensors
+    created from Python data differently on ``meta``, which would change the graph's fingerprint).
+    ``args.model`` / ``args.model_args`` come from :func:`settle_model`."""
     import hidup.models
+    from hidup.models.source import ModelSourceError
     from hidup.trace import trace
 
-    if args.model not in hidup.models.names():
-        raise SystemExit(f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}")
-    model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **model_overrides(args))
+    if not hidup.models.is_factory(args.model) and args.model not in hidup.models.names():
+        raise SystemExit(f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}, "
+                         "or give your own as package.module:function")
+    try:
+        device = None if hidup.models.is_factory(args.model) else "meta"
+        model, inputs = hidup.models.build(args.model, world_size=args.world, device=device, **args.model_args)
+    except ModelSourceError:
+        raise
+    except ValueError as e:  # a zoo configuration out of range
+        raise ModelSourceError(str(e)) from None
     graph = trace(model, inputs, world_size=args.world, half_batch=True)
     graph.model = args.model
     return graph
@@ -96,8 +216,9 @@ def build_graph(args: argparse.Namespace):
 
 def _search_parser(sub) -> None:
     p = sub.add_parser("search", help="search a parallelization plan for a model",
-                       description="Trace a zoo model, search the fastest per-op sharding for a world "
-                       "size under a machine profile, print the plan summary and save it as JSON.")
+                       description="Trace a model (zoo or package.module:function), search the fastest "
+                       "per-op sharding for a world size under a machine profile, print the plan summary and save "
+                       "it as JSON; the plan records the model and its arguments.")
     add_model_args(p)
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"builtin profile name or path to a profile JSON (default {DEFAULT_PROFILE})")
@@ -113,15 +234,17 @@ def _search_parser(sub) -> None:
     p.add_argument("--noise", type=float, default=0.0, metavar="X",
                    help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]")
     p.add_argument("--seed", type=int, default=0, help="seed for --noise")
-    p.add_argument("--out", type=Path, default=None, help="plan file (default strategy_<model>.json)")
+    p.add_argument("--out", type=Path, default=None, help="plan file (default strategy_<model>.json, a factory's "
+                   "':' written as '.')")
     p.add_argument("--quiet", action="store_true", help="print only the output path")
 
 
 def cmd_search(args: argparse.Namespace) -> int:
     import hidup.profiler
-    from hidup.plan import summary
+    from hidup.plan import model_record, summary
     from hidup.search import search
 
+    record = model_record(settle_model(args))  # refuses non-JSON arguments before the search runs
     profile = hidup.profiler.load(args.profile)
     if args.noise:
         profile = profile.perturb(noise=args.noise, seed=args.seed)
@@ -129,10 +252,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     budget = None if args.memory is None else args.memory * 1e9
     plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
                   duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
-                  progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs)
-    plan.model = args.model
-    plan.model_config = model_overrides(args)  # lets `hidup show` rebuild the same graph
-    out = args.out or Path(f"strategy_{args.model}.json")
+                  progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs, model_source=record)
+    out = args.out or Path(f"strategy_{args.model.replace(':', '.')}.json")
     plan.save(out)
     if not args.quiet:
         print(summary(plan, graph))
@@ -141,23 +262,22 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _show_parser(sub) -> None:
-    p = sub.add_parser("show", help="print a saved plan's summary")
-    p.add_argument("plan", type=Path, help="plan JSON written by `hidup search`")
+    p = sub.add_parser("show", help="print a saved plan's summary",
+                       description="Rebuild the plan's model from its record, check the plan against it and print "
+                       "the per-layer summary. The model flags are needed only for a plan that records no model "
+                       "(searched in Python without model_source=).")
+    p.add_argument("plan", type=Path, help="plan JSON written by `hidup search` or Plan.save")
+    add_model_args(p, world_default=None)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     from hidup.plan import Plan, summary
 
     plan = Plan.load(args.plan)
-    graph = None
-    if plan.model:
-        # Rebuild the graph the plan was made for, so the summary can name layers and shapes.
-        ns = argparse.Namespace(model=plan.model, world=plan.world_size,
-                                **{k.replace("-", "_"): None for k in MODEL_FLAGS})
-        for k, v in (plan.model_config or {}).items():
-            setattr(ns, k, v)
-        graph = build_graph(ns)
-        plan.check(graph)
+    settle_model(args, plan, args.plan)
+    # Rebuild the graph the plan was made for, so the summary can name layers and shapes.
+    graph = build_graph(args)
+    plan.check(graph)
     print(summary(plan, graph))
     return 0
 
@@ -171,6 +291,7 @@ def _describe_parser(sub) -> None:
 def cmd_describe(args: argparse.Namespace) -> int:
     from hidup.describe import describe
 
+    settle_model(args)
     print(describe(build_graph(args), max_rows=args.rows))
     return 0
 
@@ -220,10 +341,32 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand.  A user error (a model that cannot be built or traced, a plan that does not
+    fit) ends with one message on stderr and exit status 1, not a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = apply_config_file(p, argv)
-    return COMMANDS[args.command][1](args) or 0
+    try:
+        return COMMANDS[args.command][1](args) or 0
+    except Exception as e:  # noqa: BLE001 - only the user errors below are turned into messages
+        message = _user_error(e)
+        if message is None:
+            raise
+        raise SystemExit(f"hidup {args.command}: error: {message}") from None
+
+
+def _user_error(e: Exception) -> str | None:
+    """The message of an error the user can fix, or None for a bug (which keeps its traceback)."""
+    from hidup.models.source import ModelSourceError
+    from hidup.plan import PlanError
+    from hidup.trace import TraceFailure
+
+    if isinstance(e, (ModelSourceError, PlanError, TraceFailure)):
+        return str(e)
+    launch = sys.modules.get("hidup.runtime.launch")
+    if launch is not None and isinstance(e, launch.LaunchError):
+        return str(e)
+    return None
 
 
 if __name__ == "__main__":

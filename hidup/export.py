@@ -4,7 +4,7 @@
 ``model.forward``'s parameters, as :func:`hidup.trace.forward_inputs` gives them) with
 ``torch.export.export(strict=False)`` -- the training IR, so ``aten.linear``, ``aten.layer_norm``,
 ``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss`` stay whole -- and returns it
-as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads exactly like a torch.fx trace:
+as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 
 * one placeholder per forward parameter, named after it (non-tensor values are specialised by
   export and their placeholders are unused);
@@ -15,11 +15,12 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads exactly like a
   inlined: their ops read no trainable tensor, so running them with grad enabled changes nothing;
 * every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
   generation maps it to the device the rank runs on;
-* the output is the loss itself, not a one-element tuple; export's input guard call is dropped.
+* the output is the loss itself, not a one-element tuple; export's input guard call is dropped;
+* an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`).
 
 Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
-costs nothing), which is why ``transformers`` models and ``nn.Transformer`` export where symbolic
-tracing fails.  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
+costs nothing), so ``transformers`` models, ``nn.Transformer`` and the zoo all export; opaque work
+that depends on tensor values is a ``torch.library`` custom op (``hidup::moe_gating``).  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.fx
 from torch import nn
 
 from hidup.fxvalues import map_value, value_leaves
+from hidup.rules.experts import routed_experts_as_custom_op
 
 __all__ = ["export_step", "ExportFailure"]
 
@@ -93,7 +95,7 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
                                 "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
     step = _Step(model, list(values), slots)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), routed_experts_as_custom_op(model):
             exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's location and a fix
         raise ExportFailure(
@@ -103,12 +105,30 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
             "cannot be captured for a fixed shape; compute such values from shapes or configuration, or wrap the "
             "code in a torch.library custom op with a fake (meta) implementation and declare a rule for it in "
             "hidup.rules.") from e
-    unlifted = exported.module()
-    return _rebuild(unlifted, model, names, slots)
+    return _rebuild(exported, model, names, slots)
 
 
-def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
+def _lifted_inputs(exported: torch.export.ExportedProgram) -> dict[str, Any] | None:
+    """Placeholder name -> input spec of the exported graph, or None when the step mutates a buffer or
+    an input (the unlifted module then writes the new values back)."""
+    from torch.export.graph_signature import OutputKind
+
+    signature = exported.graph_signature
+    if any(s.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT) for s in signature.output_specs):
+        return None
+    return {s.arg.name: s for s in signature.input_specs}
+
+
+def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: list[str],
              slots: list[int]) -> torch.fx.GraphModule:
+    # The exported graph takes parameters, buffers and lifted constants as placeholders; each becomes a
+    # get_attr of the model's own tensor here (what ``exported.module()`` does, without generating and
+    # compiling the code of a module that is never run).
+    from torch.export.graph_signature import InputKind
+
+    lifted = _lifted_inputs(exported)
+    unlifted = exported.graph_module if lifted is not None else exported.module()
+    lifted_values = {**exported.state_dict, **exported.constants}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [graph.placeholder(name) for name in names]
@@ -125,7 +145,16 @@ def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
         feed = iter(inputs) if inputs is not None else None
         for n in source.graph.nodes:
             if n.op == "placeholder":
-                env[n] = next(feed) if feed is not None else next(tensor_placeholders)
+                spec = lifted.get(n.name) if lifted is not None and feed is None else None
+                if spec is None or spec.kind == InputKind.USER_INPUT:
+                    env[n] = next(feed) if feed is not None else next(tensor_placeholders)
+                    continue
+                if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                    raise ExportFailure(f"the exported step takes a {spec.kind.name} input ({spec.target}), "
+                                        "which hidup cannot hold")
+                path = _strip(spec.target)
+                attrs[path] = model_state.get(path, lifted_values.get(spec.target))
+                env[n] = graph.get_attr(path)
             elif n.op == "get_attr":
                 obj = source.get_submodule(n.target) if isinstance(_attr(source, n.target), nn.Module) \
                     else _attr(source, n.target)
@@ -164,8 +193,41 @@ def _rebuild(unlifted: torch.fx.GraphModule, model: nn.Module, names: list[str],
     while isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     graph.output(out)
+    _functionalize(graph)
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(attrs, graph, type(model).__name__)
+
+
+def _fresh(n: Any) -> bool:
+    """Whether fx node ``n`` computes a new tensor (an ATen op whose result aliases no input)."""
+    if not isinstance(n, torch.fx.Node) or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    returns = n.target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
+
+
+def _functionalize(graph: torch.fx.Graph) -> None:
+    """In-place ATen ops on a tensor the step itself created (``zeros_like(mask).masked_fill_(mask,
+    -inf)`` inside ``nn.MultiheadAttention``) become their out-of-place overload, and every later
+    reader of that tensor reads the result instead; nothing else can see the old value, so the values
+    are unchanged and the op gets the rule of its functional form (or, unread, is dropped as dead)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        name = op._schema.name.split("::")[-1]
+        if not name.endswith("_") or name.endswith("__") or not n.args or not _fresh(n.args[0]):
+            continue
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        functional = getattr(packet, op._overloadname, None) if packet is not None else None
+        if functional is None:
+            continue
+        target = n.args[0]
+        for user in list(target.users):
+            if user is not n and order[user] > order[n]:
+                user.replace_input_with(target, n)
+        n.target = functional
 
 
 def _attr(module: nn.Module, path: str) -> Any:

@@ -64,8 +64,6 @@ def source_of(n: torch.fx.Node) -> str:
 
 
 def target_name(n: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
-    if n.op == "call_module":
-        return type(gm.get_submodule(n.target)).__name__
     if n.op == "call_method":
         return str(n.target)
     if isinstance(n.target, torch._ops.OpOverload):  # aten.add.Tensor -> "add.Tensor", aten.linear.default -> "linear"

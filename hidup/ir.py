@@ -235,8 +235,8 @@ class Node:
 
     ``op`` is ``input`` (a model input), ``param`` (a parameter or buffer), ``call`` (an
     operation) or ``output`` (consumes the loss).  ``name`` equals the torch.fx node name.
-    ``target`` is a readable op name (``linear``, ``layer_norm``, ``moe_gating``, a module class
-    for leaf modules).  ``module`` is the qualified name of the ``nn.Module`` that issued the op
+    ``target`` is a readable op name (``linear``, ``layer_norm``, ``moe_gating``, ``add.Tensor``: the
+    ATen overload, ``.default`` dropped).  ``module`` is the qualified name of the ``nn.Module`` that issued the op
     (``layers.3.attn``), ``source`` the user's file:line.
     """
 

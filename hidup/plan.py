@@ -8,6 +8,13 @@ execution order); and records the predicted seconds per iteration and bytes per 
 
 ``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size or
 model.  ``summary(plan, graph)`` renders a per-layer table.
+
+A plan remembers how to rebuild its model in ``model_source``: ``{"model": spec, "args": {...}}``
+with ``spec`` a zoo name or ``package.module:function`` (see :mod:`hidup.models.source`) and
+``args`` its keyword arguments, JSON values only (:func:`model_record` refuses anything else), so
+``hidup show/train/verify --plan`` need no model flags.  It is empty for a plan searched in Python
+without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 files still load
+(their zoo name and ``model_config`` overrides say the same for plans of ``hidup search``).
 """
 
 from __future__ import annotations
@@ -18,13 +25,57 @@ from pathlib import Path
 
 from hidup.ir import Form, Graph, Signature
 
-__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "layer_of"]
+__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "layer_of", "model_record"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class PlanError(ValueError):
     """A plan cannot be used as asked; the message says what differs and what to do."""
+
+
+def _json_exact(value) -> bool:
+    """Whether ``value`` survives a JSON round trip unchanged (no tuples, NaN, non-str keys, objects)."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False)) == value and _no_tuples(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_tuples(value) -> bool:
+    if isinstance(value, tuple):
+        return False
+    if isinstance(value, list):
+        return all(_no_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return all(_no_tuples(v) for v in value.values())
+    return True
+
+
+def model_record(source, args: dict | None = None) -> dict:
+    """The ``model_source`` record of a plan: ``{"model": spec, "args": {...}}``.
+
+    ``source`` is a spec string (a zoo name or ``package.module:function``) with ``args`` its keyword
+    arguments, a ``(spec, args)`` pair, or a record dict.  Raises :class:`PlanError` for a missing spec or an argument that is
+    not a JSON value (str, int, float, bool, None, and lists and dicts of them)."""
+    if isinstance(source, tuple) and len(source) == 2 and args is None:
+        source, args = source
+    if isinstance(source, dict):
+        if args is not None or set(source) - {"model", "args"}:
+            raise PlanError(f"model_source={source!r}: a record has the keys 'model' and 'args' only")
+        source, args = source.get("model"), source.get("args")
+    if not isinstance(source, str) or not source.strip():
+        raise PlanError(f"model_source={source!r}: give the model's spec, a zoo name or 'package.module:function'")
+    if args is not None and not isinstance(args, dict):
+        raise PlanError(f"model_source args of {source}: expected a dict of keyword arguments, got {type(args).__name__}")
+    args = dict(args or {})
+    for key, value in args.items():
+        if not isinstance(key, str) or not _json_exact(value):
+            raise PlanError(f"model argument {key}={value!r} of {source}: a plan records only JSON values (str, "
+                            "int, float, bool, None, lists and dicts of them). Fix: make the factory take a JSON "
+                            "value (e.g. the dtype's name 'float64' instead of torch.float64)")
+    return {"model": source, "args": args}
 
 
 @dataclass(frozen=True)
@@ -78,7 +129,8 @@ class Plan:
     node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, conv_f, conv_b]: form changes = collectives + their copies
     layers: dict[str, str] = field(default_factory=dict)  # node name -> layer label
     alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
-    model_config: dict = field(default_factory=dict)
+    model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
+    model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------------------ queries
@@ -123,6 +175,7 @@ class Plan:
             "version": self.version, "model": self.model, "fingerprint": self.fingerprint,
             "world_size": self.world_size, "profile": self.profile, "algorithm": self.algorithm,
             "duplication": self.duplication, "options": self.options, "model_config": self.model_config,
+            "model_source": self.model_source,
             "predicted": self.predicted, "memory": self.memory,
             "choices": {k: s.to_dict() for k, s in self.choices.items()},
             "stages": self.stages, "conversions": [c.to_dict() for c in self.conversions],
@@ -132,9 +185,10 @@ class Plan:
     @staticmethod
     def from_dict(d: dict, where: str = "plan") -> "Plan":
         version = d.get("version")
-        if version != PLAN_VERSION:
-            raise PlanError(f"{where}: plan format version {version!r}, this hidup reads version {PLAN_VERSION}. "
-                            "Fix: run `hidup search` again to write a current plan.")
+        if version not in READABLE_VERSIONS:
+            raise PlanError(f"{where}: plan format version {version!r}, this hidup reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: run `hidup search` again to write a "
+                            "current plan.")
         try:
             return Plan(
                 model=d["model"], fingerprint=d["fingerprint"], world_size=d["world_size"], profile=d["profile"],
@@ -144,7 +198,8 @@ class Plan:
                 conversions=[ConversionRecord.from_dict(c) for c in d["conversions"]],
                 options=dict(d.get("options", {})), node_costs=dict(d.get("node_costs", {})),
                 layers=dict(d.get("layers", {})), alternatives=dict(d.get("alternatives", {})),
-                model_config=dict(d.get("model_config", {})), version=version)
+                model_config=dict(d.get("model_config", {})), model_source=dict(d.get("model_source") or {}),
+                version=PLAN_VERSION)
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
 

@@ -2,16 +2,17 @@
 
 Pipeline
 --------
-1. **Symbolic trace.**  A :class:`torch.fx.Tracer` that inlines every module except the *leaf*
-   modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``, whatever ``hidup.rules``
-   declares, and the caller's ``leaf_modules``) records the forward as a ``GraphModule``.
-   Non-tensor example inputs are specialised (``concrete_args``); functions that ``hidup.rules``
-   declares as batch functions stay opaque calls.
+1. **Export.**  :func:`hidup.export.export_step` captures the step with ``torch.export`` (non-strict,
+   training IR): a flat graph of ATen ops, Python control flow resolved for the example shapes,
+   every module inlined down to its ATen ops (``nn.MultiheadAttention`` and
+   ``nn.TransformerEncoderLayer`` included), and opaque work that depends on tensor values as
+   ``torch.library`` custom ops (``hidup::moe_gating``) with a fake implementation and a declared
+   rule.  Non-tensor example inputs are specialised.
 2. **Shape propagation on meta tensors.**  The GraphModule is interpreted with every tensor on the
    ``meta`` device: parameters and inputs of a real model are replaced by ``torch.empty_like(t,
-   device="meta")`` (no copy of the weights), leaf modules run through
-   ``torch.func.functional_call`` with meta parameters, and any real tensor an op creates is moved
-   to ``meta`` (factories without an explicit device create meta tensors directly).  Memory is
+   device="meta")`` (no copy of the weights), and any real tensor an op creates is moved to
+   ``meta`` (factories without an explicit device create meta tensors directly).  A model built on
+   ``meta`` is exported on fake tensors and never allocates its weights.  Memory is
    therefore O(#nodes), independent of the parameter count.
 3. **IR building**, one fx node at a time:
 
@@ -21,9 +22,7 @@ Pipeline
    * ``get_attr`` of an ``nn.Parameter`` -> ``param`` node with ``() -> (replicate)`` and
      ``() -> (gather_d)``; of a buffer -> ``() -> (full)`` and ``() -> (gather_d)``.  A parameter
      reached twice (tied weights) gets one node.
-   * ``call_module`` of a leaf -> one ``param`` node per ``module.named_parameters()`` entry, whose
-     tensors are appended to the leaf's inputs after its tensor arguments.
-   * ``call_function`` / ``call_method`` whose value holds tensors -> ``call`` node whose
+   * ``call_function`` whose value holds tensors -> ``call`` node whose
      signatures come from ``hidup.rules.signatures(ctx)``; ops without a rule get the single
      all-``full`` signature (``node.fallback``) with an estimated ``sum(numel(outputs))`` FLOPs, and
      one warning names them all.  A ``getitem``/``getattr`` on a tuple-valued node is an alias of
@@ -45,16 +44,14 @@ import inspect
 import math
 import operator
 import os
-import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.fx
 from torch import nn
 
-from hidup.fxvalues import TORCH_DIR as _TORCH_DIR
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
@@ -67,10 +64,7 @@ from hidup.copies import copy_axis
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
 
-__all__ = ["Traced", "TraceFailure", "FallbackWarning", "DEFAULT_LEAF_MODULES", "trace", "trace_module",
-           "map_value", "value_leaves"]
-
-DEFAULT_LEAF_MODULES: tuple[type, ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+__all__ = ["Traced", "TraceFailure", "FallbackWarning", "trace", "trace_module", "map_value", "value_leaves"]
 
 
 class TraceFailure(RuntimeError):
@@ -94,44 +88,16 @@ class Traced:
 
 
 # ----------------------------------------------------------------------------------------------
-# rules hooks (guarded: tracing works, everything replicated, while no rules are registered).
-# ``hidup.rules`` may declare ``leaf_modules`` (module classes kept opaque) and ``batch_functions``
-# (functions kept as one call node, as torch.fx.wrap does; fx only wraps names not starting with "_"),
-# each a collection or a function returning one.
+# rules hook (guarded: tracing works, everything replicated, while no rules are registered)
 
-def _rules_hooks() -> tuple[Callable | None, tuple, tuple, str]:
-    """(signatures function or None, leaf module types, batch functions, why the rules are missing)."""
+def _rules_hook() -> tuple[Callable | None, str]:
+    """(signatures function or None, why the rules are missing)."""
     try:
         import hidup.rules as rules
     except ImportError as e:
-        return None, (), (), f"importing hidup.rules failed: {e}"
-
-    def declared(*names: str) -> tuple:
-        for name in names:
-            value = getattr(rules, name, None)
-            if value is None:
-                continue
-            if callable(value) and not isinstance(value, type):
-                value = value()
-            return tuple(value)
-        return ()
-
+        return None, f"importing hidup.rules failed: {e}"
     signatures = getattr(rules, "signatures", None)
-    return (signatures, declared("leaf_modules", "LEAF_MODULES"), declared("batch_functions", "BATCH_FUNCTIONS"),
-            "" if signatures else "hidup.rules.signatures is not available")
-
-
-class _Tracer(torch.fx.Tracer):
-    """Inlines every module except leaves; records module paths and user stack traces."""
-
-    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str], autowrap: tuple):
-        super().__init__(autowrap_functions=autowrap)
-        self.record_stack_traces = True
-        self._leaf_types = leaf_types
-        self._leaf_names = leaf_names
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names
+    return signatures, "" if signatures else "hidup.rules.signatures is not available"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,15 +109,6 @@ class _Ref:
 
     tid: int
     meta: TensorMeta
-
-
-def _user_frame(tb) -> str:
-    """file:line (and code) of the innermost frame outside torch and this file."""
-    for frame in reversed(traceback.extract_tb(tb)):
-        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
-            code = (frame.line or "").strip()
-            return f"{frame.filename}:{frame.lineno}" + (f" ({code})" if code else "")
-    return "<unknown location>"
 
 
 def _caller_stacklevel() -> int:
@@ -282,28 +239,18 @@ class _Builder:
             self.struct[n.name] = picked
             self.out.tensor_ids[n.name] = [r.tid for r in _leaves(picked, _Ref)]
             return
-        self._call(n, value, extra=[])
+        self._call(n, value)
 
-    _add_call_method = _add_call_function
-
-    def _add_call_module(self, n: torch.fx.Node, value: Any) -> None:
-        module = self.gm.get_submodule(str(n.target))
-        extra = [self.attr_node(p, self.unique_name(f"{n.target}.{pname}".replace(".", "_")),
-                                f"{n.target}.{pname}", n)
-                 for pname, p in module.named_parameters()]
-        self._call(n, value, extra=extra, module=module)
-
-    def _call(self, n: torch.fx.Node, value: Any, extra: list[_Ref], module: nn.Module | None = None) -> None:
+    def _call(self, n: torch.fx.Node, value: Any) -> None:
         sub = lambda a: self.struct[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         args, kwargs = _map(tuple(n.args), sub), _map(dict(n.kwargs), sub)
-        in_refs = _leaves((args, kwargs), _Ref) + extra
+        in_refs = _leaves((args, kwargs), _Ref)
         to_meta = lambda v: v.meta if isinstance(v, _Ref) else v  # noqa: E731
         out_struct = _map(value, lambda v: self.new_ref(v, n.name) if isinstance(v, torch.Tensor) else v)
         out_refs = _leaves(out_struct, _Ref)
-        ctx = RuleContext(target=type(module) if module is not None else n.target,
-                          args=_map(args, to_meta), kwargs=_map(kwargs, to_meta),
+        ctx = RuleContext(target=n.target, args=_map(args, to_meta), kwargs=_map(kwargs, to_meta),
                           inputs=[r.meta for r in in_refs], outputs=[r.meta for r in out_refs],
-                          world=self.world, module=module, node_name=n.name)
+                          world=self.world, node_name=n.name)
         sigs, reason = self._signatures(ctx)
         fallback = sigs is None
         if fallback:
@@ -357,15 +304,6 @@ class _MetaProp(torch.fx.Interpreter):
         value = self.fetch_attr(target)
         return self.builder.meta_of(value) if isinstance(value, torch.Tensor) else value
 
-    def call_module(self, target, args, kwargs):
-        module = self.fetch_attr(target)
-        state = {**dict(module.named_parameters(remove_duplicate=False)),
-                 **dict(module.named_buffers(remove_duplicate=False))}
-        if all(t.device.type == "meta" for t in state.values()):
-            return module(*args, **kwargs)
-        meta_state = {k: self.builder.meta_of(t) for k, t in state.items()}
-        return torch.func.functional_call(module, meta_state, tuple(args), dict(kwargs))
-
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op not in ("output",):
             try:
@@ -378,8 +316,8 @@ class _MetaProp(torch.fx.Interpreter):
                     f"{_module_of(n) or '<root>'!r} at {_source_of(n) or '?'}: {type(e).__name__}: {e}. "
                     "hidup propagates shapes on meta tensors, so ops whose output shape depends on tensor values "
                     "(nonzero, masked_select, .item(), .tolist()) cannot run there. Fix: compute such values from "
-                    "shapes/config instead, or move the code into a module marked as a leaf (leaf_modules=...) "
-                    "whose meta forward works, and declare a rule for it in hidup.rules.") from e
+                    "shapes/config instead, or move the code into a torch.library custom op with a fake (meta) "
+                    "implementation and declare a rule for it (hidup.rules.declare_batch_op).") from e
             value = _map(value, lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
         else:
             value = None
@@ -390,67 +328,37 @@ class _MetaProp(torch.fx.Interpreter):
 # ----------------------------------------------------------------------------------------------
 # public API
 
-def _forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[list, dict]:
-    """(values in placeholder order, concrete_args for the non-tensor ones)."""
+def _forward_inputs(model: nn.Module, example_inputs: Any) -> list:
+    """The forward's argument values in parameter order (defaults filled in)."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    params = [p for p in inspect.signature(model.forward).parameters.values()]
+    sig = inspect.signature(model.forward)
+    params = list(sig.parameters.values())
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         if isinstance(example_inputs, dict):
             raise TraceFailure(f"{type(model).__name__}.forward takes *args/**kwargs; pass example inputs as a tuple")
-        return list(example_inputs), {}
-    sig = inspect.signature(model.forward)
+        return list(example_inputs)
     try:
         bound = (sig.bind(**example_inputs) if isinstance(example_inputs, dict) else sig.bind(*example_inputs))
     except TypeError as e:
         raise TraceFailure(f"example inputs do not match {type(model).__name__}.forward{sig}: {e}") from e
-    values, concrete = [], {}
-    for p in params:
-        value = bound.arguments.get(p.name, p.default)
-        values.append(value)
-        if not _leaves(value, torch.Tensor):
-            concrete[p.name] = value
-    return values, concrete
+    return [bound.arguments.get(p.name, p.default) for p in params]
 
 
-FRONTENDS = ("auto", "export", "fx")
-
-
-def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-                 leaf_modules: Iterable[type | str] | None = None, frontend: str = "auto") -> Traced:
+def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced:
     """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
-    may live on any device including ``meta``.  ``frontend`` is ``export`` (torch.export, ATen ops:
-    :mod:`hidup.export`), ``fx`` (torch.fx symbolic tracing with opaque leaf modules) or ``auto``:
-    symbolic tracing, and torch.export where that fails (data-dependent Python control flow, as in
-    ``transformers`` models and ``nn.Transformer``).  ``leaf_modules`` (fx only) adds module classes
-    or qualified module names that stay opaque ``call_module`` nodes.  Returns a :class:`Traced`.
+    may live on any device including ``meta``.  The step is captured with ``torch.export``
+    (:mod:`hidup.export`); see the module docstring.  Returns a :class:`Traced`.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
-    if frontend not in FRONTENDS:
-        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
-    signatures_fn, rule_leaves, batch_functions, rules_missing = _rules_hooks()
-    values, concrete = _forward_inputs(model, example_inputs)
-    if frontend == "export" and leaf_modules:
-        raise ValueError("leaf_modules needs the fx front end (frontend='fx'); under torch.export an opaque "
-                         "op is a torch.library custom op with a rule")
-    if frontend != "export":
-        try:
-            gm = _symbolic(model, values, concrete, leaf_modules, rule_leaves, batch_functions)
-            return _build(model, gm, values, world_size, signatures_fn, rules_missing)
-        except TraceFailure as symbolic_failure:
-            if frontend == "fx" or leaf_modules:
-                raise
-            try:
-                gm = _exported(model, values)
-            except TraceFailure as e:
-                raise TraceFailure(f"{e}\n(symbolic tracing failed first: {symbolic_failure})") from e
-    else:
-        gm = _exported(model, values)
+    signatures_fn, rules_missing = _rules_hook()
+    values = _forward_inputs(model, example_inputs)
+    gm = _exported(model, values)
     return _build(model, gm, values, world_size, signatures_fn, rules_missing)
 
 
@@ -469,28 +377,6 @@ def _forward_names(model: nn.Module, values: list) -> list[str]:
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return [f"input_{i}" for i in range(len(values))]
     return [p.name for p in params]
-
-
-def _symbolic(model: nn.Module, values: list, concrete: dict, leaf_modules, rule_leaves,
-              batch_functions) -> torch.fx.GraphModule:
-    extra = list(leaf_modules or ())
-    leaf_types = DEFAULT_LEAF_MODULES + tuple(rule_leaves) + tuple(t for t in extra if isinstance(t, type))
-    leaf_names = frozenset(t for t in extra if isinstance(t, str))
-    tracer = _Tracer(leaf_types, leaf_names, tuple(batch_functions))
-    try:
-        fx_graph = tracer.trace(model, concrete_args=concrete or None)
-    except Exception as e:
-        where = _user_frame(e.__traceback__)
-        module, kind = (list(tracer.module_stack.values())[-1] if tracer.module_stack
-                        else ("", type(model)))
-        raise TraceFailure(
-            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}\n"
-            f"  in module {module or '<root>'!r} ({getattr(kind, '__name__', kind)}) at {where}\n"
-            "  Fix: Python control flow or len()/bool()/iteration on a tensor cannot be traced symbolically. Compute "
-            "it from shapes or configuration, move the code into a function wrapped with torch.fx.wrap (or "
-            "hidup.rules.declare_batch_function) and declare a rule for it, or mark the module a leaf with "
-            "trace(..., leaf_modules=[ThatModule]).") from e
-    return torch.fx.GraphModule(tracer.root, fx_graph, type(model).__name__)
 
 
 def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn,
@@ -518,8 +404,7 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size:
     return out
 
 
-def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-                     leaf_modules: Iterable[type | str] | None = None) -> Traced | None:
+def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced | None:
     """The program one duplicated copy runs (:func:`hidup.codegen.duplicate.trace_copy`), or None when
     the model cannot be traced at half the batch (an odd batch, shapes fixed by the model): the cost
     model then halves the full batch's times instead."""
@@ -528,20 +413,18 @@ def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks
-            return trace_copy(model, example_inputs, world_size, leaf_modules=leaf_modules)
+            return trace_copy(model, example_inputs, world_size)
     except Exception:  # noqa: BLE001 - documented fallback: half-batch times are estimated
         return None
 
 
-def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *,
-          leaf_modules: Iterable[type | str] | None = None, half_batch: bool = False,
-          frontend: str = "auto") -> Graph:
+def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *, half_batch: bool = False) -> Graph:
     """:func:`trace_module` returning only the IR graph; ``half_batch=True`` also traces the model at
     half the batch (:func:`trace_half_batch`) and keeps that graph as ``graph.half``, which lets the
     search price duplication's half-batch copies with ops measured at their own shapes."""
-    graph = trace_module(model, example_inputs, world_size, leaf_modules=leaf_modules, frontend=frontend).graph
+    graph = trace_module(model, example_inputs, world_size).graph
     if half_batch:
-        half = trace_half_batch(model, example_inputs, world_size, leaf_modules=leaf_modules)
+        half = trace_half_batch(model, example_inputs, world_size)
         graph.half = half.graph if half is not None else None
     return graph
 

@@ -361,7 +361,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    "the collectives (and their concurrency) in a single-process run, per-op times (with their "
                    "in-context scale and the Adam rate), unsupported dtypes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--ops-model", default=None, help="also time the ops of these zoo models (comma-separated) at "
+    p.add_argument("--ops-model", default=None, help="also time the ops of these models (comma-separated zoo names "
+                   "or package.module:function factories returning (model, example_inputs)) at "
                    "their sharded shapes (every signature, for each --ops-worlds; at the batch and at half of it, "
                    "for duplication), calibrate them against whole single-device steps (ops_scale, and dup_scale "
                    "with the two copies on two streams) and store them in the profile; the ranks split the work. "
@@ -370,7 +371,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    "profiled world size; a single process with --merge needs it)")
     p.add_argument("--ops-precisions", default="fp32,tf32",
                    help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)")
-    p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024'")
+    p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024' "
+                   "(a factory gets them as keyword arguments)")
     p.add_argument("--ops-seconds", type=float, default=120.0,
                    help="time limit of --ops-model per precision and rank, in seconds (default 120)")
     p.add_argument("--calibrate-plans", default=None, metavar="MODELS",
@@ -404,18 +406,25 @@ def _rank_main(ctx, kwargs: dict):
 
 
 def _names(text: str, flag: str) -> list[str]:
-    """The comma-separated items of ``flag``'s value, checked (zoo model names or world sizes)."""
+    """The comma-separated items of ``flag``'s value, checked (zoo model names or ``package.module:function``
+    factories, whose module and function must exist; or world sizes)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     if flag == "--ops-worlds":
         if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
             raise SystemExit(f"{flag} {text!r}: expected world sizes >= 1 separated by commas, e.g. '4,2'")
         return items
     import hidup.models
+    from hidup.models.source import ModelSourceError, load_factory
 
-    unknown = [x for x in items if x not in hidup.models.names()]
+    unknown = [x for x in items if x not in hidup.models.names() and not hidup.models.is_factory(x)]
     if not items or unknown:
         raise SystemExit(f"{flag} {text!r}: unknown model(s) {', '.join(unknown) or '(none given)'}; the zoo has "
-                         f"{', '.join(hidup.models.names())}")
+                         f"{', '.join(hidup.models.names())}, or give package.module:function")
+    for spec in filter(hidup.models.is_factory, items):
+        try:
+            load_factory(spec)
+        except ModelSourceError as e:
+            raise SystemExit(f"{flag}: {e}") from None
     return items
 
 

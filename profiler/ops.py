@@ -26,8 +26,7 @@ ranks split the work (:func:`hidup.profiler.calibrate.measure_model_ops` gathers
 owner of a key depends on the key alone, not on what a rank measured before, so ranks whose caches
 differ (each holds its own share) still split every later model, precision and half-batch trace
 exactly.  An op whose first forward takes more than ``max_op_s`` is skipped, and measuring stops
-after ``total_s`` seconds; the cost model prices whatever is missing from the roofline.  Leaf
-modules (``call_module`` nodes) are not timed: their weights live in the module.
+after ``total_s`` seconds; the cost model prices whatever is missing from the roofline.
 
 :func:`model_op_times` times a model at its batch and, for duplication, at half the batch
 (:func:`hidup.trace.trace_half_batch`: the shapes of one copy).  :mod:`hidup.profiler.calibrate`
@@ -164,8 +163,8 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
     for name, sig in node_signatures(graph, plan):
         node = graph.node(name)
         ctx = traced.contexts.get(name)
-        if ctx is None or ctx.module is not None:
-            continue  # no context recorded, or a leaf module
+        if ctx is None:
+            continue  # no context recorded
         try:
             shapes = [f.local_shape(graph.tensors[t].shape, world) for t, f in zip(node.inputs, sig.inputs)]
         except ValueError:

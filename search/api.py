@@ -24,7 +24,7 @@ import warnings
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
-from hidup.plan import ConversionRecord, Plan, layer_of
+from hidup.plan import ConversionRecord, Plan, layer_of, model_record
 
 from hidup.search import dp, ilp
 from hidup.search.problem import Problem, SearchError
@@ -62,7 +62,7 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
            restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
            max_states: int | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
            reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = None,
-           explain: int = 6, cuda_graphs: bool = True) -> Plan:
+           explain: int = 6, cuda_graphs: bool = True, model_source=None) -> Plan:
     """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
 
     ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
@@ -72,7 +72,10 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
     A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be
     priced from ops measured at their own shapes (see :mod:`hidup.search.cost`).
+    ``model_source`` (``"package.module:function"`` or ``(spec, args)``) is recorded in the plan so that
+    ``hidup show/train/verify --plan`` rebuild the model (:func:`hidup.plan.model_record`).
     """
+    record = None if model_source is None else model_record(model_source)
     profile = _loaded(profile)
     if world_size is not None and world_size != graph.world_size:
         raise SearchError(f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
@@ -90,6 +93,8 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
         plan = _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
                        max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)
     plan.options["cuda_graphs"] = bool(cuda_graphs)
+    if record is not None:
+        plan.model, plan.model_source = record["model"], record
     return plan
 
 

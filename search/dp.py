@@ -19,7 +19,9 @@ need, and maps every point ``p`` to ``apply(p, step)``:
   max(0, s_b - s_a)``, summed over both passes, is at most 0 (implied by componentwise ``a <= b``);
   such dominated points are dropped without loss;
 * with a memory budget every point also carries its memory (an additive coordinate), and a point is
-  dropped once ``memory + (least memory the remaining positions can use) > budget``.
+  dropped once ``memory + (least memory the remaining positions can use) > budget``.  That DP runs
+  only when the budget binds: :func:`solve` first searches without it and keeps the result when it
+  fits (the fastest plan that fits is then the fastest plan within the budget).
 
 The answer is the point at the last position with the least ``time`` (``T_f + d_f + T_b + d_b``).
 
@@ -162,10 +164,14 @@ class _DP:
         bucket.sort(key=_first)
         kept: list = []
         cap = self.max_points or len(bucket)
-        if len(bucket[0][1]) == 6:  # duplication without memory: the dominance test inlined
+        if self.dup:  # the dominance test inlined (with a memory coordinate: u[6] <= v[6] too)
+            with_mem = self.has_mem
             for x in bucket:
-                v0, v1, v2, v3, v4, v5 = x[1]
+                v0, v1, v2, v3, v4, v5 = x[1][:6]
+                v6 = x[1][6] if with_mem else 0.0
                 for _, u, _ in kept:  # self.dominates(u, v), inlined
+                    if with_mem and u[6] > v6:
+                        continue
                     gap = (u[0] - v0) + (u[3] - v3)
                     w = u[1] - v1
                     if w > 0.0:
@@ -185,7 +191,7 @@ class _DP:
                     kept.append(x)
                     if len(kept) >= cap:
                         break
-            return kept
+            return self._keep_leanest(bucket, kept, cap)
         dom = self.dominates
         for x in bucket:
             v = x[1]
@@ -196,9 +202,14 @@ class _DP:
                 kept.append(x)
                 if len(kept) >= cap:
                     break
+        return self._keep_leanest(bucket, kept, cap)
+
+    def _keep_leanest(self, bucket: list, kept: list, cap: int) -> list:
+        """``kept``, with the point of least memory in place of its last when the cap cut it, so
+        that a tight budget is not lost to the cap."""
         if self.has_mem and len(kept) >= cap and len(bucket) > cap:
             lean = min(bucket, key=lambda x: (x[1][-1], x[0]))
-            if not any(lean is x for x in kept):  # keep the leanest plan too, so a tight budget is not lost to the cap
+            if not any(lean is x for x in kept):
                 kept[-1] = lean
         return kept
 
@@ -446,7 +457,16 @@ class _DP:
 def solve(problem: Problem, duplication: bool = True, memory_budget: float | None = None,
           max_states: int | None = DEFAULT_MAX_STATES, max_points: int | None = DEFAULT_MAX_POINTS,
           reuse_blocks: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], float]:
-    """Best signature index per position and its predicted iteration time (see the module docstring)."""
+    """Best signature index per position and its predicted iteration time (see the module docstring).
+
+    With ``memory_budget`` the plan is first searched without it: memory is additive over the
+    positions (``problem.mem``), so when the fastest plan fits the budget it is the fastest plan
+    within it, and the search without a memory coordinate is much cheaper (six-entry points, and
+    cross-state pruning stays on).  Only a budget that binds runs the memory-aware DP."""
+    if memory_budget is not None:
+        ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress)
+        if sum(problem.mem[i][k] for i, k in enumerate(ks)) <= memory_budget:
+            return ks, v
     dp = _DP(problem, duplication, memory_budget, max_states, max_points)
     with no_gc():
         ks, v = dp.solve(reuse_blocks, progress)

@@ -53,3 +53,15 @@ def test_verify_passes_and_exits_zero():
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: the plan matches the single-device model" in out.stdout
+
+
+def test_model_arg_reaches_zoo_overrides_without_flags(capsys):
+    assert main(["describe", "--model", "gpt", "--world", "2", *TINY, "--model-arg", "dropout=0.0",
+                 "--model-arg", "aux_weight=0.5", "--rows", "1"]) == 0
+    assert "graph gpt for world size 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["describe", "--model", "gpt", "--world", "2", *TINY, "--model-arg", "dropot=0.1"])
+    assert "unknown override(s) dropot" in str(e.value.code) and "dropout" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        main(["describe", "--model", "gpt", *TINY, "--model-arg", "layers=3"])
+    assert "repeats --layers 2" in str(e.value.code)

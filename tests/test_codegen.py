@@ -406,6 +406,56 @@ def test_parity_full(world, name):
             assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"{where}: {r}"
 
 
+# ----------------------------------------------------------------------------------------------
+# Every zoo model's searched plan under the default profile (the plan `hidup search` and `hidup verify`
+# use), with the duplication the search chose: it must compile and match one device.  One process
+# group per world for all models.
+
+def _searched_default(world: int) -> list:
+    import hidup
+    from hidup.cli import DEFAULT_PROFILE
+    from hidup.search import search
+    from hidup.trace import trace_module
+
+    jobs = []
+    with _float64():
+        for name in hidup.models.names():
+            model, inputs = hidup.models.build(name, world_size=world, **_overrides(name))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jobs.append((name, search(trace_module(model, inputs, world).graph, DEFAULT_PROFILE)))
+    return jobs
+
+
+def _rank_searched(rank, world, jobs):
+    import hidup
+
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for name, plan in jobs:
+        model, inputs = hidup.models.build(name, world_size=world, device=device(), **_overrides(name))
+        opt_cls, kw = _optimizer("search")
+        ref = _reference(model, inputs, opt_cls, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a model whose copies cannot split runs one copy
+            out[name] = _parity(rank, world, model, inputs, plan, None, ref, opt_cls, kw)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_searched_default_profile_plans_of_every_zoo_model_run(world):
+    import hidup
+
+    jobs = _searched_default(world)
+    assert [name for name, _ in jobs] == hidup.models.names()
+    results = run_distributed(_rank_searched, world, jobs, timeout=600)
+    for rank, res in enumerate(results):
+        for name, plan in jobs:
+            r = res[name]
+            where = f"{name} world {world} searched plan (duplication={plan.duplication}) rank {rank}"
+            assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"{where}: {r}"
+
+
 def test_local_batch_mode():
     res = _results(2)
     for rank, r in enumerate(res):

@@ -9,6 +9,7 @@ signatures one expects for those shapes are actually offered.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import sys
 from pathlib import Path
@@ -390,3 +391,22 @@ def test_conv2d_patch(b, cin, cout, bias):
     assert has_sig(res[2], ["full", "gather_0"] + (["gather_0"] if bias else []), ["gather_1"], kind="tensor")
     assert has_sig(res[2], ["gather_1", "gather_1"] + (["reduce"] if bias else []), ["reduce"], kind="tensor")
     check_op(F.conv2d, (rn(b, 4, 4, 4), rn(cout, 2, 3, 3)), {"padding": 1, "groups": 2})
+
+
+# --------------------------------------------------------------------------------------------- top-k (MoE routers)
+
+
+@FAST
+@given(shape=shapes(2, 3), data=st.data())
+def test_topk(shape, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    k = data.draw(st.integers(1, shape[dim]))
+    x = torch.randperm(math.prod(shape)).to(D64).reshape(shape)  # distinct values: no ties to break
+    res = check_op(torch.topk, (x, k), {"dim": dim})
+    for N, sigs in res.items():
+        d = dim % len(shape)
+        assert not any(s.inputs[0].is_gather and s.inputs[0].dim == d for s in sigs)
+        for other in range(len(shape)):
+            if other != d and shape[other] % N == 0 and shape[other] > 1:
+                assert has_sig(sigs, [f"gather_{other}"], [f"gather_{other}"] * 2, kind="data")
+    check_op(torch.ops.aten.topk.default, (x, k, dim))

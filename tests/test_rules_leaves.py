@@ -1,4 +1,4 @@
-"""Simulated-SPMD tests of factories, declared batch functions, leaf modules and the notation engine.
+"""Simulated-SPMD tests of factories, custom ops declared sharded along the batch and the notation engine.
 
 The property-test helpers (hypothesis settings, random tensors, shape strategies) are those of
 ``tests/test_rules.py``; ``tests/spmd.py`` runs each signature per rank and rebuilds the result.
@@ -40,11 +40,17 @@ def test_factories_and_like():
     check_op("new_full", (x, (4, 4), 1.5))
 
 
-@torch.fx.wrap
-def top1_gating(logits: torch.Tensor, capacity: int):
-    """Per-group top-1 routing with capacity: (combine[G,S,E,C], dispatch[G,S,E,C], aux[G])."""
+@torch.library.custom_op("hidup_test::top1_gating", mutates_args=())
+def top1_gating(logits: torch.Tensor, shift: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """Per-group top-1 routing with capacity of ``logits + shift`` (``shift[E]`` shared by every group):
+    (combine[G,S,E,C], dispatch[G,S,E,C], aux[G])."""
+    return _top1(logits, shift, capacity)
+
+
+def _top1(logits, shift, capacity):
     G, S, E = logits.shape
-    probs = torch.softmax(logits, -1)
+    probs = torch.softmax(logits + shift, -1)
     mask = F.one_hot(probs.argmax(-1), E).to(logits.dtype)  # [G,S,E]
     pos = torch.cumsum(mask, 1) - 1  # slot of each token in its expert, per group
     keep = mask * (pos < capacity).to(logits.dtype)
@@ -55,74 +61,57 @@ def top1_gating(logits: torch.Tensor, capacity: int):
     return combine, dispatch, aux
 
 
-rules.declare_batch_function(top1_gating)
+@top1_gating.register_fake
+def _(logits, shift, capacity):
+    G, S, E = logits.shape
+    return logits.new_empty(G, S, E, capacity), logits.new_empty(G, S, E, capacity), logits.new_empty(G)
+
+
+def _top1_backward(ctx, g_combine, g_dispatch, g_aux):
+    logits, shift = ctx.saved_tensors
+    with torch.enable_grad():
+        x, s = logits.detach().requires_grad_(True), shift.detach().requires_grad_(True)
+        c, _, a = _top1(x, s, ctx.capacity)
+        gx, gs = torch.autograd.grad([c, a], [x, s], [g_combine, g_aux])
+    return gx, gs, None
+
+
+def _top1_context(ctx, inputs, output):
+    logits, shift, ctx.capacity = inputs
+    ctx.save_for_backward(logits, shift)
+
+
+top1_gating.register_autograd(_top1_backward, setup_context=_top1_context)
+rules.declare_batch_op(top1_gating, ([0, None], [0, 0, 0]))
 
 
 @FAST
 @given(g=EVEN, s=SIZES, e=SIZES, cap=st.sampled_from([1, 2]))
-def test_declared_batch_function(g, s, e, cap):
-    assert rules.find_rule(top1_gating) is not None
-    res = check_op(top1_gating, (rn(g, s, e), cap))
+def test_declared_batch_op(g, s, e, cap):
+    """A custom op declared with a batch dim per input (None: the shared ``shift`` stays full)."""
+    op = torch.ops.hidup_test.top1_gating.default
+    assert rules.find_rule(op) is not None
+    res = check_op(op, (rn(g, s, e), rn(e), cap))
+    for sigs in res.values():
+        assert has_sig(sigs, ["gather_0", "full"], ["gather_0"] * 3, kind="data")
+
+
+@FAST
+@given(g=EVEN, s=SIZES, e=st.integers(2, 5), k=st.sampled_from([1, 2]), cap=st.sampled_from([1, 2, 3]))
+def test_moe_gating_op(g, s, e, k, cap):
+    """``hidup::moe_gating`` sharded along its groups, forward and backward (its own autograd).  The op
+    routes in float32 whatever the logits' dtype, so it is checked on float32 logits, at float32's
+    tolerance (the all-full signature sums random partial output gradients)."""
+    import hidup.models  # noqa: F401  (registers the op and its rule)
+
+    res = check_op(torch.ops.hidup.moe_gating.default, (rn(g, s, e).float(), k, cap, k > 1))
     for sigs in res.values():
         assert has_sig(sigs, ["gather_0"], ["gather_0"] * 3, kind="data")
 
 
-@pytest.mark.parametrize("batch_first", [True, False])
-@pytest.mark.parametrize("need_weights", [True, False])
-def test_multihead_attention_leaf(batch_first, need_weights):
-    torch.manual_seed(0)
-    m = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=D64)
-    B, S = 4, 3
-    x = rn(B, S, 8) if batch_first else rn(S, B, 8)
-    kpm = torch.zeros(B, S, dtype=torch.bool)
-    kpm[0, -1] = True
-    res = check_op(None, (x, x, x), {"key_padding_mask": kpm, "need_weights": need_weights}, module=m)
-    bd = "gather_0" if batch_first else "gather_1"
-    outs = [bd] + (["gather_0"] if need_weights else [])
-    for sigs in res.values():
-        assert has_sig(sigs, [bd, bd, bd, "gather_0"] + ["full"] * 4, outs, kind="data")
-    check_op(None, (x, x, x), {"attn_mask": rn(B * 2, S, S), "need_weights": False}, module=m)
-
-
-@pytest.mark.parametrize("batch_first", [True, False])
-def test_transformer_encoder_layer_leaf(batch_first):
-    torch.manual_seed(0)
-    m = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first, dtype=D64)
-    x = rn(4, 3, 8) if batch_first else rn(3, 4, 8)
-    res = check_op(None, (x,), {"src_mask": nn.Transformer.generate_square_subsequent_mask(3, dtype=D64)}, module=m)
-    bd = "gather_0" if batch_first else "gather_1"
-    assert has_sig(res[2], [bd, "full"] + ["full"] * 12, [bd])
-
-
-def test_standard_module_leaves():
-    res = check_op(None, (rn(4, 6),), module=nn.Linear(6, 4, dtype=D64))
-    assert has_sig(res[2], ["gather_0", "full", "full"], ["gather_0"])
-    assert not any(f != FULL for s in res[2] for f in s.inputs[1:])
-    res = check_op(None, (rn(4, 6),), module=nn.Linear(6, 4, bias=False, dtype=D64))
-    assert has_sig(res[2], ["reduce", "full"], ["reduce"])
-    check_op(None, (rn(4, 6),), module=nn.LayerNorm(6, dtype=D64))
-    check_op(None, (torch.randint(0, 8, (4, 2)),), module=nn.Embedding(8, 4, dtype=D64))
-    check_op(None, (rn(4, 6),), module=nn.GELU())
-    check_op(None, (rn(2, 3, 4, 4),), module=nn.Conv2d(3, 4, 2, stride=2, dtype=D64))
-
-
-def declare_custom_leaf():
-    class Scale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(4, dtype=D64))
-
-        def forward(self, x, shared):
-            return x * self.w + shared
-
-    rules.declare_leaf_module(Scale, lambda m, ctx: ([0, None], [0]))
-    return Scale()
-
-
-def test_declared_leaf_module():
-    m = declare_custom_leaf()
-    res = check_op(None, (rn(4, 4), rn(4)), module=m)
-    assert has_sig(res[2], ["gather_0", "full", "full"], ["gather_0"])
+def test_declare_batch_op_rejects_plain_functions():
+    with pytest.raises(TypeError, match="custom op"):
+        rules.declare_batch_op(_top1)
 
 
 # --------------------------------------------------------------------------------------------- API contract

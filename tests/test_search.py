@@ -96,6 +96,18 @@ def test_memory_budget_is_respected_and_optimal(seed):
     assert dup_plan.memory["total"] <= budget
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_budget_that_does_not_bind_gives_the_plan_without_one(seed):
+    g = random_graph(420 + seed, calls=4, max_sigs=3)
+    free = hidup.search(g, SOCKET, duplication=True, **EXACT)
+    roomy = hidup.search(g, SOCKET, duplication=True, memory_budget=free.memory["total"], **EXACT)
+    assert roomy.choices == free.choices and roomy.predicted == free.predicted
+    mems = _memories(Problem(g, SOCKET))
+    tight = min(m for m, _ in mems)
+    if tight < free.memory["total"]:  # a budget that binds still finds a plan within it
+        assert hidup.search(g, SOCKET, duplication=True, memory_budget=tight, **EXACT).memory["total"] <= tight
+
+
 @pytest.mark.parametrize("algorithm", ["dp", "ilp"])
 def test_infeasible_budget_reports_the_minimum(algorithm):
     g = random_graph(7, calls=4, max_sigs=3)

@@ -233,10 +233,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hidup.cli import apply_config_file, model_overrides
+    from hidup.cli import apply_config_file, model_overrides, settle_model
 
     p = _parser()
     args = apply_config_file(p, list(sys.argv[1:] if argv is None else argv))
+    settle_model(args)  # the default model and world when not given
     overrides = model_overrides(args)
     for key in ("dropout", "aux_weight"):
         if getattr(args, key) is not None:

@@ -1,7 +1,13 @@
-"""The model zoo: HiDup's four MoE models plus a dense GPT, an MLP and a stock-PyTorch BERT-SGMoE.
+"""The model zoo: HiDup's four MoE models plus a dense GPT, an MLP and a stock-PyTorch BERT-SGMoE;
+and the user's own models, built by a factory function named ``package.module:function``.
 
     model, inputs = hidup.models.build("bert-sgmoe", world_size=4, layers=2)
     loss = model(*inputs)            # a scalar: summed NLL + aux_weight * summed balance loss
+    model, inputs = hidup.models.build("mymodels:build_llama", world_size=4, layers=2)
+
+:func:`build` is the one place every entry point (``hidup search/describe/show/verify/train``,
+``hidup profile --ops-model``, ``exp/*.py``) turns a model spec and its arguments into a model;
+factories are resolved by :mod:`hidup.models.source`, which states their calling convention.
 
 Every model returns a loss that is a *sum over independent groups* (sequences or images), so
 ``loss(batch) == loss(first half) + loss(second half)``: data parallelism and duplication can be
@@ -22,11 +28,12 @@ from hidup.models.config import OVERRIDES, ZOO, ModelConfig, resolve
 from hidup.models.lm import CausalLM, lm_inputs
 from hidup.models.mlp import MLP, mlp_inputs
 from hidup.models.moe import MoEFFN, moe_gating
+from hidup.models.source import ModelSourceError, build_factory, is_factory, recorded_source
 from hidup.models.torch_style import TorchStyleMoELM
 from hidup.models.vit import ViT, vit_inputs
 
 __all__ = ["build", "names", "config", "count_parameters", "ModelConfig", "moe_gating", "MoEFFN",
-           "OVERRIDES"]
+           "OVERRIDES", "ModelSourceError", "is_factory", "recorded_source"]
 
 _FAMILIES = {
     "lm": (CausalLM, lm_inputs),
@@ -62,15 +69,25 @@ def _as_dtype(dtype) -> torch.dtype | None:
 
 def build(name: str, world_size: int = 1, *, device=None, dtype=None, seed: int = 0,
           **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Build zoo model ``name`` and example inputs for the global batch.
+    """Build model ``name`` -- a zoo name or ``package.module:function`` -- and example inputs for the
+    global batch.
 
     Returns ``(model, example_inputs)`` with ``model(*example_inputs)`` a scalar loss.  ``dtype``
-    applies to parameters and floating-point inputs; ``overrides`` are validated against
-    ``hidup.models.OVERRIDES`` (unknown names or bad values raise ``ValueError``)."""
-    cfg = resolve(name, world_size, **overrides)
+    applies to parameters and floating-point inputs.  For a zoo model ``overrides`` are validated
+    against ``hidup.models.OVERRIDES`` (unknown names or bad values raise ``ValueError``); for a
+    factory they are its keyword arguments (:mod:`hidup.models.source`; failures raise
+    :class:`ModelSourceError`)."""
     dtype = _as_dtype(dtype)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"hidup.models.build: dtype={dtype} must be a floating-point dtype")
+    if is_factory(name):
+        model, inputs = build_factory(name, world_size, device=device, seed=seed, **overrides)
+        if dtype is not None:
+            model = model.to(dtype=dtype)
+            inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                           for t in inputs)
+        return model, inputs
+    cfg = resolve(name, world_size, **overrides)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model_cls, make_inputs = _FAMILIES[cfg.family]
     meta = device.type == "meta"

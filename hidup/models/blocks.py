@@ -1,4 +1,4 @@
-"""Transformer building blocks of the zoo, written for ``torch.fx`` and for sharding rules.
+"""Transformer building blocks of the zoo, written for ``torch.export`` and for sharding rules.
 
 Pre-LN blocks over ``x[B,S,D]`` with ``H`` heads of size ``Dh = D/H``:
 

@@ -1,8 +1,8 @@
 """Model configurations of the zoo: defaults, overrides, validation and derived sizes.
 
 A :class:`ModelConfig` is fully resolved: every size the model code needs is a plain ``int`` so the
-models can build views and reshapes from config ints (never from ``x.shape``), which keeps them
-traceable by ``torch.fx``.
+models can build views and reshapes from config ints (never from ``x.shape``), which keeps a trace
+valid when the batch is split.
 
 Derived quantities
 ------------------

@@ -36,14 +36,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-@torch.fx.wrap
 def moe_gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool | None = None):
     """Route each token of each group to its top-``k`` experts (see the module docstring).
 
     ``logits[G,S,E]`` -> ``(combine[G,S,E,C], dispatch[G,S,E,C], aux[G])``, all in
     ``logits.dtype``.  ``normalize`` (default ``k > 1``) normalizes the gates over the chosen
-    experts.  Shapes are static: the function runs on meta and fake tensors.  Wrapped with
-    ``torch.fx.wrap`` so a trace keeps it as one opaque node."""
+    experts.  The work is the custom op ``torch.ops.hidup.moe_gating`` (one node of an exported
+    graph, with a fake implementation for meta and fake tensors and its own autograd); this
+    function checks the arguments first."""
     if logits.dim() != 3:
         raise ValueError(f"moe_gating: logits must be [groups, tokens, experts], got a "
                          f"{logits.dim()}-d tensor of shape {tuple(logits.shape)}")
@@ -53,8 +53,12 @@ def moe_gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool | No
                          f"(the number of experts)")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"moe_gating: capacity={capacity!r} must be an int >= 1")
-    if normalize is None:
-        normalize = k > 1
+    return tuple(_gating_op(logits, k, capacity, bool(k > 1 if normalize is None else normalize)))
+
+
+def _gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool):
+    """The routing math of the module docstring, differentiable in ``logits`` through ``probs``."""
+    num_experts = logits.shape[-1]
     out_dtype = logits.dtype
     device = logits.device
     probs = torch.softmax(logits.float(), dim=-1)  # [G,S,E]
@@ -90,12 +94,47 @@ def moe_gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool | No
     return combine.to(out_dtype), dispatch.to(out_dtype), aux.to(out_dtype)
 
 
+# ``hidup::moe_gating``: the routing as one opaque op.  Its output shapes depend only on the input
+# shape and the two ints, so the fake implementation runs on meta and fake tensors; the gradient of
+# ``logits`` is the autograd of ``_gating`` itself (re-run under autograd in the backward), so forward
+# and backward are the ops of the plain function, bit for bit.
+
+@torch.library.custom_op("hidup::moe_gating", mutates_args=())
+def _gating_op(logits: torch.Tensor, k: int, capacity: int,
+               normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return _gating(logits, k, capacity, normalize)
+
+
+@_gating_op.register_fake
+def _(logits, k, capacity, normalize):
+    G, S, E = logits.shape
+    return (logits.new_empty(G, S, E, capacity), logits.new_empty(G, S, E, capacity), logits.new_empty(G))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, ctx.k, ctx.capacity, ctx.normalize = inputs
+    ctx.save_for_backward(logits)
+
+
+def _backward(ctx, grad_combine, grad_dispatch, grad_aux):
+    (logits,) = ctx.saved_tensors
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_(True)
+        combine, _, aux = _gating(x, ctx.k, ctx.capacity, ctx.normalize)  # dispatch is constant (0/1)
+        pairs = [(o, g) for o, g in ((combine, grad_combine), (aux, grad_aux)) if g is not None]
+        (grad,) = torch.autograd.grad([o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True)
+    return (grad if grad is not None else torch.zeros_like(logits)), None, None, None
+
+
+_gating_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _declare_gating_rule() -> None:
-    """Register ``moe_gating`` as an opaque leaf sharded on dim 0 when the rules support it."""
+    """``hidup::moe_gating`` treats groups independently: sharded along the group dim 0."""
     import hidup.rules as rules
 
-    if hasattr(rules, "declare_batch_function"):
-        rules.declare_batch_function(moe_gating)
+    rules.declare_batch_op(torch.ops.hidup.moe_gating.default)
 
 
 _declare_gating_rule()

@@ -12,8 +12,9 @@ unsplit input gradients.
 
 Op families live in one module each: elementwise, matmul (linear/matmul/bmm/baddbmm/einsum), shape
 (view/reshape/transpose/...), indexing (getitem/split/chunk/cat/stack), reduction (sum/mean), norm
-(layer_norm/rms_norm/softmax), attention, embedding, loss, conv, leaf (declared batch functions and
-leaf modules).
+(layer_norm/rms_norm/softmax), attention, embedding, loss, conv, leaf (custom ops declared sharded
+along the batch), experts (the routed experts of third-party MoE models as one custom op, and
+``topk``), and aten (the ATen overloads of an exported graph mapped onto those rules).
 """
 
 from __future__ import annotations
@@ -23,20 +24,19 @@ from typing import Any
 from hidup.ir import FULL, Signature
 from hidup.rules.base import LocalCall, Rule, RuleContext, TensorMeta
 from hidup.rules.notation import Dims, SpecError, dims, shard_signatures
-from hidup.rules.registry import Unsupported, default_localize, lookup, lookup_module
+from hidup.rules.registry import Unsupported, default_localize, lookup
 
 # op families register themselves on import
 from hidup.rules import (  # noqa: F401  (imported for registration)
-    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf,
+    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf, experts,
 )
 from hidup.rules import aten  # noqa: E402,F401  (ATen overloads of torch.export graphs onto the rules above)
 from hidup.rules.embedding import vocab_parallel_embedding
-from hidup.rules.leaf import batch_functions, declare_batch_function, declare_leaf_module, leaf_modules
+from hidup.rules.leaf import declare_batch_op
 from hidup.rules.reduction import scaled_mean
 
 __all__ = [
-    "find_rule", "signatures", "localize", "declare_batch_function", "declare_leaf_module",
-    "leaf_modules", "batch_functions",
+    "find_rule", "signatures", "localize", "declare_batch_op",
     "dims", "Dims", "shard_signatures", "SpecError", "RuleError", "Unsupported", "Rule", "RuleContext",
     "TensorMeta", "LocalCall", "vocab_parallel_embedding", "scaled_mean",
 ]
@@ -46,10 +46,8 @@ class RuleError(ValueError):
     """A rule returned signatures that do not fit its node (a bug in the rule)."""
 
 
-def find_rule(target: Any, module: Any = None) -> Rule | None:
-    """The rule for an fx target (function or method name), or for a ``call_module`` leaf ``module``."""
-    if module is not None:
-        return lookup_module(module)
+def find_rule(target: Any) -> Rule | None:
+    """The rule for a graph target (an ATen or custom op overload, a function or a method name)."""
     return lookup(target)
 
 
@@ -58,7 +56,7 @@ def signatures(ctx: RuleContext) -> list[Signature] | None:
 
     ``None`` when no rule handles the op (or this particular call pattern): replicate it.
     """
-    rule = find_rule(ctx.target, ctx.module)
+    rule = find_rule(ctx.target)
     if rule is None:
         return None
     try:
@@ -71,7 +69,7 @@ def signatures(ctx: RuleContext) -> list[Signature] | None:
 
 def localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     """What rank ``rank`` runs for the node under ``sig`` (tensor args kept as given in ``ctx``)."""
-    rule = find_rule(ctx.target, ctx.module)
+    rule = find_rule(ctx.target)
     if rule is None:
         if all(f == FULL for f in sig.inputs + sig.outputs):
             return default_localize(ctx, sig, rank)

@@ -15,7 +15,7 @@ rewrites the ATen call's arguments into the torch function's.  Nothing about sha
   slots); the torch rule localizes it, so the rank runs the torch function (or the rule's own
   per-rank implementation) on its pieces.
 
-Because the torch rule sees exactly the call it would see from a torch.fx trace, the simulated-SPMD
+Because the torch rule sees exactly the call the torch function makes, the simulated-SPMD
 property tests of the torch rules cover these ops; ``tests/test_rules_aten.py`` checks each binder
 against the ATen op itself (same values forward and backward) and the permuted signatures by
 simulated SPMD on the ATen op.
@@ -216,6 +216,10 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.index_select.default: (torch.index_select, _same),
     aten.gather.default: (torch.gather, _same),
     aten.pad.default: (F.pad, _same),
+    # convolutions (a patch embedding)
+    aten.conv1d.default: (F.conv1d, _same),
+    aten.conv2d.default: (F.conv2d, _same),
+    aten.conv3d.default: (F.conv3d, _same),
     aten.constant_pad_nd.default: (F.pad, _constant_pad),
     # reductions and normalizations
     aten.sum.dim_IntList: (torch.sum, _same),
@@ -226,6 +230,7 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.amin.default: (torch.amin, _same),
     aten.logsumexp.default: (torch.logsumexp, _same),
     aten.argmax.default: (torch.argmax, _same),
+    aten.topk.default: (torch.topk, _same),
     aten.softmax.int: (torch.softmax, _same),
     aten._softmax.default: (torch.softmax, _softmax_private),
     aten.log_softmax.int: (torch.log_softmax, _same),

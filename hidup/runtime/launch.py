@@ -200,11 +200,25 @@ def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_
         ctx = init_distributed(replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s)
         out = fn(ctx, *args)
         results.put((local_rank, True, pickle.dumps(out)))
-    except BaseException:
-        results.put((local_rank, False, traceback.format_exc()))
+    except BaseException as e:
+        user = _user_error(e)
+        results.put((local_rank, False, (user, True) if user is not None else (traceback.format_exc(), False)))
         raise
     finally:
         shutdown()
+
+
+def _user_error(e: BaseException) -> str | None:
+    """The message of an error the user can fix (a model that cannot be built, a plan that does not
+    fit it, a refused option), reported without the rank's traceback; None for anything else."""
+    from hidup.models.source import ModelSourceError
+    from hidup.plan import PlanError
+
+    if isinstance(e, SystemExit) and isinstance(e.code, str):
+        return e.code
+    if isinstance(e, (ModelSourceError, PlanError)):
+        return str(e)
+    return None
 
 
 def shutdown() -> None:
@@ -222,7 +236,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
 
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
     launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
-    failure is raised here with its traceback (a rank that dies while exiting, after every rank
+    failure is raised here with its traceback -- or with only its message for a user error (a
+    ``SystemExit`` message, a model that cannot be built, a plan that does not fit) (a rank that dies while exiting, after every rank
     returned its result, only warns: the results are complete).  With neither, it runs one rank in this process.
     ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks
     print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it --
@@ -259,7 +274,7 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
         raise
     except Exception as e:
         _drain(results, out)
-        failures = [v for v in out.values() if isinstance(v, _Failure)]
+        failures = sorted((v for v in out.values() if isinstance(v, _Failure)), key=lambda f: not f.user)
         if not failures and len(out) == layout.cpn:
             # every rank returned its result; one then died leaving (a library's teardown at exit)
             warnings.warn(f"hidup launch: every rank of node {layout.node_rank} returned its result, then one "
@@ -267,6 +282,8 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
             for p in procs.processes:
                 p.join(timeout=10)
             return [out[r] for r in range(layout.cpn)]
+        if failures and failures[0].user:
+            raise LaunchError(failures[0].text) from None
         detail = failures[0].text if failures else str(e)
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{detail}") from None
     finally:
@@ -275,8 +292,10 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     missing = [r for r in range(layout.cpn) if r not in out]
     if missing:
         raise LaunchError(f"local ranks {missing} exited without reporting a result")
-    failures = [v for v in out.values() if isinstance(v, _Failure)]
+    failures = sorted((v for v in out.values() if isinstance(v, _Failure)), key=lambda f: not f.user)
     if failures:
+        if failures[0].user:
+            raise LaunchError(failures[0].text)
         raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{failures[0].text}")
     return [out[r] for r in range(layout.cpn)]
 
@@ -331,6 +350,7 @@ def _restore_signals(previous: dict) -> None:
 @dataclass
 class _Failure:
     text: str
+    user: bool = False  # a user error's message (no traceback)
 
 
 def _drain(results, out: dict) -> None:
@@ -339,7 +359,7 @@ def _drain(results, out: dict) -> None:
             local, ok, payload = results.get_nowait()
         except (queue_mod.Empty, OSError, EOFError):
             return
-        out[local] = pickle.loads(payload) if ok else _Failure(payload)
+        out[local] = pickle.loads(payload) if ok else _Failure(*payload)
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:

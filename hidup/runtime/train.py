@@ -1,9 +1,17 @@
-"""Train a zoo model under a plan: ``hidup train`` and ``exp/train.py``.
+"""Train a model under a plan: ``hidup train`` and ``exp/train.py``.
 
-Each rank builds the same model (same seed, so the same weights), compiles it for its rank under the
-plan (loaded with ``--plan`` or searched on the spot), and runs ``--iterations`` optimizer steps on
-a deterministic stream of global batches: step ``t`` always sees the same batch, so a run resumed from
-a checkpoint continues the loss curve of an uninterrupted one exactly.
+The model is a zoo model or the user's ``package.module:function`` (:mod:`hidup.models.source`);
+with ``--plan`` it is the model the plan records, so no model flags are needed, and the plan's world
+size is the job's (a launch of another size is refused before any rank starts).  Each rank builds
+the same model (same seed, so the same weights), compiles it for its rank under the plan (loaded
+with ``--plan`` or searched on the spot), and runs ``--iterations`` optimizer steps on a
+deterministic stream of global batches: step ``t`` always sees the same batch, so a run resumed from
+a checkpoint continues the loss curve of an uninterrupted one exactly.  Batches are shaped like the
+example inputs: floating-point inputs are standard normal; integer inputs are uniform in
+``[0, vocab)`` for zoo language models (``[0, num_classes)`` for class labels) and, for a factory's
+model, in ``[0, max + 1)`` with ``max`` the example input's largest entry -- an input with negative
+entries (labels padded with -100) or of dtype bool, and anything that is not a tensor, is passed as
+the example holds it.
 
 Reported per run (rank 0): the loss of every step (the true global loss: the sum over ranks of the
 local ``reduce``-form losses), the iteration time as mean ± std over the last ``--last-k`` steps,
@@ -23,6 +31,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -99,18 +108,32 @@ class _Signals:
 
 
 def batch_at(example_inputs, step: int, seed: int, cfg, data) -> tuple:
-    """The global batch of ``step``: deterministic in (seed, step), shaped like the example inputs."""
+    """The global batch of ``step``: deterministic in (seed, step), shaped like the example inputs
+    (``cfg`` is the zoo configuration, None for a factory's model; the module docstring gives the
+    value ranges)."""
     if data is not None:
         return data.batch_at(step)
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     out = []
     for i, x in enumerate(example_inputs):
-        if x.dtype.is_floating_point:
+        if not isinstance(x, torch.Tensor) or x.dtype == torch.bool:
+            out.append(x)
+        elif x.dtype.is_floating_point or x.dtype.is_complex:
             out.append(torch.randn(x.shape, generator=g, dtype=x.dtype))
-        else:
+        elif cfg is not None:
             high = getattr(cfg, "vocab", 2) if i == 0 or x.dim() > 1 else getattr(cfg, "num_classes", 2)
             out.append(torch.randint(0, high, x.shape, generator=g, dtype=x.dtype))
+        elif x.numel() and int(x.min()) < 0:
+            out.append(x.clone())
+        else:
+            high = int(x.max()) + 1 if x.numel() else 1
+            out.append(torch.randint(0, high, x.shape, generator=g, dtype=x.dtype))
     return tuple(out)
+
+
+def _to(values, device) -> tuple:
+    """``values`` with every tensor moved to ``device``."""
+    return tuple(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in values)
 
 
 def _plan_for(args, model, inputs, world: int):
@@ -143,7 +166,6 @@ def _captures(args, cuda: bool) -> bool:
 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     import hidup.models
-    from hidup.cli import model_overrides
     from hidup.codegen import clip_grad_norm_, compile
     from hidup.runtime import checkpoint
     from hidup.runtime.data import StdlibCorpus
@@ -152,11 +174,14 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if args.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    overrides = model_overrides(args)
-    cfg = hidup.models.config(args.model, world_size=world, **overrides)
-    model, inputs = hidup.models.build(args.model, world_size=world, seed=args.seed, **overrides)
+    zoo = not hidup.models.is_factory(args.model)
+    cfg = hidup.models.config(args.model, world_size=world, **args.model_args) if zoo else None
+    model, inputs = hidup.models.build(args.model, world_size=world, seed=args.seed, **args.model_args)
     data = None
     if args.data == "stdlib":
+        if not zoo:
+            raise SystemExit(f"--data stdlib feeds the zoo's language models; {args.model} gets synthetic batches "
+                             "shaped like its example inputs (leave out --data)")
         if getattr(cfg, "vocab", 0) < 256 or inputs[0].dtype.is_floating_point:
             raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
         data = StdlibCorpus(inputs[0].shape[0], inputs[0].shape[1])
@@ -168,14 +193,14 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if mode == "auto" and device.type == "cuda" and world > 1:
         from hidup.codegen import choose_duplication
 
-        trial_batch = tuple(x.to(device) for x in batch_at(inputs, 0, args.seed, cfg, data))
+        trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
         module, trial = choose_duplication(model, plan, rank, world, trial_batch, cuda_graphs=use_graph,
                                            autocast_dtype=autocast_dtype)
         if rank == 0:
             print(trial["reason"], flush=True)
     else:
         duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
-        module = compile(model, plan, rank, world, tuple(x.to(device) for x in inputs), duplication=duplication)
+        module = compile(model, plan, rank, world, _to(inputs, device), duplication=duplication)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = (torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam"
            else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
@@ -197,7 +222,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
 
     signals = _Signals()
     times, cuda = [], device.type == "cuda"
-    is_lm = inputs[0].dim() >= 2 and not inputs[0].is_floating_point()
+    is_lm = inputs[0].dim() >= 2 and not inputs[0].is_floating_point()  # the first input is a tensor (traced)
     tokens_per_step = math.prod(inputs[0].shape[:2]) if is_lm else inputs[0].shape[0]
     unit = "tokens" if is_lm else "samples"
     prof = None
@@ -208,7 +233,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         prof.start()
     step, done = start, 0
     while step < args.iterations:
-        batch = tuple(x.to(device, non_blocking=True) for x in batch_at(inputs, step, args.seed, cfg, data))
+        batch = _to(batch_at(inputs, step, args.seed, cfg, data), device)
         if cuda:
             torch.cuda.synchronize(device)
         if use_graph and graphed is None:
@@ -286,14 +311,30 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hidup train", description=__doc__.split("\n\n")[0])
-    add_train_args(p)
-    args = p.parse_args(argv)
-    return run(args)
+    """``hidup train`` with ``argv`` (user errors end in one message, as on the command line)."""
+    from hidup.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world is not None and args.cpn is None and "CPN" not in os.environ and "RANK" not in os.environ:
+    """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
+    A plan for another world size than the launch's is refused here, before any rank starts."""
+    from hidup.cli import settle_model
+    from hidup.plan import Plan, PlanError
+    from hidup.runtime.launch import layout_from_env
+
+    plan = Plan.load(args.plan) if args.plan is not None else None
+    explicit_world = args.world
+    settle_model(args, plan, args.plan)
+    launched = args.cpn is not None or "CPN" in os.environ or "RANK" in os.environ
+    if plan is not None and launched:
+        layout = layout_from_env(nnodes=args.nnodes, cpn=args.cpn, node_rank=args.node_rank)
+        if layout.world_size != plan.world_size:
+            raise PlanError(f"{args.plan} was searched for {plan.world_size} ranks but this launch has "
+                            f"{layout.world_size} ({layout.source}: NNODES x CPN, or WORLD_SIZE). Fix: launch "
+                            f"{plan.world_size} ranks, or search again for {layout.world_size}")
+    if args.world is not None and not launched and (plan is not None or explicit_world is not None):
         args.cpn, args.nnodes, args.node_rank = args.world, 1, 0  # one node, --world processes
     launch(run_rank, args, **launch_kwargs(args))
     return 0

@@ -12,6 +12,11 @@ and dividing that noise by itself would report a mismatch where there is none.
 
 The command exits non-zero when any difference exceeds ``--tolerance`` (1e-5 by default, fp32).
 With ``--steps K`` it also takes K optimizer steps (SGD) on both sides and compares the losses.
+
+The plan runs as ``hidup train`` runs it: the model the plan records (zoo name or
+``package.module:function``; no model flags needed), on the plan's world size, compiled with the
+plan's duplication setting (``--duplication on|off`` overrides it, as in ``train``; ``train``'s
+``auto`` times both on GPUs and keeps the faster, so verify each with ``on`` and ``off``).
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     from hidup.cli import DEFAULT_PROFILE, add_model_args
 
     add_model_args(p, world_default=2)
-    p.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now)")
+    p.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now); it records its "
+                   "model and world size")
     p.add_argument("--style", choices=("searched", "data", "tensor", "expert"), default="searched",
                    help="without --plan: a searched plan or a forced data/tensor/expert-parallel one")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for the search")
-    p.add_argument("--no-duplication", action="store_true", help="verify the plan without duplication")
+    p.add_argument("--duplication", choices=("plan", "on", "off"), default="plan",
+                   help="compile as the plan says (default, as `hidup train` on the CPU), or force duplication on "
+                        "or off; without --plan, off also searches without it")
+    p.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
     p.add_argument("--steps", type=int, default=0, help="also compare K optimizer steps (default 0)")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest allowed relative difference")
     p.add_argument("--seed", type=int, default=0)
@@ -49,7 +58,8 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
 
 def make_plan(model, inputs, world: int, *, plan=None, style: str = "searched", profile: str = "paper-v100-9.7gbps",
               duplication: bool = True):
-    """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``."""
+    """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``;
+    ``duplication`` is what a searched or forced plan may use."""
     from hidup.plan import Plan
 
     if plan is not None:
@@ -81,10 +91,13 @@ def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
 
 
 def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=None, style: str = "searched",
-                  profile: str = "paper-v100-9.7gbps", duplication: bool = True, steps: int = 0,
+                  profile: str = "paper-v100-9.7gbps", duplication: bool | None = True, steps: int = 0,
                   seed: int = 0, cuda_graph: bool = False) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
+    ``model_name`` is a zoo name or ``package.module:function`` and ``overrides`` its arguments.
+    ``duplication`` True or False forces the compiled module's two copies on or off; None compiles
+    the plan as it says (as ``hidup train`` does), and lets a searched plan use duplication.
     Every rank must call it.  Returns (rank 0) the loss, the per-gradient relative differences and,
     with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``.
     ``cuda_graph`` runs the compiled module's forward and backward through
@@ -95,10 +108,10 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
 
     world, device = ctx.world_size, ctx.device
     model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
-    the_plan = make_plan(model, inputs, world, plan=plan, style=style, profile=profile, duplication=duplication)
-    module = compile(model.to(device), the_plan, ctx.rank, world, tuple(x.to(device) for x in inputs),
-                     duplication=duplication)
-    batch = tuple(x.to(device) for x in inputs)
+    the_plan = make_plan(model, inputs, world, plan=plan, style=style, profile=profile,
+                         duplication=duplication is not False)
+    batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    module = compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
     if cuda_graph:
         from hidup.codegen.graphs import GraphedStep
 
@@ -148,12 +161,14 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     return report
 
 
-def _run_rank(ctx: Distributed, args) -> dict:
-    from hidup.cli import model_overrides
+def _duplication(args) -> bool | None:
+    """``--duplication`` (``--no-duplication`` meaning off): None for the plan's setting."""
+    return {"plan": None, "on": True, "off": False}["off" if args.no_duplication else args.duplication]
 
-    return parity_report(ctx, args.model, model_overrides(args), plan=args.plan, style=args.style,
-                         profile=args.profile, duplication=not args.no_duplication, steps=args.steps,
-                         seed=args.seed)
+
+def _run_rank(ctx: Distributed, args) -> dict:
+    return parity_report(ctx, args.model, args.model_args, plan=args.plan, style=args.style,
+                         profile=args.profile, duplication=_duplication(args), steps=args.steps, seed=args.seed)
 
 
 def _free_port() -> int:
@@ -163,14 +178,28 @@ def _free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
+    world size is refused here, before any rank starts -- then run the ranks and report."""
+    from hidup.cli import settle_model
+    from hidup.plan import Plan
+
+    if args.plan is not None:
+        if args.style != "searched":
+            raise SystemExit(f"--style {args.style} forces a plan; it does not combine with --plan")
+        settle_model(args, Plan.load(args.plan), args.plan)
+    else:
+        settle_model(args)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(CPN=str(args.world), NNODES="1", NODERANK="0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout)[0]
-    print(f"model {args.model}, world {args.world} ({backend}), plan: {args.style}, "
-          f"duplication {report['duplication']}, parallelism used: {', '.join(report['kinds'])}")
+    plan_text = str(args.plan) if args.plan is not None else args.style
+    dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
+    print(f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
+          f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
+          f"parallelism used: {', '.join(report['kinds'])}")
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")
     print(f"gradients: {len(report['grads'])} tensors, max rel diff {worst:.2e} ({worst_name})")
@@ -186,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hidup verify", description=__doc__.split("\n\n")[0])
-    add_verify_args(p)
-    return run(p.parse_args(argv))
+    """``hidup verify`` with ``argv`` (user errors end in one message, as on the command line)."""
+    import sys
+
+    from hidup.cli import main as cli_main
+
+    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,285 @@
+"""Routed experts of third-party Mixture-of-Experts models as one custom op, and its rule.
+
+The op
+------
+``hidup::routed_experts(x[T,D], top_k_index[T,k], top_k_weights[T,k], gate_up_proj[E_l,2F,D],
+down_proj[E_l,D,F], expert_offset: int, act: str) -> y[T,D]`` is the dropless sum
+
+    y[t] = sum_{j : e = idx[t,j] - expert_offset in [0, E_l)}  w[t,j] * expert_e(x[t])
+    expert_e(h) = down_e @ (act(gate_e h) * (up_e h)),    [gate_e; up_e] = gate_up_proj[e]
+
+over the experts ``[expert_offset, expert_offset + E_l)`` only: a token routed elsewhere gets no
+contribution from them.  It is exactly the math of the eager experts of ``transformers`` 5.x
+(``MixtralExperts`` and every class decorated with ``use_experts_implementation`` in the default
+layout: concatenated ``[gate; up]``, not transposed, no bias, no post-expert norm, the default
+``_apply_gate``): per expert, its tokens are gathered, run through both projections, scaled by
+their routing weight and added into the output.  The op is a ``torch.library`` custom op with a
+fake (meta) implementation, so ``torch.export`` records one node per MoE layer instead of the
+data-dependent ``sort / histc / grouped_mm / index_put_`` of the grouped implementation, which no
+rule can shard.  Its backward recomputes the forward with differentiable torch ops and takes
+their gradients (memory: the op saves only its inputs).
+
+While hidup exports a model, :func:`routed_experts_as_custom_op` registers a ``"hidup"`` experts
+implementation in ``transformers``' ``ALL_EXPERTS_FUNCTIONS`` and points the configs of the
+model's experts modules at it; afterwards the configs are restored.  An experts module whose
+layout or activation hidup does not model keeps its previous implementation (replicated, with
+the usual fallback warning).
+
+Signatures (``E`` experts in total, ``N`` ranks)
+-----------------------------------------------
+* all ``full``;
+* data: ``x, idx, w gather_0`` (tokens), expert weights ``full`` -> ``y gather_0``: each token's
+  output depends on that token only;
+* expert: ``x, idx, w full``, both expert weights ``gather_0`` (experts) -> ``y reduce``: rank r
+  holds experts ``[r E/N, (r+1) E/N)`` and runs the op with ``expert_offset = r E/N`` on every
+  token; the sum over ranks of these partial outputs is ``y`` because each (token, slot) pair is
+  counted by the one rank owning its expert.  This is the all-gather token dispatcher of
+  Megatron-LM (tokens all-gathered, outputs reduce-scattered): dropless, with no variable-size
+  all-to-all.  Gradients follow the convention of :mod:`hidup.ir`: ``y``'s gradient is exact on
+  every rank, so each rank's gradients of ``x`` and ``w`` are its experts' partial contributions
+  (``full``), and its expert weights' gradients are exact for its slice (``gather_0``).
+
+FLOPs: ``6 T k D F`` for the whole op (``2 T k D (2F)`` for ``[gate; up]``, ``2 T k F D`` for
+``down``), ``/ N`` per rank in both sharded signatures.
+
+The router's ``topk(input, k, dim)`` is here too: any dim but ``dim`` may be sharded (the same
+slice of both outputs), ``dim`` never (the top k of a slice are not the top k of the row).
+FLOPs: ``numel(input)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hidup.ir import FULL, REDUCE, Signature, gather
+from hidup.rules.base import LocalCall, RuleContext
+from hidup.rules.notation import shard_signatures
+from hidup.rules.registry import Unsupported, all_full, bind, register
+
+__all__ = ["ACTIVATIONS", "routed_experts", "routed_experts_math", "routed_experts_as_custom_op",
+           "experts_layout_activation"]
+
+# activation name -> the function applied to the gate half
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+_NAMES = ["x", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "expert_offset", "act"]
+
+
+def routed_experts_math(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
+                        down_proj: Tensor, expert_offset: int, act: str) -> Tensor:
+    """The op in differentiable torch (see module docstring); the eager ``transformers`` loop."""
+    fn = ACTIVATIONS[act]
+    out = torch.zeros_like(x)
+    for e in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == expert_offset + e)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(fn(gate) * up, down_proj[e])
+        h = h * top_k_weights[token, slot, None]
+        out = out.index_add(0, token, h.to(out.dtype))
+    return out
+
+
+@torch.library.custom_op("hidup::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
+                   down_proj: Tensor, expert_offset: int, act: str) -> Tensor:
+    """Dropless routed experts ``[expert_offset, expert_offset + E_local)`` (see module docstring)."""
+    with torch.no_grad():
+        return routed_experts_math(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_offset, act)
+
+
+@routed_experts.register_fake
+def _routed_experts_fake(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_offset, act):
+    _check_shapes(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
+    return torch.empty_like(x)
+
+
+def _check_shapes(x, idx, w, gate_up, down, act) -> None:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidup::routed_experts: unknown activation {act!r}; expected one of {sorted(ACTIVATIONS)}")
+    if x.dim() != 2 or idx.dim() != 2 or idx.shape != w.shape or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"hidup::routed_experts: expected x[T,D], top_k_index[T,k], top_k_weights[T,k]; got "
+                         f"{tuple(x.shape)}, {tuple(idx.shape)}, {tuple(w.shape)}")
+    e, f2, d = gate_up.shape
+    if d != x.shape[1] or f2 % 2 or tuple(down.shape) != (e, d, f2 // 2):
+        raise ValueError(f"hidup::routed_experts: expected gate_up_proj[E,2F,D], down_proj[E,D,F] with D = "
+                         f"{x.shape[1]}; got {tuple(gate_up.shape)}, {tuple(down.shape)}")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, idx, w, gate_up, down, offset, act = inputs
+    ctx.save_for_backward(x, idx, w, gate_up, down)
+    ctx.expert_offset, ctx.act = offset, act
+
+
+def _backward(ctx, grad_y):
+    x, idx, w, gate_up, down = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (x, w, gate_up, down)]
+    with torch.enable_grad():
+        y = routed_experts_math(leaves[0], idx, leaves[1], leaves[2], leaves[3], ctx.expert_offset, ctx.act)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(y, wanted, grad_y, allow_unused=True)) if y.requires_grad else None
+    grads = []
+    for t in leaves:
+        g = next(got) if (got is not None and t.requires_grad) else None
+        grads.append(torch.zeros_like(t) if g is None and t.requires_grad else g)
+    gx, gw, g_gate_up, g_down = grads
+    return gx, None, gw, g_gate_up, g_down, None, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- transformers integration
+def experts_layout_activation(module: nn.Module) -> str | None:
+    """The activation name of a ``transformers`` experts module whose layout the op models, else None."""
+    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "config", "act_fn")):
+        return None
+    if (not module.has_gate or module.is_transposed or module.has_bias or getattr(module, "has_post_expert_norm", False)
+            or not getattr(module, "is_concatenated", True) or getattr(module, "_is_expert_parallel", False)):
+        return None
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or apply_gate is not getattr(moe, "_default_apply_gate", None):
+        return None
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    e, f2, d = gate_up.shape
+    if f2 % 2 or tuple(down.shape) != (e, d, f2 // 2) or getattr(module, "num_experts", e) != e:
+        return None
+    return _activation_name(module.act_fn)
+
+
+def _activation_name(act: nn.Module) -> str | None:
+    acts = sys.modules.get("transformers.activations")
+    cls = type(act)
+    if cls in (nn.SiLU,) or (acts is not None and cls is getattr(acts, "SiLUActivation", None)):
+        return "silu"
+    if cls is nn.ReLU and not act.inplace:
+        return "relu"
+    if cls is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if acts is not None and cls is getattr(acts, "GELUActivation", None) and getattr(act, "act", None) is F.gelu:
+        return "gelu"
+    if acts is not None and cls is getattr(acts, "GELUTanh", None):
+        inner = getattr(act, "act", None)
+        if isinstance(inner, functools.partial) and inner.func is F.gelu and inner.keywords == {"approximate": "tanh"}:
+            return "gelu_tanh"
+    return None
+
+
+_IMPLEMENTATION = "hidup"
+_PREVIOUS: dict[int, str | None] = {}  # id(config) -> its experts implementation before the export
+
+
+def _hidup_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    act = experts_layout_activation(self)
+    if act is None:  # a layout the op does not model: the implementation the model had
+        moe = sys.modules["transformers.integrations.moe"]
+        eager = getattr(type(self).forward, "__wrapped__", None)
+        previous = _PREVIOUS.get(id(self.config))
+        fn = moe.ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager) if previous else eager
+        return fn(self, hidden_states, top_k_index, top_k_weights)
+    return torch.ops.hidup.routed_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                                          self.down_proj, 0, act)
+
+
+@contextlib.contextmanager
+def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
+    """While active, the ``transformers`` experts modules of ``model`` run :func:`routed_experts`.
+
+    Yields how many experts modules were switched; restores each config's implementation on exit.
+    A model without ``transformers`` experts is left untouched.
+    """
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None:
+        yield 0
+        return
+    if _IMPLEMENTATION not in moe.ALL_EXPERTS_FUNCTIONS:
+        moe.ExpertsInterface.register(_IMPLEMENTATION, _hidup_experts_forward)
+    configs, count = {}, 0
+    for m in model.modules():
+        if experts_layout_activation(m) is not None:
+            configs[id(m.config)] = m.config
+            count += 1
+    saved = {}
+    try:
+        for key, config in configs.items():
+            # the attribute behind the config's property: its setter would also overwrite sub-configs
+            attr = "_experts_implementation_internal" if hasattr(config, "_experts_implementation_internal") \
+                else "_experts_implementation"
+            saved[key] = (attr, getattr(config, attr))
+            _PREVIOUS[key] = config._experts_implementation
+            setattr(config, attr, _IMPLEMENTATION)
+        yield count
+    finally:
+        for key, config in configs.items():
+            if key in saved:
+                setattr(config, *saved[key])
+            _PREVIOUS.pop(key, None)
+
+
+# --------------------------------------------------------------------------- rules
+def _bound(ctx: RuleContext) -> dict:
+    b = bind(ctx.args, ctx.kwargs, _NAMES, where="routed_experts")
+    if len(ctx.inputs) != 5 or not isinstance(b.get("expert_offset"), int) or b.get("act") not in ACTIVATIONS:
+        raise Unsupported("routed_experts: expected five tensors, an int expert_offset and a known activation")
+    return b
+
+
+def _experts_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
+    b = _bound(ctx)
+    offset = b["expert_offset"]
+    if sig.inputs[3].is_gather:  # expert signature: rank r holds experts [r E/N, (r+1) E/N)
+        offset += rank * (ctx.inputs[3].shape[0] // ctx.world)
+    return LocalCall(torch.ops.hidup.routed_experts.default,
+                     tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
+
+
+@register(torch.ops.hidup.routed_experts.default, routed_experts, name="routed_experts", localize=_experts_localize)
+def _routed_experts_rule(ctx: RuleContext) -> list[Signature]:
+    _bound(ctx)
+    x, idx, _, gate_up, down = ctx.inputs
+    tokens, hidden = x.shape
+    k = idx.shape[1]
+    experts, ffn = gate_up.shape[0], down.shape[2]
+    n = ctx.world
+    flops = 6.0 * tokens * k * hidden * ffn
+    sigs = [all_full(ctx, flops)]
+    if tokens % n == 0:
+        g = gather(0)
+        sigs.append(Signature((g, g, g, FULL, FULL), (g,), flops / n, "data"))
+    if experts % n == 0:
+        g = gather(0)
+        sigs.append(Signature((FULL, FULL, FULL, g, g), (REDUCE,), flops / n, "expert", "local_experts"))
+    return sigs
+
+
+@register(torch.topk, "topk", name="topk")
+def _topk(ctx: RuleContext) -> list[Signature]:
+    b = bind(ctx.args, ctx.kwargs, ["input", "k", "dim", "largest", "sorted"], {"dim": -1}, where="topk")
+    x = ctx.inputs[0]
+    nd = len(x.shape)
+    if nd == 0 or len(ctx.inputs) != 1 or len(ctx.outputs) != 2:
+        raise Unsupported("topk: expected one tensor of at least one dim and (values, indices)")
+    d = b["dim"] % nd
+    tin = [f"d{i}" for i in range(nd)]
+    tout = list(tin)
+    tout[d] = "k"
+    return shard_signatures([tin], [tout, tout], ctx.inputs, ctx.outputs, ctx.world, float(math.prod(x.shape)),
+                            fixed={tin[d], "k"}, where="topk")

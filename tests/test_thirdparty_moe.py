@@ -1,0 +1,292 @@
+"""Expert parallelism for ``transformers`` Mixture-of-Experts models (``hidup/rules/experts.py``).
+
+* the custom op ``hidup::routed_experts`` equals the eager experts of ``transformers`` forward and
+  backward, and every signature of its rule passes the simulated-SPMD test (forward + backward, N in
+  {2, 4}, k = 1 and 2, routings that leave experts without a token);
+* a small ``transformers`` Mixtral traces with no replicated fallback, its MoE as one op per layer;
+* the forced expert plan and the searched plan at world 2 and 4, duplication off and on, reproduce
+  the single-device loss (a mean over padded labels) and every gradient; all jobs of one world run in
+  one spawned group of gloo ranks;
+* the search shards the experts where they dominate the step.
+
+Tolerances: the model runs in float64, but its router computes softmax and top-k in float32 and the
+loss upcasts logits to float32, so losses and gradients carry float32 rounding of sums over at most
+``BATCH * SEQ`` terms (``TOL``), as in ``tests/test_thirdparty.py``; the routing itself is the same on
+every rank (each rank routes its tokens with the same float32 ops on the same values).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_util import run_distributed  # noqa: E402
+from spmd import check_op, has_sig  # noqa: E402
+
+T = pytest.importorskip("transformers")
+
+from hidup.rules.experts import routed_experts_as_custom_op, routed_experts_math  # noqa: E402
+
+D64 = torch.float64
+VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3
+TOL = 4 * BATCH * SEQ * torch.finfo(torch.float32).eps
+OP = torch.ops.hidup.routed_experts.default
+
+
+class LMStep(nn.Module):
+    """``model(input_ids, labels=labels).loss`` (mean over the counted tokens)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def mixtral_config(experts: int = 4, hidden: int = 64, ffn: int = 96, layers: int = 2, act: str = "silu", **kw):
+    return T.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=ffn, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                           num_local_experts=experts, num_experts_per_tok=2, hidden_act=act, attention_dropout=0.0,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
+
+
+def build(experts: int = 4, seed: int = 0):
+    """(Mixtral step in float64, (input_ids, labels)); labels padded as in ``tests/thirdparty.py``.
+
+    The experts run transformers' eager loop (its grouped matmul has no float64 CPU kernel); hidup
+    exports them as its own op either way."""
+    torch.manual_seed(seed)
+    model = LMStep(T.MixtralForCausalLM(mixtral_config(experts, experts_implementation="eager"))).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :PAD] = -100
+    labels[0] = -100
+    return model, (ids, labels)
+
+
+# --------------------------------------------------------------------------------------------- the op
+
+def _routing(tokens: int, k: int, experts: int, used: int, gen: torch.Generator):
+    """Top-k indices drawn from the first ``used`` experts only (distinct per token), and weights."""
+    scores = torch.rand(tokens, used, generator=gen)
+    idx = scores.topk(k, dim=-1).indices
+    w = torch.rand(tokens, k, generator=gen, dtype=D64)
+    return idx, w
+
+
+@pytest.mark.parametrize("tokens,hidden,ffn,experts,k,used,act", [
+    (8, 6, 5, 4, 2, 3, "silu"),    # expert 3 gets no token
+    (8, 4, 3, 4, 1, 2, "gelu"),    # experts 2 and 3 get none; k = 1
+    (16, 5, 4, 8, 2, 8, "relu"),
+    (4, 3, 2, 4, 1, 1, "gelu_tanh"),  # every token on expert 0
+])
+def test_routed_experts_signatures(tokens, hidden, ffn, experts, k, used, act):
+    gen = torch.Generator().manual_seed(tokens * 100 + experts * 10 + k)
+    idx, w = _routing(tokens, k, experts, used, gen)
+    x = torch.randn(tokens, hidden, dtype=D64, generator=gen)
+    gate_up = nn.Parameter(torch.randn(experts, 2 * ffn, hidden, dtype=D64, generator=gen))
+    down = nn.Parameter(torch.randn(experts, hidden, ffn, dtype=D64, generator=gen))
+    res = check_op(OP, (x, idx, w, gate_up, down, 0, act))
+    flops = 6.0 * tokens * k * hidden * ffn
+    for n, sigs in res.items():
+        assert has_sig(sigs, ["gather_0"] * 3 + ["full"] * 2, ["gather_0"], kind="data")
+        assert has_sig(sigs, ["full"] * 3 + ["gather_0"] * 2, ["reduce"], kind="expert")
+        assert sorted(s.flops for s in sigs) == [flops / n, flops / n, flops]
+
+
+def test_routed_experts_float32_router_weights():
+    """Mixtral's routing weights are float32 while its experts may be float64: the output keeps x's dtype."""
+    gen = torch.Generator().manual_seed(3)
+    idx, w = _routing(8, 2, 4, 3, gen)
+    x = torch.randn(8, 4, dtype=D64, generator=gen)
+    gate_up = nn.Parameter(torch.randn(4, 6, 4, dtype=D64, generator=gen))
+    down = nn.Parameter(torch.randn(4, 4, 3, dtype=D64, generator=gen))
+    res = check_op(OP, (x, idx, w.float(), gate_up, down, 0, "silu"))
+    assert all(len(sigs) == 3 for sigs in res.values())
+    assert OP(x, idx, w.float(), gate_up, down, 0, "silu").dtype == D64
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_op_equals_transformers_eager_experts(act):
+    """Forward and every gradient of the op equal ``MixtralExperts`` run eagerly (the reference loop)."""
+    config = mixtral_config(experts=8, hidden=16, ffn=12, act=act)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = T.models.mixtral.modeling_mixtral.MixtralExperts(config).double()
+    for p in experts.parameters():
+        nn.init.normal_(p)
+    gen = torch.Generator().manual_seed(1)
+    idx, w = _routing(10, 2, 8, 6, gen)
+    w = w.float().requires_grad_()
+    x = torch.randn(10, 16, dtype=D64, generator=gen, requires_grad=True)
+    gy = torch.randn(10, 16, dtype=D64, generator=gen)
+
+    def run(fn):
+        for t in (x, w, *experts.parameters()):
+            t.grad = None
+        y = fn()
+        y.backward(gy)
+        return [y.detach()] + [t.grad.clone() for t in (x, w, experts.gate_up_proj, experts.down_proj)]
+
+    ref = run(lambda: experts(x, idx, w))
+    with routed_experts_as_custom_op(experts) as switched:
+        assert switched == 1
+        got = run(lambda: experts(x, idx, w))
+    assert config._experts_implementation == "eager"
+    for a, b, what in zip(got, ref, ["y", "x", "w", "gate_up_proj", "down_proj"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    again = routed_experts_math(x.detach(), idx, w.detach(), experts.gate_up_proj.detach(),
+                                experts.down_proj.detach(), 0, act)
+    torch.testing.assert_close(again, ref[0])
+
+
+def test_expert_offset_selects_a_slice_of_experts():
+    """Two halves of the experts, each with its offset, sum to the whole op (the expert signature's math)."""
+    gen = torch.Generator().manual_seed(5)
+    idx, w = _routing(6, 2, 4, 4, gen)
+    x = torch.randn(6, 3, dtype=D64, generator=gen)
+    gate_up = torch.randn(4, 4, 3, dtype=D64, generator=gen)
+    down = torch.randn(4, 3, 2, dtype=D64, generator=gen)
+    whole = OP(x, idx, w, gate_up, down, 0, "silu")
+    parts = OP(x, idx, w, gate_up[:2], down[:2], 0, "silu") + OP(x, idx, w, gate_up[2:], down[2:], 2, "silu")
+    torch.testing.assert_close(parts, whole)
+    assert not torch.equal(OP(x, idx, w, gate_up[2:], down[2:], 2, "silu"), torch.zeros_like(whole))
+
+
+# --------------------------------------------------------------------------------------------- tracing
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixtral_traces_every_op_with_a_rule(world):
+    from hidup.trace import FallbackWarning, trace_module
+
+    model, inputs = build()
+    before = model.model.config._experts_implementation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        graph = trace_module(model, inputs, world_size=world).graph
+    assert graph.fallbacks == []
+    assert model.model.config._experts_implementation == before  # restored after the export
+    moe = [n for n in graph.nodes if n.target == "routed_experts"]
+    assert len(moe) == 2
+    for n in moe:
+        assert {s.kind for s in n.signatures} == {"replicated", "data", "expert"}
+    assert sum(1 for n in graph.nodes if n.target == "topk") == 2
+
+
+def test_unsupported_experts_layout_keeps_its_path():
+    """An activation the op does not model (tanh) leaves the experts as they were: replicated, with a warning."""
+    from hidup.trace import FallbackWarning, trace_module
+
+    torch.manual_seed(0)
+    model = LMStep(T.MixtralForCausalLM(mixtral_config(act="tanh"))).double()
+    with routed_experts_as_custom_op(model) as switched:
+        assert switched == 0
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    with pytest.warns(FallbackWarning):
+        graph = trace_module(model, (ids, ids), world_size=2).graph
+    assert graph.fallbacks and not any(n.target == "routed_experts" for n in graph.nodes)
+
+
+# --------------------------------------------------------------------------------------------- parity
+
+JOBS = [(style, dup) for style in ("expert", "searched") for dup in (False, True)]
+
+
+def _plans(world: int) -> list:
+    """(style, duplication, plan) of every job, searched once here (the ranks only compile)."""
+    import hidup.profiler
+    from hidup.search import forced, search
+    from hidup.trace import trace
+
+    profile = hidup.profiler.load("paper-v100-9.7gbps")
+    model, inputs = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(model, inputs, world_size=world)
+    moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
+    jobs = []
+    for style, dup in JOBS:
+        plan = search(graph, profile, duplication=dup) if style == "searched" else forced(graph, profile, style)
+        jobs.append((style, dup, plan, sorted({plan.choices[name].kind for name in moe})))
+    return jobs
+
+
+def _rank_parity(rank, world, jobs):
+    from hidup.codegen import compile
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    ref = None
+    if rank == 0:
+        ref, ref_inputs = build()
+        ref_loss = ref(*ref_inputs)
+        ref_loss.backward()
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+    results = []
+    for style, dup, plan, moe_kinds in jobs:
+        model, inputs = build()
+        module = compile(model, plan, rank, world, inputs, duplication=dup)
+        loss = module(*inputs)
+        loss.backward()
+        total = float(module.global_loss(loss))
+        grads = full_grad_dict(module)
+        if rank:
+            continue
+        worst, where = 0.0, ""
+        for pname, p in ref.named_parameters():
+            d = float((grads[pname] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
+            if d > worst:
+                worst, where = d, pname
+        results.append({"job": (style, dup), "duplication": module.duplication, "moe_kinds": moe_kinds,
+                        "loss": total, "ref": float(ref_loss), "grad": worst, "where": where})
+    return results
+
+
+_RESULTS: dict[int, dict] = {}
+
+
+def _results(world: int) -> dict:
+    if world not in _RESULTS:
+        _RESULTS[world] = {r["job"]: r for r in run_distributed(_rank_parity, world, _plans(world), timeout=900)[0]}
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("dup", [False, True], ids=["nodup", "dup"])
+@pytest.mark.parametrize("style", ["expert", "searched"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixtral_parity(world, style, dup):
+    r = _results(world)[(style, dup)]
+    where = f"Mixtral world {world} {style} plan, duplication {dup}"
+    assert r["duplication"] == dup, f"{where}: ran with duplication {r['duplication']}"
+    assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), f"{where}: loss {r['loss']} vs {r['ref']}"
+    assert r["grad"] <= TOL, f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
+    if style == "expert":
+        assert r["moe_kinds"] == ["expert"], f"{where}: the MoE ops run as {r['moe_kinds']}"
+
+
+# --------------------------------------------------------------------------------------------- search
+
+def test_search_shards_experts_that_dominate():
+    """Few tokens and wide experts: moving the tokens costs far less than all-reducing the experts'
+    gradients, so the searched plan (no signature forced) picks the expert signature of each MoE op."""
+    import hidup.profiler
+    from hidup.search import search
+    from hidup.trace import trace
+
+    config = mixtral_config(experts=8, hidden=64, ffn=8192)
+    with torch.device("meta"):
+        model = LMStep(T.MixtralForCausalLM(config))
+    ids = torch.randint(1, VOCAB, (4, SEQ), device="meta")
+    graph = trace(model, (ids, ids), world_size=4)
+    assert graph.fallbacks == []
+    plan = search(graph, hidup.profiler.load("h200x4-nvlink"), duplication=False)
+    moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
+    assert [plan.choices[name].kind for name in moe] == ["expert", "expert"]

@@ -426,6 +426,13 @@ def _argmax(draw):
     return [Call((rn(a, b, c), 1)), Call((rn(a, b, c), -1, True)), Call((rn(a, b, c),))]
 
 
+def _topk(draw):
+    # distinct values (a permutation), so that every rank picks the same indices as one device
+    a, b, c = draw(EVEN), draw(SIZES), draw(st.sampled_from([2, 3, 4]))
+    x = torch.randperm(a * b * c).reshape(a, b, c).to(D64)
+    return [Call((x, 2)), Call((x, 1, 1)), Call((x, 2, -1, False)), Call((x, 1, 0, True, True))]
+
+
 def _softmax(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
     return [Call((rn(a, b, c), -1)), Call((rn(a, b, c), 1)), Call((rn(a, b, c), 0, D64))]
@@ -634,6 +641,7 @@ CASES = {
     aten.amin.default: _amax,
     aten.logsumexp.default: _logsumexp,
     aten.argmax.default: _argmax,
+    aten.topk.default: _topk,
     aten.softmax.int: _softmax,
     aten._softmax.default: _softmax_private,
     aten.log_softmax.int: _softmax,

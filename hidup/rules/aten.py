@@ -216,10 +216,6 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.index_select.default: (torch.index_select, _same),
     aten.gather.default: (torch.gather, _same),
     aten.pad.default: (F.pad, _same),
-    # convolutions (a patch embedding)
-    aten.conv1d.default: (F.conv1d, _same),
-    aten.conv2d.default: (F.conv2d, _same),
-    aten.conv3d.default: (F.conv3d, _same),
     aten.constant_pad_nd.default: (F.pad, _constant_pad),
     # reductions and normalizations
     aten.sum.dim_IntList: (torch.sum, _same),

@@ -1,0 +1,187 @@
+"""Plans for models that need many GPUs, searched on meta tensors: Llama-3-8B and Mixtral-8x7B shapes.
+
+Each model is a ``transformers`` model built from a config with the published shapes (no weights are
+allocated: the model lives on the ``meta`` device), wrapped so that its forward returns the
+causal-LM loss.  It is traced with ``hidup.trace`` (torch.export) at the job's world size and
+searched with the DP under a built-in profile, a per-GPU memory budget and bf16 (autocast) compute.
+For each job the script records the trace and search seconds, the prediction, the memory by the
+memory model, and how the plan shards the model: the signature kind of every op (data, tensor,
+expert, replicated) and, for the weights of attention, MLP and experts, whether they are stored
+sharded.
+
+Jobs (sequence 4096, one sequence per GPU):
+
+* ``llama3-8b``: hidden 4096, 32 layers, 32 heads with 8 key/value heads, MLP 14336, vocab 128256;
+* ``mixtral-8x7b``: hidden 4096, 32 layers, 32/8 heads, 8 experts of MLP 14336, top-2, vocab 32000.
+
+World sizes beyond the profile's measured group sizes are priced from the nearest measured group
+with the ring factor (``hidup.profiler.profile``): 16 GPUs are then priced as one NVLink domain,
+which a real 2-node cluster is not.
+
+Writes ``--out``/scale.json and scale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+JOBS = {
+    "llama3-8b": dict(family="llama", worlds=(8,), config=dict(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
+    "mixtral-8x7b": dict(family="mixtral", worlds=(8, 16), config=dict(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+        num_experts_per_tok=2)),
+}
+
+
+class CausalLMStep(torch.nn.Module):
+    """``model(input_ids, labels).loss``: the training step's loss as the forward's value."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build(name: str, layers: int | None, batch: int, seq: int):
+    """(step module on meta, example inputs) of job ``name``; ``layers`` overrides the layer count."""
+    import transformers
+
+    job = JOBS[name]
+    config = dict(job["config"])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    if job["family"] == "llama":
+        cfg, cls = transformers.LlamaConfig(**config), transformers.LlamaForCausalLM
+    else:
+        cfg, cls = transformers.MixtralConfig(**config), transformers.MixtralForCausalLM
+    with torch.device("meta"):
+        model = CausalLMStep(cls(cfg))
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+
+
+def _weight_role(param: str) -> str | None:
+    for key, role in (("experts", "experts"), ("mlp_gate_weight", "router"), ("self_attn", "attention"), ("mlp", "mlp"),
+                      ("embed_tokens", "embedding"), ("lm_head", "lm_head")):
+        if key in param:
+            return role
+    return None
+
+
+def describe_plan(plan, graph) -> dict:
+    """Counts of signature kinds over call nodes, and per weight role how its parameters are stored."""
+    kinds = Counter(plan.choices[n.name].kind for n in graph.nodes if n.op == "call")
+    stored: dict[str, Counter] = {}
+    for n in graph.nodes:
+        if n.op != "param":
+            continue
+        role = _weight_role(n.name)
+        if role is None:
+            continue
+        form = plan.choices[n.name].outputs[0]
+        stored.setdefault(role, Counter())[str(form)] += 1
+    return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}}
+
+
+def run_job(name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None,
+            seq: int) -> dict:
+    import hidup
+    from hidup.search import SearchError
+
+    model, inputs = build(name, layers, batch=world, seq=seq)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = hidup.trace(model, inputs, world_size=world)
+    trace_s = time.perf_counter() - t0
+    row = {"job": name, "world": world, "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
+           "batch": world, "seq": seq, "nodes": len(graph.nodes), "fallbacks": list(graph.fallbacks),
+           "trace_s": round(trace_s, 2)}
+    t0 = time.perf_counter()
+    try:
+        plan = hidup.search(graph, profile, memory_budget=memory_gb * 1e9 if memory_gb else None, precision=precision)
+    except SearchError as e:  # recorded: the budget or the mesh admits no plan
+        row.update(search_s=round(time.perf_counter() - t0, 2), error=str(e))
+        print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
+        return row
+    search_s = time.perf_counter() - t0
+    row.update({"search_s": round(search_s, 2), "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
+           "memory_gib": round(plan.memory["total"] / 2**30, 1), "duplication": plan.duplication,
+           **describe_plan(plan, graph), "summary": hidup.show(plan, graph)})
+    print(f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s, "
+          f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, kinds {row['kinds']}, "
+          f"stored {row['stored']}", flush=True)
+    return row
+
+
+def write_markdown(rows: list[dict], args, path: Path) -> None:
+    lines = ["# Plans for models that need many GPUs", "",
+             f"Command: `python exp/scale_plans.py {' '.join(args.argv)}`".rstrip() + "  ",
+             f"Host: {os.cpu_count()} CPUs ({platform.machine()}, {platform.python_version()}), torch {torch.__version__}; "
+             f"profile `{args.profile}`, "
+             + (f"memory budget {args.memory:g} GB per GPU, " if args.memory else "no memory budget, ")
+             + f"{args.precision}, "
+             f"sequence {args.seq}, one sequence per GPU.", "",
+             "Models are built on the meta device from `transformers` configs with the published shapes and "
+             "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
+             "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
+             "NVLink domain by the ring factor, which a real two-node cluster is not.", "",
+             "| job | GPUs | nodes | trace s | search s | predicted ms | memory GiB | ops by kind | weights stored |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['job']} | {r['world']} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | no plan "
+                         f"| - | {r['error'].split('. Fix')[0]} | - |")
+            continue
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
+        stored = "; ".join(f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items())
+                           for role, forms in r["stored"].items())
+        lines.append(f"| {r['job']} | {r['world']} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | "
+                     f"{r['predicted_ms']} | {r['memory_gib']} | {kinds} | {stored} |")
+    for r in rows:
+        if "summary" in r:
+            lines += ["", f"## {r['job']}, {r['world']} GPUs", "", "```", r["summary"].rstrip(), "```"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
+    p.add_argument("--worlds", type=int, nargs="+", help="override each job's world sizes")
+    p.add_argument("--layers", type=int, help="override the layer count (a quick check)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--profile", default="h200x4-nvlink")
+    p.add_argument("--memory", type=float, default=141.0, help="GB per GPU (H200: 141; 0: no budget)")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    rows = [run_job(name, world, args.profile, args.memory, args.precision, args.layers, args.seq)
+            for name in args.jobs for world in (args.worlds or JOBS[name]["worlds"])]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_markdown(rows, args, args.out / "scale.md")
+    print(f"wrote {args.out / 'scale.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

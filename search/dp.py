@@ -53,7 +53,8 @@ Speed
   about one pass whatever the entries: an occurrence reached in more than ``NEW_TABLES_PER_PASS``
   entry states without a table is run position by position (ATen graphs reach a block in hundreds
   of states: a 4-layer Llama built 303 tables in 275 s, against 3.6 s for the plain pass, and both
-  found the same plan).
+  found the same plan), unless its entry states are those of the block's previous occurrence: the
+  layers have reached a steady state, and the tables built now serve every later occurrence.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class _DP:
         self.dominates = _dominator(len(self.zero), duplication)
         self.tables: dict[tuple, list] = {}
         self.reps: dict[int, Occurrence] = {}
+        self.last_entries: dict[int, frozenset] = {}  # block type -> entry states of its last occurrence
 
     # ---------------------------------------------------------------------------- point algebra
     # A front is a list of entries ``(est(point), point, trace)``: the estimate is stored so that
@@ -408,9 +410,13 @@ class _DP:
 
     def tables_pay(self, states: dict, occ: Occurrence) -> bool:
         """Whether the block's tables cost less than running ``occ`` position by position: at most
-        ``NEW_TABLES_PER_PASS`` of the entry states of ``states`` have no table yet."""
-        entries = {tuple(key[j] for j in occ.ext_idx) for key in states}
-        return sum((occ.type, e) not in self.tables for e in entries) <= NEW_TABLES_PER_PASS
+        ``NEW_TABLES_PER_PASS`` of the entry states of ``states`` have no table yet, or the entry
+        states are those of the previous occurrence of the block (a steady state, in which every
+        table built now serves each later occurrence)."""
+        entries = frozenset(tuple(key[j] for j in occ.ext_idx) for key in states)
+        steady = self.last_entries.get(occ.type) == entries
+        self.last_entries[occ.type] = entries
+        return steady or sum((occ.type, e) not in self.tables for e in entries) <= NEW_TABLES_PER_PASS
 
     def block_step(self, states: dict, occ_index: int, occ: Occurrence) -> dict:
         new = {}

@@ -18,7 +18,8 @@ World sizes beyond the profile's measured group sizes are priced from the neares
 with the ring factor (``hidup.profiler.profile``): 16 GPUs are then priced as one NVLink domain,
 which a real 2-node cluster is not.
 
-Writes ``--out``/scale.json and scale.md.
+Writes ``--out``/scale_plans.json and scale_plans.md (the tables and each plan's summary; docs/scale.md
+says what they show).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 JOBS = {
-    "llama3-8b": dict(family="llama", worlds=(8,), config=dict(
+    "llama3-8b": dict(family="llama", config=dict(
         num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
-    "mixtral-8x7b": dict(family="mixtral", worlds=(8, 16), config=dict(
+    "mixtral-8x7b": dict(family="mixtral", config=dict(
         num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
         num_experts_per_tok=2)),
@@ -112,6 +113,8 @@ def run_job(name: str, world: int, profile: str, memory_gb: float, precision: st
     trace_s = time.perf_counter() - t0
     row = {"job": name, "world": world, "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
            "batch": world, "seq": seq, "nodes": len(graph.nodes), "fallbacks": list(graph.fallbacks),
+           "host": f"{os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), torch {torch.__version__}",
+           "profile": profile, "precision": precision, "memory_budget_gb": memory_gb or None,
            "trace_s": round(trace_s, 2)}
     t0 = time.perf_counter()
     try:
@@ -132,54 +135,76 @@ def run_job(name: str, world: int, profile: str, memory_gb: float, precision: st
 
 def write_markdown(rows: list[dict], args, path: Path) -> None:
     lines = ["# Plans for models that need many GPUs", "",
-             f"Command: `python exp/scale_plans.py {' '.join(args.argv)}`".rstrip() + "  ",
-             f"Host: {os.cpu_count()} CPUs ({platform.machine()}, {platform.python_version()}), torch {torch.__version__}; "
-             f"profile `{args.profile}`, "
-             + (f"memory budget {args.memory:g} GB per GPU, " if args.memory else "no memory budget, ")
-             + f"{args.precision}, "
-             f"sequence {args.seq}, one sequence per GPU.", "",
+             "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in rows)) + "  ",
+             f"Host: {rows[0]['host']}; "
+             f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, "
+             f"sequence {rows[0]['seq']}, one sequence per GPU.", "",
              "Models are built on the meta device from `transformers` configs with the published shapes and "
              "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
              "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
              "NVLink domain by the ring factor, which a real two-node cluster is not.", "",
-             "| job | GPUs | nodes | trace s | search s | predicted ms | memory GiB | ops by kind | weights stored |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind | weights stored |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['job']} | {r['world']} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | no plan "
+            lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | no plan "
                          f"| - | {r['error'].split('. Fix')[0]} | - |")
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
         stored = "; ".join(f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items())
                            for role, forms in r["stored"].items())
-        lines.append(f"| {r['job']} | {r['world']} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | "
+        lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | "
                      f"{r['predicted_ms']} | {r['memory_gib']} | {kinds} | {stored} |")
     for r in rows:
         if "summary" in r:
-            lines += ["", f"## {r['job']}, {r['world']} GPUs", "", "```", r["summary"].rstrip(), "```"]
+            lines += ["", f"## {r['job']}, {r['world']} GPUs, " + (f"budget {r['memory_budget_gb']:g} GB" if r['memory_budget_gb'] else "no budget"), "", "```", r["summary"].rstrip(), "```"]
     path.write_text("\n".join(lines) + "\n")
+
+
+DEFAULT_RUNS = ("llama3-8b@8", "llama3-8b@8:0", "mixtral-8x7b@8", "mixtral-8x7b@8:0", "mixtral-8x7b@16")
+
+
+def parse_run(text: str, default_memory: float) -> tuple[str, int, float]:
+    """``name@world[:GB]`` -> (job, world, memory budget in GB per GPU; 0 = none)."""
+    try:
+        name, rest = text.split("@")
+        world, _, memory = rest.partition(":")
+        run = (name, int(world), float(memory) if memory else default_memory)
+    except ValueError:
+        raise SystemExit(f"scale_plans: --runs {text!r} is not NAME@WORLD[:GB] (e.g. mixtral-8x7b@16:141)")
+    if name not in JOBS:
+        raise SystemExit(f"scale_plans: unknown job {name!r} in --runs {text!r}; jobs: {', '.join(sorted(JOBS))}")
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
-    p.add_argument("--worlds", type=int, nargs="+", help="override each job's world sizes")
+    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
+                   help="NAME@WORLD[:GB] per run (GB: the memory budget per GPU, 0 for none; default --memory)")
     p.add_argument("--layers", type=int, help="override the layer count (a quick check)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--profile", default="h200x4-nvlink")
-    p.add_argument("--memory", type=float, default=141.0, help="GB per GPU (H200: 141; 0: no budget)")
+    p.add_argument("--memory", type=float, default=141.0, help="default GB per GPU (H200: 141; 0: no budget)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--render", type=Path, nargs="+", metavar="JSON",
+                   help="write the tables from the scale_plans.json of earlier runs (no search)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    rows = [run_job(name, world, args.profile, args.memory, args.precision, args.layers, args.seq)
-            for name in args.jobs for world in (args.worlds or JOBS[name]["worlds"])]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
-    write_markdown(rows, args, args.out / "scale.md")
-    print(f"wrote {args.out / 'scale.md'}")
+    rows = []
+    if args.render:  # no search: merge the rows of earlier runs (each ran in its own process)
+        for path in args.render:
+            rows += json.loads(path.read_text())
+    else:
+        for name, world, memory in (parse_run(r, args.memory) for r in args.runs):
+            rows.append(run_job(name, world, args.profile, memory, args.precision, args.layers, args.seq))
+            rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])
+            (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later run is cut
+    write_markdown(rows, args, args.out / "scale_plans.md")
+    print(f"wrote {args.out / 'scale_plans.md'}")
     return 0
 
 

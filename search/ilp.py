@@ -162,7 +162,7 @@ class Outcome:
         """One line for the user: the status, and for an unproven plan how far from proven it is."""
         if self.proven:
             return f"ILP: optimal plan proven in {self.seconds:.1f} s"
-        gap = "unknown" if self.gap is None else f"{100 * self.gap:.2f}%"
+        gap = "unknown" if self.gap is None else f"{100 * self.gap:.3g}%"
         bound = "no bound" if self.bound is None else f"bound {self.bound * 1e3:.6g} ms"
         return (f"ILP: stopped by the time limit of {self.time_limit:g} s with a feasible plan whose optimality is "
                 f"unproven (incumbent {self.objective * 1e3:.6g} ms, {bound}, gap {gap}); a longer --time-limit "
@@ -260,7 +260,7 @@ class _Monitor:
                 continue
             text = "none yet" if not _finite(inc) else f"{inc / _SCALE * 1e3:.6g} ms"
             bound = "-" if not _finite(lb) else f"{lb / _SCALE * 1e3:.6g} ms"
-            gap = f", gap {100 * max(inc - lb, 0.0) / inc:.2f}%" if _finite(inc) and _finite(lb) and inc > 0 else ""
+            gap = f", gap {100 * max(inc - lb, 0.0) / inc:.3g}%" if _finite(inc) and _finite(lb) and inc > 0 else ""
             self.say(f"{self.label}: {elapsed:.0f} s, {self.nodes} nodes, incumbent {text}, bound {bound}{gap}")
 
 

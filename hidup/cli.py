@@ -451,7 +451,8 @@ def parser() -> argparse.ArgumentParser:
     for make, _ in COMMANDS.values():
         make(sub)
     for command in sub.choices.values():
-        command.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+        if "--debug" not in command._option_string_actions:
+            command.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return p
 
 

@@ -12,13 +12,21 @@ it and every other key is a model argument.  Flags on the command line win.
 A plan records its model and arguments, so ``show``, ``train``, ``verify`` with a plan need no model
 flags.  Model flags given with a plan must agree with its record: a different model, a different
 value or an argument the plan does not record is refused (search again to change the model).
+
+A user error -- a bad flag, model, plan, profile, path or checkpoint, a search with no plan, a
+compile or launch failure, in this process or in a rank -- ends with one message on stderr and exit
+status 1 (2 for a malformed command line), never a traceback; ``--debug`` shows the traceback.  A
+rank that dies is named with its exit code or signal (:mod:`hidup.runtime.launch`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+import warnings
 from pathlib import Path
 
 MODEL_FLAGS = {
@@ -147,7 +155,25 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
                                 f"{', '.join(wrong)} contradict it. Fix: drop the model flags (the plan rebuilds "
                                 "its own model), or run `hidup search` again for the model you mean")
     args.model, args.model_args = record["model"], dict(record["args"])
+    if plan is not None and getattr(args, "command", None) in RANK_COMMANDS:
+        check_plan_fits(args, plan, where)
     return record
+
+
+RANK_COMMANDS = ("train", "verify")  # commands that start ranks: a plan is checked against its model first
+
+
+def check_plan_fits(args: argparse.Namespace, plan, where) -> None:
+    """Trace the job's model as the ranks will and refuse a plan made for another graph
+    (:meth:`hidup.plan.Plan.check`: world size, model structure, shapes, dtypes) -- here, before any
+    rank is spawned, rather than in every rank after it started."""
+    from hidup.plan import PlanError
+
+    graph = build_graph(args, "checking the plan against its model: tracing")
+    try:
+        plan.check(graph)
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
 
 
 def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -188,11 +214,23 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return p.parse_args(argv)
 
 
-def build_graph(args: argparse.Namespace):
+class CommandError(Exception):
+    """A command-line mistake found by a subcommand (a path that cannot be written, a value out of
+    range); its message names the flag and the fix."""
+
+
+def say(args: argparse.Namespace, text: str) -> None:
+    """A status line on stderr (what a phase longer than a moment is doing), unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        print(text, file=sys.stderr, flush=True)
+
+
+def build_graph(args: argparse.Namespace, why: str = "tracing"):
     """Build the model and trace it: a zoo model on the meta device (no weights are allocated), a
     factory's on the CPU, as the ranks trace it when they compile (``torch.export`` records tensors
     created from Python data differently on ``meta``, which would change the graph's fingerprint).
-    ``args.model`` / ``args.model_args`` come from :func:`settle_model`."""
+    ``args.model`` / ``args.model_args`` come from :func:`settle_model`; ``why`` starts the status
+    line printed while it runs."""
     import hidup.models
     from hidup.models.source import ModelSourceError
     from hidup.trace import trace
@@ -207,8 +245,11 @@ def build_graph(args: argparse.Namespace):
         raise
     except ValueError as e:  # a zoo configuration out of range
         raise ModelSourceError(str(e)) from None
+    say(args, f"{why} {args.model} for {args.world} ranks (torch.export) ...")
+    t0 = time.perf_counter()
     graph = trace(model, inputs, world_size=args.world, half_batch=True)
     graph.model = args.model
+    say(args, f"traced {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
     return graph
 
 
@@ -226,6 +267,7 @@ def _search_parser(sub) -> None:
     p.add_argument("--no-duplication", action="store_true", help="search without the two-copy overlap")
     p.add_argument("--memory", type=float, default=None, metavar="GB",
                    help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)")
+    _add_time_limit_flag(p)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
                    help="compute precision assumed by the cost model (default fp32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -239,25 +281,71 @@ def _search_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the output path")
 
 
+def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:
+    from hidup.search.ilp import DEFAULT_TIME_LIMIT
+
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
+                   help=f"stop the ILP after this many seconds (default {DEFAULT_TIME_LIMIT:g}); it then keeps the "
+                        "best plan found, marked unproven in the plan, or fails if it found none")
+
+
+def check_out_path(out: Path, flag: str = "--out") -> None:
+    """Refuse an output path that cannot be written, before any work: its directory must exist and be
+    writable, and the path must not be a directory."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise CommandError(f"{flag} {out} is a directory. Fix: give a file name, e.g. {flag} {out / 'plan.json'}")
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {out}: the directory {parent} does not exist. Fix: create it first "
+                           f"(mkdir -p {parent}) or write elsewhere")
+    if not os.access(parent, os.W_OK):
+        raise CommandError(f"{flag} {out}: the directory {parent} is not writable. Fix: write elsewhere")
+
+
+def next_steps(out: Path) -> str:
+    """What to run after a plan is saved."""
+    return (f"next:\n  hidup show {out}      # per-layer summary\n"
+            f"  hidup verify --plan {out}   # loss and gradients on the plan's ranks vs one device (CPU is fine)\n"
+            f"  hidup train --plan {out}    # train on this node's GPUs")
+
+
+def _report_warnings(caught, command: str) -> None:
+    for w in caught:
+        text = str(w.message).removeprefix("hidup.search: ")
+        print(f"hidup {command}: warning: {text}", file=sys.stderr, flush=True)
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     import hidup.profiler
     from hidup.plan import model_record, summary
     from hidup.search import search
 
     record = model_record(settle_model(args))  # refuses non-JSON arguments before the search runs
+    out = args.out or Path(f"strategy_{args.model.replace(':', '.')}.json")
+    check_out_path(out)
+    if not args.time_limit > 0:
+        raise CommandError(f"--time-limit {args.time_limit:g}: give a positive number of seconds")
     profile = hidup.profiler.load(args.profile)
     if args.noise:
         profile = profile.perturb(noise=args.noise, seed=args.seed)
     graph = build_graph(args)
     budget = None if args.memory is None else args.memory * 1e9
-    plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
-                  duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
-                  progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs, model_source=record)
-    out = args.out or Path(f"strategy_{args.model.replace(':', '.')}.json")
+    say(args, f"searching ({args.algorithm}{', time limit %g s' % args.time_limit if args.algorithm == 'ilp' else ''})"
+        " ...")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
+                      duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
+                      progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs, model_source=record,
+                      time_limit=args.time_limit)
+    _report_warnings(caught, "search")
     plan.save(out)
     if not args.quiet:
         print(summary(plan, graph))
     print(f"plan saved to {out}")
+    if not args.quiet:
+        print(next_steps(out))
     return 0
 
 
@@ -276,7 +364,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     settle_model(args, plan, args.plan)
     # Rebuild the graph the plan was made for, so the summary can name layers and shapes.
-    graph = build_graph(args)
+    graph = build_graph(args, "rebuilding the plan's model: tracing")
     plan.check(graph)
     print(summary(plan, graph))
     return 0
@@ -312,11 +400,35 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profiles_parser(sub) -> None:
+    sub.add_parser("profiles", help="list the built-in machine profiles (for --profile)")
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    """Each built-in profile: name, kind (how its numbers were obtained, and the GPU), one line on the
+    machine it describes and the world sizes it has collective tables for."""
+    import hidup.profiler
+
+    rows = []
+    for name in hidup.profiler.builtin_names():
+        prof = hidup.profiler.load(name)
+        kind = ("measured" if "measured" in (prof.notes or "").lower() else "published figures") + f", {prof.gpu}"
+        sizes = ", ".join(str(w) for w in prof.world_sizes)
+        default = " (default)" if name == DEFAULT_PROFILE else ""
+        rows.append((name + default, kind, f"{prof.host}; world sizes {sizes}"))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    for name, kind, text in rows:
+        print(f"{name:<{width[0]}}  {kind:<{width[1]}}  {text}")
+    print("a profile of your machine: hidup profile --out my.json; then --profile my.json")
+    return 0
+
+
 COMMANDS = {
     "search": (_search_parser, cmd_search),
     "show": (_show_parser, cmd_show),
     "describe": (_describe_parser, cmd_describe),
     "models": (_models_parser, cmd_models),
+    "profiles": (_profiles_parser, cmd_profiles),
 }
 
 
@@ -334,39 +446,69 @@ def parser() -> argparse.ArgumentParser:
     _optional_commands()
     p = argparse.ArgumentParser(prog="hidup", description="Automatic SPMD parallelism for PyTorch "
                                 "training: trace, search, compile, verify.")
+    _add_global_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for make, _ in COMMANDS.values():
         make(sub)
+    for command in sub.choices.values():
+        if "--debug" not in command._option_string_actions:
+            command.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return p
+
+
+DEBUG_HELP = "on a user error, show the Python traceback (also from the ranks) instead of one message"
+
+
+def _add_global_flags(p: argparse.ArgumentParser) -> None:
+    """``hidup --version`` and ``hidup --debug COMMAND`` (``--debug`` also works after the command)."""
+    from hidup import __version__
+
+    p.add_argument("--version", action="version", version=f"hidup {__version__}")
+    p.add_argument("--debug", dest="debug_all", action="store_true", help=DEBUG_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand.  A user error (a model that cannot be built or traced, a plan that does not
-    fit) ends with one message on stderr and exit status 1, not a traceback."""
+    fit, a path that cannot be written, a rank that failed or died) ends with one message on stderr
+    and exit status 1, not a traceback; ``--debug`` re-raises it with its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = apply_config_file(p, argv)
+    debug = bool(getattr(args, "debug", False) or getattr(args, "debug_all", False))
+    previous = os.environ.get("HIDUP_DEBUG")
+    if debug:
+        os.environ["HIDUP_DEBUG"] = "1"  # spawned ranks send their tracebacks too
     try:
         return COMMANDS[args.command][1](args) or 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        raise SystemExit(f"hidup {args.command}: interrupted") from None
     except Exception as e:  # noqa: BLE001 - only the user errors below are turned into messages
         message = _user_error(e)
-        if message is None:
+        if message is None or debug:
             raise
         raise SystemExit(f"hidup {args.command}: error: {message}") from None
+    finally:
+        if debug:
+            if previous is None:
+                os.environ.pop("HIDUP_DEBUG", None)
+            else:
+                os.environ["HIDUP_DEBUG"] = previous
 
 
 def _user_error(e: Exception) -> str | None:
-    """The message of an error the user can fix, or None for a bug (which keeps its traceback)."""
-    from hidup.models.source import ModelSourceError
-    from hidup.plan import PlanError
-    from hidup.trace import TraceFailure
+    """The message of an error the user can fix, or None for a bug (which keeps its traceback):
+    the command line's own (:class:`CommandError`), and every error the ranks report as the user's
+    (:func:`hidup.runtime.launch.user_error`: models, plans, traces, searches, profiles, compiles,
+    checkpoints, paths, launches)."""
+    from hidup.runtime.launch import LaunchError, user_error
 
-    if isinstance(e, (ModelSourceError, PlanError, TraceFailure)):
+    if isinstance(e, (CommandError, LaunchError)):
         return str(e)
-    launch = sys.modules.get("hidup.runtime.launch")
-    if launch is not None and isinstance(e, launch.LaunchError):
-        return str(e)
-    return None
+    if isinstance(e, ModuleNotFoundError) and e.name == "mip":
+        return "--algorithm ilp needs python-mip. Fix: pip install mip, or use --algorithm dp"
+    return user_error(e)
 
 
 if __name__ == "__main__":

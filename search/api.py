@@ -20,6 +20,7 @@ hidden; those ran 3-4% slower (``docs/benchmarks.md``).
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from typing import Callable
 
@@ -61,7 +62,7 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
            memory_budget: float | None = None, precision: str = "fp32",
            restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
            max_states: int | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
-           reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = None,
+           reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = ilp.DEFAULT_TIME_LIMIT,
            explain: int = 6, cuda_graphs: bool = True, model_source=None) -> Plan:
     """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
 
@@ -74,6 +75,12 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
     priced from ops measured at their own shapes (see :mod:`hidup.search.cost`).
     ``model_source`` (``"package.module:function"`` or ``(spec, args)``) is recorded in the plan so that
     ``hidup show/train/verify --plan`` rebuild the model (:func:`hidup.plan.model_record`).
+    ``time_limit`` (seconds, None for none) bounds the ILP, its DP seed included
+    (:func:`hidup.search.ilp.optimize`): stopped
+    by it with a plan whose optimality is unproven, the search warns and returns that plan, and
+    ``plan.options["solver"]`` records the status, incumbent, bound and gap; with no plan it raises
+    :class:`SearchError`.  ``progress`` True prints the DP's progress and the ILP's incumbent and
+    bound every few seconds on stderr; a callable gets the DP's ``(done, total)``.
     """
     record = None if model_source is None else model_record(model_source)
     profile = _loaded(profile)
@@ -154,12 +161,19 @@ def _search(graph, profile, algorithm, duplication, memory_budget, precision, re
     explore = Problem(graph, _without_program_factors(profile), precision, restrict, optimizer_factor) \
         if local else problem
     candidates: list[list[int]] = []
+    solver = None
     if algorithm == "ilp":
+        fn = _progress_fn(progress, "dp seed for the ilp")
+        started = time.perf_counter()  # the time limit covers the seed too
         try:  # the DP's answer seeds CBC with a good incumbent
-            start, _ = dp.solve(explore, False, memory_budget, max_states, max_points, reuse_blocks)
+            start, _ = dp.solve(explore, False, memory_budget, max_states, max_points, reuse_blocks, fn)
         except SearchError:
             start = None
-        candidates.append(ilp.solve(explore, memory_budget, time_limit, start))
+        outcome = ilp.optimize(explore, memory_budget, time_limit, start, progress=progress is True, started=started)
+        if not outcome.proven:
+            warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
+        solver = outcome.info()
+        candidates.append(outcome.ks)
     else:
         modes = (False, True) if duplication else (False,)
         for mode in modes:
@@ -172,6 +186,8 @@ def _search(graph, profile, algorithm, duplication, memory_budget, precision, re
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
     options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": duplication,
                "optimizer_factor": optimizer_factor, "max_states": max_states, "max_points": max_points}
+    if solver is not None:
+        options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
     return make_plan(problem, best, algorithm, options, explain)
 
 

@@ -11,6 +11,12 @@ Two ways to describe the ranks:
 group uses NCCL when CUDA is available and gloo otherwise, with a timeout (120 s by default) so
 that a rank that dies makes the others fail instead of hanging.
 
+When spawned ranks fail, the report names the cause, not its echoes: a rank that died without
+reporting (killed by a signal, ``os._exit``, a crash in native code) is named with its global rank,
+node, pid and signal or exit code -- the "connection reset" its peers then raise is left out -- and
+otherwise a user error's message (:func:`user_error`: one line, no traceback) comes before another
+rank's traceback.  ``HIDUP_DEBUG=1`` (``hidup --debug``) reports user errors with their tracebacks.
+
     from hidup.runtime.launch import launch
     def main(ctx, steps):              # ctx: Distributed (rank, world_size, local_rank, device, ...)
         ...
@@ -22,9 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import os
 import pickle
 import queue as queue_mod
+import signal
+import sys
 import time
 import traceback
 import warnings
@@ -35,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch", "shutdown",
-           "add_launch_args", "launch_kwargs", "DEFAULT_TIMEOUT_S"]
+           "add_launch_args", "launch_kwargs", "user_error", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -201,24 +210,71 @@ def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_
         out = fn(ctx, *args)
         results.put((local_rank, True, pickle.dumps(out)))
     except BaseException as e:
-        user = _user_error(e)
+        user = None if os.environ.get("HIDUP_DEBUG") else user_error(e)
         results.put((local_rank, False, (user, True) if user is not None else (traceback.format_exc(), False)))
+        if isinstance(e, SystemExit):  # reported above; exiting with its message would print it again
+            raise SystemExit(1) from None
         raise
     finally:
         shutdown()
 
 
-def _user_error(e: BaseException) -> str | None:
-    """The message of an error the user can fix (a model that cannot be built, a plan that does not
-    fit it, a refused option), reported without the rank's traceback; None for anything else."""
+_PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def user_error(e: BaseException) -> str | None:
+    """The message of an error the user can fix, reported without a traceback; None for anything
+    else (a bug keeps its traceback).  User errors: a ``SystemExit`` message (a refused option), a
+    model that cannot be built or traced, a plan that does not fit, a search with no plan, a malformed
+    profile, a compile or CUDA-graph capture that cannot work, a launch setting, a path that cannot be
+    read or written, and a checkpoint that cannot be loaded into the run's model."""
+    from hidup.codegen.graphs import GraphCaptureError
+    from hidup.codegen.program import CompileError
+    from hidup.export import ExportFailure
     from hidup.models.source import ModelSourceError
     from hidup.plan import PlanError
+    from hidup.search.problem import SearchError
+    from hidup.trace import TraceFailure
 
     if isinstance(e, SystemExit) and isinstance(e.code, str):
         return e.code
-    if isinstance(e, (ModelSourceError, PlanError)):
+    if isinstance(e, (ModelSourceError, PlanError, TraceFailure, ExportFailure, SearchError, CompileError,
+                      GraphCaptureError, LaunchError)):
+        return str(e)
+    profile = sys.modules.get("hidup.profiler.profile")  # a layer above this one: only if it is loaded
+    if profile is not None and isinstance(e, profile.ProfileError):
+        return str(e)
+    checkpoint = _checkpoint_error(e)
+    if checkpoint is not None:
+        return checkpoint
+    if isinstance(e, _PATH_ERRORS) or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
         return str(e)
     return None
+
+
+def _checkpoint_error(e: BaseException) -> str | None:
+    """The message of an error raised while :func:`hidup.runtime.checkpoint.load` reads a checkpoint
+    into the run's model: a file that is not a checkpoint, of another format version, or of another
+    model (its tensors do not match the model's names or shapes)."""
+    from hidup.runtime import checkpoint
+
+    if not isinstance(e, (ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError)):
+        return None
+    tb, path, unreadable = e.__traceback__, None, False
+    while tb is not None:
+        if tb.tb_frame.f_code is checkpoint.load.__code__:
+            path = tb.tb_frame.f_locals.get("path")
+        elif path is not None and tb.tb_frame.f_globals.get("__name__") == "torch.serialization":
+            unreadable = True  # torch.load itself failed: not a file torch.save wrote
+        tb = tb.tb_next
+    if path is None:
+        return None
+    detail = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    detail = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
+    if unreadable:
+        detail = f"it is not a checkpoint torch.load can read ({type(e).__name__}: {detail})"
+    return (f"cannot resume from checkpoint {path}: {detail}. Fix: resume with the model, plan options and "
+            "optimizer that wrote it, or start afresh without --resume (or with another --checkpoint-dir)")
 
 
 def shutdown() -> None:
@@ -231,17 +287,19 @@ def shutdown() -> None:
 def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = None, node_rank: int | None = None,
            master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
            timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-           stalled: Callable[[], str | None] | None = None) -> list:
+           stalled: Callable[[], str | None] | None = None, announce: bool = False) -> list:
     """Run ``fn(ctx: Distributed, *args)`` on this node's ranks and return their results by local rank.
 
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
-    launcher spawns ``CPN`` processes; if one of them fails, the others are terminated and the
-    failure is raised here with its traceback -- or with only its message for a user error (a
-    ``SystemExit`` message, a model that cannot be built, a plan that does not fit) (a rank that dies while exiting, after every rank
-    returned its result, only warns: the results are complete).  With neither, it runs one rank in this process.
+    launcher spawns ``CPN`` processes; if one of them fails, the others are stopped and
+    :class:`LaunchError` names the cause (module docstring): a rank that died, with its signal or
+    exit code; else a user error's message (:func:`user_error`); else the failing rank's traceback.
+    A rank that dies while exiting, after every rank returned its result, only warns: the results
+    are complete.  With neither, it runs one rank in this process.
     ``stalled`` (spawned ranks only) is polled twice a second: when it returns a reason, the ranks
     print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it --
-    a watchdog for hangs that no process-group timeout ends."""
+    a watchdog for hangs that no process-group timeout ends.  ``announce`` prints a line on stderr as
+    the ranks start (they take seconds to import torch)."""
     layout = layout_from_env(env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr,
                              master_port=master_port)
     if layout.source in ("torchrun", "single"):
@@ -256,48 +314,126 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
 
     import torch.multiprocessing as mp
 
+    if announce:
+        print(f"hidup: starting {layout.cpn} ranks on node {layout.node_rank} ({backend or 'nccl if CUDA, else gloo'}"
+              f"; world {layout.world_size}) ...", file=sys.stderr, flush=True)
     results = mp.get_context("spawn").Queue()
     procs = mp.start_processes(_child, args=(layout, fn, args, results, backend, timeout_s), nprocs=layout.cpn,
                                join=False, start_method="spawn")
     out: dict[int, object] = {}
     forwarded = _forward_signals(procs)
     try:
-        while not procs.join(timeout=0.5):
-            _drain(results, out)
-            reason = stalled() if stalled is not None else None
-            if reason:
-                _dump_then_kill(procs.processes)
-                for p in procs.processes:
-                    p.join(timeout=10)
-                raise LaunchError(f"the ranks of node {layout.node_rank} were stopped: {reason}")
-    except LaunchError:
-        raise
-    except Exception as e:
-        _drain(results, out)
-        failures = sorted((v for v in out.values() if isinstance(v, _Failure)), key=lambda f: not f.user)
-        if not failures and len(out) == layout.cpn:
-            # every rank returned its result; one then died leaving (a library's teardown at exit)
-            warnings.warn(f"hidup launch: every rank of node {layout.node_rank} returned its result, then one "
-                          f"died on exit ({e}); the results are kept", RuntimeWarning, stacklevel=2)
-            for p in procs.processes:
-                p.join(timeout=10)
-            return [out[r] for r in range(layout.cpn)]
-        if failures and failures[0].user:
-            raise LaunchError(failures[0].text) from None
-        detail = failures[0].text if failures else str(e)
-        raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{detail}") from None
+        failed = _wait(procs.processes, results, out, layout, stalled)
     finally:
         _restore_signals(forwarded)
-    _drain(results, out)
+    if failed:
+        exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
+        _stop(procs.processes)
+        _drain(results, out, wait_s=2.0)
+        raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited))
+    _drain(results, out, wait_s=2.0)
     missing = [r for r in range(layout.cpn) if r not in out]
     if missing:
-        raise LaunchError(f"local ranks {missing} exited without reporting a result")
-    failures = sorted((v for v in out.values() if isinstance(v, _Failure)), key=lambda f: not f.user)
-    if failures:
-        if failures[0].user:
-            raise LaunchError(failures[0].text)
-        raise LaunchError(f"a rank of node {layout.node_rank} failed:\n{failures[0].text}")
+        exited = {i: p.exitcode for i, p in enumerate(procs.processes)}
+        raise LaunchError(_failure_report(procs.processes, out, layout, missing, exited))
     return [out[r] for r in range(layout.cpn)]
+
+
+def _wait(processes, results, out: dict, layout: Layout, stalled) -> list[int]:
+    """Wait for the ranks; the local ranks that failed (exited non-zero, or reported a failure), in
+    the order they were seen to fail, or ``[]`` when every rank finished.  A rank that exits non-zero
+    after reporting its result (a library's teardown at exit) only warns: its result is complete."""
+    import multiprocessing.connection
+
+    pending = {p.sentinel: i for i, p in enumerate(processes)}
+    failed: list[int] = []
+    died_after_result: list[int] = []
+    while pending:
+        ready = multiprocessing.connection.wait(list(pending), timeout=0.5)
+        _drain(results, out)
+        for sentinel in ready:
+            i = pending.pop(sentinel)
+            processes[i].join()
+            if processes[i].exitcode == 0:
+                continue
+            if i not in out:
+                _drain(results, out, wait_s=0.2)  # what it put before exiting may still be in the pipe
+            if i in out and not isinstance(out[i], _Failure):
+                died_after_result.append(i)
+            else:
+                failed.append(i)
+        if failed:
+            return failed
+        reason = stalled() if stalled is not None and pending else None
+        if reason:
+            _dump_then_kill(processes)
+            for p in processes:
+                p.join(timeout=10)
+            raise LaunchError(f"the ranks of node {layout.node_rank} were stopped: {reason}")
+    if died_after_result:
+        i = died_after_result[0]
+        warnings.warn(f"hidup launch: every rank of node {layout.node_rank} returned its result, then one died on "
+                      f"exit (local rank {i}, {_exit_text(processes[i].exitcode)}); the results are kept",
+                      RuntimeWarning, stacklevel=3)
+    return failed
+
+
+def _stop(processes, grace_s: float = 3.0) -> None:
+    """Give the surviving ranks ``grace_s`` to fail on their own (and report), then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _exit_text(code: int | None) -> str:
+    """``with exit code 3`` or ``from signal SIGKILL`` (a negative exit code)."""
+    if code is None:
+        return "without an exit code"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        hint = ", often the out-of-memory killer" if name == "SIGKILL" else ""
+        return f"from signal {name}{hint}"
+    return f"with exit code {code}"
+
+
+def _failure_report(processes, out: dict, layout: Layout, failed: list[int], exited: dict[int, int]) -> str:
+    """The cause of a failed launch, named: first a rank that exited without reporting (its peers'
+    errors -- a connection reset, a timeout -- are consequences), then a user error, then a traceback.
+    ``failed``: the local ranks seen failing, in order; ``exited``: the exit codes of the ranks that
+    had exited before the survivors were stopped."""
+    def who(i: int) -> str:
+        return (f"rank {layout.node_rank * layout.cpn + i} (node {layout.node_rank}, local rank {i}, "
+                f"pid {processes[i].pid})")
+
+    dead = [i for i in failed if i not in out] + sorted(i for i in exited if i not in out and i not in failed)
+    if dead:
+        i = dead[0]
+        others = [j for j in range(layout.cpn) if j != i]
+        tail = (f"; the other ranks of this node ({', '.join(str(layout.node_rank * layout.cpn + j) for j in others)})"
+                " were stopped (their errors follow from it)" if others else "")
+        return (f"{who(i)} died {_exit_text(exited.get(i, processes[i].exitcode))}, before reporting a result"
+                f"{tail}. Its own output above, if any, says why")
+    reported = [(i, out[i]) for i in failed if isinstance(out.get(i), _Failure)]
+    reported += [(i, v) for i, v in sorted(out.items()) if isinstance(v, _Failure) and i not in failed]
+    users = [(i, f) for i, f in reported if f.user]
+    if users:
+        return users[0][1].text
+    if reported:
+        i, f = reported[0]
+        return f"{who(i)} failed:\n{f.text}"
+    i = failed[0]
+    return f"{who(i)} exited {_exit_text(processes[i].exitcode)} without reporting a result"
 
 
 def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
@@ -353,12 +489,16 @@ class _Failure:
     user: bool = False  # a user error's message (no traceback)
 
 
-def _drain(results, out: dict) -> None:
+def _drain(results, out: dict, wait_s: float = 0.0) -> None:
+    """Move what the ranks reported into ``out``; with ``wait_s``, wait that long for the first item
+    (what an exited process put may still be in the pipe)."""
+    block = wait_s > 0
     while True:
         try:
-            local, ok, payload = results.get_nowait()
-        except (queue_mod.Empty, OSError, EOFError):
+            local, ok, payload = results.get(timeout=wait_s) if block else results.get_nowait()
+        except (queue_mod.Empty, OSError, EOFError, ValueError):
             return
+        block = False
         out[local] = pickle.loads(payload) if ok else _Failure(*payload)
 
 
@@ -378,4 +518,5 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
 def launch_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of :func:`launch` from parsed :func:`add_launch_args` flags."""
     return {"nnodes": args.nnodes, "cpn": args.cpn, "node_rank": args.node_rank, "master_addr": args.master_addr,
-            "master_port": args.master_port, "backend": args.backend, "timeout_s": args.dist_timeout}
+            "master_port": args.master_port, "backend": args.backend, "timeout_s": args.dist_timeout,
+            "announce": True}

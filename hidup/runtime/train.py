@@ -219,6 +219,14 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}; give --checkpoint-dir of an earlier run")
         state = checkpoint.load(ckpt_path, module, opt)
         start, losses = state["step"], list(state["loss_history"])
+    if rank == 0:  # the run's header, and what it will do first
+        steps = ("CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")
+                 if use_graph else "eager")
+        print(f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
+              f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}", flush=True)
+        print(f"nothing left to run: {'the checkpoint is at' if args.resume else 'already at'} step {start} of "
+              f"--iterations {args.iterations}" if start >= args.iterations else f"running steps {start + 1}.."
+              f"{args.iterations}; the first includes warm-up and can take a while", flush=True)
 
     signals = _Signals()
     times, cuda = [], device.type == "cuda"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -92,7 +93,7 @@ def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
 
 def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=None, style: str = "searched",
                   profile: str = "paper-v100-9.7gbps", duplication: bool | None = True, steps: int = 0,
-                  seed: int = 0, cuda_graph: bool = False) -> dict:
+                  seed: int = 0, cuda_graph: bool = False, progress: bool = False) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
     ``model_name`` is a zoo name or ``package.module:function`` and ``overrides`` its arguments.
@@ -101,17 +102,27 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     Every rank must call it.  Returns (rank 0) the loss, the per-gradient relative differences and,
     with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``.
     ``cuda_graph`` runs the compiled module's forward and backward through
-    :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere)."""
+    :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere).
+    ``progress``: rank 0 prints a line on stderr as each phase starts."""
+    def say(text: str) -> None:
+        if progress and ctx.rank == 0:
+            print(f"verify: {text}", file=sys.stderr, flush=True)
+
     import hidup.models
     from hidup.codegen import compile
     from hidup.codegen.params import full_grad_dict
 
     world, device = ctx.world_size, ctx.device
+    what = "loading the plan" if plan is not None else (
+        "searching a plan" if style == "searched" else f"making a forced {style}-parallel plan")
+    say(f"building {model_name} and {what} on each of the {world} ranks ...")
     model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     the_plan = make_plan(model, inputs, world, plan=plan, style=style, profile=profile,
                          duplication=duplication is not False)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
     module = compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
+    say(f"forward and backward on {world} ranks" + (f", then {steps} SGD steps" if steps else "") + " ...")
     if cuda_graph:
         from hidup.codegen.graphs import GraphedStep
 
@@ -138,6 +149,7 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
             step_losses.append(float(module.global_loss(l)))
     if ctx.rank != 0:
         return {}
+    say("the same step on one device (the reference) ...")
     ref_model, ref_inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     ref_loss = ref_model(*ref_inputs)
     ref_loss.backward()
@@ -168,7 +180,8 @@ def _duplication(args) -> bool | None:
 
 def _run_rank(ctx: Distributed, args) -> dict:
     return parity_report(ctx, args.model, args.model_args, plan=args.plan, style=args.style,
-                         profile=args.profile, duplication=_duplication(args), steps=args.steps, seed=args.seed)
+                         profile=args.profile, duplication=_duplication(args), steps=args.steps, seed=args.seed,
+                         progress=True)
 
 
 def _free_port() -> int:
@@ -194,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
-    report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout)[0]
+    report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
     plan_text = str(args.plan) if args.plan is not None else args.style
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
     print(f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "

@@ -153,10 +153,11 @@ class Outcome:
         return max(0.0, (self.objective - self.bound) / self.objective)
 
     def info(self) -> dict:
-        """The record kept in a plan's options (``plan.options["solver"]``)."""
+        """The record kept in a plan's options (``plan.options["solver"]``).  The wall time is left out so
+        that the same search saves the same plan file; :meth:`describe` reports it."""
         return {"solver": "ilp", "status": self.status, "proven_optimal": self.proven,
                 "objective_s": self.objective, "bound_s": self.bound, "gap": self.gap,
-                "seconds": round(self.seconds, 3), "time_limit_s": self.time_limit}
+                "time_limit_s": self.time_limit}
 
     def describe(self) -> str:
         """One line for the user: the status, and for an unproven plan how far from proven it is."""

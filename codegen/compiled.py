@@ -1,0 +1,193 @@
+"""Inductor-compiled rank programs: the collectives as ``torch.library`` custom ops.
+
+A rank program (:mod:`hidup.codegen.program`) is straight-line fx code of ATen-level ops with form
+conversions (:func:`hidup.codegen.program.hidup_convert`) between them.  ``torch.compile`` of it
+(``hidup.compile(..., compile=True)``, ``hidup train --compile``) must not trace into the
+collectives: they are Python that talks to a process group, and their backward is the conjugate
+collective of the gradient convention (:mod:`hidup.codegen.collectives`).  So, under compilation
+only, a conversion is one opaque custom op
+
+    hidup::convert(Tensor x, str src, str dst, int group) -> Tensor
+
+whose eager kernel is exactly the eager path's forward (:func:`hidup.codegen.collectives.apply_op`
+of :func:`hidup.ir.conversion`'s forward op, on the process group registered under ``group``),
+whose fake kernel gives the output shape (``gather_d -> full`` multiplies dim ``d`` by N, ``full ->
+gather_d`` and ``reduce -> gather_d`` divide it, an all-to-all ``gather_a -> gather_b`` does both,
+the others keep the shape; outputs are contiguous), and whose autograd formula is the op
+``hidup::convert_backward`` running the conversion's backward op -- the same adjoint table as
+:class:`hidup.codegen.collectives._Convert`.  Dynamo therefore sees no graph break at a collective:
+inductor compiles the whole forward, AOTAutograd the whole backward, and the collectives run
+between the fused kernels exactly as eagerly (same values in the same order), so parity is that of
+the eager program up to the rounding of inductor's fused kernels.
+
+Why custom ops rather than compiling the regions between collectives: one graph per program (per
+stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,
+and dynamo dispatches one compiled function instead of one per region; the collectives remain the
+eager ones, so nothing about their numerics, streams or process groups changes.
+
+Process groups are not values a graph can hold, so the program names them by an integer key
+(:func:`group_key`): :func:`hidup.codegen.program.using_group` records the active group's key in
+:data:`ACTIVE` and the compiled conversion reads it; dynamo guards on that key, so each process
+group (duplication's two copies run on two) gets its own compiled graph and the key is a constant
+in it -- the backward, which runs on autograd's thread, looks the group up by the key it was traced
+with, not in thread-local state.
+
+Duplication keeps its structure: :class:`hidup.codegen.duplicate.StagedCopies` compiles each stage
+submodule on its own, so stage ``s`` of copy 0 and of copy 1 still run on their two streams in
+lockstep, each launching its own compiled kernels and collectives; without duplication the whole
+program is one graph.  One consequence: within one compiled graph the gradients of all its
+parameters are produced together at the end of its backward, so the gradient buckets of replicated
+parameters (:mod:`hidup.codegen.grads`) launch after the graph's backward rather than during it
+(per stage with duplication).  ``hidup train --compile auto`` times both and keeps the faster.
+
+The values :func:`hidup.codegen.program.hidup_copy_sum` adds across the two copies come from a
+side pass at run time, so that call is left to eager Python (a graph break in the one stage that
+has it, for masked-mean losses only).  Compilation goes through torch's own caches (FX graph and
+autotuning caches, on disk by default), so a second run of the same program compiles much faster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hidup.codegen import collectives
+from hidup.ir import Form, conversion
+
+__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module", "CompileTimer"]
+
+# Process groups named by integer keys (key 0: the default group, ``None``).
+_GROUPS: dict[int, object] = {0: None}
+_KEYS: dict[int, int] = {id(None): 0}
+
+
+class _Active:
+    """The key of the process group the generated code currently communicates on."""
+
+    key: int = 0
+
+
+ACTIVE = _Active()
+
+
+def group_key(group) -> int:
+    """A stable integer naming ``group`` in compiled graphs (the group is kept alive)."""
+    key = _KEYS.get(id(group))
+    if key is None or _GROUPS.get(key) is not group:
+        key = len(_GROUPS)
+        _GROUPS[key] = group
+        _KEYS[id(group)] = key
+    return key
+
+
+def group_of(key: int):
+    """The process group registered under ``key``."""
+    return _GROUPS[key]
+
+
+def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` as a contiguous tensor that does not alias ``x`` (a custom op may not return an alias)."""
+    out = out.contiguous()
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _backward_op(src: Form, dst: Form) -> str:
+    conv = conversion(src, dst)
+    if src.kind == "replicate" and dst.kind == "reduce":
+        return "identity"  # as collectives.convert: a reduce gradient is already exact on every rank
+    return conv.forward if conv.backward == "local" else conv.backward
+
+
+def _shape_after(op: str, shape: list[int], frm: Form, to: Form, n: int) -> list[int]:
+    shape = list(shape)
+    if n == 1:
+        return shape
+    if op in ("slice", "reduce_scatter"):
+        shape[to.dim] //= n
+    elif op in ("zero_pad", "all_gather"):
+        shape[frm.dim] *= n
+    elif op == "all_to_all" and frm.dim != to.dim:
+        shape[frm.dim] *= n
+        shape[to.dim] //= n
+    return shape
+
+
+@torch.library.custom_op("hidup::convert", mutates_args=())
+def convert(x: torch.Tensor, src: str, dst: str, group: int) -> torch.Tensor:
+    """This rank's piece in form ``dst`` of ``x`` (its piece in form ``src``), on group ``group``."""
+    frm, to = Form.parse(src), Form.parse(dst)
+    op = conversion(frm, to).forward
+    return _contiguous_new(collectives.apply_op(op, x, frm, to, group_of(group)), x)
+
+
+@convert.register_fake
+def _(x, src, dst, group):
+    frm, to = Form.parse(src), Form.parse(dst)
+    n = collectives.world_of(group_of(group))
+    return x.new_empty(_shape_after(conversion(frm, to).forward, list(x.shape), frm, to, n))
+
+
+@torch.library.custom_op("hidup::convert_backward", mutates_args=())
+def convert_backward(grad: torch.Tensor, src: str, dst: str, group: int) -> torch.Tensor:
+    """The gradient in form ``src`` of a conversion ``src -> dst`` whose output gradient is ``grad``."""
+    frm, to = Form.parse(src), Form.parse(dst)
+    return _contiguous_new(collectives.apply_op(_backward_op(frm, to), grad, to, frm, group_of(group)), grad)
+
+
+@convert_backward.register_fake
+def _(grad, src, dst, group):
+    frm, to = Form.parse(src), Form.parse(dst)
+    n = collectives.world_of(group_of(group))
+    return grad.new_empty(_shape_after(_backward_op(frm, to), list(grad.shape), to, frm, n))
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.src, ctx.dst, ctx.group = inputs
+
+
+def _convert_grad(ctx, grad):
+    return torch.ops.hidup.convert_backward(grad, ctx.src, ctx.dst, ctx.group), None, None, None
+
+
+convert.register_autograd(_convert_grad, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def backend_of(compile) -> str | None:  # noqa: A002 - the option's name
+    """The torch.compile backend an option ``compile`` asks for: ``False``/``None``/``"off"`` -> None
+    (eager), ``True``/``"on"`` -> ``"inductor"``, a backend name as given."""
+    if compile in (None, False, "off"):
+        return None
+    if compile in (True, "on"):
+        return "inductor"
+    if isinstance(compile, str):
+        if compile not in BACKENDS and compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile={compile!r}: not a torch.compile backend; use True (inductor), False, "
+                             f"or one of {', '.join(BACKENDS)}")
+        return compile
+    raise ValueError(f"compile={compile!r}: expected True, False or a torch.compile backend name")
+
+
+def compile_module(module: torch.nn.Module, backend: str):
+    """``torch.compile`` of one program (or stage) module: static shapes, graph breaks allowed
+    (only :func:`hidup.codegen.program.hidup_copy_sum` makes one)."""
+    return torch.compile(module, backend=backend, dynamic=False)
+
+
+class CompileTimer:
+    """Wall seconds of a first (compiling) call: ``with CompileTimer() as t: step()``; ``t.seconds``."""
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        return False

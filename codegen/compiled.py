@@ -57,15 +57,24 @@ from hidup.ir import Form, conversion
 
 __all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module", "CompileTimer"]
 
-# Process groups named by integer keys (key 0: the default group, ``None``).
+# Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
+# CPU int64 scalar holding it (its *token*), which compiled graphs take as an input.
 _GROUPS: dict[int, object] = {0: None}
 _KEYS: dict[int, int] = {id(None): 0}
+_TOKENS: dict[int, torch.Tensor] = {0: torch.zeros((), dtype=torch.int64)}
+_WORLDS: dict[int, int] = {}
 
 
 class _Active:
-    """The key of the process group the generated code currently communicates on."""
+    """The process group the generated code currently communicates on: its key, its token and its
+    number of ranks."""
 
     key: int = 0
+    token: torch.Tensor = _TOKENS[0]
+    world: int = 1
+
+    def set(self, key: int) -> None:
+        self.key, self.token, self.world = key, _TOKENS[key], world_of_key(key)
 
 
 ACTIVE = _Active()
@@ -78,12 +87,24 @@ def group_key(group) -> int:
         key = len(_GROUPS)
         _GROUPS[key] = group
         _KEYS[id(group)] = key
+        _TOKENS[key] = torch.tensor(key, dtype=torch.int64)
     return key
 
 
-def group_of(key: int):
-    """The process group registered under ``key``."""
-    return _GROUPS[key]
+def group_of(key) -> object:
+    """The process group registered under ``key`` (an int or its token)."""
+    return _GROUPS[int(key)]
+
+
+def world_of_key(key: int) -> int:
+    """Ranks of the group registered under ``key`` (read once per key: process groups do not resize;
+    before a process group exists, 1 and not remembered)."""
+    if key not in _WORLDS:
+        n = collectives.world_of(_GROUPS[key])
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return n
+        _WORLDS[key] = n
+    return _WORLDS[key]
 
 
 def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -116,40 +137,41 @@ def _shape_after(op: str, shape: list[int], frm: Form, to: Form, n: int) -> list
 
 
 @torch.library.custom_op("hidup::convert", mutates_args=())
-def convert(x: torch.Tensor, src: str, dst: str, group: int) -> torch.Tensor:
-    """This rank's piece in form ``dst`` of ``x`` (its piece in form ``src``), on group ``group``."""
+def convert(x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
+    """This rank's piece in form ``dst`` of ``x`` (its piece in form ``src``), on the group of ``world``
+    ranks whose token is ``group``."""
     frm, to = Form.parse(src), Form.parse(dst)
     op = conversion(frm, to).forward
     return _contiguous_new(collectives.apply_op(op, x, frm, to, group_of(group)), x)
 
 
 @convert.register_fake
-def _(x, src, dst, group):
+def _(x, src, dst, world, group):
     frm, to = Form.parse(src), Form.parse(dst)
-    n = collectives.world_of(group_of(group))
-    return x.new_empty(_shape_after(conversion(frm, to).forward, list(x.shape), frm, to, n))
+    return x.new_empty(_shape_after(conversion(frm, to).forward, list(x.shape), frm, to, world))
 
 
 @torch.library.custom_op("hidup::convert_backward", mutates_args=())
-def convert_backward(grad: torch.Tensor, src: str, dst: str, group: int) -> torch.Tensor:
+def convert_backward(grad: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
     """The gradient in form ``src`` of a conversion ``src -> dst`` whose output gradient is ``grad``."""
     frm, to = Form.parse(src), Form.parse(dst)
     return _contiguous_new(collectives.apply_op(_backward_op(frm, to), grad, to, frm, group_of(group)), grad)
 
 
 @convert_backward.register_fake
-def _(grad, src, dst, group):
+def _(grad, src, dst, world, group):
     frm, to = Form.parse(src), Form.parse(dst)
-    n = collectives.world_of(group_of(group))
-    return grad.new_empty(_shape_after(_backward_op(frm, to), list(grad.shape), to, frm, n))
+    return grad.new_empty(_shape_after(_backward_op(frm, to), list(grad.shape), to, frm, world))
 
 
 def _setup_context(ctx, inputs, output):
-    _, ctx.src, ctx.dst, ctx.group = inputs
+    _, ctx.src, ctx.dst, ctx.world, group = inputs
+    ctx.save_for_backward(group)
 
 
 def _convert_grad(ctx, grad):
-    return torch.ops.hidup.convert_backward(grad, ctx.src, ctx.dst, ctx.group), None, None, None
+    (group,) = ctx.saved_tensors
+    return torch.ops.hidup.convert_backward(grad, ctx.src, ctx.dst, ctx.world, group), None, None, None, None
 
 
 convert.register_autograd(_convert_grad, setup_context=_setup_context)

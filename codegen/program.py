@@ -67,12 +67,12 @@ def using_group(group):
     before = getattr(_STATE, "group", None)
     before_key = compiled.ACTIVE.key
     _STATE.group = group
-    compiled.ACTIVE.key = compiled.group_key(group)
+    compiled.ACTIVE.set(compiled.group_key(group))
     try:
         yield
     finally:
         _STATE.group = before
-        compiled.ACTIVE.key = before_key
+        compiled.ACTIVE.set(before_key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +84,16 @@ def hidup_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     """Generated-code entry point of :func:`hidup.codegen.collectives.convert` (the custom op
     ``hidup::convert`` under ``torch.compile``, :mod:`hidup.codegen.compiled`)."""
     if torch.compiler.is_compiling():
-        return torch.ops.hidup.convert(x, src, dst, compiled.ACTIVE.key)
+        return torch.ops.hidup.convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
     return collectives.convert(x, _form(src), _form(dst), current_group())
 
 
 def hidup_take_input(x: torch.Tensor, form: str) -> torch.Tensor:
     """This rank's piece of a global input in ``form`` (a slice for gather forms)."""
     if torch.compiler.is_compiling():
-        return x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, compiled.ACTIVE.key)
+        active = compiled.ACTIVE
+        return x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, active.world,
+                                                                                active.token)
     f = _form(form)
     if not f.is_gather:
         return x

@@ -45,8 +45,9 @@ def _plans(name: str, world: int) -> dict:
         torch.set_default_dtype(before)
 
 
-def _rank(rank, world, jobs, backend):
+def _rank(rank, world, jobs, backend, dups=("nodup", "dup")):
     import hidup
+    from hidup.codegen import compiled
     from hidup.codegen.params import full_grad_dict
 
     torch.set_default_dtype(torch.float64)
@@ -58,21 +59,37 @@ def _rank(rank, world, jobs, backend):
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
         for key, plan in plans.items():
+            if key not in dups:
+                continue
             dup = key == "dup"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 module = hidup.compile(model, plan, rank, world, inputs, duplication=dup, streams=dup, compile=backend)
-            errs = []
+            errs, used = [], {"forward": set(), "backward": set()}
+            phase = ["forward"]
+            lookup = compiled.group_of
+
+            def spy(key):  # which process group each collective of the compiled graphs runs on
+                used[phase[0]].add(int(key))
+                return lookup(key)
+
+            compiled.group_of = spy
             for _ in range(2):  # the second step runs the cached graphs
                 module.zero_grad(set_to_none=True)
+                phase[0] = "forward"
                 loss = module(*inputs)
+                phase[0] = "backward"
                 loss.backward()
                 total = float(module.global_loss(loss))
                 grads = full_grad_dict(module)
                 scale = max(float(g.abs().max()) for g in ref_grads.values())
                 grad_err = max(float((grads[n] - g).abs().max()) / scale for n, g in ref_grads.items())
                 errs.append((abs(total - float(ref)) / abs(float(ref)), grad_err))
-            out[(name, key)] = {"errs": errs, "duplication": module.duplication,
+            compiled.group_of = lookup
+            groups = module.copy_groups if module.copy_groups else (module.group,)
+            expected = {compiled.group_key(g) for g in groups}
+            out[(name, key)] = {"errs": errs, "groups_ok": used["forward"] == used["backward"] == expected,
+                                "groups": (used, expected), "duplication": module.duplication,
                                 "backend": module.compile_backend,
                                 "stages": getattr(getattr(module, "runner", None), "num_stages", None),
                                 "compiled_stages": len(getattr(getattr(module, "runner", None), "compiled", {}))}
@@ -82,22 +99,23 @@ def _rank(rank, world, jobs, backend):
 _CACHE: dict = {}
 
 
-def _results(backend: str, names: tuple) -> list:
-    key = (backend, names)
+def _results(backend: str, names: tuple, dups: tuple = ("nodup", "dup")) -> list:
+    key = (backend, names, dups)
     if key not in _CACHE:
         jobs = [(n, _plans(n, 2)) for n in names]
-        _CACHE[key] = run_distributed(_rank, 2, jobs, backend, timeout=600)
+        _CACHE[key] = run_distributed(_rank, 2, jobs, backend, dups, timeout=600)
     return _CACHE[key]
 
 
 @pytest.mark.parametrize("name", ("bert-sgmoe", "mlp"))
 @pytest.mark.parametrize("dup", ("nodup", "dup"))
 def test_compiled_parity_world2(name, dup):
-    results = _results("aot_eager", (name,))
+    results = _results("aot_eager", (name,), (dup,))
     for rank, res in enumerate(results):
         r = res[(name, dup)]
         assert r["backend"] == "aot_eager"
         assert r["duplication"] == (dup == "dup"), f"{name} {dup}: duplication did not run as asked"
+        assert r["groups_ok"], f"{name} {dup} rank {rank}: collectives ran on the wrong process groups {r['groups']}"
         if dup == "dup":
             assert r["stages"] > 1 and r["compiled_stages"] == r["stages"], \
                 f"{name}: {r['compiled_stages']} of {r['stages']} stages compiled"
@@ -131,7 +149,7 @@ def test_convert_op_shapes_match_fake():
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hidup.codegen import compiled  # noqa: F401 - registers the ops
+    from hidup.codegen import compiled
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -142,16 +160,59 @@ def test_convert_op_shapes_match_fake():
         pairs = [("full", "gather_0"), ("gather_0", "full"), ("gather_1", "gather_2"), ("reduce", "gather_1"),
                  ("full", "reduce"), ("reduce", "full"), ("gather_2", "reduce")]
         for src, dst in pairs:
-            y = torch.ops.hidup.convert(x, src, dst, 0)
+            token = compiled._TOKENS[compiled.group_key(None)]
+            y = torch.ops.hidup.convert(x, src, dst, 4, token)
             ones = torch.ones_like(y)
-            g = torch.ops.hidup.convert_backward(ones, src, dst, 0)
+            g = torch.ops.hidup.convert_backward(ones, src, dst, 4, token)
             mode = FakeTensorMode()
-            fake_x, fake_ones = mode.from_tensor(x), mode.from_tensor(ones)
+            fake_x, fake_ones, fake_token = mode.from_tensor(x), mode.from_tensor(ones), mode.from_tensor(token)
             with mode:
-                fy = torch.ops.hidup.convert(fake_x, src, dst, 0)
-                fg = torch.ops.hidup.convert_backward(fake_ones, src, dst, 0)
+                fy = torch.ops.hidup.convert(fake_x, src, dst, 4, fake_token)
+                fg = torch.ops.hidup.convert_backward(fake_ones, src, dst, 4, fake_token)
             assert fy.shape == y.shape and y.is_contiguous(), (src, dst, y.shape, fy.shape)
             assert fg.shape == g.shape == x.shape, (src, dst, g.shape, fg.shape)
             assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     finally:
         dist.destroy_process_group()
+
+
+def _rank_llama(rank, world, plan):
+    """transformers Llama (float64, loss a float32 mean over a padded, data-dependent label count):
+    duplicated copies need the copies' label counts added, which the compiled program reads at run
+    time (:func:`hidup.codegen.program.hidup_copy_sum`, left eager inside the compiled program; the
+    copies run one after the other, the staged schedule is the test above's)."""
+    import thirdparty
+    from hidup.codegen import compile
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    model, inputs = thirdparty.build("llama")
+    module = compile(model, plan, rank, world, inputs, duplication=True, streams=False, compile="aot_eager")
+    loss = module(*inputs)
+    loss.backward()
+    total, grads = float(module.global_loss(loss)), full_grad_dict(module)
+    ref, ref_inputs = thirdparty.build("llama")
+    ref_loss = ref(*ref_inputs)
+    ref_loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+    grad_err = max(float((grads[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
+                   for n, p in ref.named_parameters())
+    return {"loss": total, "ref": float(ref_loss), "grad": grad_err, "duplication": module.duplication,
+            "side_pass": module.side_pass is not None}
+
+
+def test_compiled_llama_masked_mean_duplicated():
+    pytest.importorskip("transformers")
+    import thirdparty
+    from hidup.search import forced
+    from hidup.trace import trace
+
+    model, inputs = thirdparty.build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = forced(trace(model, inputs, world_size=2), PROFILE, "data", duplication=True)
+    tol = 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(thirdparty.LOSS_DTYPE["llama"]).eps
+    for rank, r in enumerate(run_distributed(_rank_llama, 2, plan, timeout=600)):
+        assert r["duplication"] and r["side_pass"], f"rank {rank}: duplication with label counts did not run"
+        assert abs(r["loss"] - r["ref"]) <= tol * abs(r["ref"]), f"rank {rank}: loss {r['loss']} vs {r['ref']}"
+        assert r["grad"] <= tol, f"rank {rank}: gradients differ by {r['grad']:.2e}"

@@ -7,30 +7,32 @@ collectives: they are Python that talks to a process group, and their backward i
 collective of the gradient convention (:mod:`hidup.codegen.collectives`).  So, under compilation
 only, a conversion is one opaque custom op
 
-    hidup::convert(Tensor x, str src, str dst, int group) -> Tensor
+    hidup::convert(Tensor x, str src, str dst, int world, Tensor group) -> Tensor
 
 whose eager kernel is exactly the eager path's forward (:func:`hidup.codegen.collectives.apply_op`
-of :func:`hidup.ir.conversion`'s forward op, on the process group registered under ``group``),
-whose fake kernel gives the output shape (``gather_d -> full`` multiplies dim ``d`` by N, ``full ->
-gather_d`` and ``reduce -> gather_d`` divide it, an all-to-all ``gather_a -> gather_b`` does both,
-the others keep the shape; outputs are contiguous), and whose autograd formula is the op
-``hidup::convert_backward`` running the conversion's backward op -- the same adjoint table as
-:class:`hidup.codegen.collectives._Convert`.  Dynamo therefore sees no graph break at a collective:
-inductor compiles the whole forward, AOTAutograd the whole backward, and the collectives run
-between the fused kernels exactly as eagerly (same values in the same order), so parity is that of
-the eager program up to the rounding of inductor's fused kernels.
+of :func:`hidup.ir.conversion`'s forward op, on the process group ``group`` names), whose fake
+kernel gives the output shape on ``world`` ranks (``gather_d -> full`` multiplies dim ``d`` by N,
+``full -> gather_d`` and ``reduce -> gather_d`` divide it, an all-to-all ``gather_a -> gather_b``
+does both, the others keep the shape; outputs are contiguous and never alias the input), and whose
+autograd formula is the op ``hidup::convert_backward`` running the conversion's backward op on the
+same group -- the adjoint table of :class:`hidup.codegen.collectives._Convert`.  Dynamo therefore
+sees no graph break at a collective: inductor compiles the whole forward, AOTAutograd the whole
+backward, and the collectives run between the fused kernels exactly as eagerly (the same values in
+the same order), so parity is that of the eager program up to the rounding of the fused kernels.
 
 Why custom ops rather than compiling the regions between collectives: one graph per program (per
 stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,
 and dynamo dispatches one compiled function instead of one per region; the collectives remain the
 eager ones, so nothing about their numerics, streams or process groups changes.
 
-Process groups are not values a graph can hold, so the program names them by an integer key
-(:func:`group_key`): :func:`hidup.codegen.program.using_group` records the active group's key in
-:data:`ACTIVE` and the compiled conversion reads it; dynamo guards on that key, so each process
-group (duplication's two copies run on two) gets its own compiled graph and the key is a constant
-in it -- the backward, which runs on autograd's thread, looks the group up by the key it was traced
-with, not in thread-local state.
+Process groups are not values a graph can hold, so each has an integer key (:func:`group_key`)
+and a *token*, a CPU int64 scalar holding the key.  :func:`hidup.codegen.program.using_group` makes
+the active group's token :data:`ACTIVE`'s, the compiled conversion reads it as a graph *input* (a
+tensor, so dynamo does not specialize on its value) and the op's kernel looks the group up from it;
+the autograd formula saves the token, so the backward -- which autograd may run on another thread,
+after the forward's ``using_group`` has ended, interleaving duplication's two copies -- runs on the
+group of its own forward.  Duplication's two copies, on two process groups, thus share one compiled
+graph per stage.
 
 Duplication keeps its structure: :class:`hidup.codegen.duplicate.StagedCopies` compiles each stage
 submodule on its own, so stage ``s`` of copy 0 and of copy 1 still run on their two streams in
@@ -48,21 +50,18 @@ autotuning caches, on disk by default), so a second run of the same program comp
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hidup.codegen import collectives
 from hidup.ir import Form, conversion
 
-__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module", "CompileTimer"]
+__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module"]
 
 # Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
 # CPU int64 scalar holding it (its *token*), which compiled graphs take as an input.
 _GROUPS: dict[int, object] = {0: None}
 _KEYS: dict[int, int] = {id(None): 0}
 _TOKENS: dict[int, torch.Tensor] = {0: torch.zeros((), dtype=torch.int64)}
-_WORLDS: dict[int, int] = {}
 
 
 class _Active:
@@ -97,14 +96,9 @@ def group_of(key) -> object:
 
 
 def world_of_key(key: int) -> int:
-    """Ranks of the group registered under ``key`` (read once per key: process groups do not resize;
-    before a process group exists, 1 and not remembered)."""
-    if key not in _WORLDS:
-        n = collectives.world_of(_GROUPS[key])
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return n
-        _WORLDS[key] = n
-    return _WORLDS[key]
+    """Ranks of the group registered under ``key`` (asked each time: the default group may be
+    destroyed and created again with another size)."""
+    return collectives.world_of(_GROUPS[key])
 
 
 def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -201,15 +195,3 @@ def compile_module(module: torch.nn.Module, backend: str):
     """``torch.compile`` of one program (or stage) module: static shapes, graph breaks allowed
     (only :func:`hidup.codegen.program.hidup_copy_sum` makes one)."""
     return torch.compile(module, backend=backend, dynamic=False)
-
-
-class CompileTimer:
-    """Wall seconds of a first (compiling) call: ``with CompileTimer() as t: step()``; ``t.seconds``."""
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        return False

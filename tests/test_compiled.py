@@ -216,3 +216,33 @@ def test_compiled_llama_masked_mean_duplicated():
         assert r["duplication"] and r["side_pass"], f"rank {rank}: duplication with label counts did not run"
         assert abs(r["loss"] - r["ref"]) <= tol * abs(r["ref"]), f"rank {rank}: loss {r['loss']} vs {r['ref']}"
         assert r["grad"] <= tol, f"rank {rank}: gradients differ by {r['grad']:.2e}"
+
+
+@pytest.mark.skipif(bool(os.environ.get("HIDUP_QUICK_TESTS")), reason="CPU inductor compiles C++ (a minute cold)")
+def test_train_compile_on_matches_eager(tmp_path):
+    """``hidup train --compile on`` (inductor) on two gloo ranks: prints its compilation time and
+    trains the same losses as ``--compile off`` (float32: the first loss to rounding, later ones
+    within the drift three Adam steps allow)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tiny = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
+            "--batch-per-gpu", "2", "--vocab", "64", "--world", "2", "--iterations", "3", "--warmup", "0",
+            "--profile", PROFILE]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    losses = {}
+    for mode in ("off", "on"):
+        out = tmp_path / f"{mode}.json"
+        proc = subprocess.run([sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode, "--json", str(out)],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert result["compile"] == (mode == "on")
+        if mode == "on":
+            assert "compiled the rank program with inductor in" in proc.stdout and result["compile_s"] > 0
+        losses[mode] = result["losses"]
+    assert losses["on"][0] == pytest.approx(losses["off"][0], rel=1e-5)
+    assert losses["on"] == pytest.approx(losses["off"], rel=1e-3)

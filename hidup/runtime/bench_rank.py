@@ -291,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     modes, precisions, share_modes = _settings(args, device)
     try:
         backend_of(args.backend)

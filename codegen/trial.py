@@ -136,9 +136,11 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     return single(), info
 
 
-def compile_step(module, inputs, *, autocast_dtype=None) -> float:
+def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) -> float:
     """Wall seconds of one forward + backward of ``module`` that compiles it (dynamo, AOTAutograd and the
-    backend, forward and backward graphs); leaves no gradient.  Every rank of the module's group calls it."""
+    backend, forward and backward graphs); leaves no gradient.  ``graphed``: under the autocast a
+    captured step runs (weight-cast cache off), so the steps that follow find the compiled graphs their
+    guards accept.  Every rank of the module's group calls it."""
     import contextlib
     import time
 
@@ -147,7 +149,9 @@ def compile_step(module, inputs, *, autocast_dtype=None) -> float:
     if cuda:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+    cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype else \
+        contextlib.nullcontext()
+    with cast:
         loss = module(*inputs)
     loss.backward()
     if cuda:
@@ -172,7 +176,7 @@ def choose_compile(module, example_inputs, *, group=None, cuda_graphs: bool = Tr
     module.set_compile(None)
     eager_s = _timed(module, inputs, **timing)
     module.set_compile(backend)
-    compile_s = compile_step(module, inputs, autocast_dtype=autocast_dtype)
+    compile_s = compile_step(module, inputs, autocast_dtype=autocast_dtype, graphed=cuda_graphs)
     compiled_s = _timed(module, inputs, **timing)
     eager_s, compiled_s, compile_s = max_over_ranks([eager_s, compiled_s, compile_s], group, device)
     keep = compiled_s * (1.0 + margin) < eager_s

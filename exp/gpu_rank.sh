@@ -4,9 +4,12 @@
 # fused Adam step, against the single-device share compiled and captured; for
 #   1. BERT-SGMoE at the paper defaults (8 layers, d 768, 32 sequences of 128 per GPU, 2 experts per GPU),
 #      the plan searched now with the built-in h200x4-nvlink profile, rank 0;
-#   2. a transformers Llama (8 layers, hidden 3072, 24 heads / 8 KV heads, MLP 8192, vocab 32000,
-#      8 sequences of 1024 per GPU: about 1.0 B parameters; its single-device share trains in roughly
-#      45-55 GB), plan searched the same way, rank 0.
+#   2. a transformers Llama with Llama-2-7B's layer shapes (4 layers, hidden 4096, 32 heads / 8 KV
+#      heads, MLP 11008, vocab 32000; 8 sequences of 1024 per GPU): about 1.0 B parameters, whose
+#      single-device share (weights, gradients, Adam state and activations) takes roughly 40-50 GB;
+#      plan searched the same way, rank 0.
+# Modes run in the order eager, cuda-graph, compile+graph, compile (the last reuses the compiled code),
+# tf32 first, each rank run followed by the share's, so a run cut short keeps whole pairs.
 # Results go to $OUT/rank_bert-sgmoe_w4.json and $OUT/rank_llama_w4.json (rewritten after every run, so a
 # run cut short by its time cap keeps what it measured) and the log to $OUT/gpu_rank.log.
 #
@@ -38,7 +41,7 @@ class Step(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def build_llama(layers=8, hidden=3072, heads=24, kv_heads=8, ffn=8192, vocab=32000, seq=1024, batch=8,
+def build_llama(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=1024, batch=8,
                 world_size=1, device=None):
     """Llama with `batch` sequences of `seq` tokens per rank (the global batch is batch x world_size)."""
     cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -59,7 +62,7 @@ if [ "$DEVICE" = cpu ]; then
   LLAMA_ARGS=(--model-arg layers=2 --model-arg hidden=64 --model-arg heads=4 --model-arg kv_heads=2
               --model-arg ffn=128 --model-arg vocab=128 --model-arg seq=16 --model-arg batch=2)
 else
-  COMMON=(--precisions tf32,bf16 --modes eager,cuda-graph,compile,compile+graph --share-modes compile+graph
+  COMMON=(--precisions tf32,bf16 --modes eager,cuda-graph,compile+graph,compile --share-modes compile+graph
           --steps 20 --rounds 3 --warmup 3)
   BERT_ARGS=()
   LLAMA_ARGS=()

@@ -246,3 +246,27 @@ def test_train_compile_on_matches_eager(tmp_path):
         losses[mode] = result["losses"]
     assert losses["on"][0] == pytest.approx(losses["off"][0], rel=1e-5)
     assert losses["on"] == pytest.approx(losses["off"], rel=1e-3)
+
+
+def test_choose_compile_keeps_the_faster_mode_and_no_gradient():
+    """``choose_compile`` (``hidup train --compile auto``) on one process: it times eager and compiled
+    steps, reports the compiling step's time, leaves the module in the mode it reports and no gradient;
+    the compiled module then computes the eager loss."""
+    import hidup
+    from hidup.codegen.trial import choose_compile
+    from hidup.search import forced
+    from hidup.trace import trace_module
+
+    model, inputs = hidup.models.build("mlp", world_size=1, **SMALL["mlp"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = forced(trace_module(model, inputs, 1).graph, PROFILE, "data", duplication=False)
+    module = hidup.compile(model, plan, 0, 1, inputs)
+    eager_loss = float(module(*inputs))
+    info = choose_compile(module, inputs, cuda_graphs=False, trials=2, warmup=1, backend="aot_eager")
+    assert set(info["trial"]) == {"eager_s", "compiled_s"} and info["compile_s"] > 0
+    assert module.compile_backend == ("aot_eager" if info["compile"] else None)
+    assert info["compile"] == (info["trial"]["compiled_s"] * 1.02 < info["trial"]["eager_s"])
+    assert all(p.grad is None for p in module.parameters())
+    module.set_compile("aot_eager")
+    assert float(module(*inputs)) == pytest.approx(eager_loss, rel=1e-6)

@@ -191,7 +191,7 @@ def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, 
             print(info["reason"], flush=True)
         return info
     module.set_compile(True)
-    seconds = compile_step(module, batch, autocast_dtype=autocast_dtype)
+    seconds = compile_step(module, batch, autocast_dtype=autocast_dtype, graphed=use_graph)
     if rank == 0:
         print(f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)",
               flush=True)

@@ -18,7 +18,10 @@ autograd formula is the op ``hidup::convert_backward`` running the conversion's 
 same group -- the adjoint table of :class:`hidup.codegen.collectives._Convert`.  Dynamo therefore
 sees no graph break at a collective: inductor compiles the whole forward, AOTAutograd the whole
 backward, and the collectives run between the fused kernels exactly as eagerly (the same values in
-the same order), so parity is that of the eager program up to the rounding of the fused kernels.
+the same order), so parity is that of the eager program up to the rounding of the fused kernels.  Every rank compiles
+a graph of the same structure (programs differ between ranks only in constants), and inductor keeps
+extern ops such as these in program order (its compute/communication reordering passes are off by
+default), so the ranks issue their collectives in the same order.
 
 Why custom ops rather than compiling the regions between collectives: one graph per program (per
 stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,

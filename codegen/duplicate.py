@@ -80,13 +80,20 @@ class SequentialCopies:
 
     def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
+        self.run = gm
+
+    def compile(self, backend: str | None) -> None:
+        """Run the program through ``torch.compile(backend=...)`` (None: eagerly)."""
+        from hidup.codegen.compiled import compile_module
+
+        self.run = self.gm if backend is None else compile_module(self.gm, backend)
 
     def __call__(self, inputs_of, groups):
         """``inputs_of(c)``: copy ``c``'s inputs; ``groups``: each copy's process group."""
         total = None
         for c, group in enumerate(groups):
             with using_group(group):
-                loss = self.gm(*inputs_of(c))
+                loss = self.run(*inputs_of(c))
             total = loss if total is None else total + loss
         return total
 
@@ -108,6 +115,7 @@ class StagedCopies:
 
         self.split = split_module(gm, gm, partition, keep_original_order=True) if self.num_stages > 1 else gm
         self.device = device
+        self.compiled: dict[str, object] = {}  # stage submodule -> its torch.compile'd callable
         self.cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)] if self.cuda else None
         if self.cuda:
@@ -117,6 +125,21 @@ class StagedCopies:
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)
+
+    def compile(self, backend: str | None) -> None:
+        """Run each stage through its own ``torch.compile(backend=...)`` (None: eagerly); the stage
+        runner, its streams and process groups stay as they are."""
+        from hidup.codegen.compiled import compile_module
+
+        self.compiled = {}
+        if backend is None:
+            return
+        if self.num_stages == 1:
+            self.compiled[""] = compile_module(self.split, backend)
+            return
+        for node in self.split.graph.nodes:
+            if node.op == "call_module":
+                self.compiled[node.target] = compile_module(self.split.get_submodule(node.target), backend)
 
     def _on(self, c: int):
         return torch.cuda.stream(self.streams[c]) if self.cuda else contextlib.nullcontext()
@@ -129,7 +152,9 @@ class StagedCopies:
         kernels reading it may not have run yet, and the next allocation there (a gradient bucket,
         say) could overwrite it first."""
         if self.num_stages == 1:
-            return SequentialCopies(self.split)(inputs_of, groups)
+            single = SequentialCopies(self.split)
+            single.run = self.compiled.get("", self.split)
+            return single(inputs_of, groups)
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             for s in self.streams:
@@ -156,7 +181,9 @@ class StagedCopies:
                     continue
                 with self._on(c), using_group(groups[c]):
                     if node.op == "call_module":
-                        env[node] = self.split.get_submodule(node.target)(*args, **kwargs)
+                        run = self.compiled.get(node.target)
+                        run = self.split.get_submodule(node.target) if run is None else run
+                        env[node] = run(*args, **kwargs)
                     elif node.op == "call_function":
                         env[node] = node.target(*args, **kwargs)
                     elif node.op == "get_attr":

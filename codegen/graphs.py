@@ -26,6 +26,13 @@ collective once before capture).  ``autocast`` runs with its weight-cast cache d
 graph capture requires.  On a CPU, or with ``enabled=False``, the same object runs the step eagerly
 with the same semantics, so training code does not branch.
 
+With ``optimizer=`` the optimizer step joins the step (and the graph): each call runs forward,
+backward and ``optimizer.step()``, warm-up steps included (they are real updates).  The optimizer
+must be capturable on CUDA (``torch.optim.Adam(..., fused=True, capturable=True)``).
+
+A ``torch.compile``'d module (:mod:`hidup.codegen.compiled`) is captured the same way: its first
+warm-up step compiles it, and the capture replays the compiled kernels.
+
 Release: :meth:`GraphedStep.release` frees the graph; it must run before any process group the
 step uses is destroyed (NCCL forbids destroying a communicator that a live graph still uses).
 
@@ -68,8 +75,9 @@ class GraphedStep:
 
     def __init__(self, module: nn.Module, example_inputs, *, autocast_dtype=None, warmup: int = 3,
                  enabled: bool | None = None, capture_error_mode: str = "thread_local", choose: bool = False,
-                 trials: int = 5, group=None):
+                 trials: int = 5, group=None, optimizer=None):
         self.module = module
+        self.optimizer = optimizer
         from hidup.codegen.rewrite import _device_of
 
         self.device = _device_of(module)
@@ -98,6 +106,8 @@ class GraphedStep:
         with _autocast(self.device, self.autocast_dtype):
             loss = self.module(*inputs)
         loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
         return loss.detach()
 
     def _capture(self, examples, warmup: int, mode: str) -> None:
@@ -122,6 +132,8 @@ class GraphedStep:
                 with _autocast(self.device, self.autocast_dtype):
                     loss = self.module(*self._static_inputs)
                 loss.backward()
+                if self.optimizer is not None:
+                    self.optimizer.step()
         except Exception as e:
             raise GraphCaptureError(
                 f"capturing the training step as a CUDA graph failed ({type(e).__name__}: {e}). The step must have "

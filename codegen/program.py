@@ -39,7 +39,7 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.node import _get_qualified_name
 
-from hidup.codegen import collectives
+from hidup.codegen import collectives, compiled
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.ir import FULL, REDUCE, Form, Signature
 
@@ -65,11 +65,14 @@ def current_group():
 @contextlib.contextmanager
 def using_group(group):
     before = getattr(_STATE, "group", None)
+    before_key = compiled.ACTIVE.key
     _STATE.group = group
+    compiled.ACTIVE.set(compiled.group_key(group))
     try:
         yield
     finally:
         _STATE.group = before
+        compiled.ACTIVE.set(before_key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,12 +81,19 @@ def _form(text: str) -> Form:
 
 
 def hidup_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
-    """Generated-code entry point of :func:`hidup.codegen.collectives.convert`."""
+    """Generated-code entry point of :func:`hidup.codegen.collectives.convert` (the custom op
+    ``hidup::convert`` under ``torch.compile``, :mod:`hidup.codegen.compiled`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hidup.convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
     return collectives.convert(x, _form(src), _form(dst), current_group())
 
 
 def hidup_take_input(x: torch.Tensor, form: str) -> torch.Tensor:
     """This rank's piece of a global input in ``form`` (a slice for gather forms)."""
+    if torch.compiler.is_compiling():
+        active = compiled.ACTIVE
+        return x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, active.world,
+                                                                                active.token)
     f = _form(form)
     if not f.is_gather:
         return x
@@ -101,9 +111,11 @@ def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return x
 
 
+@torch.compiler.disable
 def hidup_copy_sum(x: torch.Tensor, key: int) -> torch.Tensor:
     """Both duplicated copies' value of tensor ``key`` added, where the copy runner computed it
-    (:func:`using_copy_sums`); ``x`` itself otherwise (one copy, or the runner's side pass)."""
+    (:func:`using_copy_sums`); ``x`` itself otherwise (one copy, or the runner's side pass).  Run
+    eagerly under ``torch.compile`` (the sums are run-time state)."""
     sums = getattr(_STATE, "copy_sums", None)
     return sums[key] if sums is not None and key in sums else x
 

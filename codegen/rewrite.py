@@ -48,7 +48,7 @@ class HidupModule(nn.Module):
 
     def __init__(self, program: RankProgram, *, rank: int, world_size: int, group=None, local_batch: bool = False,
                  duplication: bool = False, copy_groups=None, batch_dims=None, bucket_mb: float = GRAD_BUCKET_MB,
-                 streams: bool | None = None, plan=None):
+                 streams: bool | None = None, plan=None, compile=None):  # noqa: A002
         super().__init__()
         self.gm = program.gm
         self.program = program
@@ -72,6 +72,22 @@ class HidupModule(nn.Module):
                 warnings.warn(f"duplication: the generated program has {self.runner.num_stages} of the plan's "
                               f"{program.num_stages} stages (the trace orders some op after an op of a later "
                               f"stage), so the copies overlap less than the search assumed", stacklevel=2)
+        self._run = (self.gm,)  # what forward calls without duplication (a tuple: not a submodule)
+        self.compile_backend = None
+        self.set_compile(compile)
+
+    def set_compile(self, compile) -> None:  # noqa: A002 - the option's name
+        """Run the program through ``torch.compile`` (``True``: inductor, or a backend name such as
+        ``"aot_eager"``) or eagerly (``False``/``None``); see :mod:`hidup.codegen.compiled`.
+        Compilation happens on the next call (the first step after this one is slow)."""
+        from hidup.codegen.compiled import backend_of, compile_module
+
+        backend = backend_of(compile)
+        self.compile_backend = backend
+        if self.duplication:
+            self.runner.compile(backend)
+        else:
+            self._run = (self.gm if backend is None else compile_module(self.gm, backend),)
 
     # -- running
     def _bind(self, args, kwargs) -> list:
@@ -89,7 +105,7 @@ class HidupModule(nn.Module):
         values = self._bind(args, kwargs)
         if not self.duplication:
             with using_group(self.group):
-                return self.gm(*values)
+                return self._run[0](*values)
         dims = self.batch_dims if self.batch_dims is not None else [0] * len(values)
         blocks = []
         for name in self.input_names:
@@ -178,14 +194,17 @@ def _positional(model: nn.Module, example_inputs) -> list:
 def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
             local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
             bucket_mb: float = GRAD_BUCKET_MB, device: torch.device | str | None = None, streams: bool | None = None,
-            copy_groups: tuple | None = None) -> HidupModule:
+            copy_groups: tuple | None = None, compile=False) -> HidupModule:  # noqa: A002
     """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
 
     ``example_inputs`` hold the global batch (as for tracing).  ``batch_dims`` gives each forward
     input's batch dim for duplication (default 0 for every tensor; None keeps an input whole).
     ``device`` defaults to the model's.  Every rank of ``group`` must call this (duplication creates
     two process groups on CUDA, one per copy, unless ``copy_groups`` passes two that already exist:
-    a process that compiles many modules can reuse one pair of communicators for all of them)."""
+    a process that compiles many modules can reuse one pair of communicators for all of them).
+    ``compile`` runs the program through ``torch.compile``: ``True`` for inductor, a backend name
+    (``"aot_eager"``), or ``False`` (default) for eager fx code (:mod:`hidup.codegen.compiled`;
+    ``module.set_compile`` switches later)."""
     from hidup.trace import trace_module
 
     if world_size < 1 or not 0 <= rank < world_size:
@@ -235,4 +254,4 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
     return HidupModule(program, rank=rank, world_size=world_size, group=group, local_batch=local_batch,
                        duplication=duplication, copy_groups=copy_groups, batch_dims=dims, bucket_mb=bucket_mb,
-                       streams=streams, plan=plan)
+                       streams=streams, plan=plan, compile=compile)

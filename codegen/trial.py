@@ -13,6 +13,11 @@ by more than ``margin`` (noise does not flip it).
 The trial changes no parameter (no optimizer step runs) and leaves no gradient.  Only one compiled
 module lives at a time, so the trial needs no more memory than training.  A plan whose batch cannot
 be halved (an odd batch) runs without duplication and says so.
+
+:func:`choose_compile` settles ``hidup train --compile auto`` the same way on the module the
+duplication trial kept: eager steps, then one compiling step (its wall time is the reported
+compilation time; torch's compile caches make a rerun of the same program cheaper), then compiled
+steps, and the compiled program is kept only when faster by more than ``margin``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.distributed as dist
 
 from hidup.codegen.graphs import GraphedStep, max_over_ranks, median_seconds
 
-__all__ = ["choose_duplication", "time_modes"]
+__all__ = ["choose_duplication", "time_modes", "choose_compile", "compile_step"]
 
 
 def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
@@ -129,3 +134,55 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     _release_copy_groups(on, group, compile_kwargs)
     del on
     return single(), info
+
+
+def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) -> float:
+    """Wall seconds of one forward + backward of ``module`` that compiles it (dynamo, AOTAutograd and the
+    backend, forward and backward graphs); leaves no gradient.  ``graphed``: under the autocast a
+    captured step runs (weight-cast cache off), so the steps that follow find the compiled graphs their
+    guards accept.  Every rank of the module's group calls it."""
+    import contextlib
+    import time
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype else \
+        contextlib.nullcontext()
+    with cast:
+        loss = module(*inputs)
+    loss.backward()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    for p in module.parameters():
+        p.grad = None
+    return seconds
+
+
+def choose_compile(module, example_inputs, *, group=None, cuda_graphs: bool = True, autocast_dtype=None,
+                   trials: int = 5, warmup: int = 2, margin: float = 0.02, backend: str = "inductor") -> dict:
+    """Keep ``module`` (a :class:`hidup.codegen.HidupModule`) compiled with ``backend`` or eager, whichever
+    runs a forward + backward faster (``hidup train --compile auto``), timed as :func:`choose_duplication`
+    times its modes: ``trials`` steps, captured as a CUDA graph when ``cuda_graphs``, the slowest rank's
+    medians deciding; compiled is kept only when faster by more than ``margin``.  Returns ``{"compile":
+    bool, "compile_s": seconds of the compiling step, "trial": {"eager_s", "compiled_s"}, "reason"}``.
+    Every rank of ``group`` must call this; the module is left in the chosen mode with no gradient."""
+    inputs = tuple(example_inputs)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    timing = _timing(cuda_graphs, autocast_dtype, trials, warmup)
+    module.set_compile(None)
+    eager_s = _timed(module, inputs, **timing)
+    module.set_compile(backend)
+    compile_s = compile_step(module, inputs, autocast_dtype=autocast_dtype, graphed=cuda_graphs)
+    compiled_s = _timed(module, inputs, **timing)
+    eager_s, compiled_s, compile_s = max_over_ranks([eager_s, compiled_s, compile_s], group, device)
+    keep = compiled_s * (1.0 + margin) < eager_s
+    if not keep:
+        module.set_compile(None)
+    return {"compile": keep, "compile_s": compile_s, "trial": {"eager_s": eager_s, "compiled_s": compiled_s},
+            "reason": f"compile {'on' if keep else 'off'} (trial: {backend} {compiled_s * 1e3:.2f} ms, eager "
+                      f"{eager_s * 1e3:.2f} ms per forward + backward{', as CUDA graphs' if cuda_graphs else ''}; "
+                      f"compiling took {compile_s:.1f} s)"}

@@ -432,6 +432,14 @@ COMMANDS = {
 }
 
 
+def _bench_rank(attr: str):
+    """``hidup bench-rank``'s parser or command, from :mod:`hidup.runtime.bench_rank` (imported when used)."""
+    return lambda x: getattr(__import__("hidup.runtime.bench_rank", fromlist=[attr]), attr)(x)
+
+
+COMMANDS["bench-rank"] = (_bench_rank("add_parser"), _bench_rank("run"))
+
+
 def _optional_commands() -> None:
     """Subcommands whose implementation lives with the runtime and profiler packages."""
     try:

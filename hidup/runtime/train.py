@@ -13,6 +13,13 @@ model, in ``[0, max + 1)`` with ``max`` the example input's largest entry -- an 
 entries (labels padded with -100) or of dtype bool, and anything that is not a tensor, is passed as
 the example holds it.
 
+With ``--compile`` the rank program runs through ``torch.compile`` (:mod:`hidup.codegen.compiled`):
+``on`` compiles it with inductor and prints the time of the compiling step, ``auto`` does so on GPUs
+only and keeps it when a short trial (:func:`hidup.codegen.trial.choose_compile`, after the
+duplication trial, steps captured as CUDA graphs when they will be) shows compiled steps faster.  A
+compiled module is warmed up and then captured by the CUDA-graph step like an eager one.  The
+optimizer step stays outside the captured graph.
+
 Reported per run (rank 0): the loss of every step (the true global loss: the sum over ranks of the
 local ``reduce``-form losses), the iteration time as mean ± std over the last ``--last-k`` steps,
 tokens (or images) per second, and the peak memory of the device.
@@ -68,6 +75,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
                         "--precision fp16, whose loss scaler checks gradients on the host, and kept only "
                         "when replaying beats eager steps in a short trial)")
+    g.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="run the rank program through torch.compile (inductor; collectives stay eager as opaque "
+                        "custom ops, duplication's stages are compiled one by one): on, off, or auto (default): on "
+                        "GPUs time a few steps both ways and keep the faster, on the CPU off. The compilation time "
+                        "is printed; torch's compile caches are used")
     g.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
                    help="synthetic batches, or byte-level tokens of the Python standard library's source "
                         "(language models; needs --vocab >= 256)")
@@ -164,6 +176,28 @@ def _captures(args, cuda: bool) -> bool:
     return args.cuda_graphs == "on"
 
 
+def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, rank: int) -> dict:
+    """Settle ``--compile`` on ``module`` (:mod:`hidup.codegen.compiled`): ``{"compile": bool,
+    "compile_s": seconds of the compiling step or None, "trial": {...}}``; rank 0 prints what it did."""
+    from hidup.codegen.trial import choose_compile, compile_step
+
+    mode = getattr(args, "compile", "off")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return {"compile": False, "compile_s": None, "trial": {}}
+    if mode == "auto":
+        info = choose_compile(module, batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype,
+                              group=module.group)
+        if rank == 0:
+            print(info["reason"], flush=True)
+        return info
+    module.set_compile(True)
+    seconds = compile_step(module, batch, autocast_dtype=autocast_dtype, graphed=use_graph)
+    if rank == 0:
+        print(f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)",
+              flush=True)
+    return {"compile": True, "compile_s": seconds, "trial": {}}
+
+
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     import hidup.models
     from hidup.codegen import clip_grad_norm_, compile
@@ -210,6 +244,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if use_graph and scaler is not None:
         raise SystemExit("--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
                          "gradients on the host every step); use bf16, or --cuda-graphs off")
+    compiled = _compile_rank(args, module, _to(batch_at(inputs, 0, args.seed, cfg, data), device), device,
+                             autocast_dtype, use_graph, rank)
     graphed = None
 
     start, losses = 0, []
@@ -307,6 +343,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
               "cuda_graph": graphed is not None and graphed.graph is not None,
               "step_mode_trial": graphed.timings if graphed is not None else {},
               "duplication_trial": trial.get("trial", {}),
+              "compile": compiled["compile"], "compile_s": compiled["compile_s"],
+              "compile_trial": compiled["trial"],
               "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""

@@ -1,0 +1,200 @@
+"""Inductor-compiled rank programs: the collectives as ``torch.library`` custom ops.
+
+A rank program (:mod:`hidup.codegen.program`) is straight-line fx code of ATen-level ops with form
+conversions (:func:`hidup.codegen.program.hidup_convert`) between them.  ``torch.compile`` of it
+(``hidup.compile(..., compile=True)``, ``hidup train --compile``) must not trace into the
+collectives: they are Python that talks to a process group, and their backward is the conjugate
+collective of the gradient convention (:mod:`hidup.codegen.collectives`).  So, under compilation
+only, a conversion is one opaque custom op
+
+    hidup::convert(Tensor x, str src, str dst, int world, Tensor group) -> Tensor
+
+whose eager kernel is exactly the eager path's forward (:func:`hidup.codegen.collectives.apply_op`
+of :func:`hidup.ir.conversion`'s forward op, on the process group ``group`` names), whose fake
+kernel gives the output shape on ``world`` ranks (``gather_d -> full`` multiplies dim ``d`` by N,
+``full -> gather_d`` and ``reduce -> gather_d`` divide it, an all-to-all ``gather_a -> gather_b``
+does both, the others keep the shape; outputs are contiguous and never alias the input), and whose
+autograd formula is the op ``hidup::convert_backward`` running the conversion's backward op on the
+same group -- the adjoint table of :class:`hidup.codegen.collectives._Convert`.  Dynamo therefore
+sees no graph break at a collective: inductor compiles the whole forward, AOTAutograd the whole
+backward, and the collectives run between the fused kernels exactly as eagerly (the same values in
+the same order), so parity is that of the eager program up to the rounding of the fused kernels.  Every rank compiles
+a graph of the same structure (programs differ between ranks only in constants), and inductor keeps
+extern ops such as these in program order (its compute/communication reordering passes are off by
+default), so the ranks issue their collectives in the same order.
+
+Why custom ops rather than compiling the regions between collectives: one graph per program (per
+stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,
+and dynamo dispatches one compiled function instead of one per region; the collectives remain the
+eager ones, so nothing about their numerics, streams or process groups changes.
+
+Process groups are not values a graph can hold, so each has an integer key (:func:`group_key`)
+and a *token*, a CPU int64 scalar holding the key.  :func:`hidup.codegen.program.using_group` makes
+the active group's token :data:`ACTIVE`'s, the compiled conversion reads it as a graph *input* (a
+tensor, so dynamo does not specialize on its value) and the op's kernel looks the group up from it;
+the autograd formula saves the token, so the backward -- which autograd may run on another thread,
+after the forward's ``using_group`` has ended, interleaving duplication's two copies -- runs on the
+group of its own forward.  Duplication's two copies, on two process groups, thus share one compiled
+graph per stage.
+
+Duplication keeps its structure: :class:`hidup.codegen.duplicate.StagedCopies` compiles each stage
+submodule on its own, so stage ``s`` of copy 0 and of copy 1 still run on their two streams in
+lockstep, each launching its own compiled kernels and collectives; without duplication the whole
+program is one graph.  One consequence: within one compiled graph the gradients of all its
+parameters are produced together at the end of its backward, so the gradient buckets of replicated
+parameters (:mod:`hidup.codegen.grads`) launch after the graph's backward rather than during it
+(per stage with duplication).  ``hidup train --compile auto`` times both and keeps the faster.
+
+The values :func:`hidup.codegen.program.hidup_copy_sum` adds across the two copies come from a
+side pass at run time, so that call is left to eager Python (a graph break in the one stage that
+has it, for masked-mean losses only).  Compilation goes through torch's own caches (FX graph and
+autotuning caches, on disk by default), so a second run of the same program compiles much faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hidup.codegen import collectives
+from hidup.ir import Form, conversion
+
+__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module"]
+
+# Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
+# CPU int64 scalar holding it (its *token*), which compiled graphs take as an input.
+_GROUPS: dict[int, object] = {0: None}
+_KEYS: dict[int, int] = {id(None): 0}
+_TOKENS: dict[int, torch.Tensor] = {0: torch.zeros((), dtype=torch.int64)}
+
+
+class _Active:
+    """The process group the generated code currently communicates on: its key, its token and its
+    number of ranks."""
+
+    key: int = 0
+    token: torch.Tensor = _TOKENS[0]
+    world: int = 1
+
+    def set(self, key: int) -> None:
+        self.key, self.token, self.world = key, _TOKENS[key], world_of_key(key)
+
+
+ACTIVE = _Active()
+
+
+def group_key(group) -> int:
+    """A stable integer naming ``group`` in compiled graphs (the group is kept alive)."""
+    key = _KEYS.get(id(group))
+    if key is None or _GROUPS.get(key) is not group:
+        key = len(_GROUPS)
+        _GROUPS[key] = group
+        _KEYS[id(group)] = key
+        _TOKENS[key] = torch.tensor(key, dtype=torch.int64)
+    return key
+
+
+def group_of(key) -> object:
+    """The process group registered under ``key`` (an int or its token)."""
+    return _GROUPS[int(key)]
+
+
+def world_of_key(key: int) -> int:
+    """Ranks of the group registered under ``key`` (asked each time: the default group may be
+    destroyed and created again with another size)."""
+    return collectives.world_of(_GROUPS[key])
+
+
+def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` as a contiguous tensor that does not alias ``x`` (a custom op may not return an alias)."""
+    out = out.contiguous()
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _backward_op(src: Form, dst: Form) -> str:
+    conv = conversion(src, dst)
+    if src.kind == "replicate" and dst.kind == "reduce":
+        return "identity"  # as collectives.convert: a reduce gradient is already exact on every rank
+    return conv.forward if conv.backward == "local" else conv.backward
+
+
+def _shape_after(op: str, shape: list[int], frm: Form, to: Form, n: int) -> list[int]:
+    shape = list(shape)
+    if n == 1:
+        return shape
+    if op in ("slice", "reduce_scatter"):
+        shape[to.dim] //= n
+    elif op in ("zero_pad", "all_gather"):
+        shape[frm.dim] *= n
+    elif op == "all_to_all" and frm.dim != to.dim:
+        shape[frm.dim] *= n
+        shape[to.dim] //= n
+    return shape
+
+
+@torch.library.custom_op("hidup::convert", mutates_args=())
+def convert(x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
+    """This rank's piece in form ``dst`` of ``x`` (its piece in form ``src``), on the group of ``world``
+    ranks whose token is ``group``."""
+    frm, to = Form.parse(src), Form.parse(dst)
+    op = conversion(frm, to).forward
+    return _contiguous_new(collectives.apply_op(op, x, frm, to, group_of(group)), x)
+
+
+@convert.register_fake
+def _(x, src, dst, world, group):
+    frm, to = Form.parse(src), Form.parse(dst)
+    return x.new_empty(_shape_after(conversion(frm, to).forward, list(x.shape), frm, to, world))
+
+
+@torch.library.custom_op("hidup::convert_backward", mutates_args=())
+def convert_backward(grad: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
+    """The gradient in form ``src`` of a conversion ``src -> dst`` whose output gradient is ``grad``."""
+    frm, to = Form.parse(src), Form.parse(dst)
+    return _contiguous_new(collectives.apply_op(_backward_op(frm, to), grad, to, frm, group_of(group)), grad)
+
+
+@convert_backward.register_fake
+def _(grad, src, dst, world, group):
+    frm, to = Form.parse(src), Form.parse(dst)
+    return grad.new_empty(_shape_after(_backward_op(frm, to), list(grad.shape), to, frm, world))
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.src, ctx.dst, ctx.world, group = inputs
+    ctx.save_for_backward(group)
+
+
+def _convert_grad(ctx, grad):
+    (group,) = ctx.saved_tensors
+    return torch.ops.hidup.convert_backward(grad, ctx.src, ctx.dst, ctx.world, group), None, None, None, None
+
+
+convert.register_autograd(_convert_grad, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def backend_of(compile) -> str | None:  # noqa: A002 - the option's name
+    """The torch.compile backend an option ``compile`` asks for: ``False``/``None``/``"off"`` -> None
+    (eager), ``True``/``"on"`` -> ``"inductor"``, a backend name as given."""
+    if compile in (None, False, "off"):
+        return None
+    if compile in (True, "on"):
+        return "inductor"
+    if isinstance(compile, str):
+        if compile not in BACKENDS and compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile={compile!r}: not a torch.compile backend; use True (inductor), False, "
+                             f"or one of {', '.join(BACKENDS)}")
+        return compile
+    raise ValueError(f"compile={compile!r}: expected True, False or a torch.compile backend name")
+
+
+def compile_module(module: torch.nn.Module, backend: str):
+    """``torch.compile`` of one program (or stage) module: static shapes, graph breaks allowed
+    (only :func:`hidup.codegen.program.hidup_copy_sum` makes one)."""
+    return torch.compile(module, backend=backend, dynamic=False)

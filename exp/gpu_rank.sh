@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One rank of a world-4 plan on one GPU (`hidup bench-rank`, torch's fake process group standing in for
+# the other three ranks), every mode (eager, cuda-graph, compile, compile+graph) in tf32 and bf16 with a
+# fused Adam step, against the single-device share compiled and captured; for
+#   1. BERT-SGMoE at the paper defaults (8 layers, d 768, 32 sequences of 128 per GPU, 2 experts per GPU),
+#      the plan searched now with the built-in h200x4-nvlink profile, rank 0;
+#   2. a transformers Llama with Llama-2-7B's layer shapes (4 layers, hidden 4096, 32 heads / 8 KV
+#      heads, MLP 11008, vocab 32000; 8 sequences of 1024 per GPU): about 1.0 B parameters, whose
+#      single-device share (weights, gradients, Adam state and activations) takes roughly 40-50 GB;
+#      plan searched the same way, rank 0.
+# Modes run in the order eager, cuda-graph, compile+graph, compile (the last reuses the compiled code),
+# tf32 first, each rank run followed by the share's, so a run cut short keeps whole pairs.
+# Results go to $OUT/rank_bert-sgmoe_w4.json and $OUT/rank_llama_w4.json (rewritten after every run, so a
+# run cut short by its time cap keeps what it measured) and the log to $OUT/gpu_rank.log.
+#
+# Usage (repository root as the working directory): OUT=/some/dir bash exp/gpu_rank.sh
+# Within 9 minutes on one H100: each model has a hard cap (BERT_CAP, LLAMA_CAP seconds). torch's compile
+# caches are left on, so a second run compiles faster.
+# DEVICE=cpu runs the same sequence at toy sizes (eager and compile modes, aot_eager backend) to check it.
+set -u -o pipefail
+OUT=${OUT:?set OUT to an output directory}
+mkdir -p "$OUT/factories"
+PY=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+BERT_CAP=${BERT_CAP:-270}
+LLAMA_CAP=${LLAMA_CAP:-230}
+LOG="$OUT/gpu_rank.log"
+
+# The Llama training step as a model factory (`package.module:function`, see the README).
+cat > "$OUT/factories/rank_llama.py" <<'PYEOF'
+import torch
+import transformers
+
+
+class Step(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build_llama(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=1024, batch=8,
+                world_size=1, device=None):
+    """Llama with `batch` sequences of `seq` tokens per rank (the global batch is batch x world_size)."""
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
+                                   max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    with torch.device(device or "cpu"):
+        model = Step(transformers.LlamaForCausalLM(cfg))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (batch * world_size, seq), generator=g)
+    return model, (ids, ids.clone())
+PYEOF
+export PYTHONPATH="$OUT/factories${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "$DEVICE" = cpu ]; then
+  COMMON=(--device cpu --precisions fp32 --modes eager,compile --share-modes compile --backend aot_eager
+          --steps 2 --rounds 2 --warmup 1)
+  BERT_ARGS=(--layers 2 --d-model 32 --heads 4 --ffn 64 --seq-len 8 --batch-per-gpu 4 --vocab 64)
+  LLAMA_ARGS=(--model-arg layers=2 --model-arg hidden=64 --model-arg heads=4 --model-arg kv_heads=2
+              --model-arg ffn=128 --model-arg vocab=128 --model-arg seq=16 --model-arg batch=2)
+else
+  COMMON=(--precisions tf32,bf16 --modes eager,cuda-graph,compile+graph,compile --share-modes compile+graph
+          --steps 20 --rounds 3 --warmup 3)
+  BERT_ARGS=()
+  LLAMA_ARGS=()
+fi
+
+{
+  echo "== $(date -u +%FT%TZ) gpu_rank.sh on $DEVICE"
+  $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+  echo "== BERT-SGMoE, world-4 plan, rank 0 (cap ${BERT_CAP} s)"
+  timeout --signal=TERM --kill-after=10 "$BERT_CAP" $PY -m hidup.cli bench-rank --model bert-sgmoe --world 4 \
+    "${BERT_ARGS[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_bert-sgmoe_w4.json"
+  echo "bench-rank exit status $?"
+  echo "== Llama, world-4 plan, rank 0 (cap ${LLAMA_CAP} s)"
+  timeout --signal=TERM --kill-after=10 "$LLAMA_CAP" $PY -m hidup.cli bench-rank --model rank_llama:build_llama \
+    --world 4 "${LLAMA_ARGS[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_llama_w4.json"
+  echo "bench-rank exit status $?"
+  echo "== summary (median ms per step: forward, backward, fused Adam)"
+  $PY - "$OUT" <<'PYEOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("rank_*_w4.json")):
+    data = json.loads(path.read_text())
+    c = data["config"]
+    print(f"{path.name}: {c['model']} rank {c['rank']} of {c['world']}, duplication {c.get('duplication')}, "
+          f"{c['device']}, plan predicts {c.get('plan_predicted_ms')} ms per step")
+    for r in data["runs"]:
+        t = f"{r['step_ms_median']:.2f} ms (best {r['step_ms_best']:.2f})" if r["status"] == "ok" else "failed: " + r["error"]
+        print(f"  {r['what']:5s} {r['precision']:5s} {r['mode']:14s} {t}")
+PYEOF
+} 2>&1 | tee "$LOG"

@@ -1,0 +1,367 @@
+"""``hidup bench-rank``: one rank of a world-N plan, timed on one device.
+
+Rank ``r``'s program of a saved plan (``--plan``), or of a plan searched now for ``--model/--world``,
+runs on one device with torch's fake process group (``torch.testing._internal.distributed.fake_pg``,
+backend ``"fake"``, rank ``r`` of ``N``) standing in for the other ranks: every collective returns a
+tensor of the right shape, dtype and device without communicating (its values are not the real
+ones, so the loss is meaningless; the kernels and their shapes are exactly the rank's).  So the
+compute of any plan at any world size can be measured on a single GPU, compared with what the same
+GPU does with the single-device share, and fed to a profile.
+
+A step is what training runs: forward, backward and a fused Adam step (``fused=True``; on CUDA also
+``capturable=True`` so that it joins the captured graph).  Modes:
+
+* ``eager``: the generated fx program, op by op;
+* ``cuda-graph``: forward, backward and optimizer step captured once as one CUDA graph and replayed
+  (:class:`hidup.codegen.graphs.GraphedStep`);
+* ``compile``: the program through ``torch.compile`` (``--backend``, inductor by default;
+  :mod:`hidup.codegen.compiled`), the optimizer step eager;
+* ``compile+graph``: compiled, then captured with the optimizer step.
+
+Precisions: ``tf32`` (float32 with TF32 matmuls), ``fp32``, ``bf16`` (autocast).  Timing of a mode:
+``--warmup`` steps (the first compiles, and its wall time is reported as ``compile_s``), then
+``--rounds`` rounds of ``--steps`` steps each between two device synchronizations; a round's time
+divided by its steps is one sample, and the median and the best sample are reported.  The
+*share* (``--share-modes``, default compile+graph on CUDA and compile on the CPU) is the whole model
+at ``1/N`` of the global batch (the first rows of every input), on the same device, timed the same
+way: the floor that a rank doing its part of an N-way step without communication should approach.
+
+Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
+rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
+error and the sweep goes on).  On the CPU only ``eager`` and ``compile`` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("eager", "cuda-graph", "compile", "compile+graph")
+PRECISIONS = ("tf32", "fp32", "bf16")
+
+
+def add_parser(sub) -> None:
+    """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
+    from hidup.cli import DEFAULT_PROFILE, add_model_args
+
+    p = sub.add_parser("bench-rank", help="time one rank's program of a world-N plan on one device "
+                       "(fake process group) against the single-device share",
+                       description=__doc__.split("\n\n")[0])
+    add_model_args(p, world_default=None)
+    g = p.add_argument_group("bench")
+    g.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now for --model/--world)")
+    g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for a plan searched now")
+    g.add_argument("--rank", type=int, default=0, help="which rank's program to run (default 0)")
+    g.add_argument("--duplication", choices=("plan", "on", "off"), default="plan",
+                   help="two half-batch copies as the plan says (default), or forced on/off")
+    g.add_argument("--modes", default=None,
+                   help=f"comma-separated, of {', '.join(MODES)} (default: all on CUDA, eager,compile on the CPU)")
+    g.add_argument("--precisions", default=None,
+                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default: tf32,bf16 on CUDA, fp32 on the CPU)")
+    g.add_argument("--share-modes", default=None,
+                   help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; "
+                        "'none' skips it)")
+    g.add_argument("--backend", default="inductor", help="torch.compile backend of the compile modes (default inductor)")
+    g.add_argument("--steps", type=int, default=20, help="steps per timed round (default 20)")
+    g.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    g.add_argument("--warmup", type=int, default=3, help="untimed steps before a mode is timed (default 3)")
+    g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default cuda when available)")
+    g.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+
+
+def _fail(message: str):
+    raise SystemExit(f"hidup bench-rank: error: {message}")
+
+
+def _list(text: str | None, default: tuple, valid: tuple, flag: str) -> list[str]:
+    items = [t.strip() for t in (text.split(",") if text else default) if t.strip()]
+    bad = [t for t in items if t not in valid]
+    if bad or not items:
+        _fail(f"{flag} {text!r}: choose from {', '.join(valid)} (comma-separated)")
+    return items
+
+
+def _settings(args, device: torch.device) -> tuple[list, list, list]:
+    cuda = device.type == "cuda"
+    modes = _list(args.modes, MODES if cuda else ("eager", "compile"), MODES, "--modes")
+    precisions = _list(args.precisions, ("tf32", "bf16") if cuda else ("fp32",), PRECISIONS, "--precisions")
+    if args.share_modes == "none":
+        share = []
+    else:
+        share = _list(args.share_modes, ("compile+graph",) if cuda else ("compile",), MODES, "--share-modes")
+    graphs = [m for m in modes + share if m.endswith("graph")]
+    if graphs and not cuda:
+        _fail(f"modes {', '.join(sorted(set(graphs)))} capture CUDA graphs, and this run is on {device}; "
+              "use --modes eager,compile (and --share-modes compile) on the CPU")
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            _fail(f"{flag} {value}: must be at least 1")
+    if args.warmup < 1:
+        _fail(f"--warmup {args.warmup}: must be at least 1 (the first step compiles)")
+    return modes, precisions, share
+
+
+def _plan(args, device: torch.device, precision: str):
+    """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
+    from hidup.cli import build_graph, settle_model
+    from hidup.plan import Plan, model_record
+
+    if args.plan is not None:
+        if not Path(args.plan).is_file():
+            _fail(f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first, or give "
+                  "--model and --world to search one now")
+        plan = Plan.load(args.plan)
+        settle_model(args, plan, args.plan)
+        return plan, str(args.plan)
+    if args.world is None:
+        _fail("give --plan PLAN, or --model M with --world N to search a plan now")
+    import hidup.profiler
+    from hidup.search import search
+
+    record = model_record(settle_model(args))
+    _check_rank(args)
+    graph = build_graph(args)
+    search_precision = "tf32" if precision == "tf32" and device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        search_precision = "bf16"
+    t0 = time.perf_counter()
+    plan = search(graph, hidup.profiler.load(args.profile), world_size=args.world,
+                  duplication=args.duplication != "off", precision=search_precision,
+                  cuda_graphs=device.type == "cuda", progress=False, model_source=record)
+    print(f"searched a world-{args.world} plan for {args.model} with profile {args.profile} in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return plan, "searched"
+
+
+def _check_rank(args) -> None:
+    if not 0 <= args.rank < args.world:
+        _fail(f"--rank {args.rank} is outside the plan's world of {args.world} ranks; choose 0..{args.world - 1}")
+
+
+def _precision(name: str, device: torch.device):
+    """Set the matmul precision for ``name``; its autocast dtype (None: no autocast)."""
+    tf32 = name == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    return torch.bfloat16 if name == "bf16" else None
+
+
+def _adam(params, device: torch.device, lr: float):
+    cuda = device.type == "cuda"
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True, capturable=cuda)
+    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=cuda)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_mode(module, inputs, mode: str, precision: str, device: torch.device, args, *, compile_fn) -> dict:
+    """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
+    module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
+    from hidup.codegen.graphs import GraphedStep
+
+    autocast_dtype = _precision(precision, device)
+    compile_fn(mode.startswith("compile"))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = _adam(params, device, args.lr)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    record = {"mode": mode, "precision": precision, "compile_s": None}
+    step = None
+    try:
+        t0 = time.perf_counter()
+        if mode.endswith("graph"):
+            eager = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
+            _sync(device)
+            t0 = time.perf_counter()
+            eager(*inputs)  # the compiling step, timed on its own
+            _sync(device)
+            first = time.perf_counter() - t0
+            step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=args.warmup, optimizer=opt)
+        else:
+            step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
+            _sync(device)
+            t0 = time.perf_counter()
+            step(*inputs)
+            _sync(device)
+            first = time.perf_counter() - t0
+            for _ in range(args.warmup - 1):
+                step(*inputs)
+        if mode.startswith("compile"):
+            record["compile_s"] = first
+        samples = []
+        for _ in range(args.rounds):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                loss = step(*inputs)
+            _sync(device)
+            samples.append((time.perf_counter() - t0) / args.steps)
+        record.update(status="ok", step_ms_median=statistics.median(samples) * 1e3, step_ms_best=min(samples) * 1e3,
+                      rounds_ms=[s * 1e3 for s in samples], loss_finite=bool(torch.isfinite(loss).item()))
+    except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the sweep goes on
+        record.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+    finally:
+        if step is not None:
+            step.release()
+        for p in params:
+            p.grad = None
+        del opt
+        if cuda:
+            record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.empty_cache()
+    return record
+
+
+def _share_inputs(values: list, world: int) -> list:
+    """The first ``1/world`` of every tensor input along dim 0 (the single-device share's batch)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % world == 0:
+            v = v.narrow(0, 0, v.shape[0] // world).contiguous()
+        out.append(v)
+    return out
+
+
+class _Share(torch.nn.Module):
+    """The whole model at the share's batch, optionally through ``torch.compile``."""
+
+    def __init__(self, model, backend: str):
+        super().__init__()
+        self.model = model
+        self._run = (model,)
+        self._backend = backend
+
+    def set_compile(self, on: bool) -> None:
+        self._run = (torch.compile(self.model, backend=self._backend, dynamic=False) if on else self.model,)
+
+    def forward(self, *inputs):
+        return self._run[0](*inputs)
+
+
+def _print_row(what: str, r: dict) -> None:
+    if r["status"] == "ok":
+        comp = f"  compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
+        mem = f"  peak {r['peak_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_memory_bytes") else ""
+        print(f"{what:6s} {r['precision']:5s} {r['mode']:14s} {r['step_ms_median']:10.3f} ms median "
+              f"{r['step_ms_best']:10.3f} ms best{comp}{mem}", flush=True)
+    else:
+        print(f"{what:6s} {r['precision']:5s} {r['mode']:14s} FAILED {r['error']}", flush=True)
+
+
+def _table(runs: list[dict]) -> str:
+    cols = []
+    for r in runs:
+        key = (r["what"], r["mode"])
+        if key not in cols:
+            cols.append(key)
+    precisions = list(dict.fromkeys(r["precision"] for r in runs))
+    head = "precision | " + " | ".join(f"{w} {m}" for w, m in cols)
+    lines = [head, "-" * len(head)]
+    for prec in precisions:
+        cells = []
+        for w, m in cols:
+            r = next((x for x in runs if (x["what"], x["mode"], x["precision"]) == (w, m, prec)), None)
+            cells.append("-" if r is None else (f"{r['step_ms_median']:.2f} ms" if r["status"] == "ok" else "failed"))
+        lines.append(f"{prec:9s} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import hidup.models
+    from hidup.codegen import compile as hidup_compile
+    from hidup.codegen.compiled import backend_of
+    from hidup.trace import _forward_inputs
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    modes, precisions, share_modes = _settings(args, device)
+    try:
+        backend_of(args.backend)
+    except ValueError as e:
+        _fail(f"--backend: {e}")
+    if dist.is_available() and dist.is_initialized():
+        _fail("a process group is already initialized in this process; run bench-rank in its own process")
+    plan, plan_source = _plan(args, device, precisions[0])
+    world = args.world
+    _check_rank(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    duplication = {"on": True, "off": False}.get(args.duplication)
+    config = {"model": args.model, "model_args": args.model_args, "world": world, "rank": args.rank,
+              "plan": plan_source, "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3
+              or None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "backend": args.backend, "steps": args.steps, "rounds": args.rounds,
+              "warmup": args.warmup, "optimizer": "adam (fused)", "stand-ins": "torch fake process group"}
+    runs: list[dict] = []
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"config": config, "runs": runs}, indent=1))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
+    try:
+        model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=device, **args.model_args)
+        values = _forward_inputs(model, inputs)
+        t0 = time.perf_counter()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = hidup_compile(model, plan, args.rank, world, values, duplication=duplication, device=device)
+        config["duplication"] = bool(module.duplication)
+        config["program_s"] = time.perf_counter() - t0
+        rank_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+        stored = sum(p.numel() for p in module.parameters())
+        config["rank_params"], config["model_params"] = stored, sum(p.numel() for p in model.parameters())
+        print(f"rank {args.rank} of {world}: {stored:,} of the model's {config['model_params']:,} parameters, "
+              f"duplication {'on' if module.duplication else 'off'}, on {config['device']}", flush=True)
+        share = _Share(model.to(device), args.backend)
+        share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
+        for precision in precisions:  # the share right after the rank, so a cut-short sweep keeps pairs
+            for what, target, inputs_of, mode_list, switch in (
+                    ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
+                    ("share", share, share_inputs, share_modes, share.set_compile)):
+                for mode in mode_list:
+                    r = dict(what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                    runs.append(r)
+                    _print_row(what, r)
+                    save()
+    finally:
+        dist.destroy_process_group()
+    _precision("fp32", device)
+    print(_table(runs), flush=True)
+    if args.out is not None:
+        save()
+        print(f"results written to {args.out}", flush=True)
+    return 0 if all(r["status"] == "ok" for r in runs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hidup bench-rank`` with ``argv``."""
+    from hidup.cli import main as cli_main
+
+    return cli_main(["bench-rank", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``hidup bench-rank`` on the CPU: one rank of a world-2 plan under torch's fake process group, eager
+and compiled (``aot_eager`` stands in for inductor, whose CPU compile takes about a minute), against the
+single-device share; and its refusals of bad input (one message, non-zero exit, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hidup.cli import main
+
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
+        "--batch-per-gpu", "2", "--vocab", "64"]
+FAST = ["--steps", "2", "--rounds", "2", "--warmup", "1", "--backend", "aot_eager", "--device", "cpu"]
+
+
+def test_bench_rank_cpu_writes_json(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["search", "--model", "bert-sgmoe", "--world", "2", *TINY, "--profile", "h200x4-nvlink",
+                 "--out", str(plan), "--quiet"]) == 0
+    out = tmp_path / "rank.json"
+    assert main(["bench-rank", "--plan", str(plan), "--rank", "1", *FAST, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cfg, runs = data["config"], data["runs"]
+    assert (cfg["model"], cfg["world"], cfg["rank"], cfg["backend"]) == ("bert-sgmoe", 2, 1, "aot_eager")
+    assert 0 < cfg["rank_params"] <= cfg["model_params"], "the rank stores at most the whole model"
+    got = {(r["what"], r["mode"], r["precision"]) for r in runs}
+    assert got == {("rank", "eager", "fp32"), ("rank", "compile", "fp32"), ("share", "compile", "fp32")}
+    for r in runs:
+        assert r["status"] == "ok", r
+        assert len(r["rounds_ms"]) == 2 and all(t > 0 for t in r["rounds_ms"])
+        assert r["step_ms_best"] == min(r["rounds_ms"]) and r["step_ms_best"] <= r["step_ms_median"]
+        assert (r["compile_s"] is not None) == r["mode"].startswith("compile")
+    text = capsys.readouterr().out
+    assert "rank eager" in text and "share compile" in text  # the table's header
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "mlp", "--world", "2", "--rank", "2"], "--rank 2 is outside the plan's world of 2 ranks"),
+    (["--plan", "no/such/plan.json"], "no plan file at no/such/plan.json"),
+    (["--model", "mlp", "--world", "2", "--modes", "cuda-graph"], "capture CUDA graphs"),
+    (["--model", "mlp", "--world", "2", "--modes", "fast"], "--modes 'fast': choose from"),
+])
+def test_bench_rank_refuses_bad_input(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["bench-rank", *argv, "--device", "cpu"])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("hidup bench-rank: error:")
+    assert message in e.value.code
+
+
+def test_bench_rank_bad_rank_from_the_shell():
+    proc = subprocess.run([sys.executable, "-m", "hidup.cli", "bench-rank", "--model", "mlp", "--world", "2",
+                           "--rank", "5", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "--rank 5 is outside" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -85,8 +85,16 @@ def _make_input(meta, shape: tuple[int, ...], device: torch.device, gen: torch.G
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _bind(call, ctx, tensors: list[torch.Tensor]):
-    """Replace the TensorMeta placeholders of a LocalCall by ``tensors`` (map_aggregate order)."""
+def _bind(rules, ctx, sig, tensors: list[torch.Tensor]):
+    """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``).
+
+    The tensors take the TensorMeta slots of ``ctx.args`` then ``ctx.kwargs`` (fx's visiting order,
+    the order of ``ctx.inputs``) *before* the rule localizes the call, exactly as codegen does: a
+    rule may reorder its arguments (``aten.embedding(weight, indices)`` runs as
+    ``F.embedding(indices, weight)``), so the localized call's slot order is not ``ctx.inputs``'."""
+    import dataclasses
+
+    from hidup.fxvalues import map_value
     from hidup.rules.base import TensorMeta
 
     it = iter(tensors)
@@ -99,12 +107,12 @@ def _bind(call, ctx, tensors: list[torch.Tensor]):
             return next(it)
         return v
 
-    args = map_aggregate(tuple(call.args), sub)
-    kwargs = map_aggregate(dict(call.kwargs), sub)
+    args, kwargs = map_value(tuple(ctx.args), sub), map_value(dict(ctx.kwargs), sub)
     if count != len(tensors):
-        raise ValueError(f"node {ctx.node_name}: its local call has {count} tensor arguments but the node "
+        raise ValueError(f"node {ctx.node_name}: its call has {count} tensor arguments but the node "
                          f"has {len(tensors)} tensor inputs")
-    target = call.target
+    call = rules.localize(dataclasses.replace(ctx, args=args, kwargs=kwargs), sig, 0)
+    target, args, kwargs = call.target, tuple(call.args), dict(call.kwargs)
     if isinstance(target, str):  # a method name: call it on the first argument
         return lambda: getattr(args[0], target)(*args[1:], **kwargs)
     return lambda: target(*args, **kwargs)
@@ -222,9 +230,8 @@ def _graph_time(fn, device: torch.device, budget_s: float, reps: int) -> float |
 
 def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False):
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
-    call = rules.localize(ctx, sig, 0)
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
-    fn = _bind(call, ctx, inputs)
+    fn = _bind(rules, ctx, sig, inputs)
     t0 = time.perf_counter()
     out = fn()
     if device.type == "cuda":

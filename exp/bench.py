@@ -17,7 +17,9 @@ The network flag sets NCCL's environment before any process group exists (``sock
    ``--calibrate-plans M ...`` then times the searched plans of models ``M`` on the ranks and stores the
    cost model's compute factors inside the distributed program, ``hidup profile --calibrate-plans``);
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
-   (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
+   (MoE models) -- each in the variants ``--variants`` (eager, torch.compile, the whole step as one
+   CUDA graph, both; fused Adam), reporting its fastest variant that ran and recording the others,
+   failures included --, ``hidup`` (the plan searched with the measured profile and that precision, duplication
    on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
    as one CUDA graph; on request also ``single-graph`` (the floor captured the same way),
    ``single-dup`` (the floor run as two duplicated copies on two streams, captured the same way),
@@ -29,7 +31,12 @@ Plans are searched (DP, duplication-aware) in a pool of CPU worker processes of 
 as the profile exists, while the group runs the baselines; a run whose plan is ready goes first.  Plans
 are cached in ``<out>/plans/<network>/`` by (model, world, precision, overrides, profile digest).
 
-Reported per run: median iteration time ``t``; throughput ``B * S / t`` tokens/s for language models
+Timing (every method alike, ``exp/baselines/timing.py``): ``--warmup`` untimed steps, then the best of
+``--best-of`` windows of ``N <= --iters`` steps between two device syncs, each window's per-step time
+``(t_end - t_start) / N`` taken as the max over ranks.
+
+Reported per run: iteration time ``t`` (the best window's; for a baseline, of its fastest variant,
+named in ``variant``); throughput ``B * S / t`` tokens/s for language models
 and ``B / t`` images/s for ViTs (``B`` the groups in the step: ``batch_per_gpu * N``, or
 ``batch_per_gpu`` for ``single``); scaling efficiency ``t_single / t`` (weak scaling: perfect scaling
 keeps the per-rank share's time); peak memory (max over ranks); for hidup the predicted iteration time
@@ -37,12 +44,12 @@ of the plan in that mode and ``measured / predicted``.
 
 Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
 round, a round starting only when the one before it is done; a run then reports the median of its
-rounds' medians (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
+rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
 rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
 drift from landing on one method only.
 
-Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed steps within ``--run-cap``
-seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
+Time bounds: each run (each variant of a baseline) does ``--warmup`` steps and at most ``--best-of`` x
+``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
 group is relaunched for the remaining runs; so is a group whose run has not finished after
 ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
@@ -151,7 +158,8 @@ def child_main(ctx, cfg: dict) -> None:
                          if cfg.get("breakdown") else None)
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
-                                    trace_path=trace,
+                                    trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
+                                    compile_backend=cfg["compile_backend"],
                                     phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
         record.update(result)
         if record["status"] == "ok":
@@ -170,7 +178,8 @@ def child_main(ctx, cfg: dict) -> None:
         if rank == 0:
             t = record.get("iter_time_s")
             print(f"[bench {cfg['network']}] {run['id']}: {record['status']}"
-                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})"),
+                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})")
+                  + (f" [{record['variant']} of {', '.join(record['variants'])}]" if record.get("variant") else ""),
                   flush=True)
 
 
@@ -308,6 +317,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 
 def parse_args(argv):
+    from harness import VARIANTS
     from hidup.cli import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
@@ -321,8 +331,20 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per run at most (default 10)")
-    p.add_argument("--run-cap", type=float, default=25.0, help="seconds of stepping per run at most (default 25)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="steps per timed window (between two device syncs) at most (default 10)")
+    p.add_argument("--best-of", type=int, default=3, metavar="K",
+                   help="timed windows per run (per variant), the fastest reported: the same for every method "
+                        "(default 3)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="the variants each baseline (single, ddp, fsdp, expert) runs in, its fastest reported: "
+                        "eager, compile (torch.compile), graph (the whole step as one CUDA graph), compile-graph "
+                        "(default: all; CUDA-graph variants are recorded as skipped on a CPU)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled variants (default inductor; aot_eager checks the "
+                        "compiled path where inductor is too slow to build, e.g. on a small CPU)")
+    p.add_argument("--run-cap", type=float, default=25.0,
+                   help="seconds of stepping per run (per variant of a baseline) at most (default 25)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="run every method R times, in R rounds of all methods per (world, model, precision); a "
                         "run reports the median of its rounds (default 1)")
@@ -372,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has "
                              f"{', '.join(hidup.models.names())}")
-    if args.repeats < 1 or args.comm_rounds < 1:
-        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds}: each must be at least 1")
+    if args.repeats < 1 or args.comm_rounds < 1 or args.best_of < 1:
+        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds} / --best-of {args.best_of}: "
+                         f"each must be at least 1")
     if min(args.worlds) < 2:
         raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
                          "'single' method of each world)")
@@ -411,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
            "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure,
            "deadline": deadline,
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
-           "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
+           "iters": args.iters, "best_of": args.best_of, "variants": list(dict.fromkeys(args.variants)),
+           "compile_backend": args.compile_backend,
+           "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
            "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None,
            "calibrate_plans": args.calibrate_plans or []}

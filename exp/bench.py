@@ -160,6 +160,8 @@ def child_main(ctx, cfg: dict) -> None:
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
                                     trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
                                     compile_backend=cfg["compile_backend"],
+                                    on_variant=lambda v, summary: emit({"event": "variant", "key": run["id"],
+                                                                        "variant": v, "summary": summary}),
                                     phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
         record.update(result)
         if record["status"] == "ok":
@@ -238,9 +240,10 @@ def _throughput(record: dict, cfg, world: int) -> None:
 
 
 # =============================================================================== launcher side
-def read_partial(path: Path) -> tuple[dict, list[str]]:
-    """(records by key, keys started) from a group's progress file."""
-    records, started = {}, []
+def read_partial(path: Path) -> tuple[dict, list[str], dict]:
+    """(records by key, keys started, {key: {variant: summary}} of the variants finished) from a
+    group's progress file."""
+    records, started, variants = {}, [], {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
@@ -249,14 +252,44 @@ def read_partial(path: Path) -> tuple[dict, list[str]]:
                 continue  # a line cut short by a crash
             if ev.get("event") == "start":
                 started.append(ev["key"])
+            elif ev.get("event") == "variant":
+                variants.setdefault(ev["key"], {})[ev["variant"]] = ev["summary"]
             elif ev.get("event") == "result":
                 records[ev["record"].get("id", ev["record"]["key"])] = ev["record"]
-    return records, started
+    return records, started, variants
+
+
+def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int) -> dict:
+    """The record of a run during which the process group failed.  A baseline whose earlier variants
+    finished keeps them: it reports the fastest of those (``ok``), and the variant that was running
+    is recorded as failed with the group's error; otherwise the run failed."""
+    record = dict(run, network=cfg["network"], status="failed", error=error)
+    if not variants:
+        return record
+    running = next((v for v in cfg["variants"] if v not in variants), None)
+    summaries = dict(variants)
+    if running is not None:
+        summaries[running] = {"status": "failed", "error": error}
+    record["variants"] = summaries
+    ran = {v: x for v, x in variants.items() if x.get("status") == "ok"}
+    if ran:
+        import torch
+
+        import benchrun as br
+        import hidup.models
+
+        best = min(ran, key=lambda v: ran[v]["iter_time_s"])
+        record.update(ran[best], status="ok", variant=best, variants=summaries,
+                      precision_run=br.effective_precision(run["precision"], torch.device(
+                          "cuda" if torch.cuda.is_available() else "cpu")))
+        record.pop("error", None)
+        _throughput(record, hidup.models.config(run["model"], world, **cfg["overrides"]), world)
+    return record
 
 
 def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
-    event is its start or one of its phases) has gone ``limit_s`` seconds without a result or a next
+    event is its start, one of its phases or one of its finished variants) has gone ``limit_s`` seconds without a result or a next
     phase -- naming the phase it stopped in; None otherwise."""
     def stalled() -> str | None:
         try:
@@ -270,7 +303,7 @@ def stall_watch(partial: Path, limit_s: float):
             last = json.loads(lines[-1])
         except json.JSONDecodeError:
             return None
-        if last.get("event") not in ("start", "phase"):
+        if last.get("event") not in ("start", "phase", "variant"):
             return None
         where = f" in phase {last['phase']!r}" if last.get("phase") else ""
         return f"run {last.get('key')} made no progress{where} for {limit_s:.0f} s (--stall-timeout)"
@@ -298,7 +331,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
                    stalled=stall_watch(partial, args.stall_timeout))
         except (LaunchError, RuntimeError) as e:
             error = str(e)
-        done, started = read_partial(partial)
+        done, started, variants = read_partial(partial)
         records.update(done)
         partial.unlink(missing_ok=True)
         if error is None:
@@ -306,8 +339,8 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         crashed = [k for k in started if k not in done] or [todo[0]["id"]]
         for r in todo:
             if r["id"] in crashed:
-                records[r["id"]] = dict(r, network=args.network, status="failed",
-                                         error=f"the process group failed during this run: {error[-3000:]}")
+                records[r["id"]] = crashed_record(r, f"the process group failed during this run: {error[-3000:]}",
+                                                  variants.get(r["id"], {}), cfg, world)
         print(f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
               f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}", flush=True)
     for r in runs:

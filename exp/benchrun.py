@@ -307,13 +307,16 @@ def free_memory(device: torch.device) -> None:
 
 def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: torch.device, precision: str, *,
             warmup: int, iters: int, cap_s: float | None, plan=None, trace_path=None, phase=None,
-            variants: tuple | list | None = None, best_of: int = 1, compile_backend: str = "inductor") -> dict:
+            variants: tuple | list | None = None, best_of: int = 1, compile_backend: str = "inductor",
+            on_variant=None) -> dict:
     """One run on every rank, failures caught and agreed: returns rank 0's view of the outcome.
 
     A method of :data:`VARIANT_METHODS` runs each of ``variants`` (default all of
     ``harness.VARIANTS``) in turn, each timed within ``cap_s``; the run reports the fastest variant
     that ran (``variant``; its timing, losses and info are the run's) and ``variants``: each
     variant's status, time and error.  The run fails only when no variant ran.  Other methods run once.
+``on_variant(variant, summary)`` is told each variant's outcome as soon as it is known (so that a
+driver can keep the variants that ran when a later one brings the process group down).
 
     A failure on any rank (an exception, e.g. CUDA out of memory) makes the run (or variant)
     ``failed`` with the first failing rank's error; the process group stays usable when the ranks
@@ -335,14 +338,16 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
         skip = harness.variant_skip(v, device)
         if skip:
             results[v] = {"status": "skipped", "error": skip}
-            continue
-        trace = None if trace_path is None else _variant_path(trace_path, v)
-        results[v] = _execute_once(method, v, model_cpu, inputs_cpu, rank, world, device, precision,
-                                   warmup=warmup, iters=iters, cap_s=cap_s, plan=plan, trace_path=trace,
-                                   phase=lambda name, v=v: phase(f"{v}:{name}"), best_of=best_of,
-                                   compile_backend=compile_backend)
+        else:
+            trace = None if trace_path is None else _variant_path(trace_path, v)
+            results[v] = _execute_once(method, v, model_cpu, inputs_cpu, rank, world, device, precision,
+                                       warmup=warmup, iters=iters, cap_s=cap_s, plan=plan, trace_path=trace,
+                                       phase=lambda name, v=v: phase(f"{v}:{name}"), best_of=best_of,
+                                       compile_backend=compile_backend)
+        if on_variant is not None:
+            on_variant(v, variant_summary(results[v]))
     ran = {v: r for v, r in results.items() if r["status"] == "ok"}
-    summary = {v: {k: r.get(k) for k in VARIANT_FIELDS if r.get(k) is not None} for v, r in results.items()}
+    summary = {v: variant_summary(r) for v, r in results.items()}
     if not ran:
         errors = "; ".join(f"{v}: {str(r.get('error')).splitlines()[0][:300]}" for v, r in results.items())
         return {"status": "failed", "error": f"no variant ran ({errors})", "variants": summary}
@@ -351,8 +356,13 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
     return out
 
 
-VARIANT_FIELDS = ("status", "iter_time_s", "window_times_s", "iters", "capped", "warmup_s", "loss_first",
-                  "loss_last", "peak_memory_bytes", "optimizer", "error")
+VARIANT_FIELDS = ("status", "iter_time_s", "window_times_s", "iters", "best_of", "warmup", "capped", "warmup_s",
+                  "loss_first", "loss_last", "peak_memory_bytes", "optimizer", "error")
+
+
+def variant_summary(result: dict) -> dict:
+    """What a run keeps of a variant that was not its fastest (:data:`VARIANT_FIELDS`)."""
+    return {k: result.get(k) for k in VARIANT_FIELDS if result.get(k) is not None}
 
 
 def _variant_path(path, variant: str):

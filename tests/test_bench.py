@@ -250,9 +250,34 @@ def test_read_partial_skips_a_cut_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"event": "start", "key": "a"}) + "\n"
                     + json.dumps({"event": "result", "record": {"key": "a", "status": "ok"}}) + "\n"
-                    + json.dumps({"event": "start", "key": "b"}) + "\n" + '{"event": "res')
-    records, started = read_partial(path)
-    assert list(records) == ["a"] and started == ["a", "b"]
+                    + json.dumps({"event": "start", "key": "b"}) + "\n"
+                    + json.dumps({"event": "variant", "key": "b", "variant": "eager", "summary": {"status": "ok"}})
+                    + "\n" + '{"event": "res')
+    records, started, variants = read_partial(path)
+    assert list(records) == ["a"] and started == ["a", "b"] and variants == {"b": {"eager": {"status": "ok"}}}
+
+
+def test_a_crash_keeps_the_variants_that_ran():
+    """The group failing in a baseline's CUDA-graph variant (FSDP2 under capture, say) keeps the variants
+    that finished before it: the run reports the fastest of them and records the crash on the one that
+    was running."""
+    from bench import crashed_record
+
+    cfg = {"network": "nvlink", "variants": ["eager", "compile", "graph", "compile-graph"],
+           "overrides": {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(TINY[::2], TINY[1::2])}}
+    run = {"key": "w2/bert-sgmoe/tf32/fsdp", "id": "w2/bert-sgmoe/tf32/fsdp", "world": 2, "model": "bert-sgmoe",
+           "precision": "tf32", "method": "fsdp"}
+    done = {"eager": {"status": "ok", "iter_time_s": 0.02, "iters": 5},
+            "compile": {"status": "ok", "iter_time_s": 0.01, "iters": 5}}
+    rec = crashed_record(run, "the process group failed during this run: boom", done, cfg, 2)
+    assert rec["status"] == "ok" and rec["variant"] == "compile" and rec["iter_time_s"] == 0.01 and "error" not in rec
+    assert rec["variants"]["graph"] == {"status": "failed", "error": "the process group failed during this run: boom"}
+    assert "compile-graph" not in rec["variants"] and rec["global_batch"] == 2 * 4
+    assert rec["throughput"] == pytest.approx(8 * 8 / 0.01) and rec["unit"] == "tok/s"
+    lost = crashed_record(run, "boom", {}, cfg, 2)
+    assert lost["status"] == "failed" and lost["error"] == "boom" and "variants" not in lost
+    only_failed = crashed_record(run, "boom", {"eager": {"status": "failed", "error": "oom"}}, cfg, 2)
+    assert only_failed["status"] == "failed" and only_failed["variants"]["compile"]["error"] == "boom"
 
 
 # ------------------------------------------------------------------------------------ noise

@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                        args.seed, args.precision, args.variant, args.best_of, args.compile_backend)
     except ValueError as e:
         p.error(str(e))
+    skip = variant_skip(spec.variant, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if skip:
+        p.error(f"--variant {spec.variant}: {skip}; choose eager or compile")
     from hidup.runtime.launch import launch_kwargs
 
     result = run(spec, **launch_kwargs(args))

@@ -51,7 +51,8 @@ drift from landing on one method only.
 Time bounds: each run (each variant of a baseline) does ``--warmup`` steps and at most ``--best-of`` x
 ``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
-group is relaunched for the remaining runs; so is a group whose run has not finished after
+group is relaunched for the remaining runs, and a baseline keeps the variants it finished before the
+crash; so is a group whose run has not finished after
 ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
 runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only what is
 not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this
@@ -78,7 +79,7 @@ from report import ROOT, bench_finish, bootstrap, command_line, hardware, load_j
 bootstrap()
 
 import benchsearch  # noqa: E402
-from benchplan import merge_rounds, pick, plan_runs, resume_runs  # noqa: E402
+from benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_parts  # noqa: E402
 from benchsearch import Searcher  # noqa: E402
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
@@ -469,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
            "iters": args.iters, "best_of": args.best_of, "variants": list(dict.fromkeys(args.variants)),
            "compile_backend": args.compile_backend,
+           "variant_units": max(1, sum(1 for v in dict.fromkeys(args.variants)
+                                       if "graph" not in v or torch.cuda.is_available())),
            "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
            "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None,
@@ -477,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     worlds = list(per_world)
     try:
         for i, world in enumerate(worlds):
-            future = sum(len(per_world[w]) for w in worlds[i + 1:])
+            future = sum(timed_parts(r, cfg) for w in worlds[i + 1:] for r in per_world[w])
             records.update(run_world(world, per_world[world], dict(cfg, future_runs=future), args))
             cfg["measure_profile"] = False
     finally:

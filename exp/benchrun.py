@@ -98,16 +98,6 @@ def reduce_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def gather_floats(value: float, device: torch.device) -> list[float]:
-    """``[value of rank 0, value of rank 1, ...]`` on every rank."""
-    if not distributed():
-        return [value]
-    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    t[dist.get_rank()] = value
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def barrier(device: torch.device) -> None:
     reduce_max([0.0], device)
 

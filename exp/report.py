@@ -247,7 +247,8 @@ def bench_rows(runs: list[dict]) -> list[list]:
         pred = r.get("predicted_s")
         eff = r.get("scaling_efficiency")
         effg = r.get("scaling_efficiency_graphed")
-        rows.append([r["world"], r["model"], r["precision"], r["method"], variant_of(r), ms(r.get("iter_time_s")) if ok else None,
+        rows.append([r["world"], r["model"], r["precision"], r["method"], variant_of(r),
+                     ms(r.get("iter_time_s")) if ok else None,
                      f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
                      f"{eff:.2f}" if eff is not None else None, f"{effg:.2f}" if effg is not None else None,
                      gib(r.get("peak_memory_bytes")) if ok else None,

@@ -120,12 +120,12 @@ def _world2_rank(rank, world):
             share = rank_share(inputs, 0 if baseline == "single" else rank, world)
             prepared = harness.prepare_variant(baseline, copy.deepcopy(model), rank, world, device, share, variant,
                                                "fp32", compile_backend="aot_eager")
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            stats = torch._dynamo.utils.counters["stats"]
+            graphs = stats["unique_graphs"]
             res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF,
                                       lr=LR, coupled=baseline != "single")
             out[(baseline, variant)] = dict(res, info=prepared.info, loss_scale=prepared.loss_scale,
-                                            loss_weight=prepared.loss_weight,
-                                            compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs)
+                                            loss_weight=prepared.loss_weight, compiled_graphs=stats["unique_graphs"] - graphs)
             torch._dynamo.reset()
     tmodel, tinputs = token_mean_model()
     for baseline in ("ddp", "fsdp"):

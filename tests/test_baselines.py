@@ -220,6 +220,32 @@ def test_time_steps_counts_windows_between_two_syncs():
         timing.time_steps(step, torch.device("cpu"), warmup=0, iters=1, best_of=0)
 
 
+def test_adam_is_fused_where_torch_has_the_kernel():
+    _exp_path()
+    import baseline_util
+
+    opt, described = baseline_util.make_adam([nn.Parameter(torch.zeros(2, dtype=torch.float64))], 1e-3)
+    assert described == "Adam(fused=True)" and opt.defaults["fused"]
+    ints = [nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False), nn.Parameter(torch.zeros(2))]
+    assert baseline_util.fused_unavailable(ints[1:]) is None
+    import torch.optim.optimizer as topt
+
+    real = topt._device_dtype_check_for_fused
+
+    def no_kernel(p, cuda_unsupported=False):
+        raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+    topt._device_dtype_check_for_fused = no_kernel
+    try:
+        with pytest.warns(UserWarning, match="fused Adam is unavailable"):
+            opt, described = baseline_util.make_adam(ints, 1e-3)
+        assert described.startswith("Adam (fused unavailable: `fused=True` requires") and not opt.defaults["fused"]
+        with pytest.warns(UserWarning, match="fused Adam is unavailable"):
+            opt, described = baseline_util.make_adam(ints, 1e-3, capturable=True)
+        assert described.startswith("Adam(capturable=True) (fused unavailable") and opt.defaults["capturable"]
+    finally:
+        topt._device_dtype_check_for_fused = real
+
+
 def test_loss_forms_are_declared_or_refused():
     _exp_path()
     import baseline_util

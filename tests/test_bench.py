@@ -89,7 +89,7 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
     common = ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--out",
               str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2", "--profile-budget", "0.02",
-              "--ops-seconds", "0", "--variants", "eager"] + TINY
+              "--ops-seconds", "0", "--variants", "eager", "--best-of", "1"] + TINY
     _run("bench.py", common + ["--methods", "single", "ddp", "--time-budget", "60"], timeout=120)
     first = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
     assert first["single"]["status"] == first["ddp"]["status"] == "ok"
@@ -119,7 +119,8 @@ def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
     proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
                              "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
                              "--profile-budget", "0.02", "--ops-seconds", "0", "--time-budget", "120", "--repeats",
-                             "2", "--variants", "eager", "--methods", "ddp", "hidup", "hidup-nodup"] + TINY, timeout=200)
+                             "2", "--variants", "eager", "--best-of", "1", "--methods", "ddp", "hidup", "hidup-nodup"]
+                + TINY, timeout=200)
     # a round starts only when the one before it is done
     order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
     assert sorted(order[:3]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in ("ddp", "hidup", "hidup-nodup")]
@@ -201,7 +202,7 @@ def test_merge_rounds_and_the_speedup_table():
 
 def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
     common = ["--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--methods", "single",
-              "--variants", "eager", "--warmup", "1", "--iters", "1", "--profile-budget", "0.02",
+              "--variants", "eager", "--best-of", "1", "--warmup", "1", "--iters", "1", "--profile-budget", "0.02",
               "--time-budget", "60"] + TINY
     first = tmp_path / "a"
     _run("bench.py", common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],

@@ -18,8 +18,8 @@ A method that *sums* gradients over ranks (hand-written expert parallelism) back
 (``Prepared.loss_scale``, set by :func:`set_loss_weight`).  The reported loss is ``sum_r w_r L_r``.
 
 Optimizer (:func:`make_adam`): ``torch.optim.Adam(fused=True)`` (one kernel over all parameters),
-``capturable=True`` when the step is captured in a CUDA graph; plain Adam where fused is unavailable
-for the parameters' device and dtype, which the result records.
+``capturable=True`` when the step is captured in a CUDA graph; plain Adam (capturable where
+captured) where fused is unavailable for the parameters' device and dtype, which the result records.
 
 Bucketed all-reduce (:class:`OverlappedGradSum`): gradients are packed into flat buffers of at
 most ``bucket_bytes`` (one collective per bucket instead of one per tensor), summed over ranks and
@@ -133,14 +133,28 @@ def make_adam(params, lr: float, capturable: bool = False) -> tuple[torch.optim.
     """(Adam over ``params``, its description): fused where torch has a fused kernel for the parameters'
     device and dtype (``capturable`` for a step inside a CUDA graph), plain Adam otherwise."""
     params = [p for p in params if p.requires_grad]
-    try:
+    missing = fused_unavailable(params)
+    if missing is None:
         opt = torch.optim.Adam(params, lr=lr, fused=True, capturable=capturable)
         return opt, "Adam(fused=True" + (", capturable=True)" if capturable else ")")
-    except RuntimeError as e:  # e.g. no fused kernel for this device or dtype
-        if capturable:
-            raise
-        warnings.warn(f"fused Adam is unavailable here ({e}); using plain Adam", stacklevel=2)
-        return torch.optim.Adam(params, lr=lr), f"Adam (fused unavailable: {str(e)[:120]})"
+    warnings.warn(f"fused Adam is unavailable here ({missing}); using plain Adam", stacklevel=2)
+    return (torch.optim.Adam(params, lr=lr, capturable=capturable),
+            ("Adam(capturable=True)" if capturable else "Adam") + f" (fused unavailable: {missing[:120]})")
+
+
+def fused_unavailable(params) -> str | None:
+    """Why torch's fused Adam cannot take ``params`` (None when it can): the check its first step
+    makes (a supported device and a floating-point dtype), made up front."""
+    try:
+        from torch.optim.optimizer import _device_dtype_check_for_fused
+    except ImportError:  # another torch: fused Adam reports its own error at the first step
+        return None
+    for p in params:
+        try:
+            _device_dtype_check_for_fused(p)
+        except RuntimeError as e:
+            return str(e)
+    return None
 
 
 class OverlappedGradSum:

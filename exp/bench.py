@@ -17,7 +17,9 @@ The network flag sets NCCL's environment before any process group exists (``sock
    ``--calibrate-plans M ...`` then times the searched plans of models ``M`` on the ranks and stores the
    cost model's compute factors inside the distributed program, ``hidup profile --calibrate-plans``);
 2. every (model, precision) runs ``single`` (one rank's share, the floor), ``ddp``, ``fsdp``, ``expert``
-   (MoE models), ``hidup`` (the plan searched with the measured profile and that precision, duplication
+   (MoE models) -- each in the variants ``--variants`` (eager, torch.compile, the whole step as one
+   CUDA graph, both; fused Adam), reporting its fastest variant that ran and recording the others,
+   failures included --, ``hidup`` (the plan searched with the measured profile and that precision, duplication
    on) and ``hidup-nodup`` (the same plan, duplication off), both with forward and backward captured
    as one CUDA graph; on request also ``single-graph`` (the floor captured the same way),
    ``single-dup`` (the floor run as two duplicated copies on two streams, captured the same way),
@@ -29,7 +31,12 @@ Plans are searched (DP, duplication-aware) in a pool of CPU worker processes of 
 as the profile exists, while the group runs the baselines; a run whose plan is ready goes first.  Plans
 are cached in ``<out>/plans/<network>/`` by (model, world, precision, overrides, profile digest).
 
-Reported per run: median iteration time ``t``; throughput ``B * S / t`` tokens/s for language models
+Timing (every method alike, ``exp/baselines/timing.py``): ``--warmup`` untimed steps, then the best of
+``--best-of`` windows of ``N <= --iters`` steps between two device syncs, each window's per-step time
+``(t_end - t_start) / N`` taken as the max over ranks.
+
+Reported per run: iteration time ``t`` (the best window's; for a baseline, of its fastest variant,
+named in ``variant``); throughput ``B * S / t`` tokens/s for language models
 and ``B / t`` images/s for ViTs (``B`` the groups in the step: ``batch_per_gpu * N``, or
 ``batch_per_gpu`` for ``single``); scaling efficiency ``t_single / t`` (weak scaling: perfect scaling
 keeps the per-rank share's time); peak memory (max over ranks); for hidup the predicted iteration time
@@ -37,14 +44,15 @@ of the plan in that mode and ``measured / predicted``.
 
 Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
 round, a round starting only when the one before it is done; a run then reports the median of its
-rounds' medians (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
+rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
 rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
 drift from landing on one method only.
 
-Time bounds: each run does ``--warmup`` steps and at most ``--iters`` timed steps within ``--run-cap``
-seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
+Time bounds: each run (each variant of a baseline) does ``--warmup`` steps and at most ``--best-of`` x
+``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
 that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
-group is relaunched for the remaining runs; so is a group whose run has not finished after
+group is relaunched for the remaining runs, and a baseline keeps the variants it finished before the
+crash; so is a group whose run has not finished after
 ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
 runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only what is
 not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this
@@ -71,7 +79,7 @@ from report import ROOT, bench_finish, bootstrap, command_line, hardware, load_j
 bootstrap()
 
 import benchsearch  # noqa: E402
-from benchplan import merge_rounds, pick, plan_runs, resume_runs  # noqa: E402
+from benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_parts  # noqa: E402
 from benchsearch import Searcher  # noqa: E402
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
@@ -151,7 +159,10 @@ def child_main(ctx, cfg: dict) -> None:
                          if cfg.get("breakdown") else None)
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
-                                    trace_path=trace,
+                                    trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
+                                    compile_backend=cfg["compile_backend"],
+                                    on_variant=lambda v, summary: emit({"event": "variant", "key": run["id"],
+                                                                        "variant": v, "summary": summary}),
                                     phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
         record.update(result)
         if record["status"] == "ok":
@@ -170,7 +181,8 @@ def child_main(ctx, cfg: dict) -> None:
         if rank == 0:
             t = record.get("iter_time_s")
             print(f"[bench {cfg['network']}] {run['id']}: {record['status']}"
-                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})"),
+                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})")
+                  + (f" [{record['variant']} of {', '.join(record['variants'])}]" if record.get("variant") else ""),
                   flush=True)
 
 
@@ -229,9 +241,10 @@ def _throughput(record: dict, cfg, world: int) -> None:
 
 
 # =============================================================================== launcher side
-def read_partial(path: Path) -> tuple[dict, list[str]]:
-    """(records by key, keys started) from a group's progress file."""
-    records, started = {}, []
+def read_partial(path: Path) -> tuple[dict, list[str], dict]:
+    """(records by key, keys started, {key: {variant: summary}} of the variants finished) from a
+    group's progress file."""
+    records, started, variants = {}, [], {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
@@ -240,14 +253,44 @@ def read_partial(path: Path) -> tuple[dict, list[str]]:
                 continue  # a line cut short by a crash
             if ev.get("event") == "start":
                 started.append(ev["key"])
+            elif ev.get("event") == "variant":
+                variants.setdefault(ev["key"], {})[ev["variant"]] = ev["summary"]
             elif ev.get("event") == "result":
                 records[ev["record"].get("id", ev["record"]["key"])] = ev["record"]
-    return records, started
+    return records, started, variants
+
+
+def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int) -> dict:
+    """The record of a run during which the process group failed.  A baseline whose earlier variants
+    finished keeps them: it reports the fastest of those (``ok``), and the variant that was running
+    is recorded as failed with the group's error; otherwise the run failed."""
+    record = dict(run, network=cfg["network"], status="failed", error=error)
+    if not variants:
+        return record
+    running = next((v for v in cfg["variants"] if v not in variants), None)
+    summaries = dict(variants)
+    if running is not None:
+        summaries[running] = {"status": "failed", "error": error}
+    record["variants"] = summaries
+    ran = {v: x for v, x in variants.items() if x.get("status") == "ok"}
+    if ran:
+        import torch
+
+        import benchrun as br
+        import hidup.models
+
+        best = min(ran, key=lambda v: ran[v]["iter_time_s"])
+        record.update(ran[best], status="ok", variant=best, variants=summaries,
+                      precision_run=br.effective_precision(run["precision"], torch.device(
+                          "cuda" if torch.cuda.is_available() else "cpu")))
+        record.pop("error", None)
+        _throughput(record, hidup.models.config(run["model"], world, **cfg["overrides"]), world)
+    return record
 
 
 def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
-    event is its start or one of its phases) has gone ``limit_s`` seconds without a result or a next
+    event is its start, one of its phases or one of its finished variants) has gone ``limit_s`` seconds without a result or a next
     phase -- naming the phase it stopped in; None otherwise."""
     def stalled() -> str | None:
         try:
@@ -261,7 +304,7 @@ def stall_watch(partial: Path, limit_s: float):
             last = json.loads(lines[-1])
         except json.JSONDecodeError:
             return None
-        if last.get("event") not in ("start", "phase"):
+        if last.get("event") not in ("start", "phase", "variant"):
             return None
         where = f" in phase {last['phase']!r}" if last.get("phase") else ""
         return f"run {last.get('key')} made no progress{where} for {limit_s:.0f} s (--stall-timeout)"
@@ -289,7 +332,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
                    stalled=stall_watch(partial, args.stall_timeout))
         except (LaunchError, RuntimeError) as e:
             error = str(e)
-        done, started = read_partial(partial)
+        done, started, variants = read_partial(partial)
         records.update(done)
         partial.unlink(missing_ok=True)
         if error is None:
@@ -297,8 +340,8 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         crashed = [k for k in started if k not in done] or [todo[0]["id"]]
         for r in todo:
             if r["id"] in crashed:
-                records[r["id"]] = dict(r, network=args.network, status="failed",
-                                         error=f"the process group failed during this run: {error[-3000:]}")
+                records[r["id"]] = crashed_record(r, f"the process group failed during this run: {error[-3000:]}",
+                                                  variants.get(r["id"], {}), cfg, world)
         print(f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
               f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}", flush=True)
     for r in runs:
@@ -308,6 +351,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 
 def parse_args(argv):
+    from harness import VARIANTS
     from hidup.cli import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
@@ -321,8 +365,20 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per run at most (default 10)")
-    p.add_argument("--run-cap", type=float, default=25.0, help="seconds of stepping per run at most (default 25)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="steps per timed window (between two device syncs) at most (default 10)")
+    p.add_argument("--best-of", type=int, default=3, metavar="K",
+                   help="timed windows per run (per variant), the fastest reported: the same for every method "
+                        "(default 3)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="the variants each baseline (single, ddp, fsdp, expert) runs in, its fastest reported: "
+                        "eager, compile (torch.compile), graph (the whole step as one CUDA graph), compile-graph "
+                        "(default: all; CUDA-graph variants are recorded as skipped on a CPU)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled variants (default inductor; aot_eager checks the "
+                        "compiled path where inductor is too slow to build, e.g. on a small CPU)")
+    p.add_argument("--run-cap", type=float, default=25.0,
+                   help="seconds of stepping per run (per variant of a baseline) at most (default 25)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="run every method R times, in R rounds of all methods per (world, model, precision); a "
                         "run reports the median of its rounds (default 1)")
@@ -372,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has "
                              f"{', '.join(hidup.models.names())}")
-    if args.repeats < 1 or args.comm_rounds < 1:
-        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds}: each must be at least 1")
+    if args.repeats < 1 or args.comm_rounds < 1 or args.best_of < 1:
+        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds} / --best-of {args.best_of}: "
+                         f"each must be at least 1")
     if min(args.worlds) < 2:
         raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
                          "'single' method of each world)")
@@ -411,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
            "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure,
            "deadline": deadline,
            "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
-           "iters": args.iters, "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
+           "iters": args.iters, "best_of": args.best_of, "variants": list(dict.fromkeys(args.variants)),
+           "compile_backend": args.compile_backend,
+           "variant_units": max(1, sum(1 for v in dict.fromkeys(args.variants)
+                                       if "graph" not in v or torch.cuda.is_available())),
+           "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
            "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
            "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None,
            "calibrate_plans": args.calibrate_plans or []}
@@ -419,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     worlds = list(per_world)
     try:
         for i, world in enumerate(worlds):
-            future = sum(len(per_world[w]) for w in worlds[i + 1:])
+            future = sum(timed_parts(r, cfg) for w in worlds[i + 1:] for r in per_world[w])
             records.update(run_world(world, per_world[world], dict(cfg, future_runs=future), args))
             cfg["measure_profile"] = False
     finally:

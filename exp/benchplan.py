@@ -4,7 +4,8 @@ run's rounds become one.
 A *run* is one (world, model, precision, method); with ``--repeats R`` it is made in ``R`` rounds, each
 round one record keyed ``<key>#<round>`` (``id``).  :func:`plan_runs` lists them with the search jobs
 they need, :func:`resume_runs` leaves out what a results file already records as ok, :func:`pick` is
-rank 0's choice of the next run inside a process group, and :func:`merge_rounds` makes one record per
+rank 0's choice of the next run inside a process group (with the run's time cap, per timed loop: a
+baseline times each of its variants), and :func:`merge_rounds` makes one record per
 run from its rounds.
 """
 
@@ -18,6 +19,8 @@ import benchsearch
 from benchsearch import job_name
 from report import load_json
 
+VARIANT_METHODS = ("single", "ddp", "fsdp", "expert")  # benchrun.VARIANT_METHODS: run in variants
+
 
 def run_key(world: int, model: str, precision: str, method: str) -> str:
     return f"w{world}/{model}/{precision}/{method}"
@@ -29,13 +32,14 @@ def _group(run: dict) -> tuple:
 
 def pick(pending: list[dict], cfg: dict) -> dict:
     """Rank 0's choice of the next run: a hidup run whose plan is ready, else the next baseline, else
-    the first hidup run (which then waits for its plan); with the per-run time cap."""
+    the first hidup run (which then waits for its plan); with the time cap of each of its timed
+    loops (the time left shared over the timed loops left, :func:`timed_parts`)."""
     left = cfg["deadline"] - time.time() - cfg["reserve_s"]
     if left < cfg["min_run_s"]:
         return {"skip": "time budget exhausted before this run could start (raise --time-budget or run fewer "
                         "models/worlds per command)"}
-    runs_left = len(pending) + cfg["future_runs"]
-    cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))
+    runs_left = sum(timed_parts(r, cfg) for r in pending) + cfg["future_runs"]
+    cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))  # per timed part
     plan_dir = Path(cfg["plan_dir"])
     # with --repeats, a run waits for the earlier rounds of its (world, model, precision): each round
     # runs every method once, so slow drift of the host or network reaches every method alike
@@ -47,6 +51,12 @@ def pick(pending: list[dict], cfg: dict) -> dict:
     base = [i for i in due if not pending[i].get("plan")]
     index = (ready or base or due)[0]
     return {"skip": "", "index": index, "cap": cap}
+
+
+def timed_parts(run: dict, cfg: dict) -> int:
+    """How many timed loops ``run`` makes: a baseline one per variant it can run here
+    (``cfg["variant_units"]``), any other method one."""
+    return cfg.get("variant_units", 1) if run["method"] in VARIANT_METHODS else 1
 
 
 def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:

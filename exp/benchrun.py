@@ -1,35 +1,40 @@
 """The rank side of the benchmark drivers: prepare one method, time it, agree across ranks.
 
 One *run* trains one model (built once per rank, deep-copied per run so every method starts from the
-same weights) with one *method* for a bounded number of Adam steps on a fixed synthetic batch:
+same weights) with one *method* for a bounded number of fused-Adam steps on a fixed synthetic batch:
 
 * ``single``: one rank's share (``batch_per_gpu`` groups, the ``N``-rank model) with no communication,
-  run concurrently on every rank; its time is the median over ranks of each rank's median;
+  run concurrently on every rank;
 * ``ddp``, ``fsdp``, ``expert``: the baselines of ``exp/baselines`` on the rank's ``B/N`` groups;
+* ``single``, ``ddp``, ``fsdp`` and ``expert`` each run in the variants of ``exp/baselines/harness.py``
+  (``eager``, ``compile``, ``graph``: the whole step as one CUDA graph, ``compile-graph``), one after
+  the other in the same run; a variant that fails is recorded with its error (``variants``), one
+  that cannot run here (a CUDA graph on a CPU) as skipped, and the run reports its fastest variant
+  that ran (``variant``);
 * ``hidup`` / ``hidup-nodup``: ``hidup.codegen.compile`` of a searched plan with duplication on / off,
   fed the global batch (each rank slices its part per the plan's input forms), run as ``hidup
   train`` runs it: forward and backward captured as one CUDA graph
   (:class:`hidup.codegen.GraphedStep`), kept when replaying beats eager steps in a short trial
-  (``info.step_mode``; eager on a CPU);
+  (``info.step_mode``; eager on a CPU), then the fused Adam step;
 * ``hidup-auto``: the plan as ``hidup train`` runs it by default: duplication on or off by a short
   timed trial of both modes (:func:`hidup.codegen.choose_duplication`; ``info.duplication_trial``);
 * ``hidup-eager`` / ``hidup-nodup-eager``: the same without the CUDA graph (every op dispatched from
   Python), to show what the capture buys; duplicated eager runs of one process all use the same
   pair of copy communicators (created at the first), graph-captured runs a fresh pair each;
-* ``single-graph``: the floor captured the same way, the fair floor for the graphed hidup runs;
+* ``single-graph``: the floor's forward and backward captured the same way as hidup's;
 * ``single-dup``: the share run as duplication runs it, two half-batch copies on two streams
   (:class:`hidup.profiler.calibrate.TwoCopies`), captured the same way: the floor of a duplicated plan.
 
-Timing.  Each step ``zero_grad -> forward -> backward -> glue -> optimizer step`` is timed between
-device synchronizations; the step time is the max over ranks (``t(i) = max_r t_r(i)``) and a run
-reports the median over its timed steps.  Bounded time: after ``warmup`` steps every rank agrees on
-the slowest warm-up step ``t_w`` and the elapsed time ``e`` (max over ranks) and runs
-``n = clamp(floor((cap - e) / t_w), 1, iters)`` timed steps, so a run takes about ``cap`` seconds at
-most and every rank runs the same number of steps.  Peak memory is ``max_r`` of
-``torch.cuda.max_memory_allocated`` over the timed steps.
+Timing: every method, hidup's included, is timed by ``exp/baselines/timing.py``
+(:func:`timing.time_steps`): ``warmup`` untimed steps, then the best of ``best_of`` windows of ``N``
+steps between two device syncs, each window's per-step time ``(t_end - t_start) / N`` taken as the
+max over ranks; ``N`` is bounded by the run's time cap (``cap_s``, per variant).  Peak memory is
+``max_r`` of ``torch.cuda.max_memory_allocated`` over the windows.  The loss of each step is the
+global loss (``sum_r w_r L_r``, baseline_util.py; hidup's ranks return parts that sum to it).
 
 Agreement.  Every decision that changes which collectives run (skip, which run is next, how many
-steps, whether a run failed) is taken on rank 0 and broadcast, so ranks never diverge.
+steps, whether a run failed) is taken on rank 0 and broadcast, or agreed by a max over ranks, so
+ranks never diverge.
 """
 
 from __future__ import annotations
@@ -37,10 +42,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import importlib
-import math
-import statistics
-import time
 import traceback
 import warnings
 
@@ -52,6 +53,7 @@ from report import bootstrap
 bootstrap()
 
 import harness  # noqa: E402  (exp/baselines: puts the baseline modules on sys.path)
+from timing import sync  # noqa: E402
 from hidup.runtime.data import rank_share  # noqa: E402
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
@@ -61,6 +63,7 @@ warnings.filterwarnings("ignore", message=".*Profiler clears events at the end o
 METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup",
            "hidup-auto", "hidup-eager", "hidup-nodup-eager")
 BASELINE_METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert")
+VARIANT_METHODS = ("single", "ddp", "fsdp", "expert")  # run in the variants of harness.VARIANTS
 HIDUP_METHODS = ("hidup", "hidup-nodup", "hidup-auto", "hidup-eager", "hidup-nodup-eager")
 
 
@@ -95,16 +98,6 @@ def reduce_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def gather_floats(value: float, device: torch.device) -> list[float]:
-    """``[value of rank 0, value of rank 1, ...]`` on every rank."""
-    if not distributed():
-        return [value]
-    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    t[dist.get_rank()] = value
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def barrier(device: torch.device) -> None:
     reduce_max([0.0], device)
 
@@ -116,32 +109,24 @@ def effective_precision(precision: str, device: torch.device) -> str:
     return "fp32" if device.type != "cuda" else precision
 
 
-@contextlib.contextmanager
-def precision_mode(precision: str, device: torch.device):
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+precision_mode = harness.precision_mode
 
 
 # ------------------------------------------------------------------------------------ methods
 class Prepared:
-    """What the timed loop needs of a method (mirrors exp/baselines/common.Prepared)."""
+    """What the timed loop needs of a method (the fields of exp/baselines/baseline_util.Prepared the
+    step reads, and the run's own)."""
 
-    def __init__(self, module, loss_scale=1.0, after_backward=None, info=None, cleanup=None):
+    def __init__(self, module, loss_scale=1.0, after_backward=None, info=None, cleanup=None, loss_weight=1.0):
         self.module, self.loss_scale, self.after_backward = module, loss_scale, after_backward
+        self.loss_weight = loss_weight  # w_r: this rank's loss counts w_r times in the global loss
         self.info, self.cleanup = info or {}, cleanup
         self.coupled = True  # ranks communicate within a step
-        self.graph = False  # capture forward + backward as one CUDA graph (see timed_loop)
+        self.graph = False  # capture forward + backward as one GraphedStep (see timed_loop)
         self.choose = False  # after capture, keep the faster of graph replay and eager steps
         self.graphed = None  # the GraphedStep once captured
+        self.capture = False  # capture the whole step, optimizer included (harness.CapturedStep)
+        self.capture_warmup = 3  # eager steps before that capture
 
 
 _COPY_GROUPS: list[tuple] = []  # the copy communicators shared by eager runs, once created
@@ -162,26 +147,32 @@ def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> 
 
 
 def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
-            plan=None, precision: str = "fp32") -> tuple[Prepared, tuple]:
-    """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified."""
+            plan=None, precision: str = "fp32", variant: str | None = None,
+            compile_backend: str = "inductor") -> tuple[Prepared, tuple]:
+    """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified.
+    ``variant`` (methods of :data:`VARIANT_METHODS`; default ``eager``): one of ``harness.VARIANTS``."""
     model = copy.deepcopy(model_cpu)
     if method in BASELINE_METHODS:
         single = method.startswith("single")
-        baseline = importlib.import_module("single" if single else method)
-        if single:
-            got = baseline.prepare(model, 0, 1, device)
-        else:
-            got = baseline.prepare(model, rank, world, device)
+        variant = variant or "eager"
+        if method not in VARIANT_METHODS and variant != "eager":
+            raise ValueError(f"method {method} has no variants (it is captured as hidup captures its steps)")
+        inputs = tuple(t.to(device) for t in rank_share(inputs_cpu, rank, world))
+        got = harness.prepare_variant("single" if single else method, model, rank, world, device, inputs,
+                                      variant, precision, compile_backend)
         module = got.module
         if method == "single-dup":
             from hidup.profiler.calibrate import TwoCopies
 
             module = TwoCopies(module, device)
-        prep = Prepared(module, got.loss_scale, got.after_backward, dict(got.info))
+        prep = Prepared(module, got.loss_scale, got.after_backward, dict(got.info), loss_weight=got.loss_weight)
         prep.coupled = not single
         prep.graph = graphed(method) and device.type == "cuda"
-        inputs = rank_share(inputs_cpu, rank, world)
-        return prep, tuple(t.to(device) for t in inputs)
+        prep.capture = "graph" in variant
+        prep.capture_warmup = got.capture_warmup
+        if method in VARIANT_METHODS:
+            prep.info["variant"] = variant
+        return prep, inputs
     if method in HIDUP_METHODS:
         from hidup.codegen import compile as hidup_compile
 
@@ -212,8 +203,10 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             for g in {id(g): g for g in owned}.values():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
+        if variant not in (None, "eager", "graph"):
+            raise ValueError(f"method {method} runs as hidup train runs it; variant {variant!r} does not apply")
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
-                "cuda_graph": graph}
+                "cuda_graph": graph, "step_mode": "eager"}  # the capture, where it happens, says "graph"
         if trial is not None:
             info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
@@ -231,14 +224,12 @@ def applicable(method: str, model_cpu) -> str | None:
 
 # ------------------------------------------------------------------------------------ timing
 def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
-               cap_s: float, trace_path=None, lr: float = 1e-4, phase=None) -> dict:
-    """Warm up, agree on the number of timed steps, time them (see the module docstring).  ``phase(name)``
-    is told each phase as it starts (``capture``, ``warmup``, ``timing``, ``trace``)."""
+               cap_s: float | None, best_of: int = 1, trace_path=None, lr: float = 1e-4, phase=None) -> dict:
+    """Build the method's step, time it with the shared timer (:func:`timing.time_steps`, via
+    :func:`harness.run_variant`), and trace one more step on request.  ``phase(name)`` is told each
+    phase as it starts (``capture``, ``warmup``, ``timing``, ``trace``)."""
     phase = phase or (lambda name: None)
     module = prep.module
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=lr)
-    warmup = max(1, warmup)
     if prep.graph and prep.graphed is None:
         from hidup.codegen.graphs import GraphedStep
 
@@ -247,50 +238,20 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
             prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
                                        choose=prep.choose, group=getattr(module, "group", None))
         prep.info.update(step_mode=prep.graphed.mode, mode_timings=prep.graphed.timings)
+    traced = {}
 
-    def step():
-        return harness.train_step(prep, optimizer, inputs, precision, device)
-
-    def run(steps: int) -> list[float]:
-        """Run ``steps`` steps, appending their losses; seconds of each, between device syncs."""
-        seconds = []
-        for _ in range(steps):
-            _sync(device)
-            t0 = time.perf_counter()
-            losses.append(step())
-            _sync(device)
-            seconds.append(time.perf_counter() - t0)
-        return seconds
-
-    start = time.perf_counter()
-    losses = []
-    with precision_mode(precision, device):
-        phase("warmup")
-        times = run(warmup)
-        t_w, elapsed = reduce_max([times[-1], time.perf_counter() - start], device)
-        n = int(max(1, min(iters, math.floor((cap_s - elapsed) / max(t_w, 1e-9)))))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        phase("timing")
-        timed = run(n)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        breakdown = None
+    def after(step) -> None:  # one more step, traced, before a captured step is released
         if trace_path is not None:
             phase("trace")
-            breakdown = _profiled_step(step, device, trace_path)
-    loss_t = torch.stack(losses).to(device=device, dtype=torch.float64)
-    if prep.coupled:
-        per_step = reduce_max(timed, device)
-        median = statistics.median(per_step)
-        if distributed():
-            dist.all_reduce(loss_t)
-    else:  # independent copies: median over ranks of each rank's median
-        per_step = timed
-        median = statistics.median(gather_floats(statistics.median(timed), device))
-    peak_all = reduce_max([float(peak or 0)], device)[0]
-    return {"iter_time_s": median, "iter_times_s": per_step, "iters": n, "warmup": warmup,
-            "capped": n < iters, "warmup_s": elapsed, "loss_first": loss_t[0].item(), "loss_last": loss_t[-1].item(),
-            "peak_memory_bytes": int(peak_all) if peak is not None else None, "breakdown": breakdown}
+            with precision_mode(precision, device):
+                traced["breakdown"] = _profiled_step(step, device, trace_path)
+
+    out = harness.run_variant(prep, inputs, precision, device, warmup=warmup, iters=iters, best_of=best_of,
+                              cap_s=cap_s, lr=lr, capture=prep.capture, coupled=prep.coupled, phase=phase,
+                              after=after)
+    losses = out.pop("losses")
+    out.update(loss_first=losses[0], loss_last=losses[-1], losses=losses, breakdown=traced.get("breakdown"))
+    return out
 
 
 def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
@@ -300,14 +261,14 @@ def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
     rank0 = not distributed() or dist.get_rank() == 0
     if not rank0:
         step()
-        _sync(device)
+        sync(device)
         return None
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         step()
-        _sync(device)
+        sync(device)
     path = Path(trace_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -335,22 +296,84 @@ def free_memory(device: torch.device) -> None:
 
 
 def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: torch.device, precision: str, *,
-            warmup: int, iters: int, cap_s: float, plan=None, trace_path=None, phase=None) -> dict:
+            warmup: int, iters: int, cap_s: float | None, plan=None, trace_path=None, phase=None,
+            variants: tuple | list | None = None, best_of: int = 1, compile_backend: str = "inductor",
+            on_variant=None) -> dict:
     """One run on every rank, failures caught and agreed: returns rank 0's view of the outcome.
 
-    A failure on any rank (an exception, e.g. CUDA out of memory) makes the run ``failed`` with the
-    first failing rank's error; the process group stays usable when the ranks fail symmetrically
-    (an asymmetric failure inside a collective ends in the process-group timeout instead).
-    ``phase(name)`` is told each phase as it starts (``prepare``, those of :func:`timed_loop`, ``cleanup``),
-    so that a watchdog can say where a hung run stopped."""
+    A method of :data:`VARIANT_METHODS` runs each of ``variants`` (default all of
+    ``harness.VARIANTS``) in turn, each timed within ``cap_s``; the run reports the fastest variant
+    that ran (``variant``; its timing, losses and info are the run's) and ``variants``: each
+    variant's status, time and error.  The run fails only when no variant ran.  Other methods run once.
+``on_variant(variant, summary)`` is told each variant's outcome as soon as it is known (so that a
+driver can keep the variants that ran when a later one brings the process group down).
+
+    A failure on any rank (an exception, e.g. CUDA out of memory) makes the run (or variant)
+    ``failed`` with the first failing rank's error; the process group stays usable when the ranks
+    fail symmetrically (an asymmetric failure inside a collective ends in the process-group timeout
+    instead).  ``phase(name)`` is told each phase as it starts (``prepare``, those of
+    :func:`timed_loop`, ``cleanup``; prefixed ``<variant>:`` for a variant), so that a watchdog can say
+    where a hung run stopped."""
     phase = phase or (lambda name: None)
+    if method not in VARIANT_METHODS:
+        return _execute_once(method, None, model_cpu, inputs_cpu, rank, world, device, precision, warmup=warmup,
+                             iters=iters, cap_s=cap_s, plan=plan, trace_path=trace_path, phase=phase,
+                             best_of=best_of, compile_backend=compile_backend)
+    variants = tuple(variants or harness.VARIANTS)
+    unknown = [v for v in variants if v not in harness.VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(harness.VARIANTS)}")
+    results: dict[str, dict] = {}
+    for v in variants:
+        skip = harness.variant_skip(v, device)
+        if skip:
+            results[v] = {"status": "skipped", "error": skip}
+        else:
+            trace = None if trace_path is None else _variant_path(trace_path, v)
+            results[v] = _execute_once(method, v, model_cpu, inputs_cpu, rank, world, device, precision,
+                                       warmup=warmup, iters=iters, cap_s=cap_s, plan=plan, trace_path=trace,
+                                       phase=lambda name, v=v: phase(f"{v}:{name}"), best_of=best_of,
+                                       compile_backend=compile_backend)
+        if on_variant is not None:
+            on_variant(v, variant_summary(results[v]))
+    ran = {v: r for v, r in results.items() if r["status"] == "ok"}
+    summary = {v: variant_summary(r) for v, r in results.items()}
+    if not ran:
+        errors = "; ".join(f"{v}: {str(r.get('error')).splitlines()[0][:300]}" for v, r in results.items())
+        return {"status": "failed", "error": f"no variant ran ({errors})", "variants": summary}
+    best = min(ran, key=lambda v: ran[v]["iter_time_s"])
+    out = dict(ran[best], variant=best, variants=summary)
+    return out
+
+
+VARIANT_FIELDS = ("status", "iter_time_s", "window_times_s", "iters", "best_of", "warmup", "capped", "warmup_s",
+                  "loss_first", "loss_last", "peak_memory_bytes", "optimizer", "error")
+
+
+def variant_summary(result: dict) -> dict:
+    """What a run keeps of a variant that was not its fastest (:data:`VARIANT_FIELDS`)."""
+    return {k: result.get(k) for k in VARIANT_FIELDS if result.get(k) is not None}
+
+
+def _variant_path(path, variant: str):
+    from pathlib import Path
+
+    path = Path(path)
+    return path.with_name(f"{path.stem}-{variant}{path.suffix}")
+
+
+def _execute_once(method: str, variant: str | None, model_cpu, inputs_cpu, rank: int, world: int,
+                  device: torch.device, precision: str, *, warmup: int, iters: int, cap_s: float | None, plan,
+                  trace_path, phase, best_of: int, compile_backend: str) -> dict:
+    """One method (in one variant) on every rank; see :func:`execute`."""
     prep = None
     out: dict = {}
     error = ""
     try:
         phase("prepare")
-        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan, precision)
-        out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s,
+        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan, precision, variant,
+                               compile_backend)
+        out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s, best_of=best_of,
                          trace_path=trace_path, phase=phase)
         out["info"] = prep.info
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
@@ -371,6 +394,10 @@ def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: t
                 with contextlib.suppress(Exception):
                     step()
         prep = None
+        if variant is not None and "compile" in variant:
+            # compiled code is cached per code object, and after a few recompilations (a new module
+            # each run) dynamo would silently fall back to eager: every compiled run starts afresh
+            torch._dynamo.reset()
         free_memory(device)
     failed = reduce_max([1.0 if error else 0.0], device)[0] > 0
     if failed:

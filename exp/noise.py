@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                        master_port=get_free_port(), timeout_s=args.dist_timeout)
             except (LaunchError, RuntimeError) as e:
                 print(f"[noise] the process group failed; reporting what was measured:\n{str(e)[-2000:]}")
-            measured, _ = read_partial(partial)
+            measured = read_partial(partial)[0]
             partial.unlink(missing_ok=True)
             if profile_path.with_name(profile_path.name + ".error").is_file():
                 note = searcher.note

@@ -171,7 +171,7 @@ def rate(x) -> str:
 
 
 # ============================================================================ benchmark results
-BENCH_HEADERS = ["world", "model", "prec", "method", "iter (ms)", "throughput", "scaling eff.", "eff. (graphed floor)",
+BENCH_HEADERS = ["world", "model", "prec", "method", "variant", "iter (ms)", "throughput", "scaling eff.", "eff. (graphed floor)",
                  "peak mem (GiB)", "predicted (ms)", "measured/pred.", "note"]
 
 
@@ -211,7 +211,11 @@ def _note(r: dict) -> str:
         notes.append(f"median of {len(rounds)} rounds ({ms(min(rounds))}-{ms(max(rounds))} ms)"
                      + (f", {failed} failed" if failed else ""))
     if r.get("capped"):
-        notes.append(f"{r.get('iters')} timed steps (time cap)")
+        notes.append(f"{r.get('iters')} steps per window (time cap)")
+    others = [f"{v} {ms(x['iter_time_s'])} ms" if x.get("status") == "ok" else f"{v} {x.get('status')}"
+              for v, x in (r.get("variants") or {}).items() if v != r.get("variant")]
+    if others:
+        notes.append("other variants: " + ", ".join(others))
     if r.get("precision_run") and r["precision_run"] != r["precision"]:
         notes.append(f"ran as {r['precision_run']}")
     if r.get("method") in ("hidup", "hidup-eager") and r.get("plan_duplication") is False:
@@ -243,7 +247,8 @@ def bench_rows(runs: list[dict]) -> list[list]:
         pred = r.get("predicted_s")
         eff = r.get("scaling_efficiency")
         effg = r.get("scaling_efficiency_graphed")
-        rows.append([r["world"], r["model"], r["precision"], r["method"], ms(r.get("iter_time_s")) if ok else None,
+        rows.append([r["world"], r["model"], r["precision"], r["method"], variant_of(r),
+                     ms(r.get("iter_time_s")) if ok else None,
                      f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
                      f"{eff:.2f}" if eff is not None else None, f"{effg:.2f}" if effg is not None else None,
                      gib(r.get("peak_memory_bytes")) if ok else None,
@@ -251,9 +256,30 @@ def bench_rows(runs: list[dict]) -> list[list]:
     return rows
 
 
-SPEEDUP_HEADERS = ["world", "model", "prec", "best baseline (ms)", "searched plan (ms)", "speedup",
+SPEEDUP_HEADERS = ["world", "model", "prec", "fastest baseline (ms)", "searched plan (ms)", "speedup",
                    "dup. on vs off", "eff. (graphed floor)", "measured/pred."]
 BASELINES = ("ddp", "fsdp", "expert")
+
+
+def variant_of(r: dict) -> str | None:
+    """How a run ran: a baseline's variant (``eager``, ``compile``, ``graph``, ``compile-graph``);
+    hidup's step mode (``graph`` or ``eager``); ``eager (per-step sync)`` for a baseline recorded before
+    baselines had variants (eager, unfused Adam, timed with a device sync after every step)."""
+    if r.get("variant"):
+        return r["variant"]
+    info = r.get("info") or {}
+    if info.get("step_mode"):
+        return info["step_mode"]
+    if r.get("method") in BASELINES + ("single",) and r.get("status") == "ok":
+        return "eager (per-step sync)"
+    return None
+
+
+def _fair(r: dict) -> bool:
+    """Whether a baseline run is a tuned one: recorded with variants, and its fastest is not eager
+    merely because no other variant was attempted."""
+    variants = r.get("variants") or {}
+    return bool(variants) and any(v != "eager" and x.get("status") in ("ok", "failed") for v, x in variants.items())
 
 
 def _round_times(r: dict) -> dict[int, float]:
@@ -272,9 +298,12 @@ def _ratio(slow: dict, fast: dict) -> str:
 
 
 def speedup_rows(runs: list[dict]) -> list[list]:
-    """Per (world, model, precision): the fastest baseline, the searched plan in the mode the search
-    chose (``plan_duplication``), their ratio, duplication on vs off of that plan, its efficiency
-    against the graphed floor and its measured / predicted time: the issue's targets, side by side."""
+    """Per (world, model, precision): the fastest baseline (the fastest variant of DDP, FSDP2 and expert
+    parallelism, named), the searched plan in the mode the search chose (``plan_duplication``), their
+    ratio, duplication on vs off of that plan, its efficiency against the graphed floor and its
+    measured / predicted time: the issue's targets, side by side.  A comparison whose baselines did
+    not try a compiled or captured variant (a CPU run without compile, or a record from before the
+    variants) is labelled ``vs eager baselines``."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in runs:
         if r.get("status") == "ok":
@@ -290,8 +319,11 @@ def speedup_rows(runs: list[dict]) -> list[list]:
         on, off = by.get("hidup"), by.get("hidup-nodup")
         eff = searched.get("scaling_efficiency_graphed")
         pred = searched.get("predicted_s")
-        rows.append([world, model, precision, f"{ms(best['iter_time_s'])} {best['method']}",
-                     f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}", _ratio(best, searched),
+        speedup = _ratio(best, searched)
+        if not all(_fair(r) for r in bases):
+            speedup += " (vs eager baselines)"
+        rows.append([world, model, precision, f"{ms(best['iter_time_s'])} {best['method']} {variant_of(best)}",
+                     f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}", speedup,
                      _ratio(off, on) if on and off else None, f"{eff:.3f}" if eff is not None else None,
                      f"{searched['iter_time_s'] / pred:.2f}" if pred else None])
     return rows
@@ -359,15 +391,22 @@ def bench_markdown(doc: dict) -> str:
         lines.append("Measured all-reduce: " + ", ".join(
             f"{g} ranks alpha {v['alpha_s'] * 1e6:.0f} us, {v['algbw_at_max'] / 1e9:.1f} GB/s at "
             f"{v['max_bytes'] / 2**20:.0f} MiB" for g, v in sorted(ar.items())))
-    lines += ["", "Median iteration time over the timed steps (max over ranks per step); scaling efficiency = "
-              "single-rank-share time / time (weak scaling; the graphed floor: that share captured as one CUDA graph); predicted = the plan's cost-model time in that mode.",
+    lines += ["", "Iteration time: the best of the timed windows, each window N steps between two device syncs, "
+              "(t_end - t_start) / N, max over ranks -- every method timed alike (exp/baselines/timing.py). A "
+              "baseline reports its fastest variant (eager, compile = torch.compile, graph = the whole step "
+              "including fused Adam as one CUDA graph, compile-graph = both); the note lists the others. "
+              "Scaling efficiency = single-rank-share time (its fastest variant) / time (weak scaling; the "
+              "graphed floor: that share's forward and backward captured as hidup captures its steps); "
+              "predicted = the plan's cost-model time in that mode.",
               "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
     speedups = speedup_rows(doc["runs"])
     if speedups:
         lines += ["", f"### The searched plan against the fastest baseline ({doc['network']})", "",
                   table(SPEEDUP_HEADERS, speedups), "",
-                  "searched plan: hidup's plan in the duplication mode the search chose; speedup = fastest "
-                  "baseline / searched plan; dup. on vs off = the same plan without / with duplication; with "
+                  "searched plan: hidup's plan in the duplication mode the search chose; fastest baseline: "
+                  "the fastest variant of DDP, FSDP2 and expert parallelism; speedup = fastest "
+                  "baseline / searched plan, labelled 'vs eager baselines' where the baselines did not try "
+                  "compiled or captured variants; dup. on vs off = the same plan without / with duplication; with "
                   "--repeats, the range of the ratios of each round's pair of runs."]
     items = [(r["key"], r["breakdown"]) for r in doc["runs"] if isinstance(r.get("breakdown"), dict)
              and "span_s" in r["breakdown"]]

@@ -33,8 +33,9 @@ def test_bench_smoke_world2(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
     proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
                              "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
-                             "--profile-budget", "0.02", "--time-budget", "120", "--breakdown", "--methods",
-                             "single", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"]
+                             "--profile-budget", "0.02", "--time-budget", "120", "--breakdown", "--variants", "eager",
+                             "graph", "--methods", "single", "single-dup", "ddp", "fsdp", "expert", "hidup",
+                             "hidup-nodup", "hidup-auto"]
                 + TINY, timeout=200)
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
@@ -45,6 +46,15 @@ def test_bench_smoke_world2(tmp_path):
         assert r["iter_time_s"] > 0 and r["iters"] >= 1 and r["unit"] == "tok/s"
         assert r["throughput"] == pytest.approx(r["global_batch"] * 8 / r["iter_time_s"])
         assert r["breakdown"]["source"] == "cpu" and Path(r["breakdown"]["trace"]).is_file()
+        assert r["iter_time_s"] == min(r["window_times_s"]) and len(r["window_times_s"]) == 3  # --best-of 3
+        assert r["warmup"] == 1 and len(r["losses"]) == 1 + 3 * r["iters"]
+    for method in ("single", "ddp", "fsdp", "expert"):  # the tuned baselines: each variant recorded
+        r = runs[method]
+        assert r["variant"] == "eager" and r["variants"]["eager"]["status"] == "ok", method
+        assert r["variants"]["graph"]["status"] == "skipped" and "CUDA graphs" in r["variants"]["graph"]["error"]
+        assert r["optimizer"] == "Adam(fused=True)" and "graph skipped" in report._note(r)
+    assert runs["ddp"]["info"]["static_graph"] and runs["ddp"]["info"]["gradient_as_bucket_view"]
+    assert "variant" not in runs["hidup"] and report.variant_of(runs["hidup"]) == "eager"  # hidup's step mode
     assert runs["single"]["scaling_efficiency"] == pytest.approx(1.0)
     floor = runs["single"]["iter_time_s"]
     assert runs["ddp"]["scaling_efficiency"] == pytest.approx(floor / runs["ddp"]["iter_time_s"])
@@ -71,6 +81,7 @@ def test_bench_smoke_world2(tmp_path):
     assert inv["command"].startswith("python exp/bench.py --network sockets")
     md = (docs / "benchmarks.md").read_text()
     assert "<!-- begin bench-sockets -->" in md and inv["command"] in md and "Time breakdown" in md
+    assert "(vs eager baselines)" in md  # no compiled variant was tried: the comparison says so
     assert "w2/bert-sgmoe/tf32/hidup" in proc.stdout  # the compact table / progress reach stdout
 
 
@@ -78,7 +89,7 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
     common = ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--out",
               str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2", "--profile-budget", "0.02",
-              "--ops-seconds", "0"] + TINY
+              "--ops-seconds", "0", "--variants", "eager", "--best-of", "1"] + TINY
     _run("bench.py", common + ["--methods", "single", "ddp", "--time-budget", "60"], timeout=120)
     first = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
     assert first["single"]["status"] == first["ddp"]["status"] == "ok"
@@ -108,7 +119,8 @@ def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
     proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
                              "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
                              "--profile-budget", "0.02", "--ops-seconds", "0", "--time-budget", "120", "--repeats",
-                             "2", "--methods", "ddp", "hidup", "hidup-nodup"] + TINY, timeout=200)
+                             "2", "--variants", "eager", "--best-of", "1", "--methods", "ddp", "hidup", "hidup-nodup"]
+                + TINY, timeout=200)
     # a round starts only when the one before it is done
     order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
     assert sorted(order[:3]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in ("ddp", "hidup", "hidup-nodup")]
@@ -127,7 +139,7 @@ def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
 
 
 def test_bench_rejects_zero_rounds(tmp_path):
-    for flag in ("--repeats", "--comm-rounds"):
+    for flag in ("--repeats", "--comm-rounds", "--best-of"):
         proc = subprocess.run([sys.executable, str(ROOT / "exp" / "bench.py"), flag, "0", "--out", str(tmp_path)],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "each must be at least 1" in proc.stderr and flag in proc.stderr
@@ -161,16 +173,37 @@ def test_merge_rounds_and_the_speedup_table():
     rows = report.speedup_rows(list(merged.values()))
     assert len(rows) == 1
     world, model, prec, best, searched, speedup, dup, eff, pred = rows[0]
-    assert best == "7500.00 expert" and searched == "3000.00 dup"  # the failed round does not make expert faster
+    # records from before the variants: eager baselines timed with a sync per step, labelled as such
+    assert best == "7500.00 expert eager (per-step sync)"  # the failed round does not make expert faster
+    assert searched == "3000.00 dup"
     # expert / hidup per round: 6/2, 9/4 (round 2 failed for expert); nodup / on: 3/2, 5/4, 3.3/3
-    assert speedup == "2.50x (2.25-3.00 over 2 rounds)"
+    assert speedup == "2.50x (2.25-3.00 over 2 rounds) (vs eager baselines)"
     assert dup == "1.10x (1.10-1.50 over 3 rounds)"
     assert pred == "1.50" and eff is None
+
+    # tuned baselines: the fastest variant of any baseline is the reference, named with its variant
+    def tuned(method, t, variants):
+        fastest = min((v for v in variants if variants[v]), key=variants.get)
+        return dict(rec(method, 0, t), id=f"w4/m/tf32/{method}", variant=fastest,
+                    variants={v: {"status": "ok", "iter_time_s": x} if x else {"status": "failed", "error": "e"}
+                              for v, x in variants.items()})
+    runs = [tuned("ddp", 4.0, {"eager": 6.0, "compile": 4.0, "graph": None}),
+            tuned("expert", 5.0, {"eager": 5.0, "compile": None}), dict(rec("hidup", 0, 2.0, **plan), id="x")]
+    merged = merge_rounds({r["id"]: r for r in runs})
+    [row] = report.speedup_rows(list(merged.values()))
+    assert row[3] == "4000.00 ddp compile" and row[5] == "2.00x"  # no label: every baseline tried compiling
+    ddp = merged["w4/m/tf32/ddp"]
+    assert report.bench_rows([ddp])[0][4] == "compile" and "eager 6000.00 ms, graph failed" in report._note(ddp)
+    eager_only = dict(merged["w4/m/tf32/expert"], variants={"eager": {"status": "ok", "iter_time_s": 5.0},
+                                                           "compile": {"status": "skipped", "error": "not asked"}})
+    [row] = report.speedup_rows([merged["w4/m/tf32/hidup"], eager_only])
+    assert row[5] == "2.50x (vs eager baselines)"
 
 
 def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
     common = ["--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--methods", "single",
-              "--warmup", "1", "--iters", "1", "--profile-budget", "0.02", "--time-budget", "60"] + TINY
+              "--variants", "eager", "--best-of", "1", "--warmup", "1", "--iters", "1", "--profile-budget", "0.02",
+              "--time-budget", "60"] + TINY
     first = tmp_path / "a"
     _run("bench.py", common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],
          timeout=150)
@@ -220,9 +253,34 @@ def test_read_partial_skips_a_cut_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"event": "start", "key": "a"}) + "\n"
                     + json.dumps({"event": "result", "record": {"key": "a", "status": "ok"}}) + "\n"
-                    + json.dumps({"event": "start", "key": "b"}) + "\n" + '{"event": "res')
-    records, started = read_partial(path)
-    assert list(records) == ["a"] and started == ["a", "b"]
+                    + json.dumps({"event": "start", "key": "b"}) + "\n"
+                    + json.dumps({"event": "variant", "key": "b", "variant": "eager", "summary": {"status": "ok"}})
+                    + "\n" + '{"event": "res')
+    records, started, variants = read_partial(path)
+    assert list(records) == ["a"] and started == ["a", "b"] and variants == {"b": {"eager": {"status": "ok"}}}
+
+
+def test_a_crash_keeps_the_variants_that_ran():
+    """The group failing in a baseline's CUDA-graph variant (FSDP2 under capture, say) keeps the variants
+    that finished before it: the run reports the fastest of them and records the crash on the one that
+    was running."""
+    from bench import crashed_record
+
+    cfg = {"network": "nvlink", "variants": ["eager", "compile", "graph", "compile-graph"],
+           "overrides": {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(TINY[::2], TINY[1::2])}}
+    run = {"key": "w2/bert-sgmoe/tf32/fsdp", "id": "w2/bert-sgmoe/tf32/fsdp", "world": 2, "model": "bert-sgmoe",
+           "precision": "tf32", "method": "fsdp"}
+    done = {"eager": {"status": "ok", "iter_time_s": 0.02, "iters": 5},
+            "compile": {"status": "ok", "iter_time_s": 0.01, "iters": 5}}
+    rec = crashed_record(run, "the process group failed during this run: boom", done, cfg, 2)
+    assert rec["status"] == "ok" and rec["variant"] == "compile" and rec["iter_time_s"] == 0.01 and "error" not in rec
+    assert rec["variants"]["graph"] == {"status": "failed", "error": "the process group failed during this run: boom"}
+    assert "compile-graph" not in rec["variants"] and rec["global_batch"] == 2 * 4
+    assert rec["throughput"] == pytest.approx(8 * 8 / 0.01) and rec["unit"] == "tok/s"
+    lost = crashed_record(run, "boom", {}, cfg, 2)
+    assert lost["status"] == "failed" and lost["error"] == "boom" and "variants" not in lost
+    only_failed = crashed_record(run, "boom", {"eager": {"status": "failed", "error": "oom"}}, cfg, 2)
+    assert only_failed["status"] == "failed" and only_failed["variants"]["compile"]["error"] == "boom"
 
 
 # ------------------------------------------------------------------------------------ noise
@@ -307,10 +365,15 @@ def test_a_failing_run_is_recorded_not_raised():
     out = benchrun.execute("hidup", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=5.0,
                            plan=None)
     assert out["status"] == "failed" and "needs a plan" in out["error"] and out["error"].startswith("rank 0")
-    ok = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=2, cap_s=5.0)
-    assert ok["status"] == "ok" and ok["iters"] == 2 and len(ok["iter_times_s"]) == 2
-    capped = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=5, cap_s=0.0)
+    ok = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=2, cap_s=None,
+                          variants=["eager"], best_of=2)
+    assert ok["status"] == "ok" and ok["iters"] == 2 and len(ok["window_times_s"]) == 2 and ok["variant"] == "eager"
+    capped = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=5, cap_s=0.0,
+                              variants=["eager"])
     assert capped["iters"] == 1 and capped["capped"]  # over the time cap: one timed step, flagged
+    with pytest.raises(ValueError, match="unknown variant"):
+        benchrun.execute("ddp", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=None,
+                         variants=["fast"])
     assert benchrun.applicable("expert", hidup.models.build("gpt", layers=1, d_model=32, heads=2, ffn=64, seq_len=8,
                                                              batch_per_gpu=2, vocab=64)[0])
 

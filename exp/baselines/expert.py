@@ -16,9 +16,13 @@ parameter whole.  Each rank runs its own ``g`` groups (sequences/images) of the 
 output gradient.  Gradients: an expert's gradient is summed over every rank's tokens by the
 backward all-to-alls (exact); the dense parameters (attention, norms, router, embeddings) are
 replicated and their gradients summed with bucketed all-reduces that overlap the backward
-(baseline_util.OverlappedGradSum, as DDP and DeepSpeed do).  Because the
-zoo's loss is a sum over groups and routing is per group, ``sum_r loss_r`` equals the
-single-device loss of the whole batch, and the summed gradients equal its gradients.
+(baseline_util.OverlappedGradSum, as DDP and DeepSpeed do).  Routing is per group, so with the
+rank weights ``w_r`` of baseline_util (1 for the zoo's summed loss) ``sum_r w_r loss_r`` equals the
+single-device loss of the whole batch, and the summed gradients of ``w_r loss_r`` equal its gradients.
+
+``compile`` compiles the whole converted model (TorchDynamo traces the all-to-alls or breaks the
+graph around them); the gradient buckets' hooks run after each gradient is accumulated, outside the
+compiled backward, exactly as in eager mode.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 
 from hidup.models import MoEFFN, moe_gating
 
-from baseline_util import OverlappedGradSum, Prepared
+from baseline_util import Options, OverlappedGradSum, Prepared, compile_module
 
 
 class _AllToAll(torch.autograd.Function):
@@ -106,7 +110,7 @@ def convert(model: nn.Module, rank: int, world: int, group=None) -> int:
     return count
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device) -> Prepared:
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
     """Expert-parallel ``model``: local experts, replicated dense parameters (summed gradients)."""
     n = convert(model, rank, world)
     if n == 0:
@@ -115,8 +119,9 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device) -> Pr
     model.to(device)
     dense = [p for p in model.parameters() if not getattr(p, "expert", False)]
     grad_sum = OverlappedGradSum(dense)
-    return Prepared(model, loss_scale=1.0, after_backward=grad_sum.finish,
-                    info={"moe_layers": n, "local_experts": model_local_experts(model)})
+    return Prepared(compile_module(model, opts), after_backward=grad_sum.finish,
+                    info={"moe_layers": n, "local_experts": model_local_experts(model),
+                          "compile": "whole model" if opts.compile else None})
 
 
 def model_local_experts(model: nn.Module) -> int:

@@ -1,23 +1,37 @@
-"""Baseline harness: one train loop for DDP, FSDP2, expert parallelism and the single-device floor.
+"""Baseline harness: one train loop for DDP, FSDP2, expert parallelism and the single-device floor,
+each in the variants a performance engineer would try, all timed by :mod:`timing`.
 
-Every baseline trains the same zoo model (``hidup.models.build``, same seed, same synthetic batch,
-reused every step), with Adam, for ``warmup`` untimed then ``iters`` timed iterations.  Rank ``r``
-of ``N`` runs groups ``r B/N .. (r+1) B/N - 1`` of the global batch ``B = batch_per_gpu * N``.
+Every baseline trains the same model (``hidup.models.build``, same seed, same synthetic batch,
+reused every step) with fused Adam (baseline_util.make_adam).  Rank ``r`` of ``N`` runs groups
+``r B/N .. (r+1) B/N - 1`` of the global batch ``B = batch_per_gpu * N``; ``single`` runs rank 0's
+share alone.
 
-Per iteration ``i`` each rank measures ``t_r(i)`` between device synchronizations around
-``zero_grad -> forward -> backward -> gradient glue -> optimizer step``; the iteration time is
-``t(i) = max_r t_r(i)`` and the reported time the median over timed iterations.  Throughput:
+Variants (:data:`VARIANTS`):
 
-    tokens/s  = B * tokens_per_group / median_i t(i)        (single: batch_per_gpu groups)
-    samples/s = B / median_i t(i)
+* ``eager``: the module as is, every op dispatched from Python;
+* ``compile``: ``torch.compile`` of the model (where each baseline applies it: see its module);
+* ``graph``: the whole step -- zero the gradients, forward, backward, the gradient glue and the
+  optimizer step (capturable fused Adam) -- captured once as one CUDA graph and replayed
+  (:class:`CapturedStep`); CUDA only, skipped elsewhere (recorded as skipped);
+* ``compile-graph``: the compiled model, its whole step captured the same way.
 
-The loss of step ``i`` is the global loss ``L(i) = sum_r L_r(i)`` (the zoo's loss is a sum over
-groups), equal to the single-device loss of the whole batch.  Peak memory is the maximum over
-ranks of ``torch.cuda.max_memory_allocated`` (``None`` on a CPU).
+A variant that fails (an error at build, compile, capture or step) is recorded with its error;
+a method reports its fastest variant that ran (exp/benchrun.py).
+
+Timing (:func:`timing.time_steps`, shared with hidup's runs): ``warmup`` untimed steps, then the
+best of ``best_of`` windows of ``N`` steps between two device syncs, per-step time
+``(t_end - t_start) / N``, max over ranks.  Throughput:
+
+    tokens/s  = B * tokens_per_group / t        (single: batch_per_gpu groups)
+    samples/s = B / t
+
+The loss of step ``i`` is the global loss ``L(i) = sum_r w_r L_r(i)`` (baseline_util: ``w_r = 1`` for
+the zoo's summed loss), equal to the single-device loss of the whole batch.  Peak memory is the
+maximum over ranks of ``torch.cuda.max_memory_allocated`` (``None`` on a CPU).
 
 Command line (spawns the ranks on this host; or use torchrun / NODERANK+CPN)::
 
-    python exp/baselines/harness.py --baseline ddp --model bert-sgmoe --world 2 --layers 2
+    python exp/baselines/harness.py --baseline ddp --model bert-sgmoe --world 2 --layers 2 --variant compile
 """
 
 from __future__ import annotations
@@ -27,9 +41,8 @@ import contextlib
 import importlib
 import json
 import os
-import statistics
 import sys
-import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +53,12 @@ from hidup.runtime.data import rank_share
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight  # noqa: E402
+from timing import time_steps  # noqa: E402
+
 BASELINES = ("ddp", "fsdp", "expert", "single")
 PRECISIONS = ("fp32", "tf32", "bf16")
+VARIANTS = ("eager", "compile", "graph", "compile-graph")
 
 
 @dataclass
@@ -57,26 +74,28 @@ class RunSpec:
     lr: float = 1e-4
     seed: int = 0
     precision: str = "fp32"
+    variant: str = "eager"
+    best_of: int = 1
+    compile_backend: str = "inductor"
 
     def __post_init__(self):
         if self.baseline not in BASELINES:
             raise ValueError(f"unknown baseline {self.baseline!r}; choose one of {', '.join(BASELINES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.world < 1 or self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"need world >= 1, iters >= 1, warmup >= 0; got world={self.world}, "
-                             f"iters={self.iters}, warmup={self.warmup}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.world < 1 or self.iters < 1 or self.warmup < 0 or self.best_of < 1:
+            raise ValueError(f"need world >= 1, iters >= 1, warmup >= 0, best_of >= 1; got world={self.world}, "
+                             f"iters={self.iters}, warmup={self.warmup}, best_of={self.best_of}")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast(precision: str, device: torch.device):
-    """bf16 autocast for ``precision == "bf16"``; fp32 and tf32 run without autocast."""
+# ------------------------------------------------------------------------------------ precision
+def autocast(precision: str, device: torch.device, cache_enabled: bool = True):
+    """bf16 autocast for ``precision == "bf16"``; fp32 and tf32 run without autocast.  A step captured
+    as a CUDA graph needs ``cache_enabled=False``."""
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
     return contextlib.nullcontext()
 
 
@@ -85,59 +104,182 @@ def autocast_dtype(precision: str):
     return torch.bfloat16 if precision == "bf16" else None
 
 
-def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device) -> torch.Tensor:
-    """One optimizer step of a prepared baseline; returns the (local) loss, detached, as float32.
-
-    A prepared run with a captured step (``prepared.graphed``, a :class:`hidup.codegen.GraphedStep`)
-    replays it for the forward and backward (it overwrites the gradients itself)."""
-    graphed = getattr(prepared, "graphed", None)
-    if graphed is not None:
-        loss = graphed(*inputs)
-        if prepared.after_backward is not None:
-            prepared.after_backward()
-        optimizer.step()
-        return loss.float()
-    optimizer.zero_grad(set_to_none=True)
-    with autocast(precision, device):
-        loss = prepared.module(*inputs)
-    (loss * prepared.loss_scale if prepared.loss_scale != 1.0 else loss).backward()
-    if prepared.after_backward is not None:
-        prepared.after_backward()
-    optimizer.step()
-    return loss.detach().float()
-
-
-def train_loop(prepared, inputs: tuple, spec: RunSpec, device: torch.device):
-    """Run ``warmup + iters`` Adam steps; return (losses per step (local), times per step, peak bytes)."""
-    module = prepared.module
-    optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
-    old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = spec.precision == "tf32"
-    losses, times = [], []
+@contextlib.contextmanager
+def precision_mode(precision: str, device: torch.device):
+    """TF32 matmuls and convolutions on for ``tf32``, off otherwise (inductor and a graph capture
+    read the setting when they build their kernels, so it wraps building as well as stepping)."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
     try:
-        for i in range(spec.warmup + spec.iters):
-            if i == spec.warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            loss = train_step(prepared, optimizer, inputs, spec.precision, device)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(loss)
+        yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old_tf32
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return torch.stack(losses), times, peak
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+# ------------------------------------------------------------------------------------ variants
+def variant_options(variant: str, precision: str, compile_backend: str = "inductor") -> Options:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    return Options(compile="compile" in variant, graph="graph" in variant, precision=precision,
+                   compile_backend=compile_backend)
+
+
+def variant_skip(variant: str, device: torch.device) -> str | None:
+    """Why ``variant`` cannot run on ``device`` (None when it can)."""
+    if "graph" in variant and torch.device(device).type != "cuda":
+        return f"CUDA graphs need a CUDA device; the {variant} variant is skipped on {torch.device(device).type}"
+    return None
+
+
+def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.device, share: tuple,
+                    variant: str = "eager", precision: str = "fp32", compile_backend: str = "inductor",
+                    loss_form=None):
+    """``baseline``'s :class:`baseline_util.Prepared` for ``variant``, its loss weight set from this
+    rank's input ``share`` (``single``: one device, weight 1).  ``model`` is converted in place."""
+    form = loss_form if loss_form is not None else loss_form_of(model)
+    opts = variant_options(variant, precision, compile_backend)
+    module = importlib.import_module(baseline)
+    if baseline == "single":
+        prepared = module.prepare(model, 0, 1, device, opts)
+        return set_loss_weight(prepared, 1.0, 1)
+    weight = loss_weight(form, share, world, device)
+    prepared = module.prepare(model, rank, world, device, opts)
+    prepared.info["loss_form"] = form.kind
+    return set_loss_weight(prepared, weight, world)
+
+
+# ------------------------------------------------------------------------------------ steps
+class EagerStep:
+    """One optimizer step per call: zero the gradients, forward (under the precision's autocast),
+    backward of ``loss * loss_scale``, the method's gradient glue, the optimizer step.  Returns the
+    loss (detached, on the device).  A prepared run with a captured forward and backward
+    (``prepared.graphed``, a :class:`hidup.codegen.GraphedStep`) replays it instead of the
+    forward and backward (it overwrites the gradients itself)."""
+
+    def __init__(self, prepared, optimizer, inputs: tuple, precision: str, device: torch.device):
+        self.prepared, self.optimizer, self.inputs = prepared, optimizer, tuple(inputs)
+        self.precision, self.device = precision, device
+        self.setup_losses: list[torch.Tensor] = []  # no steps before the first call
+
+    def __call__(self) -> torch.Tensor:
+        p = self.prepared
+        graphed = getattr(p, "graphed", None)
+        if graphed is not None:
+            loss = graphed(*self.inputs)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            with autocast(self.precision, self.device):
+                loss = p.module(*self.inputs)
+            (loss * p.loss_scale if p.loss_scale != 1.0 else loss).backward()
+        if p.after_backward is not None:
+            p.after_backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
+class CapturedStep:
+    """The whole step of :class:`EagerStep` -- gradients zeroed in place, forward, backward, gradient
+    glue, capturable optimizer step -- captured once as one CUDA graph and replayed per call.
+
+    Construction runs ``prepared.capture_warmup`` eager steps on a side stream (the optimizer state,
+    NCCL communicators, DDP's buckets and any compilation come into being there; their losses are
+    ``setup_losses``, real steps), then captures one step without running it.  Each call replays
+    the graph (one real step on the fixed ``inputs``) and returns its loss.  The gradients are
+    zeroed in place inside the graph (``zero_grad(set_to_none=False)``), so every replay writes the
+    same gradient buffers the optimizer reads."""
+
+    def __init__(self, prepared, optimizer, inputs: tuple, precision: str, device: torch.device):
+        if device.type != "cuda":
+            raise RuntimeError(f"a CUDA-graph step needs a CUDA device, not {device}")
+        self.prepared, self.optimizer, self.inputs = prepared, optimizer, tuple(inputs)
+        self.precision, self.device = precision, device
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager steps of a capturable Adam
+            self.setup_losses = [self._body() for _ in range(max(1, prepared.capture_warmup))]
+        main.wait_stream(side)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self._static_loss = self._body()
+        torch.cuda.synchronize(device)
+
+    def _body(self) -> torch.Tensor:
+        p = self.prepared
+        self.optimizer.zero_grad(set_to_none=False)
+        with autocast(self.precision, self.device, cache_enabled=False):
+            loss = p.module(*self.inputs)
+        (loss * p.loss_scale if p.loss_scale != 1.0 else loss).backward()
+        if p.after_backward is not None:
+            p.after_backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self._static_loss.clone()
+
+    def release(self) -> None:
+        """Free the graph (before any process group it uses is destroyed)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = None
+
+
+def make_step(prepared, inputs: tuple, precision: str, device: torch.device, lr: float, capture: bool = False):
+    """(the step callable, the optimizer's description): fused Adam over the module's parameters and
+    an :class:`EagerStep`, or a :class:`CapturedStep` when ``capture``."""
+    optimizer, described = make_adam(prepared.module.parameters(), lr, capturable=capture)
+    step = (CapturedStep if capture else EagerStep)(prepared, optimizer, inputs, precision, device)
+    return step, described
+
+
+def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device) -> torch.Tensor:
+    """One optimizer step of a prepared method (:class:`EagerStep`); returns the local loss, detached."""
+    return EagerStep(prepared, optimizer, inputs, precision, device)()
+
+
+def run_variant(prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
+                best_of: int = 1, cap_s: float | None = None, lr: float = 1e-4, capture: bool = False,
+                coupled: bool = True, phase=None, after=None) -> dict:
+    """Build the step of ``prepared`` and time it (:func:`timing.time_steps`).  Returns the timing
+    and ``losses``: the global loss of every step (``sum_r w_r L_r`` over the ranks when ``coupled``,
+    this rank's own loss otherwise), setup steps of a capture first; and ``optimizer``.
+    ``after(step)``, when given, runs after the timing (e.g. one more step, traced); its steps are
+    not in ``losses``."""
+    phase = phase or (lambda name: None)
+    with precision_mode(precision, device):
+        if capture:
+            phase("capture")
+        step, described = make_step(prepared, inputs, precision, device, lr, capture=capture)
+        try:
+            out = time_steps(step, device, warmup=warmup, iters=iters, best_of=best_of, cap_s=cap_s, phase=phase)
+            if after is not None:
+                after(step)
+        finally:
+            if isinstance(step, CapturedStep):
+                step.release()
+    losses = torch.stack(list(step.setup_losses) + out.pop("losses")).to(torch.float64) * prepared.loss_weight
+    if coupled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on = device if dist.get_backend() == "nccl" else "cpu"
+        losses = losses.to(on)
+        dist.all_reduce(losses)
+    out["losses"] = losses.tolist()
+    out["setup_steps"] = len(step.setup_losses)
+    out["optimizer"] = described
+    return out
+
+
+# ------------------------------------------------------------------------------------ one run
 def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict:
     """One rank's part of a baseline run (inside an initialized process group unless ``single``)."""
     import hidup.models
 
-    module_name = spec.baseline
-    baseline = importlib.import_module(module_name)
     model, inputs = hidup.models.build(spec.model, world_size=spec.world, seed=spec.seed, **spec.overrides)
-    cfg = model.config
+    cfg = getattr(model, "config", None)
     if spec.baseline == "single":
         rank, world = 0, 1
         inputs = rank_share(inputs, 0, spec.world)
@@ -145,32 +287,29 @@ def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict
         if world != spec.world:
             raise ValueError(f"the process group has {world} ranks but the run asks for world={spec.world}")
         inputs = rank_share(inputs, rank, world)
+    skip = variant_skip(spec.variant, device)
+    if skip:
+        raise ValueError(f"--variant {spec.variant}: {skip}")
     inputs = tuple(t.to(device) for t in inputs)
     torch.manual_seed(spec.seed + 17 + rank)  # dropout streams, if the config enables dropout
-    prepared = baseline.prepare(model, rank, world, device)
-    losses, times, peak = train_loop(prepared, inputs, spec, device)
+    prepared = prepare_variant(spec.baseline, model, rank, world, device, inputs, spec.variant, spec.precision,
+                               spec.compile_backend)
     distributed = spec.baseline != "single" and dist.is_initialized() and world > 1
-    times_t = torch.tensor(times, dtype=torch.float64, device=device)
-    peak_t = torch.tensor([float(peak or 0)], dtype=torch.float64, device=device)
-    losses = losses.to(device=device, dtype=torch.float64)
-    if distributed:
-        dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(losses)
-    step_times = times_t.tolist()[spec.warmup:]
-    median = statistics.median(step_times)
+    out = run_variant(prepared, inputs, spec.precision, device, warmup=spec.warmup, iters=spec.iters,
+                      best_of=spec.best_of, lr=spec.lr, capture="graph" in spec.variant, coupled=distributed)
+    t = out["iter_time_s"]
     groups = inputs[0].shape[0] * (world if spec.baseline != "single" else 1)
-    tokens_per_group = cfg.tokens_per_group if cfg.family != "mlp" else 1
+    tokens_per_group = cfg.tokens_per_group if cfg is not None and cfg.family != "mlp" else 1
     return {
-        "baseline": spec.baseline, "model": spec.model, "world": spec.world,
+        "baseline": spec.baseline, "model": spec.model, "world": spec.world, "variant": spec.variant,
         "gpus_used": 1 if spec.baseline == "single" else world,
-        "config": cfg.to_dict(), "precision": spec.precision, "lr": spec.lr, "seed": spec.seed,
-        "device": str(device), "backend": dist.get_backend() if distributed else "none",
-        "torch": torch.__version__, "warmup": spec.warmup, "iters": spec.iters,
-        "iter_time_s": median, "iter_times_s": step_times,
-        "samples_per_s": groups / median, "tokens_per_s": groups * tokens_per_group / median,
-        "peak_memory_bytes": int(peak_t.item()) if peak is not None else None,
-        "losses": losses.tolist(), **{f"info_{k}": v for k, v in prepared.info.items()},
+        "config": cfg.to_dict() if cfg is not None else None, "precision": spec.precision, "lr": spec.lr,
+        "seed": spec.seed, "device": str(device), "backend": dist.get_backend() if distributed else "none",
+        "torch": torch.__version__, "warmup": spec.warmup, "iters": out["iters"], "best_of": spec.best_of,
+        "iter_time_s": t, "window_times_s": out["window_times_s"], "optimizer": out["optimizer"],
+        "samples_per_s": groups / t, "tokens_per_s": groups * tokens_per_group / t,
+        "peak_memory_bytes": out["peak_memory_bytes"], "losses": out["losses"],
+        **{f"info_{k}": v for k, v in prepared.info.items()},
     }
 
 
@@ -223,6 +362,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--variant", choices=VARIANTS, default="eager",
+                   help="eager, compile (torch.compile), graph (the whole step as one CUDA graph) or compile-graph")
+    p.add_argument("--best-of", type=int, default=1, metavar="K",
+                   help="time K windows of --iters steps between two device syncs and keep the fastest (default 1)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the model's)")
     p.add_argument("--aux-weight", type=float, default=None, help="MoE balance-loss weight")
     p.add_argument("--out", type=Path, default=None, help="append the result as one JSON line to this file")
@@ -242,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("dropout", "aux_weight"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
-    spec = RunSpec(args.baseline, args.model, args.world, overrides, args.warmup, args.iters, args.lr,
-                   args.seed, args.precision)
+    try:
+        spec = RunSpec(args.baseline, args.model, args.world, overrides, args.warmup, args.iters, args.lr,
+                       args.seed, args.precision, args.variant, args.best_of, args.compile_backend)
+    except ValueError as e:
+        p.error(str(e))
+    skip = variant_skip(spec.variant, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if skip:
+        p.error(f"--variant {spec.variant}: {skip}; choose eager or compile")
     from hidup.runtime.launch import launch_kwargs
 
     result = run(spec, **launch_kwargs(args))
@@ -253,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    brief = {k: result[k] for k in ("baseline", "model", "world", "iter_time_s", "tokens_per_s",
-                                    "peak_memory_bytes")}
+    brief = {k: result[k] for k in ("baseline", "variant", "model", "world", "iter_time_s", "tokens_per_s",
+                                    "peak_memory_bytes", "optimizer")}
     brief["loss_first"], brief["loss_last"] = result["losses"][0], result["losses"][-1]
     print(json.dumps(brief, indent=1))
     return 0

@@ -1,0 +1,268 @@
+"""The tuned baselines on gloo at world 2: every baseline in every CPU variant (eager, and compiled
+with the ``aot_eager`` backend, which runs the same dynamo + AOTAutograd path as inductor without
+building C++ kernels) trains with the single-device loss, in float64; a mean loss over padded
+tokens is weighted by each rank's count; a failing variant is recorded, a CUDA-graph variant is
+recorded as skipped on a CPU, and the method reports its fastest variant that ran; the shared
+timer times windows of steps between two syncs."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dist_util import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (os.path.join(ROOT, "exp"), os.path.join(ROOT, "exp", "baselines")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from baseline_util import LossForm  # noqa: E402
+
+TINY = dict(layers=2, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32, experts_per_gpu=2)
+LR = 1e-3
+WARMUP, ITERS, BEST_OF = 1, 1, 2
+STEPS = WARMUP + ITERS * BEST_OF  # every step's loss is recorded, warm-up included
+CPU_VARIANTS = ("eager", "compile")
+BASELINES = ("single", "ddp", "fsdp", "expert")
+EPS = torch.finfo(torch.float64).eps
+# The distributed step differs from the single-device one only in the order of floating-point sums
+# (a gradient summed over ranks, a loss summed over shares): a relative error of at most ~log2(terms)
+# eps per sum, a few sums deep per step.  Adam divides by sqrt(v) + 1e-8, so a gradient perturbed by
+# a relative d moves the update by at most ~d; the loss after k steps moves by a relative ~k d.
+# 2**10 eps per step bounds that with a wide margin and is still 1e-13 for STEPS steps, where any
+# error in the math (a weight, a missed reduction) shows at 1e-3 or more.
+REL_TOL = 2 ** 10 * EPS * STEPS
+
+
+def _exp_path():
+    for p in (os.path.join(ROOT, "exp"), os.path.join(ROOT, "exp", "baselines")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+class TokenMeanLM(nn.Module):
+    """A tiny language model whose loss is the mean over the tokens whose label is not ignored
+    (``F.cross_entropy(..., ignore_index=-100)``, as ``transformers`` models compute theirs)."""
+
+    loss_form = LossForm("mean", count=lambda inputs: (inputs[1] != -100).sum())
+
+    def __init__(self, vocab: int = 16, d: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(2)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def token_mean_model():
+    """(model, inputs) in float64: 4 sequences of 6 tokens; rank 0's two rows keep 3 labels, rank 1's 11."""
+    g = torch.Generator().manual_seed(3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = TokenMeanLM().double()
+    ids = torch.randint(0, 16, (4, 6), generator=g)
+    labels = torch.randint(0, 16, (4, 6), generator=g)
+    labels[0, 1:] = -100
+    labels[1, :4] = -100
+    labels[3, 5] = -100
+    return model, (ids, labels)
+
+
+def _reference(model, inputs, steps: int) -> list[float]:
+    """Single-device fused Adam on ``inputs`` (the whole batch)."""
+    import copy
+
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _zoo(world: int):
+    import hidup.models
+
+    return hidup.models.build("bert-sgmoe", world_size=world, dtype="float64", **TINY)
+
+
+def _world2_rank(rank, world):
+    """Every (baseline, CPU variant) on the zoo model, the mean-loss model under DDP and FSDP2, and
+    one method through the bench's executor with a failing variant -- in one process group."""
+    import copy
+
+    _exp_path()
+    import benchrun
+    import harness
+    from hidup.runtime.data import rank_share
+
+    device = torch.device("cpu")
+    out = {}
+    model, inputs = _zoo(world)
+    for baseline in BASELINES:
+        for variant in CPU_VARIANTS:
+            share = rank_share(inputs, 0 if baseline == "single" else rank, world)
+            prepared = harness.prepare_variant(baseline, copy.deepcopy(model), rank, world, device, share, variant,
+                                               "fp32", compile_backend="aot_eager")
+            stats = torch._dynamo.utils.counters["stats"]
+            graphs = stats["unique_graphs"]
+            res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF,
+                                      lr=LR, coupled=baseline != "single")
+            out[(baseline, variant)] = dict(res, info=prepared.info, loss_scale=prepared.loss_scale,
+                                            loss_weight=prepared.loss_weight, compiled_graphs=stats["unique_graphs"] - graphs)
+            torch._dynamo.reset()
+    tmodel, tinputs = token_mean_model()
+    for baseline in ("ddp", "fsdp"):
+        share = rank_share(tinputs, rank, world)
+        prepared = harness.prepare_variant(baseline, copy.deepcopy(tmodel), rank, world, device, share)
+        res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF, lr=LR)
+        out[("mean", baseline)] = dict(res, loss_weight=prepared.loss_weight, loss_scale=prepared.loss_scale)
+    out["executed"] = benchrun.execute("expert", model, inputs, rank, world, device, "fp32", warmup=WARMUP,
+                                       iters=ITERS, cap_s=None, best_of=BEST_OF, compile_backend="no-such-backend")
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2_rank, 2, timeout=400, pg_timeout=120)
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_baseline_variant_trains_with_the_single_device_loss(world2, baseline, variant):
+    model, inputs = _zoo(2)
+    if baseline == "single":  # the floor: rank 0's share alone
+        inputs = tuple(t[:TINY["batch_per_gpu"]] for t in inputs)
+    ref = _reference(model, inputs, STEPS)
+    for rank, results in enumerate(world2):
+        r = results[(baseline, variant)]
+        assert len(r["losses"]) == STEPS and r["setup_steps"] == 0
+        for got, want in zip(r["losses"], ref):
+            assert got == pytest.approx(want, rel=REL_TOL, abs=0), (baseline, variant, r["losses"], ref)
+        assert r["optimizer"] == "Adam(fused=True)"
+        assert r["iters"] == ITERS and len(r["window_times_s"]) == BEST_OF
+        assert r["iter_time_s"] == min(r["window_times_s"]) > 0
+        assert (r["info"]["compile"] is None) == (variant == "eager")  # compiled where the variant says
+        assert (r["compiled_graphs"] > 0) == (variant == "compile"), r["compiled_graphs"]  # dynamo did compile
+        assert r["loss_scale"] == {"ddp": 2.0, "fsdp": 2.0, "expert": 1.0, "single": 1.0}[baseline]
+    if baseline != "single":  # one global loss, agreed by every rank
+        assert world2[0][(baseline, variant)]["losses"] == world2[1][(baseline, variant)]["losses"]
+    if baseline == "ddp":
+        assert world2[0][(baseline, variant)]["info"]["static_graph"] is True
+        assert world2[0][(baseline, variant)]["info"]["gradient_as_bucket_view"] is True
+
+
+def test_ddp_and_fsdp_are_exact_for_a_mean_over_padded_tokens(world2):
+    model, inputs = token_mean_model()
+    ref = _reference(model, inputs, STEPS)
+    counts = [int((inputs[1][2 * r:2 * r + 2] != -100).sum()) for r in range(2)]
+    assert counts == [3, 11]  # unequal shares: the mean of the ranks' means is not the global mean
+    means = [model(*(t[2 * r:2 * r + 2] for t in inputs)).item() for r in range(2)]
+    assert abs(sum(means) / 2 - ref[0]) > 1e-3 * abs(ref[0])
+    for baseline in ("ddp", "fsdp"):
+        for rank, results in enumerate(world2):
+            r = results[("mean", baseline)]
+            assert r["loss_weight"] == pytest.approx(counts[rank] / sum(counts), rel=EPS)
+            assert r["loss_scale"] == pytest.approx(2 * counts[rank] / sum(counts), rel=EPS)
+            for got, want in zip(r["losses"], ref):
+                assert got == pytest.approx(want, rel=REL_TOL, abs=0), (baseline, r["losses"], ref)
+
+
+def test_a_failing_variant_is_recorded_and_the_best_that_ran_is_reported(world2):
+    for results in world2:
+        r = results["executed"]
+        assert r["status"] == "ok" and r["variant"] == "eager"
+        v = r["variants"]
+        assert list(v) == ["eager", "compile", "graph", "compile-graph"]
+        assert v["eager"]["status"] == "ok" and v["eager"]["iter_time_s"] == r["iter_time_s"]
+        assert v["compile"]["status"] == "failed" and "no-such-backend" in v["compile"]["error"]
+        for graphed in ("graph", "compile-graph"):
+            assert v[graphed]["status"] == "skipped" and "CUDA graphs need a CUDA device" in v[graphed]["error"]
+        assert r["info"]["variant"] == "eager" and r["loss_first"] == r["losses"][0]
+        assert len(r["losses"]) == STEPS and len(r["window_times_s"]) == BEST_OF
+
+
+def test_time_steps_counts_windows_between_two_syncs():
+    _exp_path()
+    import timing
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        return torch.tensor(float(len(calls)))
+
+    out = timing.time_steps(step, torch.device("cpu"), warmup=2, iters=3, best_of=4)
+    assert len(calls) == 2 + 3 * 4 and [t.item() for t in out["losses"]] == list(range(1, 15))
+    assert out["iters"] == 3 and len(out["window_times_s"]) == 4 and not out["capped"]
+    assert out["iter_time_s"] == min(out["window_times_s"]) and len(out["warmup_times_s"]) == 2
+    calls.clear()
+    capped = timing.time_steps(lambda: (calls.append(1), torch.zeros(()))[1], torch.device("cpu"), warmup=1,
+                               iters=50, best_of=2, cap_s=0.0)
+    assert capped["iters"] == 1 and capped["capped"] and len(calls) == 1 + 2
+    with pytest.raises(ValueError, match="best_of >= 1"):
+        timing.time_steps(step, torch.device("cpu"), warmup=0, iters=1, best_of=0)
+
+
+def test_adam_is_fused_where_torch_has_the_kernel():
+    _exp_path()
+    import baseline_util
+
+    opt, described = baseline_util.make_adam([nn.Parameter(torch.zeros(2, dtype=torch.float64))], 1e-3)
+    assert described == "Adam(fused=True)" and opt.defaults["fused"]
+    ints = [nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False), nn.Parameter(torch.zeros(2))]
+    assert baseline_util.fused_unavailable(ints[1:]) is None
+    import torch.optim.optimizer as topt
+
+    real = topt._device_dtype_check_for_fused
+
+    def no_kernel(p, cuda_unsupported=False):
+        raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+    topt._device_dtype_check_for_fused = no_kernel
+    try:
+        with pytest.warns(UserWarning, match="fused Adam is unavailable"):
+            opt, described = baseline_util.make_adam(ints, 1e-3)
+        assert described.startswith("Adam (fused unavailable: `fused=True` requires") and not opt.defaults["fused"]
+        with pytest.warns(UserWarning, match="fused Adam is unavailable"):
+            opt, described = baseline_util.make_adam(ints, 1e-3, capturable=True)
+        assert described.startswith("Adam(capturable=True) (fused unavailable") and opt.defaults["capturable"]
+    finally:
+        topt._device_dtype_check_for_fused = real
+
+
+def test_loss_forms_are_declared_or_refused():
+    _exp_path()
+    import baseline_util
+    import hidup.models
+
+    zoo, _ = hidup.models.build("gpt", world_size=2, layers=1, d_model=16, heads=2, ffn=32, seq_len=4,
+                                batch_per_gpu=2, vocab=32)
+    assert baseline_util.loss_form_of(zoo).kind == "sum"
+    assert baseline_util.loss_form_of(TokenMeanLM()) is TokenMeanLM.loss_form
+    plain = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="model.loss_form"):
+        baseline_util.loss_form_of(plain)
+    plain.loss_form = "mean"
+    assert baseline_util.loss_form_of(plain) == LossForm("mean")
+    share = (torch.zeros(3, 2),)
+    assert baseline_util.loss_weight(LossForm("mean"), share, 1, torch.device("cpu")) == 1.0
+    assert baseline_util.loss_weight(LossForm("sum"), share, 2, torch.device("cpu")) == 1.0
+    with pytest.raises(ValueError, match="'sum' or 'mean'"):
+        LossForm("median")
+    assert not math.isnan(REL_TOL) and REL_TOL < 1e-12

@@ -2,6 +2,7 @@
 and the search's reaction to what duplication's half-batch copies really cost."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -215,7 +216,13 @@ def test_profiling_model_ops_calibrates_the_two_copy_factor(tmp_path):
     prof = P.load("h200x4-nvlink")
     out = measure_model_ops(prof, [("gpt", TINY)], 2, torch.device("cpu"), ("fp32",), seconds=20.0)
     assert "two-copy scale" in out.notes and "one copy after the other" in out.notes
-    assert 0.5 <= out.dup_scale <= 2.0 and out.dup_scale != 1.0
+    # the factor is the measured two-copy ratio when it lies in [0.5, 2], else (a loaded host) it is
+    # reported and the profile's earlier value kept: which one happens depends on timing, the rule not
+    measured = float(re.search(r"one copy after the other = ([0-9.]+)", out.notes).group(1))
+    if 0.5 <= measured <= 2.0:
+        assert out.dup_scale == pytest.approx(measured, abs=5e-4)
+    else:
+        assert out.dup_scale == prof.dup_scale
     back = P.load(P.save(out, tmp_path / "p.json"))
     assert back.dup_scale == out.dup_scale
     assert P.Profile.from_dict(dict(back.to_dict(), dup_scale=1.0)).dup_scale == 1.0

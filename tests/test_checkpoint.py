@@ -22,6 +22,7 @@ All ranks of one world run in one spawned process group.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -385,10 +386,12 @@ def test_single_file_checkpoints_still_load(world2, tmp_path):
         "version": 1, "world_size": 2, "step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "params": params,
         "optimizer": {"groups": [{"lr": 0.25, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0,
                                   "amsgrad": False, "params": names}], "state": adam},
-        "rng": [checkpoint._rng_state()] * 2, "extra": {}})
+        "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}] * 2, "extra": {}})
+    first = torch.rand(3)
     model, _ = hidup.models.build("gpt", world_size=1, dtype="float64", seed=9, **GPT)
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
-    info = checkpoint.load(path, model, opt, restore_rng=False)
+    info = checkpoint.load(path, model, opt)
+    assert torch.equal(torch.rand(3), first)  # the RNG state it holds (of rank 0: another world)
     assert info == checkpoint.info(path) == {"step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "extra": {},
                                              "world_size": 2}
     assert opt.param_groups[0]["lr"] == 0.25

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from hidup.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
@@ -55,7 +56,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     part = tmp_path / "part.json"
     _train(["--world", "2", "--iterations", "6", "--checkpoint-dir", str(ckpt), "--stop-after", "3",
             "--json", str(part), "--master-port", str(_port())])
-    assert len(_losses(part)) == 3 and (ckpt / "checkpoint.pt").is_file()
+    assert len(_losses(part)) == 3 and (ckpt / "checkpoint" / ".metadata").is_file()
     resumed = tmp_path / "resumed.json"
     _train(["--world", "2", "--iterations", "6", "--checkpoint-dir", str(ckpt), "--resume", "--json", str(resumed),
             "--master-port", str(_port())])
@@ -83,7 +84,7 @@ def test_sigterm_checkpoints_every_rank_and_stops(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, "".join(lines[-20:]) + rest[-3000:]
-    state = torch.load(ckpt / "checkpoint.pt", weights_only=False)
+    state = checkpoint.info(ckpt / "checkpoint")
     assert 2 <= state["step"] < 1000
     assert len(state["loss_history"]) == state["step"]
 

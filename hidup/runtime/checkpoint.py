@@ -1,35 +1,87 @@
-"""Atomic, world-size-independent checkpoints.
+"""Atomic checkpoints that scale: every rank writes and reads only its own shards.
 
-A checkpoint stores the *logical* layout: every parameter/buffer gathered to its full shape and
-keyed by its name in the original model; every per-element optimizer state tensor (one with the
-stored parameter's shape: Adam's ``exp_avg``, SGD's ``momentum_buffer``) gathered the same way;
-other optimizer state (Adam's ``step``) and the optimizer's hyper-parameters as they are; the step,
-the loss history, the RNG states of every rank, and free-form ``extra`` data.
+What a checkpoint holds (format 2, a directory written by ``torch.distributed.checkpoint``, DCP):
 
-``save`` is collective (every rank gathers) and only rank 0 writes: to a temporary file in the
-target's directory, flushed and ``fsync``-ed, then ``os.replace``-d over the target (atomic on
-POSIX), and the directory is ``fsync``-ed.  A crash mid-write leaves the previous checkpoint.
+* ``model.<name>`` for every parameter/buffer of the original model (its logical name and shape).
+  A tensor stored ``gather_d`` is saved as this rank's slice ``X[..., r*n/N:(r+1)*n/N, ...]`` of the
+  logical ``X`` (offset ``r*n/N`` along ``d``); a replicated one is written once, by one rank (DCP
+  deduplicates a key every rank holds whole and spreads such keys over the ranks by size; the value
+  is the same on every rank, as a compiled module all-reduces replicated gradients).
+* ``optim.<name>.<key>`` for every per-element optimizer state tensor (one with the stored
+  parameter's shape: Adam's ``exp_avg``, SGD's ``momentum_buffer``), sharded exactly as its
+  parameter.
+* ``meta`` (written by rank 0): format version, world size, step, loss history, ``extra``, and the
+  optimizer's param groups (hyper-parameters, parameters by logical name) with its small state
+  (Adam's ``step``: rank 0's, as it is equal on every rank).
+* ``rng.<r>``: rank ``r``'s RNG states (torch, python, numpy, CUDA).
 
-``load`` reads the logical tensors and re-shards them for the *current* module's plan and world
-(slice ``r`` of ``N`` along the stored form's dim), so a run may resume on a different world size.
-RNG states are restored per rank when the world size is unchanged, else every rank takes rank 0's.
+The shards are described to DCP as DTensors: ``DTensor.from_local(slice, mesh, [Shard(d)],
+shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group.  This is the public
+torch 2.13 way to tell DCP "this rank holds this chunk of that global tensor" -- the default
+planners then compute each chunk's offsets (``compute_local_shape_and_global_offset``), write one
+file per rank, and on load give every rank the chunk its *current* DTensor asks for, read from
+whichever saved chunks overlap it; ShardedTensor is deprecated and a hand-made planner or
+``ChunkStorageMetadata`` would re-implement that bookkeeping.  The DTensors only wrap the module's
+tensors for the call (no copy); the module keeps plain tensors.
+
+Save is collective.  Every rank writes its files into ``.<name>.tmp`` next to ``path`` (created
+fresh by rank 0; DCP fsyncs every file and writes ``.metadata`` last, from rank 0, after all ranks
+finished); then rank 0 fsyncs the directory, renames the previous checkpoint to ``.<name>.old``,
+renames the new one to ``path``, fsyncs the parent and deletes the old one (a directory cannot be
+renamed over a non-empty one, hence two renames).  A failure or crash while writing leaves ``path``
+untouched; one between the two renames leaves the complete previous checkpoint as
+``.<name>.old``, which :func:`load` (and :func:`exists`) then use.  An error on any rank is raised
+on every rank (DCP gathers the ranks' failures; rank 0's own steps are broadcast), so no rank waits
+for one that gave up.  On several nodes ``path`` must be on a filesystem every rank sees (each
+writes its own files there).
+
+Load is collective when distributed: every rank reads the slice its current plan and world need
+(``r'`` of ``N'`` along the current form's dim, from whichever saved slices overlap it), so a run
+may resume on another world size or plan.  Names and logical shapes are checked against DCP's
+metadata before anything is read, so a checkpoint of another model is refused with the first
+tensor that differs.  ``meta`` and the RNG states are read by each rank alone.  RNG states are
+restored per rank when the world size is unchanged, else every rank takes rank 0's.
+:func:`info` reads ``meta`` without a model.
+A checkpoint of the earlier single-file format (version 1: one ``torch.save`` file of the gathered
+logical tensors) still loads: ``path`` naming a file is read that way and re-sharded the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import random
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from hidup.codegen.collectives import rank_of, world_of
-from hidup.codegen.params import gather_tensor, iter_shards, load_full_state_dict, shard_tensor
+from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
 
-__all__ = ["save", "load", "atomic_write", "FORMAT_VERSION"]
+__all__ = ["save", "load", "info", "exists", "atomic_write", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_SINGLE_FILE_VERSION = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, obj) -> None:
@@ -46,14 +98,7 @@ def atomic_write(path: str | os.PathLike, obj) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(path.parent)
 
 
 def _rng_state() -> dict:
@@ -84,63 +129,333 @@ def _group(module, group):
     return getattr(module, "group", None) if group is None else group
 
 
-def _optimizer_state(module, optimizer, group) -> dict:
-    by_id = {id(t): shard for _, t, shard in iter_shards(module)}
-    groups, state = [], {}
-    for g in optimizer.param_groups:
-        names = []
-        for p in g["params"]:
-            shard = by_id.get(id(p))
-            if shard is None:
-                raise ValueError("checkpoint.save: the optimizer holds a tensor that is not a parameter of the "
-                                 "module; build the optimizer from module.parameters()")
-            names.append(shard.logical_name)
-            entry = {}
-            for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape) and value.dim() > 0:
-                    entry[key] = gather_tensor(value.detach(), shard.form, group).cpu()
-                else:
-                    entry[key] = value.detach().cpu() if torch.is_tensor(value) else value
-            if entry:
-                state[shard.logical_name] = entry
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-    return {"groups": groups, "state": state}
+def _siblings(path: Path) -> tuple[Path, Path]:
+    """(the directory a save writes into, where the previous checkpoint waits during the swap)."""
+    return path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _source(path: Path) -> Path | None:
+    """The checkpoint at ``path``: itself, or the previous one a save interrupted mid-swap left."""
+    if path.exists():
+        return path
+    old = _siblings(path)[1]
+    return old if old.exists() else None
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether :func:`load` finds a checkpoint at ``path``."""
+    return _source(Path(path)) is not None
+
+
+class _Layout:
+    """How this rank's tensors map onto the logical ones: a 1-D DeviceMesh over the group, built
+    only when some tensor is sharded over more than one rank."""
+
+    def __init__(self, module, group):
+        self.group, self.world, self.rank = group, world_of(group), rank_of(group)
+        self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
+        self.mesh = None
+        if self.distributed:
+            sharded = [t for _, t, shard in iter_shards(module) if shard.sharded]
+            if sharded:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                                  sharded[0].device.type)
+
+    def wrap(self, local: torch.Tensor, shard) -> torch.Tensor:
+        """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
+        if self.mesh is None or not shard.sharded:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = torch.Size(shard.logical_shape)
+        stride = torch.empty(shape, device="meta").stride()  # the logical tensor is contiguous
+        return DTensor.from_local(local, self.mesh, [Shard(shard.form.dim)], run_check=False, shape=shape,
+                                  stride=stride)
+
+    def dcp_kwargs(self) -> dict:
+        if self.distributed:
+            return {"process_group": self.group}
+        return {"no_dist": True}
+
+
+def _first_failure(e: CheckpointException, rank: int) -> BaseException:
+    """The exception of this rank (else of the lowest failing rank) inside a DCP failure."""
+    failures = e.failures
+    exc, _ = failures[rank] if rank in failures else failures[min(failures)]
+    return exc
+
+
+def _on_rank0(layout: "_Layout", fn) -> None:
+    """Run ``fn`` on rank 0 only; every rank returns after it did, or raises what it raised (so a
+    failure on rank 0 -- an unwritable directory -- stops every rank instead of leaving them waiting)."""
+    error = None
+    if layout.rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - handed to every rank below
+            error = e
+    if layout.distributed:
+        if error is not None:
+            try:
+                pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+        box = [error]
+        src = 0 if layout.group is None else dist.get_global_rank(layout.group, 0)
+        dist.broadcast_object_list(box, src=src, group=layout.group)
+        error = box[0]
+    if error is not None:
+        raise error
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process call that it assumes a single process; that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int = 0, loss_history=(), extra: dict | None = None, group=None) -> None:
-    """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer``; collective."""
+    """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer`` to the directory
+    ``path``, replacing what is there only once the new one is complete; collective: every rank
+    writes its own shards."""
+    path = Path(path)
     group = _group(module, group)
-    world, rank = world_of(group), rank_of(group)
-    params = {}
+    layout = _Layout(module, group)
+    rank = layout.rank
+    state: dict = {}
+    by_id = {}
     for _, t, shard in iter_shards(module):
-        params[shard.logical_name] = gather_tensor(t.detach(), shard.form, group).cpu().clone()
-    opt = _optimizer_state(module, optimizer, group) if optimizer is not None else None
-    rng = _rng_state()
-    if world > 1:
-        rngs = [None] * world
-        dist.all_gather_object(rngs, rng, group=group)
-    else:
-        rngs = [rng]
+        state[f"model.{shard.logical_name}"] = layout.wrap(t.detach(), shard)
+        by_id[id(t)] = (t, shard)
+    opt_meta = None
+    if optimizer is not None:
+        groups, per_element, small = [], {}, {}
+        for g in optimizer.param_groups:
+            names = []
+            for p in g["params"]:
+                if id(p) not in by_id:
+                    raise ValueError("checkpoint.save: the optimizer holds a tensor that is not a parameter of the "
+                                     "module; build the optimizer from module.parameters()")
+                shard = by_id[id(p)][1]
+                names.append(shard.logical_name)
+                for key, value in optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape) and value.dim() > 0:
+                        state[f"optim.{shard.logical_name}.{key}"] = layout.wrap(value.detach(), shard)
+                        per_element.setdefault(shard.logical_name, []).append(key)
+                    else:
+                        small.setdefault(shard.logical_name, {})[key] = (value.detach().cpu().clone()
+                                                                         if torch.is_tensor(value) else value)
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        opt_meta = {"groups": groups, "per_element": per_element, "state": small}
     if rank == 0:
-        atomic_write(path, {"version": FORMAT_VERSION, "world_size": world, "step": int(step),
-                            "loss_history": [float(x) for x in loss_history], "params": params,
-                            "optimizer": opt, "rng": rngs, "extra": extra or {}})
-    if world > 1:
-        dist.barrier(group=group)
+        state["meta"] = {"version": FORMAT_VERSION, "world_size": layout.world, "step": int(step),
+                         "loss_history": [float(x) for x in loss_history], "optimizer": opt_meta,
+                         "extra": extra or {}}
+    state[f"rng.{rank}"] = _rng_state()
+
+    tmp, old = _siblings(path)
+
+    def prepare() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)  # what a crashed save left
+        tmp.mkdir()
+
+    def swap() -> None:
+        _fsync_dir(tmp)
+        if path.exists() or path.is_symlink():
+            _remove(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        _remove(old)
+
+    _on_rank0(layout, prepare)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                     **layout.dcp_kwargs())
+    except CheckpointException as e:
+        raise _first_failure(e, rank) from None
+    _on_rank0(layout, swap)  # every rank returns once the new checkpoint is in place
 
 
 def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          group=None, restore_rng: bool = True) -> dict:
-    """Load a checkpoint into ``module``/``optimizer``, re-sharded for the current plan and world.
+    """Load a checkpoint into ``module``/``optimizer``, re-sharded for the current plan and world
+    (collective when distributed: every rank reads the slices it needs).
 
     Returns ``{"step", "loss_history", "extra", "world_size"}`` (the world size it was saved on)."""
     path = Path(path)
-    if not path.is_file():
+    source = _checkpoint_at(path)
+    if source.is_file():
+        return _load_single_file(path, source, module, optimizer, group=group, restore_rng=restore_rng)
+    metadata, meta = _read_meta(path, source)
+    group = _group(module, group)
+    layout = _Layout(module, group)
+    rank, world = layout.rank, layout.world
+
+    request: dict = {}
+    targets = {}  # logical name -> (local tensor, shard)
+    for _, t, shard in iter_shards(module):
+        key = f"model.{shard.logical_name}"
+        if key not in metadata:
+            raise KeyError(f"checkpoint {path} has no entry for {shard.logical_name!r}")
+        _check_shape(path, shard.logical_name, metadata[key], shard.logical_shape)
+        request[key] = layout.wrap(t.detach(), shard)  # read in place into the stored piece
+        targets[shard.logical_name] = (t, shard)
+    unknown = sorted(k[len("model."):] for k in metadata if k.startswith("model.")
+                     and k[len("model."):] not in targets)
+    if unknown:
+        raise KeyError(f"checkpoint {path} has entries the model does not know: {unknown[:5]}")
+
+    opt_state = {}
+    if optimizer is not None:
+        saved = meta["optimizer"]
+        if saved is None:
+            raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")
+        _check_groups(path, optimizer, saved["groups"], targets)
+        for name, keys in saved["per_element"].items():
+            t, shard = targets[name]
+            for key in keys:
+                if f"optim.{name}.{key}" not in metadata:
+                    raise KeyError(f"checkpoint {path} lacks the optimizer state {key!r} of {name!r}")
+                _check_shape(path, f"{name} ({key})", metadata[f"optim.{name}.{key}"], shard.logical_shape)
+                local = torch.empty_like(t, memory_format=torch.contiguous_format).detach()
+                opt_state.setdefault(name, {})[key] = local
+                request[f"optim.{name}.{key}"] = layout.wrap(local, shard)
+    try:
+        with _quiet_single_process():
+            dcp.load(request, storage_reader=FileSystemReader(source), planner=_load_planner(), **layout.dcp_kwargs())
+    except CheckpointException as e:
+        exc = _first_failure(e, rank)
+        raise RuntimeError(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from None
+    rng = None
+    if restore_rng:  # each rank reads its own states, no collective
+        own = f"rng.{rank}"
+        key = own if meta["world_size"] == world and own in metadata else "rng.0"
+        rng = _read_objects(path, source, [key])[key]
+
+    if optimizer is not None:
+        _set_hyper_parameters(optimizer, saved["groups"])
+        for name, (t, _) in targets.items():
+            entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved["state"].get(name, {}).items()}
+            entry.update(opt_state.get(name, {}))
+            if entry:
+                optimizer.state[t] = entry
+    if rng is not None:
+        _set_rng_state(rng)
+    return {"step": meta["step"], "loss_history": list(meta["loss_history"]), "extra": meta["extra"],
+            "world_size": meta["world_size"]}
+
+
+def info(path: str | os.PathLike) -> dict:
+    """``{"step", "loss_history", "extra", "world_size"}`` of the checkpoint at ``path``, read
+    without a model (by this process alone)."""
+    path = Path(path)
+    source = _checkpoint_at(path)
+    if source.is_file():
+        ckpt = _read_single_file(path, source)
+    else:
+        ckpt = _read_meta(path, source)[1]
+    return {"step": ckpt["step"], "loss_history": list(ckpt["loss_history"]), "extra": ckpt["extra"],
+            "world_size": ckpt["world_size"]}
+
+
+def _checkpoint_at(path: Path) -> Path:
+    """What holds the checkpoint at ``path`` (itself, or the previous one a save left mid-swap)."""
+    source = _source(path)
+    if source is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt.get("version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has format version {ckpt.get('version')}, expected {FORMAT_VERSION}")
+    return source
+
+
+def _read_meta(path: Path, source: Path) -> tuple[dict, dict]:
+    """(DCP's metadata of every entry, the ``meta`` entry) of the format-2 checkpoint in ``source``."""
+    if not (source / ".metadata").is_file():
+        raise ValueError(f"checkpoint {path} is not a complete checkpoint (the directory has no .metadata)")
+    try:
+        metadata = FileSystemReader(source).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read it means the same to the user
+        raise ValueError(f"checkpoint {path}: its .metadata cannot be read ({type(e).__name__}: {e})") from None
+    if "meta" not in metadata:
+        raise ValueError(f"checkpoint {path} is not a hidup checkpoint (it has no 'meta' entry)")
+    meta = _read_objects(path, source, ["meta"])["meta"]
+    if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise ValueError(f"checkpoint {path} has format version {version}, expected {FORMAT_VERSION}")
+    return metadata, meta
+
+
+def _load_planner() -> DefaultLoadPlanner:
+    return DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _read_objects(path: Path, source: Path, keys: list[str]) -> dict:
+    """The non-tensor entries ``keys`` of the checkpoint, read by this rank alone."""
+    request = dict.fromkeys(keys)
+    try:
+        with _quiet_single_process():
+            dcp.load(request, storage_reader=FileSystemReader(source), planner=_load_planner(), no_dist=True)
+    except CheckpointException as e:
+        exc = _first_failure(e, 0)
+        raise RuntimeError(f"checkpoint {path}: {', '.join(keys)} cannot be read: {type(exc).__name__}: {exc}") \
+            from None
+    return request
+
+
+def _check_shape(path: Path, what: str, md, expected: tuple[int, ...]) -> None:
+    if not isinstance(md, TensorStorageMetadata):
+        kind = "an object" if isinstance(md, BytesStorageMetadata) else type(md).__name__
+        raise ValueError(f"checkpoint {path}: {what} is {kind}, not a tensor")
+    if tuple(md.size) != tuple(expected):
+        raise ValueError(f"{what}: checkpoint {path} holds shape {tuple(md.size)}, the model expects {tuple(expected)}")
+
+
+def _check_groups(path: Path, optimizer, saved_groups: list, targets: dict) -> None:
+    """Check that the optimizer's param groups hold the saved groups' parameters."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint {path} has {len(saved_groups)} optimizer param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving")
+    for g, saved in zip(optimizer.param_groups, saved_groups):
+        ids = {id(p) for p in g["params"]}
+        if len(saved["params"]) != len(ids) or any(n not in targets or id(targets[n][0]) not in ids
+                                                  for n in saved["params"]):
+            raise ValueError(f"checkpoint {path}: optimizer param group {saved['params'][:3]}... does not match "
+                             f"the optimizer's; build the optimizer the same way as when saving")
+
+
+def _set_hyper_parameters(optimizer, saved_groups: list) -> None:
+    for g, saved in zip(optimizer.param_groups, saved_groups):
+        for key, value in saved.items():
+            if key != "params":
+                g[key] = value
+
+
+def _read_single_file(path: Path, source: Path) -> dict:
+    ckpt = torch.load(source, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("version") != _SINGLE_FILE_VERSION:
+        version = ckpt.get("version") if isinstance(ckpt, dict) else None
+        raise ValueError(f"checkpoint {path} has format version {version}, expected {FORMAT_VERSION} (a directory) "
+                         f"or {_SINGLE_FILE_VERSION} (a single file)")
+    return ckpt
+
+
+def _load_single_file(path: Path, source: Path, module, optimizer, *, group, restore_rng: bool) -> dict:
+    """Read a checkpoint of the single-file format (version 1): gathered logical tensors, re-sharded."""
+    ckpt = _read_single_file(path, source)
     group = _group(module, group)
     world, rank = world_of(group), rank_of(group)
     load_full_state_dict(module, ckpt["params"], group)
@@ -148,19 +463,8 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
         if ckpt["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")
         shards = {shard.logical_name: (t, shard) for _, t, shard in iter_shards(module)}
-        saved_groups = ckpt["optimizer"]["groups"]
-        if len(saved_groups) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint {path} has {len(saved_groups)} optimizer param groups, the optimizer "
-                             f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving")
-        for g, saved in zip(optimizer.param_groups, saved_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    g[key] = value
-            ids = {id(p) for p in g["params"]}
-            if len(saved["params"]) != len(ids) or any(n not in shards or id(shards[n][0]) not in ids
-                                                      for n in saved["params"]):
-                raise ValueError(f"checkpoint {path}: optimizer param group {saved['params'][:3]}... does not match "
-                                 f"the optimizer's; build the optimizer the same way as when saving")
+        _check_groups(path, optimizer, ckpt["optimizer"]["groups"], shards)
+        _set_hyper_parameters(optimizer, ckpt["optimizer"]["groups"])
         for name, entry in ckpt["optimizer"]["state"].items():
             t, shard = shards[name]
             local = {}

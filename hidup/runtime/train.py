@@ -24,7 +24,8 @@ Reported per run (rank 0): the loss of every step (the true global loss: the sum
 local ``reduce``-form losses), the iteration time as mean ± std over the last ``--last-k`` steps,
 tokens (or images) per second, and the peak memory of the device.
 
-Checkpoints (logical, unsharded layout; written atomically) are taken every ``--checkpoint-every``
+Checkpoints (``--checkpoint-dir``/checkpoint: each rank writes its own shards, atomically; a run
+resumes from one on any world size or plan) are taken every ``--checkpoint-every``
 steps and when the process receives SIGTERM or SIGUSR1; on SIGTERM the run then exits.  The signal
 flag is combined across ranks with a max-all-reduce each step, so every rank saves at the same step.
 """
@@ -249,11 +250,13 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     graphed = None
 
     start, losses = 0, []
-    ckpt_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
+    ckpt_path = args.checkpoint_dir / "checkpoint" if args.checkpoint_dir else None
     if args.resume:
-        if ckpt_path is None or not ckpt_path.is_file():
+        earlier = [p for p in ((ckpt_path, args.checkpoint_dir / "checkpoint.pt") if ckpt_path else ())
+                   if checkpoint.exists(p)]  # checkpoint.pt: the single file that earlier versions wrote
+        if not earlier:
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}; give --checkpoint-dir of an earlier run")
-        state = checkpoint.load(ckpt_path, module, opt)
+        state = checkpoint.load(earlier[0], module, opt)
         start, losses = state["step"], list(state["loss_history"])
     if rank == 0:  # the run's header, and what it will do first
         steps = ("CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")

@@ -50,7 +50,7 @@ def build_llama(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32
     with torch.device(device or "cpu"):
         model = Step(transformers.LlamaForCausalLM(cfg))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (batch * world_size, seq), generator=g)
+    ids = torch.randint(1, vocab, (batch * world_size, seq), generator=g).to(device or "cpu")
     return model, (ids, ids.clone())
 PYEOF
 export PYTHONPATH="$OUT/factories${PYTHONPATH:+:$PYTHONPATH}"

@@ -86,6 +86,23 @@ def _user_location(e: BaseException) -> str:
     return "<unknown location>"
 
 
+def _check_one_device(model: nn.Module, values: list, names: list[str], slots: list[int]) -> None:
+    """The step runs on one device: tensors of the model and of its inputs on two devices cannot be
+    traced (torch.export fails deep inside an op), so say which ones differ and how to fix it.  CPU
+    scalars (0-dim), which torch lets mix with tensors of any device, are left out."""
+    where: dict[str, str] = {}
+    tensors = [(f"model tensor {n!r}", t) for n, t in list(model.named_parameters()) + list(model.named_buffers())]
+    tensors += [(f"input {names[i]!r}", t) for i in slots for t in value_leaves(values[i], torch.Tensor)]
+    for what, t in tensors:
+        if not (t.dim() == 0 and t.device.type == "cpu"):
+            where.setdefault(str(t.device), what)
+    if len(where) > 1:
+        raise ExportFailure("the model and its inputs are on different devices: " +
+                            ", ".join(f"{what} is on {dev}" for dev, what in where.items()) +
+                            ". Fix: create the example inputs on the model's device (or move the model with "
+                            "model.to(device)) before handing them to hidup.")
+
+
 def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.GraphModule:
     """The step ``model(*values)`` as an ATen GraphModule (see module docstring)."""
     slots = [i for i, v in enumerate(values) if value_leaves(v, torch.Tensor)]
@@ -93,6 +110,7 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
         if not isinstance(values[i], torch.Tensor):
             raise ExportFailure(f"model input {names[i]!r} is a {type(values[i]).__name__} of tensors; hidup traces "
                                 "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
+    _check_one_device(model, values, names, slots)
     step = _Step(model, list(values), slots)
     try:
         with torch.enable_grad(), routed_experts_as_custom_op(model):

@@ -73,6 +73,12 @@ SOURCE = textwrap.dedent('''
 
     def build_wrong():
         return torch.nn.Linear(2, 2)
+
+
+    def build_split_devices():
+        with torch.device("meta"):
+            model = Regression(8, 16)
+        return model, (torch.randn(4, 8), torch.randn(4))
 ''')
 
 
@@ -255,6 +261,8 @@ def test_a_version_1_plan_still_loads_and_shows_its_zoo_model(here, capsys):
     (f"{MODULE}:build_nothing", ["has no attribute 'build_nothing'", "build_llama"]),
     (f"{MODULE}:build_raises", ["the factory raised ValueError: layers must be even", f"{MODULE}.py:"]),
     (f"{MODULE}:build_wrong", ["must return (model, example_inputs)", "Linear"]),
+    (f"{MODULE}:build_split_devices", ["on different devices", "model tensor 'a.weight' is on meta",
+                                       "input 'x' is on cpu", "create the example inputs on the model's device"]),
 ])
 def test_a_bad_factory_is_one_message(here, capsys, spec, needles):
     _refused(["search", "--model", spec, "--world", "2", "--out", str(here / "never.json")], capsys, *needles)

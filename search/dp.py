@@ -352,9 +352,16 @@ class _DP:
     def infeasible(self, i: int) -> SearchError:
         node = self.p.order[i]
         if self.has_mem:
-            from hidup.search.ilp import min_memory
+            from hidup.search.ilp import CBC_FIX, CbcMissing, min_memory
 
-            need = min_memory(self.p)
+            try:
+                need = min_memory(self.p)
+            except CbcMissing:  # no CBC to compute the least memory: say what is known
+                return SearchError(f"no plan the DP kept fits the memory budget of {self.budget:.6g} bytes "
+                                   f"({self.budget / 2**30:.3f} GiB) per rank (it ran out of plans at node "
+                                   f"{node.name}); whether any plan fits is unknown, since the least memory "
+                                   f"is found by the ILP solver CBC, which python-mip could not load. Fix: raise "
+                                   f"the budget or use more ranks; to know the least memory, {CBC_FIX}.")
             if need <= self.budget:
                 return SearchError(f"plans within the memory budget of {self.budget:.6g} bytes exist (the least "
                                    f"needs {need:.6g} bytes) but the DP's beam (max_states={self.max_states}, "

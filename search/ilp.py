@@ -57,11 +57,31 @@ DEFAULT_TIME_LIMIT = 60.0  # seconds, model building included
 PROGRESS_EVERY = 5.0  # seconds between progress lines
 
 
+CBC_FIX = "install python-mip's CBC binaries (`pip install cbcbox`), or point PMIP_CBC_LIBRARY at a libCbc.so"
+
+
+class CbcMissing(SearchError):
+    """python-mip is installed but its CBC library could not be loaded."""
+
+
+def cbc_model():
+    """A new python-mip model on CBC, or :class:`SearchError` saying how to get CBC when python-mip
+    could not load its library (python-mip prints its own reason at import and later fails with a
+    ``NameError`` deep inside)."""
+    import mip
+
+    try:
+        return mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    except NameError as e:
+        raise CbcMissing(f"the ILP needs the CBC solver, and python-mip could not load its library ({e}). "
+                         f"Fix: {CBC_FIX}; or search with the DP (algorithm 'dp').") from None
+
+
 def _build(problem: Problem, memory_budget: float | None, objective: str):
     import mip
 
     p = problem
-    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    m = cbc_model()
     m.verbose = 0
     m.threads = 1
     m.max_mip_gap = 1e-9

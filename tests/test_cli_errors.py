@@ -242,6 +242,26 @@ def test_a_rank_that_dies_is_named_with_its_signal(tmp_path):
 
 
 # --------------------------------------------------------------------------------- ILP time limit
+def test_a_missing_cbc_library_is_one_message(capsys, tmp_path, monkeypatch):
+    """python-mip without its CBC library fails late with a NameError; the ILP says how to get CBC,
+    and the DP's no-plan message still states the budget (the least memory needs CBC)."""
+    import mip
+
+    def no_cbc(*args, **kwargs):
+        raise NameError("name 'cbclib' is not defined")
+
+    monkeypatch.setattr(mip, "Model", no_cbc)
+    code, _, err = run_main(["search", *TINY, "--world", "2", "--algorithm", "ilp", "--out", str(tmp_path / "p.json")],
+                            capsys)
+    assert code == 1
+    one_message(err, "the ILP needs the CBC solver", "pip install cbcbox", "PMIP_CBC_LIBRARY", "'dp'")
+    code, _, err = run_main(["search", *TINY, "--world", "2", "--memory", "1e-6", "--out", str(tmp_path / "p.json")],
+                            capsys)
+    assert code == 1
+    one_message(err, "memory budget of 1000 bytes", "whether any plan fits is unknown", "pip install cbcbox")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_ilp_time_limit_returns_an_unproven_plan_and_records_it(capsys, tmp_path):
     """A limit of 1 ns is spent before CBC can run: the DP's seed is the plan, marked unproven."""
     out = tmp_path / "ilp.json"

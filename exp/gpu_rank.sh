@@ -10,12 +10,15 @@
 #      plan searched the same way, rank 0.
 # Modes run in the order eager, cuda-graph, compile+graph, compile (the last reuses the compiled code),
 # tf32 first, each rank run followed by the share's, so a run cut short keeps whole pairs.
-# Results go to $OUT/rank_bert-sgmoe_w4.json and $OUT/rank_llama_w4.json (rewritten after every run, so a
+# Results go to $OUT/rank_bert_w4.json and $OUT/rank_llama_w4.json (rewritten after every run, so a
 # run cut short by its time cap keeps what it measured) and the log to $OUT/gpu_rank.log.
 #
 # Usage (repository root as the working directory): OUT=/some/dir bash exp/gpu_rank.sh
 # Within 9 minutes on one H100: each model has a hard cap (BERT_CAP, LLAMA_CAP seconds). torch's compile
 # caches are left on, so a second run compiles faster.
+# MODELS="bert llama" (default) picks the models; DUPLICATION=plan|on|off (default plan: as searched) and
+# MODES (comma-separated, default all four on CUDA) are handed to bench-rank; SUFFIX names the outputs
+# rank_<model>_w4<SUFFIX>.json.
 # DEVICE=cpu runs the same sequence at toy sizes (eager and compile modes, aot_eager backend) to check it.
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -24,7 +27,10 @@ PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
 BERT_CAP=${BERT_CAP:-270}
 LLAMA_CAP=${LLAMA_CAP:-230}
-LOG="$OUT/gpu_rank.log"
+MODELS=${MODELS:-bert llama}
+DUPLICATION=${DUPLICATION:-plan}
+SUFFIX=${SUFFIX:-}
+LOG="$OUT/gpu_rank${SUFFIX}.log"
 
 # The Llama training step as a model factory (`package.module:function`, see the README).
 cat > "$OUT/factories/rank_llama.py" <<'PYEOF'
@@ -62,8 +68,8 @@ if [ "$DEVICE" = cpu ]; then
   LLAMA_ARGS=(--model-arg layers=2 --model-arg hidden=64 --model-arg heads=4 --model-arg kv_heads=2
               --model-arg ffn=128 --model-arg vocab=128 --model-arg seq=16 --model-arg batch=2)
 else
-  COMMON=(--precisions tf32,bf16 --modes eager,cuda-graph,compile+graph,compile --share-modes compile+graph
-          --steps 20 --rounds 3 --warmup 3)
+  COMMON=(--precisions tf32,bf16 --modes "${MODES:-eager,cuda-graph,compile+graph,compile}"
+          --share-modes compile+graph --steps 20 --rounds 3 --warmup 3)
   BERT_ARGS=()
   LLAMA_ARGS=()
 fi
@@ -71,18 +77,22 @@ fi
 {
   echo "== $(date -u +%FT%TZ) gpu_rank.sh on $DEVICE"
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
-  echo "== BERT-SGMoE, world-4 plan, rank 0 (cap ${BERT_CAP} s)"
-  timeout --signal=TERM --kill-after=10 "$BERT_CAP" $PY -m hidup.cli bench-rank --model bert-sgmoe --world 4 \
-    "${BERT_ARGS[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_bert-sgmoe_w4.json"
-  echo "bench-rank exit status $?"
-  echo "== Llama, world-4 plan, rank 0 (cap ${LLAMA_CAP} s)"
-  timeout --signal=TERM --kill-after=10 "$LLAMA_CAP" $PY -m hidup.cli bench-rank --model rank_llama:build_llama \
-    --world 4 "${LLAMA_ARGS[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_llama_w4.json"
-  echo "bench-rank exit status $?"
+  COMMON+=(--duplication "$DUPLICATION")
+  for model in $MODELS; do
+    case $model in
+      bert) cap=$BERT_CAP; spec=bert-sgmoe; args=("${BERT_ARGS[@]}");;
+      llama) cap=$LLAMA_CAP; spec=rank_llama:build_llama; args=("${LLAMA_ARGS[@]}");;
+      *) echo "unknown model $model (bert or llama)"; continue;;
+    esac
+    echo "== $spec, world-4 plan, rank 0, duplication $DUPLICATION (cap $cap s)"
+    timeout --signal=TERM --kill-after=10 "$cap" $PY -m hidup.cli bench-rank --model "$spec" --world 4 \
+      "${args[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_${model}_w4${SUFFIX}.json"
+    echo "bench-rank exit status $?"
+  done
   echo "== summary (median ms per step: forward, backward, fused Adam)"
   $PY - "$OUT" <<'PYEOF'
 import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("rank_*_w4.json")):
+for path in sorted(pathlib.Path(sys.argv[1]).glob("rank_*_w4*.json")):
     data = json.loads(path.read_text())
     c = data["config"]
     print(f"{path.name}: {c['model']} rank {c['rank']} of {c['world']}, duplication {c.get('duplication')}, "

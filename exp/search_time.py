@@ -6,7 +6,9 @@ Each model is built on the meta device and traced once per world size; the time 
 search alone (DP with duplication, paper profile), the median of ``--repeat`` runs.
 
 Writes ``docs/search_time.json``, ``docs/search_time.md`` (table + command + host) and
-``docs/search_time.png`` (needs matplotlib: ``pip install -e .[bench]``).
+``docs/search_time.png`` (needs matplotlib: ``pip install -e .[bench]``).  ``--render JSON`` redraws
+the table and the figure from a recorded ``search_time.json`` (its command and host kept) without
+measuring.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -50,25 +53,40 @@ def main(argv=None) -> int:
     p.add_argument("--algorithm", default="dp", choices=("dp", "ilp"))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="write the table and figure from a recorded search_time.json (no measuring)")
     args = p.parse_args(argv)
 
-    profile = hidup.profiler.load(args.profile)
-    rows = []
-    for layers in args.layers:
-        for world in args.worlds:
-            r = measure(args.model, layers, world, profile, args.algorithm, args.repeat)
-            rows.append(r)
-            print(f"layers {layers:3d} world {world:3d}: {r['nodes']:5d} nodes, trace {r['trace_s']:.2f} s, "
-                  f"search {r['search_s']:.3f} s", flush=True)
+    if args.render is not None:
+        try:
+            recorded = json.loads(args.render.read_text())
+            rows, host, command = recorded["rows"], recorded["host"], recorded["command"]
+            args.profile = recorded["profile"]
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--render {args.render}: not a search_time.json this script wrote ({e})")
+        args.layers = sorted({r["layers"] for r in rows})
+        args.worlds = sorted({r["world"] for r in rows})
+        args.model = rows[0]["model"] if rows else args.model
+        if (m := re.search(r"--repeat (\d+)", command)):
+            args.repeat = int(m.group(1))
+    else:
+        profile = hidup.profiler.load(args.profile)
+        rows = []
+        for layers in args.layers:
+            for world in args.worlds:
+                r = measure(args.model, layers, world, profile, args.algorithm, args.repeat)
+                rows.append(r)
+                print(f"layers {layers:3d} world {world:3d}: {r['nodes']:5d} nodes, trace {r['trace_s']:.2f} s, "
+                      f"search {r['search_s']:.3f} s", flush=True)
+        host = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+                "python": platform.python_version(), "cpus": __import__("os").cpu_count()}
+        command = ("python exp/search_time.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    host = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "cpus": __import__("os").cpu_count()}
-    command = "python exp/search_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (args.out / "search_time.json").write_text(json.dumps({"command": command.strip(), "host": host,
+    (args.out / "search_time.json").write_text(json.dumps({"command": command, "host": host,
                                                            "profile": args.profile, "rows": rows}, indent=1))
     lines = [f"# Search time ({args.model}, {args.algorithm.upper()} with duplication, profile {args.profile})", "",
-             f"Command: `{command.strip()}`  ", f"Host: {host['cpus']} CPUs ({host['machine']}), Python {host['python']}",
+             f"Command: `{command}`  ", f"Host: {host['cpus']} CPUs ({host['machine']}), Python {host['python']}",
              "", "Search seconds (median of %d); rows: layers, columns: world size." % args.repeat, "",
              "| layers | " + " | ".join(str(w) for w in args.worlds) + " |",
              "|---|" + "---|" * len(args.worlds)]

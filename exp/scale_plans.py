@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import platform
 import time
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:  # no search: merge the rows of earlier runs (each ran in its own process)
         for path in args.render:
             rows += json.loads(path.read_text())
+        for r in rows:  # where a run wrote its files does not matter to a reader
+            r["command"] = re.sub(r" --out \S+", "", r.get("command", ""))
+        (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for name, world, memory in (parse_run(r, args.memory) for r in args.runs):
             rows.append(run_job(name, world, args.profile, memory, args.precision, args.layers, args.seq))

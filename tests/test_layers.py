@@ -1,0 +1,117 @@
+"""The package's layers import one way: ir -> rules -> trace -> profile data -> search -> plan ->
+codegen -> runtime -> profiler (measurement) -> cli.  A module may import its own layer and the
+layers before it, at module level or inside a function alike.
+
+The check reads every module's source (``ast``, nothing is imported) and resolves each import to a
+module of the package.  The upward imports that exist today are listed in ``KNOWN_UPWARD`` with
+what they need; a new upward import fails, and so does a listed one that is gone (remove it from
+the list, so it cannot come back unnoticed).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# source folders of the installed packages (pyproject's package-dir)
+PACKAGES = {"hidup": "hidup", "hidup.search": "search", "hidup.codegen": "codegen", "hidup.profiler": "profiler"}
+LAYERS = ("ir", "rules", "trace", "profile data", "search", "plan", "codegen", "runtime", "profiler", "cli")
+# module (or package prefix) -> layer; the longest matching prefix decides
+LAYER_OF = {
+    "hidup.ir": "ir", "hidup.fxvalues": "ir", "hidup._callable": "ir", "hidup.losses": "ir", "hidup.copies": "ir",
+    "hidup.rules": "rules", "hidup.models": "rules",
+    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace",
+    "hidup.profiler": "profile data", "hidup.profiler.profile": "profile data", "hidup.profiler.tables": "profile data",
+    "hidup.search": "search",
+    "hidup.plan": "plan",
+    "hidup.codegen": "codegen",
+    "hidup.runtime": "runtime",
+    "hidup.profiler.comm": "profiler", "hidup.profiler.device": "profiler", "hidup.profiler.ops": "profiler",
+    "hidup.profiler.measure": "profiler", "hidup.profiler.calibrate": "profiler",
+    "hidup.cli": "cli", "hidup.runtime.cli": "cli",
+}
+KNOWN_UPWARD = {
+    # the commands' shared model flags and graph building live in the CLI module
+    ("hidup.runtime.bench_rank", "hidup.cli"), ("hidup.runtime.train", "hidup.cli"),
+    ("hidup.runtime.verify", "hidup.cli"),
+    # search returns a Plan
+    ("hidup.search.api", "hidup.plan"),
+    # tracing the half-batch copy for duplication
+    ("hidup.trace", "hidup.codegen.duplicate"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _layer(module: str) -> str | None:
+    best = max((k for k in LAYER_OF if module == k or module.startswith(k + ".")), key=len, default=None)
+    return LAYER_OF[best] if best else None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``module`` imports, anywhere in its source."""
+    found = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [f"{target}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != module:
+                found.add(t)
+    return found
+
+
+def _upward() -> set[tuple[str, str]]:
+    modules = _modules()
+    order = {name: i for i, name in enumerate(LAYERS)}
+    up = set()
+    for module, path in modules.items():
+        here = _layer(module)
+        for target in _imports(module, path, modules):
+            there = _layer(target)
+            if here in order and there in order and order[there] > order[here]:
+                up.add((module, target))
+    return up
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in _modules() if m != "hidup" and _layer(m) is None)
+    assert not unplaced, f"modules without a layer (add them to LAYER_OF): {unplaced}"
+
+
+def test_no_new_upward_import():
+    up = _upward()
+    new = sorted(up - KNOWN_UPWARD)
+    assert not new, ("imports that go up a layer (" + " -> ".join(LAYERS) + "): " +
+                     ", ".join(f"{a} imports {b} ({_layer(a)} -> {_layer(b)})" for a, b in new))
+    gone = sorted(KNOWN_UPWARD - up)
+    assert not gone, f"no longer imported upward, remove from KNOWN_UPWARD: {gone}"
+
+
+def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    """The resolver finds a function-level absolute import and a relative one."""
+    modules = {"hidup.search.api": tmp_path / "api.py", "hidup.plan": tmp_path / "plan.py",
+               "hidup.search.cost": tmp_path / "cost.py"}
+    src = "def f():\n    from hidup.plan import Plan\n    from .cost import CostModel\n"
+    modules["hidup.search.api"].write_text(src)
+    assert _imports("hidup.search.api", modules["hidup.search.api"], modules) == {"hidup.plan", "hidup.search.cost"}

@@ -13,7 +13,9 @@ same weights) with one *method* for a bounded number of fused-Adam steps on a fi
   that ran (``variant``);
 * ``hidup`` / ``hidup-nodup``: ``hidup.codegen.compile`` of a searched plan with duplication on / off,
   fed the global batch (each rank slices its part per the plan's input forms), run as ``hidup
-  train`` runs it: forward and backward captured as one CUDA graph
+  train`` runs it on GPUs: the program compiled with ``torch.compile`` (the bench's compile
+  backend; ``info.compiled``; not on a CPU, where inductor's build time would dominate a short
+  run), forward and backward captured as one CUDA graph
   (:class:`hidup.codegen.GraphedStep`), kept when replaying beats eager steps in a short trial
   (``info.step_mode``; eager on a CPU), then the fused Adam step;
 * ``hidup-auto``: the plan as ``hidup train`` runs it by default: duplication on or off by a short
@@ -181,17 +183,26 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         model = model.to(device)
         inputs = tuple(t.to(device) for t in inputs_cpu)
         graph = graphed(method) and device.type == "cuda"
+        compiled = compile_backend if graph else False  # the captured methods run compiled, as on a GPU
         duplication = mode_of(method) == "hidup"
         shared = None if graph else _shared_copy_groups(world, device, duplication)
-        trial = None
+        trial, compile_s = None, None
         if method == "hidup-auto":
             from hidup.codegen import choose_duplication
 
             with precision_mode(precision, device):
                 module, trial = choose_duplication(model, plan, rank, world, inputs, cuda_graphs=graph,
-                                                   autocast_dtype=harness.autocast_dtype(precision))
+                                                   autocast_dtype=harness.autocast_dtype(precision),
+                                                   compile=compiled)
         else:
-            module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared)
+            module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared,
+                                   compile=compiled)
+            if compiled:  # compiled as hidup train --compile on compiles: one step under the capture's autocast
+                from hidup.codegen.trial import compile_step
+
+                with precision_mode(precision, device):
+                    compile_s = compile_step(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
+                                             graphed=graph)
 
         # a run captured as a CUDA graph gets fresh copy communicators, destroyed after it: one pair
         # reused by runs captured as different graphs ended in illegal memory accesses after about
@@ -206,7 +217,7 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         if variant not in (None, "eager", "graph"):
             raise ValueError(f"method {method} runs as hidup train runs it; variant {variant!r} does not apply")
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
-                "cuda_graph": graph, "step_mode": "eager"}  # the capture, where it happens, says "graph"
+                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s, "step_mode": "eager"}  # the capture, where it happens, says "graph"
         if trial is not None:
             info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
@@ -394,7 +405,7 @@ def _execute_once(method: str, variant: str | None, model_cpu, inputs_cpu, rank:
                 with contextlib.suppress(Exception):
                     step()
         prep = None
-        if variant is not None and "compile" in variant:
+        if (variant is not None and "compile" in variant) or (method in HIDUP_METHODS and device.type == "cuda"):
             # compiled code is cached per code object, and after a few recompilations (a new module
             # each run) dynamo would silently fall back to eager: every compiled run starts afresh
             torch._dynamo.reset()

@@ -263,13 +263,14 @@ BASELINES = ("ddp", "fsdp", "expert")
 
 def variant_of(r: dict) -> str | None:
     """How a run ran: a baseline's variant (``eager``, ``compile``, ``graph``, ``compile-graph``);
-    hidup's step mode (``graph`` or ``eager``); ``eager (per-step sync)`` for a baseline recorded before
+    hidup's step mode (``graph`` or ``eager``), prefixed ``compile-`` when its program ran compiled;
+    ``eager (per-step sync)`` for a baseline recorded before
     baselines had variants (eager, unfused Adam, timed with a device sync after every step)."""
     if r.get("variant"):
         return r["variant"]
     info = r.get("info") or {}
     if info.get("step_mode"):
-        return info["step_mode"]
+        return ("compile-" if info.get("compiled") else "") + info["step_mode"]
     if r.get("method") in BASELINES + ("single",) and r.get("status") == "ok":
         return "eager (per-step sync)"
     return None

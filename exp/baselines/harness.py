@@ -149,6 +149,22 @@ def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.d
 
 
 # ------------------------------------------------------------------------------------ steps
+def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *,
+               captured: bool = False) -> torch.Tensor:
+    """Zero the gradients, forward under the precision's autocast, backward of ``loss * loss_scale``,
+    the method's gradient glue, the optimizer step; the loss, detached.  ``captured`` (the body of a
+    CUDA graph): the gradients are zeroed in place, so every replay writes the buffers the optimizer
+    reads, and autocast's weight-cast cache is off (a cached cast would be captured stale)."""
+    optimizer.zero_grad(set_to_none=not captured)
+    with autocast(precision, device, cache_enabled=not captured):
+        loss = prepared.module(*inputs)
+    (loss * prepared.loss_scale if prepared.loss_scale != 1.0 else loss).backward()
+    if prepared.after_backward is not None:
+        prepared.after_backward()
+    optimizer.step()
+    return loss.detach()
+
+
 class EagerStep:
     """One optimizer step per call: zero the gradients, forward (under the precision's autocast),
     backward of ``loss * loss_scale``, the method's gradient glue, the optimizer step.  Returns the
@@ -164,13 +180,9 @@ class EagerStep:
     def __call__(self) -> torch.Tensor:
         p = self.prepared
         graphed = getattr(p, "graphed", None)
-        if graphed is not None:
-            loss = graphed(*self.inputs)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            with autocast(self.precision, self.device):
-                loss = p.module(*self.inputs)
-            (loss * p.loss_scale if p.loss_scale != 1.0 else loss).backward()
+        if graphed is None:
+            return train_step(p, self.optimizer, self.inputs, self.precision, self.device)
+        loss = graphed(*self.inputs)
         if p.after_backward is not None:
             p.after_backward()
         self.optimizer.step()
@@ -207,15 +219,7 @@ class CapturedStep:
         torch.cuda.synchronize(device)
 
     def _body(self) -> torch.Tensor:
-        p = self.prepared
-        self.optimizer.zero_grad(set_to_none=False)
-        with autocast(self.precision, self.device, cache_enabled=False):
-            loss = p.module(*self.inputs)
-        (loss * p.loss_scale if p.loss_scale != 1.0 else loss).backward()
-        if p.after_backward is not None:
-            p.after_backward()
-        self.optimizer.step()
-        return loss.detach()
+        return train_step(self.prepared, self.optimizer, self.inputs, self.precision, self.device, captured=True)
 
     def __call__(self) -> torch.Tensor:
         self.graph.replay()

@@ -149,8 +149,8 @@ def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.d
 
 
 # ------------------------------------------------------------------------------------ steps
-def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *,
-               captured: bool = False) -> torch.Tensor:
+def step_once(prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *,
+              captured: bool = False) -> torch.Tensor:
     """Zero the gradients, forward under the precision's autocast, backward of ``loss * loss_scale``,
     the method's gradient glue, the optimizer step; the loss, detached.  ``captured`` (the body of a
     CUDA graph): the gradients are zeroed in place, so every replay writes the buffers the optimizer
@@ -181,7 +181,7 @@ class EagerStep:
         p = self.prepared
         graphed = getattr(p, "graphed", None)
         if graphed is None:
-            return train_step(p, self.optimizer, self.inputs, self.precision, self.device)
+            return step_once(p, self.optimizer, self.inputs, self.precision, self.device)
         loss = graphed(*self.inputs)
         if p.after_backward is not None:
             p.after_backward()
@@ -219,7 +219,7 @@ class CapturedStep:
         torch.cuda.synchronize(device)
 
     def _body(self) -> torch.Tensor:
-        return train_step(self.prepared, self.optimizer, self.inputs, self.precision, self.device, captured=True)
+        return step_once(self.prepared, self.optimizer, self.inputs, self.precision, self.device, captured=True)
 
     def __call__(self) -> torch.Tensor:
         self.graph.replay()

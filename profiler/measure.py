@@ -233,7 +233,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
                                          on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"))
     finally:
         bar.close()
-    elapsed = time.perf_counter() - t_start
+    # the slowest rank's time, so that every rank records the same notes (and returns the same profile)
+    elapsed = 1.0 / _rates_agreed({"t": 1.0 / max(time.perf_counter() - t_start, 1e-9)}, device)["t"]
 
     notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
              f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us" +

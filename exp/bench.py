@@ -352,7 +352,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 def parse_args(argv):
     from harness import VARIANTS
-    from hidup.cli import add_model_flags
+    from hidup.runtime.options import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -39,7 +39,7 @@ __all__ = ["Searcher", "search_job", "predict", "make_problem", "job_name", "ove
 
 def overrides_of(args) -> dict:
     """The model overrides given as flags (``--layers`` ...) of ``hidup.cli.MODEL_FLAGS``."""
-    from hidup.cli import MODEL_FLAGS
+    from hidup.runtime.options import MODEL_FLAGS
 
     out = {}
     for flag in MODEL_FLAGS:

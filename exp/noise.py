@@ -269,7 +269,7 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
 
 
 def parse_args(argv):
-    from hidup.cli import add_model_flags
+    from hidup.runtime.options import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -413,7 +413,7 @@ def test_parity_full(world, name):
 
 def _searched_default(world: int) -> list:
     import hidup
-    from hidup.cli import DEFAULT_PROFILE
+    from hidup.runtime.options import DEFAULT_PROFILE
     from hidup.search import search
     from hidup.trace import trace_module
 

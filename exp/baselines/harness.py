@@ -355,7 +355,7 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from hidup.cli import add_model_args
+    from hidup.runtime.options import add_model_args
 
     p = argparse.ArgumentParser(description="Run one training baseline (DDP, FSDP2, expert "
                                 "parallelism, or one GPU's share) and print its timing as JSON.")
@@ -381,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hidup.cli import apply_config_file, model_overrides, settle_model
+    from hidup.runtime.options import apply_config_file, model_overrides, settle_model
 
     p = _parser()
     args = apply_config_file(p, list(sys.argv[1:] if argv is None else argv))

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ PRECISIONS = ("tf32", "fp32", "bf16")
 
 def add_parser(sub) -> None:
     """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
-    from hidup.cli import DEFAULT_PROFILE, add_model_args
+    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
 
     p = sub.add_parser("bench-rank", help="time one rank's program of a world-N plan on one device "
                        "(fake process group) against the single-device share",
@@ -110,7 +109,7 @@ def _settings(args, device: torch.device) -> tuple[list, list, list]:
 
 def _plan(args, device: torch.device, precision: str):
     """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
-    from hidup.cli import build_graph, settle_model
+    from hidup.runtime.options import build_graph, settle_model
     from hidup.plan import Plan, model_record
 
     if args.plan is not None:
@@ -356,12 +355,3 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hidup bench-rank`` with ``argv``."""
-    from hidup.cli import main as cli_main
-
-    return cli_main(["bench-rank", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,7 +39,6 @@ import math
 import os
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from hidup.cli import DEFAULT_PROFILE, add_model_args
+    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
 
     add_model_args(p, world_default=None)
     g = p.add_argument_group("training")
@@ -359,17 +358,11 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hidup train`` with ``argv`` (user errors end in one message, as on the command line)."""
-    from hidup.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
 
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
     A plan for another world size than the launch's is refused here, before any rank starts."""
-    from hidup.cli import settle_model
+    from hidup.runtime.options import settle_model
     from hidup.plan import Plan, PlanError
     from hidup.runtime.launch import layout_from_env
 

@@ -33,7 +33,7 @@ from hidup.runtime.launch import Distributed, launch
 
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
-    from hidup.cli import DEFAULT_PROFILE, add_model_args
+    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
 
     add_model_args(p, world_default=2)
     p.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now); it records its "
@@ -193,7 +193,7 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
     world size is refused here, before any rank starts -- then run the ranks and report."""
-    from hidup.cli import settle_model
+    from hidup.runtime.options import settle_model
     from hidup.plan import Plan
 
     if args.plan is not None:
@@ -226,11 +226,3 @@ def run(args: argparse.Namespace) -> int:
     print("FAILED" if failed else "OK: the plan matches the single-device model")
     return 1 if failed else 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``hidup verify`` with ``argv`` (user errors end in one message, as on the command line)."""
-    import sys
-
-    from hidup.cli import main as cli_main
-
-    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])

@@ -404,8 +404,9 @@ def _execute_once(method: str, variant: str | None, model_cpu, inputs_cpu, rank:
             for step in (lambda: reduce_max([0.0], device), prep.cleanup, lambda: reduce_max([0.0], device)):
                 with contextlib.suppress(Exception):
                     step()
+        compiled = (variant is not None and "compile" in variant) or bool(prep and prep.info.get("compiled"))
         prep = None
-        if (variant is not None and "compile" in variant) or (method in HIDUP_METHODS and device.type == "cuda"):
+        if compiled:
             # compiled code is cached per code object, and after a few recompilations (a new module
             # each run) dynamo would silently fall back to eager: every compiled run starts afresh
             torch._dynamo.reset()

@@ -182,15 +182,6 @@ def _stage_index(plan) -> dict[str, int]:
     return out
 
 
-def _replace_meta(value, replacements: list):
-    """Replace the tensor slots of a RuleContext argument structure by ``replacements`` in order."""
-    from hidup.rules.base import TensorMeta
-    from hidup.fxvalues import map_value as _map
-
-    it = iter(replacements)
-    return _map(value, lambda v: next(it) if isinstance(v, TensorMeta) else v)
-
-
 def _fix_devices(value, device: torch.device):
     """Devices folded during shape propagation are ``meta``; the program runs on ``device``."""
     from hidup.fxvalues import map_value as _map
@@ -325,12 +316,9 @@ class _Builder:
         from hidup import rules
 
         ctx = self.traced.contexts[node.name]
-        n_args = _count_meta(ctx.args)
-        n_arg = n_args + _count_meta(ctx.kwargs)
+        n_arg = _count_meta(ctx.args) + _count_meta(ctx.kwargs)
         inputs = [self.value_in(tid, form) for tid, form in zip(node.inputs[:n_arg], sig.inputs[:n_arg])]
-        local_ctx = dataclasses.replace(ctx, args=_replace_meta(ctx.args, inputs[:n_args]),
-                                        kwargs=_replace_meta(ctx.kwargs, inputs[n_args:]))
-        call = rules.localize(local_ctx, sig, self.rank)
+        call = rules.localize(ctx.with_tensors(inputs), sig, self.rank)
         out = self.call(call.target, _fix_devices(tuple(call.args), self.device),
                         _fix_devices(dict(call.kwargs), self.device), name=node.name)
         if len(node.outputs) == 1 and not self._structured(node.name):

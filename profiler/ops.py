@@ -86,32 +86,8 @@ def _make_input(meta, shape: tuple[int, ...], device: torch.device, gen: torch.G
 
 
 def _bind(rules, ctx, sig, tensors: list[torch.Tensor]):
-    """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``).
-
-    The tensors take the TensorMeta slots of ``ctx.args`` then ``ctx.kwargs`` (fx's visiting order,
-    the order of ``ctx.inputs``) *before* the rule localizes the call, exactly as codegen does: a
-    rule may reorder its arguments (``aten.embedding(weight, indices)`` runs as
-    ``F.embedding(indices, weight)``), so the localized call's slot order is not ``ctx.inputs``'."""
-    import dataclasses
-
-    from hidup.fxvalues import map_value
-    from hidup.rules.base import TensorMeta
-
-    it = iter(tensors)
-    count = 0
-
-    def sub(v):
-        nonlocal count
-        if isinstance(v, TensorMeta):
-            count += 1
-            return next(it)
-        return v
-
-    args, kwargs = map_value(tuple(ctx.args), sub), map_value(dict(ctx.kwargs), sub)
-    if count != len(tensors):
-        raise ValueError(f"node {ctx.node_name}: its call has {count} tensor arguments but the node "
-                         f"has {len(tensors)} tensor inputs")
-    call = rules.localize(dataclasses.replace(ctx, args=args, kwargs=kwargs), sig, 0)
+    """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``)."""
+    call = rules.localize(ctx.with_tensors(tensors), sig, 0)
     target, args, kwargs = call.target, tuple(call.args), dict(call.kwargs)
     if isinstance(target, str):  # a method name: call it on the first argument
         return lambda: getattr(args[0], target)(*args[1:], **kwargs)

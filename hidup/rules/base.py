@@ -19,7 +19,7 @@ else the tensors of its (flat) tuple/list value in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from hidup.ir import Signature
@@ -52,6 +52,29 @@ class RuleContext:
     world: int
     module: Any = None  # the nn.Module instance for call_module leaves
     node_name: str = ""
+
+    def with_tensors(self, tensors: list) -> "RuleContext":
+        """This context with its :class:`TensorMeta` slots (``args`` then ``kwargs``, in fx's visiting
+        order, the order of ``inputs``) holding ``tensors`` -- fx Nodes in code generation, real
+        tensors when an op is timed -- so that :func:`hidup.rules.localize` returns a call on them.
+        The slots are filled *before* localizing: a rule may reorder its arguments
+        (``aten.embedding(weight, indices)`` runs as ``F.embedding(indices, weight)``)."""
+        from hidup.fxvalues import map_value
+
+        it = iter(tensors)
+        count = 0
+
+        def fill(v):
+            nonlocal count
+            if isinstance(v, TensorMeta):
+                count += 1
+                return next(it)
+            return v
+
+        args, kwargs = map_value(tuple(self.args), fill), map_value(dict(self.kwargs), fill)
+        if count != len(tensors):
+            raise ValueError(f"node {self.node_name}: its call has {count} tensor arguments, given {len(tensors)}")
+        return replace(self, args=args, kwargs=kwargs)
 
 
 @dataclass

@@ -61,14 +61,14 @@ def _progress_fn(progress, label: str):
 def search(graph: Graph, profile, world_size: int | None = None, algorithm: str = "dp", duplication: bool = True,
            memory_budget: float | None = None, precision: str = "fp32",
            restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
-           max_states: int | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
+           max_states: int | str | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
            reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = ilp.DEFAULT_TIME_LIMIT,
            explain: int = 6, cuda_graphs: bool = True, model_source=None) -> Plan:
     """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
 
     ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
     bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures; ``max_states`` /
-    ``max_points`` bound the DP (None: exact); ``explain`` heaviest nodes get a runner-up in the plan.
+    ``max_points`` bound the DP (None: exact; ``"auto"`` states: :func:`hidup.search.dp.beam_width`); ``explain`` heaviest nodes get a runner-up in the plan.
     ``cuda_graphs`` prices the fixed cost per op of a step captured as one CUDA graph (how
     ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
     A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be

@@ -346,6 +346,11 @@ class CostModel:
         membw = self.profile.memory_bandwidth
         return self.profile.grad_copy_fixed() + (4.0 * nbytes / membw if membw > 0 else 0.0)
 
+    def conversion_class(self, tid: int) -> tuple:
+        """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
+        t: Tensor = self.graph.tensors[tid]
+        return (t.shape, t.nbytes, t.requires_grad, self.batch.get(tid, False))
+
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
         hit = self._conv_by_tensor.get((tid, src, dst), self._conv_by_tensor)
@@ -353,7 +358,7 @@ class CostModel:
             return hit
         t: Tensor = self.graph.tensors[tid]
         batch = self.batch.get(tid, False)
-        key = (t.shape, t.nbytes, t.requires_grad, batch, src, dst)
+        key = self.conversion_class(tid) + (src, dst)
         if key in self._conv_cache:
             self._conv_by_tensor[(tid, src, dst)] = self._conv_cache[key]
             return self._conv_cache[key]

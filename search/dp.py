@@ -32,16 +32,15 @@ Speed
 * A front stores each point with its predicted time, so sorting and ranking use no Python key.
 * The cyclic garbage collector is paused while the DP runs (it allocates no cycles, and full
   collections over a large heap cost as much as the search).
-* Cross-state dominance: a state whose tensors differ from a cheaper state's in one tensor is
-  dropped when the cheaper one stays cheaper even after paying every conversion it might need
-  that the other would not (:meth:`_DP.cross_prune`; exact without duplication, where it runs
-  once a position has more than 8 states; with duplication a heuristic, run only when the beam
-  would cut anyway).  The candidates A of a state B are found by grouping the keys with one
-  coordinate left out.
+* Cross-state dominance: a state is dropped when a cheaper state stays cheaper even after paying
+  every conversion it might need that the other would not, summed over the tensors whose states
+  differ (:meth:`_DP.cross_prune`; exact without duplication, where it runs once a position has
+  more than 8 states; with duplication a heuristic, run only when the beam would cut anyway).
 * ``max_points`` caps each Pareto set (keeping the points of least predicted time) and
   ``max_states`` caps the number of states after each position (keeping those whose best point is
   fastest): a beam.  ``None`` means unlimited (exact, as the tests against enumeration use); the
-  defaults (128 states, 16 points) trade exactness for speed.  With a memory budget the point of
+  defaults (16 points; ``"auto"`` states, :func:`beam_width`: 128 on graphs of up to 1024
+  positions, fewer on larger ones) trade exactness for speed.  With a memory budget the point of
   least memory of each state is always kept.
 * Repeated layers (:mod:`hidup.search.segments`): for an occurrence of a repeated block the DP looks
   up, per state of the block's external inputs, a table of reachable exit states with their
@@ -64,16 +63,31 @@ import gc
 from contextlib import contextmanager
 from typing import Callable
 
-from hidup.search.problem import Problem, SearchError, _getter
+import numpy as np
+
+from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply_stages
 from hidup.search.segments import Occurrence, find_blocks
 
 __all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
 
-DEFAULT_MAX_STATES = 128  # same plans as 256 on the zoo at world 8 (bert-sgmoe, vit-switch, gpt), 1.6x faster
+DEFAULT_MAX_STATES = "auto"  # beam_width(positions)
 DEFAULT_MAX_POINTS = 16  # 4 lost the duplicated optimum of bert-sgmoe on 4 H200s over sockets (3% slower);
                          # 16 finds it and costs 2-8% more search time on the zoo
+BEAM_STATES = 128  # the beam on graphs of up to BEAM_WORK / BEAM_STATES positions
+BEAM_WORK = 131072  # states x positions above that size (an 8B-parameter ATen graph: 2455 positions, 53 states)
+BEAM_MIN_STATES = 32
 NEW_TABLES_PER_PASS = 2  # a repeated block is solved from this many new entry states for the cost of one pass
+
+
+def beam_width(positions: int) -> int:
+    """The default beam (``max_states="auto"``): ``BEAM_STATES`` states per position on graphs of
+    up to ``BEAM_WORK / BEAM_STATES`` positions, then fewer, so that states x positions, which the
+    search time follows, stays about ``BEAM_WORK``; never below ``BEAM_MIN_STATES``.  On the zoo's
+    small graphs 48-64 states lose up to 15% of predicted time on the slow-network profile; on the
+    2455-2615-position graphs of Llama-3-8B / Mixtral-8x7B shapes 32-128 states find plans within
+    0.02% of each other (docs/search_time.md)."""
+    return max(BEAM_MIN_STATES, min(BEAM_STATES, BEAM_WORK // max(1, positions)))
 
 
 @contextmanager
@@ -114,9 +128,10 @@ def _dominator(dims: int, duplication: bool):
 
 class _DP:
     def __init__(self, problem: Problem, duplication: bool, memory_budget: float | None,
-                 max_states: int | None, max_points: int | None):
+                 max_states: int | str | None, max_points: int | None):
         self.p, self.dup, self.budget = problem, duplication, memory_budget
-        self.max_states, self.max_points = max_states, max_points
+        self.max_states = beam_width(problem.n) if max_states == "auto" else max_states
+        self.max_points = max_points
         self.has_mem = memory_budget is not None
         self.zero = (0.0,) * ((6 if duplication else 1) + (1 if self.has_mem else 0))
         self.dominates = _dominator(len(self.zero), duplication)
@@ -237,57 +252,38 @@ class _DP:
         return states
 
     def cross_prune(self, states: dict, pos: int) -> dict:
-        """Drop state B when a state A differing in one tensor reaches every future of B for less:
-        ``time(A) + penalty(A, B) <= time(B)``, where the penalty bounds the extra conversions A may
-        pay (:meth:`Problem.penalty`).  Exact without duplication (costs add); with duplication a
-        heuristic, used only together with the beam.
+        """Drop state B when a cheaper state A reaches every future of B for less:
+        ``time(A) + sum_j penalty_j(A_j, B_j) <= time(B)``, the sum over the tensors whose states
+        differ, ``penalty_j`` bounding the extra conversions tensor ``j`` in A's state may cost the
+        future (:meth:`Problem.penalty`; conversions of different tensors add).  Exact without
+        duplication; with duplication a heuristic, used only together with the beam.
 
-        States are visited from the cheapest; each is compared with the kept (cheaper) states that
-        share all its tensors but one, found by grouping keys with one coordinate left out."""
+        States are ranked by time and each B is compared with every state A ranked before it.  A
+        dropped A needs no exception: the penalty obeys the triangle inequality (each form's
+        ``max(0, cost_C - cost_B) <= max(0, cost_C - cost_A) + max(0, cost_A - cost_B)``), so the
+        kept state that dropped A also drops B.  The penalty sums are one matrix per position,
+        assembled from one small matrix per tensor (its distinct states squared)."""
         penalty = self.p.penalty
         ranked = sorted(states.items(), key=_first_est)
-        width = len(ranked[0][0])
-        coords = [j for j in range(width) if len({k[j] for k, _ in ranked}) > 1]
-        if not coords:
+        n = len(ranked)
+        total = None
+        for j, column in enumerate(zip(*(key for key, _ in ranked))):
+            ids: dict = {}
+            idx = [ids.setdefault(st, len(ids)) for st in column]
+            if len(ids) == 1:
+                continue
+            vals = list(ids)
+            pen = np.array([[0.0 if a == b else penalty(pos, j, a, b) for b in vals] for a in vals])
+            idx = np.array(idx)
+            part = pen[idx[:, None], idx[None, :]]
+            total = part if total is None else total + part
+        if total is None:
             return states
-        rest_of = [_getter([a for a in range(width) if a != j]) for j in coords]
-        groups: list[dict] = [{} for _ in coords]
-        slots = list(zip(coords, rest_of, groups))
-        pen: dict = {}
-        dead = False
-        out = {}
-        for key, front in ranked:
-            c = front[0][0]
-            rests = []
-            alive = True
-            for j, rest_fn, g in slots:
-                rest = rest_fn(key)
-                rests.append(rest)
-                if alive:
-                    members = g.get(rest)
-                    if members:
-                        bj = key[j]
-                        for aj, ca in members:
-                            pk = (j, aj, bj)
-                            pa = pen.get(pk)
-                            if pa is None:
-                                pa = pen[pk] = penalty(pos, j, aj, bj)
-                            if ca + pa <= c:
-                                alive = False
-                                break
-            if alive:
-                out[key] = front
-                for (j, _, g), rest in zip(slots, rests):
-                    members = g.get(rest)
-                    if members is None:
-                        g[rest] = [(key[j], c)]
-                    else:
-                        members.append((key[j], c))
-            else:
-                dead = True
-        if not dead:
+        time = np.fromiter((front[0][0] for _, front in ranked), float, n)
+        beaten = np.triu((time[:, None] + total) <= time[None, :], 1).any(axis=0)
+        if not beaten.any():
             return states
-        return {k: f for k, f in states.items() if k in out}
+        return {key: front for (key, front), dead in zip(ranked, beaten.tolist()) if not dead}
 
     # ---------------------------------------------------------------------------- transitions
     def node_step(self, states: dict, i: int, mem_floor: float) -> dict:
@@ -484,7 +480,7 @@ class _DP:
 
 
 def solve(problem: Problem, duplication: bool = True, memory_budget: float | None = None,
-          max_states: int | None = DEFAULT_MAX_STATES, max_points: int | None = DEFAULT_MAX_POINTS,
+          max_states: int | str | None = DEFAULT_MAX_STATES, max_points: int | None = DEFAULT_MAX_POINTS,
           reuse_blocks: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
 

@@ -168,7 +168,8 @@ class Problem:
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
         self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
         self._trans_cache: list[dict[tuple, tuple]] = [{} for _ in range(self.n)]
-        self._pen_cache: dict[tuple, float] = {}
+        self._pen_cache: dict[tuple, float] = {}  # (conversion class, relevant forms, a, b) -> penalty
+        self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
 
     # ------------------------------------------------------------------------------------ setup
     @staticmethod
@@ -304,7 +305,7 @@ class Problem:
         ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)`` otherwise."""
         t = self.live[pos][j]
         rel = self.relevant[pos][j]
-        ck = (t, rel, a, b)
+        ck = (self._conv_class[t], rel, a, b)
         hit = self._pen_cache.get(ck)
         if hit is not None:
             return hit

@@ -368,3 +368,11 @@ def test_backward_without_duplication_grows_with_compute():
             assert all(s.bwd_block == 0.0 for s in ev.steps if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)
             times.append(ev.forward + ev.backward)
         assert all(b >= a for a, b in zip(times, times[1:])), f"{style}: {times}"
+
+
+def test_beam_width_follows_graph_size():
+    assert dp.beam_width(300) == dp.BEAM_STATES  # the zoo's graphs keep the full beam
+    assert dp.beam_width(2455) == dp.BEAM_WORK // 2455 < dp.BEAM_STATES  # an 8B-parameter ATen graph
+    assert dp.beam_width(10**6) == dp.BEAM_MIN_STATES
+    pr = Problem(random_graph(7, calls=6, max_sigs=3), SOCKET)
+    assert dp._DP(pr, False, None, "auto", None).max_states == dp.beam_width(pr.n)

@@ -66,7 +66,7 @@ from typing import Callable
 import numpy as np
 
 from hidup.search.problem import Problem, SearchError
-from hidup.search.schedule import compress_steps, dup_apply_stages
+from hidup.search.schedule import compress_steps, dup_apply_stages, generate, recurrence_source
 from hidup.search.segments import Occurrence, find_blocks
 
 __all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
@@ -126,6 +126,37 @@ def _dominator(dims: int, duplication: bool):
     return eval(f"lambda a, b: {body}")  # noqa: S307 -- generated from integers only
 
 
+# The duplicated recurrence of both passes, inlined from its one statement in
+# :mod:`hidup.search.schedule` (a call per point and pass would double the search time).
+_dup_apply_both = generate("_dup_apply_both", (
+    "def _dup_apply_both(v, f4, b4):\n"
+    "    T, d, ns, T2, d2, ns2 = v[:6]\n"
+    "    mA, mB, cA, cB = f4\n" + recurrence_source(4)
+    + "    mA, mB, cA, cB = b4\n" + recurrence_source(4, "T2", "d2", "ns2")
+    + "    return (T, d, ns, T2, d2, ns2)\n"))
+
+# node_step with duplication: every point of every state through every transition, into ``new``
+# (buckets of (estimate, point, trace)); the forward and backward items are unpacked once per
+# transition.
+_dup_node_step = generate("_dup_node_step", (
+    "def _dup_node_step(states, trans, i, new):\n"
+    "    get = new.get\n"
+    "    for key, front in states.items():\n"
+    "        for k, step, nkey in trans(i, key):\n"
+    "            bucket = get(nkey)\n"
+    "            if bucket is None:\n"
+    "                bucket = new[nkey] = []\n"
+    "            app = bucket.append\n"
+    "            fmA, fmB, fcA, fcB = step.f4\n"
+    "            bmA, bmB, bcA, bcB = step.b4\n"
+    "            fcomm = fmA > 0.0 or fmB > 0.0\n"
+    "            bcomm = bmA > 0.0 or bmB > 0.0\n"
+    "            for _, (T, d, ns, T2, d2, ns2), tr in front:\n"
+    + recurrence_source(16, item="fmA fmB fcA fcB", opens="fcomm")
+    + recurrence_source(16, "T2", "d2", "ns2", item="bmA bmB bcA bcB", opens="bcomm")
+    + "                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))\n"))
+
+
 class _DP:
     def __init__(self, problem: Problem, duplication: bool, memory_budget: float | None,
                  max_states: int | str | None, max_points: int | None):
@@ -146,23 +177,8 @@ class _DP:
         return v[0] + v[1] + v[3] + v[4] if self.dup else v[0]
 
     def apply_step(self, v: tuple, step) -> tuple:
-        if self.dup:  # dup_apply for the forward and the backward pass, inlined for speed
-            T, d, ns, T2, d2, ns2 = v[:6]
-            mA, mB, cA, cB = step.f4
-            if mA > 0.0 or mB > 0.0:
-                T = T + (mA if mA > d else d) + (cA if cA > mB else mB)
-                d, ns = cB, (cA - mB if mB > cA else 0.0)
-            else:
-                s = -ns
-                T, d, ns = T + (cA - s if cA > s else 0.0), d + cB, (cA - s if s > cA else 0.0)
-            mA, mB, cA, cB = step.b4
-            if mA > 0.0 or mB > 0.0:
-                T2 = T2 + (mA if mA > d2 else d2) + (cA if cA > mB else mB)
-                d2, ns2 = cB, (cA - mB if mB > cA else 0.0)
-            else:
-                s = -ns2
-                T2, d2, ns2 = T2 + (cA - s if cA > s else 0.0), d2 + cB, (cA - s if s > cA else 0.0)
-            out = (T, d, ns, T2, d2, ns2)
+        if self.dup:
+            out = _dup_apply_both(v, step.f4, step.b4)
         else:
             out = (v[0] + step.fwd + step.bwd,)
         return out + (v[-1] + step.mem,) if self.has_mem else out
@@ -308,31 +324,8 @@ class _DP:
                     old = get(nkey)
                     if old is None or t < old[0][0]:
                         new[nkey] = [(t, (t,), (tr, i, k))]
-        else:  # apply_step for duplication, inlined
-            for key, front in states.items():
-                for k, step, nkey in trans(i, key):
-                    bucket = get(nkey)
-                    if bucket is None:
-                        bucket = new[nkey] = []
-                    app = bucket.append
-                    fmA, fmB, fcA, fcB = step.f4
-                    bmA, bmB, bcA, bcB = step.b4
-                    fcomm = fmA > 0.0 or fmB > 0.0
-                    bcomm = bmA > 0.0 or bmB > 0.0
-                    for _, (T, d, ns, T2, d2, ns2), tr in front:
-                        if fcomm:
-                            T = T + (fmA if fmA > d else d) + (fcA if fcA > fmB else fmB)
-                            d, ns = fcB, (fcA - fmB if fmB > fcA else 0.0)
-                        else:
-                            s = -ns
-                            T, d, ns = T + (fcA - s if fcA > s else 0.0), d + fcB, (fcA - s if s > fcA else 0.0)
-                        if bcomm:
-                            T2 = T2 + (bmA if bmA > d2 else d2) + (bcA if bcA > bmB else bmB)
-                            d2, ns2 = bcB, (bcA - bmB if bmB > bcA else 0.0)
-                        else:
-                            s = -ns2
-                            T2, d2, ns2 = T2 + (bcA - s if bcA > s else 0.0), d2 + bcB, (bcA - s if s > bcA else 0.0)
-                        app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))
+        else:
+            _dup_node_step(states, trans, i, new)
         return new
 
     def run_positions(self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float],

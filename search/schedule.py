@@ -72,19 +72,47 @@ from dataclasses import dataclass, field
 
 from hidup.search.problem import Problem, SearchError, Step
 
-__all__ = ["dup_apply", "dup_apply_stages", "Evaluation", "evaluate", "overlapped_backward", "compress_steps",
+__all__ = ["dup_apply", "dup_apply_stages", "recurrence_source", "generate", "Evaluation", "evaluate", "overlapped_backward", "compress_steps",
            "ZERO_DUP"]
 
 ZERO_DUP = (0.0, 0.0, 0.0)  # (T, d, -s)
 
 
-def dup_apply(T: float, d: float, ns: float, item: tuple[float, float, float, float]) -> tuple[float, float, float]:
-    """One node of the duplicated recurrence; ``ns`` is minus the slack (lower is better)."""
-    mA, mB, cA, cB = item
-    if mA > 0.0 or mB > 0.0:
-        return T + max(mA, d) + max(cA, mB), cB, -max(0.0, mB - cA)
-    s = -ns
-    return T + max(0.0, cA - s), d + cB, -max(0.0, s - cA)
+# One node of the duplicated recurrence (module docstring), as source over variable names, so that
+# the reference function below and the DP's inlined loops (:mod:`hidup.search.dp`) are generated
+# from this one statement of it.  ``ns`` is minus the slack (lower is better); ``opens``: whether the
+# node has communication (it opens a stage).
+_RECURRENCE = """\
+if {opens}:
+    {T} = {T} + ({mA} if {mA} > {d} else {d}) + ({cA} if {cA} > {mB} else {mB})
+    {d}, {ns} = {cB}, ({cA} - {mB} if {mB} > {cA} else 0.0)
+else:
+    _s = -{ns}
+    {T}, {d}, {ns} = {T} + ({cA} - _s if {cA} > _s else 0.0), {d} + {cB}, ({cA} - _s if _s > {cA} else 0.0)
+"""
+
+
+def recurrence_source(indent: int, T: str = "T", d: str = "d", ns: str = "ns", item: str = "mA mB cA cB",
+                      opens: str | None = None) -> str:
+    """Python source applying one item ``(mA, mB, cA, cB)`` (variable names in ``item``) to the
+    state variables ``T, d, ns`` in place, indented by ``indent`` spaces."""
+    mA, mB, cA, cB = item.split()
+    body = _RECURRENCE.format(T=T, d=d, ns=ns, mA=mA, mB=mB, cA=cA, cB=cB,
+                              opens=opens or f"{mA} > 0.0 or {mB} > 0.0")
+    return "".join(" " * indent + line + "\n" for line in body.splitlines())
+
+
+def generate(name: str, source: str, namespace: dict | None = None):
+    """The function ``name`` defined by ``source`` (generated from :func:`recurrence_source`)."""
+    scope = dict(namespace or {})
+    exec(compile(source, f"<hidup.search.schedule: {name}>", "exec"), scope)  # noqa: S102 -- our own template
+    return scope[name]
+
+
+dup_apply = generate("dup_apply", "def dup_apply(T, d, ns, item):\n    mA, mB, cA, cB = item\n"
+                     + recurrence_source(4) + "    return T, d, ns\n")
+dup_apply.__doc__ = """One node of the duplicated recurrence: ``(T, d, ns)`` after ``item = (mA, mB, cA, cB)``;
+``ns`` is minus the slack (lower is better)."""
 
 
 def compress_steps(items: list[tuple[float, float, float, float]]) -> tuple[tuple[float, float, float, float], ...]:

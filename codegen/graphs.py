@@ -71,7 +71,13 @@ class GraphedStep:
     elsewhere.  ``choose=True`` times ``trials`` replays against as many eager steps after the
     capture and keeps the faster mode (agreed over ``group``, the default group when ``None``):
     a graph removes host dispatch, but over a slow network a replayed graph can interleave two
-    duplicated copies less well than eager launches do, so neither mode always wins."""
+    duplicated copies less well than eager launches do, so neither mode always wins.
+
+    ``optimizer`` (capturable, e.g. :func:`fused_adam`) joins the step: every call then also updates
+    the parameters, and the graph holds the update too.  The warm-up and trial steps, which step it,
+    leave the parameters and the optimizer's state as they found them: both are copied before and
+    written back in place afterwards (the graph keeps their addresses); state the warm-up created is
+    zeroed, which is the fresh state of Adam and AdamW (moments and step count zero)."""
 
     def __init__(self, module: nn.Module, example_inputs, *, autocast_dtype=None, warmup: int = 3,
                  enabled: bool | None = None, capture_error_mode: str = "thread_local", choose: bool = False,
@@ -95,9 +101,35 @@ class GraphedStep:
         self._static_grads: list = []
         self.timings: dict[str, float] = {}
         if self.enabled:
+            before = self._snapshot()
             self._capture(examples, max(1, int(warmup)), capture_error_mode)
             if choose:
                 self._choose(examples, max(1, int(trials)), group)
+            self._restore(before)
+
+    def _snapshot(self):
+        """Copies of the parameters and of the optimizer's tensor state (None without an optimizer)."""
+        if self.optimizer is None:
+            return None
+        state = {id(p): {k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)}
+                 for p, st in self.optimizer.state.items()}
+        return [p.detach().clone() for p in self.params], state
+
+    def _restore(self, before) -> None:
+        """Write :meth:`_snapshot`'s copies back in place; zero optimizer state created since."""
+        if before is None:
+            return
+        params, state = before
+        with torch.no_grad():
+            for p, saved in zip(self.params, params):
+                p.copy_(saved)
+            for p, st in self.optimizer.state.items():
+                old = state.get(id(p), {})
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        v.copy_(old[k]) if k in old else v.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- eager path (CPU, or capture disabled): the same semantics
     def _eager(self, inputs) -> torch.Tensor:
@@ -154,7 +186,7 @@ class GraphedStep:
         self.timings = {"graph_s": graph_s, "eager_s": eager_s}
         if eager_s < graph_s:
             self.release()
-        else:
+        elif self.optimizer is None:
             self(*examples)  # leave this step's gradients attached, as after any call
 
     @property
@@ -197,6 +229,16 @@ class GraphedStep:
             self.graph.reset()
             self.graph = None
         self._static_loss, self._static_grads, self._static_inputs = None, [], []
+
+
+def fused_adam(params, lr: float, device: torch.device, **kwargs) -> torch.optim.Adam:
+    """Adam with the fused kernel, capturable on CUDA (so that :class:`GraphedStep` can hold its
+    step); the multi-tensor (``foreach``) kernel where the fused one does not exist."""
+    capturable = torch.device(device).type == "cuda"
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True, capturable=capturable, **kwargs)
+    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=capturable, **kwargs)
 
 
 def median_seconds(fn, device: torch.device, trials: int) -> float:

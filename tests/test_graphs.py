@@ -77,3 +77,61 @@ def test_captured_step_matches_eager_on_cuda(name):
     step = GraphedStep(model, inputs)
     assert step.graph is not None
     _check_step(model, inputs, step)
+
+
+def _adam_run(model, inputs, step, steps):
+    """Parameters after ``steps`` calls of ``step`` (which holds the optimizer)."""
+    for _ in range(steps):
+        step(*inputs)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_warmup_steps_leave_parameters_and_adam_state_as_found():
+    """The snapshot taken before capture and written back after: parameters and state are restored
+    in place (the graph keeps their addresses), state the warm-up created is zeroed (fresh Adam), so
+    the run then continues exactly as one that never warmed up."""
+    from hidup.codegen.graphs import fused_adam
+
+    torch.manual_seed(0)  # mlp: every gradient well away from zero, where Adam's normalised update is stable
+    model, inputs = hidup.models.build("mlp", world_size=1, **TINY)
+    model = model.double()
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = _adam_run(model, inputs, GraphedStep(model, inputs, optimizer=torch.optim.Adam(model.parameters())), 3)
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    opt = fused_adam(model.parameters(), 1e-3, torch.device("cpu"))
+    step = GraphedStep(model, inputs, optimizer=opt)
+    before = step._snapshot()
+    addresses = [p.data_ptr() for p in model.parameters()]
+    _adam_run(model, inputs, step, 2)  # what the warm-up and trial steps do
+    step._restore(before)
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    for n, p in model.named_parameters():
+        assert torch.equal(p, start[n]), n
+    for st in opt.state.values():
+        assert all(not torch.is_tensor(v) or not v.any() for v in st.values())
+    after = _adam_run(model, inputs, step, 3)
+    for n, p in after.items():  # fused vs foreach kernels: equal to rounding, in float64
+        torch.testing.assert_close(p, reference[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_step_with_fused_adam_matches_eager_on_cuda():
+    from hidup.codegen.graphs import fused_adam
+
+    model, inputs = hidup.models.build("gpt", world_size=1, **TINY)
+    model = model.cuda()
+    inputs = tuple(x.cuda() for x in inputs)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eager = _adam_run(model, inputs, GraphedStep(model, inputs, enabled=False,
+                                                 optimizer=fused_adam(model.parameters(), 1e-3, "cuda")), 4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    step = GraphedStep(model, inputs, optimizer=fused_adam(model.parameters(), 1e-3, "cuda"), choose=True)
+    graphed = _adam_run(model, inputs, step, 4)
+    for n, p in graphed.items():
+        torch.testing.assert_close(p, eager[n], msg=n)

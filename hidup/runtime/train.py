@@ -17,8 +17,10 @@ With ``--compile`` the rank program runs through ``torch.compile`` (:mod:`hidup.
 ``on`` compiles it with inductor and prints the time of the compiling step, ``auto`` does so on GPUs
 only and keeps it when a short trial (:func:`hidup.codegen.trial.choose_compile`, after the
 duplication trial, steps captured as CUDA graphs when they will be) shows compiled steps faster.  A
-compiled module is warmed up and then captured by the CUDA-graph step like an eager one.  The
-optimizer step stays outside the captured graph.
+compiled module is warmed up and then captured by the CUDA-graph step like an eager one.  On GPUs
+Adam is the fused kernel; when steps are captured, its step is captured with them (one graph per
+step: forward, backward, update), unless ``--clip`` or fp16's loss scaler must see the gradients
+between backward and update, which then run as separate steps after the replay.
 
 Reported per run (rank 0): the loss of every step (the true global loss: the sum over ranks of the
 local ``reduce``-form losses), the iteration time as mean ± std over the last ``--last-k`` steps,
@@ -201,6 +203,7 @@ def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     import hidup.models
     from hidup.codegen import clip_grad_norm_, compile
+    from hidup.codegen.graphs import fused_adam
     from hidup.runtime import checkpoint
     from hidup.runtime.data import StdlibCorpus
 
@@ -236,14 +239,20 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
         module = compile(model, plan, rank, world, _to(inputs, device), duplication=duplication)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = (torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam"
-           else torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    if args.optimizer == "adam" and device.type == "cuda":
+        opt = fused_adam(params, args.lr, device)
+    elif args.optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=args.lr)
+    else:
+        opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
     if use_graph and device.type != "cuda":
         raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
     if use_graph and scaler is not None:
         raise SystemExit("--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
                          "gradients on the host every step); use bf16, or --cuda-graphs off")
+    # the update joins the captured step when nothing must see the gradients in between
+    opt_in_graph = use_graph and args.optimizer == "adam" and args.clip is None and scaler is None
     compiled = _compile_rank(args, module, _to(batch_at(inputs, 0, args.seed, cfg, data), device), device,
                              autocast_dtype, use_graph, rank)
     graphed = None
@@ -286,7 +295,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             from hidup.codegen.graphs import GraphedStep
 
             graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype,  # warm-up + capture, once
-                                  choose=args.cuda_graphs == "auto", group=module.group)
+                                  choose=args.cuda_graphs == "auto", group=module.group,
+                                  optimizer=opt if opt_in_graph else None)
             if rank == 0:
                 timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
                 print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
@@ -307,8 +317,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
-        else:
-            opt.step()
+        elif graphed is None or graphed.optimizer is None:
+            opt.step()  # else the graphed step ran it
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
@@ -31,7 +32,7 @@ from hidup.search import dp, ilp
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
-__all__ = ["search", "forced", "make_plan", "price", "plan_indices", "STYLES"]
+__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "STYLES"]
 
 STYLES = ("data", "tensor", "expert")
 # style -> (preferred kinds in order, kinds never used)
@@ -58,48 +59,82 @@ def _progress_fn(progress, label: str):
     return show
 
 
-def search(graph: Graph, profile, world_size: int | None = None, algorithm: str = "dp", duplication: bool = True,
-           memory_budget: float | None = None, precision: str = "fp32",
-           restrict: Callable[[Node, Signature], bool] | None = None, progress=None, *,
-           max_states: int | str | None = dp.DEFAULT_MAX_STATES, max_points: int | None = dp.DEFAULT_MAX_POINTS,
-           reuse_blocks: bool = True, optimizer_factor: float = 2.0, time_limit: float | None = ilp.DEFAULT_TIME_LIMIT,
-           explain: int = 6, cuda_graphs: bool = True, model_source=None) -> Plan:
-    """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path).
+@dataclass(frozen=True)
+class SearchOptions:
+    """What a search optimizes and how far it looks (:func:`search` takes them as keywords too).
 
-    ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
-    bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures; ``max_states`` /
-    ``max_points`` bound the DP (None: exact; ``"auto"`` states: :func:`hidup.search.dp.beam_width`); ``explain`` heaviest nodes get a runner-up in the plan.
-    ``cuda_graphs`` prices the fixed cost per op of a step captured as one CUDA graph (how
-    ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
+    ``algorithm`` ``"dp"`` or ``"ilp"``; ``duplication`` whether duplicated plans are considered;
+    ``memory_budget`` bytes per rank (None: none); ``precision`` the FLOP rate used for float32 ops
+    (fp32 or tf32; bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures;
+    ``max_states`` / ``max_points`` bound the DP (None: exact; ``"auto"`` states:
+    :func:`hidup.search.dp.beam_width`); ``reuse_blocks`` solves a repeated layer once per entry
+    state (:mod:`hidup.search.segments`); ``optimizer_factor`` optimizer-state bytes per parameter
+    byte (Adam: 2); ``time_limit`` seconds for the ILP, its DP seed included (None: none); the
+    ``explain`` heaviest nodes get a runner-up in the plan; ``cuda_graphs`` prices the fixed cost per
+    op of a step captured as one CUDA graph (how ``hidup train`` runs on GPUs; the profile's
+    ``op_overhead_graph``) instead of eager dispatch."""
+
+    algorithm: str = "dp"
+    duplication: bool = True
+    memory_budget: float | None = None
+    precision: str = "fp32"
+    restrict: Callable[[Node, Signature], bool] | None = None
+    max_states: int | str | None = dp.DEFAULT_MAX_STATES
+    max_points: int | None = dp.DEFAULT_MAX_POINTS
+    reuse_blocks: bool = True
+    optimizer_factor: float = 2.0
+    time_limit: float | None = ilp.DEFAULT_TIME_LIMIT
+    explain: int = 6
+    cuda_graphs: bool = True
+
+    @classmethod
+    def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":
+        """``options`` (or the defaults) with ``changes``; an unknown name is a TypeError naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"search: unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
+        opts = replace(options or cls(), **changes)
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        if self.algorithm not in ("dp", "ilp"):
+            raise ValueError(f"algorithm must be 'dp' or 'ilp', got {self.algorithm!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+
+
+def search(graph: Graph, profile, options: SearchOptions | None = None, *, world_size: int | None = None,
+           progress=None, model_source=None, **changes) -> Plan:
+    """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path),
+    with ``options`` (:class:`SearchOptions`) updated by the keyword ``changes``
+    (``search(graph, profile, memory_budget=80e9, precision="bf16")``).
+
     A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be
     priced from ops measured at their own shapes (see :mod:`hidup.search.cost`).
     ``model_source`` (``"package.module:function"`` or ``(spec, args)``) is recorded in the plan so that
     ``hidup show/train/verify --plan`` rebuild the model (:func:`hidup.plan.model_record`).
-    ``time_limit`` (seconds, None for none) bounds the ILP, its DP seed included
-    (:func:`hidup.search.ilp.optimize`): stopped
-    by it with a plan whose optimality is unproven, the search warns and returns that plan, and
-    ``plan.options["solver"]`` records the status, incumbent, bound and gap; with no plan it raises
-    :class:`SearchError`.  ``progress`` True prints the DP's progress and the ILP's incumbent and
-    bound every few seconds on stderr; a callable gets the DP's ``(done, total)``.
+    The ILP stopped by ``time_limit`` with a plan whose optimality is unproven warns and returns that
+    plan (:func:`hidup.search.ilp.optimize`), and ``plan.options["solver"]`` records the status,
+    incumbent, bound and gap; with no plan it raises :class:`SearchError`.  ``progress`` True prints
+    the DP's progress and the ILP's incumbent and bound every few seconds on stderr; a callable gets
+    the DP's ``(done, total)``.
     """
+    opts = SearchOptions.of(options, **changes)
     record = None if model_source is None else model_record(model_source)
     profile = _loaded(profile)
     if world_size is not None and world_size != graph.world_size:
         raise SearchError(f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
                           "signatures only fit that world size. Fix: trace again with world_size="
                           f"{world_size}, or omit world_size.")
-    if algorithm not in ("dp", "ilp"):
-        raise ValueError(f"algorithm must be 'dp' or 'ilp', got {algorithm!r}")
-    if memory_budget is not None and memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-    profile = profile.launched(cuda_graphs)
-    if duplication and graph.copy_reason:
+    profile = profile.launched(opts.cuda_graphs)
+    if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
-        duplication = False
+        opts = replace(opts, duplication=False)
     with dp.no_gc():
-        plan = _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress,
-                       max_states, max_points, reuse_blocks, optimizer_factor, time_limit, explain)
-    plan.options["cuda_graphs"] = bool(cuda_graphs)
+        plan = _search(graph, profile, opts, progress)
+    plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
     return plan
@@ -152,43 +187,45 @@ def _without_program_factors(profile):
     return p
 
 
-def _search(graph, profile, algorithm, duplication, memory_budget, precision, restrict, progress, max_states,
-            max_points, reuse_blocks, optimizer_factor, time_limit, explain) -> Plan:
-    problem = Problem(graph, profile, precision, restrict, optimizer_factor)
+def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
+    precision, memory_budget = opts.precision, opts.memory_budget
+    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
     local = getattr(profile, "dist_scale", 1.0) != 1.0 or getattr(profile, "dist_dup_scale", 1.0) != 1.0
-    explore = Problem(graph, _without_program_factors(profile), precision, restrict, optimizer_factor) \
+    explore = Problem(graph, _without_program_factors(profile), precision, opts.restrict, opts.optimizer_factor) \
         if local else problem
+    beam = dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)
     candidates: list[list[int]] = []
     solver = None
-    if algorithm == "ilp":
+    if opts.algorithm == "ilp":
         fn = _progress_fn(progress, "dp seed for the ilp")
         started = time.perf_counter()  # the time limit covers the seed too
         try:  # the DP's answer seeds CBC with a good incumbent
-            start, _ = dp.solve(explore, False, memory_budget, max_states, max_points, reuse_blocks, fn)
+            start, _ = dp.solve(explore, False, memory_budget, progress=fn, **beam)
         except SearchError:
             start = None
-        outcome = ilp.optimize(explore, memory_budget, time_limit, start, progress=progress is True, started=started)
+        outcome = ilp.optimize(explore, memory_budget, opts.time_limit, start, progress=progress is True,
+                               started=started)
         if not outcome.proven:
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
         candidates.append(outcome.ks)
     else:
-        modes = (False, True) if duplication else (False,)
+        modes = (False, True) if opts.duplication else (False,)
         for mode in modes:
             fn = _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
-            ks, _ = dp.solve(explore, mode, memory_budget, max_states, max_points, reuse_blocks, fn)
+            ks, _ = dp.solve(explore, mode, memory_budget, progress=fn, **beam)
             candidates.append(ks)
-    modes = (False, True) if duplication else (False,)
+    modes = (False, True) if opts.duplication else (False,)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
-    options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": duplication,
-               "optimizer_factor": optimizer_factor, "max_states": max_states, "max_points": max_points}
+    options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": opts.duplication,
+               "optimizer_factor": opts.optimizer_factor, "max_states": opts.max_states, "max_points": opts.max_points}
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
-    return make_plan(problem, best, algorithm, options, explain)
+    return make_plan(problem, best, opts.algorithm, options, opts.explain)
 
 
 def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:

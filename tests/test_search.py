@@ -376,3 +376,18 @@ def test_beam_width_follows_graph_size():
     assert dp.beam_width(10**6) == dp.BEAM_MIN_STATES
     pr = Problem(random_graph(7, calls=6, max_sigs=3), SOCKET)
     assert dp._DP(pr, False, None, "auto", None).max_states == dp.beam_width(pr.n)
+
+
+def test_search_options_are_typed_and_checked():
+    g = random_graph(11, calls=4, max_sigs=3)
+    from hidup.search import SearchOptions
+
+    opts = SearchOptions(duplication=False, max_states=None, max_points=None)
+    a = hidup.search(g, SOCKET, opts)
+    b = hidup.search(g, SOCKET, duplication=False, max_states=None, max_points=None)
+    assert a.choices == b.choices and not a.duplication
+    assert hidup.search(g, SOCKET, opts, duplication=True).options["duplication_requested"] is True
+    with pytest.raises(TypeError, match="unknown option.*max_state\\b.*the options are"):
+        hidup.search(g, SOCKET, max_state=4)
+    with pytest.raises(ValueError, match="algorithm must be"):
+        hidup.search(g, SOCKET, algorithm="greedy")

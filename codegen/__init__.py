@@ -10,9 +10,9 @@
 from hidup.codegen.grads import GradBucketer, clip_grad_norm_
 from hidup.codegen.graphs import GraphCaptureError, GraphedStep, graphed_step
 from hidup.codegen.params import ParamShard, full_state_dict, load_full_state_dict
-from hidup.codegen.rewrite import CompileError, HidupModule, compile
+from hidup.codegen.rewrite import CompileError, CompileOptions, HidupModule, compile
 from hidup.codegen.trial import choose_duplication
 
-__all__ = ["compile", "HidupModule", "CompileError", "clip_grad_norm_", "full_state_dict",
+__all__ = ["compile", "CompileOptions", "HidupModule", "CompileError", "clip_grad_norm_", "full_state_dict",
            "load_full_state_dict", "ParamShard", "GradBucketer", "GraphedStep", "graphed_step",
            "GraphCaptureError", "choose_duplication"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from hidup.codegen.program import CompileError, RankProgram, build_rank_program,
 from hidup.copies import copy_axis
 from hidup.ir import GRAD_BUCKET_MB
 
-__all__ = ["compile", "HidupModule", "CompileError"]
+__all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
 
 
 class HidupModule(nn.Module):
@@ -191,21 +192,53 @@ def _positional(model: nn.Module, example_inputs) -> list:
     return values
 
 
-def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None, *,  # noqa: A001
-            local_batch: bool = False, duplication: bool | None = None, batch_dims: list | None = None,
-            bucket_mb: float = GRAD_BUCKET_MB, device: torch.device | str | None = None, streams: bool | None = None,
-            copy_groups: tuple | None = None, compile=False) -> HidupModule:  # noqa: A002
-    """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring).
+@dataclass(frozen=True)
+class CompileOptions:
+    """How a rank program is built and run (:func:`compile` takes them as keywords too).
 
-    ``example_inputs`` hold the global batch (as for tracing).  ``batch_dims`` gives each forward
-    input's batch dim for duplication (default 0 for every tensor; None keeps an input whole).
-    ``device`` defaults to the model's.  Every rank of ``group`` must call this (duplication creates
-    two process groups on CUDA, one per copy, unless ``copy_groups`` passes two that already exist:
-    a process that compiles many modules can reuse one pair of communicators for all of them).
-    ``compile`` runs the program through ``torch.compile``: ``True`` for inductor, a backend name
-    (``"aot_eager"``), or ``False`` (default) for eager fx code (:mod:`hidup.codegen.compiled`;
-    ``module.set_compile`` switches later)."""
+    ``local_batch``: the inputs given at run time are this rank's slice, not the global batch.
+    ``duplication``: run two half-batch copies (None: as the plan says).  ``batch_dims`` gives each
+    forward input's batch dim for duplication (default 0 for every tensor; None keeps an input
+    whole).  ``bucket_mb``: gradient bucket size.  ``device`` defaults to the model's.  ``streams``:
+    duplication's two copies on two CUDA streams (None: on CUDA).  ``copy_groups``: two existing
+    process groups for the copies (else duplication creates them on CUDA; a process that compiles
+    many modules can reuse one pair of communicators for all of them).  ``compile`` runs the program
+    through ``torch.compile``: ``True`` for inductor, a backend name (``"aot_eager"``), or ``False``
+    for eager fx code (:mod:`hidup.codegen.compiled`; ``module.set_compile`` switches later)."""
+
+    local_batch: bool = False
+    duplication: bool | None = None
+    batch_dims: list | None = None
+    bucket_mb: float = GRAD_BUCKET_MB
+    device: torch.device | str | None = None
+    streams: bool | None = None
+    copy_groups: tuple | None = None
+    compile: bool | str = False
+
+    @classmethod
+    def of(cls, options: "CompileOptions | None" = None, **changes) -> "CompileOptions":
+        """``options`` (or the defaults) with ``changes``; an unknown name is a TypeError naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"compile: unknown option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(sorted(known))}")
+        return replace(options or cls(), **changes)
+
+
+def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None,  # noqa: A001
+            options: CompileOptions | None = None, **changes) -> HidupModule:
+    """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring), built
+    with ``options`` (:class:`CompileOptions`) updated by the keyword ``changes``.
+
+    ``example_inputs`` hold the global batch (as for tracing).  Every rank of ``group`` must call
+    this (duplication creates two process groups on CUDA, one per copy, unless the options pass
+    ``copy_groups``)."""
     from hidup.trace import trace_module
+
+    opts = CompileOptions.of(options, **changes)
+    local_batch, duplication, batch_dims = opts.local_batch, opts.duplication, opts.batch_dims
+    device, streams, copy_groups = opts.device, opts.streams, opts.copy_groups
 
     if world_size < 1 or not 0 <= rank < world_size:
         raise CompileError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
@@ -253,5 +286,5 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
         copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
     return HidupModule(program, rank=rank, world_size=world_size, group=group, local_batch=local_batch,
-                       duplication=duplication, copy_groups=copy_groups, batch_dims=dims, bucket_mb=bucket_mb,
-                       streams=streams, plan=plan, compile=compile)
+                       duplication=duplication, copy_groups=copy_groups, batch_dims=dims, bucket_mb=opts.bucket_mb,
+                       streams=streams, plan=plan, compile=opts.compile)

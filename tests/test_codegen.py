@@ -542,3 +542,15 @@ def test_parity_nccl():
         for (name, style, dup), r in res.items():
             where = f"NCCL {name} world {world} {style} plan duplication={dup} rank {rank}"
             assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"{where}: {r}"
+
+
+def test_compile_options_are_typed_and_unknown_ones_named():
+    import hidup
+    from hidup.codegen import CompileOptions
+
+    model, inputs = hidup.models.build("mlp", world_size=1, **_overrides("mlp"))
+    plan = hidup.search(hidup.trace(model, inputs, world_size=1), "h200x4-nvlink")
+    a = hidup.compile(model, plan, 0, 1, inputs, None, CompileOptions(duplication=False, bucket_mb=1.0))
+    assert a.duplication is False
+    with pytest.raises(TypeError, match="unknown option.*bucket\\b.*the options are"):
+        hidup.compile(model, plan, 0, 1, inputs, bucket=1.0)

@@ -15,7 +15,9 @@ DDP does):
   ``all_reduce(async_op=True)`` is started;
 * a callback queued on the autograd engine waits for every bucket at the end of the backward,
   launches buckets that were left incomplete (parameters that received no gradient are skipped
-  consistently on every rank), and copies the sums back into ``.grad``.
+  consistently on every rank), and makes each parameter's ``.grad`` the view of its sum in the
+  flat buffer (as DDP's ``gradient_as_bucket_view``: no copy back; a gradient with a strided
+  layout is copied instead).
 
 Because the sum is taken over the whole accumulated ``.grad``, gradient accumulation over several
 backward passes must skip the sync for all but the last one (``with module.no_sync(): ...``), and
@@ -128,7 +130,11 @@ class GradBucketer:
                 offset = 0
                 for p in bucket.members:
                     n = p.numel()
-                    p.grad.detach().copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
+                    summed = bucket.buffer[offset:offset + n].view(p.grad.shape)
+                    if p.grad.is_contiguous():  # the sum becomes the gradient, a view of the bucket: no copy back
+                        p.grad = summed
+                    else:
+                        p.grad.detach().copy_(summed)
                     offset += n
         finally:
             for bucket in self.buckets:

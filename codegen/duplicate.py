@@ -173,7 +173,7 @@ class StagedCopies:
                 continue
             for c in (0, 1):
                 env = envs[c]
-                load = lambda a: env[a]  # noqa: E731
+                load = env.__getitem__
                 args = torch.fx.node.map_arg(node.args, load)
                 kwargs = torch.fx.node.map_arg(node.kwargs, load)
                 if node.op == "output":

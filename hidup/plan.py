@@ -57,8 +57,8 @@ def model_record(source, args: dict | None = None) -> dict:
     """The ``model_source`` record of a plan: ``{"model": spec, "args": {...}}``.
 
     ``source`` is a spec string (a zoo name or ``package.module:function``) with ``args`` its keyword
-    arguments, a ``(spec, args)`` pair, or a record dict.  Raises :class:`PlanError` for a missing spec or an argument that is
-    not a JSON value (str, int, float, bool, None, and lists and dicts of them)."""
+    arguments, a ``(spec, args)`` pair, or a record dict.  Raises :class:`PlanError` for a missing spec or an
+    argument that is not a JSON value (str, int, float, bool, None, and lists and dicts of them)."""
     if isinstance(source, tuple) and len(source) == 2 and args is None:
         source, args = source
     if isinstance(source, dict):
@@ -68,7 +68,8 @@ def model_record(source, args: dict | None = None) -> dict:
     if not isinstance(source, str) or not source.strip():
         raise PlanError(f"model_source={source!r}: give the model's spec, a zoo name or 'package.module:function'")
     if args is not None and not isinstance(args, dict):
-        raise PlanError(f"model_source args of {source}: expected a dict of keyword arguments, got {type(args).__name__}")
+        raise PlanError(f"model_source args of {source}: expected a dict of keyword arguments, "
+                        f"got {type(args).__name__}")
     args = dict(args or {})
     for key, value in args.items():
         if not isinstance(key, str) or not _json_exact(value):
@@ -126,7 +127,8 @@ class Plan:
     memory: dict[str, float]
     conversions: list[ConversionRecord]
     options: dict = field(default_factory=dict)
-    node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, conv_f, conv_b]: form changes = collectives + their copies
+    # [compute_f, compute_b, conv_f, conv_b]; a form change costs its collectives and their copies
+    node_costs: dict[str, list[float]] = field(default_factory=dict)
     layers: dict[str, str] = field(default_factory=dict)  # node name -> layer label
     alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
@@ -272,8 +274,9 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         lab = layers.get(c.consumer, "") or "(top)"
         if lab in rows:
             rows[lab]["bytes"] += c.comm_bytes
-    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0])))
-                or "-" for lab in order}
+    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(),
+                                                              key=lambda kv: (-kv[1], kv[0]))) or "-"
+                for lab in order}
     w = max([len("layer")] + [len(x) for x in order])
     wk = max([len("sharding")] + [len(x) for x in kinds_of.values()])
     lines.append(f"{'layer':<{w}}  {'nodes':>5}  {'sharding':<{wk}}  {'comm volume':>12}  {'time':>11}")

@@ -52,15 +52,15 @@ import torch
 import torch.fx
 from torch import nn
 
+from hidup.copies import copy_axis
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
-from hidup.fxvalues import value_leaves as _leaves
 from hidup.fxvalues import module_of as _module_of
 from hidup.fxvalues import source_of as _source_of
 from hidup.fxvalues import target_name as _target_name
 from hidup.fxvalues import to_meta as _to_meta
-from hidup.copies import copy_axis
+from hidup.fxvalues import value_leaves as _leaves
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
 
@@ -270,7 +270,7 @@ class _Builder:
             return None, "no rule"
         try:
             sigs = self.signatures_fn(ctx)
-        except Exception as e:  # a broken rule must not stop tracing: replicate and report it
+        except Exception as e:  # noqa: BLE001 - a broken rule must not stop tracing: replicate and report it
             return None, f"its rule raised {type(e).__name__}: {e}"
         if sigs is None:
             return None, "no rule"

@@ -14,6 +14,6 @@ from hidup.search.problem import Problem, SearchError
 
 __all__ = ["search", "forced", "make_plan", "price", "plan_indices", "Problem", "SearchError", "STYLES"]
 
-from hidup._callable import make_callable  # noqa: E402
+from hidup._callable import make_callable
 
 make_callable(__name__, "search")

@@ -26,7 +26,6 @@ from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
 from hidup.plan import ConversionRecord, Plan, layer_of, model_record
-
 from hidup.search import dp, ilp
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -68,7 +67,8 @@ def search(graph: Graph, profile, world_size: int | None = None, algorithm: str 
 
     ``memory_budget`` bytes per rank; ``precision`` the FLOP rate used for float32 ops (fp32 or tf32;
     bf16/fp16 model autocast); ``restrict(node, sig)`` filters signatures; ``max_states`` /
-    ``max_points`` bound the DP (None: exact; ``"auto"`` states: :func:`hidup.search.dp.beam_width`); ``explain`` heaviest nodes get a runner-up in the plan.
+    ``max_points`` bound the DP (None: exact; ``"auto"`` states: :func:`hidup.search.dp.beam_width`);
+    the ``explain`` heaviest nodes get a runner-up in the plan.
     ``cuda_graphs`` prices the fixed cost per op of a step captured as one CUDA graph (how
     ``hidup train`` runs on GPUs; the profile's ``op_overhead_graph``) instead of eager dispatch.
     A graph traced with ``half_batch=True`` (``graph.half``) lets duplication's half-batch copies be
@@ -125,7 +125,8 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
     return ks
 
 
-def price(graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True) -> dict[bool, Evaluation]:
+def price(graph: Graph, profile, plan: Plan, precision: str = "fp32",
+          cuda_graphs: bool = True) -> dict[bool, Evaluation]:
     """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
     with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
     problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision)

@@ -34,7 +34,7 @@ import torch.fx
 import torch.nn as nn
 
 from hidup.codegen import collectives
-from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs, trace_copy
+from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_copy_sums, using_group
 from hidup.copies import copy_axis
@@ -185,9 +185,9 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _positional(model: nn.Module, example_inputs) -> list:
-    from hidup.trace import _forward_inputs
+    from hidup.trace import forward_inputs
 
-    values = _forward_inputs(model, example_inputs)
+    values = forward_inputs(model, example_inputs)
     return values
 
 
@@ -205,7 +205,7 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     ``compile`` runs the program through ``torch.compile``: ``True`` for inductor, a backend name
     (``"aot_eager"``), or ``False`` (default) for eager fx code (:mod:`hidup.codegen.compiled`;
     ``module.set_compile`` switches later)."""
-    from hidup.trace import trace_module
+    from hidup.trace import trace_copy, trace_module
 
     if world_size < 1 or not 0 <= rank < world_size:
         raise CompileError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")

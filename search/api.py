@@ -25,8 +25,8 @@ import warnings
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
-from hidup.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search import dp, ilp
+from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 

@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     import hidup.models
     from hidup.codegen import compile as hidup_compile
     from hidup.codegen.compiled import backend_of
-    from hidup.trace import _forward_inputs
+    from hidup.trace import forward_inputs
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     try:
         model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=device, **args.model_args)
-        values = _forward_inputs(model, inputs)
+        values = forward_inputs(model, inputs)
         t0 = time.perf_counter()
         import warnings
 

@@ -32,7 +32,7 @@ from torch.fx.passes.split_module import split_module
 
 from hidup.codegen.program import using_group
 
-__all__ = ["half", "copy_inputs", "halve_example", "trace_copy", "SequentialCopies", "StagedCopies"]
+__all__ = ["half", "copy_inputs", "SequentialCopies", "StagedCopies"]
 
 
 def half(x: torch.Tensor, dim: int, copy: int, blocks: int) -> torch.Tensor:
@@ -50,29 +50,6 @@ def copy_inputs(values: list, batch_dims: list, blocks: list[int], copy: int) ->
     """Copy ``copy``'s inputs; ``batch_dims[i]`` None (or a non-tensor input) passes it unchanged."""
     return [half(v, d, copy, b) if isinstance(v, torch.Tensor) and d is not None else v
             for v, d, b in zip(values, batch_dims, blocks)]
-
-
-def halve_example(values: list, batch_dims: list) -> list:
-    """Example inputs of one copy for tracing (only shapes matter)."""
-    return [v.narrow(d, 0, v.shape[d] // 2) if isinstance(v, torch.Tensor) and d is not None else v
-            for v, d in zip(values, batch_dims)]
-
-
-def trace_copy(model, example_inputs, world_size: int, *, batch_dims: list | None = None):
-    """The program one copy runs: ``model`` traced for ``world_size`` ranks at half the global batch
-    (:func:`halve_example` of every forward input; ``batch_dims`` default 0).  A
-    :class:`hidup.trace.Traced`; ValueError when a batch dim is odd (the copies could not split it)."""
-    from hidup.trace import _forward_inputs, trace_module
-
-    values = _forward_inputs(model, example_inputs)
-    dims = batch_dims if batch_dims is not None else [0] * len(values)
-    if len(dims) != len(values):
-        raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
-    for v, d in zip(values, dims):
-        if isinstance(v, torch.Tensor) and d is not None and v.shape[d] % 2:
-            raise ValueError(f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
-                             f"does not divide {v.shape[d]}; use an even batch or turn duplication off")
-    return trace_module(model, tuple(halve_example(values, dims)), world_size)
 
 
 class SequentialCopies:
@@ -173,7 +150,7 @@ class StagedCopies:
                 continue
             for c in (0, 1):
                 env = envs[c]
-                load = lambda a: env[a]  # noqa: E731
+                load = env.__getitem__
                 args = torch.fx.node.map_arg(node.args, load)
                 kwargs = torch.fx.node.map_arg(node.kwargs, load)
                 if node.op == "output":

@@ -228,7 +228,7 @@ class _Builder:
             try:
                 _get_qualified_name(target)
                 node = self.graph.call_function(target, tuple(args), kwargs)
-            except Exception:
+            except (AttributeError, RuntimeError):  # a callable generated code cannot name: called from a module
                 path = f"fn_{self.n_wrappers}"
                 self.n_wrappers += 1
                 self.root.add_module(path, _CallWrapper(target))
@@ -393,8 +393,8 @@ def _getitem(seq, i):
 
 
 def _count_meta(value) -> int:
-    from hidup.rules.base import TensorMeta
     from hidup.fxvalues import value_leaves as _leaves
+    from hidup.rules.base import TensorMeta
 
     return len(_leaves(value, TensorMeta))
 

@@ -35,7 +35,7 @@ import torch.fx
 import torch.nn as nn
 
 from hidup.codegen import collectives
-from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs, trace_copy
+from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_copy_sums, using_group
 from hidup.copies import copy_axis
@@ -186,9 +186,9 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _positional(model: nn.Module, example_inputs) -> list:
-    from hidup.trace import _forward_inputs
+    from hidup.trace import forward_inputs
 
-    values = _forward_inputs(model, example_inputs)
+    values = forward_inputs(model, example_inputs)
     return values
 
 
@@ -234,7 +234,7 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     ``example_inputs`` hold the global batch (as for tracing).  Every rank of ``group`` must call
     this (duplication creates two process groups on CUDA, one per copy, unless the options pass
     ``copy_groups``)."""
-    from hidup.trace import trace_module
+    from hidup.trace import trace_copy, trace_module
 
     opts = CompileOptions.of(options, **changes)
     local_batch, duplication, batch_dims = opts.local_batch, opts.duplication, opts.batch_dims

@@ -28,7 +28,14 @@ import warnings
 from pathlib import Path
 
 from hidup.runtime.options import (
-    DEFAULT_PROFILE, add_model_args, settle_model, apply_config_file, CommandError, say, build_graph)
+    DEFAULT_PROFILE,
+    CommandError,
+    add_model_args,
+    apply_config_file,
+    build_graph,
+    say,
+    settle_model,
+)
 
 # --------------------------------------------------------------------------------------------- search
 
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         raise SystemExit(f"hidup {args.command}: interrupted") from None
-    except Exception as e:  # noqa: BLE001 - only the user errors below are turned into messages
+    except Exception as e:  # only the user errors below are turned into messages
         message = _user_error(e)
         if message is None or debug:
             raise

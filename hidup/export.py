@@ -20,7 +20,8 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 
 Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
 costs nothing), so ``transformers`` models, ``nn.Transformer`` and the zoo all export; opaque work
-that depends on tensor values is a ``torch.library`` custom op (``hidup::moe_gating``).  Failures become :class:`hidup.trace.TraceFailure` with the model's source line.
+that depends on tensor values is a ``torch.library`` custom op (``hidup::moe_gating``).  Failures
+become :class:`hidup.trace.TraceFailure` with the model's source line.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
     try:
         with torch.enable_grad(), routed_experts_as_custom_op(model):
             exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
-    except Exception as e:  # noqa: BLE001 - re-raised with the user's location and a fix
+    except Exception as e:  # re-raised with the user's location and a fix
         raise ExportFailure(
             f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: {str(e).strip()[:1500]}\n"
             f"  at {_user_location(e)}\n"

@@ -1,233 +1,27 @@
-"""A parallelization plan: what the search chose and what it predicts, saved as versioned JSON.
+"""The plan's report: ``summary(plan, graph)`` renders totals, a per-layer table and, for the heaviest
+nodes, the runner-up signature.
 
-A :class:`Plan` names, for every node of the graph it was made for, the chosen
-:class:`~hidup.ir.Signature`; lists every form change (conversion) the plan needs, once per
-(tensor, destination form) at the first consumer that needs it (later consumers of that form reuse
-it); groups the nodes into stages (a stage opens at each node whose inputs need communication, in
-execution order); and records the predicted seconds per iteration and bytes per rank.
-
-``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size or
-model.  ``summary(plan, graph)`` renders a per-layer table.
-
-A plan remembers how to rebuild its model in ``model_source``: ``{"model": spec, "args": {...}}``
-with ``spec`` a zoo name or ``package.module:function`` (see :mod:`hidup.models.source`) and
-``args`` its keyword arguments, JSON values only (:func:`model_record` refuses anything else), so
-``hidup show/train/verify --plan`` need no model flags.  It is empty for a plan searched in Python
-without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 files still load
-(their zoo name and ``model_config`` overrides say the same for plans of ``hidup search``).
+:class:`Plan`, :class:`ConversionRecord`, :class:`PlanError`, :func:`model_record` and the JSON
+format are defined by the search that makes them (:mod:`hidup.search.plan`, whose docstring describes
+the format and its versions) and re-exported here: ``hidup.plan.Plan`` is the public name, and saved
+plans load through either.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from hidup.ir import Graph
+from hidup.search.plan import (
+    PLAN_VERSION,
+    READABLE_VERSIONS,
+    ConversionRecord,
+    Plan,
+    PlanError,
+    layer_of,
+    model_record,
+)
 
-from hidup.ir import Form, Graph, Signature
-
-__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "layer_of", "model_record"]
-
-PLAN_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-
-class PlanError(ValueError):
-    """A plan cannot be used as asked; the message says what differs and what to do."""
-
-
-def _json_exact(value) -> bool:
-    """Whether ``value`` survives a JSON round trip unchanged (no tuples, NaN, non-str keys, objects)."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False)) == value and _no_tuples(value)
-    except (TypeError, ValueError):
-        return False
-
-
-def _no_tuples(value) -> bool:
-    if isinstance(value, tuple):
-        return False
-    if isinstance(value, list):
-        return all(_no_tuples(v) for v in value)
-    if isinstance(value, dict):
-        return all(_no_tuples(v) for v in value.values())
-    return True
-
-
-def model_record(source, args: dict | None = None) -> dict:
-    """The ``model_source`` record of a plan: ``{"model": spec, "args": {...}}``.
-
-    ``source`` is a spec string (a zoo name or ``package.module:function``) with ``args`` its keyword
-    arguments, a ``(spec, args)`` pair, or a record dict.  Raises :class:`PlanError` for a missing spec or an argument that is
-    not a JSON value (str, int, float, bool, None, and lists and dicts of them)."""
-    if isinstance(source, tuple) and len(source) == 2 and args is None:
-        source, args = source
-    if isinstance(source, dict):
-        if args is not None or set(source) - {"model", "args"}:
-            raise PlanError(f"model_source={source!r}: a record has the keys 'model' and 'args' only")
-        source, args = source.get("model"), source.get("args")
-    if not isinstance(source, str) or not source.strip():
-        raise PlanError(f"model_source={source!r}: give the model's spec, a zoo name or 'package.module:function'")
-    if args is not None and not isinstance(args, dict):
-        raise PlanError(f"model_source args of {source}: expected a dict of keyword arguments, got {type(args).__name__}")
-    args = dict(args or {})
-    for key, value in args.items():
-        if not isinstance(key, str) or not _json_exact(value):
-            raise PlanError(f"model argument {key}={value!r} of {source}: a plan records only JSON values (str, "
-                            "int, float, bool, None, lists and dicts of them). Fix: make the factory take a JSON "
-                            "value (e.g. the dtype's name 'float64' instead of torch.float64)")
-    return {"model": source, "args": args}
-
-
-@dataclass(frozen=True)
-class ConversionRecord:
-    """One form change: tensor ``tensor`` made by ``producer`` is turned from ``src`` into ``dst`` just
-    before ``consumer`` reads it as input ``input_index``; ``forward``/``backward`` are the ops of
-    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs."""
-
-    tensor: int
-    producer: str
-    consumer: str
-    input_index: int
-    src: Form
-    dst: Form
-    forward: str
-    backward: str
-    bytes: int
-    grad: bool = True
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["src"], d["dst"] = str(self.src), str(self.dst)
-        return d
-
-    @staticmethod
-    def from_dict(d: dict) -> "ConversionRecord":
-        return ConversionRecord(d["tensor"], d["producer"], d["consumer"], d["input_index"], Form.parse(d["src"]),
-                                Form.parse(d["dst"]), d["forward"], d["backward"], d["bytes"], d.get("grad", True))
-
-    @property
-    def comm_bytes(self) -> int:
-        """Bytes moved by collectives (forward plus backward when it runs)."""
-        from hidup.ir import COLLECTIVES
-        return self.bytes * ((self.forward in COLLECTIVES) + (self.grad and self.backward in COLLECTIVES))
-
-
-@dataclass
-class Plan:
-    model: str
-    fingerprint: str
-    world_size: int
-    profile: str
-    algorithm: str
-    duplication: bool
-    choices: dict[str, Signature]
-    stages: list[list[str]]
-    predicted: dict[str, float]
-    memory: dict[str, float]
-    conversions: list[ConversionRecord]
-    options: dict = field(default_factory=dict)
-    node_costs: dict[str, list[float]] = field(default_factory=dict)  # [compute_f, compute_b, conv_f, conv_b]: form changes = collectives + their copies
-    layers: dict[str, str] = field(default_factory=dict)  # node name -> layer label
-    alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
-    model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
-    model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
-    version: int = PLAN_VERSION
-
-    # ------------------------------------------------------------------------------ queries
-    def conversion(self, tensor: int, dst: Form) -> ConversionRecord | None:
-        for c in self.conversions:
-            if c.tensor == tensor and c.dst == dst:
-                return c
-        return None
-
-    def check(self, graph: Graph) -> None:
-        """Raise :class:`PlanError` unless this plan was made for ``graph``."""
-        problems = []
-        if self.world_size != graph.world_size:
-            problems.append(f"world size: plan {self.world_size}, graph {graph.world_size}")
-        # The fingerprint decides: a plan names its model by the zoo name it was searched for
-        # (``hidup search --model``) while a traced graph carries the module's class name.
-        fp = graph.fingerprint()
-        if self.fingerprint != fp:
-            if self.model and graph.model and self.model != graph.model:
-                problems.append(f"model: plan {self.model!r}, graph {graph.model!r}")
-            names = {n.name for n in graph.nodes}
-            missing = sorted(names - set(self.choices))[:5]
-            extra = sorted(set(self.choices) - names)[:5]
-            detail = ""
-            if missing:
-                detail += f"; graph nodes without a choice: {', '.join(missing)}"
-            if extra:
-                detail += f"; plan nodes not in the graph: {', '.join(extra)}"
-            problems.append(f"graph fingerprint: plan {self.fingerprint}, graph {fp} (the model's structure, "
-                            f"shapes or dtypes changed{detail})")
-        if problems:
-            raise PlanError("this plan was made for a different job -- " + "; ".join(problems)
-                            + ". Fix: run `hidup search` again for this model and world size.")
-        for n in graph.nodes:
-            sig = self.choices.get(n.name)
-            if sig is None or (n.signatures and sig not in n.signatures):
-                raise PlanError(f"plan has no valid signature for node {n.name}: {sig}. Fix: search again.")
-
-    # ------------------------------------------------------------------------------ JSON
-    def to_dict(self) -> dict:
-        return {
-            "version": self.version, "model": self.model, "fingerprint": self.fingerprint,
-            "world_size": self.world_size, "profile": self.profile, "algorithm": self.algorithm,
-            "duplication": self.duplication, "options": self.options, "model_config": self.model_config,
-            "model_source": self.model_source,
-            "predicted": self.predicted, "memory": self.memory,
-            "choices": {k: s.to_dict() for k, s in self.choices.items()},
-            "stages": self.stages, "conversions": [c.to_dict() for c in self.conversions],
-            "node_costs": self.node_costs, "layers": self.layers, "alternatives": self.alternatives,
-        }
-
-    @staticmethod
-    def from_dict(d: dict, where: str = "plan") -> "Plan":
-        version = d.get("version")
-        if version not in READABLE_VERSIONS:
-            raise PlanError(f"{where}: plan format version {version!r}, this hidup reads versions "
-                            f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: run `hidup search` again to write a "
-                            "current plan.")
-        try:
-            return Plan(
-                model=d["model"], fingerprint=d["fingerprint"], world_size=d["world_size"], profile=d["profile"],
-                algorithm=d["algorithm"], duplication=d["duplication"],
-                choices={k: Signature.from_dict(s) for k, s in d["choices"].items()},
-                stages=[list(s) for s in d["stages"]], predicted=dict(d["predicted"]), memory=dict(d["memory"]),
-                conversions=[ConversionRecord.from_dict(c) for c in d["conversions"]],
-                options=dict(d.get("options", {})), node_costs=dict(d.get("node_costs", {})),
-                layers=dict(d.get("layers", {})), alternatives=dict(d.get("alternatives", {})),
-                model_config=dict(d.get("model_config", {})), model_source=dict(d.get("model_source") or {}),
-                version=PLAN_VERSION)
-        except KeyError as e:
-            raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
-
-    def save(self, path: str | Path) -> Path:
-        """Write the plan as JSON (atomically)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
-        return path
-
-    @staticmethod
-    def load(path: str | Path) -> "Plan":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PlanError(f"no plan file at {path}. Fix: run `hidup search` first or pass the right path") from None
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not valid JSON ({e})") from None
-        return Plan.from_dict(data, where=str(path))
-
-
-def layer_of(module: str) -> str:
-    """Layer label for reports: the repeated-layer prefix (``layers.3``), else the top module."""
-    from hidup.search.problem import block_label
-
-    return block_label(module) or (module.split(".")[0] if module else "")
+__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "READABLE_VERSIONS", "layer_of",
+           "model_record"]
 
 
 def _ms(s: float) -> str:
@@ -272,8 +66,9 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         lab = layers.get(c.consumer, "") or "(top)"
         if lab in rows:
             rows[lab]["bytes"] += c.comm_bytes
-    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0])))
-                or "-" for lab in order}
+    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(),
+                                                              key=lambda kv: (-kv[1], kv[0]))) or "-"
+                for lab in order}
     w = max([len("layer")] + [len(x) for x in order])
     wk = max([len("sharding")] + [len(x) for x in kinds_of.values()])
     lines.append(f"{'layer':<{w}}  {'nodes':>5}  {'sharding':<{wk}}  {'comm volume':>12}  {'time':>11}")

@@ -52,19 +52,20 @@ import torch
 import torch.fx
 from torch import nn
 
+from hidup.copies import copy_axis
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
-from hidup.fxvalues import value_leaves as _leaves
 from hidup.fxvalues import module_of as _module_of
 from hidup.fxvalues import source_of as _source_of
 from hidup.fxvalues import target_name as _target_name
 from hidup.fxvalues import to_meta as _to_meta
-from hidup.copies import copy_axis
+from hidup.fxvalues import value_leaves as _leaves
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
 
-__all__ = ["Traced", "TraceFailure", "FallbackWarning", "trace", "trace_module", "map_value", "value_leaves"]
+__all__ = ["Traced", "TraceFailure", "FallbackWarning", "trace", "trace_module", "trace_copy", "trace_half_batch",
+           "halve_example", "forward_inputs", "map_value", "value_leaves"]
 
 
 class TraceFailure(RuntimeError):
@@ -270,7 +271,7 @@ class _Builder:
             return None, "no rule"
         try:
             sigs = self.signatures_fn(ctx)
-        except Exception as e:  # a broken rule must not stop tracing: replicate and report it
+        except Exception as e:  # noqa: BLE001 - a broken rule must not stop tracing: replicate and report it
             return None, f"its rule raised {type(e).__name__}: {e}"
         if sigs is None:
             return None, "no rule"
@@ -328,7 +329,7 @@ class _MetaProp(torch.fx.Interpreter):
 # ----------------------------------------------------------------------------------------------
 # public API
 
-def _forward_inputs(model: nn.Module, example_inputs: Any) -> list:
+def forward_inputs(model: nn.Module, example_inputs: Any) -> list:
     """The forward's argument values in parameter order (defaults filled in)."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -357,7 +358,7 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1) -> 
     if not isinstance(model, nn.Module):
         raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
     signatures_fn, rules_missing = _rules_hook()
-    values = _forward_inputs(model, example_inputs)
+    values = forward_inputs(model, example_inputs)
     gm = _exported(model, values)
     return _build(model, gm, values, world_size, signatures_fn, rules_missing)
 
@@ -404,12 +405,33 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size:
     return out
 
 
-def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced | None:
-    """The program one duplicated copy runs (:func:`hidup.codegen.duplicate.trace_copy`), or None when
-    the model cannot be traced at half the batch (an odd batch, shapes fixed by the model): the cost
-    model then halves the full batch's times instead."""
-    from hidup.codegen.duplicate import trace_copy
+def halve_example(values: list, batch_dims: list) -> list:
+    """Example inputs of one duplicated copy for tracing: the first half of each batch dim (only
+    shapes matter; ``batch_dims[i]`` None, or a non-tensor value, passes it unchanged)."""
+    return [v.narrow(d, 0, v.shape[d] // 2) if isinstance(v, torch.Tensor) and d is not None else v
+            for v, d in zip(values, batch_dims)]
 
+
+def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *,
+               batch_dims: list | None = None) -> Traced:
+    """The program one duplicated copy runs (:mod:`hidup.codegen.duplicate`): ``model`` traced for
+    ``world_size`` ranks at half the global batch (:func:`halve_example` of every forward input;
+    ``batch_dims`` default 0).  ValueError when a batch dim is odd (the copies could not split it)."""
+    values = forward_inputs(model, example_inputs)
+    dims = batch_dims if batch_dims is not None else [0] * len(values)
+    if len(dims) != len(values):
+        raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
+    for v, d in zip(values, dims):
+        if isinstance(v, torch.Tensor) and d is not None and v.shape[d] % 2:
+            raise ValueError(f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
+                             f"does not divide {v.shape[d]}; use an even batch or turn duplication off")
+    return trace_module(model, tuple(halve_example(values, dims)), world_size)
+
+
+def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced | None:
+    """The program one duplicated copy runs (:func:`trace_copy`), or None when the model cannot be
+    traced at half the batch (an odd batch, shapes fixed by the model): the cost model then halves
+    the full batch's times instead."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks

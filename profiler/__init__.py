@@ -4,8 +4,18 @@ Builtin profiles live in ``profiler/defaults/*.json`` so that search runs with n
 :mod:`hidup.profiler.profile` for the schema and the formulas.
 """
 
-from hidup.profiler.profile import (COLLECTIVES, DTYPES, CommTable, Profile, ProfileError, builtin_names,
-                                    load, op_dtype, op_key, save)
+from hidup.profiler.profile import (
+    COLLECTIVES,
+    DTYPES,
+    CommTable,
+    Profile,
+    ProfileError,
+    builtin_names,
+    load,
+    op_dtype,
+    op_key,
+    save,
+)
 
 __all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
            "COLLECTIVES", "DTYPES"]

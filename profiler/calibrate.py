@@ -374,7 +374,7 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
                     checks.append(dict(row, factor=field, error="the batch does not halve"))
                     continue
 
-                def predict(k, mode=mode, field=field):
+                def predict(k, mode=mode, field=field, graph=graph, plan=plan, precision=precision):
                     p = copy.copy(base)
                     setattr(p, field, k)
                     ev = price(graph, p, plan, precision, graphed)[mode]

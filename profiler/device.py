@@ -39,6 +39,7 @@ lasts about ``sample_s`` seconds; the number of samples is bounded by ``budget_s
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from contextlib import contextmanager
@@ -183,7 +184,7 @@ def matmul_rate(device: torch.device | str, dtype: str, sizes: tuple[int, ...] |
             a = torch.randn(n, n, generator=gen, device=device).to(storage)
             b = torch.randn(n, n, generator=gen, device=device).to(storage)
             out = torch.empty(n, n, device=device, dtype=storage)
-            seconds = time_call(lambda: torch.mm(a, b, out=out), device, warmup=warmup,
+            seconds = time_call(functools.partial(torch.mm, a, b, out=out), device, warmup=warmup,
                                 budget_s=budget_s / len(sizes))
             per_size[int(n)] = 2.0 * n ** 3 / seconds
     if device.type == "cuda":
@@ -295,6 +296,6 @@ def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 
             raise ValueError(f"op_overhead(graphed=True) needs a CUDA device, got {device}")
         from hidup.codegen.graphs import GraphedStep
 
-        step = GraphedStep(program, ())  # noqa: F811 - the same step, captured and replayed
+        step = GraphedStep(program, ())  # the same step, captured and replayed
 
     return time_call(step, device, budget_s=budget_s) / (3 * ops)

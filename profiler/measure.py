@@ -73,8 +73,9 @@ class _Progress:
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("[bold]profile[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("{task.description}"), TimeElapsedColumn())
+            self.bar = Progress(TextColumn("[bold]profile[/]"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total}"), TextColumn("{task.description}"),
+                                TimeElapsedColumn())
             self.task = self.bar.add_task("", total=total)
             self.bar.start()
 
@@ -187,8 +188,15 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     from hidup.profiler import profile as profile_mod
 
     from .comm import default_comm_sizes, default_group_sizes, profile_collectives
-    from .device import (canonical_dtype, default_matmul_sizes, device_rates, grad_copy_overhead, layout_bandwidth,
-                         memory_bandwidth, op_overhead)
+    from .device import (
+        canonical_dtype,
+        default_matmul_sizes,
+        device_rates,
+        grad_copy_overhead,
+        layout_bandwidth,
+        memory_bandwidth,
+        op_overhead,
+    )
 
     initialized = dist.is_available() and dist.is_initialized()
     pg_world = dist.get_world_size() if initialized else 1
@@ -396,7 +404,8 @@ def _rank_main(ctx, kwargs: dict):
     prof = _calibrate(prof, raw, ctx.device, [(n, overrides) for n in names], worlds, precisions, seconds,
                       [(n, overrides) for n in calibrated], plan_precisions)
     if ctx.rank == 0 and names:
-        print(f"{len(prof.ops)} op shapes of {', '.join(names)} (world {', '.join(map(str, worlds or [ctx.world_size]))}, "
+        print(f"{len(prof.ops)} op shapes of {', '.join(names)} "
+              f"(world {', '.join(map(str, worlds or [ctx.world_size]))}, "
               f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
     if ctx.rank == 0 and calibrated:
         print(f"inside the distributed program ({', '.join(calibrated)}; {', '.join(plan_precisions)}): "
@@ -455,8 +464,8 @@ def run_profile(args: argparse.Namespace) -> int:
                          "torchrun), or leave it out")
     if single and args.merge is None:
         return _device_only(kwargs, args.out)
-    if lk.get("master_port") is None and not os.environ.get("MASTER_PORT") and (lk.get("nnodes") or
-                                                                                int(os.environ.get("NNODES", "1") or 1)) == 1:
+    nnodes = lk.get("nnodes") or int(os.environ.get("NNODES", "1") or 1)
+    if lk.get("master_port") is None and not os.environ.get("MASTER_PORT") and nnodes == 1:
         from torch.distributed.elastic.utils.distributed import get_free_port
 
         lk["master_port"] = get_free_port()  # one host: any free port avoids clashes with other jobs

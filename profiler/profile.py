@@ -102,8 +102,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .tables import (A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all,
-                     fit_ring_tables)
+from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
 
 __all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
            "fit_ring_tables", "fit_all_to_all", "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK",

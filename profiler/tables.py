@@ -53,9 +53,10 @@ Between measured sizes
 But a bandwidth net of alpha is meaningless where a measured time is all latency: an NVLink
 all-to-all of 16 MiB over 4 ranks took 33.9 us with alpha 33.9 us, a net bandwidth of 5e14 B/s,
 and interpolating towards it priced a 120 MB exchange at 34.7 us, though 256 MiB took 209 us (in the
-step's trace, BERT-SGMoE's exchanges, most of them 120 MB, took 88 us on average).  So the interpolated time ``t(S)``, ``S_0 < S < S_1``,
-is kept in the band its measured neighbours ``t_0 = t(S_0)``, ``t_1 = t(S_1)`` allow: a larger
-message takes no less time, ``t_0 <= t(S) <= t_1``, and no more time per byte,
+step's trace, BERT-SGMoE's exchanges, most of them 120 MB, took 88 us on average).  So the
+interpolated time ``t(S)``, ``S_0 < S < S_1``, is kept in the band its measured neighbours
+``t_0 = t(S_0)``, ``t_1 = t(S_1)`` allow: a larger message takes no less time, ``t_0 <= t(S) <= t_1``,
+and no more time per byte,
 ``t_1 S / S_1 <= t(S) <= t_0 S / S_0``; each of the two is applied only where the neighbours
 themselves obey it (a measured curve may dip).  On a well-conditioned table the interpolation lies
 inside the band already and nothing changes.

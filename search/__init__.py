@@ -5,15 +5,17 @@ Modules: :mod:`~hidup.search.cost` and :mod:`~hidup.search.memory` (the cost mod
 :mod:`~hidup.search.schedule` (iteration time with and without duplication),
 :mod:`~hidup.search.dp` (HiDup's DP), :mod:`~hidup.search.segments` (repeated layers),
 :mod:`~hidup.search.ilp` (ILP with a memory budget), :mod:`~hidup.search.brute` (reference
-enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs) and
+enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs),
+:mod:`~hidup.search.plan` (the plan a search returns and its JSON form) and
 :mod:`~hidup.search.api` (the entry points).
 """
 
 from hidup.search.api import STYLES, SearchOptions, forced, make_plan, plan_indices, price, search
 from hidup.search.problem import Problem, SearchError
 
-__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "Problem", "SearchError", "STYLES"]
+__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "Problem", "SearchError",
+           "STYLES"]
 
-from hidup._callable import make_callable  # noqa: E402
+from hidup._callable import make_callable
 
 make_callable(__name__, "search")

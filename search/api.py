@@ -26,9 +26,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
-from hidup.plan import ConversionRecord, Plan, layer_of, model_record
-
 from hidup.search import dp, ilp
+from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
@@ -93,7 +92,8 @@ class SearchOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise TypeError(f"search: unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
+            raise TypeError(f"search: unknown option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(sorted(known))}")
         opts = replace(options or cls(), **changes)
         opts.check()
         return opts
@@ -160,7 +160,8 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
     return ks
 
 
-def price(graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True) -> dict[bool, Evaluation]:
+def price(graph: Graph, profile, plan: Plan, precision: str = "fp32",
+          cuda_graphs: bool = True) -> dict[bool, Evaluation]:
     """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
     with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
     problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision)

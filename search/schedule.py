@@ -72,8 +72,8 @@ from dataclasses import dataclass, field
 
 from hidup.search.problem import Problem, SearchError, Step
 
-__all__ = ["dup_apply", "dup_apply_stages", "recurrence_source", "generate", "Evaluation", "evaluate", "overlapped_backward", "compress_steps",
-           "ZERO_DUP"]
+__all__ = ["dup_apply", "dup_apply_stages", "recurrence_source", "generate", "Evaluation", "evaluate",
+           "overlapped_backward", "compress_steps", "ZERO_DUP"]
 
 ZERO_DUP = (0.0, 0.0, 0.0)  # (T, d, -s)
 
@@ -105,7 +105,7 @@ def recurrence_source(indent: int, T: str = "T", d: str = "d", ns: str = "ns", i
 def generate(name: str, source: str, namespace: dict | None = None):
     """The function ``name`` defined by ``source`` (generated from :func:`recurrence_source`)."""
     scope = dict(namespace or {})
-    exec(compile(source, f"<hidup.search.schedule: {name}>", "exec"), scope)  # noqa: S102 -- our own template
+    exec(compile(source, f"<hidup.search.schedule: {name}>", "exec"), scope)  # our own template
     return scope[name]
 
 

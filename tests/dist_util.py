@@ -17,6 +17,7 @@ import queue as queue_mod
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -27,10 +28,8 @@ class DistributedFailure(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def device() -> "torch.device":
+def device() -> torch.device:
     """The device of this rank: its GPU under NCCL, else the CPU."""
-    import torch
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -91,7 +90,7 @@ def run_distributed(fn, world: int, *args, timeout: float = 90.0, pg_timeout: fl
                     time.sleep(0.5)  # let a rank that reported an error get its message through
                     if results.empty():
                         raise DistributedFailure(f"rank(s) {dead} of {fn.__name__} died with exit codes "
-                                                 f"{[procs[r].exitcode for r in dead]} and no report")
+                                                 f"{[procs[r].exitcode for r in dead]} and no report") from None
                 continue
             if not ok:
                 raise DistributedFailure(f"rank {rank} of {fn.__name__} (world {world}) raised:\n{payload}")

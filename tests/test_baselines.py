@@ -110,6 +110,7 @@ def _world2_rank(rank, world):
     _exp_path()
     import benchrun
     import harness
+
     from hidup.runtime.data import rank_share
 
     device = torch.device("cpu")
@@ -125,7 +126,8 @@ def _world2_rank(rank, world):
             res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF,
                                       lr=LR, coupled=baseline != "single")
             out[(baseline, variant)] = dict(res, info=prepared.info, loss_scale=prepared.loss_scale,
-                                            loss_weight=prepared.loss_weight, compiled_graphs=stats["unique_graphs"] - graphs)
+                                            loss_weight=prepared.loss_weight,
+                                            compiled_graphs=stats["unique_graphs"] - graphs)
             torch._dynamo.reset()
     tmodel, tinputs = token_mean_model()
     for baseline in ("ddp", "fsdp"):
@@ -150,7 +152,7 @@ def test_baseline_variant_trains_with_the_single_device_loss(world2, baseline, v
     if baseline == "single":  # the floor: rank 0's share alone
         inputs = tuple(t[:TINY["batch_per_gpu"]] for t in inputs)
     ref = _reference(model, inputs, STEPS)
-    for rank, results in enumerate(world2):
+    for results in world2:
         r = results[(baseline, variant)]
         assert len(r["losses"]) == STEPS and r["setup_steps"] == 0
         for got, want in zip(r["losses"], ref):
@@ -249,6 +251,7 @@ def test_adam_is_fused_where_torch_has_the_kernel():
 def test_loss_forms_are_declared_or_refused():
     _exp_path()
     import baseline_util
+
     import hidup.models
 
     zoo, _ = hidup.models.build("gpt", world_size=2, layers=1, d_model=16, heads=2, ffn=32, seq_len=4,

@@ -108,8 +108,8 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     assert (out / "sockets-profile.json").read_bytes() == profile_before  # reused, not measured again
 
     # an invocation that reaches no run (no time) leaves the recorded results as they were
-    _run("bench.py", common + ["--methods", "single", "--time-budget", "0", "--profile", str(out / "sockets-profile.json")],
-         timeout=120)
+    _run("bench.py", common + ["--methods", "single", "--time-budget", "0",
+                               "--profile", str(out / "sockets-profile.json")], timeout=120)
     runs = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
     assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
 
@@ -158,7 +158,8 @@ def test_merge_rounds_and_the_speedup_table():
     records = [rec("expert", 0, 6.0), rec("expert", 1, 9.0), rec("expert", 2, 3.0, "failed", error="boom"),
                rec("ddp", 0, 8.0), rec("ddp", 1, 8.0), rec("ddp", 2, 8.0),
                rec("hidup", 0, 2.0, **plan), rec("hidup", 1, 4.0, **plan), rec("hidup", 2, 3.0, **plan),
-               rec("hidup-nodup", 0, 3.0, **plan), rec("hidup-nodup", 1, 5.0, **plan), rec("hidup-nodup", 2, 3.3, **plan),
+               rec("hidup-nodup", 0, 3.0, **plan), rec("hidup-nodup", 1, 5.0, **plan),
+               rec("hidup-nodup", 2, 3.3, **plan),
                rec("fsdp", 0, None, "failed", error="first"), rec("fsdp", 1, None, "failed", error="second")]
     merged = merge_rounds({r["id"]: r for r in records})
     expert = merged["w4/m/tf32/expert"]
@@ -355,9 +356,9 @@ def test_noise_perturbation_list():
 
 
 def test_a_failing_run_is_recorded_not_raised():
+    import benchrun
     import torch
 
-    import benchrun
     import hidup.models
 
     model, inputs = hidup.models.build("bert-sgmoe", world_size=2, layers=2, d_model=32, heads=2, ffn=64, seq_len=8,

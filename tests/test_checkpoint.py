@@ -128,9 +128,9 @@ def _load_fresh(rank, world, plan, path):
 
 
 def _crashes(rank, world, plan, path: Path, module, opt, inputs) -> dict:
-    import hidup
     from torch.distributed.checkpoint import FileSystemWriter
 
+    import hidup
     from hidup.runtime import checkpoint
 
     out = {}

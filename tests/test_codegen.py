@@ -272,7 +272,9 @@ def _rank_staged(rank, world, plan):
         bad = ""
     except hidup.codegen.CompileError as e:
         bad = str(e)
-    return {**r, "stages": stages, "plan_stages": len(plan.stages), "short_warning": short, "short_padded": short_padded, "groups": distinct, "reused": reused, "reused_parity": r2, "bad_groups": bad}
+    return {**r, "stages": stages, "plan_stages": len(plan.stages), "short_warning": short,
+            "short_padded": short_padded, "groups": distinct, "reused": reused, "reused_parity": r2,
+            "bad_groups": bad}
 
 
 def _rank_tied(rank, world, plans):
@@ -504,7 +506,8 @@ def test_checkpoint_resumes_on_another_world_and_plan():
         assert info["step"] == 2 and info["world_size"] == 2 and len(info["loss_history"]) == 2
         assert abs(loss - next_loss) / abs(next_loss) < 1e-5, f"rank {rank}: resumed loss {loss} vs {next_loss}"
         for name, value in saved_state.items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
 
 
 def test_single_process_compile_and_errors():

@@ -92,13 +92,13 @@ def _check_convert_results(world, results):
         where = f"convert {src} -> {dst} on {world} ranks"
         for y in ys:
             assert y.is_contiguous() or y.dim() == 0, where
-        torch.testing.assert_close(_assemble(ys, dst), x_val, msg=lambda m: f"{where}: forward\n{m}")
+        torch.testing.assert_close(_assemble(ys, dst), x_val, msg=lambda m, where=where: f"{where}: forward\n{m}")
         grad_form = FULL if src == FULL else (REDUCE if src in (REDUCE, REPLICATE) else src)
         if grad_form == FULL:  # partial contributions: their sum is the gradient
             got = sum(grads)
         else:
             got = _assemble(grads, src if src.is_gather else FULL)
-        torch.testing.assert_close(got, g_val, msg=lambda m: f"{where}: backward\n{m}")
+        torch.testing.assert_close(got, g_val, msg=lambda m, where=where: f"{where}: backward\n{m}")
 
 
 def _named_cases(world):
@@ -126,7 +126,7 @@ def _named_cases(world):
 
 def _rank_named(rank, world):
     out = []
-    for case, (label, fn, src, dst) in enumerate(_named_cases(world)):
+    for case, (_label, fn, src, dst) in enumerate(_named_cases(world)):
         x_val, g_val = _case_values(world, 500 + case)
         x = _non_contiguous(_pieces(x_val, src, world, case)[rank].to(device())).requires_grad_(True)
         y = fn(x)
@@ -141,14 +141,14 @@ def _check(world, label, src, dst, x_val, g_val, ys, grads):
     if conversion(src, dst).forward not in ("identity", "keep_rank0"):  # those pass the input through
         for y in ys:
             assert y.is_contiguous(), f"{where}: output is not contiguous"
-    torch.testing.assert_close(_assemble(ys, dst), x_val, msg=lambda m: f"{where}: forward\n{m}")
+    torch.testing.assert_close(_assemble(ys, dst), x_val, msg=lambda m, where=where: f"{where}: forward\n{m}")
     if src == FULL:  # partial contributions: their sum is the gradient
         got = sum(grads)
     elif src.is_gather:
         got = torch.cat(grads, src.dim)
     else:  # reduce / replicate: exact and identical on every rank
         got = _assemble(grads, FULL)
-    torch.testing.assert_close(got, g_val, msg=lambda m: f"{where}: backward\n{m}")
+    torch.testing.assert_close(got, g_val, msg=lambda m, where=where: f"{where}: backward\n{m}")
 
 
 def _rank_all(rank, world):

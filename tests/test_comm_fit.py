@@ -9,8 +9,15 @@ import pytest
 
 import hidup.models
 import hidup.profiler as P
-from hidup.profiler.profile import (A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, Profile, fit_all_to_all,
-                                    fit_ring_tables)
+from hidup.profiler.profile import (
+    A2A_TOLERANCE,
+    RING_LINK,
+    RING_TOLERANCE,
+    CommTable,
+    Profile,
+    fit_all_to_all,
+    fit_ring_tables,
+)
 from hidup.search import dp
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
@@ -87,7 +94,7 @@ def test_fitted_perturbed_profile_stays_closer_to_the_clean_one(noise):
         out = []
         for c in RING_LINK:
             ref = clean.collectives[c][4]
-            for i, s in enumerate(ref.sizes[1:], 1):  # 4 KiB is all latency
+            for s in ref.sizes[1:]:  # 4 KiB is all latency
                 out.append(abs(math.log(prof.comm_time(c, 4, s) / clean.comm_time(c, 4, s))))
         return out
 

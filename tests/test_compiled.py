@@ -27,9 +27,9 @@ TOL = 1e-9
 
 
 def _plans(name: str, world: int) -> dict:
+    import hidup
     from hidup.search import forced
     from hidup.trace import trace_module
-    import hidup
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -69,7 +69,8 @@ def _rank(rank, world, jobs, backend, dups=("nodup", "dup")):
             phase = ["forward"]
             lookup = compiled.group_of
 
-            def spy(key):  # which process group each collective of the compiled graphs runs on
+            # which process group each collective of the compiled graphs runs on
+            def spy(key, used=used, phase=phase, lookup=lookup):
                 used[phase[0]].add(int(key))
                 return lookup(key)
 
@@ -148,9 +149,9 @@ def test_convert_op_shapes_match_fake():
     """The custom op's fake kernel gives the shape its eager kernel produces, for every conversion."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hidup.codegen import compiled
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
@@ -236,8 +237,8 @@ def test_train_compile_on_matches_eager(tmp_path):
     losses = {}
     for mode in ("off", "on"):
         out = tmp_path / f"{mode}.json"
-        proc = subprocess.run([sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode, "--json", str(out)],
-                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode,
+                               "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         result = json.loads(out.read_text())
         assert result["compile"] == (mode == "on")

@@ -11,11 +11,11 @@ from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, ga
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
 
-MEM, LAYOUT, O = 4e12, 2e12, 1e-6
+MEM, LAYOUT, OVERHEAD = 4e12, 2e12, 1e-6
 
 
 def _profile(**changes):
-    base = dict(memory_bandwidth=MEM, layout_bandwidth=LAYOUT, op_overhead=O, grad_copy_overhead=3e-6)
+    base = dict(memory_bandwidth=MEM, layout_bandwidth=LAYOUT, op_overhead=OVERHEAD, grad_copy_overhead=3e-6)
     base.update(changes)
     return dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), **base)
 
@@ -33,7 +33,7 @@ def _graph(shape=(8, 16, 32, 64), world=4, grad=True):
 
 
 def _copy(nbytes, rate, passes=2.0):
-    return O + passes * nbytes / rate
+    return OVERHEAD + passes * nbytes / rate
 
 
 def test_all_to_all_copies_depend_on_which_dims_move():
@@ -130,7 +130,7 @@ def test_gradient_bucket_copies_run_on_the_compute_stream():
     assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.lb)
     assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.lb)
     # unmeasured: two op overheads per parameter; in a CUDA graph the graph figure
-    assert CostModel(g, _profile(grad_copy_overhead=0.0)).grad_copies(0.0) == pytest.approx(2 * O)
+    assert CostModel(g, _profile(grad_copy_overhead=0.0)).grad_copies(0.0) == pytest.approx(2 * OVERHEAD)
     graphed = _profile(grad_copy_overhead_graph=5e-7, op_overhead_graph=2e-7).launched(True)
     assert graphed.grad_copy_fixed() == 5e-7 and graphed.op_overhead == 2e-7
     assert _profile(grad_copy_overhead_graph=5e-7).launched(False).grad_copy_fixed() == 3e-6

@@ -74,7 +74,7 @@ def test_concurrent_copies_divide_per_copy_collectives():
     fast = _profile(concurrency={c: {4: ([1e3, 1e9], [1.6, 1.6])} for c in hidup.profiler.COLLECTIVES})
     plain, paired = CostModel(g, base), CostModel(g, fast)
     for src, dst in ((FULL, gather(0)), (gather(0), FULL)):  # batch tensor 0: both copies move half
-        a, b = plain.conversion(0, gather(0), FULL), paired.conversion(0, gather(0), FULL)
+        a, b = plain.conversion(0, src, dst), paired.conversion(0, src, dst)
         assert (b.fwd, b.bwd) == (a.fwd, a.bwd)
         assert b.fA == pytest.approx(a.fA / 1.6) and b.fB == pytest.approx(a.fB / 1.6)
     w = Tensor(2, (1024, 1024), "float32", "w", requires_grad=True)

@@ -12,8 +12,7 @@ from hidup.profiler.profile import op_dtype, op_key
 from hidup.search import search
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
-from hidup.codegen.duplicate import trace_copy
-from hidup.trace import trace, trace_half_batch, trace_module
+from hidup.trace import trace, trace_copy, trace_half_batch, trace_module
 
 TINY = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32)
 

@@ -117,9 +117,9 @@ def test_summary(plan, graph):
 
 
 def test_runner_up_delta_is_exact(graph):
+    import hidup.profiler as P
     from hidup.search.problem import Problem
     from hidup.search.schedule import evaluate
-    import hidup.profiler as P
 
     plan = hidup.search(graph, "h200x4-socket", duplication=False)
     pr = Problem(graph, P.load("h200x4-socket").launched(True))  # what search prices by default

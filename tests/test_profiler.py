@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -12,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from dist_util import run_distributed
 import hidup.profiler
+from dist_util import run_distributed
 from hidup.profiler.comm import _elements, fit_alpha, monotone
 from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32, time_call
 from hidup.profiler.measure import comm_tables, parse_sizes, profile_machine
@@ -190,7 +189,7 @@ def test_world4_measures_world_and_pairs():
     assert all(r == res[0] for r in res)
     assert {(op, g) for op, g, *_ in res[0]} == {("all_reduce", 4), ("all_to_all", 4),
                                                   ("all_reduce", 2), ("all_to_all", 2)}
-    for op, g, sizes, secs, pairs in res[0]:
+    for _op, g, sizes, secs, pairs in res[0]:
         assert sizes[0] >= 4096 and all(s > 0 for s in secs)
         # two communicators at once are timed for the whole world only (what duplication uses)
         assert (len(pairs) == len(sizes)) if g == 4 else not pairs
@@ -277,6 +276,7 @@ def test_single_baseline_is_one_share():
 def test_expert_baseline_rejects_dense_models():
     h = _harness()
     import expert
+
     import hidup.models
 
     model, _ = hidup.models.build("gpt", world_size=2, **{k: v for k, v in TINY.items() if k != "experts_per_gpu"})

@@ -23,10 +23,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spmd import check_op, has_sig, make_context  # noqa: E402
-
-from hidup import rules  # noqa: E402
-from hidup.ir import FULL  # noqa: E402
+from hidup import rules
+from hidup.ir import FULL
+from spmd import check_op, has_sig, make_context
 
 D64 = torch.float64
 _SETTINGS = settings(max_examples=6, deadline=None)
@@ -191,7 +190,7 @@ def test_einsum_moe(g, s, e, c, d, f, which):
     lhs = which.split("->")[0].split(",")
     ops = [rn(*[size[ch] for ch in op], param=(which == MOE[1] and i == 1)) for i, op in enumerate(lhs)]
     res = check_op(torch.einsum, (which, *ops))
-    for N, sigs in res.items():
+    for sigs in res.values():
         if which == MOE[1]:
             assert has_sig(sigs, ["gather_0", "gather_0"], ["gather_0"], kind="expert")
         if which == MOE[0]:
@@ -202,7 +201,8 @@ def test_einsum_moe(g, s, e, c, d, f, which):
 
 @pytest.mark.parametrize("eq,shapes_", [
     ("bij,bjk->bik", [(2, 4, 4), (2, 4, 2)]), ("ij,j->i", [(4, 4), (4,)]), ("ii->i", [(4, 4)]),
-    ("...ij,...jk->...ik", [(2, 4, 2), (1, 2, 4)]), ("ij,jk", [(4, 2), (2, 4)]), ("bhqd,bhkd->bhqk", [(2, 4, 2, 2)] * 2),
+    ("...ij,...jk->...ik", [(2, 4, 2), (1, 2, 4)]), ("ij,jk", [(4, 2), (2, 4)]),
+    ("bhqd,bhkd->bhqk", [(2, 4, 2, 2)] * 2),
 ])
 def test_einsum_generic(eq, shapes_):
     res = check_op(torch.einsum, (eq, *[rn(*s) for s in shapes_]))

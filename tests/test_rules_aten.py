@@ -35,11 +35,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spmd import check_signature, make_context  # noqa: E402
-
-from hidup import rules  # noqa: E402
-from hidup.ir import FULL  # noqa: E402
-from hidup.rules.aten import _TABLE  # noqa: E402
+from hidup import rules
+from hidup.ir import FULL
+from hidup.rules.aten import _TABLE
+from spmd import check_signature, make_context
 
 aten = torch.ops.aten
 D64 = torch.float64
@@ -493,7 +492,8 @@ def _nll_loss(extra=()):
         n, c = draw(EVEN), draw(SIZES)
         logp, t = torch.log_softmax(rn(n, c, *extra), 1), _targets(n, c, *extra)
         return [Call((logp, t)), Call((logp, t, None, 2)), Call((logp, t, None, 0, -100)),
-                Call((logp, t, positive(c), 2), no_grad=(2,)), Call((logp, t.clamp(min=0)), {"reduction": 2, "ignore_index": 0})]
+                Call((logp, t, positive(c), 2), no_grad=(2,)),
+                Call((logp, t.clamp(min=0)), {"reduction": 2, "ignore_index": 0})]
 
     return cases
 

@@ -19,11 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spmd import check_op, has_sig, make_context  # noqa: E402
-from test_rules import D64, EVEN, FAST, SIZES, rn  # noqa: E402
-
-from hidup import rules  # noqa: E402
-from hidup.ir import FULL  # noqa: E402
+from hidup import rules
+from hidup.ir import FULL
+from spmd import check_op, has_sig, make_context
+from test_rules import EVEN, FAST, SIZES, rn
 
 
 def test_factories_and_like():
@@ -152,7 +151,7 @@ def test_local_calls_run_in_fx_graph():
             g = torch.fx.Graph()
             holders = {}
 
-            def node_for(v):
+            def node_for(v, g=g, holders=holders):
                 if isinstance(v, rules.TensorMeta):
                     holders.setdefault(len(holders), None)
                     return g.placeholder(f"t{len(holders) - 1}")
@@ -180,7 +179,8 @@ def test_notation_engine():
     assert d.fixed == {"k"}
     sigs = d.signatures([x, w, b], [out], 2, 100.0)
     assert [str(s) for s in sigs] == ["(full, full, full) -> (full)", "(gather_0, full, full) -> (gather_0)",
-                                      "(gather_1, full, full) -> (gather_1)", "(full, gather_0, gather_0) -> (gather_2)"]
+                                      "(gather_1, full, full) -> (gather_1)",
+                                      "(full, gather_0, gather_0) -> (gather_2)"]
     assert [s.flops for s in sigs] == [100.0, 50.0, 50.0, 50.0]
     assert [s.kind for s in sigs] == ["replicated", "data", "data", "tensor"]
     # broadcasting: a size-1 dim stays full; a contracted letter with an additive operand makes it reduce

@@ -17,7 +17,6 @@ from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus, SyntheticTokens, stdlib_bytes
 from hidup.runtime.launch import LaunchError, launch, layout_from_env
 
-
 # ----------------------------------------------------------------------------------------------
 # layout
 
@@ -105,6 +104,7 @@ def _rank1_vanishes(ctx):
 
 def _abort_on_exit(ctx):
     import atexit
+
     import torch.distributed as dist
 
     dist.all_reduce(torch.ones(1))

@@ -365,7 +365,8 @@ def test_backward_without_duplication_grows_with_compute():
             prof = copy.copy(measured)
             prof.dist_scale = k
             ev = hidup.search.price(g, prof, plan)[False]
-            assert all(s.bwd_block == 0.0 for s in ev.steps if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)
+            assert all(s.bwd_block == 0.0 for s in ev.steps
+                       if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)
             times.append(ev.forward + ev.backward)
         assert all(b >= a for a, b in zip(times, times[1:])), f"{style}: {times}"
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_util import run_distributed  # noqa: E402
-from spmd import check_op, has_sig  # noqa: E402
+from dist_util import run_distributed
+from spmd import check_op, has_sig
 
 T = pytest.importorskip("transformers")
 
@@ -142,7 +142,7 @@ def test_op_equals_transformers_eager_experts(act):
         got = run(lambda: experts(x, idx, w))
     assert config._experts_implementation == "eager"
     for a, b, what in zip(got, ref, ["y", "x", "w", "gate_up_proj", "down_proj"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
     again = routed_experts_math(x.detach(), idx, w.detach(), experts.gate_up_proj.detach(),
                                 experts.down_proj.detach(), 0, act)
     torch.testing.assert_close(again, ref[0])

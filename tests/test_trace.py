@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hidup
-import hidup.trace  # noqa: F401  (the module must stay callable after import)
+import hidup.trace  # the module must stay callable after import
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, gather
 from hidup.trace import FallbackWarning, Traced, TraceFailure, trace, trace_module
 

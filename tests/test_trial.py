@@ -4,21 +4,19 @@ kept module trains exactly like the single-device model (gloo, CPU)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-import hidup.models
 from dist_util import run_distributed
 
 TINY = dict(layers=2, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32, experts_per_gpu=2)
 
 
 def _rank(rank, world, name, overrides, margin):
+    import hidup.models
+    import hidup.profiler
     from hidup.codegen import choose_duplication
     from hidup.codegen.params import full_grad_dict
     from hidup.search import forced
     from hidup.trace import trace
-
-    import hidup.profiler
 
     model, inputs = hidup.models.build(name, world_size=world, seed=0, **overrides)
     ref = hidup.models.build(name, world_size=world, seed=0, **overrides)[0]

@@ -22,18 +22,30 @@ from __future__ import annotations
 from typing import Any
 
 from hidup.ir import FULL, Signature
-from hidup.rules.base import LocalCall, Rule, RuleContext, TensorMeta
-from hidup.rules.notation import Dims, SpecError, dims, shard_signatures
-from hidup.rules.registry import Unsupported, default_localize, lookup
 
-# op families register themselves on import
+# Op families register themselves on import; aten maps the ATen overloads of torch.export graphs onto
+# their rules, looked up when a node is annotated, so the order of these imports does not matter.
 from hidup.rules import (  # noqa: F401  (imported for registration)
-    elementwise, matmul, shape, indexing, reduction, norm, attention, embedding, loss, conv, leaf, experts,
+    aten,
+    attention,
+    conv,
+    elementwise,
+    embedding,
+    experts,
+    indexing,
+    leaf,
+    loss,
+    matmul,
+    norm,
+    reduction,
+    shape,
 )
-from hidup.rules import aten  # noqa: E402,F401  (ATen overloads of torch.export graphs onto the rules above)
+from hidup.rules.base import LocalCall, Rule, RuleContext, TensorMeta
 from hidup.rules.embedding import vocab_parallel_embedding
 from hidup.rules.leaf import declare_batch_op
+from hidup.rules.notation import Dims, SpecError, dims, shard_signatures
 from hidup.rules.reduction import scaled_mean
+from hidup.rules.registry import Unsupported, default_localize, lookup
 
 __all__ = [
     "find_rule", "signatures", "localize", "declare_batch_op",

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import Signature
 from hidup.rules.base import LocalCall, Rule, RuleContext, TensorMeta
-from hidup.rules.registry import Unsupported, _RULES, default_localize, is_tensor_value, lookup
+from hidup.rules.registry import _RULES, Unsupported, default_localize, is_tensor_value, lookup
 
 __all__ = ["ATEN_RULES", "torch_equivalent"]
 

@@ -31,7 +31,7 @@ __all__ = ["vocab_parallel_embedding"]
 _NAMES = ["input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"]
 
 
-def vocab_parallel_embedding(input: torch.Tensor, weight: torch.Tensor, start: int, padding_idx=None,
+def vocab_parallel_embedding(input: torch.Tensor, weight: torch.Tensor, start: int, padding_idx=None,  # noqa: A002 - F.embedding's name
                              scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
     """Rows ``[start, start + weight.shape[0])`` of a vocabulary-sharded embedding.
 

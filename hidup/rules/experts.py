@@ -187,7 +187,8 @@ _IMPLEMENTATION = "hidup"
 _PREVIOUS: dict[int, str | None] = {}  # id(config) -> its experts implementation before the export
 
 
-def _hidup_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def _hidup_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                           top_k_weights: Tensor) -> Tensor:
     act = experts_layout_activation(self)
     if act is None:  # a layout the op does not model: the implementation the model had
         moe = sys.modules["transformers.integrations.moe"]

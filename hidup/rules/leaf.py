@@ -20,7 +20,7 @@ import torch
 
 from hidup.ir import FULL, Signature, gather
 from hidup.rules.base import Rule, RuleContext
-from hidup.rules.registry import Unsupported, _RULES, all_full
+from hidup.rules.registry import _RULES, Unsupported, all_full
 
 __all__ = ["declare_batch_op", "batch_signatures"]
 

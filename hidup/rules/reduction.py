@@ -23,7 +23,7 @@ from hidup.rules.registry import Unsupported, bind, callable_of, register
 __all__ = ["scaled_mean", "reduced_dims"]
 
 
-def scaled_mean(input, dim=None, keepdim=False, *, dtype=None, scale=1.0):
+def scaled_mean(input, dim=None, keepdim=False, *, dtype=None, scale=1.0):  # noqa: A002 - torch.mean's name
     """``mean(input, dim) * scale``: the local part of a mean over a dim split across ranks."""
     if dim is None:
         out = torch.mean(input, dtype=dtype)

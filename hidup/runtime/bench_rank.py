@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
     g.add_argument("--share-modes", default=None,
                    help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; "
                         "'none' skips it)")
-    g.add_argument("--backend", default="inductor", help="torch.compile backend of the compile modes (default inductor)")
+    g.add_argument("--backend", default="inductor",
+                   help="torch.compile backend of the compile modes (default inductor)")
     g.add_argument("--steps", type=int, default=20, help="steps per timed round (default 20)")
     g.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     g.add_argument("--warmup", type=int, default=3, help="untimed steps before a mode is timed (default 3)")
@@ -109,8 +110,8 @@ def _settings(args, device: torch.device) -> tuple[list, list, list]:
 
 def _plan(args, device: torch.device, precision: str):
     """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
-    from hidup.runtime.options import build_graph, settle_model
     from hidup.plan import Plan, model_record
+    from hidup.runtime.options import build_graph, settle_model
 
     if args.plan is not None:
         if not Path(args.plan).is_file():
@@ -285,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     import hidup.models
     from hidup.codegen import compile as hidup_compile
     from hidup.codegen.compiled import backend_of
-    from hidup.trace import _forward_inputs
+    from hidup.trace import forward_inputs
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -306,8 +307,9 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     duplication = {"on": True, "off": False}.get(args.duplication)
     config = {"model": args.model, "model_args": args.model_args, "world": world, "rank": args.rank,
-              "plan": plan_source, "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3
-              or None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "plan": plan_source,
+              "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3 or None,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "backend": args.backend, "steps": args.steps, "rounds": args.rounds,
               "warmup": args.warmup, "optimizer": "adam (fused)", "stand-ins": "torch fake process group"}
     runs: list[dict] = []
@@ -320,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     try:
         model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=device, **args.model_args)
-        values = _forward_inputs(model, inputs)
+        values = forward_inputs(model, inputs)
         t0 = time.perf_counter()
         import warnings
 
@@ -341,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
                     ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
                     ("share", share, share_inputs, share_modes, share.set_compile)):
                 for mode in mode_list:
-                    r = dict(what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                    r = dict(what=what,
+                             **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
                     runs.append(r)
                     _print_row(what, r)
                     save()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def _train_parser(sub) -> None:
-    from hidup.runtime.train import __doc__ as doc, add_train_args
+    from hidup.runtime.train import __doc__ as doc
+    from hidup.runtime.train import add_train_args
 
     p = sub.add_parser("train", help="train a zoo model under a plan on this node's GPUs (or CPU ranks)",
                        description=doc.split("\n\n")[0])
@@ -18,7 +19,8 @@ def _cmd_train(args) -> int:
 
 
 def _verify_parser(sub) -> None:
-    from hidup.runtime.verify import __doc__ as doc, add_verify_args
+    from hidup.runtime.verify import __doc__ as doc
+    from hidup.runtime.verify import add_verify_args
 
     p = sub.add_parser("verify", help="compare a plan's loss and gradients with the single-device model",
                        description=doc.split("\n\n")[0])

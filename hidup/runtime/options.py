@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 MODEL_FLAGS = {
     # flag: (type, help)
     "layers": (int, "number of transformer layers"),

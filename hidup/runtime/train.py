@@ -372,9 +372,9 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
     A plan for another world size than the launch's is refused here, before any rank starts."""
-    from hidup.runtime.options import settle_model
     from hidup.plan import Plan, PlanError
     from hidup.runtime.launch import layout_from_env
+    from hidup.runtime.options import settle_model
 
     plan = Plan.load(args.plan) if args.plan is not None else None
     explicit_world = args.world

@@ -144,9 +144,9 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
         opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-2)
         for _ in range(steps):
             opt.zero_grad()
-            l = forward_backward(batch)
+            step_loss = forward_backward(batch)
             opt.step()
-            step_losses.append(float(module.global_loss(l)))
+            step_losses.append(float(module.global_loss(step_loss)))
     if ctx.rank != 0:
         return {}
     say("the same step on one device (the reference) ...")
@@ -193,8 +193,8 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
     world size is refused here, before any rank starts -- then run the ranks and report."""
-    from hidup.runtime.options import settle_model
     from hidup.plan import Plan
+    from hidup.runtime.options import settle_model
 
     if args.plan is not None:
         if args.style != "searched":

@@ -129,10 +129,10 @@ def _dominator(dims: int, duplication: bool):
 # The duplicated recurrence of both passes, inlined from its one statement in
 # :mod:`hidup.search.schedule` (a call per point and pass would double the search time).
 _dup_apply_both = generate("_dup_apply_both", (
-    "def _dup_apply_both(v, f4, b4):\n"
+    "def _dup_apply_both(v, fwd_item, bwd_item):\n"
     "    T, d, ns, T2, d2, ns2 = v[:6]\n"
-    "    mA, mB, cA, cB = f4\n" + recurrence_source(4)
-    + "    mA, mB, cA, cB = b4\n" + recurrence_source(4, "T2", "d2", "ns2")
+    "    mA, mB, cA, cB = fwd_item\n" + recurrence_source(4)
+    + "    mA, mB, cA, cB = bwd_item\n" + recurrence_source(4, "T2", "d2", "ns2")
     + "    return (T, d, ns, T2, d2, ns2)\n"))
 
 # node_step with duplication: every point of every state through every transition, into ``new``
@@ -147,8 +147,8 @@ _dup_node_step = generate("_dup_node_step", (
     "            if bucket is None:\n"
     "                bucket = new[nkey] = []\n"
     "            app = bucket.append\n"
-    "            fmA, fmB, fcA, fcB = step.f4\n"
-    "            bmA, bmB, bcA, bcB = step.b4\n"
+    "            fmA, fmB, fcA, fcB = step.fwd_item\n"
+    "            bmA, bmB, bcA, bcB = step.bwd_item\n"
     "            fcomm = fmA > 0.0 or fmB > 0.0\n"
     "            bcomm = bmA > 0.0 or bmB > 0.0\n"
     "            for _, (T, d, ns, T2, d2, ns2), tr in front:\n"
@@ -178,7 +178,7 @@ class _DP:
 
     def apply_step(self, v: tuple, step) -> tuple:
         if self.dup:
-            out = _dup_apply_both(v, step.f4, step.b4)
+            out = _dup_apply_both(v, step.fwd_item, step.bwd_item)
         else:
             out = (v[0] + step.fwd + step.bwd,)
         return out + (v[-1] + step.mem,) if self.has_mem else out
@@ -392,13 +392,13 @@ class _DP:
                 ks.reverse()
                 mem = v[-1] if self.has_mem else sum(p.mem[rep.start + r][k] for r, k in enumerate(ks))
                 if self.dup:
-                    f4, b4 = [], []
+                    fwd_items, bwd_items = [], []
                     skey = tuple(key)
                     for r, k in enumerate(ks):
                         step, skey = p.step(rep.start + r, k, skey)
-                        f4.append(step.f4)
-                        b4.append(step.b4)
-                    cands.append(((compress_steps(f4), compress_steps(b4), mem), tuple(ks)))
+                        fwd_items.append(step.fwd_item)
+                        bwd_items.append(step.bwd_item)
+                    cands.append(((compress_steps(fwd_items), compress_steps(bwd_items), mem), tuple(ks)))
                 else:
                     cands.append(((v[0], mem), tuple(ks)))
             out.append((exit_sub, cands))

@@ -65,8 +65,11 @@ class Step:
 
     fwd: float  # no duplication: forward compute + forward communication
     bwd: float  # no duplication: backward compute + backward communication
-    f4: tuple[float, float, float, float]  # forward (mA, mB, cA, cB) per copy
-    b4: tuple[float, float, float, float]  # backward (mA, mB, cA, cB) per copy (in reversed time)
+    # duplication's item of the node, (comm A, comm B, compute A, compute B) of the two half-batch
+    # copies, as the stage recurrence reads it (:mod:`hidup.search.schedule`): forward, and backward
+    # (in reversed time)
+    fwd_item: tuple[float, float, float, float]
+    bwd_item: tuple[float, float, float, float]
     mem: float
     compute: float  # no duplication: forward + backward compute
     convs: tuple[tuple[int, int, int, int], ...]  # (tensor id, input index, src form id, dst form id)
@@ -284,9 +287,9 @@ class Problem:
             convs.append((node.inputs[inp], inp, prod, f))
         cf, cb = self.compute[i][k]
         hf, hb = self.compute_copy[i][k]
-        f4 = (fA, fB, hf + lfA, hf + lfB)
-        b4 = (bA, bB, hb + lbA, hb + lbB)
-        step = Step(cf + ff, cb + fb, f4, b4, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async,
+        fwd_item = (fA, fB, hf + lfA, hf + lfB)
+        bwd_item = (bA, bB, hb + lbA, hb + lbB)
+        step = Step(cf + ff, cb + fb, fwd_item, bwd_item, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async,
                     fb_block)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []

@@ -181,9 +181,9 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         f = b = ZERO_DUP
         comm = 0.0
         for s in steps:
-            f = dup_apply(*f, s.f4)
-            b = dup_apply(*b, s.b4)
-            comm += s.f4[0] + s.f4[1] + s.b4[0] + s.b4[1]
+            f = dup_apply(*f, s.fwd_item)
+            b = dup_apply(*b, s.bwd_item)
+            comm += s.fwd_item[0] + s.fwd_item[1] + s.bwd_item[0] + s.bwd_item[1]
         forward, backward = f[0] + f[1], b[0] + b[1]
     else:
         forward = sum(s.fwd for s in steps)
@@ -198,7 +198,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     memory["total"] = sum(parts)
     stages: list[list[str]] = []
     for i, s in enumerate(steps):
-        if not stages or s.f4[0] > 0.0 or s.f4[1] > 0.0:
+        if not stages or s.fwd_item[0] > 0.0 or s.fwd_item[1] > 0.0:
             stages.append([])
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from hidup.codegen.grads import GradBucketer
 from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_copy_sums, using_group
 from hidup.copies import copy_axis
 from hidup.ir import GRAD_BUCKET_MB
+from hidup.optionset import OptionSet
 
 __all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
 
@@ -193,7 +194,7 @@ def _positional(model: nn.Module, example_inputs) -> list:
 
 
 @dataclass(frozen=True)
-class CompileOptions:
+class CompileOptions(OptionSet):
     """How a rank program is built and run (:func:`compile` takes them as keywords too).
 
     ``local_batch``: the inputs given at run time are this rank's slice, not the global batch.
@@ -214,16 +215,7 @@ class CompileOptions:
     streams: bool | None = None
     copy_groups: tuple | None = None
     compile: bool | str = False
-
-    @classmethod
-    def of(cls, options: "CompileOptions | None" = None, **changes) -> "CompileOptions":
-        """``options`` (or the defaults) with ``changes``; an unknown name is a TypeError naming the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise TypeError(f"compile: unknown option(s) {', '.join(unknown)}; the options are "
-                            f"{', '.join(sorted(known))}")
-        return replace(options or cls(), **changes)
+    WHAT = "compile"
 
 
 def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None,  # noqa: A001

@@ -22,10 +22,11 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
+from hidup.optionset import OptionSet
 from hidup.search import dp, ilp
 from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
@@ -59,7 +60,7 @@ def _progress_fn(progress, label: str):
 
 
 @dataclass(frozen=True)
-class SearchOptions:
+class SearchOptions(OptionSet):
     """What a search optimizes and how far it looks (:func:`search` takes them as keywords too).
 
     ``algorithm`` ``"dp"`` or ``"ilp"``; ``duplication`` whether duplicated plans are considered;
@@ -85,18 +86,7 @@ class SearchOptions:
     time_limit: float | None = ilp.DEFAULT_TIME_LIMIT
     explain: int = 6
     cuda_graphs: bool = True
-
-    @classmethod
-    def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":
-        """``options`` (or the defaults) with ``changes``; an unknown name is a TypeError naming the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise TypeError(f"search: unknown option(s) {', '.join(unknown)}; the options are "
-                            f"{', '.join(sorted(known))}")
-        opts = replace(options or cls(), **changes)
-        opts.check()
-        return opts
+    WHAT = "search"
 
     def check(self) -> None:
         if self.algorithm not in ("dp", "ilp"):

@@ -21,11 +21,15 @@ function               forward                          backward                
 ``slice(x, d)``        ``x_r``                          zero-pad the local slice          full→gather
 ``zero_pad(x, d)``     slice placed in zeros            ``g_r`` (slice)                   gather→reduce
 ``keep_rank0``         ``x`` on rank 0, zeros elsewhere same mask                         full→reduce
-``replicate``          identity                         all-reduce                        replicate→full
+``replicate``          identity                         ``grad_sync``: all-reduce         replicate→full
 =====================  ===============================  ================================  ===========
 
-``replicate -> reduce`` (keep on rank 0) has the identity as its backward: the table's
-``all_reduce(keep_rank0(g))`` equals ``g`` because a ``reduce`` gradient is already exact everywhere.
+Every op is an entry of :data:`hidup.ir.FORM_CHANGE_OPS`; :func:`apply_op` runs it from one table
+of implementations that must name exactly those ops.  A replicated parameter converts like a
+``full`` tensor forward (``identity``, ``slice``, ``keep_rank0``) and its backward is ``grad_sync``:
+the forward op's adjoint, then the sum over ranks.  In a rank program replicated parameters enter
+as ``full`` tensors and the gradient bucketer (:mod:`hidup.codegen.grads`) takes that sum once per
+backward; :func:`replicate` and :func:`convert` run it at once.
 
 :func:`convert` applies :func:`hidup.ir.conversion` for any pair of forms.  Collectives move the
 sharded dim to the front and make it contiguous, so any dim and any memory layout works; outputs
@@ -40,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hidup.ir import FULL, REDUCE, Form, conversion, gather
+from hidup.ir import FORM_CHANGE_OPS, FULL, REDUCE, Form, conversion, gather
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_pad", "keep_rank0",
@@ -216,34 +220,68 @@ def _all_to_all(x, src_dim, dst_dim, group):
     return torch.cat(parts, dim=src_dim)
 
 
+def _keep_rank0(x, frm, to, group):
+    return x if rank_of(group) == 0 else torch.zeros_like(x)
+
+
+def _slice_op(x, frm, to, group):
+    if not to.is_gather:
+        raise ValueError(f"slice needs a gather target form, got {frm} -> {to}")
+    n = world_of(group)
+    return x if n == 1 else _slice(x, to.dim, rank_of(group), n)
+
+
+def _zero_pad_op(x, frm, to, group):
+    if not frm.is_gather:
+        raise ValueError(f"zero_pad needs a gather source form, got {frm} -> {to}")
+    n = world_of(group)
+    return x if n == 1 else _zero_pad(x, frm.dim, rank_of(group), n)
+
+
+def _all_gather_op(x, frm, to, group):
+    if not frm.is_gather:
+        raise ValueError(f"all_gather needs a gather source form, got {frm} -> {to}")
+    _check_dim(x, frm.dim, "all_gather")
+    return _from_front(gather_raw(_to_front(x, frm.dim), group), frm.dim)
+
+
+def _reduce_scatter_op(x, frm, to, group):
+    if not to.is_gather:
+        raise ValueError(f"reduce_scatter needs a gather target form, got {frm} -> {to}")
+    _check_dim(x, to.dim, "reduce_scatter")
+    return _from_front(reduce_scatter_raw(_to_front(x, to.dim), group), to.dim)
+
+
+def _grad_sync(x, frm, to, group):
+    """The backward of a replicated parameter's conversion ``to -> frm`` (``frm`` is the form of the
+    gradient it receives): the adjoint of the forward op, then the sum over ranks."""
+    return all_reduce_raw(apply_op(conversion(to, frm).backward_local, x, frm, to, group), group)
+
+
+# The implementation of every op of hidup.ir.FORM_CHANGE_OPS: fn(x, frm, to, group), no autograd.
+_RUN = {
+    "identity": lambda x, frm, to, group: x,
+    "slice": _slice_op,
+    "zero_pad": _zero_pad_op,
+    "keep_rank0": _keep_rank0,
+    "all_gather": _all_gather_op,
+    "reduce_scatter": _reduce_scatter_op,
+    "all_reduce": lambda x, frm, to, group: all_reduce_raw(x, group),
+    "all_to_all": lambda x, frm, to, group: _all_to_all(x, frm.dim, to.dim, group),
+    "grad_sync": _grad_sync,
+}
+if set(_RUN) != set(FORM_CHANGE_OPS):
+    raise AssertionError(f"codegen implements {sorted(_RUN)}, the IR declares {sorted(FORM_CHANGE_OPS)}")
+
+
 def apply_op(op: str, x: torch.Tensor, frm: Form, to: Form, group=None) -> torch.Tensor:
-    """Run the conversion op named ``op`` (see :class:`hidup.ir.Conversion`) on ``x``, moving it
+    """Run the form-change op named ``op`` (:data:`hidup.ir.FORM_CHANGE_OPS`) on ``x``, moving it
     from form ``frm`` to form ``to`` (no autograd).  The sharded dim is the one of whichever side
     is a gather form."""
-    n, r = world_of(group), rank_of(group)
-    if op == "identity":
-        return x
-    if op in ("keep_rank0", "local"):
-        return x if r == 0 else torch.zeros_like(x)
-    if op == "all_reduce":
-        return all_reduce_raw(x, group)
-    if op == "all_to_all":
-        return _all_to_all(x, frm.dim, to.dim, group)
-    if op in ("slice", "reduce_scatter"):
-        if not to.is_gather:
-            raise ValueError(f"{op} needs a gather target form, got {frm} -> {to}")
-        if op == "slice":
-            return x if n == 1 else _slice(x, to.dim, r, n)
-        _check_dim(x, to.dim, "reduce_scatter")
-        return _from_front(reduce_scatter_raw(_to_front(x, to.dim), group), to.dim)
-    if op in ("zero_pad", "all_gather"):
-        if not frm.is_gather:
-            raise ValueError(f"{op} needs a gather source form, got {frm} -> {to}")
-        if op == "zero_pad":
-            return x if n == 1 else _zero_pad(x, frm.dim, r, n)
-        _check_dim(x, frm.dim, "all_gather")
-        return _from_front(gather_raw(_to_front(x, frm.dim), group), frm.dim)
-    raise ValueError(f"unknown conversion op {op!r}")
+    run = _RUN.get(op)
+    if run is None:
+        raise ValueError(f"unknown conversion op {op!r}")
+    return run(x, frm, to, group)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,8 +299,6 @@ class _Convert(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         fwd, bwd, src, dst, group = ctx.spec
-        if bwd == "local":  # the adjoint of the local forward op
-            bwd = fwd
         out = apply_op(bwd, grad, dst, src, group)
         return out, None, None, None, None, None
 
@@ -307,13 +343,13 @@ def zero_pad(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 def keep_rank0(x: torch.Tensor, group=None) -> torch.Tensor:
     """``full -> reduce``: rank 0 keeps the value, the others hold zeros; backward is the same mask."""
-    return _convert_op(x, "keep_rank0", "local", FULL, REDUCE, group)
+    return _convert_op(x, "keep_rank0", "keep_rank0", FULL, REDUCE, group)
 
 
 def replicate(x: torch.Tensor, group=None) -> torch.Tensor:
     """``replicate -> full``: identity forward; backward all-reduces, giving every rank the exact
     gradient of the replicated parameter."""
-    return _convert_op(x, "identity", "all_reduce", Form("replicate"), FULL, group)
+    return _convert_op(x, "identity", "grad_sync", Form("replicate"), FULL, group)
 
 
 def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:
@@ -323,9 +359,4 @@ def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:
     if conv is None:
         raise ValueError(f"no conversion from form {src} to form {dst}; "
                          f"only parameters produce 'replicate' and nothing converts into it")
-    backward = conv.backward
-    if src.kind == "replicate" and dst.kind == "reduce":
-        # The table's backward is all-reduce(keep_rank0(g)); a reduce-form gradient g is already
-        # exact and identical on every rank, so that composition is the identity: skip the traffic.
-        backward = "identity"
-    return _convert_op(x, conv.forward, backward, src, dst, group)
+    return _convert_op(x, conv.forward, conv.backward, src, dst, group)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from hidup.codegen import collectives
-from hidup.ir import Form, conversion
+from hidup.ir import FORM_CHANGE_OPS, Form, conversion
 
 __all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module"]
 
@@ -113,22 +113,20 @@ def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_op(src: Form, dst: Form) -> str:
-    conv = conversion(src, dst)
-    if src.kind == "replicate" and dst.kind == "reduce":
-        return "identity"  # as collectives.convert: a reduce gradient is already exact on every rank
-    return conv.forward if conv.backward == "local" else conv.backward
+    return conversion(src, dst).backward
 
 
 def _shape_after(op: str, shape: list[int], frm: Form, to: Form, n: int) -> list[int]:
+    """The local shape after form-change op ``op`` (its ``resizes`` in :data:`hidup.ir.FORM_CHANGE_OPS`)."""
     shape = list(shape)
-    if n == 1:
+    if op == "grad_sync":  # the local op of a replicated parameter's backward (to -> frm forward)
+        op = conversion(to, frm).backward_local
+    resizes = FORM_CHANGE_OPS[op].resizes
+    if n == 1 or not resizes or (resizes == "move" and frm.dim == to.dim):
         return shape
-    if op in ("slice", "reduce_scatter"):
-        shape[to.dim] //= n
-    elif op in ("zero_pad", "all_gather"):
+    if resizes in ("join_src", "move"):
         shape[frm.dim] *= n
-    elif op == "all_to_all" and frm.dim != to.dim:
-        shape[frm.dim] *= n
+    if resizes in ("split_dst", "move"):
         shape[to.dim] //= n
     return shape
 

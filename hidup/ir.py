@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 __all__ = [
-    "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion",
+    "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion", "FormChangeOp", "FORM_CHANGE_OPS",
+    "FORM_CHANGES",
     "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES", "GRAD_BUCKET_MB",
 ]
 
@@ -116,13 +117,65 @@ def gather(dim: int) -> Form:
 
 
 @dataclass(frozen=True)
-class Conversion:
-    """A form change: the op run forward and the op its backward amounts to.
+class FormChangeOp:
+    """One op a form change runs, forward or backward: an entry of :data:`FORM_CHANGE_OPS`, the one
+    registry that the IR (:func:`conversion`), codegen (:func:`hidup.codegen.collectives.apply_op`,
+    the compiled program's shapes) and the cost model (its communication and memory copies) read.
 
-    Ops: ``identity``, ``slice`` (take this rank's slice), ``zero_pad`` (place the local slice in a
-    zero tensor), ``keep_rank0`` (rank 0 keeps the value, the others hold zeros), ``local``
-    (whatever the local autograd does, no communication), or one of :data:`COLLECTIVES`.
-    """
+    ``collective`` is the collective it runs (``""``: a local op).  ``resizes`` says how the local
+    shape changes, ``src`` and ``dst`` being the forms before and after the op: ``"split_dst"`` (dst's
+    gather dim shrinks N-fold), ``"join_src"`` (src's gather dim grows N-fold), ``"move"`` (both)
+    or ``""`` (unchanged).  ``adjoint`` is the op that is its adjoint, which the backward of a form
+    change runs (``grad_sync`` runs the forward op's adjoint, then sums over ranks)."""
+
+    name: str
+    collective: str
+    resizes: str
+    adjoint: str
+    meaning: str
+
+
+FORM_CHANGE_OPS: dict[str, FormChangeOp] = {op.name: op for op in (
+    FormChangeOp("identity", "", "", "identity", "the tensor as it is"),
+    FormChangeOp("slice", "", "split_dst", "zero_pad", "take this rank's slice along dst's gather dim"),
+    FormChangeOp("zero_pad", "", "join_src", "slice", "place the local slice in a zero tensor of the whole shape"),
+    FormChangeOp("keep_rank0", "", "", "keep_rank0", "rank 0 keeps the value, the others hold zeros (its own adjoint)"),
+    FormChangeOp("all_gather", "all_gather", "join_src", "reduce_scatter",
+                 "concatenate the ranks' slices"),
+    FormChangeOp("reduce_scatter", "reduce_scatter", "split_dst", "all_gather",
+                 "sum over ranks, keep this rank's slice"),
+    FormChangeOp("all_reduce", "all_reduce", "", "all_reduce", "sum over ranks"),
+    FormChangeOp("all_to_all", "all_to_all", "move", "all_to_all", "re-slice from src's gather dim to dst's"),
+    FormChangeOp("grad_sync", "all_reduce", "", "",
+                 "the backward of a replicated parameter's use: the adjoint of the forward op, then the sum "
+                 "over ranks; in a rank program the gradient bucketer sums each parameter's accumulated "
+                 "gradient once per backward (hidup.codegen.grads)"),
+)}
+
+# Form changes by (source kind, destination kind): (forward op, backward op).  A replicated
+# parameter enters a rank program as its whole (``full``) value, so it converts like a ``full``
+# tensor forward, and its backward is ``grad_sync``.
+FORM_CHANGES: dict[tuple[str, str], tuple[str, str]] = {
+    ("full", "gather"): ("slice", "zero_pad"),
+    ("full", "reduce"): ("keep_rank0", "keep_rank0"),
+    ("gather", "full"): ("all_gather", "reduce_scatter"),
+    ("gather", "gather"): ("all_to_all", "all_to_all"),
+    ("gather", "reduce"): ("zero_pad", "slice"),
+    ("reduce", "full"): ("all_reduce", "all_reduce"),
+    ("reduce", "gather"): ("reduce_scatter", "all_gather"),
+    ("replicate", "full"): ("identity", "grad_sync"),
+    ("replicate", "gather"): ("slice", "grad_sync"),
+    ("replicate", "reduce"): ("keep_rank0", "grad_sync"),
+}
+for _fwd, _bwd in FORM_CHANGES.values():  # every backward is its forward's adjoint, or a gradient sum
+    if _bwd not in (FORM_CHANGE_OPS[_fwd].adjoint, "grad_sync"):
+        raise AssertionError(f"form change {_fwd} -> backward {_bwd} is not its adjoint")
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A form change: the op run forward and the op its backward runs (names of
+    :data:`FORM_CHANGE_OPS`)."""
 
     src: Form
     dst: Form
@@ -132,37 +185,30 @@ class Conversion:
     @property
     def collectives(self) -> tuple[str, str]:
         """(forward, backward) collective names, ``""`` where no communication happens."""
-        f = self.forward if self.forward in COLLECTIVES else ""
-        b = self.backward if self.backward in COLLECTIVES else ""
-        return f, b
+        return FORM_CHANGE_OPS[self.forward].collective, FORM_CHANGE_OPS[self.backward].collective
 
     @property
     def free(self) -> bool:
         return self.collectives == ("", "")
 
+    @property
+    def backward_local(self) -> str:
+        """The local op of the backward: the backward itself, or for ``grad_sync`` the forward's adjoint."""
+        return FORM_CHANGE_OPS[self.forward].adjoint if self.backward == "grad_sync" else self.backward
+
+    @property
+    def grad_sync(self) -> bool:
+        """The backward is a replicated parameter's gradient sum (bucketed, asynchronous)."""
+        return self.backward == "grad_sync"
+
 
 def conversion(src: Form, dst: Form) -> Conversion | None:
-    """How to turn a tensor in form ``src`` into form ``dst``; ``None`` when it cannot be done.
-
-    ``dst`` is never ``replicate`` (only a parameter produces it) except for ``src == dst``.
-    """
+    """How to turn a tensor in form ``src`` into form ``dst`` (:data:`FORM_CHANGES`); ``None`` when
+    it cannot be done.  ``dst`` is never ``replicate`` (only a parameter produces it) except for
+    ``src == dst``."""
     if src == dst:
         return Conversion(src, dst, "identity", "identity")
-    if dst.kind == "replicate":
-        return None
-    table = {
-        ("full", "gather"): ("slice", "zero_pad"),
-        ("full", "reduce"): ("keep_rank0", "local"),
-        ("gather", "full"): ("all_gather", "reduce_scatter"),
-        ("gather", "gather"): ("all_to_all", "all_to_all"),
-        ("gather", "reduce"): ("zero_pad", "slice"),
-        ("reduce", "full"): ("all_reduce", "all_reduce"),
-        ("reduce", "gather"): ("reduce_scatter", "all_gather"),
-        ("replicate", "full"): ("identity", "all_reduce"),
-        ("replicate", "gather"): ("slice", "all_gather"),
-        ("replicate", "reduce"): ("keep_rank0", "all_reduce"),
-    }
-    ops = table.get((src.kind, dst.kind))
+    ops = FORM_CHANGES.get((src.kind, dst.kind))
     return Conversion(src, dst, *ops) if ops else None
 
 

@@ -56,9 +56,11 @@ Each is added to the compute of the consumer that pays the conversion (``ConvCos
 of ``fwd``/``bwd``).  Per duplicated copy a batch-dependent tensor copies half as many bytes (one
 fixed cost ``o`` each); a batch-independent one copies the whole tensor in each copy.
 
-Gradient all-reduce of a ``replicate`` parameter (``replicate -> full``, backward)
------------------------------------------------------------------------------------
-The runtime does not all-reduce each such gradient on its own: it packs them into buckets of
+Gradient all-reduce of a ``replicate`` parameter (``grad_sync``, the backward of ``replicate -> *``)
+-----------------------------------------------------------------------------------------------------
+A replicated parameter enters the rank program whole and converts like a ``full`` tensor; its
+backward runs the forward op's adjoint (``zero_pad`` after a ``slice``: its copies as above) and
+then the sum over ranks.  The runtime does not all-reduce each such gradient on its own: it packs them into buckets of
 ``bucket_mb`` MB (:mod:`hidup.codegen.grads`, as DDP does) and all-reduces whole buckets.  A
 parameter of ``b`` bytes is charged its share of one bucket::
 
@@ -68,9 +70,9 @@ so the step pays one latency ``alpha`` per bucket, not per parameter, at the ban
 bucket-sized message (a parameter larger than a bucket gets a bucket of its own: ``G(b) = T(b)``;
 a model smaller than one bucket syncs in one message).  The share is node-local, so the DP sums it
 like any other cost; only the last, partly filled bucket is priced as if it were full.  Packing
-the gradient into its bucket and copying the sum back costs the compute stream
-``g + 4 b / memory_bandwidth`` (``g`` the profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`),
-once per step (with duplication: in copy A's item).
+the gradient into its bucket costs the compute stream ``g + 2 b / memory_bandwidth`` (``g`` the
+profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`; the sum is not copied back: the gradient
+becomes a view of the bucket), once per step (with duplication: in copy A's item).
 
 Duplication (two half-batch copies A and B)
 -------------------------------------------
@@ -103,7 +105,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hidup.ir import DTYPE_BYTES, GRAD_BUCKET_MB, Conversion, Form, Graph, Node, Signature, Tensor, conversion
+from hidup.ir import (
+    DTYPE_BYTES,
+    FORM_CHANGE_OPS,
+    GRAD_BUCKET_MB,
+    Conversion,
+    Form,
+    Graph,
+    Node,
+    Signature,
+    Tensor,
+    conversion,
+)
 from hidup.profiler.profile import op_dtype
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
@@ -129,7 +142,7 @@ class ConvCost:
     fB: float
     bA: float
     bB: float
-    grad_sync: bool = False  # replicate -> full: the bucketed, asynchronous gradient all-reduce (bwd)
+    grad_sync: bool = False  # replicate -> *: the bucketed, asynchronous gradient all-reduce (bwd)
     # memory copies on the compute stream (part of fwd / bwd; per copy beside fA..bB)
     lf: float = 0.0
     lb: float = 0.0
@@ -137,6 +150,48 @@ class ConvCost:
     lfB: float = 0.0
     lbA: float = 0.0
     lbB: float = 0.0
+
+
+def _copies_keep_rank0(copy, moved, frm, to, whole, part, membw, layout):
+    return copy(whole, membw, 1.0)  # the zeros written on the other ranks
+
+
+def _copies_slice(copy, moved, frm, to, whole, part, membw, layout):
+    return copy(part, layout) if moved(frm, to.dim) else 0.0
+
+
+def _copies_zero_pad(copy, moved, frm, to, whole, part, membw, layout):
+    return copy(whole, membw, 1.0) + copy(part, layout if moved(to, frm.dim) else membw)
+
+
+def _copies_all_gather(copy, moved, frm, to, whole, part, membw, layout):
+    return copy(part, layout) + copy(whole, layout) if moved(frm, frm.dim) else 0.0
+
+
+def _copies_reduce_scatter(copy, moved, frm, to, whole, part, membw, layout):
+    return copy(whole, layout) + copy(part, layout) if moved(frm, to.dim) else 0.0
+
+
+def _copies_all_to_all(copy, moved, frm, to, whole, part, membw, layout):
+    front = copy(part, layout) if moved(frm, to.dim) else 0.0
+    return front + copy(part, layout if to.dim != 0 else membw)
+
+
+# The memory copies of every local or collective op of hidup.ir.FORM_CHANGE_OPS (module docstring,
+# "Memory copies around a form change"); grad_sync's are the gradient bucket's (CostModel.grad_copies)
+# plus its local op's.
+_COPY_MODELS = {
+    "identity": lambda *args: 0.0,
+    "slice": _copies_slice,
+    "zero_pad": _copies_zero_pad,
+    "keep_rank0": _copies_keep_rank0,
+    "all_gather": _copies_all_gather,
+    "reduce_scatter": _copies_reduce_scatter,
+    "all_reduce": lambda copy, moved, frm, to, whole, part, membw, layout: copy(whole, membw),
+    "all_to_all": _copies_all_to_all,
+}
+if set(_COPY_MODELS) | {"grad_sync"} != set(FORM_CHANGE_OPS):
+    raise AssertionError(f"copy models for {sorted(_COPY_MODELS)}, the IR declares {sorted(FORM_CHANGE_OPS)}")
 
 
 class CostModel:
@@ -310,11 +365,14 @@ class CostModel:
         return self.profile.op_overhead + moved
 
     def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float) -> float:
-        """Seconds of the memory copies conversion op ``op`` makes on the compute stream turning a
-        tensor of global ``shape`` and ``nbytes`` from form ``frm`` into ``to`` (module docstring,
-        "Memory copies around a form change")."""
-        if op in ("identity", "local", ""):
+        """Seconds of the memory copies form-change op ``op`` (:data:`hidup.ir.FORM_CHANGE_OPS`)
+        makes on the compute stream turning a tensor of global ``shape`` and ``nbytes`` from form
+        ``frm`` into ``to`` (module docstring, "Memory copies around a form change")."""
+        if not op:
             return 0.0
+        model = _COPY_MODELS.get(op)
+        if model is None:
+            raise ValueError(f"no copy model for conversion op {op!r}")
         n = self.world
         membw, layout = self.profile.memory_bandwidth, self.profile.layout_rate()
 
@@ -322,29 +380,13 @@ class CostModel:
             local = form.local_shape(shape, n)
             return dim > 0 and math.prod(local[:dim]) > 1
 
-        part = nbytes / n
-        if op == "keep_rank0":
-            return self._copy(nbytes, membw, 1.0)
-        if op == "all_reduce":
-            return self._copy(nbytes, membw)
-        if op == "slice":
-            return self._copy(part, layout) if moved(frm, to.dim) else 0.0
-        if op == "zero_pad":
-            return self._copy(nbytes, membw, 1.0) + self._copy(part, layout if moved(to, frm.dim) else membw)
-        if op == "all_gather":
-            return self._copy(part, layout) + self._copy(nbytes, layout) if moved(frm, frm.dim) else 0.0
-        if op == "reduce_scatter":
-            return self._copy(nbytes, layout) + self._copy(part, layout) if moved(frm, to.dim) else 0.0
-        if op == "all_to_all":
-            front = self._copy(part, layout) if moved(frm, to.dim) else 0.0
-            return front + self._copy(part, layout if to.dim != 0 else membw)
-        raise ValueError(f"no copy model for conversion op {op!r}")
+        return model(self._copy, moved, frm, to, nbytes, nbytes / n, membw, layout)
 
     def grad_copies(self, nbytes: float) -> float:
-        """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket and
-        copying the sum back (module docstring)."""
+        """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket
+        (module docstring)."""
         membw = self.profile.memory_bandwidth
-        return self.profile.grad_copy_fixed() + (4.0 * nbytes / membw if membw > 0 else 0.0)
+        return self.profile.grad_copy_fixed() + (2.0 * nbytes / membw if membw > 0 else 0.0)
 
     def conversion_class(self, tid: int) -> tuple:
         """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
@@ -370,25 +412,24 @@ class CostModel:
             if not t.requires_grad:
                 cb = ""
             b = float(t.nbytes)
-            grad_sync = src.kind == "replicate" and dst.kind == "full"
-            bwd_op = conv.backward if conv.backward != "local" else conv.forward  # the adjoint of a local op
-            if not t.requires_grad:
-                bwd_op = ""
+            grad_sync = conv.grad_sync and t.requires_grad
+            bwd_op = conv.backward_local if t.requires_grad else ""
             fwd = self.comm(cf, b)
-            if grad_sync and cb == "all_reduce":
-                bwd, lf, lb = self.grad_sync(b), 0.0, self.grad_copies(b)
+            lf = self.local_copies(conv.forward, src, dst, t.shape, b)
+            lb = self.local_copies(bwd_op, dst, src, t.shape, b)
+            if grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
+                bwd = self.grad_sync(b)
+                lb += self.grad_copies(b)
             else:
                 bwd = self.comm(cb, b)
-                lf = self.local_copies(conv.forward, src, dst, t.shape, b)
-                lb = self.local_copies(bwd_op, dst, src, t.shape, b)
             if batch:
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
                 lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b / 2)
                 lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b / 2)
-            elif grad_sync:
-                fA, fB, bA, bB = fwd, 0.0, bwd, 0.0
-                lfA, lfB, lbA, lbB = lf, 0.0, lb, 0.0
+            elif grad_sync:  # each copy runs the local forward op; the gradient is summed once, after both
+                fA, fB, bA, bB = fwd, fwd, bwd, 0.0
+                lfA, lfB, lbA, lbB = lf, lf, lb, 0.0
             else:
                 fA = fB = fwd / self.pair_speedup(cf, b)
                 bA = bB = bwd / self.pair_speedup(cb, b)

@@ -24,7 +24,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hidup.ir import COLLECTIVES, Form, Graph, Signature
+from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Signature
 from hidup.search.problem import block_label
 
 __all__ = ["Plan", "ConversionRecord", "PlanError", "PLAN_VERSION", "READABLE_VERSIONS", "layer_of", "model_record"]
@@ -111,7 +111,14 @@ class ConversionRecord:
     @property
     def comm_bytes(self) -> int:
         """Bytes moved by collectives (forward plus backward when it runs)."""
-        return self.bytes * ((self.forward in COLLECTIVES) + (self.grad and self.backward in COLLECTIVES))
+        return self.bytes * (_communicates(self.forward) + (self.grad and _communicates(self.backward)))
+
+
+def _communicates(op: str) -> bool:
+    """Whether form-change op ``op`` runs a collective (plans saved earlier may name a collective
+    or ``local``, which is not in the registry)."""
+    known = FORM_CHANGE_OPS.get(op)
+    return bool(known.collective) if known is not None else op in COLLECTIVES
 
 
 @dataclass

@@ -251,13 +251,13 @@ def test_hand_computed_data_parallel_cost():
     assert plan.choices["output"].inputs == (REDUCE,)
     f = 2 * 8 * 16 * 32
     compute = 3 * (f / 4) / 51e12 + 3 * 64 / 51e12  # forward + 2x backward of linear and sum
-    # replicate -> full: backward all-reduce, timed from the fitted tables the cost model reads
+    # replicate -> full: the gradient sum (an all-reduce), timed from the fitted tables the cost model reads
     grad_sync = NVLINK.fitted().comm_time("all_reduce", 4, 32 * 16 * 4)
     assert plan.predicted["total"] == pytest.approx(compute + grad_sync)
     assert plan.predicted["comm"] == pytest.approx(grad_sync)
     (conv,) = plan.conversions
     assert (conv.producer, conv.consumer, conv.src, conv.dst, conv.forward, conv.backward) == \
-        ("w", "lin", REPLICATE, FULL, "identity", "all_reduce")
+        ("w", "lin", REPLICATE, FULL, "identity", "grad_sync")
     assert plan.memory["params"] == 32 * 16 * 4 and plan.memory["optimizer"] == 2 * 32 * 16 * 4
     assert plan.memory["inputs"] == 8 * 16 * 4 / 4
 

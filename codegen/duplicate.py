@@ -25,6 +25,7 @@ stream of its forward op, so the backward interleaves the same way.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx
@@ -164,7 +165,7 @@ class StagedCopies:
                     elif node.op == "call_function":
                         env[node] = node.target(*args, **kwargs)
                     elif node.op == "get_attr":
-                        env[node] = _fetch(self.split, node.target)
+                        env[node] = operator.attrgetter(node.target)(self.split)
                     else:
                         raise RuntimeError(f"unexpected node {node.op} in the staged program")
         if self.cuda:
@@ -173,10 +174,3 @@ class StagedCopies:
             for c in (0, 1):
                 results[c].record_stream(main)
         return results[0] + results[1]
-
-
-def _fetch(module, path: str):
-    obj = module
-    for atom in path.split("."):
-        obj = getattr(obj, atom)
-    return obj

@@ -48,7 +48,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
-__all__ = ["GraphedStep", "graphed_step", "GraphCaptureError", "median_seconds", "max_over_ranks"]
+from hidup.codegen.timing import max_over_ranks, median_seconds
+
+__all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
 
 
 class GraphCaptureError(RuntimeError):
@@ -239,36 +241,6 @@ def fused_adam(params, lr: float, device: torch.device, **kwargs) -> torch.optim
         return torch.optim.Adam(params, lr=lr, fused=True, capturable=capturable, **kwargs)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
         return torch.optim.Adam(params, lr=lr, foreach=True, capturable=capturable, **kwargs)
-
-
-def median_seconds(fn, device: torch.device, trials: int) -> float:
-    """Median wall seconds of ``trials`` calls of ``fn``, each between device synchronizations."""
-    import statistics
-    import time
-
-    cuda = torch.device(device).type == "cuda"
-    times = []
-    for _ in range(trials):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def max_over_ranks(values: list[float], group, device: torch.device) -> list[float]:
-    """Each value's maximum over the ranks of ``group`` (``values`` as is without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    on = device if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def graphed_step(module: nn.Module, example_inputs, **kwargs) -> GraphedStep:

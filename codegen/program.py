@@ -292,7 +292,7 @@ class _Builder:
         if logical is None:
             raise CompileError(f"param node {node.name} has no parameter name in the trace")
         original = self.traced.gm.get_parameter(logical) if node.target == "parameter" else \
-            _get_attr_path(self.traced.gm, logical)
+            operator.attrgetter(logical)(self.traced.gm)
         if form.kind == "reduce":
             raise CompileError(f"plan stores parameter {logical} in form reduce; parameters are stored "
                                f"replicate or gather_d. Fix: search again")
@@ -399,11 +399,6 @@ def _count_meta(value) -> int:
     return len(_leaves(value, TensorMeta))
 
 
-def _get_attr_path(module: nn.Module, path: str):
-    obj = module
-    for atom in path.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.device | str = "cpu",

@@ -27,7 +27,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hidup.codegen.graphs import GraphedStep, max_over_ranks, median_seconds
+from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.timing import Stopwatch, max_over_ranks, median_seconds
 
 __all__ = ["choose_duplication", "time_modes", "choose_compile", "compile_step"]
 
@@ -142,24 +143,17 @@ def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) 
     captured step runs (weight-cast cache off), so the steps that follow find the compiled graphs their
     guards accept.  Every rank of the module's group calls it."""
     import contextlib
-    import time
 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype else \
-        contextlib.nullcontext()
-    with cast:
-        loss = module(*inputs)
-    loss.backward()
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
+    with Stopwatch(device) as watch:
+        cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype \
+            else contextlib.nullcontext()
+        with cast:
+            loss = module(*inputs)
+        loss.backward()
     for p in module.parameters():
         p.grad = None
-    return seconds
+    return watch.seconds
 
 
 def choose_compile(module, example_inputs, *, group=None, cuda_graphs: bool = True, autocast_dtype=None,

@@ -40,6 +40,8 @@ from hidup.runtime.options import (
 # --------------------------------------------------------------------------------------------- search
 
 def _search_parser(sub) -> None:
+    from hidup.profiler.profile import DTYPES
+
     p = sub.add_parser("search", help="search a parallelization plan for a model",
                        description="Trace a model (zoo or package.module:function), search the fastest "
                        "per-op sharding for a world size under a machine profile, print the plan summary and save "
@@ -52,7 +54,7 @@ def _search_parser(sub) -> None:
     p.add_argument("--memory", type=float, default=None, metavar="GB",
                    help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)")
     _add_time_limit_flag(p)
-    p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=DTYPES, default="fp32",
                    help="compute precision assumed by the cost model (default fp32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "

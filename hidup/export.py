@@ -175,8 +175,7 @@ def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: li
                 attrs[path] = model_state.get(path, lifted_values.get(spec.target))
                 env[n] = graph.get_attr(path)
             elif n.op == "get_attr":
-                obj = source.get_submodule(n.target) if isinstance(_attr(source, n.target), nn.Module) \
-                    else _attr(source, n.target)
+                obj = operator.attrgetter(n.target)(source)
                 if isinstance(obj, torch.fx.GraphModule):
                     env[n] = obj
                     continue
@@ -247,10 +246,3 @@ def _functionalize(graph: torch.fx.Graph) -> None:
             if user is not n and order[user] > order[n]:
                 user.replace_input_with(target, n)
         n.target = functional
-
-
-def _attr(module: nn.Module, path: str) -> Any:
-    obj: Any = module
-    for atom in path.split("."):
-        obj = getattr(obj, atom)
-    return obj

@@ -211,9 +211,7 @@ class _Builder:
         self.out.tensor_ids[n.name] = [ref.tid]
 
     def _add_get_attr(self, n: torch.fx.Node, value: Any) -> None:
-        obj = self.gm
-        for atom in str(n.target).split("."):
-            obj = getattr(obj, atom)
+        obj = operator.attrgetter(str(n.target))(self.gm)
         if not isinstance(obj, torch.Tensor):
             return self._constant(n, value)
         ref = self.attr_node(obj, n.name, str(n.target), n)

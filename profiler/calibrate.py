@@ -211,9 +211,10 @@ def _time_step(name: str, overrides: dict, world_size: int, device: torch.device
     :class:`TwoCopies` (the Adam step is then not timed: 0.0)."""
     import hidup.models
     from hidup.codegen.graphs import GraphedStep
+    from hidup.codegen.timing import time_call
     from hidup.runtime.data import rank_share
 
-    from .device import tf32, time_call
+    from .device import tf32
 
     model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
     model = model.to(device)

@@ -54,9 +54,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hidup.codegen.timing import Timer, max_over_ranks
 from hidup.ir import COLLECTIVES
-
-from .device import Timer
 
 __all__ = ["CommCurve", "fit_alpha", "monotone", "default_comm_sizes", "default_group_sizes", "time_collective",
            "profile_collectives", "collective_call"]
@@ -172,12 +171,6 @@ def collective_call(op: str, numel: int, group, g: int, device: torch.device,
     return lambda: dist.all_to_all_single(out, part, group=group, async_op=async_op)
 
 
-def _world_max(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _barrier(device: torch.device) -> None:
     """A world barrier that works on every backend: a tiny all-reduce, waited for."""
     t = torch.zeros(1, device=device)
@@ -213,7 +206,7 @@ def _sampled(fns: list[Callable[[], object]], timer: "Timer", device: torch.devi
     for fn in fns:
         _barrier(device)
         trials.append(timer.measure(fn, 1))
-    trials = [max(t, 1e-6) for t in _world_max(trials, device)]
+    trials = [max(t, 1e-6) for t in max_over_ranks(trials, None, device)]
     ks = [max(1, min(int(math.ceil(sample_s / t)), 1000)) for t in trials]
     per_round = sum(k * t for k, t in zip(ks, trials)) + 1e-4 * len(fns)
     n_samples = int(min(max_samples, max(min_samples, budget_s // per_round)))
@@ -222,7 +215,7 @@ def _sampled(fns: list[Callable[[], object]], timer: "Timer", device: torch.devi
         for j in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):
             _barrier(device)
             local[j].append(timer.measure(fns[j], ks[j]) / ks[j])
-    return [_world_max(samples, device) for samples in local]
+    return [max_over_ranks(samples, None, device) for samples in local]
 
 
 def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *, member: bool = True,

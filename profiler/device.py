@@ -31,29 +31,27 @@ graph; the bytes are priced at the memory bandwidth.
 
 Timing
 ------
-CUDA events on a GPU (kernels are asynchronous; the events bracket ``k`` launches and we
-synchronize once), ``time.perf_counter`` on a CPU.  ``warmup`` untimed calls come first (kernel
-selection, cuBLAS workspaces, page faults).  ``k`` is chosen from one trial call so that one sample
-lasts about ``sample_s`` seconds; the number of samples is bounded by ``budget_s`` per size.
+:func:`hidup.codegen.timing.time_call`: CUDA events on a GPU (kernels are asynchronous; the events
+bracket ``k`` launches and we synchronize once), ``time.perf_counter`` on a CPU, after ``warmup``
+untimed calls; the median over samples bounded by ``budget_s`` per size.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["DTYPES", "MatmulRate", "Timer", "time_call", "matmul_rate", "device_rates",
+from hidup.codegen.timing import time_call
+from hidup.profiler.profile import DTYPES
+
+__all__ = ["MatmulRate", "matmul_rate", "device_rates",
            "memory_bandwidth", "layout_bandwidth", "grad_copy_overhead", "default_matmul_sizes", "torch_dtype"]
 
-# Compute dtypes of a profile (hidup.profiler.profile.DTYPES); "tf32" means float32 tensors with
-# TF32 matmuls enabled.
-DTYPES = ("fp32", "tf32", "bf16", "fp16")
+# The compute dtypes are a profile's (DTYPES); "tf32" means float32 tensors with TF32 matmuls enabled.
 _ALIASES = {"float32": "fp32", "float": "fp32", "tfloat32": "tf32", "bfloat16": "bf16",
             "float16": "fp16", "half": "fp16"}
 _STORAGE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,57 +82,6 @@ def tf32(enabled: bool) -> Iterator[None]:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_mm
         torch.backends.cudnn.allow_tf32 = old_cudnn
-
-
-class Timer:
-    """Wall time of a block of device work: CUDA events on a GPU, ``perf_counter`` on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def measure(self, fn: Callable[[], object], iters: int) -> float:
-        """Seconds for ``iters`` back-to-back calls of ``fn`` (device work included)."""
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return time.perf_counter() - t0
-
-
-def time_call(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 2,
-              sample_s: float = 0.01, budget_s: float = 0.2, min_samples: int = 3,
-              max_samples: int = 50) -> float:
-    """Median seconds per call of ``fn``, bounded to about ``budget_s`` seconds of timing.
-
-    One trial call fixes ``k`` (calls per sample, so that a sample lasts ``~sample_s``); samples are
-    taken until ``budget_s`` is spent (at least ``min_samples``, at most ``max_samples``).
-    """
-    timer = Timer(torch.device(device))
-    for _ in range(max(warmup, 0)):
-        fn()
-    timer.sync()
-    trial = max(timer.measure(fn, 1), 1e-7)
-    k = max(1, min(int(sample_s / trial), 10_000))
-    samples: list[float] = []
-    t_start = time.perf_counter()
-    while len(samples) < max_samples:
-        samples.append(timer.measure(fn, k) / k)
-        if len(samples) >= min_samples and time.perf_counter() - t_start >= budget_s:
-            break
-    return statistics.median(samples)
 
 
 @dataclass

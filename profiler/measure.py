@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hidup.codegen.timing import max_over_ranks
+from hidup.profiler.profile import DTYPES
+
 from .calibrate import measure_model_ops, program_scales
 
 if TYPE_CHECKING:
@@ -48,13 +51,10 @@ __all__ = ["profile_machine", "measure_model_ops", "write_profile", "comm_tables
 
 
 def _rates_agreed(rates: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Minimum over ranks of each rate (the slowest device bounds a synchronous step)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return rates
+    """Minimum over ranks of each rate (the slowest device bounds a synchronous step): minus the
+    maximum of the negated rates, which is exact."""
     keys = sorted(rates)
-    t = torch.tensor([rates[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, (-r for r in max_over_ranks([-rates[k] for k in keys], None, device))))
 
 
 def _device_name(device: torch.device) -> str:
@@ -110,7 +110,7 @@ def comm_tables(curves) -> dict[str, dict[int, "CommTable"]]:
 
 
 def profile_machine(world: int | None = None, sizes: list[int] | None = None,
-                    dtypes: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16"), progress: bool = True, *,
+                    dtypes: tuple[str, ...] = DTYPES, progress: bool = True, *,
                     device: torch.device | str | None = None, out: str | Path | None = None,
                     name: str | None = None, quick: bool = False, merge=None,
                     matmul_sizes: tuple[int, ...] | None = None, group_sizes: list[int] | None = None,
@@ -167,15 +167,13 @@ def write_profile(prof, raw: dict, out: str | Path) -> Path:
     """Write the profile JSON to ``out`` and the raw measurements to ``<out stem>.raw.json``."""
     import json
 
+    from hidup.files import atomic_write
     from hidup.profiler.profile import save
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save(prof, out)
-    raw_path = out.with_name(out.stem + ".raw.json")
-    tmp = raw_path.with_name(raw_path.name + ".tmp")
-    tmp.write_text(json.dumps(raw, indent=1) + "\n")
-    tmp.replace(raw_path)
+    atomic_write(out.with_name(out.stem + ".raw.json"), json.dumps(raw, indent=1) + "\n")
     return out
 
 

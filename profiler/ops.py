@@ -43,9 +43,8 @@ from typing import Any, Mapping
 import torch
 from torch.fx.node import map_aggregate
 
+from hidup.codegen.timing import Stopwatch, time_call
 from hidup.ir import Graph, Signature
-
-from .device import time_call
 
 __all__ = ["time_ops", "model_op_times", "node_signatures"]
 
@@ -208,13 +207,10 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
     fn = _bind(rules, ctx, sig, inputs)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    first = time.perf_counter() - t0
-    if first > max_op_s:
-        return f"one forward took {first:.2f} s > max_op_s={max_op_s} s"
+    with Stopwatch(device) as first:
+        out = fn()
+    if first.seconds > max_op_s:
+        return f"one forward took {first.seconds:.2f} s > max_op_s={max_op_s} s"
     wrt = [t for t in inputs if t.requires_grad]
     outs = [o for o in _flat_tensors(out) if o.requires_grad and o.is_floating_point()]
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)

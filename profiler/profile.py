@@ -102,6 +102,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from hidup.files import atomic_write
+
 from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
 
 __all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
@@ -477,9 +479,5 @@ def load(name_or_path: str | Path) -> Profile:
 
 
 def save(profile: Profile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON (atomically: a temporary file renamed into place)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    """Write ``profile`` as JSON (:func:`hidup.files.atomic_write`)."""
+    return atomic_write(path, json.dumps(profile.to_dict(), indent=1) + "\n")

@@ -24,6 +24,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hidup.files import atomic_write
 from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Signature
 from hidup.search.problem import block_label
 
@@ -214,12 +215,8 @@ class Plan:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
 
     def save(self, path: str | Path) -> Path:
-        """Write the plan as JSON (atomically)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
-        return path
+        """Write the plan as JSON (:func:`hidup.files.atomic_write`)."""
+        return atomic_write(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "Plan":

@@ -382,11 +382,12 @@ def test_single_file_checkpoints_still_load(world2, tmp_path):
     params, adam = results[0]["saved"]
     names = list(params)
     path = tmp_path / "checkpoint.pt"
-    checkpoint.atomic_write(path, {
+    state = {
         "version": 1, "world_size": 2, "step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "params": params,
         "optimizer": {"groups": [{"lr": 0.25, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0,
                                   "amsgrad": False, "params": names}], "state": adam},
-        "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}] * 2, "extra": {}})
+        "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}] * 2, "extra": {}}
+    torch.save(state, path)  # the version 1 format: one torch.save file
     first = torch.rand(3)
     model, _ = hidup.models.build("gpt", world_size=1, dtype="float64", seed=9, **GPT)
     opt = torch.optim.Adam(model.parameters(), lr=0.5)

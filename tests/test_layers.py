@@ -17,7 +17,8 @@ PACKAGES = {"hidup": "hidup", "hidup.search": "search", "hidup.codegen": "codege
 LAYERS = ("ir", "rules", "trace", "profile data", "search", "plan", "codegen", "runtime", "profiler", "cli")
 # module (or package prefix) -> layer; the longest matching prefix decides
 LAYER_OF = {
-    "hidup.ir": "ir", "hidup.optionset": "ir", "hidup.fxvalues": "ir", "hidup._callable": "ir", "hidup.losses": "ir",
+    "hidup.ir": "ir", "hidup.optionset": "ir", "hidup.files": "ir", "hidup.fxvalues": "ir", "hidup._callable": "ir",
+    "hidup.losses": "ir",
     "hidup.copies": "ir",
     "hidup.rules": "rules", "hidup.models": "rules",
     "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace",

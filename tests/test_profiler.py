@@ -13,8 +13,9 @@ import torch
 
 import hidup.profiler
 from dist_util import run_distributed
+from hidup.codegen.timing import time_call
 from hidup.profiler.comm import _elements, fit_alpha, monotone
-from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32, time_call
+from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32
 from hidup.profiler.measure import comm_tables, parse_sizes, profile_machine
 
 BASELINES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exp", "baselines")
@@ -147,7 +148,7 @@ def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
 
     monkeypatch.setattr(comm, "Timer", DriftingTimer)
     monkeypatch.setattr(comm, "_barrier", lambda device: None)
-    monkeypatch.setattr(comm, "_world_max", lambda values, device: list(values))
+    monkeypatch.setattr(comm, "max_over_ranks", lambda values, group, device: list(values))
     monkeypatch.setattr(comm, "collective_call", lambda *a, **k: single)
     monkeypatch.setattr(comm, "_pair_call", lambda *a, **k: pair)
     t, t_pair = comm.time_collective("all_reduce", 4096, None, 2, "cpu", pair_with=object(), sample_s=0.0,

@@ -260,17 +260,21 @@ def test_checkpoint_loads_into_a_plain_module(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    from hidup.files import atomic_write
+
     path = tmp_path / "a.pt"
-    checkpoint.atomic_write(path, {"x": 1})
+    atomic_write(path, lambda f: torch.save({"x": 1}, f))
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("cannot pickle")
 
     with pytest.raises(RuntimeError, match="cannot pickle"):
-        checkpoint.atomic_write(path, {"x": Unpicklable()})
+        atomic_write(path, lambda f: torch.save({"x": Unpicklable()}, f))
     assert torch.load(path, weights_only=False) == {"x": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+    assert atomic_write(tmp_path / "new" / "b.json", "{}\n").read_text() == "{}\n"  # the directory is made
+    assert atomic_write(path, b"raw").read_bytes() == b"raw"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from hidup.codegen.graphs import max_over_ranks
+from hidup.codegen.timing import max_over_ranks
 
 
 def sync(device: torch.device) -> None:

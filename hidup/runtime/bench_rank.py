@@ -41,8 +41,10 @@ from pathlib import Path
 
 import torch
 
+from hidup.profiler.profile import DTYPES
+
 MODES = ("eager", "cuda-graph", "compile", "compile+graph")
-PRECISIONS = ("tf32", "fp32", "bf16")
+PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler, which the timed step has not
 
 
 def add_parser(sub) -> None:
@@ -161,15 +163,11 @@ def _adam(params, device: torch.device, lr: float):
         return torch.optim.Adam(params, lr=lr, foreach=True, capturable=cuda)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_mode(module, inputs, mode: str, precision: str, device: torch.device, args, *, compile_fn) -> dict:
     """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
     from hidup.codegen.graphs import GraphedStep
+    from hidup.codegen.timing import Stopwatch
 
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
@@ -181,34 +179,25 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
     record = {"mode": mode, "precision": precision, "compile_s": None}
     step = None
     try:
-        t0 = time.perf_counter()
         if mode.endswith("graph"):
             eager = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
-            _sync(device)
-            t0 = time.perf_counter()
-            eager(*inputs)  # the compiling step, timed on its own
-            _sync(device)
-            first = time.perf_counter() - t0
+            with Stopwatch(device) as first:
+                eager(*inputs)  # the compiling step, timed on its own
             step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=args.warmup, optimizer=opt)
         else:
             step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
-            _sync(device)
-            t0 = time.perf_counter()
-            step(*inputs)
-            _sync(device)
-            first = time.perf_counter() - t0
+            with Stopwatch(device) as first:
+                step(*inputs)
             for _ in range(args.warmup - 1):
                 step(*inputs)
         if mode.startswith("compile"):
-            record["compile_s"] = first
+            record["compile_s"] = first.seconds
         samples = []
         for _ in range(args.rounds):
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                loss = step(*inputs)
-            _sync(device)
-            samples.append((time.perf_counter() - t0) / args.steps)
+            with Stopwatch(device) as watch:
+                for _ in range(args.steps):
+                    loss = step(*inputs)
+            samples.append(watch.seconds / args.steps)
         record.update(status="ok", step_ms_median=statistics.median(samples) * 1e3, step_ms_best=min(samples) * 1e3,
                       rounds_ms=[s * 1e3 for s in samples], loss_finite=bool(torch.isfinite(loss).item()))
     except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the sweep goes on

@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
 
-__all__ = ["save", "load", "info", "exists", "atomic_write", "FORMAT_VERSION"]
+__all__ = ["save", "load", "info", "exists", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 2
 _SINGLE_FILE_VERSION = 1
@@ -82,23 +82,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, obj) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (temp file in the same dir, fsync, os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 def _rng_state() -> dict:

@@ -41,15 +41,12 @@ import math
 import os
 import signal
 import statistics
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from hidup.profiler.profile import DTYPES
 from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs
-
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -71,7 +68,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
-    g.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    g.add_argument("--precision", choices=DTYPES, default="fp32",
                    help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)")
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
@@ -115,10 +112,10 @@ class _Signals:
         return handle
 
     def agreed(self, device) -> tuple[bool, bool]:
-        flags = torch.tensor([float(self.save), float(self.stop)], device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        from hidup.codegen.timing import max_over_ranks
+
+        save, stop = max_over_ranks([float(self.save), float(self.stop)], None, device)
+        return bool(save), bool(stop)
 
 
 def batch_at(example_inputs, step: int, seed: int, cfg, data) -> tuple:
@@ -204,6 +201,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     import hidup.models
     from hidup.codegen import clip_grad_norm_, compile
     from hidup.codegen.graphs import fused_adam
+    from hidup.codegen.timing import Stopwatch
     from hidup.runtime import checkpoint
     from hidup.runtime.data import StdlibCorpus
 
@@ -300,29 +298,26 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             if rank == 0:
                 timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
                 print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        if graphed is not None:
-            loss = graphed(*batch)
-        else:
-            with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-                loss = module(*batch)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
+        with Stopwatch(device) as watch:
+            if graphed is not None:
+                loss = graphed(*batch)
             else:
-                loss.backward()
-        if args.clip is not None:
-            clip_grad_norm_(module, args.clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        elif graphed is None or graphed.optimizer is None:
-            opt.step()  # else the graphed step ran it
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+                with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                    loss = module(*batch)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)
+                else:
+                    loss.backward()
+            if args.clip is not None:
+                clip_grad_norm_(module, args.clip)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif graphed is None or graphed.optimizer is None:
+                opt.step()  # else the graphed step ran it
+            opt.zero_grad(set_to_none=True)
+        times.append(watch.seconds)
         total = float(module.global_loss(loss))
         losses.append(total)
         step += 1

@@ -28,7 +28,9 @@ Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``
 -------------------------------------------------------------------------------
 ``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
 where ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the
-logical (global) size of ``t`` (nccl-tests convention), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
+logical (global) size of ``t`` (nccl-tests convention) at the dtype it is sent in: its dtype under the
+search's precision (:func:`hidup.saved.tensor_dtype`; under bf16/fp16 autocast a matmul's output
+travels in the low dtype, a parameter in float32; a gradient has its tensor's dtype), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
 the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.  ``algbw`` comes from
 the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather,
 reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
@@ -105,6 +107,7 @@ from dataclasses import dataclass
 
 from hidup.ir import DTYPE_BYTES, GRAD_BUCKET_MB, Conversion, Form, Graph, Node, Signature, Tensor, conversion
 from hidup.profiler.profile import op_dtype
+from hidup.saved import tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
 
@@ -162,6 +165,8 @@ class CostModel:
         self._dispatch_extra = max(0.0, launched - in_graph) \
             if getattr(profile, "ops_timing", "eager") == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
+        # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
+        self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
         self.dist_scale = getattr(profile, "dist_scale", 1.0)
 
     @staticmethod
@@ -349,7 +354,7 @@ class CostModel:
     def conversion_class(self, tid: int) -> tuple:
         """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
         t: Tensor = self.graph.tensors[tid]
-        return (t.shape, t.nbytes, t.requires_grad, self.batch.get(tid, False))
+        return (t.shape, self.nbytes[tid], t.requires_grad, self.batch.get(tid, False))
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
@@ -369,7 +374,7 @@ class CostModel:
             cf, cb = conv.collectives
             if not t.requires_grad:
                 cb = ""
-            b = float(t.nbytes)
+            b = float(self.nbytes[tid])
             grad_sync = src.kind == "replicate" and dst.kind == "full"
             bwd_op = conv.backward if conv.backward != "local" else conv.forward  # the adjoint of a local op
             if not t.requires_grad:

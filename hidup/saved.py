@@ -12,29 +12,38 @@ CPU policy matches CUDA's for the matmul-like ops that hold most of the saved by
 differ (CUDA also runs softmax in float32), the dtypes are the CPU policy's.  ``fp32`` and ``tf32``
 store the traced dtypes.
 
-Attribution (one record per storage, so that views are not new memory)
---------------------------------------------------------------------
-A saved tensor is identified by its storage: a view shares its base's storage.  The first node
-(in execution order) whose backward saves a storage *owns* it; later savers add nothing (three
-projections that save the same input in float32 keep one copy; under autocast each casts its
-input itself, and each copy is its own storage).  A storage that belongs to a parameter, a buffer or
-a model input is not an activation (the parameter and input terms of the memory model hold it);
-autocast's low-precision copy of a weight is a new storage, hence an activation.  Each owned storage
-``s`` of ``B`` global bytes (at the dtype stored) is tied to one graph tensor ``t`` of its node, whose
-form under the node's signature gives its size on a rank::
+Per signature, at local shapes
+------------------------------
+Then every signature's *local* op (:func:`hidup.rules.localize`, what rank 0 runs) is run the same way
+on fake tensors of its local shapes and input dtypes, one run per distinct (op, signature, local
+shapes, arguments): the layers of a model repeat, so a Llama-3-8B-shaped step needs a few hundred runs.
+What it saves is known per storage: an alias of its input ``j``, of its output ``k``, or a storage it
+made (a cast, a norm's statistics, a vocabulary-parallel embedding's mask), each of its local bytes.
 
-    local(s, sig) = B * numel(local_shape(t, form)) / numel(t)
+Counting (a storage once, so that views are not new memory)
+-----------------------------------------------------------
+A saved tensor is identified by its storage; a view shares its base's.  A storage of a parameter, a
+buffer or a model input is not an activation (the memory model's parameter and input terms hold it);
+autocast's low-precision copy of a weight is a new storage, hence an activation.  The first node (in
+execution order) that saves a storage under any of its signatures *owns* it; later savers add nothing
+(three projections that save one float32 input keep one copy; under autocast each casts its input
+itself, three storages).  The per-node term (:func:`saved_bytes`, additive: the ILP stays linear) is::
 
-with ``t`` = the node input (slot ``j``, form ``sig.inputs[j]``) or output (slot ``k``, form
-``sig.outputs[k]``) that shares the storage; for a storage the node created inside itself (autocast's
-casts, a norm's mean and reciprocal deviation, a loss's log-probabilities) the first input, then
-output, with as many elements, else its first input that is not a parameter (a norm's statistics
-follow the rows of the input it normalizes).  A saved input that reaches the node through a form
-change is the converted copy, of the size of the consumer's form, which is what the formula counts.
+    act(n, s) = sum over the storages n owns of their local bytes under s's local op
 
-Limits: the attribution is per node (the ILP stays linear), so two savers of one storage that see it
-in different forms count once, in the first one's form; a stored-sharded parameter's all-gathered
-copy kept by a float32 backward is the parameter here (an edge of the plan, not a node).
+and where a local op cannot run on fake tensors (it needs a process group), the whole op's storage of
+``B`` global bytes tied to its input or output ``t``: ``B * numel(local_shape(t, form)) / numel(t)``
+(a storage the op made is tied to the input or output it was computed from element for element, else
+split with its first non-parameter input where their dims line up).
+
+A whole plan (:func:`plan_saved_bytes`) also follows form changes: a saved input that its consumer
+reads in another form than its producer made it is the converted copy the rank program makes, one per
+(tensor, form), of ``numel(local) * itemsize`` bytes -- the all-gathered weight a float32 backward keeps
+when the weight is stored split, for one.  A node cannot see that (it is an edge of the plan), so the
+per-node sum leaves it out, and counts a storage that two savers read in different forms once, in
+the first one's form.  A local op's inputs are fresh tensors here, so where the rank program hands it
+a view that the single-device step copies (grouped-query attention's ``repeat_kv`` when a rank holds
+one key/value head), the saved input is counted at the copy's size.
 """
 
 from __future__ import annotations
@@ -50,8 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hidup.fxvalues import dtype_name, map_value, value_leaves
 from hidup.ir import DTYPE_BYTES, FULL, Graph, Node, Signature
 
-__all__ = ["SavedItem", "SavedRecord", "Recorder", "record_of", "tensor_dtype", "tensor_nbytes",
-           "AUTOCAST_DTYPES"]
+__all__ = ["SavedItem", "SavedRecord", "Recorder", "record_of", "tensor_dtype", "tensor_nbytes", "saved_bytes",
+           "plan_saved_bytes", "AUTOCAST_DTYPES"]
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -132,7 +141,7 @@ def _as_used(form):
     return FULL if form.kind == "replicate" else form
 
 
-def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signature], detail: bool = False):
+def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signature]) -> float:
     """Bytes per rank the backward keeps under a whole plan (``choices``: node name -> signature),
     following form changes: a saved input that its consumer reads in another form than its producer
     made it is the converted copy, one per (tensor, form) as the rank program makes them, of
@@ -159,7 +168,7 @@ def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signa
                     continue
             if not it.held:
                 counted.setdefault(("storage", it.storage), item_bytes(graph, n, sig, it, local))
-    return counted if detail else sum(counted.values())
+    return sum(counted.values())
 
 
 def _precision_key(precision: str) -> str:

@@ -11,19 +11,20 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
   gradient also gradients ``local(t, f)`` and optimizer state ``optimizer_factor * local(t, f)``
   (Adam keeps two moments: factor 2);
 * ``input`` node: inputs ``local(t, f)``;
-* ``call`` node under signature ``s``: activations, the bytes its backward keeps,
-  ``sum over the storages s_i it owns of B_i * numel(local_shape(t_i, f_i)) / numel(t_i)``
-  (:mod:`hidup.saved`: which tensors autograd saves for this node, measured on the exported step under
-  the precision; each storage counted once, by the first node that saves it; ``t_i`` the node input
-  or output it belongs to and ``f_i`` that tensor's form in ``s``; a saved parameter, buffer or model
-  input adds nothing, autocast's low-precision copy of a weight does).  A graph without that record
-  (read from JSON, synthetic) counts, for a node with an input that requires a gradient, all its
-  outputs ``sum_j local(out_j, s.outputs[j])`` instead;
+* ``call`` node under signature ``s``: activations, the bytes its backward keeps on a rank,
+  ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.saved`:
+  measured by running the step, and each signature's local op at its local shapes, under
+  ``saved_tensors_hooks`` at the precision; a storage counted once, by the first node that saves it; a
+  saved parameter, buffer or model input adds nothing, autocast's low-precision copy of a weight does).
+  :meth:`MemoryModel.plan_activations` gives a whole plan's activations following its form changes too
+  (the converted copies a backward keeps, e.g. a gathered weight), which no per-node term can see.
+  A graph without that record (read from JSON, synthetic) counts, for a node with an input that
+  requires a gradient, all its outputs ``sum_j local(out_j, s.outputs[j])`` instead;
 * other nodes: 0.
 
-Not counted: temporaries of conversions (an all-gathered weight lives only around its use, unless a
-float32 backward keeps it: see :mod:`hidup.saved`, "Limits"), workspace, the CUDA context and
-fragmentation; keep a margin below the device size.
+Not counted: what lives only around an op or a form change (an all-gathered weight that no backward
+keeps, the loss's backward temporaries), workspace, the CUDA context and fragmentation; keep a margin
+below the device size (docs/memory.md compares with measured peaks).
 """
 
 from __future__ import annotations

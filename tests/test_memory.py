@@ -23,7 +23,7 @@ import torch.distributed as dist
 import hidup
 import hidup.profiler
 from hidup.codegen import compile as hidup_compile
-from hidup.search import forced
+from hidup.search import forced, search
 from hidup.search.memory import MemoryModel
 from hidup.saved import record_of, tensor_dtype
 from hidup.trace import _forward_inputs, trace_module
@@ -85,7 +85,10 @@ def _check(model, inputs, style: str, precision: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = trace_module(model, inputs, WORLD).graph
-        plan = forced(graph, PROFILE, style, duplication=False, precision=precision)
+        if style == "fsdp":  # every op data parallel, every weight stored split and gathered for use
+            plan = search(graph, PROFILE, duplication=False, precision=precision, restrict=_fsdp())
+        else:
+            plan = forced(graph, PROFILE, style, duplication=False, precision=precision)
         values = _forward_inputs(model, inputs)
         module = hidup_compile(model, plan, 0, WORLD, values, duplication=False, local_batch=True)
     measured = _saved_bytes(module, _local_inputs(module, values), precision == "bf16")
@@ -93,6 +96,18 @@ def _check(model, inputs, style: str, precision: str) -> None:
     model_of = MemoryModel(graph, precision=precision)
     assert model_of.plan_activations(plan.choices) == measured, (style, precision, measured)
     return graph, plan, model_of, measured
+
+
+def _fsdp():
+    from hidup.search.api import _restrict_for
+
+    data = _restrict_for("data")
+
+    def restrict(node, sig):
+        if node.op == "param":
+            return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
+        return data(node, sig)
+    return restrict
 
 
 def _zoo(name: str, dtype: torch.dtype):
@@ -105,16 +120,22 @@ def _zoo(name: str, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("name,style", [("gpt", "data"), ("bert-sgmoe", "data"), ("bert-sgmoe", "expert"),
-                                        ("gpt", "tensor"), ("bert-sgmoe", "tensor"), ("mlp", "tensor")])
+                                        ("gpt", "tensor"), ("bert-sgmoe", "tensor"), ("mlp", "tensor"),
+                                        ("gpt", "fsdp")])
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
 def test_zoo_activations_are_what_autograd_saves(name, style, precision):
     """The plan's activations, form changes followed, are the bytes saved; for the data and expert plans
     the search's per-node sum is too (a storage saved across a form change is converted alike for
-    every saver there)."""
+    every saver there).  FSDP-style: the backward keeps gathered weights (in float64 every one; under
+    bf16 the norms', the matmuls keeping autocast's casts instead), which only the plan's count sees."""
     model, inputs = _zoo(name, torch.float64 if precision == "fp64" else torch.float32)
     graph, plan, memory, measured = _check(model, inputs, style, "fp32" if precision == "fp64" else "bf16")
-    if style != "tensor":
+    stored_split = [n for n in graph.nodes if n.op == "param" and plan.choices[n.name].outputs[0].is_gather]
+    if style in ("data", "expert"):
         assert plan.memory["activations"] == measured
+    if style == "fsdp":  # a backward keeps gathered weights, copies the per-node sum cannot see
+        assert stored_split
+        assert plan.memory["activations"] < measured
 
 
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])

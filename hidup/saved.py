@@ -412,7 +412,6 @@ class _LocalOps:
                 for sig, items in per_sig.items()}
 
     def _items(self, node: Node, sig: Signature) -> list[SavedItem] | None:
-        from hidup.rules import localize
         from hidup.rules.base import TensorMeta
 
         g, world, dtypes = self.rec.graph, self.rec.graph.world_size, self.record.dtypes

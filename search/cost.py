@@ -26,15 +26,16 @@ collective; :mod:`hidup.profiler.profile`, "Inside the distributed program");
 
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
-``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
-where ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the
-logical (global) size of ``t`` (nccl-tests convention) at the dtype it is sent in: its dtype under the
+``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0, where
+``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the logical
+(global) size of ``t`` (nccl-tests convention) at the dtype it is sent in: its dtype under the
 search's precision (:func:`hidup.saved.tensor_dtype`; under bf16/fp16 autocast a matmul's output
-travels in the low dtype, a parameter in float32; a gradient has its tensor's dtype), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
-the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.  ``algbw`` comes from
-the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather,
-reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
-measurement of one of them does not make the search trade it for the others.
+travels in the low dtype, a parameter in float32; a gradient has its tensor's dtype),
+``T(c, b) = alpha_c + b / algbw_c(b)`` over the whole world, and local ops (slice, zero_pad,
+keep_rank0, identity) cost 0.  ``algbw`` comes from the profile's fitted tables
+(:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather, reduce-scatter and all-reduce of one
+group are kept consistent with one link, so that a wrong measurement of one of them does not make
+the search trade it for the others.
 
 Memory copies around a form change (compute stream)
 ---------------------------------------------------

@@ -20,7 +20,7 @@ LAYER_OF = {
     "hidup.ir": "ir", "hidup.optionset": "ir", "hidup.fxvalues": "ir", "hidup._callable": "ir", "hidup.losses": "ir",
     "hidup.copies": "ir",
     "hidup.rules": "rules", "hidup.models": "rules",
-    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace",
+    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace", "hidup.saved": "trace",
     "hidup.profiler": "profile data", "hidup.profiler.profile": "profile data", "hidup.profiler.tables": "profile data",
     "hidup.search": "search",
     "hidup.plan": "plan",

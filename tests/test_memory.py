@@ -23,13 +23,13 @@ import torch.distributed as dist
 import hidup
 import hidup.profiler
 from hidup.codegen import compile as hidup_compile
+from hidup.saved import record_of, tensor_dtype
 from hidup.search import forced, search
 from hidup.search.memory import MemoryModel
-from hidup.saved import record_of, tensor_dtype
-from hidup.trace import _forward_inputs, trace_module
+from hidup.trace import forward_inputs, trace_module
 
 sys.path.insert(0, str(Path(__file__).parent))
-import thirdparty  # noqa: E402
+import thirdparty
 
 WORLD = 2
 PROFILE = hidup.profiler.load("h200x4-nvlink")
@@ -89,7 +89,7 @@ def _check(model, inputs, style: str, precision: str) -> None:
             plan = search(graph, PROFILE, duplication=False, precision=precision, restrict=_fsdp())
         else:
             plan = forced(graph, PROFILE, style, duplication=False, precision=precision)
-        values = _forward_inputs(model, inputs)
+        values = forward_inputs(model, inputs)
         module = hidup_compile(model, plan, 0, WORLD, values, duplication=False, local_batch=True)
     measured = _saved_bytes(module, _local_inputs(module, values), precision == "bf16")
     assert measured > 0
@@ -149,8 +149,8 @@ def test_llama_activations_are_what_autograd_saves(precision):
 def test_autocast_dtypes_and_communication_bytes():
     """Under bf16 autocast a linear's output is bfloat16, a norm's statistics and the parameters stay
     float32, and a form change of the linear's output is priced at 2 bytes per element."""
-    from hidup.search.cost import CostModel
     from hidup.ir import FULL, gather
+    from hidup.search.cost import CostModel
 
     model, inputs = _zoo("gpt", torch.float32)
     with warnings.catch_warnings():

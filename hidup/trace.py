@@ -63,6 +63,7 @@ from hidup.fxvalues import to_meta as _to_meta
 from hidup.fxvalues import value_leaves as _leaves
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.rules.base import RuleContext, TensorMeta
+from hidup.saved import Recorder
 
 __all__ = ["Traced", "TraceFailure", "FallbackWarning", "trace", "trace_module", "trace_copy", "trace_half_batch",
            "halve_example", "forward_inputs", "map_value", "value_leaves"]
@@ -391,6 +392,8 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size:
                   [name for name, *_ in builder.fallbacks])
     graph.validate()
     graph.copy_reason = copy_axis(graph).reason
+    # what autograd saves per node, measured on demand per precision (hidup.saved)
+    graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts)
     if builder.fallbacks:
         listing = "; ".join(f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
                             for name, target, src, why in builder.fallbacks)

@@ -26,13 +26,16 @@ collective; :mod:`hidup.profiler.profile`, "Inside the distributed program");
 
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
-``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0,
-where ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the
-logical (global) size of ``t`` (nccl-tests convention), ``T(c, b) = alpha_c + b / algbw_c(b)`` over
-the whole world, and local ops (slice, zero_pad, keep_rank0, identity) cost 0.  ``algbw`` comes from
-the profile's fitted tables (:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather,
-reduce-scatter and all-reduce of one group are kept consistent with one link, so that a wrong
-measurement of one of them does not make the search trade it for the others.
+``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0, where
+``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the logical
+(global) size of ``t`` (nccl-tests convention) at the dtype it is sent in: its dtype under the
+search's precision (:func:`hidup.saved.tensor_dtype`; under bf16/fp16 autocast a matmul's output
+travels in the low dtype, a parameter in float32; a gradient has its tensor's dtype),
+``T(c, b) = alpha_c + b / algbw_c(b)`` over the whole world, and local ops (slice, zero_pad,
+keep_rank0, identity) cost 0.  ``algbw`` comes from the profile's fitted tables
+(:meth:`~hidup.profiler.Profile.fitted`): the ring all-gather, reduce-scatter and all-reduce of one
+group are kept consistent with one link, so that a wrong measurement of one of them does not make
+the search trade it for the others.
 
 Memory copies around a form change (compute stream)
 ---------------------------------------------------
@@ -118,6 +121,7 @@ from hidup.ir import (
     conversion,
 )
 from hidup.profiler.profile import op_dtype
+from hidup.saved import tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
 
@@ -217,6 +221,8 @@ class CostModel:
         self._dispatch_extra = max(0.0, launched - in_graph) \
             if getattr(profile, "ops_timing", "eager") == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
+        # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
+        self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
         self.dist_scale = getattr(profile, "dist_scale", 1.0)
 
     @staticmethod
@@ -391,7 +397,7 @@ class CostModel:
     def conversion_class(self, tid: int) -> tuple:
         """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
         t: Tensor = self.graph.tensors[tid]
-        return (t.shape, t.nbytes, t.requires_grad, self.batch.get(tid, False))
+        return (t.shape, self.nbytes[tid], t.requires_grad, self.batch.get(tid, False))
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
@@ -411,7 +417,7 @@ class CostModel:
             cf, cb = conv.collectives
             if not t.requires_grad:
                 cb = ""
-            b = float(t.nbytes)
+            b = float(self.nbytes[tid])
             grad_sync = conv.grad_sync and t.requires_grad
             bwd_op = conv.backward_local if t.requires_grad else ""
             fwd = self.comm(cf, b)

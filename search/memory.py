@@ -1,25 +1,38 @@
 """Memory per rank of a plan: the sum of independent per-node terms (so the ILP stays linear).
 
-For a tensor ``t`` in form ``f`` on ``N`` ranks, ``local(t, f) = bytes(t) / N`` if ``f`` is
-``gather_d`` else ``bytes(t)`` (``full``, ``reduce`` and ``replicate`` keep the whole tensor).
+Every size is taken at the dtype the tensor has when the step runs under the search's precision
+(:func:`hidup.saved.tensor_dtype`: the traced dtype for fp32/tf32; under bf16/fp16 autocast, the
+dtype autocast gives it -- matmul outputs in the low dtype, parameters and norms in float32), the same
+bytes that :mod:`hidup.search.cost` prices communication at.  For a tensor ``t`` of ``B`` such bytes in
+form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else ``B`` (``full``,
+``reduce`` and ``replicate`` keep the whole tensor).
 
 * ``param`` node producing ``t`` in form ``f``: parameters ``local(t, f)``; if ``t`` requires a
   gradient also gradients ``local(t, f)`` and optimizer state ``optimizer_factor * local(t, f)``
   (Adam keeps two moments: factor 2);
 * ``input`` node: inputs ``local(t, f)``;
-* ``call`` node with at least one input that requires a gradient: activations kept for the
-  backward pass ``sum_j local(out_j, s.outputs[j])``;
+* ``call`` node under signature ``s``: activations, the bytes its backward keeps on a rank,
+  ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.saved`:
+  measured by running the step, and each signature's local op at its local shapes, under
+  ``saved_tensors_hooks`` at the precision; a storage counted once, by the first node that saves it; a
+  saved parameter, buffer or model input adds nothing, autocast's low-precision copy of a weight does).
+  :meth:`MemoryModel.plan_activations` gives a whole plan's activations following its form changes too
+  (the converted copies a backward keeps, e.g. a gathered weight), which no per-node term can see.
+  A graph without that record (read from JSON, synthetic) counts, for a node with an input that
+  requires a gradient, all its outputs ``sum_j local(out_j, s.outputs[j])`` instead;
 * other nodes: 0.
 
-Not counted: temporaries of conversions (an all-gathered weight lives only around its use),
-workspace, the CUDA context and fragmentation; keep a margin below the device size.
+Not counted: what lives only around an op or a form change (an all-gathered weight that no backward
+keeps, the loss's backward temporaries), workspace, the CUDA context and fragmentation; keep a margin
+below the device size (docs/memory.md compares with measured peaks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hidup.ir import Graph, Node, Signature
+from hidup.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
 
 __all__ = ["MemoryModel", "MEMORY_PARTS"]
 
@@ -30,10 +43,33 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "inputs")
 class MemoryModel:
     graph: Graph
     optimizer_factor: float = 2.0
+    precision: str = "fp32"
+    record: SavedRecord | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        self.record = record_of(self.graph, self.precision)
+        self.nbytes = {tid: tensor_nbytes(self.graph, tid, self.precision) for tid in self.graph.tensors}
 
     def local_bytes(self, tid: int, form) -> float:
-        t = self.graph.tensors[tid]
-        return t.nbytes / self.graph.world_size if form.kind == "gather" else float(t.nbytes)
+        b = self.nbytes[tid]
+        return b / self.graph.world_size if form.kind == "gather" else float(b)
+
+    def activations(self, node: Node, sig: Signature) -> float:
+        """Bytes per rank that ``node``'s backward keeps under ``sig`` (module docstring)."""
+        if node.op != "call":
+            return 0.0
+        if self.record is not None:
+            return saved_bytes(self.graph, self.record, node, sig)
+        if any(self.graph.tensors[t].requires_grad for t in node.inputs):
+            return sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
+        return 0.0
+
+    def plan_activations(self, choices: dict[str, Signature]) -> float:
+        """Activation bytes per rank of a whole plan (node name -> signature), following form changes
+        (:func:`hidup.saved.plan_saved_bytes`); the per-node sum when the graph has no record."""
+        if self.record is not None:
+            return plan_saved_bytes(self.graph, self.record, choices)
+        return sum(self.activations(n, choices[n.name]) for n in self.graph.nodes if n.name in choices)
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``."""
@@ -45,9 +81,7 @@ class MemoryModel:
             return p, grad, self.optimizer_factor * grad, 0.0, 0.0
         if node.op == "input":
             return 0.0, 0.0, 0.0, 0.0, sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
-        if node.op == "call" and any(g.tensors[t].requires_grad for t in node.inputs):
-            return 0.0, 0.0, 0.0, sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs)), 0.0
-        return 0.0, 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, self.activations(node, sig), 0.0
 
     def total(self, node: Node, sig: Signature) -> float:
         return sum(self.breakdown(node, sig))

@@ -96,7 +96,7 @@ class Problem:
         graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         self.cost = CostModel(graph, profile, precision)
-        self.memory = MemoryModel(graph, optimizer_factor)
+        self.memory = MemoryModel(graph, optimizer_factor, precision)
         self.order = self._order(graph)
         self.n = len(self.order)
         self.pos_of = {node.name: i for i, node in enumerate(self.order)}

@@ -21,7 +21,7 @@ LAYER_OF = {
     "hidup.losses": "ir",
     "hidup.copies": "ir",
     "hidup.rules": "rules", "hidup.models": "rules",
-    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace",
+    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace", "hidup.saved": "trace",
     "hidup.profiler": "profile data", "hidup.profiler.profile": "profile data", "hidup.profiler.tables": "profile data",
     "hidup.search": "search",
     "hidup.plan": "plan",

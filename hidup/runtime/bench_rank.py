@@ -26,6 +26,14 @@ divided by its steps is one sample, and the median and the best sample are repor
 at ``1/N`` of the global batch (the first rows of every input), on the same device, timed the same
 way: the floor that a rank doing its part of an N-way step without communication should approach.
 
+Memory (CUDA): each run records ``peak_memory_bytes`` (``torch.cuda.max_memory_allocated`` over the
+run) and ``rank_peak_bytes``, the part of it that is the rank's program: the peak less what was
+allocated before the run began (the whole model built for the share, the rank's stored tensors), plus
+the rank's stored parameters and buffers.  Beside it, ``predicted_memory`` is the memory model's figure
+for the plan at the run's precision (:mod:`hidup.search.memory`; its activations follow the plan's form
+changes, :func:`hidup.saved.plan_saved_bytes`): parameters, gradients, Adam's two moments, the bytes
+autograd keeps for the backward, and the inputs.
+
 Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
 rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
 error and the sweep goes on).  On the CPU only ``eager`` and ``compile`` run.
@@ -174,9 +182,11 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
     params = [p for p in module.parameters() if p.requires_grad]
     opt = _adam(params, device, args.lr)
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     record = {"mode": mode, "precision": precision, "compile_s": None}
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        record["allocated_before_bytes"] = torch.cuda.memory_allocated(device)
     step = None
     try:
         if mode.endswith("graph"):
@@ -210,8 +220,34 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
         del opt
         if cuda:
             record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            stored = sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+            record["rank_peak_bytes"] = record["peak_memory_bytes"] - record["allocated_before_bytes"] + stored
             torch.cuda.empty_cache()
     return record
+
+
+def predicted_memory(args, plan, precision: str) -> dict | None:
+    """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
+    when the plan's model cannot be traced here."""
+    from hidup.runtime.options import build_graph
+    from hidup.search.memory import MEMORY_PARTS, MemoryModel
+
+    try:
+        graph = build_graph(args, "tracing the plan's model for its memory")
+    except SystemExit:
+        return None
+    factor = (getattr(plan, "options", None) or {}).get("optimizer_factor", 2.0)
+    model = MemoryModel(graph, factor, "bf16" if precision == "bf16" else "fp32")
+    parts = dict.fromkeys(MEMORY_PARTS, 0.0)
+    for node in graph.nodes:
+        sig = plan.choices.get(node.name)
+        if sig is not None and node.op != "output":
+            for part, value in zip(MEMORY_PARTS, model.breakdown(node, sig)):
+                parts[part] += value
+    parts["activations_per_node"] = parts["activations"]
+    parts["activations"] = model.plan_activations(plan.choices)
+    parts["total"] = sum(parts[p] for p in MEMORY_PARTS)
+    return parts
 
 
 def _share_inputs(values: list, world: int) -> list:
@@ -244,6 +280,9 @@ def _print_row(what: str, r: dict) -> None:
     if r["status"] == "ok":
         comp = f"  compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
         mem = f"  peak {r['peak_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_memory_bytes") else ""
+        if r.get("rank_peak_bytes") and r.get("predicted_memory"):
+            mem += (f" (rank {r['rank_peak_bytes'] / 2**30:.3f} GiB, predicted "
+                    f"{r['predicted_memory']['total'] / 2**30:.3f} GiB)")
         print(f"{what:6s} {r['precision']:5s} {r['mode']:14s} {r['step_ms_median']:10.3f} ms median "
               f"{r['step_ms_best']:10.3f} ms best{comp}{mem}", flush=True)
     else:
@@ -327,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
               f"duplication {'on' if module.duplication else 'off'}, on {config['device']}", flush=True)
         share = _Share(model.to(device), args.backend)
         share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
+        predicted = {p: predicted_memory(args, plan, p) for p in precisions} if device.type == "cuda" else {}
         for precision in precisions:  # the share right after the rank, so a cut-short sweep keeps pairs
             for what, target, inputs_of, mode_list, switch in (
                     ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
@@ -334,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
                 for mode in mode_list:
                     r = dict(what=what,
                              **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                    if what == "rank" and predicted.get(precision) is not None:
+                        r["predicted_memory"] = predicted[precision]
                     runs.append(r)
                     _print_row(what, r)
                     save()

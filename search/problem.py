@@ -109,6 +109,7 @@ class Problem:
         self.compute: list[list[tuple[float, float]]] = []
         self.device_compute: list[list[tuple[float, float]]] = []  # on one device (before dist_scale)
         self.mem: list[list[float]] = []
+        self.mem_parts: list[list[tuple]] = []  # MemoryModel.breakdown per signature; mem is their sum
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
@@ -117,7 +118,9 @@ class Problem:
             device = [self.cost.device_compute(node, s) for s in sigs]
             self.device_compute.append(device)
             self.compute.append([self.cost.in_program(d) for d in device])
-            self.mem.append([self.memory.total(node, s) for s in sigs])
+            parts = [self.memory.breakdown(node, s) for s in sigs]
+            self.mem_parts.append(parts)
+            self.mem.append([sum(p) for p in parts])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self.fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise

@@ -191,7 +191,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         backward = overlapped_backward(steps)
     parts = [0.0] * 5
     for i, k in enumerate(ks):
-        for j, v in enumerate(problem.memory.breakdown(problem.order[i], problem.sigs[i][k])):
+        for j, v in enumerate(problem.mem_parts[i][k]):
             parts[j] += v
     from hidup.search.memory import MEMORY_PARTS
     memory = dict(zip(MEMORY_PARTS, parts))

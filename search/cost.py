@@ -120,12 +120,12 @@ from hidup.ir import (
     Tensor,
     conversion,
 )
-from hidup.profiler.profile import op_dtype
+from hidup.profiler.profile import DTYPES, op_dtype
 from hidup.saved import tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = DTYPES  # the profile's FLOP-rate keys are the precisions a search can price
 
 
 def profile_dtype(torch_dtype: str, precision: str = "fp32") -> str:

@@ -260,7 +260,8 @@ class _DP:
         # else: node_step keeps one point per state already; block_step's buckets still need it
         elif any(len(b) != 1 for b in states.values()):
             states = {k: [min(b, key=_first)] for k, b in states.items() if b}
-        if not self.has_mem and (len(states) > 8 if not self.dup else bool(self.max_states) and len(states) > self.max_states):
+        beam_cuts = bool(self.max_states) and len(states) > self.max_states
+        if not self.has_mem and (len(states) > 8 if not self.dup else beam_cuts):
             states = self.cross_prune(states, pos)
         if self.max_states and len(states) > self.max_states:
             keep = {k for k, _ in sorted(states.items(), key=_first_est)[: self.max_states]}

@@ -16,8 +16,9 @@ by the order alone.  Each live tensor carries ``(produced form, set of converted
 * finds it available (the produced form, or converted earlier): no cost;
 * otherwise pays ``conversion(produced form, f)`` once; ``f`` joins the converted set and later
   consumers reuse it.  A converted form that no later reader can need is dropped from the state
-  (canonical keys: two situations with the same possible futures are one state).  Every form is made directly from the produced form (one collective per
-  form change; ``ir.conversion`` covers every pair except ``-> replicate``, which is infeasible).
+  (canonical keys: two situations with the same possible futures are one state).  Every form is
+  made directly from the produced form (one collective per form change; ``ir.conversion`` covers
+  every pair except ``-> replicate``, which is infeasible).
 
 The conversion is charged to the first consumer needing it: its forward collective runs just
 before that consumer, its backward collective just after that consumer's backward (by then every
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature
-
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
@@ -150,7 +150,7 @@ class Problem:
             self.carry.append(tuple(src))
         # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
         self._keep = []
-        for i, node in enumerate(self.order):
+        for i in range(self.n):
             keep = [a for kind, a in self.carry[i] if kind == 0]
             if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep):]):
                 raise AssertionError("live order: kept tensors must precede new outputs")
@@ -292,8 +292,8 @@ class Problem:
         hf, hb = self.compute_copy[i][k]
         fwd_item = (fA, fB, hf + lfA, hf + lfB)
         bwd_item = (bA, bB, hb + lbA, hb + lbB)
-        step = Step(cf + ff, cb + fb, fwd_item, bwd_item, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb, fb_async,
-                    fb_block)
+        step = Step(cf + ff, cb + fb, fwd_item, bwd_item, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb,
+                    fb_async, fb_block)
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
         for j in dict.fromkeys(idx):

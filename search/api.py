@@ -204,10 +204,9 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
         candidates.append(outcome.ks)
     else:
         modes = (False, True) if opts.duplication else (False,)
-        for mode in modes:
-            fn = _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
-            ks, _ = dp.solve(explore, mode, memory_budget, progress=fn, **beam)
-            candidates.append(ks)
+        candidates += dp.solve_modes(
+            explore, modes, memory_budget,
+            lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"), **beam)
     modes = (False, True) if opts.duplication else (False,)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:

@@ -46,9 +46,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report import ms, table, text_table, write_section  # noqa: E402
+from exp.report import ms, table, text_table, write_section
 
 __all__ = ["analyze", "analyze_file", "load_events", "union", "intersect_length", "total_length",
            "breakdown_rows", "BREAKDOWN_HEADERS"]

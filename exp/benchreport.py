@@ -16,7 +16,19 @@ from pathlib import Path
 
 from exp.benchrun import METHODS
 from exp.breakdown import BREAKDOWN_HEADERS, breakdown_rows
-from exp.report import gib, hardware_line, load_json, ms, pyplot, rate, save_json, table, text_table, write_section
+from exp.report import (
+    gib,
+    hardware_line,
+    link,
+    load_json,
+    ms,
+    pyplot,
+    rate,
+    save_json,
+    table,
+    text_table,
+    write_section,
+)
 
 BENCH_HEADERS = ["world", "model", "prec", "method", "variant", "iter (ms)", "throughput", "scaling eff.",
                  "eff. (graphed floor)", "peak mem (GiB)", "predicted (ms)", "measured/pred.", "note"]
@@ -208,8 +220,9 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     doc = {"network": args.network, "env": env, "latest": invocation,
            "invocations": (doc.get("invocations", []) + [invocation])[-20:], "runs": ordered}
     save_json(path, doc)
-    write_section(Path(args.docs) / "benchmarks.md", f"bench-{args.network}", bench_markdown(doc), title="Benchmarks")
     figure = bench_figure(Path(args.out), Path(args.docs) / "benchmarks.png")
+    write_section(Path(args.docs) / "benchmarks.md", f"bench-{args.network}",
+                  bench_markdown(doc, page_dir=Path(args.docs), results=path, figure=figure), title="Benchmarks")
     new = [r for r in ordered if r["key"] in records]
     print()
     print(text_table(BENCH_HEADERS, bench_rows(new)))
@@ -223,14 +236,24 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     return doc
 
 
-def bench_markdown(doc: dict) -> str:
+def bench_markdown(doc: dict, page_dir: Path | None = None, results: Path | None = None,
+                   figure: Path | None = None) -> str:
+    """One network's section of ``benchmarks.md`` (in ``page_dir``), linking the results file, the
+    profile the searches used and the figure where given."""
     inv = doc["latest"]
     prof = inv.get("profile") or {}
+    prof_path = Path(prof["path"]) if prof.get("path") else None
+    where = (link(prof_path, page_dir) if page_dir is not None and prof_path is not None and prof_path.is_file()
+             else f"`{prof.get('path')}`")
     lines = [f"## Network: {doc['network']}", "",
              f"Command: `{inv['command']}`  ", f"Hardware: {hardware_line(inv['hardware'])}  ",
              f"Date: {inv['hardware'].get('date')}  ",
              f"NCCL environment: {', '.join(f'{k}={v}' for k, v in sorted(doc['env'].items())) or '(defaults)'}  ",
-             f"Profile used by the search: {prof.get('name')} ({prof.get('source')}, `{prof.get('path')}`)"]
+             f"Profile used by the search: {prof.get('name')} ({prof.get('source')}, {where})"]
+    if page_dir is not None and results is not None:
+        lines[-1] += "  "
+        lines.append(f"Results: {link(results, page_dir)}"
+                     + (f"; figure (every network): {link(figure, page_dir)}" if figure is not None else ""))
     ar = (prof.get("collectives") or {}).get("all_reduce") or {}
     if ar:
         lines[-1] += "  "

@@ -56,8 +56,8 @@ from pathlib import Path
 from exp import benchrun as br
 from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial
 from exp.benchsearch import Searcher, job_name, make_problem, overrides_of, predict, resolve_profile
-from exp.report import (ROOT, command_line, hardware, hardware_line, load_json, pyplot, save_json, table, text_table,
-                        write_section)
+from exp.report import (ROOT, command_line, hardware, hardware_line, link, load_json, pyplot, save_json, table,
+                        text_table, write_section)
 
 
 def perturbations(args) -> list[dict]:
@@ -315,13 +315,18 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def write_docs(args, result: dict, meta: dict) -> None:
-    """A single run's ``robustness.json``, ``robustness.md`` and figure under ``args.docs``."""
+    """A single run's ``robustness.json``, ``robustness.md`` and figure under ``args.docs``; the page
+    links the other two and the clean profile."""
     docs = Path(args.docs)
-    save_json(docs / "robustness.json", dict(meta, **result))
+    docs.mkdir(parents=True, exist_ok=True)
+    results = save_json(docs / "robustness.json", dict(meta, **result))
+    drawn = figure(result["rows"], docs / "robustness.png", f"{args.model}, {args.world} GPUs")
+    profile = Path(meta["profile"])
+    profile_ref = link(profile, docs) if profile.is_file() else f"`{meta['profile']}`"
     c = result["clean"]
     lines = [f"# Robustness to profile errors ({args.model}, {args.world} GPUs, {args.network})", "",
              f"Command: `{meta['command']}`  ", f"Hardware: {hardware_line(meta['hardware'])}  ",
-             f"Date: {meta['hardware'].get('date')}  ", f"Clean profile: `{meta['profile']}`"
+             f"Date: {meta['hardware'].get('date')}  ", f"Clean profile: {profile_ref}"
              + (f" ({meta['profile_note']})" if meta.get("profile_note") else "") + "  ",
              f"Precision: {args.precision}" + (f" (searched as {args.search_precision})"
                                               if args.search_precision != args.precision else "")
@@ -341,21 +346,24 @@ def write_docs(args, result: dict, meta: dict) -> None:
              "cost model; measured: both run on the GPUs (each distinct plan once"
              + (", divided by the mean of the clean plan's runs right before and after it)"
                 if any(j.get("reference_s") for j in result["jobs"]) else ")") + ".", "",
-             table(HEADERS, table_rows(result["rows"])), "", "## Decisions that flipped", ""]
+             table(HEADERS, table_rows(result["rows"])), "", f"Results: {link(results, docs)}", ""]
+    if drawn is not None:
+        lines += [f"![relative iteration times]({drawn.name})", ""]
+    lines += ["## Decisions that flipped", ""]
     for r in result["rows"]:
         kinds = ", ".join(f"{k} x{v}" for k, v in r["flip_kinds"].items()) or "none"
         ex = ", ".join(f"`{n}`" for n in r["flip_examples"])
         lines.append(f"- {r['label']}: {kinds}" + (f" (e.g. {ex})" if ex else ""))
     (docs / "robustness.md").write_text("\n".join(lines) + "\n")
-    figure(result["rows"], docs / "robustness.png", f"{args.model}, {args.world} GPUs")
 
 
-def figure(rows: list[dict], target: Path, title: str) -> None:
-    """Bar chart of the rows' mean and worst relative times, predicted and measured."""
+def figure(rows: list[dict], target: Path, title: str) -> Path | None:
+    """Bar chart of the rows' mean and worst relative times, predicted and measured, saved as
+    ``target`` (returned; None where matplotlib is not installed)."""
     plt = pyplot()
     if plt is None:
         print(f"matplotlib is not installed: skipped {target}")
-        return
+        return None
     labels = [r["label"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 3.8))
     xs = range(len(labels))
@@ -373,6 +381,7 @@ def figure(rows: list[dict], target: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(target, dpi=110)
     plt.close(fig)
+    return target
 
 
 def combine(paths: list[Path]) -> dict:
@@ -422,20 +431,23 @@ def combine(paths: list[Path]) -> dict:
             "seeds": seeds, "rows": rows}
 
 
-def write_combined(result: dict, docs: Path) -> None:
-    """``robustness.json`` (combined), the ``combined`` section of ``robustness.md``, the figure."""
+def write_combined(result: dict, docs: Path, run_paths: list[Path]) -> None:
+    """``robustness.json`` (combined), the ``combined`` section of ``robustness.md``, the figure; the
+    section links the runs (``run_paths``, in the order given to :func:`combine`) and the results."""
     docs = Path(docs)
-    save_json(docs / "robustness.json", result)
+    docs.mkdir(parents=True, exist_ok=True)
+    results = save_json(docs / "robustness.json", result)
+    drawn = figure(result["rows"], docs / "robustness.png", "combined runs")
     worst = sorted((x for x in result["seeds"] if x["measured"]), key=lambda x: -x["relative_measured"])[:3]
-    lines = ["Combined from " + ", ".join(f"`{r['file']}`" for r in result["runs"])
-             + f" (`python exp/noise.py --combine ...`); clean plan `{result['clean']}`.", "",
+    lines = ["Combined from " + ", ".join(link(p, docs) for p in run_paths)
+             + f" (`python exp/noise.py --combine ...`); clean plan `{result['clean']}`; results: "
+             + link(results, docs) + (f", figure: {link(drawn, docs)}" if drawn is not None else "") + ".", "",
              table(HEADERS, table_rows(result["rows"])), "",
              "Slowest measured plans (relative time of each measurement):", ""]
     for x in worst:
         lines.append(f"- {x['tag']} (`{x['identity']}`, predicted {x['relative_predicted']:.3f}): "
                      + ", ".join(f"{m['relative']:.3f} ({m['run']})" for m in x["measured"]))
     write_section(docs / "robustness.md", "combined", "\n".join(lines), title="Robustness to profile errors")
-    figure(result["rows"], docs / "robustness.png", "combined runs")
 
 
 # ============================================================================ command line
@@ -498,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             result = combine(args.combine)
         except ValueError as e:
             raise SystemExit(f"--combine: {e}")
-        write_combined(result, args.docs)
+        write_combined(result, args.docs, args.combine)
         print(text_table(HEADERS, table_rows(result["rows"])))
         print(f"\nwrote {Path(args.docs) / 'robustness.json'}, robustness.md (section 'combined'), robustness.png")
         return 0

@@ -4,6 +4,8 @@
   versions, host, date).
 * :func:`write_section` replaces one marked section of a markdown file, so that several drivers
   (bench, breakdown) can write into ``docs/benchmarks.md`` without erasing each other's tables.
+* :func:`link` is a markdown link from a page to a file beside it, so a page links every result it
+  was written with (tests/test_docs.py checks that every file under ``docs/`` is linked);
 * :func:`table` renders a markdown table; :func:`pyplot` returns ``matplotlib.pyplot`` or ``None``.
 """
 
@@ -94,6 +96,13 @@ def text_table(headers: list[str], rows: list[list]) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join(out)
+
+
+def link(target: str | Path, page_dir: str | Path, text: str | None = None) -> str:
+    """A markdown link to ``target`` from a page in ``page_dir`` (a relative path, so that the link
+    holds wherever the repository is checked out)."""
+    rel = os.path.relpath(Path(target).resolve(), Path(page_dir).resolve()).replace(os.sep, "/")
+    return f"[`{text or Path(target).name}`]({rel})"
 
 
 def write_section(path: str | Path, name: str, body: str, title: str | None = None) -> Path:

@@ -415,7 +415,8 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
     (docs / "robustness.md").write_text("# Robustness\n\nkept text\n")
     assert noise.main(["--combine", str(pa), str(pb), "--docs", str(docs)]) == 0
     md = (docs / "robustness.md").read_text()
-    assert "kept text" in md and "<!-- begin combined -->" in md and "`a.json`, `b.json`" in md
+    assert "kept text" in md and "<!-- begin combined -->" in md
+    assert "[`a.json`](../a.json), [`b.json`](../b.json)" in md
     assert json.loads((docs / "robustness.json").read_text())["clean"] == "c"
     other = tmp_path / "other.json"
     other.write_text(json.dumps(dict(b, clean={"identity": "d"})))

@@ -58,6 +58,7 @@ from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_par
 from exp.benchsearch import Searcher, job_name, make_problem, overrides_of, predict, resolve_profile
 from exp.report import (ROOT, command_line, hardware, hardware_line, link, load_json, pyplot, save_json, table,
                         text_table, write_section)
+from hidup.files import atomic_write
 
 
 def perturbations(args) -> list[dict]:
@@ -354,7 +355,7 @@ def write_docs(args, result: dict, meta: dict) -> None:
         kinds = ", ".join(f"{k} x{v}" for k, v in r["flip_kinds"].items()) or "none"
         ex = ", ".join(f"`{n}`" for n in r["flip_examples"])
         lines.append(f"- {r['label']}: {kinds}" + (f" (e.g. {ex})" if ex else ""))
-    (docs / "robustness.md").write_text("\n".join(lines) + "\n")
+    atomic_write(docs / "robustness.md", "\n".join(lines) + "\n")
 
 
 def figure(rows: list[dict], target: Path, title: str) -> Path | None:

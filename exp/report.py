@@ -19,6 +19,8 @@ import socket
 import sys
 from pathlib import Path
 
+from hidup.files import atomic_write
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,13 +63,8 @@ def command_line(script: str, argv: list[str] | None) -> str:
 
 
 def save_json(path: str | Path, obj) -> Path:
-    """Write ``obj`` as indented JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    """Write ``obj`` as indented JSON atomically (:func:`hidup.files.atomic_write`)."""
+    return atomic_write(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def load_json(path: str | Path, default=None):
@@ -120,11 +117,7 @@ def write_section(path: str | Path, name: str, body: str, title: str | None = No
         text = head + block + tail
     else:
         text = text.rstrip() + ("\n\n" if text.strip() else "") + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return atomic_write(path, text)
 
 
 def pyplot():

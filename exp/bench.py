@@ -72,22 +72,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report import ROOT, bench_finish, bootstrap, command_line, hardware, load_json  # noqa: E402
-
-bootstrap()
-
-import benchsearch  # noqa: E402
-from benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_parts  # noqa: E402
-from benchsearch import Searcher  # noqa: E402
+from exp import benchrun as br
+from exp import benchsearch
+from exp.baselines.harness import VARIANTS
+from exp.benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_parts
+from exp.benchreport import bench_finish
+from exp.benchrun import METHODS
+from exp.benchsearch import Searcher
+from exp.report import ROOT, command_line, hardware, load_json
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
 FALLBACK_PROFILE = {"nvlink": "h200x4-nvlink", "sockets": "h200x4-socket"}
 DEFAULT_MODELS = ("bert-sgmoe", "bert-switch", "vit-sgmoe", "vit-switch")
-METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup",
-           "hidup-auto", "hidup-eager", "hidup-nodup-eager")
 DEFAULT_METHODS = ("single", "ddp", "fsdp", "expert", "hidup", "hidup-nodup")
 
 
@@ -108,7 +105,6 @@ def child_main(ctx, cfg: dict) -> None:
     """Everything one rank does inside the launched group (see the module docstring)."""
     import torch
 
-    import benchrun as br
     import hidup.models
     from hidup.plan import Plan
 
@@ -191,7 +187,6 @@ def measure_profile(cfg: dict, device) -> None:
     leaves ``<profile>.error`` so that the searches fall back to the builtin profile."""
     import traceback
 
-    import benchrun as br
     from hidup.profiler.measure import profile_machine
 
     path = Path(cfg["profile"])
@@ -212,7 +207,6 @@ def measure_profile(cfg: dict, device) -> None:
 
 def _wait_plan(name: str, cfg: dict, device) -> dict:
     """The search result ``name`` on every rank, polled until it exists or the budget runs out."""
-    import benchrun as br
 
     path = Path(cfg["plan_dir"]) / f"{name}.json"
     while True:
@@ -276,7 +270,6 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
     if ran:
         import torch
 
-        import benchrun as br
         import hidup.models
 
         best = min(ran, key=lambda v: ran[v]["iter_time_s"])
@@ -351,7 +344,6 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 
 def parse_args(argv):
-    from harness import VARIANTS
     from hidup.runtime.options import add_model_flags
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,

@@ -15,11 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
-import benchsearch
-from benchsearch import job_name
-from report import load_json
-
-VARIANT_METHODS = ("single", "ddp", "fsdp", "expert")  # benchrun.VARIANT_METHODS: run in variants
+from exp import benchsearch
+from exp.benchrun import VARIANT_METHODS
+from exp.benchsearch import job_name
+from exp.report import load_json
 
 
 def run_key(world: int, model: str, precision: str, method: str) -> str:

@@ -50,13 +50,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from report import bootstrap
-
-bootstrap()
-
-import harness  # noqa: E402  (exp/baselines: puts the baseline modules on sys.path)
-from timing import sync  # noqa: E402
-from hidup.runtime.data import rank_share  # noqa: E402
+from exp.baselines import harness
+from exp.baselines.timing import sync
+from exp.breakdown import analyze_file
+from hidup.runtime.data import rank_share
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
 warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
@@ -283,8 +280,6 @@ def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
     path = Path(trace_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
-    from breakdown import analyze_file
-
     try:
         out = analyze_file(path)
     except ValueError as e:

@@ -29,9 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from report import bootstrap, load_json, save_json
-
-bootstrap()
+from exp.report import ROOT, load_json, save_json
 
 __all__ = ["Searcher", "search_job", "predict", "make_problem", "job_name", "overrides_of", "resolve_profile",
            "plan_identity"]
@@ -76,8 +74,6 @@ def _sha(path: Path) -> str:
 def code_digest() -> str:
     """A digest of the sources a searched plan depends on (tracer, rules, zoo, profile format and
     collective tables, cost model, search): a cached plan is reused only when they are unchanged."""
-    from report import ROOT
-
     return _digest_of(ROOT)
 
 

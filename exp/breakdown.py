@@ -46,9 +46,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report import ms, table, text_table, write_section  # noqa: E402
+from exp.report import ms, save_json, table, text_table, write_section
 
 __all__ = ["analyze", "analyze_file", "load_events", "union", "intersect_length", "total_length",
            "breakdown_rows", "BREAKDOWN_HEADERS"]
@@ -243,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = breakdown_rows(items)
     print(text_table(BREAKDOWN_HEADERS, rows))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({label: b for label, b in items}, indent=1) + "\n")
+        save_json(args.json, {label: b for label, b in items})
     if args.doc is not None:
         cmd = " ".join(["python", "exp/breakdown.py"] + (sys.argv[1:] if argv is None else list(argv)))
         body = ("## Time breakdown of one iteration (from traces)\n\n"

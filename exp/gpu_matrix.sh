@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call's share of the full benchmark matrix (docs/benchmarks.md, "Full matrix"): runs what
-# docs/bench/matrix/<network>.json does not yet record as ok and packs the results (JSON, plans, the
-# generated section and figure) into OUTDIR/matrix-<network>.tgz.
+# One call's share of the full benchmark matrix (every zoo model, precision and world size): runs what
+# docs/bench/matrix/<network>.json does not yet record as ok (the first call creates it) and packs the
+# results (JSON, plans, the generated section and figure) into OUTDIR/matrix-<network>.tgz.
 #   bash exp/gpu_matrix.sh OUTDIR NETWORK [bench flags, e.g. --worlds 4 --time-budget 480]
 # A network without a profile in docs/bench/matrix measures one, taking the per-op times of the NVLink
 # profile there (compute does not depend on the network) and timing only the shapes it lacks.

@@ -8,8 +8,6 @@ timer times windows of steps between two syncs."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -17,13 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dist_util import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (os.path.join(ROOT, "exp"), os.path.join(ROOT, "exp", "baselines")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from baseline_util import LossForm  # noqa: E402
+from exp.baselines.baseline_util import LossForm
 
 TINY = dict(layers=2, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32, experts_per_gpu=2)
 LR = 1e-3
@@ -39,12 +31,6 @@ EPS = torch.finfo(torch.float64).eps
 # 2**10 eps per step bounds that with a wide margin and is still 1e-13 for STEPS steps, where any
 # error in the math (a weight, a missed reduction) shows at 1e-3 or more.
 REL_TOL = 2 ** 10 * EPS * STEPS
-
-
-def _exp_path():
-    for p in (os.path.join(ROOT, "exp"), os.path.join(ROOT, "exp", "baselines")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
 
 
 class TokenMeanLM(nn.Module):
@@ -107,10 +93,8 @@ def _world2_rank(rank, world):
     one method through the bench's executor with a failing variant -- in one process group."""
     import copy
 
-    _exp_path()
-    import benchrun
-    import harness
-
+    from exp import benchrun
+    from exp.baselines import harness
     from hidup.runtime.data import rank_share
 
     device = torch.device("cpu")
@@ -201,8 +185,7 @@ def test_a_failing_variant_is_recorded_and_the_best_that_ran_is_reported(world2)
 
 
 def test_time_steps_counts_windows_between_two_syncs():
-    _exp_path()
-    import timing
+    from exp.baselines import timing
 
     calls = []
 
@@ -223,8 +206,7 @@ def test_time_steps_counts_windows_between_two_syncs():
 
 
 def test_adam_is_fused_where_torch_has_the_kernel():
-    _exp_path()
-    import baseline_util
+    from exp.baselines import baseline_util
 
     opt, described = baseline_util.make_adam([nn.Parameter(torch.zeros(2, dtype=torch.float64))], 1e-3)
     assert described == "Adam(fused=True)" and opt.defaults["fused"]
@@ -249,10 +231,8 @@ def test_adam_is_fused_where_torch_has_the_kernel():
 
 
 def test_loss_forms_are_declared_or_refused():
-    _exp_path()
-    import baseline_util
-
     import hidup.models
+    from exp.baselines import baseline_util
 
     zoo, _ = hidup.models.build("gpt", world_size=2, layers=1, d_model=16, heads=2, ffn=32, seq_len=4,
                                 batch_per_gpu=2, vocab=32)

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 import hidup.profiler
+from exp import benchreport
+from exp.report import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exp"))
-
-import report  # noqa: E402
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64", "--seq-len", "8", "--batch-per-gpu", "4",
         "--vocab", "64"]
@@ -52,9 +51,9 @@ def test_bench_smoke_world2(tmp_path):
         r = runs[method]
         assert r["variant"] == "eager" and r["variants"]["eager"]["status"] == "ok", method
         assert r["variants"]["graph"]["status"] == "skipped" and "CUDA graphs" in r["variants"]["graph"]["error"]
-        assert r["optimizer"] == "Adam(fused=True)" and "graph skipped" in report._note(r)
+        assert r["optimizer"] == "Adam(fused=True)" and "graph skipped" in benchreport._note(r)
     assert runs["ddp"]["info"]["static_graph"] and runs["ddp"]["info"]["gradient_as_bucket_view"]
-    assert "variant" not in runs["hidup"] and report.variant_of(runs["hidup"]) == "eager"  # hidup's step mode
+    assert "variant" not in runs["hidup"] and benchreport.variant_of(runs["hidup"]) == "eager"  # hidup's step mode
     assert runs["single"]["scaling_efficiency"] == pytest.approx(1.0)
     floor = runs["single"]["iter_time_s"]
     assert runs["ddp"]["scaling_efficiency"] == pytest.approx(floor / runs["ddp"]["iter_time_s"])
@@ -65,7 +64,7 @@ def test_bench_smoke_world2(tmp_path):
     assert runs["single"]["loss_first"] < ref  # one rank's share of the batch
     assert runs["single-dup"]["loss_first"] == pytest.approx(runs["single"]["loss_first"], rel=1e-4)  # two halves
     auto = runs["hidup-auto"]
-    assert set(auto["info"]["duplication_trial"]) == {"on_s", "off_s"} and "by trial" in report._note(auto)
+    assert set(auto["info"]["duplication_trial"]) == {"on_s", "off_s"} and "by trial" in benchreport._note(auto)
     assert auto["predicted_s"] == runs["hidup" if auto["info"]["duplication"] else "hidup-nodup"]["predicted_s"]
     for m in ("hidup", "hidup-nodup"):
         assert runs[m]["predicted_s"] > 0 and runs[m]["search_s"] >= 0
@@ -146,7 +145,7 @@ def test_bench_rejects_zero_rounds(tmp_path):
 
 
 def test_merge_rounds_and_the_speedup_table():
-    from benchplan import merge_rounds
+    from exp.benchplan import merge_rounds
 
     def rec(method, rnd, t, status="ok", **kw):
         key = f"w4/m/tf32/{method}"
@@ -171,7 +170,7 @@ def test_merge_rounds_and_the_speedup_table():
     single = merge_rounds({"k": dict(rec("ddp", 0, 1.0), id="w4/m/tf32/ddp")})["w4/m/tf32/ddp"]
     assert "rounds" not in single and "id" not in single and "round" not in single
 
-    rows = report.speedup_rows(list(merged.values()))
+    rows = benchreport.speedup_rows(list(merged.values()))
     assert len(rows) == 1
     world, model, prec, best, searched, speedup, dup, eff, pred = rows[0]
     # records from before the variants: eager baselines timed with a sync per step, labelled as such
@@ -191,13 +190,14 @@ def test_merge_rounds_and_the_speedup_table():
     runs = [tuned("ddp", 4.0, {"eager": 6.0, "compile": 4.0, "graph": None}),
             tuned("expert", 5.0, {"eager": 5.0, "compile": None}), dict(rec("hidup", 0, 2.0, **plan), id="x")]
     merged = merge_rounds({r["id"]: r for r in runs})
-    [row] = report.speedup_rows(list(merged.values()))
+    [row] = benchreport.speedup_rows(list(merged.values()))
     assert row[3] == "4000.00 ddp compile" and row[5] == "2.00x"  # no label: every baseline tried compiling
     ddp = merged["w4/m/tf32/ddp"]
-    assert report.bench_rows([ddp])[0][4] == "compile" and "eager 6000.00 ms, graph failed" in report._note(ddp)
+    assert benchreport.bench_rows([ddp])[0][4] == "compile"
+    assert "eager 6000.00 ms, graph failed" in benchreport._note(ddp)
     eager_only = dict(merged["w4/m/tf32/expert"], variants={"eager": {"status": "ok", "iter_time_s": 5.0},
                                                            "compile": {"status": "skipped", "error": "not asked"}})
-    [row] = report.speedup_rows([merged["w4/m/tf32/hidup"], eager_only])
+    [row] = benchreport.speedup_rows([merged["w4/m/tf32/hidup"], eager_only])
     assert row[5] == "2.50x (vs eager baselines)"
 
 
@@ -226,9 +226,9 @@ def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
 
 def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
     docs = tmp_path / "benchmarks.md"
-    report.write_section(docs, "bench-nvlink", "NVLINK TABLE", title="Benchmarks")
-    report.write_section(docs, "bench-sockets", "SOCKETS v1")
-    report.write_section(docs, "bench-sockets", "SOCKETS v2")
+    write_section(docs, "bench-nvlink", "NVLINK TABLE", title="Benchmarks")
+    write_section(docs, "bench-sockets", "SOCKETS v1")
+    write_section(docs, "bench-sockets", "SOCKETS v2")
     text = docs.read_text()
     assert text.startswith("# Benchmarks") and "NVLINK TABLE" in text and "SOCKETS v2" in text
     assert "SOCKETS v1" not in text and text.count("<!-- begin bench-sockets -->") == 1
@@ -244,12 +244,12 @@ def test_figure_reads_each_networks_merged_results_only(tmp_path):
     (tmp_path / "nvlink.json").write_text(json.dumps(merged))
     (tmp_path / "nvlink-run1.json").write_text(json.dumps(copy))  # sorts first; must not shadow nvlink.json
     (tmp_path / "nvlink-profile.json").write_text(json.dumps({"name": "p"}))
-    assert report.figure_panels(tmp_path) == {
+    assert benchreport.figure_panels(tmp_path) == {
         ("nvlink", 2): {"graphed": False, "groups": {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}}
 
 
 def test_read_partial_skips_a_cut_line(tmp_path):
-    from bench import read_partial
+    from exp.bench import read_partial
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"event": "start", "key": "a"}) + "\n"
@@ -265,7 +265,7 @@ def test_a_crash_keeps_the_variants_that_ran():
     """The group failing in a baseline's CUDA-graph variant (FSDP2 under capture, say) keeps the variants
     that finished before it: the run reports the fastest of them and records the crash on the one that
     was running."""
-    from bench import crashed_record
+    from exp.bench import crashed_record
 
     cfg = {"network": "nvlink", "variants": ["eager", "compile", "graph", "compile-graph"],
            "overrides": {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(TINY[::2], TINY[1::2])}}
@@ -342,7 +342,7 @@ def test_noise_measured_runs_pair_each_plan_with_the_clean_one(tmp_path):
 def test_noise_perturbation_list():
     from argparse import Namespace
 
-    import noise
+    from exp import noise
 
     perts = noise.perturbations(Namespace(comm=[-50, 100], noise=[0.2, 0.8], seeds=2, first_seed=0))
     assert [p["tag"] for p in perts] == ["clean", "comm-50", "comm+100", "noise0.2-s0", "noise0.8-s0",
@@ -356,10 +356,10 @@ def test_noise_perturbation_list():
 
 
 def test_a_failing_run_is_recorded_not_raised():
-    import benchrun
     import torch
 
     import hidup.models
+    from exp import benchrun
 
     model, inputs = hidup.models.build("bert-sgmoe", world_size=2, layers=2, d_model=32, heads=2, ffn=64, seq_len=8,
                                        batch_per_gpu=4, vocab=64)
@@ -382,7 +382,7 @@ def test_a_failing_run_is_recorded_not_raised():
 def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
     """--combine: a plan's relative time is the mean of its paired measurements in every run (found by
     identity, whichever perturbation measured it); runs of another clean plan are refused."""
-    import noise
+    from exp import noise
 
     def job(tag, label, ident, rel=None, runs=None, pred=1.0):
         j = {"tag": tag, "label": label, "kind": "clean" if tag == "clean" else "noise", "status": "ok",
@@ -415,7 +415,8 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
     (docs / "robustness.md").write_text("# Robustness\n\nkept text\n")
     assert noise.main(["--combine", str(pa), str(pb), "--docs", str(docs)]) == 0
     md = (docs / "robustness.md").read_text()
-    assert "kept text" in md and "<!-- begin combined -->" in md and "`a.json`, `b.json`" in md
+    assert "kept text" in md and "<!-- begin combined -->" in md
+    assert "[`a.json`](../a.json), [`b.json`](../b.json)" in md
     assert json.loads((docs / "robustness.json").read_text())["clean"] == "c"
     other = tmp_path / "other.json"
     other.write_text(json.dumps(dict(b, clean={"identity": "d"})))
@@ -427,7 +428,7 @@ def test_stall_watch_fires_only_on_a_run_in_progress(tmp_path):
     import os
     import time
 
-    import bench
+    from exp import bench
 
     partial = tmp_path / "progress.jsonl"
     watch = bench.stall_watch(partial, 60)
@@ -453,7 +454,7 @@ def test_stall_watch_fires_only_on_a_run_in_progress(tmp_path):
 def test_cached_plans_are_keyed_by_every_source_the_search_reads(tmp_path):
     import shutil
 
-    import benchsearch
+    from exp import benchsearch
 
     for part in ("hidup", "search", "profiler"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))

@@ -4,17 +4,15 @@ fallback, the command line, and the interval algebra under it."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exp"))
+from exp import breakdown
 
-import breakdown  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _kernel(name, ts, dur, stream, device=0, cat="kernel"):

@@ -18,7 +18,8 @@ from hidup.profiler.comm import _elements, fit_alpha, monotone
 from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32
 from hidup.profiler.measure import comm_tables, parse_sizes, profile_machine
 
-BASELINES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exp", "baselines")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 # ------------------------------------------------------------------------------------------- device
 
@@ -209,9 +210,7 @@ LR, STEPS = 1e-3, 2
 
 
 def _harness():
-    if BASELINES_DIR not in sys.path:
-        sys.path.insert(0, BASELINES_DIR)
-    import harness
+    from exp.baselines import harness
 
     return harness
 
@@ -276,9 +275,8 @@ def test_single_baseline_is_one_share():
 
 def test_expert_baseline_rejects_dense_models():
     h = _harness()
-    import expert
-
     import hidup.models
+    from exp.baselines import expert
 
     model, _ = hidup.models.build("gpt", world_size=2, **{k: v for k, v in TINY.items() if k != "experts_per_gpu"})
     with pytest.raises(ValueError, match="MoE layers"):
@@ -329,7 +327,7 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     and both calibration factors to P's collectives (how a profile is re-calibrated on a new host)."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(BASELINES_DIR))
+    root = ROOT
     tiny = "layers=1,d_model=16,heads=2,ffn=32,seq_len=4,batch_per_gpu=4,vocab=32,experts_per_gpu=1"
     out = tmp_path / "p.json"
     cmd = [sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink", "--quick",
@@ -417,7 +415,7 @@ def test_program_factors_average_the_usable_checks():
 def test_calibrating_plans_needs_ranks_and_passes_are_counted():
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(BASELINES_DIR))
+    root = ROOT
     done = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink",
                            "--calibrate-plans", "gpt"], capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")})

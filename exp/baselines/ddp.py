@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from baseline_util import Options, Prepared, compile_module
+from exp.baselines.baseline_util import Options, Prepared, compile_module
 
 DDP_CAPTURE_WARMUP = 11  # eager DDP iterations torch requires before a CUDA-graph capture
 

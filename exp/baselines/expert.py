@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hidup.models import MoEFFN, moe_gating
 
-from baseline_util import Options, OverlappedGradSum, Prepared, compile_module
+from exp.baselines.baseline_util import Options, OverlappedGradSum, Prepared, compile_module
 
 
 class _AllToAll(torch.autograd.Function):

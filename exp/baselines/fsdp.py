@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from baseline_util import Options, Prepared, compile_module, outer_module_lists
+from exp.baselines.baseline_util import Options, Prepared, compile_module, outer_module_lists
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -49,12 +49,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from exp.baselines.baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight
+from exp.baselines.timing import time_steps
 from hidup.runtime.data import rank_share
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight  # noqa: E402
-from timing import time_steps  # noqa: E402
 
 BASELINES = ("ddp", "fsdp", "expert", "single")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -138,7 +135,7 @@ def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.d
     rank's input ``share`` (``single``: one device, weight 1).  ``model`` is converted in place."""
     form = loss_form if loss_form is not None else loss_form_of(model)
     opts = variant_options(variant, precision, compile_backend)
-    module = importlib.import_module(baseline)
+    module = importlib.import_module(f"exp.baselines.{baseline}")
     if baseline == "single":
         prepared = module.prepare(model, 0, 1, device, opts)
         return set_loss_weight(prepared, 1.0, 1)

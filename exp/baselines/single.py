@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from baseline_util import Options, Prepared, compile_module
+from exp.baselines.baseline_util import Options, Prepared, compile_module
 
 
 def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:

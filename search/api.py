@@ -183,7 +183,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
     problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
-    local = getattr(profile, "dist_scale", 1.0) != 1.0 or getattr(profile, "dist_dup_scale", 1.0) != 1.0
+    local = profile.dist_scale != 1.0 or profile.dist_dup_scale != 1.0
     explore = Problem(graph, _without_program_factors(profile), precision, opts.restrict, opts.optimizer_factor) \
         if local else problem
     beam = dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)

@@ -213,17 +213,15 @@ class CostModel:
         self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (shape, bytes, grad, batch, src, dst)
         self._conv_by_tensor: dict[tuple, ConvCost | None] = {}  # by (tensor id, src, dst)
         self.batch = self._batch_dependence(graph)
-        fitted = getattr(profile, "fitted", None)
-        self.comm_profile = fitted() if callable(fitted) else profile  # collective times (fitted tables)
+        self.comm_profile = profile.fitted()  # collective times (fitted tables)
         # measured op times timed inside a CUDA graph hold no host dispatch: an eager step adds it
-        launched = getattr(profile, "op_overhead", 0.0)
-        in_graph = getattr(profile, "op_overhead_graph", 0.0)
+        launched, in_graph = profile.op_overhead, profile.op_overhead_graph
         self._dispatch_extra = max(0.0, launched - in_graph) \
-            if getattr(profile, "ops_timing", "eager") == "graph" and in_graph > 0 else 0.0
+            if profile.ops_timing == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
         # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
         self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
-        self.dist_scale = getattr(profile, "dist_scale", 1.0)
+        self.dist_scale = profile.dist_scale
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -257,7 +255,7 @@ class CostModel:
         measured = self.profile.op_time(node.target, shapes, op_dtype(dtype, self.precision))
         if measured is None:
             return None
-        scale = getattr(self.profile, "ops_scale", 1.0)
+        scale = self.profile.ops_scale
         fwd, bwd = measured[0] * scale, measured[1] * scale
         extra = self._dispatch_extra
         return fwd + extra, (bwd + 2.0 * extra if self.requires_backward(node) else 0.0)
@@ -285,14 +283,14 @@ class CostModel:
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
         fwd = sig.flops / self.profile.rate(profile_dtype(dtype, self.precision))
-        membw = getattr(self.profile, "memory_bandwidth", 0.0)
+        membw = self.profile.memory_bandwidth
         if membw and shapes is not None:
             moved = sum(math.prod(sh) * DTYPE_BYTES.get(g.tensors[t].dtype, 4) for t, sh in zip(node.inputs, shapes))
             for t, f in zip(node.outputs, sig.outputs):
                 tensor = g.tensors[t]
                 moved += math.prod(f.local_shape(tensor.shape, self.world)) * DTYPE_BYTES.get(tensor.dtype, 4)
             fwd = max(fwd, moved / membw)
-        fwd += getattr(self.profile, "op_overhead", 0.0)
+        fwd += self.profile.op_overhead
         return fwd, (2.0 * fwd if needs_bwd else 0.0)
 
     def compute_half(self, node: Node, sig: Signature) -> tuple[float, float] | None:
@@ -333,7 +331,7 @@ class CostModel:
                 of, ob = self.fixed(node)
                 half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
             cf, cb = half
-        k = getattr(self.profile, "dup_scale", 1.0) * getattr(self.profile, "dist_dup_scale", 1.0)
+        k = self.profile.dup_scale * self.profile.dist_dup_scale
         return cf * k, cb * k
 
     def fixed(self, node: Node) -> tuple[float, float]:
@@ -341,7 +339,7 @@ class CostModel:
         dispatch overhead), paid by each duplicated copy in full."""
         if node.op != "call":
             return 0.0, 0.0
-        o = getattr(self.profile, "op_overhead", 0.0)
+        o = self.profile.op_overhead
         return o, (2.0 * o if self.requires_backward(node) else 0.0)
 
     def comm(self, collective: str, nbytes: float) -> float:
@@ -361,8 +359,7 @@ class CostModel:
         (the profile's measured ``concurrency``; 1 where unmeasured)."""
         if not collective:
             return 1.0
-        fn = getattr(self.profile, "pair_speedup", None)
-        return fn(collective, self.world, nbytes) if fn is not None else 1.0
+        return self.profile.pair_speedup(collective, self.world, nbytes)
 
     def _copy(self, nbytes: float, rate: float, passes: float = 2.0) -> float:
         """Seconds of one copy kernel moving ``nbytes`` (read and written: ``passes=2``; written

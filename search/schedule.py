@@ -202,7 +202,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             stages.append([])
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
-    optimizer = getattr(problem.profile, "optimizer_s_per_byte", 0.0) * memory["grads"]
+    optimizer = problem.profile.optimizer_s_per_byte * memory["grads"]
     return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages,
                       objective, optimizer)
 

@@ -55,7 +55,7 @@ the tensor the op reads) are not all of size 1:
 * ``all_to_all`` ``gather_s -> gather_d``: ``L(B/n)`` if ``d`` is moved, plus the concatenation of
   what was received: ``L(B/n)`` when ``d != 0`` (the parts are strided), else ``M(B/n)``.
 
-Each is added to the compute of the consumer that pays the conversion (``ConvCost.lf``/``lb``, part
+Each is added to the compute of the consumer that pays the conversion (``ConvCost.fwd_copies``/``bwd_copies``, part
 of ``fwd``/``bwd``).  Per duplicated copy a batch-dependent tensor copies half as many bytes (one
 fixed cost ``o`` each); a batch-independent one copies the whole tensor in each copy.
 
@@ -140,20 +140,20 @@ class ConvCost:
     """Costs of one form change: no-duplication forward/backward and per-copy (A, B) times."""
 
     conv: Conversion
-    fwd: float
-    bwd: float
-    fA: float
-    fB: float
-    bA: float
-    bB: float
+    fwd: float  # no duplication: forward communication + memory copies
+    bwd: float  # no duplication: backward communication + memory copies
+    fwd_comm_a: float  # with duplication: copy A's and copy B's forward communication
+    fwd_comm_b: float
+    bwd_comm_a: float  # with duplication: copy A's and copy B's backward communication
+    bwd_comm_b: float
     grad_sync: bool = False  # replicate -> *: the bucketed, asynchronous gradient all-reduce (bwd)
-    # memory copies on the compute stream (part of fwd / bwd; per copy beside fA..bB)
-    lf: float = 0.0
-    lb: float = 0.0
-    lfA: float = 0.0
-    lfB: float = 0.0
-    lbA: float = 0.0
-    lbB: float = 0.0
+    # memory copies on the compute stream (part of fwd / bwd; per copy beside the communication)
+    fwd_copies: float = 0.0
+    bwd_copies: float = 0.0
+    fwd_copies_a: float = 0.0
+    fwd_copies_b: float = 0.0
+    bwd_copies_a: float = 0.0
+    bwd_copies_b: float = 0.0
 
 
 def _copies_keep_rank0(copy, moved, frm, to, whole, part, membw, layout):

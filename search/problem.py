@@ -273,19 +273,19 @@ class Problem:
             ff += c.fwd
             fb += c.bwd
             if c.grad_sync:
-                fb_async += c.bwd - c.lb  # the all-reduce; packing and unpacking run on the compute stream
+                fb_async += c.bwd - c.bwd_copies  # the all-reduce; packing the bucket runs on the compute stream
             else:  # summed apart, not as a difference of sums: rounding must not invent a wait
-                fb_block += c.bwd - c.lb
-            lf += c.lf
-            lb += c.lb
-            lfA += c.lfA
-            lfB += c.lfB
-            lbA += c.lbA
-            lbB += c.lbB
-            fA += c.fA
-            fB += c.fB
-            bA += c.bA
-            bB += c.bB
+                fb_block += c.bwd - c.bwd_copies
+            lf += c.fwd_copies
+            lb += c.bwd_copies
+            lfA += c.fwd_copies_a
+            lfB += c.fwd_copies_b
+            lbA += c.bwd_copies_a
+            lbB += c.bwd_copies_b
+            fA += c.fwd_comm_a
+            fB += c.fwd_comm_b
+            bA += c.bwd_comm_a
+            bB += c.bwd_comm_b
             states[j] = (prod, mask | (1 << f))
             convs.append((node.inputs[inp], inp, prod, f))
         cf, cb = self.compute[i][k]

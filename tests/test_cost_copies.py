@@ -43,11 +43,11 @@ def test_all_to_all_copies_depend_on_which_dims_move():
     part = nb / 4
     # gather_1 -> gather_0: no dim to move to the front; the received parts are concatenated on dim 1
     c = cm.conversion(1, gather(1), gather(0))
-    assert c.lf == pytest.approx(_copy(part, MEM))
+    assert c.fwd_copies == pytest.approx(_copy(part, MEM))
     # backward runs gather_0 -> gather_1: dim 1 moves to the front, and the parts are strided
-    assert c.lb == pytest.approx(2 * _copy(part, LAYOUT))
-    assert c.fwd == pytest.approx(cm.comm("all_to_all", nb) + c.lf)
-    assert c.bwd == pytest.approx(cm.comm("all_to_all", nb) + c.lb)
+    assert c.bwd_copies == pytest.approx(2 * _copy(part, LAYOUT))
+    assert c.fwd == pytest.approx(cm.comm("all_to_all", nb) + c.fwd_copies)
+    assert c.bwd == pytest.approx(cm.comm("all_to_all", nb) + c.bwd_copies)
 
 
 def test_leading_dims_of_size_one_move_nothing():
@@ -55,15 +55,15 @@ def test_leading_dims_of_size_one_move_nothing():
     cm = CostModel(g, _profile())
     nb = 16 * 32 * 64 * 4
     # dim 1 after a dim of size 1: the all-gather needs no layout copy
-    assert cm.conversion(1, gather(1), FULL).lf == 0.0
+    assert cm.conversion(1, gather(1), FULL).fwd_copies == 0.0
     g2 = _graph(shape=(8, 16, 32, 64))
     cm2 = CostModel(g2, _profile())
     ag = cm2.conversion(1, gather(1), FULL)
     nb2 = 8 * nb
-    assert ag.lf == pytest.approx(_copy(nb2 / 4, LAYOUT) + _copy(nb2, LAYOUT))  # to the front and back
-    assert ag.lb == pytest.approx(_copy(nb2, LAYOUT) + _copy(nb2 / 4, LAYOUT))  # the reduce-scatter's
+    assert ag.fwd_copies == pytest.approx(_copy(nb2 / 4, LAYOUT) + _copy(nb2, LAYOUT))  # to the front and back
+    assert ag.bwd_copies == pytest.approx(_copy(nb2, LAYOUT) + _copy(nb2 / 4, LAYOUT))  # the reduce-scatter's
     # on dim 0 the collectives work in place
-    assert cm2.conversion(1, gather(0), FULL).lf == cm2.conversion(1, gather(0), FULL).lb == 0.0
+    assert cm2.conversion(1, gather(0), FULL).fwd_copies == cm2.conversion(1, gather(0), FULL).bwd_copies == 0.0
 
 
 def test_slice_zero_pad_all_reduce_and_keep_rank0_copies():
@@ -71,27 +71,27 @@ def test_slice_zero_pad_all_reduce_and_keep_rank0_copies():
     cm = CostModel(g, _profile())
     nb = 8 * 16 * 32 * 64 * 4
     s0 = cm.conversion(1, FULL, gather(0))  # slice of dim 0 is a view; its adjoint zero-pads
-    assert s0.lf == 0.0
-    assert s0.lb == pytest.approx(_copy(nb, MEM, 1.0) + _copy(nb / 4, MEM))
+    assert s0.fwd_copies == 0.0
+    assert s0.bwd_copies == pytest.approx(_copy(nb, MEM, 1.0) + _copy(nb / 4, MEM))
     s2 = cm.conversion(1, FULL, gather(2))  # a strided slice is a copy
-    assert s2.lf == pytest.approx(_copy(nb / 4, LAYOUT))
+    assert s2.fwd_copies == pytest.approx(_copy(nb / 4, LAYOUT))
     ar = cm.conversion(1, REDUCE, FULL)  # the sum lands in a new buffer, both ways
-    assert ar.lf == ar.lb == pytest.approx(_copy(nb, MEM))
+    assert ar.fwd_copies == ar.bwd_copies == pytest.approx(_copy(nb, MEM))
     k = cm.conversion(1, FULL, REDUCE)  # keep_rank0: the other ranks hold zeros; its adjoint is the same mask
-    assert k.lf == k.lb == pytest.approx(_copy(nb, MEM, 1.0))
-    assert cm.conversion(1, FULL, FULL).lf == 0.0
+    assert k.fwd_copies == k.bwd_copies == pytest.approx(_copy(nb, MEM, 1.0))
+    assert cm.conversion(1, FULL, FULL).fwd_copies == 0.0
 
 
 def test_without_gradient_no_backward_copies_and_copies_halve_per_duplicated_copy():
     g = _graph(grad=False)
     cm = CostModel(g, _profile())
     c = cm.conversion(1, gather(1), gather(0))
-    assert c.lb == 0.0 and c.bwd == 0.0
+    assert c.bwd_copies == 0.0 and c.bwd == 0.0
     g2 = _graph()
     c2 = CostModel(g2, _profile()).conversion(1, gather(1), gather(0))  # batch-dependent: half the bytes each
     nb = 8 * 16 * 32 * 64 * 4
-    assert c2.lfA == c2.lfB == pytest.approx(_copy(nb / 8, MEM))
-    assert c2.lbA == c2.lbB == pytest.approx(2 * _copy(nb / 8, LAYOUT))
+    assert c2.fwd_copies_a == c2.fwd_copies_b == pytest.approx(_copy(nb / 8, MEM))
+    assert c2.bwd_copies_a == c2.bwd_copies_b == pytest.approx(2 * _copy(nb / 8, LAYOUT))
 
 
 def test_layout_rate_falls_back_to_the_memory_bandwidth():
@@ -99,10 +99,10 @@ def test_layout_rate_falls_back_to_the_memory_bandwidth():
     nb = 8 * 16 * 32 * 64 * 4
     measured = CostModel(g, _profile()).conversion(1, gather(0), gather(1))
     fallback = CostModel(g, _profile(layout_bandwidth=0.0)).conversion(1, gather(0), gather(1))
-    assert fallback.lf == pytest.approx(2 * _copy(nb / 4, MEM))
-    assert fallback.lf < measured.lf
+    assert fallback.fwd_copies == pytest.approx(2 * _copy(nb / 4, MEM))
+    assert fallback.fwd_copies < measured.fwd_copies
     free = CostModel(g, _profile(memory_bandwidth=0.0, layout_bandwidth=0.0, op_overhead=0.0))
-    assert free.conversion(1, gather(0), gather(1)).lf == 0.0
+    assert free.conversion(1, gather(0), gather(1)).fwd_copies == 0.0
 
 
 def _param_graph(n=1 << 18, world=4):
@@ -119,16 +119,16 @@ def test_gradient_bucket_copies_run_on_the_compute_stream():
     cm = CostModel(g, prof)
     c = cm.conversion(0, REPLICATE, FULL)
     nb = (1 << 18) * 4
-    assert c.lb == pytest.approx(3e-6 + 2 * nb / MEM)  # packed into the bucket; the sum stays there (a view)
-    assert c.bwd == pytest.approx(cm.grad_sync(nb) + c.lb)
-    assert (c.lbA, c.lbB) == (c.lb, 0.0)  # once per step, after both copies
+    assert c.bwd_copies == pytest.approx(3e-6 + 2 * nb / MEM)  # packed into the bucket; the sum stays there (a view)
+    assert c.bwd == pytest.approx(cm.grad_sync(nb) + c.bwd_copies)
+    assert (c.bwd_copies_a, c.bwd_copies_b) == (c.bwd_copies, 0.0)  # once per step, after both copies
     # the problem counts them as backward compute, not as the asynchronous all-reduce
     p = Problem(g, prof)
     i = p.pos_of["f"]
     step, _ = _walk(p, i)
     assert step.bwd_async == pytest.approx(cm.grad_sync(nb))
-    assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.lb)
-    assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.lb)
+    assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.bwd_copies)
+    assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.bwd_copies)
     # unmeasured: two op overheads per parameter; in a CUDA graph the graph figure
     assert CostModel(g, _profile(grad_copy_overhead=0.0)).grad_copies(0.0) == pytest.approx(2 * OVERHEAD)
     graphed = _profile(grad_copy_overhead_graph=5e-7, op_overhead_graph=2e-7).launched(True)

@@ -76,14 +76,15 @@ def test_concurrent_copies_divide_per_copy_collectives():
     for src, dst in ((FULL, gather(0)), (gather(0), FULL)):  # batch tensor 0: both copies move half
         a, b = plain.conversion(0, src, dst), paired.conversion(0, src, dst)
         assert (b.fwd, b.bwd) == (a.fwd, a.bwd)
-        assert b.fA == pytest.approx(a.fA / 1.6) and b.fB == pytest.approx(a.fB / 1.6)
+        assert b.fwd_comm_a == pytest.approx(a.fwd_comm_a / 1.6) and b.fwd_comm_b == pytest.approx(a.fwd_comm_b / 1.6)
     w = Tensor(2, (1024, 1024), "float32", "w", requires_grad=True)
     g2 = Graph(g.nodes, {**g.tensors, 2: w}, 4)
     plain, paired = CostModel(g2, base), CostModel(g2, fast)
     a, b = plain.conversion(2, REPLICATE, FULL), paired.conversion(2, REPLICATE, FULL)
-    assert (b.bA, b.bB) == (a.bA, a.bB) and b.bA > 0  # the gradient all-reduce runs once, alone
+    # the gradient all-reduce runs once, alone
+    assert (b.bwd_comm_a, b.bwd_comm_b) == (a.bwd_comm_a, a.bwd_comm_b) and b.bwd_comm_a > 0
     a, b = plain.conversion(2, gather(0), FULL), paired.conversion(2, gather(0), FULL)
-    assert b.fA == pytest.approx(a.fA / 1.6) and b.bB == pytest.approx(a.bB / 1.6)
+    assert b.fwd_comm_a == pytest.approx(a.fwd_comm_a / 1.6) and b.bwd_comm_b == pytest.approx(a.bwd_comm_b / 1.6)
     assert fast.pair_speedup("all_reduce", 4, 1e6) == 1.6 and base.pair_speedup("all_reduce", 4, 1e6) == 1.0
     assert _profile(concurrency={"all_gather": {4: ([1e3], [3.0])}}).pair_speedup("all_gather", 4, 1e4) == 2.0
 
@@ -108,7 +109,7 @@ def test_gradient_all_reduce_is_priced_by_the_runtimes_buckets():
     assert cm.bucket_bytes == 4 * mb
     costs = [cm.conversion(2 * i, REPLICATE, FULL) for i in range(len(sizes))]
     assert all(c.grad_sync and c.fwd == 0.0 for c in costs)
-    comm = [c.bwd - c.lb for c in costs]  # the all-reduce; lb packs the gradient and copies the sum back
+    comm = [c.bwd - c.bwd_copies for c in costs]  # the all-reduce; lb packs the gradient and copies the sum back
     bucket = cm.comm("all_reduce", 4 * mb)
     # a parameter smaller than a bucket pays its share of one bucket: one alpha per bucket, not per parameter
     assert comm[0] == pytest.approx(bucket / 4) and comm[1] == pytest.approx(bucket / 2)
@@ -116,7 +117,8 @@ def test_gradient_all_reduce_is_priced_by_the_runtimes_buckets():
     # one larger than a bucket is a bucket of its own
     assert comm[2] == pytest.approx(cm.comm("all_reduce", 12 * mb))
     # with duplication, the sync and its copies run once per step, after both copies
-    assert (costs[0].bA, costs[0].bB) == (comm[0], 0.0) and (costs[0].lbA, costs[0].lbB) == (costs[0].lb, 0.0)
+    assert (costs[0].bwd_comm_a, costs[0].bwd_comm_b) == (comm[0], 0.0)
+    assert (costs[0].bwd_copies_a, costs[0].bwd_copies_b) == (costs[0].bwd_copies, 0.0)
     # four such 1 MiB parameters cost exactly one full bucket
     assert 4 * comm[0] == pytest.approx(bucket)
 
@@ -126,7 +128,7 @@ def test_gradient_bucket_is_capped_by_the_trainable_bytes():
     g = _params_graph([mb // 4, mb // 4])  # 2 MiB of gradients in all: one message of 2 MiB
     cm = CostModel(g, _profile())  # the runtime's default bucket (25 MB) is larger
     assert cm.bucket_bytes == 2 * mb
-    both = sum(c.bwd - c.lb for c in (cm.conversion(2 * i, REPLICATE, FULL) for i in range(2)))
+    both = sum(c.bwd - c.bwd_copies for c in (cm.conversion(2 * i, REPLICATE, FULL) for i in range(2)))
     assert both == pytest.approx(cm.comm("all_reduce", 2 * mb))
     with pytest.raises(ValueError, match="bucket_mb"):
         CostModel(g, _profile(), bucket_mb=0)

@@ -187,12 +187,12 @@ def test_conversion_cost_uses_logical_bytes_and_backward_only_with_grad():
     nb = 8 * 32 * 4
     assert c.fwd == pytest.approx(prof.comm_time("all_gather", 4, nb))
     assert c.bwd == pytest.approx(prof.comm_time("reduce_scatter", 4, nb))
-    assert c.fA == c.fB == pytest.approx(prof.comm_time("all_gather", 4, nb / 2))
+    assert c.fwd_comm_a == c.fwd_comm_b == pytest.approx(prof.comm_time("all_gather", 4, nb / 2))
     c0 = cm.conversion(0, gather(0), FULL)  # model input: no gradient, no backward collective
     assert c0.bwd == 0.0 and c0.fwd > 0
     w = cm.conversion(1, FULL, gather(0))  # slice / zero_pad: no collective
     assert w.fwd == 0.0  # a slice of the first dim is a view
-    assert w.bwd == w.lb > 0.0  # zero_pad fills zeros and copies the slice in: memory copies only
+    assert w.bwd == w.bwd_copies > 0.0  # zero_pad fills zeros and copies the slice in: memory copies only
     assert cm.conversion(1, FULL, REPLICATE) is None  # only a parameter produces 'replicate'
 
 

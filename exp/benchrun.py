@@ -53,6 +53,7 @@ import torch.distributed as dist
 from exp.baselines import harness
 from exp.baselines.timing import sync
 from exp.breakdown import analyze_file
+from hidup.codegen.timing import max_over_ranks
 from hidup.runtime.data import rank_share
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
@@ -91,10 +92,8 @@ def broadcast(obj, device: torch.device):
 
 
 def reduce_max(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    """Each value's maximum over the job's ranks (:func:`hidup.codegen.timing.max_over_ranks`)."""
+    return max_over_ranks(values, None, device)
 
 
 def barrier(device: torch.device) -> None:

@@ -31,12 +31,7 @@ from typing import Callable
 
 import torch
 
-from hidup.codegen.timing import max_over_ranks
-
-
-def sync(device: torch.device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+from hidup.codegen.timing import max_over_ranks, sync
 
 
 def barrier(device: torch.device, group=None) -> None:

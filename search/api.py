@@ -28,6 +28,7 @@ from typing import Callable
 from hidup.ir import Graph, Node, Signature
 from hidup.optionset import OptionSet
 from hidup.search import dp, ilp
+from hidup.search.modes import solve_modes
 from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -204,7 +205,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
         candidates.append(outcome.ks)
     else:
         modes = (False, True) if opts.duplication else (False,)
-        candidates += dp.solve_modes(
+        candidates += solve_modes(
             explore, modes, memory_budget,
             lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"), **beam)
     modes = (False, True) if opts.duplication else (False,)

@@ -399,7 +399,9 @@ def test_both_modes_in_two_processes_equal_one_after_the_other(monkeypatch):
     and a search error (here the plain one's) stops both and reaches the caller."""
     pr = Problem(random_graph(21, calls=8, max_sigs=4), SOCKET)
     sequential = [dp.solve(pr, mode)[0] for mode in (False, True)]
-    monkeypatch.setattr(dp, "PARALLEL_MIN_POSITIONS", 0)
-    assert dp.solve_modes(pr, (False, True)) == sequential
+    from hidup.search import modes
+
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)
+    assert modes.solve_modes(pr, (False, True)) == sequential
     with pytest.raises(SearchError, match="memory budget"):
-        dp.solve_modes(pr, (False, True), memory_budget=1.0)
+        modes.solve_modes(pr, (False, True), memory_budget=1.0)

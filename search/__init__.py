@@ -3,7 +3,8 @@
 Modules: :mod:`~hidup.search.cost` and :mod:`~hidup.search.memory` (the cost model),
 :mod:`~hidup.search.problem` (the compiled problem and its transitions),
 :mod:`~hidup.search.schedule` (iteration time with and without duplication),
-:mod:`~hidup.search.dp` (HiDup's DP), :mod:`~hidup.search.modes` (its two modes side by side), :mod:`~hidup.search.segments` (repeated layers),
+:mod:`~hidup.search.dp` (HiDup's DP), :mod:`~hidup.search.modes` (its two modes side by side),
+:mod:`~hidup.search.segments` (repeated layers),
 :mod:`~hidup.search.ilp` (ILP with a memory budget), :mod:`~hidup.search.brute` (reference
 enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs),
 :mod:`~hidup.search.plan` (the plan a search returns and its JSON form) and

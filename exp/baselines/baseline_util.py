@@ -21,13 +21,8 @@ Optimizer (:func:`make_adam`): ``torch.optim.Adam(fused=True)`` (one kernel over
 ``capturable=True`` when the step is captured in a CUDA graph; plain Adam (capturable where
 captured) where fused is unavailable for the parameters' device and dtype, which the result records.
 
-Bucketed all-reduce (:class:`OverlappedGradSum`): gradients are packed into flat buffers of at
-most ``bucket_bytes`` (one collective per bucket instead of one per tensor), summed over ranks and
-unpacked, during the backward as DDP does: parameters are bucketed in
-reverse registration order (roughly the order backward produces their gradients); when every
-gradient of a bucket has been accumulated the bucket's asynchronous all-reduce starts, buckets are
-launched strictly in index order (so every rank issues the same sequence of collectives), and
-``finish()`` waits for them and writes the sums back.
+Bucketed all-reduce of gradients that the baselines sum by hand (the expert baseline's dense
+parameters): hidup's own :class:`hidup.codegen.GradBucketer`, so both are timed with one implementation.
 """
 
 from __future__ import annotations
@@ -155,60 +150,6 @@ def fused_unavailable(params) -> str | None:
         except RuntimeError as e:
             return str(e)
     return None
-
-
-class OverlappedGradSum:
-    """Sum the gradients of ``params`` over ranks with bucketed all-reduces overlapping the backward."""
-
-    def __init__(self, params: list[nn.Parameter], group=None, bucket_bytes: int = BUCKET_BYTES):
-        self.group = group
-        self.buckets: list[list[nn.Parameter]] = []
-        size, dtype = 0, None
-        for p in reversed([p for p in params if p.requires_grad]):
-            nbytes = p.numel() * p.element_size()
-            if not self.buckets or p.dtype != dtype or size + nbytes > bucket_bytes:
-                self.buckets.append([])
-                size, dtype = 0, p.dtype
-            self.buckets[-1].append(p)
-            size += nbytes
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._reset()
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for b in self.buckets for p in b]
-
-    def _reset(self) -> None:
-        self.ready = [0] * len(self.buckets)
-        self.next = 0
-        self.pending: list[tuple[int, torch.Tensor, object]] = []
-
-    def _launch(self, i: int) -> None:
-        bucket = self.buckets[i]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        self.pending.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-
-    def _hook(self, p: nn.Parameter) -> None:
-        i = self.bucket_of[id(p)]
-        self.ready[i] += 1
-        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next]):
-            self._launch(self.next)
-            self.next += 1
-
-    def finish(self) -> None:
-        """Launch the buckets still waiting (parameters without a gradient count as zeros), wait for
-        every all-reduce, and copy the sums into ``.grad``."""
-        while self.next < len(self.buckets):
-            self._launch(self.next)
-            self.next += 1
-        for i, flat, work in self.pending:
-            work.wait()
-            offset = 0
-            for p in self.buckets[i]:
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = flat[offset:offset + n].view_as(p).clone()
-                else:
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-        self._reset()
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -16,7 +16,7 @@ parameter whole.  Each rank runs its own ``g`` groups (sequences/images) of the 
 output gradient.  Gradients: an expert's gradient is summed over every rank's tokens by the
 backward all-to-alls (exact); the dense parameters (attention, norms, router, embeddings) are
 replicated and their gradients summed with bucketed all-reduces that overlap the backward
-(baseline_util.OverlappedGradSum, as DDP and DeepSpeed do).  Routing is per group, so with the
+(hidup.codegen.GradBucketer, as DDP and DeepSpeed do).  Routing is per group, so with the
 rank weights ``w_r`` of baseline_util (1 for the zoo's summed loss) ``sum_r w_r loss_r`` equals the
 single-device loss of the whole batch, and the summed gradients of ``w_r loss_r`` equal its gradients.
 
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from hidup.models import MoEFFN, moe_gating
 
-from exp.baselines.baseline_util import Options, OverlappedGradSum, Prepared, compile_module
+from exp.baselines.baseline_util import BUCKET_BYTES, Options, Prepared, compile_module
+from hidup.codegen import GradBucketer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -118,8 +119,10 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
                          f"{type(model).__name__} has none -- use the ddp or fsdp baseline")
     model.to(device)
     dense = [p for p in model.parameters() if not getattr(p, "expert", False)]
-    grad_sum = OverlappedGradSum(dense)
-    return Prepared(compile_module(model, opts), after_backward=grad_sum.finish,
+    # summed during the backward and waited for at its end (an autograd-engine callback); the
+    # parameters' gradient hooks keep the bucketer alive
+    GradBucketer(dense, bucket_mb=BUCKET_BYTES / 2**20)
+    return Prepared(compile_module(model, opts),
                     info={"moe_layers": n, "local_experts": model_local_experts(model),
                           "compile": "whole model" if opts.compile else None})
 

@@ -11,7 +11,8 @@ Two regimes, one clock each:
   synchronization's own latency (tens of microseconds) out of microsecond-scale samples.
   :func:`time_call` runs ``warmup`` untimed calls first (kernel selection, cuBLAS workspaces, page
   faults), picks ``k`` from one trial call so that a sample lasts about ``sample_s`` seconds, and
-  returns the median per-call time over samples taken within ``budget_s``.
+  returns the median per-call time over samples taken within ``budget_s``.  :func:`graph_time` does
+  the same for calls captured as one CUDA graph (device time without host dispatch).
 
 A synchronous step is as slow as its slowest rank: :func:`max_over_ranks` gives each value's
 maximum over a process group (one all-reduce), so that every rank decides from the same numbers.
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Callable
 
 import torch
 
-__all__ = ["sync", "Stopwatch", "median_seconds", "Timer", "time_call", "max_over_ranks"]
+__all__ = ["sync", "Stopwatch", "median_seconds", "Timer", "time_call", "graph_time", "max_over_ranks"]
 
 
 def sync(device: torch.device | str) -> None:
@@ -124,3 +126,28 @@ def max_over_ranks(values: list[float], group, device: torch.device | str) -> li
     t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+def graph_time(fn, device: torch.device, budget_s: float, reps: int) -> float | None:
+    """Seconds per call of ``fn`` captured ``reps`` times as one CUDA graph and replayed; None when
+    ``fn`` cannot be captured."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a failed capture warns on its way out; the caller falls back
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for _ in range(reps):
+                    fn()
+    except Exception:  # noqa: BLE001 - a host sync or an uncapturable kernel: timed eagerly
+        torch.cuda.synchronize(device)
+        return None
+    try:
+        return time_call(graph.replay, device, warmup=1, budget_s=budget_s, sample_s=budget_s / 4) / reps
+    finally:
+        del graph

@@ -45,7 +45,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from hidup.codegen.timing import time_call
+from hidup.codegen.timing import graph_time, time_call
 from hidup.profiler.profile import DTYPES
 
 __all__ = ["MatmulRate", "matmul_rate", "device_rates",
@@ -206,9 +206,7 @@ def grad_copy_overhead(device: torch.device | str, params: int = 64, *, budget_s
     if graphed:
         if device.type != "cuda":
             raise ValueError(f"grad_copy_overhead(graphed=True) needs a CUDA device, got {device}")
-        from .ops import _graph_time
-
-        seconds = _graph_time(step, device, budget_s, reps=1)
+        seconds = graph_time(step, device, budget_s, reps=1)
         if seconds is None:
             raise RuntimeError("grad_copy_overhead: the bucket copies could not be captured in a CUDA graph")
     else:

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import torch
 from torch.fx.node import map_aggregate
 
-from hidup.codegen.timing import Stopwatch, time_call
+from hidup.codegen.timing import Stopwatch, graph_time, time_call
 from hidup.ir import Graph, Signature
 
 __all__ = ["time_ops", "model_op_times", "node_signatures"]
@@ -178,31 +178,6 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
     return cache
 
 
-def _graph_time(fn, device: torch.device, budget_s: float, reps: int) -> float | None:
-    """Seconds per call of ``fn`` captured ``reps`` times as one CUDA graph and replayed; None when
-    ``fn`` cannot be captured."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a failed capture warns on its way out; the caller falls back
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for _ in range(reps):
-                    fn()
-    except Exception:  # noqa: BLE001 - a host sync or an uncapturable kernel: timed eagerly
-        torch.cuda.synchronize(device)
-        return None
-    try:
-        return time_call(graph.replay, device, warmup=1, budget_s=budget_s, sample_s=budget_s / 4) / reps
-    finally:
-        del graph
-
-
 def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False):
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
@@ -225,7 +200,7 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
         if graphed:
             eager = time_call(f, device, warmup=warmup, budget_s=budget / 4, sample_s=budget / 16)
             reps = max(1, min(64, int(2e-3 / max(eager, 1e-6))))
-            t = _graph_time(f, device, budget, reps)
+            t = graph_time(f, device, budget, reps)
             if t is not None:
                 return t
         return time_call(f, device, warmup=warmup, budget_s=budget, sample_s=budget / 4)

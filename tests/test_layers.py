@@ -1,6 +1,7 @@
 """The package's layers import one way: ir -> rules -> trace -> profile data -> search -> plan ->
 codegen -> runtime -> profiler (measurement) -> cli.  A module may import its own layer and the
-layers before it, at module level or inside a function alike.
+layers before it, at module level or inside a function alike, and no modules import each other
+around a loop (within a layer either).
 
 The check reads every module's source (``ast``, nothing is imported) and resolves each import to a
 module of the package; any import that goes up a layer fails.
@@ -83,6 +84,63 @@ def _upward(modules: dict[str, Path]) -> set[tuple[str, str]]:
             if here in order and there in order and order[there] > order[here]:
                 up.add((module, target))
     return up
+
+
+def _cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """The import cycles among ``modules``: strongly connected components of more than one module
+    (Tarjan), each sorted."""
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_modules())
+    assert not cycles, "modules that import each other (directly or around a loop): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_fails_on_a_cycle(tmp_path):
+    """The profiler's device and op timers importing each other (the last cycle there was) is found."""
+    files = {"hidup.profiler.device": "def f():\n    from hidup.profiler.ops import g\n",
+             "hidup.profiler.ops": "from hidup.profiler.device import tf32\n",
+             "hidup.profiler.profile": "from hidup.ir import Form\n", "hidup.ir": ""}
+    modules = {}
+    for name, src in files.items():
+        modules[name] = tmp_path / f"{name}.py"
+        modules[name].write_text(src)
+    assert _cycles(modules) == [["hidup.profiler.device", "hidup.profiler.ops"]]
 
 
 def test_every_module_has_a_layer():

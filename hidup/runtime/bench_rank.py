@@ -163,24 +163,16 @@ def _precision(name: str, device: torch.device):
     return torch.bfloat16 if name == "bf16" else None
 
 
-def _adam(params, device: torch.device, lr: float):
-    cuda = device.type == "cuda"
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True, capturable=cuda)
-    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=cuda)
-
-
 def time_mode(module, inputs, mode: str, precision: str, device: torch.device, args, *, compile_fn) -> dict:
     """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
-    from hidup.codegen.graphs import GraphedStep
+    from hidup.codegen.graphs import GraphedStep, fused_adam
     from hidup.codegen.timing import Stopwatch
 
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = _adam(params, device, args.lr)
+    opt = fused_adam(params, args.lr, device)
     cuda = device.type == "cuda"
     record = {"mode": mode, "precision": precision, "compile_s": None}
     if cuda:

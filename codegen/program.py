@@ -41,7 +41,8 @@ from torch.fx.node import _get_qualified_name
 
 from hidup.codegen import collectives, compiled
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
-from hidup.ir import FULL, REDUCE, Form, Signature
+from hidup.codegen.recompute import REGION, outline_regions
+from hidup.ir import FULL, REDUCE, Form, Signature, block_label
 
 __all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "using_copy_sums", "CompileError"]
 
@@ -195,8 +196,11 @@ def _fix_devices(value, device: torch.device):
 
 
 class _Builder:
-    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None):
+    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None,
+                 recompute=()):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
+        self.region = None  # the recomputation region new nodes join (codegen.recompute)
         self.copies = copies  # hidup.copies.CopyAxis of a duplicated copy's program, else None
         self.device, self.local_batch = device, local_batch
         self.graph = torch.fx.Graph()
@@ -218,6 +222,7 @@ class _Builder:
     # -- node creation (every node is tagged with the current stage)
     def _tag(self, node: torch.fx.Node) -> torch.fx.Node:
         node.meta["stage"] = self.stage
+        node.meta[REGION] = self.region
         return node
 
     def call(self, target, args, kwargs=None, name=None) -> torch.fx.Node:
@@ -333,8 +338,10 @@ class _Builder:
             for tid in node.outputs:
                 if node.name in self.copies.scaled:
                     self.local[tid] = self.call(operator.mul, (self.local[tid], self.copies.scaled[node.name]))
-                if tid in self.copies.summed:
+                if tid in self.copies.summed:  # run-time state: never recomputed
+                    region, self.region = self.region, None
                     self.local[tid] = self.call(hidup_copy_sum, (self.local[tid], tid))
+                    self.region = region
 
     def _structured(self, name: str) -> bool:
         """Whether the traced value of fx node ``name`` is a tuple/list the model indexes into."""
@@ -366,11 +373,17 @@ class _Builder:
             elif node.op == "param":
                 self.add_param(node, sig)
             elif node.op == "call":
+                label = block_label(node.module)
+                # duplication interleaves its copies stage by stage: a region must not span stages
+                self.region = (label, self.stage if self.copies is not None else 0) if label in self.recompute \
+                    else None
                 self.add_call(node, sig)
+                self.region = None
             elif node.op == "output":
                 self.add_output(node)
             else:
                 raise CompileError(f"node {node.name}: unknown op {node.op!r}")
+        outline_regions(self.graph, self.root)
         self.graph.lint()
         gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
         # GraphModule copies only what the graph references.
@@ -402,14 +415,24 @@ def _count_meta(value) -> int:
 
 
 def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.device | str = "cpu",
-                       local_batch: bool = False, copies=None) -> RankProgram:
+                       local_batch: bool = False, copies=None, recompute=None) -> RankProgram:
     """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
     under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
     ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
     is one of duplication's two copies: its means over the batch are halved and the tensors in
-    ``copies.summed`` pass through :func:`hidup_copy_sum`."""
+    ``copies.summed`` pass through :func:`hidup_copy_sum`.  The layers named in ``recompute`` (block
+    labels; None: the plan's ``recompute``) run their forward again in the backward
+    (:mod:`hidup.codegen.recompute`)."""
     if traced.graph.world_size != world:
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:
         raise CompileError(f"rank {rank} is outside world size {world}")
-    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies).build()
+    labels = getattr(plan, "recompute", ()) if recompute is None else recompute
+    known = {block_label(n.module) for n in traced.graph.nodes} - {""}
+    unknown = sorted(set(labels) - known)
+    if unknown:
+        raise CompileError(f"recompute names layers the model does not have: {', '.join(unknown[:5])}"
+                           f"{' ...' if len(unknown) > 5 else ''} (its repeated layers: "
+                           f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
+                           "Fix: name repeated layers as the plan's `layers` report does, or search again")
+    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels).build()

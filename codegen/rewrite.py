@@ -205,7 +205,9 @@ class CompileOptions(OptionSet):
     process groups for the copies (else duplication creates them on CUDA; a process that compiles
     many modules can reuse one pair of communicators for all of them).  ``compile`` runs the program
     through ``torch.compile``: ``True`` for inductor, a backend name (``"aot_eager"``), or ``False``
-    for eager fx code (:mod:`hidup.codegen.compiled`; ``module.set_compile`` switches later)."""
+    for eager fx code (:mod:`hidup.codegen.compiled`; ``module.set_compile`` switches later).
+    ``recompute`` lists the layers (block labels) whose forward runs again in the backward (None:
+    the plan's ``recompute``; :mod:`hidup.codegen.recompute`)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -215,6 +217,7 @@ class CompileOptions(OptionSet):
     streams: bool | None = None
     copy_groups: tuple | None = None
     compile: bool | str = False
+    recompute: list | tuple | None = None
     WHAT = "compile"
 
 
@@ -266,7 +269,7 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         if check is not None:
             check(traced.graph)
     program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch,
-                                 copies=copies)
+                                 copies=copies, recompute=opts.recompute)
 
     staged = device.type == "cuda" if streams is None else streams
     if not (duplication and staged and world_size > 1):

@@ -54,6 +54,10 @@ def _search_parser(sub) -> None:
     p.add_argument("--memory", type=float, default=None, metavar="GB",
                    help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)")
     _add_time_limit_flag(p)
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                   help="run repeated layers' forward again in the backward instead of keeping their activations: "
+                        "auto (when the fastest plan does not fit --memory, keep the faster plan that fits, with "
+                        "the fewest layers recomputed), on (every repeated layer), off (default auto)")
     p.add_argument("--precision", choices=DTYPES, default="fp32",
                    help="compute precision assumed by the cost model (default fp32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -124,7 +128,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
                       duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
                       progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs, model_source=record,
-                      time_limit=args.time_limit)
+                      time_limit=args.time_limit, recompute=args.recompute)
     _report_warnings(caught, "search")
     plan.save(out)
     if not args.quiet:

@@ -40,13 +40,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
 __all__ = [
     "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion", "FormChangeOp", "FORM_CHANGE_OPS",
     "FORM_CHANGES",
-    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES", "GRAD_BUCKET_MB",
+    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES", "GRAD_BUCKET_MB", "block_label",
+    "block_family",
 ]
 
 # Size of the buckets in which the runtime all-reduces the gradients of replicated parameters
@@ -273,6 +275,20 @@ class Signature:
     def from_dict(d: dict) -> "Signature":
         return Signature(tuple(Form.parse(f) for f in d["inputs"]), tuple(Form.parse(f) for f in d["outputs"]),
                          d["flops"], d["kind"], d.get("impl", ""), tuple((k, v) for k, v in d.get("params", [])))
+
+
+_BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def block_label(module: str) -> str:
+    """Repeated-layer prefix of a module path: ``layers.3.attn.q`` -> ``layers.3``; ``""`` if none."""
+    m = _BLOCK_RE.match(module or "")
+    return m.group(1) if m else ""
+
+
+def block_family(label: str) -> str:
+    """The list a repeated layer belongs to: ``model.layers.3`` -> ``model.layers``."""
+    return label.rsplit(".", 1)[0]
 
 
 @dataclass

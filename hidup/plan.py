@@ -32,6 +32,13 @@ def _mb(b: float) -> str:
     return f"{b / 2**20:.2f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
 
 
+def _span(labels: list[str]) -> str:
+    """``layers.0 .. layers.7`` for a run, the names otherwise (at most four)."""
+    if len(labels) > 4:
+        return f"{labels[0]} .. {labels[-1]}"
+    return ", ".join(labels)
+
+
 def summary(plan: Plan, graph: Graph | None = None) -> str:
     """A readable report: totals, then per layer the sharding kinds, communication volume and time,
     then for the heaviest nodes the runner-up signature and how much slower it would be."""
@@ -48,6 +55,10 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}",
         "memory per rank: " + _mb(m.get("total", 0.0)) + " (" + ", ".join(
             f"{k} {_mb(v)}" for k, v in m.items() if k != "total") + ")",
+    ]
+    if plan.recompute:
+        lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")
+    lines += [
         "",
     ]
     order: list[str] = []

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -141,12 +141,14 @@ def _as_used(form):
     return FULL if form.kind == "replicate" else form
 
 
-def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signature]) -> float:
+def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signature],
+                     savers: Callable[[Node], bool] | None = None) -> float:
     """Bytes per rank the backward keeps under a whole plan (``choices``: node name -> signature),
     following form changes: a saved input that its consumer reads in another form than its producer
     made it is the converted copy, one per (tensor, form) as the rank program makes them, of
     ``numel(local) * itemsize`` bytes -- a stored-sharded weight all-gathered for a float32 backward
-    included; every other saved storage once, as in :func:`saved_bytes`."""
+    included; every other saved storage once, as in :func:`saved_bytes`.  ``savers`` (node -> bool)
+    counts only what the nodes it accepts save."""
     produced: dict[int, object] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
@@ -156,7 +158,7 @@ def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signa
     counted: dict[tuple, float] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
-        if sig is None or n.op != "call":
+        if sig is None or n.op != "call" or (savers is not None and not savers(n)):
             continue
         items, local = record.items(n, sig)
         for it in items:

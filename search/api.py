@@ -15,6 +15,15 @@ runs with both factors taken as 1, and the factors then price the plan it found 
 keep the faster: they settle the mode, not the plan.  Searching with them instead found, for
 BERT-SGMoE on 4 H200s, plans that trade compute for per-copy weight all-gathers the factor prices as
 hidden; those ran 3-4% slower (``docs/archive/benchmarks-2026-11-21.md``).
+
+Recomputation
+-------------
+Running a repeated layer's forward again in the backward (:mod:`hidup.codegen.recompute`) trades
+time for activation memory; the search prices both (:mod:`hidup.search.problem`,
+:mod:`hidup.search.memory`).  It never makes a plan faster, so ``recompute="auto"`` considers it only
+under a memory budget, and only when the fastest plan without one (no duplication) does not fit it:
+it then searches with every repeated layer recomputed too and keeps the faster plan that fits
+(``plan.recompute`` lists the layers).  ``"on"`` recomputes every repeated layer, ``"off"`` none.
 """
 
 from __future__ import annotations
@@ -25,17 +34,20 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from hidup.ir import Graph, Node, Signature
+from hidup.ir import Graph, Node, Signature, block_label
 from hidup.optionset import OptionSet
 from hidup.search import dp, ilp
+from hidup.search.memory import MemoryModel
 from hidup.search.modes import solve_modes
 from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
-__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "STYLES"]
+__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "repeated_layers", "STYLES",
+           "RECOMPUTE"]
 
 STYLES = ("data", "tensor", "expert")
+RECOMPUTE = ("auto", "on", "off")
 # style -> (preferred kinds in order, kinds never used)
 _STYLE_RULES = {"data": (("data",), {"tensor", "expert"}),
                 "tensor": (("tensor", "data"), {"expert"}),
@@ -73,7 +85,10 @@ class SearchOptions(OptionSet):
     byte (Adam: 2); ``time_limit`` seconds for the ILP, its DP seed included (None: none); the
     ``explain`` heaviest nodes get a runner-up in the plan; ``cuda_graphs`` prices the fixed cost per
     op of a step captured as one CUDA graph (how ``hidup train`` runs on GPUs; the profile's
-    ``op_overhead_graph``) instead of eager dispatch."""
+    ``op_overhead_graph``) instead of eager dispatch.  ``recompute`` says which repeated layers run
+    their forward again in the backward instead of keeping activations (module docstring,
+    "Recomputation"): ``"off"``, ``"on"`` (every repeated layer), ``"auto"`` (the faster plan that
+    fits ``memory_budget``, with and without), or a list of block labels."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -87,11 +102,15 @@ class SearchOptions(OptionSet):
     time_limit: float | None = ilp.DEFAULT_TIME_LIMIT
     explain: int = 6
     cuda_graphs: bool = True
+    recompute: str | tuple | list | frozenset = "auto"
     WHAT = "search"
 
     def check(self) -> None:
         if self.algorithm not in ("dp", "ilp"):
             raise ValueError(f"algorithm must be 'dp' or 'ilp', got {self.algorithm!r}")
+        if isinstance(self.recompute, str) and self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} or a list of layers, "
+                             f"got {self.recompute!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
 
@@ -179,15 +198,96 @@ def _without_program_factors(profile):
     return p
 
 
+def repeated_layers(graph: Graph) -> frozenset[str]:
+    """Block labels of the graph's repeated layers (what ``recompute`` may name)."""
+    return frozenset(block_label(n.module) for n in graph.nodes if n.op == "call") - {""}
+
+
+def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]]:
+    """The sets of recomputed layers the search tries, in order (see :class:`SearchOptions`)."""
+    layers = repeated_layers(graph)
+    if not isinstance(opts.recompute, str):
+        unknown = sorted(set(opts.recompute) - layers)
+        if unknown:
+            raise SearchError(f"recompute names layers the model does not have: {', '.join(unknown[:5])}. Its "
+                              f"repeated layers: {', '.join(sorted(layers)[:8]) or 'none'}"
+                              f"{' ...' if len(layers) > 8 else ''}. Fix: name some of these, or use 'auto'")
+        return [frozenset(opts.recompute)]
+    if opts.recompute == "on" and layers:
+        return [layers]
+    if opts.recompute == "auto" and layers and opts.memory_budget is not None:
+        return [frozenset(), layers]
+    return [frozenset()]
+
+
 def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
+    results = []
+    errors = []
+    for recompute in _recompute_choices(graph, opts):
+        if recompute and results and not results[-1][2]:
+            break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
+        try:
+            results.append(_search_with(graph, profile, opts, progress, recompute))
+        except SearchError as e:
+            errors.append(e)
+    if not results:
+        raise errors[-1]
+    fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
+    problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
+    if problem.recompute and isinstance(opts.recompute, str) and opts.memory_budget is not None:
+        problem, best = _fewest_recomputed(graph, profile, opts, problem, best)
+    plan = make_plan(problem, best, opts.algorithm, options, opts.explain)
+    plan.recompute = sorted(problem.recompute, key=_layer_order)
+    return plan
+
+
+def _layer_order(label: str) -> tuple:
+    family, _, index = label.rpartition(".")
+    return (family, int(index)) if index.isdigit() else (family, -1, index)
+
+
+def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, best: Evaluation):
+    """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
+    fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
+    least ``k`` found by bisection on the memory model (more recomputed layers keep less); then
+    priced again, and kept only if faster."""
+    layers = sorted(problem.recompute, key=_layer_order)
+    choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
+
+    def fits(k: int) -> bool:
+        memory = MemoryModel(graph, opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
+        return sum(memory.total(n, choices[n.name]) for n in graph.nodes if n.name in choices) <= opts.memory_budget
+
+    lo, hi = 0, len(layers)  # fits(hi) holds (the plan was searched within the budget)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    if hi == len(layers):
+        return problem, best
+    fewer = Problem(graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers[:hi]))
+    ev = evaluate(fewer, best.ks, best.duplication)
+    if ev.total < best.total and ev.memory["total"] <= opts.memory_budget:
+        return fewer, ev
+    return problem, best
+
+
+def _search_with(graph, profile, opts: SearchOptions, progress, recompute: frozenset[str]):
+    """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
+    ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
+    worked out where ``recompute="auto"`` needs it."""
     precision, memory_budget = opts.precision, opts.memory_budget
-    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor)
+    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
     local = profile.dist_scale != 1.0 or profile.dist_dup_scale != 1.0
-    explore = Problem(graph, _without_program_factors(profile), precision, opts.restrict, opts.optimizer_factor) \
-        if local else problem
-    beam = dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)
+    explore = Problem(graph, _without_program_factors(profile), precision, opts.restrict, opts.optimizer_factor,
+                      recompute) if local else problem
+    beam = _beam(opts)
+    binds = memory_budget is not None and not recompute and opts.recompute == "auto" and \
+        sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
     candidates: list[list[int]] = []
     solver = None
     if opts.algorithm == "ilp":
@@ -213,10 +313,15 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
     options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": opts.duplication,
-               "optimizer_factor": opts.optimizer_factor, "max_states": opts.max_states, "max_points": opts.max_points}
+               "optimizer_factor": opts.optimizer_factor, "max_states": opts.max_states, "max_points": opts.max_points,
+               "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute)}
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
-    return make_plan(problem, best, opts.algorithm, options, opts.explain)
+    return problem, best, binds, options
+
+
+def _beam(opts: SearchOptions) -> dict:
+    return dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)
 
 
 def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:

@@ -121,7 +121,8 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
                         E[a, f] = m.add_var(lb=0.0, ub=0.0 if conv is None else 1.0)
                         if conv is None:
                             continue
-                        cost = (conv.fwd + conv.bwd) * _SCALE
+                        # a recomputed reader runs the forward conversion again in its backward
+                        cost = (conv.fwd * (1 + p.recomputed[c]) + conv.bwd) * _SCALE
                         if cost <= 0:
                             continue
                         if (a, f) not in z:

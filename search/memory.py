@@ -22,6 +22,19 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
   requires a gradient, all its outputs ``sum_j local(out_j, s.outputs[j])`` instead;
 * other nodes: 0.
 
+Recomputation (``recompute``: the repeated layers whose forward runs again in the backward,
+:mod:`hidup.codegen.recompute`).  A recomputed layer keeps only its inputs; during the backward one
+layer at a time holds its activations again.  With ``L_f`` the number of recomputed layers of the
+family ``f`` (``model.layers``, :func:`hidup.ir.block_family`) a ``call`` node of a recomputed layer
+counts ``act(n, s) / L_f`` (the layers of a family repeat one structure, so the family adds up to one
+layer's activations: the one being recomputed), and a ``call`` node whose output ``t`` a recomputed
+layer other than its own reads adds ``local(t, s.outputs[j])`` (what the recomputed layer keeps of
+its input).  :meth:`MemoryModel.plan_activations` counts the same for a whole plan, with the largest
+recomputed layer's activations in place of the ``1/L_f`` shares.  Both are upper bounds where the
+backward frees activations before it recomputes a layer (the first layers' are recomputed last).  With
+duplication a recomputed layer is cut at the plan's stages (:mod:`hidup.codegen.recompute`) and each
+piece keeps its own inputs, which neither counts.
+
 Not counted: what lives only around an op or a form change (an all-gathered weight that no backward
 keeps, the loss's backward temporaries), workspace, the CUDA context and fragmentation; keep a margin
 below the device size (docs/memory.md compares with measured peaks).
@@ -31,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hidup.ir import Graph, Node, Signature
+from hidup.ir import Graph, Node, Signature, block_family, block_label
 from hidup.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
 
 __all__ = ["MemoryModel", "MEMORY_PARTS"]
@@ -44,11 +57,37 @@ class MemoryModel:
     graph: Graph
     optimizer_factor: float = 2.0
     precision: str = "fp32"
+    recompute: frozenset = frozenset()  # block labels of the recomputed layers
     record: SavedRecord | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.record = record_of(self.graph, self.precision)
         self.nbytes = {tid: tensor_nbytes(self.graph, tid, self.precision) for tid in self.graph.tensors}
+        self.recompute = frozenset(self.recompute)
+        # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
+        self.share: dict[str, int] = {}
+        self.kept_inputs: set[int] = set()
+        if self.recompute:
+            families: dict[str, int] = {}
+            for label in self.recompute:
+                families[block_family(label)] = families.get(block_family(label), 0) + 1
+            producer = {t: n for n in self.graph.nodes for t in n.outputs}
+            for n in self.graph.nodes:
+                label = self.layer_of(n)
+                if not label:
+                    continue
+                self.share[n.name] = families[block_family(label)]
+                for t in n.inputs:
+                    p = producer.get(t)
+                    if p is not None and p.op == "call" and self.layer_of(p) != label:
+                        self.kept_inputs.add(t)
+
+    def layer_of(self, node: Node) -> str:
+        """The recomputed layer ``node`` belongs to, or ``""``."""
+        if node.op != "call":
+            return ""
+        label = block_label(node.module)
+        return label if label in self.recompute else ""
 
     def local_bytes(self, tid: int, form) -> float:
         b = self.nbytes[tid]
@@ -58,6 +97,10 @@ class MemoryModel:
         """Bytes per rank that ``node``'s backward keeps under ``sig`` (module docstring)."""
         if node.op != "call":
             return 0.0
+        kept = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if t in self.kept_inputs)
+        return self._saved(node, sig) / self.share.get(node.name, 1) + kept
+
+    def _saved(self, node: Node, sig: Signature) -> float:
         if self.record is not None:
             return saved_bytes(self.graph, self.record, node, sig)
         if any(self.graph.tensors[t].requires_grad for t in node.inputs):
@@ -66,10 +109,28 @@ class MemoryModel:
 
     def plan_activations(self, choices: dict[str, Signature]) -> float:
         """Activation bytes per rank of a whole plan (node name -> signature), following form changes
-        (:func:`hidup.saved.plan_saved_bytes`); the per-node sum when the graph has no record."""
-        if self.record is not None:
-            return plan_saved_bytes(self.graph, self.record, choices)
-        return sum(self.activations(n, choices[n.name]) for n in self.graph.nodes if n.name in choices)
+        (:func:`hidup.saved.plan_saved_bytes`; the per-node sum when the graph has no record); with
+        recomputation, the sum of :meth:`plan_activation_parts`."""
+        return sum(self.plan_activation_parts(choices).values())
+
+    def plan_activation_parts(self, choices: dict[str, Signature]) -> dict[str, float]:
+        """A whole plan's activations as ``{"kept": what nodes outside recomputed layers keep,
+        "layer_inputs": what the recomputed layers keep of their inputs, "recomputed": the largest
+        recomputed layer's activations}`` (module docstring)."""
+        nodes = [n for n in self.graph.nodes if n.name in choices]
+
+        def saved(accept) -> float:
+            if self.record is not None:
+                return plan_saved_bytes(self.graph, self.record, choices, accept)
+            return sum(self._saved(n, choices[n.name]) for n in nodes if accept(n))
+
+        if not self.recompute:
+            return {"kept": saved(lambda n: True), "layer_inputs": 0.0, "recomputed": 0.0}
+        inputs = sum(self.local_bytes(t, f) for n in nodes if n.op == "call"
+                     for t, f in zip(n.outputs, choices[n.name].outputs) if t in self.kept_inputs)
+        layers = {self.layer_of(n) for n in nodes} - {""}
+        largest = max((saved(lambda n, label=label: self.layer_of(n) == label) for label in layers), default=0.0)
+        return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``."""

@@ -16,6 +16,10 @@ with ``spec`` a zoo name or ``package.module:function`` (see :mod:`hidup.models.
 ``hidup show/train/verify --plan`` need no model flags.  It is empty for a plan searched in Python
 without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 files still load
 (their zoo name and ``model_config`` overrides say the same for plans of ``hidup search``).
+
+``recompute`` lists the repeated layers (block labels, :func:`hidup.ir.block_label`) whose forward the
+rank program runs again in the backward instead of keeping their activations
+(:mod:`hidup.codegen.recompute`); a file without it recomputes nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hidup.files import atomic_write
-from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Signature
-from hidup.search.problem import block_label
+from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Signature, block_label
 
 __all__ = ["Plan", "ConversionRecord", "PlanError", "PLAN_VERSION", "READABLE_VERSIONS", "layer_of", "model_record"]
 
@@ -142,6 +145,7 @@ class Plan:
     alternatives: dict[str, dict] = field(default_factory=dict)  # heaviest nodes: runner-up signature
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
+    recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------------------ queries
@@ -191,6 +195,7 @@ class Plan:
             "choices": {k: s.to_dict() for k, s in self.choices.items()},
             "stages": self.stages, "conversions": [c.to_dict() for c in self.conversions],
             "node_costs": self.node_costs, "layers": self.layers, "alternatives": self.alternatives,
+            "recompute": self.recompute,
         }
 
     @staticmethod
@@ -210,7 +215,7 @@ class Plan:
                 options=dict(d.get("options", {})), node_costs=dict(d.get("node_costs", {})),
                 layers=dict(d.get("layers", {})), alternatives=dict(d.get("alternatives", {})),
                 model_config=dict(d.get("model_config", {})), model_source=dict(d.get("model_source") or {}),
-                version=PLAN_VERSION)
+                recompute=list(d.get("recompute") or []), version=PLAN_VERSION)
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
 

@@ -30,33 +30,32 @@ compute: they count in ``Step.compute`` and, per copy, in the stage items' ``cA`
 A transition (position ``i``, signature ``k``, state of the node's inputs) yields a :class:`Step`:
 no-duplication forward and backward seconds (compute + communication), the per-copy stage items
 ``(mA, mB, cA, cB)`` of the forward and of the backward pass for duplication, and memory.
+
+Recomputation
+-------------
+With ``recompute`` (block labels of repeated layers, :mod:`hidup.codegen.recompute`) a ``call`` node
+of a recomputed layer runs its forward again before its backward: its backward compute becomes
+``t_bwd + t_fwd`` (per copy ``hb + hf``, fixed cost included), and the conversions charged to it run
+their forward collectives and copies again, blocking, in the backward (``bwd += fwd``, per copy
+``bA += fA``, ``bB += fB``).  Its memory is :class:`~hidup.search.memory.MemoryModel`'s with the same
+``recompute``.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass
 from typing import Callable
 
-from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature
+from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature, block_label
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
 __all__ = ["Problem", "Step", "SearchError", "block_label"]
 
-_BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
 class SearchError(ValueError):
     """The search cannot produce a plan; the message says why and what to change."""
-
-
-def block_label(module: str) -> str:
-    """Repeated-layer prefix of a module path: ``layers.3.attn.q`` -> ``layers.3``; ``""`` if none."""
-    m = _BLOCK_RE.match(module or "")
-    return m.group(1) if m else ""
 
 
 @dataclass(frozen=True)
@@ -92,13 +91,17 @@ class Problem:
     """Positions, allowed signatures, per-signature costs and tensor liveness of one search."""
 
     def __init__(self, graph: Graph, profile, precision: str = "fp32",
-                 restrict: Callable[[Node, Signature], bool] | None = None, optimizer_factor: float = 2.0):
+                 restrict: Callable[[Node, Signature], bool] | None = None, optimizer_factor: float = 2.0,
+                 recompute: frozenset | set | tuple = frozenset()):
         graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         self.cost = CostModel(graph, profile, precision)
-        self.memory = MemoryModel(graph, optimizer_factor, precision)
+        self.memory = MemoryModel(graph, optimizer_factor, precision, frozenset(recompute))
+        self.recompute = self.memory.recompute
         self.order = self._order(graph)
         self.n = len(self.order)
+        # positions whose forward runs again in the backward (module docstring, "Recomputation")
+        self.recomputed = [bool(self.memory.layer_of(node)) for node in self.order]
         self.pos_of = {node.name: i for i, node in enumerate(self.order)}
 
         self.forms: list[Form] = []
@@ -110,22 +113,25 @@ class Problem:
         self.device_compute: list[list[tuple[float, float]]] = []  # on one device (before dist_scale)
         self.mem: list[list[float]] = []
         self.mem_parts: list[list[tuple]] = []  # MemoryModel.breakdown per signature; mem is their sum
+        plain_device = []  # device_compute without recomputation
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
             self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
             self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
-            device = [self.cost.device_compute(node, s) for s in sigs]
+            plain = [self.cost.device_compute(node, s) for s in sigs]
+            plain_device.append(plain)
+            device = [self._again(len(self.device_compute), d) for d in plain]
             self.device_compute.append(device)
             self.compute.append([self.cost.in_program(d) for d in device])
             parts = [self.memory.breakdown(node, s) for s in sigs]
             self.mem_parts.append(parts)
             self.mem.append([sum(p) for p in parts])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
-        self.fixed = [self.cost.fixed(node) for node in self.order]
+        self.fixed = [self._again(i, self.cost.fixed(node)) for i, node in enumerate(self.order)]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
         self.compute_copy: list[list[tuple[float, float]]] = [
-            [self.cost.copy_compute(node, s, self.device_compute[i][k], self.node_batch[i])
+            [self._again(i, self.cost.copy_compute(node, s, plain_device[i][k], self.node_batch[i]))
              for k, s in enumerate(self.sigs[i])]
             for i, node in enumerate(self.order)]
 
@@ -178,6 +184,11 @@ class Problem:
         self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
 
     # ------------------------------------------------------------------------------------ setup
+    def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:
+        """``(forward, backward)`` seconds of position ``i``, its forward repeated in the backward
+        when it is recomputed."""
+        return (times[0], times[1] + times[0]) if self.recomputed[i] else times
+
     @staticmethod
     def _order(graph: Graph) -> list[Node]:
         producer = {t: n for n in graph.nodes for t in n.outputs}
@@ -288,6 +299,11 @@ class Problem:
             bB += c.bwd_comm_b
             states[j] = (prod, mask | (1 << f))
             convs.append((node.inputs[inp], inp, prod, f))
+        if self.recomputed[i]:  # the forward conversions run again before the backward
+            fb += ff
+            fb_block += ff - lf
+            lb, lbA, lbB = lb + lf, lbA + lfA, lbB + lfB
+            bA, bB = bA + fA, bB + fB
         cf, cb = self.compute[i][k]
         hf, hb = self.compute_copy[i][k]
         fwd_item = (fA, fB, hf + lfA, hf + lfB)

@@ -1,7 +1,7 @@
 """Repeated layers: find runs of positions that form identical blocks, so the DP solves one and reuses it.
 
 A position's *block label* is the repeated-layer prefix of its node's module path
-(``layers.3.attn.q`` -> ``layers.3``, see :func:`hidup.search.problem.block_label`); a node without
+(``layers.3.attn.q`` -> ``layers.3``, see :func:`hidup.ir.block_label`); a node without
 inputs (parameter, input) takes the label of the node after it (its first consumer).  A block
 occurrence is a maximal run of consecutive positions with the same non-empty label.
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hidup.search.problem import Problem, block_label
+from hidup.ir import block_label
+from hidup.search.problem import Problem
 
 __all__ = ["Occurrence", "find_blocks"]
 

@@ -1,0 +1,250 @@
+"""Recomputation of repeated layers: exact results, the memory it saves, and the search's choice of it.
+
+* Parity: on two gloo ranks, rank programs with every repeated layer recomputed give the loss and
+  gradients of the same plan without recomputation and of the single-device model -- zoo models and
+  a ``transformers`` Llama, data / tensor / expert / FSDP-style (weights stored split, gathered for use:
+  the gathered copy is freed and gathered again) plans, duplication off and on.  Float64
+  throughout (the Llama's loss is float32: its tolerance is the float32 one of
+  :mod:`test_thirdparty`).
+* Each region's forward runs twice (once in the forward, once in the backward).
+* Memory: what autograd keeps -- outside the recomputed layers, and the layers' inputs -- is exactly the
+  memory model's ``kept`` and ``layer_inputs`` parts (rank 0's program on torch's fake process group,
+  ``saved_tensors_hooks``), and the plan keeps less in all than without recomputation.
+* Search: under a budget the fastest plain plan misses, ``recompute="auto"`` recomputes the fewest
+  layers that fit; without a budget it recomputes nothing; bad layer names fail clearly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hidup.models as M
+import hidup.profiler
+import thirdparty
+from dist_util import run_distributed
+from hidup.codegen import CompileError
+from hidup.ir import block_label
+from hidup.plan import Plan
+from hidup.search import SearchError, forced, search
+from hidup.search.api import repeated_layers
+from hidup.search.memory import MemoryModel
+from hidup.trace import trace
+
+PROFILE = "h200x4-nvlink"
+SMALL = dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
+# (model, plan style, duplication); "fsdp": data parallel with every weight stored split
+JOBS = [("gpt", "data", False), ("gpt", "tensor", True), ("gpt", "fsdp", False), ("gpt", "fsdp", True),
+        ("bert-sgmoe", "expert", False), ("bert-sgmoe", "tensor", True), ("llama", "data", True),
+        ("llama", "tensor", False)]
+
+
+def _fsdp():
+    from hidup.search.api import _restrict_for
+
+    data = _restrict_for("data")
+
+    def restrict(node, sig):
+        if node.op == "param":
+            return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
+        return data(node, sig)
+    return restrict
+
+
+def _build(name: str, world: int):
+    if name in thirdparty.NAMES:
+        return thirdparty.build(name)
+    return M.build(name, world_size=world, dtype=torch.float64, **SMALL)
+
+
+def _plan(graph, style: str, dup: bool):
+    profile = hidup.profiler.load(PROFILE)
+    if style == "fsdp":
+        return search(graph, profile, duplication=dup, restrict=_fsdp())
+    return forced(graph, profile, style, duplication=dup)
+
+
+def _rank_parity(rank, world, jobs):
+    from hidup.codegen import compile as hidup_compile
+    from hidup.codegen.params import full_grad_dict
+    from hidup.codegen.recompute import Recomputed
+
+    warnings.simplefilter("ignore")
+    out = []
+    for name, style, dup in jobs:
+        model, inputs = _build(name, world)
+        graph = trace(model, inputs, world_size=world)
+        plan = _plan(graph, style, dup)
+        runs = {}
+        for recompute in (False, True):
+            model, inputs = _build(name, world)
+            module = hidup_compile(model, plan, rank, world, inputs, duplication=dup,
+                                   recompute=sorted(repeated_layers(graph)) if recompute else [])
+            calls = []
+            for m in module.modules():
+                if isinstance(m, Recomputed):
+                    m.region.register_forward_pre_hook(lambda mod, args, calls=calls: calls.append(id(mod)))
+            loss = module(*inputs)
+            loss.backward()
+            regions = sum(isinstance(m, Recomputed) for m in module.modules())
+            runs[recompute] = (float(module.global_loss(loss)), full_grad_dict(module), regions, len(calls),
+                               module.duplication)
+        if rank:
+            continue
+        ref, ref_inputs = _build(name, world)
+        ref_loss = ref(*ref_inputs)
+        ref_loss.backward()
+        ref_grads = dict(ref.named_parameters())
+        plain, again = runs[False], runs[True]
+
+        # relative to the largest gradient of the model where a gradient is zero in exact arithmetic
+        # (attention's key bias holds only rounding noise)
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+
+        worst = max(float((again[1][k] - ref_grads[k].grad).abs().max()) /
+                    max(float(ref_grads[k].grad.abs().max()), 1e-2 * scale) for k in again[1])
+        out.append({"job": (name, style, dup), "loss": (plain[0], again[0], float(ref_loss)),
+                    "grad_vs_plain": max(float((again[1][k] - plain[1][k]).abs().max()) for k in plain[1]),
+                    "grad_vs_ref": worst, "regions": (plain[2], again[2]), "calls": again[3],
+                    "duplication": again[4], "kinds": sorted({s.kind for s in plan.choices.values()}),
+                    "gathered_weights": any(f.is_gather for n in graph.nodes if n.op == "param"
+                                            for f in plan.choices[n.name].outputs)})
+    return out
+
+
+_RESULTS: list = []
+
+
+def _results() -> dict:
+    if not _RESULTS:
+        _RESULTS.extend(run_distributed(_rank_parity, 2, JOBS, timeout=900)[0])
+    return {r["job"]: r for r in _RESULTS}
+
+
+def _tol(name: str) -> float:
+    """A sum over at most batch x sequence terms in any order: that many epsilons of its dtype, four times."""
+    if name in thirdparty.NAMES:
+        return 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(thirdparty.LOSS_DTYPE[name]).eps
+    return 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize("job", JOBS, ids=["-".join(map(str, j)) for j in JOBS])
+def test_recomputed_program_is_exact(job):
+    r = _results()[job]
+    name, style, dup = job
+    plain_loss, loss, ref = r["loss"], r["loss"][1], r["loss"][2]
+    assert r["regions"][0] == 0 and r["regions"][1] >= 2, r["regions"]
+    # per copy every region runs forward once, and again in the backward when something it saved is
+    # needed (a region whose outputs need no gradient is not run again)
+    copies = 2 if r["duplication"] else 1
+    assert r["regions"][1] * copies * 3 // 2 <= r["calls"] <= 2 * r["regions"][1] * copies, \
+        f"{r['calls']} region runs for {r['regions'][1]} regions, {copies} copies"
+    assert r["duplication"] == dup
+    assert abs(loss - plain_loss[0]) <= _tol(name) * abs(ref) and abs(loss - ref) <= _tol(name) * abs(ref), r["loss"]
+    assert r["grad_vs_plain"] <= _tol(name), r["grad_vs_plain"]
+    assert r["grad_vs_ref"] <= _tol(name), r["grad_vs_ref"]
+    if style == "fsdp":
+        assert r["gathered_weights"]
+    elif style in ("tensor", "expert"):
+        assert style in r["kinds"]
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _saved_outside_regions(module, inputs) -> int:
+    """Bytes of the distinct storages the forward packs for the backward, beyond parameters, buffers and
+    inputs: outside the recomputed regions what the ops save, and each region's inputs (a region packs
+    what its ops save into hooks of its own)."""
+    def key(t):
+        return t.untyped_storage()._cdata
+
+    held = {key(p) for p in module.parameters()} | {key(b) for b in module.buffers()}
+    held |= {key(v) for v in inputs if isinstance(v, torch.Tensor)}
+    saved, keep = {}, []
+
+    def pack(t):
+        keep.append(t)
+        if key(t) not in held:
+            saved[key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("style", ["data", "tensor", "fsdp"])
+def test_memory_model_counts_what_is_kept(fake_group, style):
+    from hidup.codegen import compile as hidup_compile
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=2, dtype=torch.float64, **SMALL)
+    graph = trace(model, inputs, world_size=2)
+    plan = _plan(graph, style, False)
+    layers = repeated_layers(graph)
+    module = hidup_compile(model, plan, 0, 2, inputs, duplication=False, recompute=sorted(layers))
+    measured = _saved_outside_regions(module, inputs)
+    plain = MemoryModel(graph).plan_activations(plan.choices)
+    parts = MemoryModel(graph, recompute=layers).plan_activation_parts(plan.choices)
+    assert parts["kept"] + parts["layer_inputs"] == measured, (parts, measured)
+    assert parts["layer_inputs"] > 0 and parts["recomputed"] > 0
+    assert sum(parts.values()) < plain, (parts, plain)
+
+
+# ------------------------------------------------------------------------------------------------ search
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=4, layers=4, d_model=64, heads=4, ffn=256, seq_len=64,
+                            batch_per_gpu=8, vocab=64)
+    return trace(model, inputs, world_size=4)
+
+
+def test_search_recomputes_only_under_a_budget_that_needs_it(gpt_graph):
+    profile = hidup.profiler.load(PROFILE)
+    off = search(gpt_graph, profile, recompute="off")
+    assert off.recompute == []
+    assert search(gpt_graph, profile).recompute == []  # auto without a budget
+    on = search(gpt_graph, profile, recompute="on")
+    assert on.recompute == [f"trunk.layers.{i}" for i in range(4)]
+    assert on.memory["activations"] < off.memory["activations"]
+    assert on.predicted["total"] > off.predicted["total"]  # the forward runs twice
+    assert search(gpt_graph, profile, memory_budget=off.memory["total"]).recompute == []
+    budget = 0.95 * off.memory["total"]
+    fit = search(gpt_graph, profile, memory_budget=budget)
+    assert 0 < len(fit.recompute) < 4, fit.recompute  # the fewest layers that fit
+    assert fit.memory["total"] <= budget
+    assert off.predicted["total"] < fit.predicted["total"] < on.predicted["total"]
+    assert Plan.from_dict(fit.to_dict()).recompute == fit.recompute
+
+
+def test_bad_layer_names_fail_clearly(gpt_graph):
+    profile = hidup.profiler.load(PROFILE)
+    with pytest.raises(SearchError, match="recompute names layers the model does not have: trunk.layers.9"):
+        search(gpt_graph, profile, recompute=["trunk.layers.9"])
+    with pytest.raises(ValueError, match="recompute must be one of auto, on, off"):
+        search(gpt_graph, profile, recompute="always")
+    plan = search(gpt_graph, profile, recompute=["trunk.layers.1"])
+    assert plan.recompute == ["trunk.layers.1"]
+    model, inputs = M.build("gpt", world_size=1, **dict(SMALL, batch_per_gpu=2))
+    from hidup.codegen import compile as hidup_compile
+
+    g1 = trace(model, inputs, world_size=1)
+    p1 = search(g1, profile)
+    p1.recompute = ["blocks.7"]
+    with pytest.raises(CompileError, match="recompute names layers the model does not have: blocks.7"):
+        hidup_compile(model, p1, 0, 1, inputs)
+    assert {block_label(n.module) for n in g1.nodes} - {""} == {"trunk.layers.0", "trunk.layers.1"}

@@ -42,6 +42,7 @@ with ``point = {"model", "precision", "measured_s", "predicted_s", "coverage", "
 correction is the identity.  A profile written before corrections were kept apart carries
 ``dist_scale`` and ``dist_dup_scale`` at its top level: they load with an unrecorded provenance,
 which :meth:`Corrections.in_sample` counts as in-sample for every model (nothing says otherwise).
+A value with no provenance at all was set by hand or drawn by a perturbation: fitted on no model.
 """
 
 from __future__ import annotations
@@ -214,27 +215,20 @@ class Corrections:
         return replace(self, **{k: replace(getattr(self, k), value=float(v)) for k, v in values.items()})
 
     def in_sample(self, model: str) -> bool:
-        """Whether a prediction for ``model`` uses a correction fitted on ``model`` itself (or on
-        models nobody recorded): its accuracy then says nothing about other models."""
-        for name in self.names():
-            c = getattr(self, name)
-            if c.identity:
-                continue
-            if c.provenance is None or not c.provenance.recorded or model in c.provenance.models:
-                return True
-        return False
+        """Whether a prediction for ``model`` uses a correction fitted on ``model`` itself, or on
+        models nobody recorded (a value from an older profile): its accuracy then says nothing about
+        other models.  A value set by hand or drawn by :meth:`perturb` (no provenance) was fitted on
+        nothing."""
+        return model in self.calibration_models() or "?" in self.calibration_models()
 
     def calibration_models(self) -> list[str]:
-        """The models any non-identity correction was fitted on (``["?"]`` for an unrecorded one)."""
+        """The models any non-identity correction was fitted on (``"?"`` for an unrecorded one)."""
         out: dict[str, None] = {}
         for name in self.names():
             c = getattr(self, name)
-            if c.identity:
+            if c.identity or c.provenance is None:
                 continue
-            if c.provenance is None or not c.provenance.recorded:
-                out["?"] = None
-            else:
-                out.update(dict.fromkeys(c.provenance.models))
+            out.update(dict.fromkeys(c.provenance.models if c.provenance.recorded else ("?",)))
         return list(out)
 
     def perturb(self, draw: Callable[[], float]) -> "Corrections":
@@ -269,7 +263,10 @@ class Corrections:
             if c.identity:
                 continue
             p = c.provenance
-            if p is None or not p.recorded:
+            if p is None:
+                lines.append(f"{n} {c.value:.3f} (set by hand: fitted on no model)")
+                continue
+            if not p.recorded:
                 lines.append(f"{n} {c.value:.3f} (provenance not recorded: in-sample for every model)")
                 continue
             held = ", ".join(f"{x.model} {x.precision} {x.error:+.1%}" for x in p.held_out) or "none"

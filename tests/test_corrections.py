@@ -207,3 +207,21 @@ def test_program_corrections_are_fitted_on_calibration_models_and_checked_on_hel
     assert "(held out)" in out.notes and prof.corrections.identity
     with pytest.raises(ValueError, match="gpt both calibrates and is held out"):
         program_scales(prof, [("gpt", TINY)], ("fp32",), None, held_out=[("gpt", TINY)])
+
+
+def test_bench_report_marks_predictions_on_calibration_models_in_sample():
+    from exp import benchreport
+
+    def run(model, method, t, fitted):
+        return {"world": 4, "model": model, "precision": "tf32", "method": method, "status": "ok", "iter_time_s": t,
+                "predicted_s": 0.01 if method.startswith("hidup") else None, "plan_duplication": False,
+                "variant": "graph", "profile": {"calibration_models": fitted} if method.startswith("hidup") else None}
+
+    runs = [run("bert-sgmoe", "hidup-nodup", 0.011, ["bert-sgmoe"]),  # calibrated on its own plans
+            run("vit-switch", "hidup-nodup", 0.012, ["bert-sgmoe"]),  # held out
+            run("gpt", "hidup-nodup", 0.013, ["?"]),  # an older profile: its calibration models unknown
+            run("bert-sgmoe", "ddp", 0.02, None)]
+    cells = {r[1]: r[11] for r in benchreport.bench_rows(runs) if r[3] == "hidup-nodup"}
+    assert cells == {"bert-sgmoe": "1.10 (in-sample)", "vit-switch": "1.20", "gpt": "1.30 (in-sample)"}
+    [row] = benchreport.speedup_rows(runs)
+    assert row[1] == "bert-sgmoe" and row[-1] == "1.10 (in-sample)"

@@ -7,7 +7,10 @@ A profile is a JSON document (schema version 1)::
      "flops": {"fp32": 5.1e13, "tf32": 4.07e14, "bf16": 7.74e14, "fp16": 7.74e14},
      "ops": {"<op key>": {"forward": s, "backward": s}, ...},
      "collectives": {"all_reduce": {"4": {"alpha": 1e-5, "sizes": [bytes...], "algbw": [bytes/s...]}},
-                     "all_gather": ..., "reduce_scatter": ..., "all_to_all": ...}}
+                     "all_gather": ..., "reduce_scatter": ..., "all_to_all": ...},
+     "corrections": {"dist_scale": {"value": 1.09, "multiplies": "...", "provenance": {...}}, ...}}
+
+(plus the optional physical fields below; ``corrections``: :mod:`hidup.profiler.corrections`).
 
 Collective time
 ---------------

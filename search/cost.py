@@ -18,8 +18,15 @@ through :meth:`CostModel.corrected`; :meth:`CostModel.device_compute` and
 :meth:`CostModel.copy_device_compute` are the physical times (what one device runs), and a profile
 without corrections (the built-in ones) prices the corrected time equal to the physical one.
 
+The fixed costs (``op_overhead``, ``op_overhead_graph``, ``grad_copy_overhead(_graph)``) and the
+``concurrency`` table are physical too: each is timed on its own mechanism (ops launched one after
+the other, a bucket's copies, two concurrent collectives), not fitted to whole programs.  Which
+fixed cost applies, eager or inside one CUDA graph, follows how the plan will run
+(:meth:`~hidup.profiler.Profile.launched`); ``hidup train`` settles that by a trial after the
+search, but the plan is chosen before it, and the two differ ten-fold per op.
+
 Compute (one rank, the whole per-rank batch; physical)
------------------------------------------------------
+------------------------------------------------------
 ``t_fwd(n, s) = measured forward time`` when the profile has ``op_key(n.target, local input shapes
 under s, op_dtype(dtype, precision))`` (plus, for times measured inside a CUDA graph, the host
 dispatch an eager step adds: ``op_overhead - op_overhead_graph`` per op, twice backward), else the

@@ -225,3 +225,20 @@ def test_bench_report_marks_predictions_on_calibration_models_in_sample():
     assert cells == {"bert-sgmoe": "1.10 (in-sample)", "vit-switch": "1.20", "gpt": "1.30 (in-sample)"}
     [row] = benchreport.speedup_rows(runs)
     assert row[1] == "bert-sgmoe" and row[-1] == "1.10 (in-sample)"
+
+
+def test_held_out_plans_need_calibration_plans_and_other_models():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parent.parent / "exp" / "profiler.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")}
+    alone = subprocess.run([sys.executable, script, "--merge", "h200x4-nvlink", "--held-out-plans", "gpt"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 1 and "give --calibrate-plans too" in alone.stderr
+    assert "Traceback" not in alone.stderr
+    both = subprocess.run([sys.executable, script, "--merge", "h200x4-nvlink", "--calibrate-plans", "gpt,bert-switch",
+                           "--held-out-plans", "gpt"], capture_output=True, text=True, timeout=120, env=env)
+    assert both.returncode == 1 and "--held-out-plans gpt: also in --calibrate-plans" in both.stderr

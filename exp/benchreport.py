@@ -111,8 +111,15 @@ def bench_rows(runs: list[dict]) -> list[list]:
                      f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
                      f"{eff:.2f}" if eff is not None else None, f"{effg:.2f}" if effg is not None else None,
                      gib(r.get("peak_memory_bytes")) if ok else None,
-                     ms(pred) if pred else None, f"{r['iter_time_s'] / pred:.2f}" if ok and pred else None, _note(r)])
+                     ms(pred) if pred else None, _accuracy(r, pred) if ok and pred else None, _note(r)])
     return rows
+
+
+def _accuracy(r: dict, pred: float) -> str:
+    """Measured / predicted, marked ``(in-sample)`` where the profile's corrections were fitted on this
+    run's model (``"?"``: a profile that did not record its calibration models)."""
+    fitted = (r.get("profile") or {}).get("calibration_models") or []
+    return f"{r['iter_time_s'] / pred:.2f}" + (" (in-sample)" if r["model"] in fitted or "?" in fitted else "")
 
 
 SPEEDUP_HEADERS = ["world", "model", "prec", "fastest baseline (ms)", "searched plan (ms)", "speedup",
@@ -185,7 +192,7 @@ def speedup_rows(runs: list[dict]) -> list[list]:
         rows.append([world, model, precision, f"{ms(best['iter_time_s'])} {best['method']} {variant_of(best)}",
                      f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}", speedup,
                      _ratio(off, on) if on and off else None, f"{eff:.3f}" if eff is not None else None,
-                     f"{searched['iter_time_s'] / pred:.2f}" if pred else None])
+                     _accuracy(searched, pred) if pred else None])
     return rows
 
 
@@ -266,7 +273,8 @@ def bench_markdown(doc: dict, page_dir: Path | None = None, results: Path | None
               "including fused Adam as one CUDA graph, compile-graph = both); the note lists the others. "
               "Scaling efficiency = single-rank-share time (its fastest variant) / time (weak scaling; the "
               "graphed floor: that share's forward and backward captured as hidup captures its steps); "
-              "predicted = the plan's cost-model time in that mode.",
+              "predicted = the plan's cost-model time in that mode; measured/pred. is marked in-sample where "
+              "the profile's corrections were fitted on that model's plans.",
               "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
     speedups = speedup_rows(doc["runs"])
     if speedups:

@@ -142,6 +142,7 @@ def search_job(job: dict) -> str:
         t1 = time.perf_counter()
         profile = load_profile(job)
         prof_info["name"] = profile.name
+        prof_info["calibration_models"] = profile.corrections.calibration_models()  # predictions there are in-sample
         plan = search(graph, profile, world_size=job["world"], algorithm="dp", duplication=True,
                       precision=job["precision"])
         t2 = time.perf_counter()

@@ -1,13 +1,15 @@
 """Machine profiles for the cost model: ``load("h200x4-nvlink")``, ``save(profile, path)``.
 
 Builtin profiles live in ``profiler/defaults/*.json`` so that search runs with no GPU; see
-:mod:`hidup.profiler.profile` for the schema and the formulas.
+:mod:`hidup.profiler.profile` for the schema and the formulas, and
+:mod:`hidup.profiler.corrections` for the fitted corrections and their provenance.
 """
 
 from hidup.profiler.profile import (
     COLLECTIVES,
     DTYPES,
     CommTable,
+    Corrections,
     Profile,
     ProfileError,
     builtin_names,
@@ -17,5 +19,5 @@ from hidup.profiler.profile import (
     save,
 )
 
-__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
+__all__ = ["Profile", "CommTable", "Corrections", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
            "COLLECTIVES", "DTYPES"]

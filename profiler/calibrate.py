@@ -1,18 +1,24 @@
-"""A model's per-op times, gathered over the ranks and calibrated against whole steps.
+"""A model's per-op times, gathered over the ranks and checked against whole steps; the cost
+model's corrections, fitted on calibration models and checked on held-out ones.
 
 :func:`measure_model_ops` times every op of zoo models at their sharded and half-batch shapes
 (:mod:`hidup.profiler.ops`, the ranks splitting the shapes), then checks the sum on whole
-single-device steps of one rank's share:
+single-device steps of one rank's share, and writes the checks in the profile's notes (none of them
+becomes a factor: both measured about 1, :mod:`hidup.profiler.profile`):
 
 * :func:`in_context_scale`: the share as one CUDA graph against :func:`predicted_step`, the ops'
-  sum (the profile's ``ops_scale``), and the Adam step after it (``optimizer_s_per_byte``);
+  sum, and the Adam step after it (``optimizer_s_per_byte``, a physical rate the profile keeps);
 * :func:`dup_context_scale`: the share split into duplication's two half-batch copies on two
   streams (:class:`TwoCopies`) against :func:`predicted_copies`, the cost model's per-copy compute
-  of both copies one after the other (the profile's ``dup_scale``).
+  of both copies one after the other.
 
 :func:`program_scales` then calibrates on the ranks themselves: searched plans of the calibration
 models, compiled without and with duplication and timed as training runs them, against the cost
-model's prediction of the same plans (the profile's ``dist_scale`` and ``dist_dup_scale``).
+model's physical prediction of the same plans.  Each correction (``dist_scale``, ``dist_dup_scale``;
+:mod:`hidup.profiler.corrections`) is the geometric mean over the calibration plans of the factor
+that makes prediction and measurement agree; the plans of the held-out models are timed the same
+way and priced *with* the fitted factor, and both lists are the correction's provenance: a
+prediction on a calibration model is in-sample, one on a held-out model is not.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["measure_model_ops", "in_context_scale", "dup_context_scale", "predicted_step", "predicted_copies",
-           "TwoCopies", "program_scales", "program_checks", "apply_program_checks", "fit_program_scale"]
+           "TwoCopies", "program_scales", "program_checks", "apply_program_checks", "fit_program_scale",
+           "held_out_points"]
 
 
 def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
@@ -34,13 +41,13 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
     op shapes on its own device (``shard=(rank, world)``) and the parts are gathered, so the whole
     group returns the same profile.  ``models`` holds (zoo name, overrides) pairs; ``seconds`` bounds
     each (model, precision, world) on every rank.  Then the ranks time each (model, precision, world)'s
-    single-device step (:func:`in_context_scale`) and the profile's ``ops_scale``
-    becomes the geometric mean of measured / predicted over the pairs whose prediction is at least
-    80% measured ops (a factor outside [0.5, 2] is reported, not used), and ``optimizer_s_per_byte``
-    the Adam step's time per parameter byte over all pairs.  Last (``half_batch``), the ranks time
-    the same pairs run as duplication's two copies on two streams
-    (:func:`dup_context_scale`, priced with the new ``ops_scale``), and the
-    profile's ``dup_scale`` becomes their geometric mean on the same terms."""
+    single-device step (:func:`in_context_scale`): the profile's notes get measured / predicted per
+    pair and their geometric mean over the pairs whose prediction is at least 80% measured ops (a
+    check of the per-op times; nothing multiplies them), and ``optimizer_s_per_byte`` becomes the
+    Adam step's time per parameter byte over all pairs.  Last (``half_batch``), the ranks time the
+    same pairs run as duplication's two copies on two streams (:func:`dup_context_scale`), reported
+    the same way.  The new op times change the physical prediction that the profile's corrections
+    were fitted over, so the result has none (fit them again: :func:`program_scales`)."""
     import hidup.models
 
     from .ops import model_op_times
@@ -69,21 +76,21 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
         ops.update(part or {})
     out = prof.with_ops(ops)
     out.ops_timing = "graph" if graphed else "eager"
-    out.dist_scale = out.dist_dup_scale = 1.0  # calibrated against the factors below: measure them again
+    out = out.without_corrections()  # fitted over the physical times these ops change: fit them again
     # in-context factor: each rank times the single-device step of some (model, precision, world)
     pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
 
     def check(fn, name, overrides, precision, w):
         try:
             return dict(fn(out, name, overrides, w, device, precision), world=w)
-        except Exception as e:  # noqa: BLE001 - the factors are optional: reported, the ops stay unscaled
+        except Exception as e:  # noqa: BLE001 - the checks are optional: a failure is reported
             return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
 
     checks = [check(in_context_scale, *pair) for pair in pairs[rank::ranks]]
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
     checks = [c for part in gathered(checks) for c in (part or [])]
-    out.ops_scale = _geomean_scale(checks, out.ops_scale)
+    in_context = _geomean_scale(checks, None)
     opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
     if opt:
         out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
@@ -94,7 +101,7 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
         if device.type == "cuda":
             torch.cuda.empty_cache()
         dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
-        out.dup_scale = _geomean_scale(dup_checks, out.dup_scale)
+    two_copies = _geomean_scale(dup_checks, None)
     detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
         f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
         f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
@@ -104,28 +111,37 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
         f"= {c['scale']:.3f}" if "scale" in c else c["error"]) for c in dup_checks)
     out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
                   f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
-                  f"in-context scale {out.ops_scale:.3f} ({detail or 'not measured'}); "
-                  f"two-copy scale {out.dup_scale:.3f} ({dup_detail or 'not measured'})")
+                  f"in-context check {_mean_text(in_context)} ({detail or 'not measured'}); "
+                  f"two-copy check {_mean_text(two_copies)} ({dup_detail or 'not measured'}); "
+                  "checks, not applied")
     return out
 
 
-def _geomean_scale(checks: list[dict], default: float, min_coverage: float = 0.8) -> float:
+def _mean_text(mean: float | None) -> str:
+    return f"{mean:.3f}" if mean is not None else "none usable"
+
+
+def _geomean_scale(checks: list[dict], default: float | None, min_coverage: float = 0.8) -> float | None:
     """Geometric mean of the checks' ``scale`` over those whose ``coverage`` is at least
     ``min_coverage`` (the share of the prediction from measured ops, or for :func:`program_scales`
     the share that moves with compute) and whose factor lies in [0.5, 2] (others are reported, not
     used); ``default`` if none."""
     import math
 
-    usable = [c["scale"] for c in checks
-              if "scale" in c and c["coverage"] >= min_coverage and 0.5 <= c["scale"] <= 2.0]
+    usable = [c["scale"] for c in _usable(checks, min_coverage)]
     return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
+
+
+def _usable(checks: list[dict], min_coverage: float) -> list[dict]:
+    """The checks :func:`_geomean_scale` averages."""
+    return [c for c in checks if "scale" in c and c["coverage"] >= min_coverage and 0.5 <= c["scale"] <= 2.0]
 
 
 def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
                    precision: str = "fp32") -> tuple[float, float]:
     """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
     share of the ``world_size``-rank model run on one device, priced by the cost model from
-    ``profile`` as a CUDA-graph step (no scale applied: ``ops_scale`` is taken as 1)."""
+    ``profile`` as a CUDA-graph step (its physical time: no correction applied)."""
     return _predicted(profile, model, example_inputs, world_size, precision, copies=False)
 
 
@@ -170,27 +186,19 @@ def predicted_copies(profile, model: torch.nn.Module, example_inputs, world_size
                      precision: str = "fp32") -> tuple[float, float]:
     """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
     share of the ``world_size``-rank model run on one device as two duplicated copies one after the
-    other: :meth:`hidup.search.cost.CostModel.copy_compute` of every op, twice, from ``profile`` as
-    a CUDA-graph step (its ``ops_scale`` applied, ``dup_scale`` taken as 1)."""
+    other: :meth:`hidup.search.cost.CostModel.copy_device_compute` of every op, twice, from
+    ``profile`` as a CUDA-graph step (its physical time: no correction applied)."""
     return _predicted(profile, model, example_inputs, world_size, precision, copies=True)
 
 
 def _predicted(profile, model, example_inputs, world_size: int, precision: str, copies: bool):
-    import copy
-
     from hidup.runtime.data import rank_share
     from hidup.search.cost import CostModel
     from hidup.trace import trace
 
     graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1, half_batch=copies)
-    prof = copy.copy(profile.launched(True))
-    prof.dist_scale = prof.dist_dup_scale = 1.0  # one device: nothing of the ranks' program
-    if copies:
-        prof.dup_scale = 1.0
-    else:
-        prof.ops_scale = 1.0
-    cost = CostModel(graph, prof, precision)
-    price = cost.copy_compute if copies else cost.compute
+    cost = CostModel(graph, profile.launched(True), precision)  # one device: nothing of the ranks' program
+    price = cost.copy_device_compute if copies else cost.device_compute
     total = measured = 0.0
     for node in graph.nodes:
         if node.op != "call":
@@ -257,9 +265,9 @@ def dup_context_scale(profile, name: str, overrides: dict, world_size: int, devi
                       precision: str = "fp32", budget_s: float = 1.0) -> dict:
     """Measured over predicted time of one rank's share of zoo model ``name`` run as two duplicated
     copies on two streams (:class:`TwoCopies`, forward and backward as one CUDA graph) against
-    :func:`predicted_copies` from ``profile`` (whose ``ops_scale`` should already be calibrated).
-    Returns ``{"model", "precision", "measured_s", "predicted_s", "coverage", "scale"}``: the
-    profile's ``dup_scale`` candidate (see :func:`measure_model_ops`)."""
+    :func:`predicted_copies` from ``profile``.  Returns ``{"model", "precision", "measured_s",
+    "predicted_s", "coverage", "scale"}``: a check of the per-copy pricing (see
+    :func:`measure_model_ops`)."""
     import hidup.models
 
     device = torch.device(device)
@@ -290,52 +298,124 @@ def fit_program_scale(predict, measured: float, lo: float = 0.25, hi: float = 4.
 
 
 def program_scales(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
-                   **kwargs):
-    """``prof`` with ``dist_scale`` and ``dist_dup_scale`` measured on the ranks of the initialized
-    process group (every rank calls this; world size >= 2): :func:`program_checks` (``kwargs`` go
-    there), then :func:`apply_program_checks`."""
-    return apply_program_checks(prof, program_checks(prof, models, precisions, device, **kwargs))
+                   held_out: list[tuple[str, dict]] = (), **kwargs):
+    """``prof`` with ``dist_scale`` and ``dist_dup_scale`` fitted on the ranks of the initialized
+    process group (every rank calls this; world size >= 2) on the plans of the calibration
+    ``models`` and checked on those of the ``held_out`` models: :func:`program_checks` of both
+    (``kwargs`` go there), then :func:`apply_program_checks`."""
+    fit_names = {name for name, _ in models}
+    overlap = sorted(fit_names & {name for name, _ in held_out})
+    if overlap:
+        raise ValueError(f"program_scales: {', '.join(overlap)} both calibrates and is held out; a held-out "
+                         "model must be one the corrections are not fitted on")
+    checks = program_checks(prof, list(models) + list(held_out), precisions, device, **kwargs)
+    return apply_program_checks(prof, checks, held_out=[name for name, _ in held_out])
 
 
-def apply_program_checks(prof, checks: list[dict]):
+def apply_program_checks(prof, checks: list[dict], held_out: list[str] = ()):
     """A copy of ``prof`` whose ``dist_scale`` and ``dist_dup_scale`` are each the geometric mean of
-    the :func:`program_checks` for it whose prediction moves with compute for at least half of it
-    and whose factor lies in [0.5, 2] (others are reported in the notes, not used: 1 when none is)."""
-    import copy
+    the :func:`program_checks` for it on models not in ``held_out`` whose prediction moves with
+    compute for at least half of it and whose factor lies in [0.5, 2] (others are reported in the
+    notes, not used: 1 when none is).  Each correction's provenance records the checks it was
+    fitted on and the checks of the ``held_out`` models, priced with the fitted value
+    (:func:`held_out_points`; a check without its plan is left out there)."""
+    import datetime
 
-    out = copy.copy(prof)
-    out.dist_scale = _geomean_scale([c for c in checks if c.get("factor") == "dist_scale"], 1.0, 0.5)
-    out.dist_dup_scale = _geomean_scale([c for c in checks if c.get("factor") == "dist_dup_scale"], 1.0, 0.5)
+    from .corrections import Correction, Corrections, Point, Provenance
+
+    held = set(held_out)
+    fit = [c for c in checks if c.get("model") not in held]
+    world = next((c["world"] for c in checks if "world" in c), 0)
+    graphs = any(c.get("cuda_graphs") for c in checks)
+    fitted = {}
+    for name in Corrections.names():
+        mine = [c for c in fit if c.get("factor") == name]
+        points = tuple(Point(c["model"], c["precision"], c["measured_s"], c["predicted_s"], c["coverage"], c["scale"])
+                       for c in _usable(mine, 0.5))
+        fitted[name] = Correction(_geomean_scale(mine, 1.0, 0.5), None if not points else Provenance(
+            fitted_on=points, device=prof.gpu, world=world, cuda_graphs=graphs,
+            date=datetime.date.today().isoformat()))
+    out = prof.with_corrections(Corrections(**fitted))
+    held_points = held_out_points(out, [c for c in checks if c.get("model") in held])
+    out = out.with_corrections(_with_held_out(out.corrections, held_points))
     detail = "; ".join(
         f"{c['model']} {c['precision']}"
-        f"{dict(dist_scale=' one copy', dist_dup_scale=' duplicated').get(c.get('factor'), '')}: " + (
+        f"{dict(dist_scale=' one copy', dist_dup_scale=' duplicated').get(c.get('factor'), '')}"
+        f"{' (held out)' if c.get('model') in held else ''}: " + (
             f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms predicted, "
             f"{c['coverage']:.0%} of it compute -> {c['scale']:.3f}" if "scale" in c else c["error"])
         for c in checks)
-    world = next((c["world"] for c in checks if "world" in c), "?")
-    graphs = any(c.get("cuda_graphs") for c in checks)
-    out.notes += (f"; inside the distributed program (x{world}, {'CUDA graphs' if graphs else 'eager'}): "
-                  f"dist_scale {out.dist_scale:.3f}, dist_dup_scale {out.dist_dup_scale:.3f} "
-                  f"({detail or 'no plan'})")
+    out.notes += (f"; inside the distributed program (x{world or '?'}, {'CUDA graphs' if graphs else 'eager'}): "
+                  f"dist_scale {out.corrections.dist_scale.value:.3f}, "
+                  f"dist_dup_scale {out.corrections.dist_dup_scale.value:.3f} ({detail or 'no plan'})")
     return out
+
+
+def _with_held_out(corrections, points: dict[str, tuple]):
+    """``corrections`` with each fitted correction's held-out points (``points[name]``) recorded."""
+    from dataclasses import replace
+
+    changed = {}
+    for name, held in points.items():
+        c = getattr(corrections, name)
+        if c.provenance is not None and held:
+            changed[name] = replace(c, provenance=replace(c.provenance, held_out=held))
+    return replace(corrections, **changed)
+
+
+def held_out_points(prof, checks: list[dict]) -> dict[str, tuple]:
+    """Correction name -> the :class:`~hidup.profiler.corrections.Point` of each of ``checks`` (of
+    :func:`program_checks`, with their plans) for it: the measured time against the plan's prediction
+    in that mode under ``prof``, its corrections applied."""
+    from hidup.search.plan import Plan
+
+    from .corrections import Point
+
+    out: dict[str, list] = {}
+    for c in checks:
+        if c.get("factor") is None or "measured_s" not in c or "plan" not in c:
+            continue
+        graph = _check_graph(c)
+        predicted = _plan_time(graph, prof, Plan.from_dict(c["plan"]), c["precision"], bool(c.get("cuda_graphs")),
+                               c["factor"] == "dist_dup_scale")
+        out.setdefault(c["factor"], []).append(Point(c["model"], c["precision"], c["measured_s"], predicted,
+                                                     c.get("coverage", 0.0), c.get("scale", 0.0)))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _check_graph(check: dict):
+    """The traced graph (meta tensors, with its half-batch trace) of a check's model."""
+    import hidup.models
+    from hidup.trace import trace
+
+    world = check["world"]
+    model, inputs = hidup.models.build(check["model"], world_size=world, device="meta", **check.get("overrides", {}))
+    return trace(model, inputs, world_size=world, half_batch=True)
+
+
+def _plan_time(graph, prof, plan, precision: str, cuda_graphs: bool, duplicated: bool) -> float:
+    """Predicted forward + backward seconds of ``plan`` in one mode under ``prof``."""
+    from hidup.search import price
+
+    ev = price(graph, prof, plan, precision, cuda_graphs)[duplicated]
+    return ev.forward + ev.backward
 
 
 def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
                    *, cuda_graphs: bool | None = None, trials: int = 5, warmup: int = 2, seed: int = 0) -> list[dict]:
     """One check per (zoo model with overrides, precision, mode), the same on every rank.
 
-    The search's plan for this world under ``prof`` (its own two factors taken as 1) is compiled
-    without and with duplication and its forward + backward timed as training runs it
+    The search's plan for this world under ``prof`` (its physical time: corrections taken as 1) is
+    compiled without and with duplication and its forward + backward timed as training runs it
     (:func:`hidup.codegen.trial.time_modes`: a CUDA graph when ``cuda_graphs``, by default on GPUs;
-    the slowest rank's median of ``trials``).  A check is ``{"model", "precision", "factor"
-    ("dist_scale" or "dist_dup_scale"), "measured_s", "predicted_s" (at factor 1), "coverage",
-    "scale" | "error", "cuda_graphs", "plan"}``: ``scale`` is the factor that makes the cost model's
-    forward + backward of the plan in that mode equal the measured time (:func:`fit_program_scale`)."""
-    import copy
-
+    the slowest rank's median of ``trials``).  A check is ``{"model", "overrides", "precision",
+    "factor" ("dist_scale" or "dist_dup_scale"), "measured_s", "predicted_s" (at factor 1),
+    "coverage", "scale" | "error", "cuda_graphs", "plan"}``: ``scale`` is the factor that makes the
+    cost model's forward + backward of the plan in that mode equal the measured time
+    (:func:`fit_program_scale`)."""
     import hidup.models
     from hidup.codegen.trial import time_modes
-    from hidup.search import price, search
+    from hidup.search import search
     from hidup.search.problem import SearchError
     from hidup.trace import trace
 
@@ -345,14 +425,14 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
         raise ValueError("program_scales times plans on the ranks: run it on >= 2 ranks (NODERANK/CPN or torchrun)")
     rank, world = dist.get_rank(), dist.get_world_size()
     graphed = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-    base = copy.copy(prof)
-    base.dist_scale = base.dist_dup_scale = 1.0
+    base = prof.without_corrections()
     checks: list[dict] = []
     for name, overrides in models:
         meta_model, meta_inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
         graph = trace(meta_model, meta_inputs, world_size=world, half_batch=True)
         for precision in precisions:
-            row = {"model": name, "precision": precision, "world": world, "cuda_graphs": graphed}
+            row = {"model": name, "overrides": dict(overrides), "precision": precision, "world": world,
+                   "cuda_graphs": graphed}
             try:
                 plan = search(graph, base, world_size=world, algorithm="dp", duplication=True, precision=precision,
                               cuda_graphs=graphed)
@@ -376,10 +456,7 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
                     continue
 
                 def predict(k, mode=mode, field=field, graph=graph, plan=plan, precision=precision):
-                    p = copy.copy(base)
-                    setattr(p, field, k)
-                    ev = price(graph, p, plan, precision, graphed)[mode]
-                    return ev.forward + ev.backward
+                    return _plan_time(graph, base.with_corrections(**{field: k}), plan, precision, graphed, mode)
 
                 k, coverage = fit_program_scale(predict, secs)
                 check = dict(row, factor=field, measured_s=secs, predicted_s=predict(1.0), coverage=coverage,

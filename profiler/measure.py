@@ -117,7 +117,8 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
                     budget_s: float | None = None, ops_models: list[tuple[str, dict]] | None = None,
                     ops_worlds: list[int] | None = None, ops_precisions: tuple[str, ...] = ("fp32",),
                     ops_seconds: float = 120.0, calibrate_plans: list[tuple[str, dict]] | None = None,
-                    calibrate_precisions: tuple[str, ...] | None = None, comm_rounds: int = 1) -> "Profile":
+                    calibrate_precisions: tuple[str, ...] | None = None, comm_rounds: int = 1,
+                    held_out_plans: list[tuple[str, dict]] | None = None) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
     Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
@@ -130,7 +131,8 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     ``ops_worlds`` (default: this group's) in each of ``ops_precisions`` (:func:`measure_model_ops`).
     ``calibrate_plans`` ((zoo name, overrides) pairs) last times their searched plans on the ranks in
     each of ``calibrate_precisions`` (default ``ops_precisions``) and stores the compute factors
-    inside the distributed program (:func:`hidup.profiler.calibrate.program_scales`).
+    inside the distributed program fitted on them, checked on the plans of ``held_out_plans``
+    (:func:`hidup.profiler.calibrate.program_scales`; both lists recorded in the corrections).
     ``comm_rounds`` measures the collective tables that many times and keeps each point's median
     (:func:`hidup.profiler.comm.profile_collectives`).
     """
@@ -140,17 +142,18 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     prof = _calibrate(prof, raw, torch.device(device), ops_models, ops_worlds, tuple(ops_precisions), ops_seconds,
-                      calibrate_plans, tuple(calibrate_precisions or ops_precisions))
+                      calibrate_plans, tuple(calibrate_precisions or ops_precisions), held_out_plans)
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
     return prof
 
 
 def _calibrate(prof, raw: dict, device: torch.device, ops_models, ops_worlds, ops_precisions: tuple,
-               ops_seconds: float, calibrate_plans, calibrate_precisions: tuple):
-    """``prof`` with the models' per-op times and their single-device calibration
-    (:func:`measure_model_ops`, when ``ops_models``), then the factors inside the distributed
-    program (:func:`program_scales`, when ``calibrate_plans``); ``raw`` records how long each took."""
+               ops_seconds: float, calibrate_plans, calibrate_precisions: tuple, held_out_plans=None):
+    """``prof`` with the models' per-op times and their single-device checks
+    (:func:`measure_model_ops`, when ``ops_models``), then the corrections inside the distributed
+    program fitted on ``calibrate_plans`` and checked on ``held_out_plans`` (:func:`program_scales`);
+    ``raw`` records how long each took."""
     if ops_models:
         t0 = time.perf_counter()
         group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -158,7 +161,7 @@ def _calibrate(prof, raw: dict, device: torch.device, ops_models, ops_worlds, op
         raw["ops_s"] = time.perf_counter() - t0
     if calibrate_plans:
         t0 = time.perf_counter()
-        prof = program_scales(prof, calibrate_plans, calibrate_precisions, device)
+        prof = program_scales(prof, calibrate_plans, calibrate_precisions, device, held_out=held_out_plans or [])
         raw["calibrate_plans_s"] = time.perf_counter() - t0
     return prof
 
@@ -280,14 +283,13 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         grad_copy_overhead=grad_copy, grad_copy_overhead_graph=grad_copy_graph,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
-        prof.ops_timing, prof.ops_scale, prof.dup_scale = base.ops_timing, base.ops_scale, base.dup_scale
+        prof.ops_timing = base.ops_timing
         prof.optimizer_s_per_byte = base.optimizer_s_per_byte
-        prof.notes += (f"; per-op times, their in-context and two-copy scales and the Adam rate from profile "
-                       f"{base.name!r}")
-        if not curves:  # the same network: its factors inside the distributed program hold too
-            prof.dist_scale, prof.dist_dup_scale = base.dist_scale, base.dist_dup_scale
-            if (base.dist_scale, base.dist_dup_scale) != (1.0, 1.0):
-                prof.notes += " (and its factors inside the distributed program)"
+        prof.notes += f"; per-op times and the Adam rate from profile {base.name!r}"
+        if not curves:  # the same network: its corrections inside the distributed program hold too
+            prof.corrections = base.corrections
+            if not base.corrections.identity:
+                prof.notes += " (and its corrections inside the distributed program)"
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
     raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
            "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
@@ -365,14 +367,15 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="measure the collective tables R times, one pass after the other, and keep each point's "
                         "median: for a network whose speed drifts over seconds, e.g. NCCL over sockets (default 1)")
     p.add_argument("--merge", default=None, help="profile (builtin name or path) supplying what is not measured: "
-                   "the collectives (and their concurrency) in a single-process run, per-op times (with their "
-                   "in-context scale and the Adam rate), unsupported dtypes")
+                   "the collectives (and their concurrency) in a single-process run, per-op times (with the "
+                   "Adam rate), unsupported dtypes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--ops-model", default=None, help="also time the ops of these models (comma-separated zoo names "
                    "or package.module:function factories returning (model, example_inputs)) at "
                    "their sharded shapes (every signature, for each --ops-worlds; at the batch and at half of it, "
-                   "for duplication), calibrate them against whole single-device steps (ops_scale, and dup_scale "
-                   "with the two copies on two streams) and store them in the profile; the ranks split the work. "
+                   "for duplication), check their sum against whole single-device steps (and the two copies on "
+                   "two streams; reported in the notes, not applied) and store them in the profile; the ranks "
+                   "split the work. "
                    "Op shapes the --merge profile already has are not timed again")
     p.add_argument("--ops-worlds", default=None, help="world sizes to trace --ops-model for, e.g. '4,2' (default: the "
                    "profiled world size; a single process with --merge needs it)")
@@ -387,6 +390,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                         "--ops-precisions apply) with the profile so far, time each plan's forward + backward "
                         "without and with duplication as training runs it, and store the compute factors that "
                         "make the cost model match (dist_scale, dist_dup_scale); needs >= 2 ranks")
+    p.add_argument("--held-out-plans", default=None, metavar="MODELS",
+                   help="with --calibrate-plans: time these zoo models' plans the same way and record how the "
+                        "fitted factors predict them (models the factors are not fitted on; comma-separated)")
     add_launch_args(p)
 
 
@@ -398,16 +404,15 @@ def _rank_main(ctx, kwargs: dict):
     calibrate = kwargs.pop("calibrate_plans", None)
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
     names, overrides, seconds, precisions, worlds = ops_model or ((), {}, 0.0, (), None)
-    calibrated, _, plan_precisions = calibrate or ((), {}, ())
+    calibrated, plan_overrides, plan_precisions, held_out = calibrate or ((), {}, (), ())
     prof = _calibrate(prof, raw, ctx.device, [(n, overrides) for n in names], worlds, precisions, seconds,
-                      [(n, overrides) for n in calibrated], plan_precisions)
+                      [(n, plan_overrides) for n in calibrated], plan_precisions,
+                      [(n, plan_overrides) for n in held_out])
     if ctx.rank == 0 and names:
         print(f"{len(prof.ops)} op shapes of {', '.join(names)} "
-              f"(world {', '.join(map(str, worlds or [ctx.world_size]))}, "
-              f"{', '.join(precisions)}); ops_scale {prof.ops_scale:.3f}, dup_scale {prof.dup_scale:.3f}")
+              f"(world {', '.join(map(str, worlds or [ctx.world_size]))}, {', '.join(precisions)})")
     if ctx.rank == 0 and calibrated:
-        print(f"inside the distributed program ({', '.join(calibrated)}; {', '.join(plan_precisions)}): "
-              f"dist_scale {prof.dist_scale:.3f}, dist_dup_scale {prof.dist_dup_scale:.3f}")
+        print(f"inside the distributed program ({', '.join(plan_precisions)}): {prof.corrections.describe()}")
     if ctx.rank != 0:
         return None
     return str(write_profile(prof, raw, out or Path(f"profile_{prof.name}.json")))
@@ -453,8 +458,14 @@ def run_profile(args: argparse.Namespace) -> int:
                    precisions, [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
         if args.ops_model else None,
         calibrate_plans=(_names(args.calibrate_plans, "--calibrate-plans"), parse_overrides(args.ops_overrides),
-                         precisions)
+                         precisions, _names(args.held_out_plans, "--held-out-plans") if args.held_out_plans else [])
         if args.calibrate_plans else None)
+    if args.held_out_plans and not args.calibrate_plans:
+        raise SystemExit("--held-out-plans checks the factors --calibrate-plans fits: give --calibrate-plans too")
+    if args.calibrate_plans and set(kwargs["calibrate_plans"][0]) & set(kwargs["calibrate_plans"][3]):
+        both = sorted(set(kwargs["calibrate_plans"][0]) & set(kwargs["calibrate_plans"][3]))
+        raise SystemExit(f"--held-out-plans {', '.join(both)}: also in --calibrate-plans; a held-out model must be "
+                         "one the factors are not fitted on")
     lk = launch_kwargs(args)
     single = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single"
     if single and args.calibrate_plans:

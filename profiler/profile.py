@@ -7,7 +7,10 @@ A profile is a JSON document (schema version 1)::
      "flops": {"fp32": 5.1e13, "tf32": 4.07e14, "bf16": 7.74e14, "fp16": 7.74e14},
      "ops": {"<op key>": {"forward": s, "backward": s}, ...},
      "collectives": {"all_reduce": {"4": {"alpha": 1e-5, "sizes": [bytes...], "algbw": [bytes/s...]}},
-                     "all_gather": ..., "reduce_scatter": ..., "all_to_all": ...}}
+                     "all_gather": ..., "reduce_scatter": ..., "all_to_all": ...},
+     "corrections": {"dist_scale": {"value": 1.09, "multiplies": "...", "provenance": {...}}, ...}}
+
+(plus the optional physical fields below; ``corrections``: :mod:`hidup.profiler.corrections`).
 
 Collective time
 ---------------
@@ -58,38 +61,36 @@ computes in (:func:`op_dtype`: ``tf32`` and ``fp32`` float32 matmuls are differe
 model uses them in preference to the roofline.  ``ops_timing`` says how they were timed: ``"graph"``
 (on GPUs: each op replayed inside a CUDA graph, so a time holds the kernels and the GPU's gaps
 between them but no host dispatch; the cost model adds the dispatch cost of an eager step) or
-``"eager"`` (wall time of eager calls, dispatch included; on CPUs).  An op timed alone runs faster
-than inside the step (its inputs stay in cache, nothing else shares the GPU), so ``ops_scale``
-multiplies every measured time: the time of a whole single-device step (one rank's share, forward
-and backward, as one CUDA graph) over the sum of its ops' measured times
-(:func:`hidup.profiler.calibrate.in_context_scale`; 1 when not calibrated).  The same measurement times the
-optimizer step (Adam) that follows: ``optimizer_s_per_byte`` is its time per byte of trainable
-parameters, which the plan's evaluation charges on the parameters each rank keeps.
+``"eager"`` (wall time of eager calls, dispatch included; on CPUs).  The same measurement times the
+optimizer step (Adam) that follows a single-device step: ``optimizer_s_per_byte`` is its time per
+byte of trainable parameters, which the plan's evaluation charges on the parameters each rank keeps.
 
-With duplication the two copies' kernels run on two streams at once, and the GPU overlaps them
-(each kernel of half the batch leaves part of the device idle).  ``dup_scale`` multiplies the
-per-copy compute of a duplicated plan: the time of a duplicated single-device step (one rank's
-share split into two half-batch copies on two streams, forward and backward as one CUDA graph)
-over the cost model's per-copy compute of both copies, as if they ran one after the other
-(:func:`hidup.profiler.calibrate.dup_context_scale`; 1 when not calibrated: the copies serialize).
+Physical terms and empirical corrections
+----------------------------------------
+Every field above is a measurement of one mechanism (a FLOP rate, an op at its shapes, one kernel
+launch, one copy, one collective, two concurrent collectives).  ``corrections``
+(:class:`hidup.profiler.corrections.Corrections`) holds what is fitted instead: factors that make
+the cost model's prediction of whole programs equal their measured time (``dist_scale`` and
+``dist_dup_scale``, the compute inside the ranks' program), each with the plans, models and device
+it was fitted on and the held-out plans it was checked on.  A profile without them is uncalibrated:
+the identity.
 
-Inside the distributed program
-------------------------------
-One device cannot show what the ranks' program does to its own compute: NCCL kernels share the SMs
-with the compute kernels beside them, the stream waits between kernels around each collective, and,
-with duplication, one copy's kernels filling the other's gaps.  ``dist_scale`` multiplies every
-node's compute of a plan without duplication and ``dist_dup_scale`` every per-copy compute with
-it: on the ranks themselves, searched plans of calibration models are compiled in both modes and
-their forward + backward timed (:func:`hidup.profiler.calibrate.program_scales`); each factor is
-the one that makes the cost model's prediction of the plan equal the measured time, the geometric
-mean over the plans (1 when not calibrated, or when a plan's time hardly depends on its compute).
+Two earlier factors are gone: ``ops_scale`` (a whole single-device step over the sum of its ops'
+times) and ``dup_scale`` (two-stream copies over the copies priced one after the other) measured
+0.955-1.045 and 0.96-1.08 over 16 (model, precision, world) pairs on H200, mean 0.996 and 1.013,
+and 1 in every built-in profile.  The profiler still times both as checks and writes the ratios in
+the profile's notes; a document that carries either still loads (the value is checked and dropped,
+and the notes say so).
 
 Perturbation
 ------------
 :meth:`Profile.perturb` multiplies every FLOP rate, every per-op time and every bandwidth entry by its
 own factor drawn uniformly from ``[1-x, 1+x]`` (numpy ``default_rng(seed)``, drawn in sorted key
 order so a seed always gives the same profile); bandwidths are further divided by ``comm_scale`` and
-alphas multiplied by it (a network ``comm_scale`` times slower).
+alphas multiplied by it (a network ``comm_scale`` times slower).  The corrections are drawn last, one
+factor each, and only for a profile with per-op times; the draws of the deleted ``ops_scale`` and
+``dup_scale`` are still made and discarded, so that a seed gives every other field what it gave
+before.
 """
 
 from __future__ import annotations
@@ -104,11 +105,12 @@ from typing import Iterable
 
 from hidup.files import atomic_write
 
+from .corrections import CorrectionError, Corrections
 from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
 
 __all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
            "fit_ring_tables", "fit_all_to_all", "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK",
-           "RING_TOLERANCE", "A2A_TOLERANCE"]
+           "RING_TOLERANCE", "A2A_TOLERANCE", "Corrections"]
 
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -157,14 +159,12 @@ class Profile:
     # at once on two communicators, relative to one (1 = they serialize, 2 = no interference)
     concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
     ops_timing: str = "eager"  # how `ops` were timed: "graph" (device time in a CUDA graph) or "eager"
-    ops_scale: float = 1.0  # in-context factor applied to every measured op time (see "Per-op times")
     optimizer_s_per_byte: float = 0.0  # Adam step seconds per byte of local trainable parameters; 0 = unknown
     layout_bandwidth: float = 0.0  # bytes/s (read + written) of a layout-changing copy; 0 = memory_bandwidth
     grad_copy_overhead: float = 0.0  # seconds per parameter of the gradient bucket copies (eager); 0 = unknown
     grad_copy_overhead_graph: float = 0.0  # the same inside a CUDA graph; 0 = not measured
-    dup_scale: float = 1.0  # two-stream overlap factor of the copies' compute (see "Per-op times")
-    dist_scale: float = 1.0  # compute inside the distributed program, one copy (see "Inside the distributed program")
-    dist_dup_scale: float = 1.0  # the same, per copy with duplication
+    # fitted factors over the physical terms above, with their provenance (hidup.profiler.corrections)
+    corrections: Corrections = field(default_factory=Corrections)
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -282,7 +282,8 @@ class Profile:
         out = Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
                       self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
                       self.op_overhead_graph * f(), ops_timing=self.ops_timing)
-        out.ops_scale = self.ops_scale * f() if self.ops else self.ops_scale
+        if self.ops:
+            f()  # the draw of the deleted ops_scale (module docstring, "Perturbation")
         out.optimizer_s_per_byte = self.optimizer_s_per_byte * f() if self.optimizer_s_per_byte else 0.0
         for c in sorted(self.concurrency):  # measured like a bandwidth: perturbed like one, kept in [1, 2]
             for g in sorted(self.concurrency[c]):
@@ -292,10 +293,21 @@ class Profile:
         out.layout_bandwidth = self.layout_bandwidth * f()
         out.grad_copy_overhead = self.grad_copy_overhead * f()
         out.grad_copy_overhead_graph = self.grad_copy_overhead_graph * f()
-        out.dup_scale = self.dup_scale * f() if self.ops else self.dup_scale
-        out.dist_scale = self.dist_scale * f() if self.ops else self.dist_scale
-        out.dist_dup_scale = self.dist_dup_scale * f() if self.ops else self.dist_dup_scale
+        if self.ops:
+            f()  # the draw of the deleted dup_scale
+        out.corrections = self.corrections.perturb(f) if self.ops else self.corrections
         return out
+
+    def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
+        """A copy with ``corrections`` (default: this profile's), the named values replaced
+        (``with_corrections(dist_scale=1.1)``; provenance kept)."""
+        p = copy.copy(self)
+        p.corrections = (self.corrections if corrections is None else corrections).with_values(**values)
+        return p
+
+    def without_corrections(self) -> "Profile":
+        """A copy with the identity corrections: the cost model's physical time."""
+        return self.with_corrections(Corrections())
 
     def with_ops(self, ops: dict[str, tuple[float, float]]) -> "Profile":
         """A copy with extra measured per-op times (keys from :func:`op_key`)."""
@@ -310,10 +322,10 @@ class Profile:
             "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
             "notes": self.notes, "flops": dict(self.flops),
             "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
-            "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing, "ops_scale": self.ops_scale,
+            "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing,
             "optimizer_s_per_byte": self.optimizer_s_per_byte, "layout_bandwidth": self.layout_bandwidth,
             "grad_copy_overhead": self.grad_copy_overhead, "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
-            "dup_scale": self.dup_scale, "dist_scale": self.dist_scale, "dist_dup_scale": self.dist_dup_scale,
+            "corrections": self.corrections.to_dict(),
             "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
                             for c, tabs in sorted(self.concurrency.items())},
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
@@ -424,14 +436,25 @@ class Profile:
         overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
         overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
         ops_timing = d.get("ops_timing", "eager")
-        ops_scale = number(d.get("ops_scale", 1.0), "ops_scale")
         opt_rate = number(d.get("optimizer_s_per_byte", 0.0), "optimizer_s_per_byte", positive=False)
         layout_bw = number(d.get("layout_bandwidth", 0.0), "layout_bandwidth", positive=False)
         grad_copy = number(d.get("grad_copy_overhead", 0.0), "grad_copy_overhead", positive=False)
         grad_copy_graph = number(d.get("grad_copy_overhead_graph", 0.0), "grad_copy_overhead_graph", positive=False)
-        dup_scale = number(d.get("dup_scale", 1.0), "dup_scale")
-        dist_scale = number(d.get("dist_scale", 1.0), "dist_scale")
-        dist_dup_scale = number(d.get("dist_dup_scale", 1.0), "dist_dup_scale")
+        notes = d.get("notes", "")
+        dropped = {k: number(d[k], k) for k in ("ops_scale", "dup_scale") if k in d}  # deleted factors
+        dropped = {k: v for k, v in dropped.items() if v != 1.0}
+        if dropped:
+            notes += ("; " if notes else "") + ", ".join(f"{k} {v:.3f}" for k, v in sorted(dropped.items())) + \
+                " not applied (factors about 1 that this hidup no longer has)"
+        legacy = {k: number(d[k], k) for k in Corrections.names() if k in d}  # before "corrections"
+        if legacy and "corrections" in d:
+            raise bad("corrections", f"given both at the top level ({sorted(legacy)}) and under 'corrections'; "
+                      "keep the 'corrections' object")
+        try:
+            corrections = Corrections.from_dict(d["corrections"], f"{where}: field 'corrections'") \
+                if "corrections" in d else Corrections.from_legacy(legacy)
+        except CorrectionError as e:
+            raise ProfileError(str(e)) from None
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
         concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -452,9 +475,8 @@ class Profile:
                     raise bad(f, "sizes must be strictly increasing and as many as the speedups")
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
         return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, d.get("notes", ""), membw, overhead, overhead_graph, concurrency,
-                       ops_timing, ops_scale, opt_rate, layout_bw, grad_copy, grad_copy_graph, dup_scale,
-                       dist_scale, dist_dup_scale)
+                       d.get("date", ""), source, notes, membw, overhead, overhead_graph, concurrency,
+                       ops_timing, opt_rate, layout_bw, grad_copy, grad_copy_graph, corrections)
 
 
 def builtin_names() -> list[str]:

@@ -8,8 +8,8 @@ ILP always optimizes the plain cost (compute + communication); its choices are t
 
 Factors inside the distributed program
 --------------------------------------
-A profile's ``dist_scale`` and ``dist_dup_scale`` (:mod:`hidup.profiler.profile`) are fitted on the
-ranks to the plans a search finds without them, in each mode.  They hold near those plans: a plan
+A profile's corrections ``dist_scale`` and ``dist_dup_scale`` (:mod:`hidup.profiler.corrections`) are
+fitted on the ranks to the plans a search finds without them, in each mode.  They hold near those plans: a plan
 with much more communication slows the compute beside it more than the factor says.  So the search
 runs with both factors taken as 1, and the factors then price the plan it found in both modes and
 keep the faster: they settle the mode, not the plan.  Searching with them instead found, for
@@ -189,15 +189,6 @@ def _fastest(evaluations: list[Evaluation]) -> Evaluation:
     return best
 
 
-def _without_program_factors(profile):
-    """``profile`` with ``dist_scale`` and ``dist_dup_scale`` taken as 1."""
-    import copy
-
-    p = copy.copy(profile)
-    p.dist_scale = p.dist_dup_scale = 1.0
-    return p
-
-
 def repeated_layers(graph: Graph) -> frozenset[str]:
     """Block labels of the graph's repeated layers (what ``recompute`` may name)."""
     return frozenset(block_label(n.module) for n in graph.nodes if n.op == "call") - {""}
@@ -282,8 +273,8 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
     problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
-    local = profile.dist_scale != 1.0 or profile.dist_dup_scale != 1.0
-    explore = Problem(graph, _without_program_factors(profile), precision, opts.restrict, opts.optimizer_factor,
+    local = not profile.corrections.identity
+    explore = Problem(graph, profile.without_corrections(), precision, opts.restrict, opts.optimizer_factor,
                       recompute) if local else problem
     beam = _beam(opts)
     binds = memory_budget is not None and not recompute and opts.recompute == "auto" and \

@@ -1,11 +1,36 @@
 """Time of a node under a signature and of a form change, from a :class:`~hidup.profiler.Profile`.
 
-Compute (one rank, the whole per-rank batch)
---------------------------------------------
+Physical time and corrected time
+--------------------------------
+Every time below is first a *physical* time: built only from the profile's measurements of single
+mechanisms -- per-op times, FLOP rates and memory bandwidth (the roofline), the fixed cost of one
+op, alpha-beta collective tables, copy bandwidths and the speedup of two concurrent collectives --
+with no factor fitted to whole programs.  The *corrected* time applies the profile's empirical
+corrections (:class:`hidup.profiler.corrections.Corrections`, each with the plans and models it was
+fitted on) to the compute of call nodes, and to nothing else::
+
+    corrected_fwd(n, s) = k * t_fwd(n, s),    corrected_bwd(n, s) = k * t_bwd(n, s)
+    k = dist_scale       for a plan without duplication (:meth:`CostModel.compute`),
+    k = dist_dup_scale   for each duplicated copy, on its per-copy time (:meth:`CostModel.copy_compute`)
+
+Communication, memory copies and the gradient buckets stay physical.  Every correction passes
+through :meth:`CostModel.corrected`; :meth:`CostModel.device_compute` and
+:meth:`CostModel.copy_device_compute` are the physical times (what one device runs), and a profile
+without corrections (the built-in ones) prices the corrected time equal to the physical one.
+
+The fixed costs (``op_overhead``, ``op_overhead_graph``, ``grad_copy_overhead(_graph)``) and the
+``concurrency`` table are physical too: each is timed on its own mechanism (ops launched one after
+the other, a bucket's copies, two concurrent collectives), not fitted to whole programs.  Which
+fixed cost applies, eager or inside one CUDA graph, follows how the plan will run
+(:meth:`~hidup.profiler.Profile.launched`); ``hidup train`` settles that by a trial after the
+search, but the plan is chosen before it, and the two differ ten-fold per op.
+
+Compute (one rank, the whole per-rank batch; physical)
+------------------------------------------------------
 ``t_fwd(n, s) = measured forward time`` when the profile has ``op_key(n.target, local input shapes
-under s, op_dtype(dtype, precision))``, times the profile's in-context factor ``ops_scale`` (plus,
-for times measured inside a CUDA graph, the host dispatch an eager step adds: ``op_overhead -
-op_overhead_graph`` per op, twice backward), else the roofline plus a fixed per-op cost::
+under s, op_dtype(dtype, precision))`` (plus, for times measured inside a CUDA graph, the host
+dispatch an eager step adds: ``op_overhead - op_overhead_graph`` per op, twice backward), else the
+roofline plus a fixed per-op cost::
 
     t_fwd(n, s) = o + max(s.flops / rate(dtype), bytes(n, s) / memory_bandwidth)
 
@@ -19,10 +44,8 @@ input of ``n`` requires a gradient (nothing to differentiate).  Only ``call`` no
 The fixed part ``o`` (``2 o`` backward) does not shrink when a copy runs half the batch:
 :meth:`CostModel.fixed` reports it so that duplication pays it once per copy.
 
-Inside the distributed program a node's compute is ``t_fwd`` and ``t_bwd`` times the profile's
-``dist_scale`` (measured on the ranks: NCCL kernels beside the compute, the waits around each
-collective; :mod:`hidup.profiler.profile`, "Inside the distributed program");
-:meth:`CostModel.device_compute` is the time on one device without it.
+Inside the distributed program a node's compute is its corrected time (above):
+:meth:`CostModel.compute` is ``dist_scale`` times :meth:`CostModel.device_compute`.
 
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
@@ -87,10 +110,12 @@ computed only from them are not.  Per copy:
   both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
   half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each); a
   batch-independent one (an op on weights only) runs in both copies, since each copy
-  runs the whole per-rank program (``cA = cB = t``); either is multiplied by the profile's
-  ``dup_scale``, the measured overlap of the two copies' kernels on their two streams (the schedule
-  below serializes the copies' compute; on the GPU their kernels run side by side), and by
-  ``dist_scale``'s counterpart with duplication, ``dist_dup_scale`` -- :meth:`CostModel.copy_compute`;
+  runs the whole per-rank program (``cA = cB = t``) -- :meth:`CostModel.copy_device_compute`, the
+  physical time; :meth:`CostModel.copy_compute` is it corrected, times ``dist_dup_scale``.  The
+  schedule serializes the copies' compute although on the GPU their kernels run side by side on two
+  streams: measured on one H200, the two-stream step took 0.96-1.08 times the copies priced one
+  after the other (each half-batch kernel slows by about what the overlap gains), so nothing
+  corrects for it;
 * a batch-dependent conversion moves half the tensor in each copy: ``mA = mB = T(c, bytes/2)``
   (alpha is paid twice); a batch-independent one moves the whole tensor in each copy
   (``mA = mB = T(c, bytes)``: a sharded weight is all-gathered, and its gradient reduce-scattered,
@@ -120,7 +145,7 @@ from hidup.ir import (
     Tensor,
     conversion,
 )
-from hidup.profiler.profile import DTYPES, op_dtype
+from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.saved import tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
@@ -221,7 +246,7 @@ class CostModel:
         self._half_sigs: dict[str, dict] = {}
         # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
         self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
-        self.dist_scale = profile.dist_scale
+        self.corrections: Corrections = profile.corrections
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -247,7 +272,7 @@ class CostModel:
 
     def measured(self, graph: Graph, node: Node, sig: Signature) -> tuple[float, float] | None:
         """The profile's measured (forward, backward) of ``node`` (a node of ``graph``) under ``sig``,
-        plus the dispatch cost a graph-timed measurement leaves out; None when not measured."""
+        plus the dispatch cost a graph-timed measurement leaves out (physical); None when not measured."""
         shapes = self._local_shapes(graph, node, sig)
         if shapes is None or not self.profile.ops:
             return None
@@ -255,24 +280,30 @@ class CostModel:
         measured = self.profile.op_time(node.target, shapes, op_dtype(dtype, self.precision))
         if measured is None:
             return None
-        scale = self.profile.ops_scale
-        fwd, bwd = measured[0] * scale, measured[1] * scale
+        fwd, bwd = measured
         extra = self._dispatch_extra
         return fwd + extra, (bwd + 2.0 * extra if self.requires_backward(node) else 0.0)
 
+    def corrected(self, physical: tuple[float, float], duplicated: bool) -> tuple[float, float]:
+        """A call node's physical (forward, backward) compute with the profile's corrections applied:
+        times ``dist_dup_scale`` for one duplicated copy, else ``dist_scale`` (module docstring,
+        "Physical time and corrected time").  The one place any correction enters a time."""
+        k = self.corrections.factor(duplicated)
+        return physical[0] * k, physical[1] * k
+
     def compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` on one rank (whole batch), inside the
-        distributed program without duplication (times the profile's ``dist_scale``)."""
+        distributed program without duplication: :meth:`device_compute` corrected."""
         return self.in_program(self.device_compute(node, sig))
 
     def in_program(self, device: tuple[float, float]) -> tuple[float, float]:
         """A :meth:`device_compute` result inside the distributed program without duplication
-        (times the profile's ``dist_scale``)."""
-        return device[0] * self.dist_scale, device[1] * self.dist_scale
+        (:meth:`corrected`)."""
+        return self.corrected(device, duplicated=False)
 
     def device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
-        """(forward, backward) seconds of ``node`` under ``sig`` on one device (whole batch): the
-        measured time or the roofline (module docstring, "Compute")."""
+        """(forward, backward) physical seconds of ``node`` under ``sig`` on one device (whole batch):
+        the measured time or the roofline (module docstring, "Compute")."""
         if node.op != "call":
             return 0.0, 0.0
         g = self.graph
@@ -316,12 +347,16 @@ class CostModel:
 
     def copy_compute(self, node: Node, sig: Signature, device: tuple[float, float] | None = None,
                      batch: bool | None = None) -> tuple[float, float]:
-        """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy (module
-        docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half of
-        its whole-batch time above the fixed per-op cost; the whole of it for a node on weights only;
-        times the profile's two-copy factor ``dup_scale`` and its factor inside the distributed
-        program ``dist_dup_scale``.  ``device`` is this node's :meth:`device_compute` when the caller
-        has it."""
+        """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy inside the
+        distributed program: :meth:`copy_device_compute` corrected (:meth:`corrected`)."""
+        return self.corrected(self.copy_device_compute(node, sig, device, batch), duplicated=True)
+
+    def copy_device_compute(self, node: Node, sig: Signature, device: tuple[float, float] | None = None,
+                            batch: bool | None = None) -> tuple[float, float]:
+        """(forward, backward) physical seconds of ``node`` under ``sig`` in one duplicated copy
+        (module docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half
+        of its whole-batch time above the fixed per-op cost; the whole of it for a node on weights
+        only.  ``device`` is this node's :meth:`device_compute` when the caller has it."""
         if node.op != "call":
             return 0.0, 0.0
         cf, cb = device if device is not None else self.device_compute(node, sig)
@@ -331,8 +366,7 @@ class CostModel:
                 of, ob = self.fixed(node)
                 half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
             cf, cb = half
-        k = self.profile.dup_scale * self.profile.dist_dup_scale
-        return cf * k, cb * k
+        return cf, cb
 
     def fixed(self, node: Node) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` that do not depend on the batch size (launch and

@@ -72,8 +72,8 @@ def test_bench_smoke_world2(tmp_path):
     assert runs["hidup"]["info"]["duplication"] is True and runs["hidup-nodup"]["info"]["duplication"] is False
     assert (out / "sockets-profile.json").is_file()
     prof = hidup.profiler.load(out / "sockets-profile.json")  # with the model's op times, both ranks' shares
-    assert prof.ops_timing == "eager" and prof.optimizer_s_per_byte > 0 and "in-context scale" in prof.notes
-    assert "two-copy scale" in prof.notes
+    assert prof.ops_timing == "eager" and prof.optimizer_s_per_byte > 0 and "in-context check" in prof.notes
+    assert "two-copy check" in prof.notes
     assert len(prof.ops) > 20 and all(k.endswith(("tf32", "int64")) for k in prof.ops), sorted(prof.ops)[:5]
     inv = doc["latest"]
     assert inv["env"]["NCCL_P2P_DISABLE"] == "1" and inv["env"]["NCCL_NVLS_ENABLE"] == "0"

@@ -155,7 +155,8 @@ def test_new_profile_fields_round_trip_validate_and_perturb_last(tmp_path):
     # the new fields are drawn after every older one: a seed perturbs the rest as before
     old = dataclasses.replace(p, layout_bandwidth=0.0, grad_copy_overhead=0.0, grad_copy_overhead_graph=0.0)
     a, b = p.perturb(0.3, seed=5), old.perturb(0.3, seed=5)
-    assert a.flops == b.flops and a.memory_bandwidth == b.memory_bandwidth and a.ops_scale == b.ops_scale
+    assert a.flops == b.flops and a.memory_bandwidth == b.memory_bandwidth
+    assert a.op_overhead_graph == b.op_overhead_graph
     assert a.layout_bandwidth != LAYOUT and 0.7 * LAYOUT <= a.layout_bandwidth <= 1.3 * LAYOUT
 
 

@@ -324,7 +324,7 @@ def test_op_times_are_keyed_as_the_cost_model_reads_them():
 
 def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     """``--merge P --ops-model a,b --ops-worlds N``: one process adds the models' op times for N ranks
-    and both calibration factors to P's collectives (how a profile is re-calibrated on a new host)."""
+    and both single-device checks to P's collectives (how a profile is re-calibrated on a new host)."""
     import subprocess
 
     root = ROOT
@@ -337,7 +337,7 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     prof = hidup.profiler.load(out)
-    assert "gpt fp32 x2" in prof.notes and "bert-switch fp32 x2" in prof.notes and "two-copy scale" in prof.notes
+    assert "gpt fp32 x2" in prof.notes and "bert-switch fp32 x2" in prof.notes and "two-copy check" in prof.notes
     assert prof.collectives == hidup.profiler.load("h200x4-nvlink").collectives
     assert prof.ops and prof.ops_timing == "eager"
     bad = subprocess.run(cmd[:-2] + ["--ops-worlds", "two", "--out", str(out)], capture_output=True, text=True)
@@ -406,8 +406,8 @@ def test_program_factors_average_the_usable_checks():
                                       check("dist_dup_scale", 0.8, coverage=0.2),  # bound by communication
                                       {k: v for k, v in check("dist_dup_scale", 0.9).items() if k != "scale"}
                                       | {"error": "out of reach"}])
-    assert out.dist_scale == pytest.approx(1.1) and out.dist_dup_scale == 1.0
-    assert prof.dist_scale == 1.0  # a copy
+    assert out.corrections.dist_scale.value == pytest.approx(1.1) and out.corrections.dist_dup_scale.value == 1.0
+    assert prof.corrections.identity  # a copy
     assert "inside the distributed program (x4, CUDA graphs): dist_scale 1.100, dist_dup_scale 1.000" in out.notes
     assert "out of reach" in out.notes and "20% of it compute -> 0.800" in out.notes
 

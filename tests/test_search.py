@@ -352,8 +352,6 @@ def test_backward_without_duplication_grows_with_compute():
     """Only a blocking collective makes the compute stream wait: the gradient all-reduce's packing
     copies, summed apart, leave no rounding residue that would act as one, so the backward never
     gets shorter when every compute item gets longer (``dist_scale``)."""
-    import copy
-
     g = hidup.trace(*hidup.models.build("bert-switch", world_size=2, device="meta", layers=2, d_model=32, heads=2,
                                          ffn=64, seq_len=8, batch_per_gpu=4, vocab=64, experts_per_gpu=1),
                     world_size=2, half_batch=True)
@@ -362,8 +360,7 @@ def test_backward_without_duplication_grows_with_compute():
         plan = hidup.search.forced(g, measured, style, duplication=False)
         times = []
         for k in [0.9 + 0.005 * j for j in range(41)]:
-            prof = copy.copy(measured)
-            prof.dist_scale = k
+            prof = measured.with_corrections(dist_scale=k)
             ev = hidup.search.price(g, prof, plan)[False]
             assert all(s.bwd_block == 0.0 for s in ev.steps
                        if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)

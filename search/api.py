@@ -22,8 +22,10 @@ Running a repeated layer's forward again in the backward (:mod:`hidup.codegen.re
 time for activation memory; the search prices both (:mod:`hidup.search.problem`,
 :mod:`hidup.search.memory`).  It never makes a plan faster, so ``recompute="auto"`` considers it only
 under a memory budget, and only when the fastest plan without one (no duplication) does not fit it:
-it then searches with every repeated layer recomputed too and keeps the faster plan that fits
-(``plan.recompute`` lists the layers).  ``"on"`` recomputes every repeated layer, ``"off"`` none.
+it then searches with every repeated layer recomputed too -- first without the budget, and no further
+when even that plan is no faster than the one found -- and keeps the faster plan that fits, with the
+fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
+every repeated layer, ``"off"`` none.
 """
 
 from __future__ import annotations
@@ -217,10 +219,14 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
     for recompute in _recompute_choices(graph, opts):
         if recompute and results and not results[-1][2]:
             break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
+        beat = min((r[1].total for r in results), default=None) if recompute else None
         try:
-            results.append(_search_with(graph, profile, opts, progress, recompute))
+            found = _search_with(graph, profile, opts, progress, recompute, beat)
         except SearchError as e:
             errors.append(e)
+            continue
+        if found is not None:
+            results.append(found)
     if not results:
         raise errors[-1]
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
@@ -265,10 +271,12 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
     return problem, best
 
 
-def _search_with(graph, profile, opts: SearchOptions, progress, recompute: frozenset[str]):
+def _search_with(graph, profile, opts: SearchOptions, progress, recompute: frozenset[str], beat: float | None = None):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
-    worked out where ``recompute="auto"`` needs it."""
+    worked out where ``recompute="auto"`` needs it.  With ``beat`` (the time of a plan already
+    found) the DP first searches without the budget, and None is returned when even that plan is no
+    faster than ``beat``: a plan within the budget could not be either."""
     precision, memory_budget = opts.precision, opts.memory_budget
     problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
@@ -296,6 +304,11 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
         candidates.append(outcome.ks)
     else:
         modes = (False, True) if opts.duplication else (False,)
+        if beat is not None and memory_budget is not None:
+            free = solve_modes(explore, modes, None, lambda mode: None, **beam)
+            fastest = _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes])
+            if fastest.total >= beat:
+                return None
         candidates += solve_modes(
             explore, modes, memory_budget,
             lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"), **beam)

@@ -147,6 +147,11 @@ def _to(values, device) -> tuple:
     return tuple(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in values)
 
 
+def _recompute_text(plan) -> str:
+    layers = getattr(plan, "recompute", None) or []
+    return f", {len(layers)} layers recomputed in the backward" if layers else ""
+
+
 def _plan_for(args, model, inputs, world: int):
     from hidup.plan import Plan
 
@@ -268,7 +273,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         steps = ("CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")
                  if use_graph else "eager")
         print(f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
-              f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}", flush=True)
+              f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
+              f"{_recompute_text(plan)}", flush=True)
         print(f"nothing left to run: {'the checkpoint is at' if args.resume else 'already at'} step {start} of "
               f"--iterations {args.iterations}" if start >= args.iterations else f"running steps {start + 1}.."
               f"{args.iterations}; the first includes warm-up and can take a while", flush=True)

@@ -155,6 +155,7 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     ref_loss.backward()
     kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
     report = {"model": model_name, "style": style, "duplication": bool(module.duplication), "kinds": kinds,
+              "recompute": len(getattr(the_plan, "recompute", None) or []),
               "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
               "loss": float(total), "loss_ref": float(ref_loss.detach()), "loss_rel": rel_diff(total, ref_loss),
               "grads": {}}
@@ -212,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
     print(f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
           f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
-          f"parallelism used: {', '.join(report['kinds'])}")
+          f"parallelism used: {', '.join(report['kinds'])}"
+          f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}")
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")
     print(f"gradients: {len(report['grads'])} tensors, max rel diff {worst:.2e} ({worst_name})")

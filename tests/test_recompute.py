@@ -248,3 +248,17 @@ def test_bad_layer_names_fail_clearly(gpt_graph):
     with pytest.raises(CompileError, match="recompute names layers the model does not have: blocks.7"):
         hidup_compile(model, p1, 0, 1, inputs)
     assert {block_label(n.module) for n in g1.nodes} - {""} == {"trunk.layers.0", "trunk.layers.1"}
+
+
+def test_ilp_prices_recomputation(gpt_graph):
+    """The ILP optimizes with the recomputed layers' extra forward (compute and conversions) in its
+    objective: its plan under recompute="on" is priced like the DP's, never faster than without."""
+    pytest.importorskip("mip")
+    profile = hidup.profiler.load(PROFILE)
+    off = search(gpt_graph, profile, algorithm="ilp", duplication=False, recompute="off")
+    on = search(gpt_graph, profile, algorithm="ilp", duplication=False, recompute="on")
+    dp_on = search(gpt_graph, profile, duplication=False, recompute="on")
+    assert on.recompute == dp_on.recompute == [f"trunk.layers.{i}" for i in range(4)]
+    assert on.predicted["total"] > off.predicted["total"]
+    assert on.memory["activations"] < off.memory["activations"]
+    assert abs(on.predicted["total"] - dp_on.predicted["total"]) <= 0.02 * dp_on.predicted["total"]

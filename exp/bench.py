@@ -44,20 +44,21 @@ of the plan in that mode and ``measured / predicted``.
 
 Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
 round, a round starting only when the one before it is done; a run then reports the median of its
-rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
-rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
-drift from landing on one method only.
+rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio
+with its range over the rounds' pairs.  Over sockets one run of a plan can differ from the next by a
+quarter; rounds keep such drift from landing on one method only.
 
 Time bounds: each run (each variant of a baseline) does ``--warmup`` steps and at most ``--best-of`` x
-``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
-that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
-group is relaunched for the remaining runs, and a baseline keeps the variants it finished before the
-crash; so is a group whose run has not finished after
-``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
-runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only what is
-not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this
-network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
-records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
+``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run
+starts after ``--time-budget`` seconds; a run that fails (OOM, error, a crashed rank) is recorded
+with its error and the sweep continues (a crashed group is relaunched for the remaining runs, and a
+baseline keeps the variants it finished before the crash; so is a group whose run has not finished
+after ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces
+the runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only
+what is not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets
+this network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the
+end.  ``--breakdown`` also records one profiled step per run (chrome trace under
+``<out>/traces/``, analyzed by exp/breakdown.py).
 
 On a CPU the same command runs on gloo ranks (tiny models: ``--layers 2 --d-model 32 ...``); tf32 and
 bf16 then run as fp32, which the records note.
@@ -151,15 +152,16 @@ def child_main(ctx, cfg: dict) -> None:
                 result = {"status": "failed", "error": f"search: {plan_doc.get('error')}"}
             else:
                 plan = Plan.from_dict(plan_doc["plan"]) if plan_doc is not None else None
-                trace = (Path(cfg["out"]) / "traces" / f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
-                         if cfg.get("breakdown") else None)
+                trace_name = f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
+                trace = Path(cfg["out"]) / "traces" / trace_name if cfg.get("breakdown") else None
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
                                     trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
                                     compile_backend=cfg["compile_backend"],
-                                    on_variant=lambda v, summary: emit({"event": "variant", "key": run["id"],
-                                                                        "variant": v, "summary": summary}),
-                                    phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
+                                    on_variant=lambda v, summary, key=run["id"]: emit(
+                                        {"event": "variant", "key": key, "variant": v, "summary": summary}),
+                                    phase=lambda name, key=run["id"]: emit({"event": "phase", "key": key,
+                                                                            "phase": name}))
         record.update(result)
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
@@ -283,8 +285,8 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
 
 def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
-    event is its start, one of its phases or one of its finished variants) has gone ``limit_s`` seconds without a result or a next
-    phase -- naming the phase it stopped in; None otherwise."""
+    event is its start, one of its phases or one of its finished variants) has gone ``limit_s``
+    seconds without a result or a next phase -- naming the phase it stopped in; None otherwise."""
     def stalled() -> str | None:
         try:
             st = partial.stat()
@@ -434,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             carried = load_profile(args.ops_from)
         except Exception as e:  # noqa: BLE001 - reported with the flag's name
-            raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})")
+            raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})") from None
         if not carried.ops:
             raise SystemExit(f"--ops-from {args.ops_from}: the profile has no per-op times; measure them with "
                              f"--ops-seconds instead")

@@ -213,7 +213,8 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         if variant not in (None, "eager", "graph"):
             raise ValueError(f"method {method} runs as hidup train runs it; variant {variant!r} does not apply")
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
-                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s, "step_mode": "eager"}  # the capture, where it happens, says "graph"
+                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s,
+                "step_mode": "eager"}  # the capture, where it happens, says "graph"
         if trial is not None:
             info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)

@@ -56,8 +56,19 @@ from pathlib import Path
 from exp import benchrun as br
 from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial
 from exp.benchsearch import Searcher, job_name, make_problem, overrides_of, predict, resolve_profile
-from exp.report import (ROOT, command_line, hardware, hardware_line, link, load_json, pyplot, save_json, table,
-                        text_table, write_section)
+from exp.report import (
+    ROOT,
+    command_line,
+    hardware,
+    hardware_line,
+    link,
+    load_json,
+    pyplot,
+    save_json,
+    table,
+    text_table,
+    write_section,
+)
 from hidup.files import atomic_write
 
 
@@ -510,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = combine(args.combine)
         except ValueError as e:
-            raise SystemExit(f"--combine: {e}")
+            raise SystemExit(f"--combine: {e}") from None
         write_combined(result, args.docs, args.combine)
         print(text_table(HEADERS, table_rows(result["rows"])))
         print(f"\nwrote {Path(args.docs) / 'robustness.json'}, robustness.md (section 'combined'), robustness.png")

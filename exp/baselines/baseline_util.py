@@ -49,6 +49,9 @@ class Options:
     compile_backend: str = "inductor"
 
 
+EAGER = Options()  # the default: eager, fp32
+
+
 @dataclass
 class Prepared:
     """One rank's module plus the glue the train loop needs."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from exp.baselines.baseline_util import Options, Prepared, compile_module, outer_module_lists
+from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module, outer_module_lists
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -29,7 +29,7 @@ except ImportError:  # older torch keeps FSDP2 under the composable namespace
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     from torch.distributed.device_mesh import init_device_mesh
 
     model.to(device)

@@ -19,6 +19,7 @@ hidden; those ran 3-4% slower (``docs/archive/benchmarks-2026-11-21.md``).
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 import warnings
@@ -27,6 +28,7 @@ from typing import Callable
 
 from hidup.ir import Graph, Node, Signature
 from hidup.optionset import OptionSet
+from hidup.profiler import load
 from hidup.search import dp, ilp
 from hidup.search.modes import solve_modes
 from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
@@ -133,8 +135,6 @@ def search(graph: Graph, profile, options: SearchOptions | None = None, *, world
 
 def _loaded(profile):
     """``profile`` itself, or the profile a builtin name or a path names."""
-    from hidup.profiler import load
-
     return load(profile) if isinstance(profile, str) or hasattr(profile, "__fspath__") else profile
 
 
@@ -172,8 +172,6 @@ def _fastest(evaluations: list[Evaluation]) -> Evaluation:
 
 def _without_program_factors(profile):
     """``profile`` with ``dist_scale`` and ``dist_dup_scale`` taken as 1."""
-    import copy
-
     p = copy.copy(profile)
     p.dist_scale = p.dist_dup_scale = 1.0
     return p

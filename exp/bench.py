@@ -71,8 +71,12 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
+import torch
+
+import hidup.models
 from exp import benchrun as br
 from exp import benchsearch
 from exp.baselines.harness import VARIANTS
@@ -81,6 +85,11 @@ from exp.benchreport import bench_finish
 from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
 from exp.report import ROOT, command_line, hardware, load_json
+from hidup.plan import Plan
+from hidup.profiler.measure import profile_machine
+from hidup.profiler.profile import load as load_profile
+from hidup.runtime.launch import LaunchError, launch
+from hidup.runtime.options import add_model_flags
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -104,11 +113,6 @@ def apply_network(network: str) -> dict:
 # =============================================================================== rank side
 def child_main(ctx, cfg: dict) -> None:
     """Everything one rank does inside the launched group (see the module docstring)."""
-    import torch
-
-    import hidup.models
-    from hidup.plan import Plan
-
     device, rank, world = ctx.device, ctx.rank, ctx.world_size
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
@@ -187,10 +191,6 @@ def child_main(ctx, cfg: dict) -> None:
 def measure_profile(cfg: dict, device) -> None:
     """Measure this network's profile on every rank (quick, time-bounded); rank 0 writes it.  A failure
     leaves ``<profile>.error`` so that the searches fall back to the builtin profile."""
-    import traceback
-
-    from hidup.profiler.measure import profile_machine
-
     path = Path(cfg["profile"])
     error = ""
     ops_models = [(m, cfg["overrides"]) for m in cfg["models"]] if cfg["ops_seconds"] > 0 else None
@@ -270,10 +270,6 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
     record["variants"] = summaries
     ran = {v: x for v, x in variants.items() if x.get("status") == "ok"}
     if ran:
-        import torch
-
-        import hidup.models
-
         best = min(ran, key=lambda v: ran[v]["iter_time_s"])
         record.update(ran[best], status="ok", variant=best, variants=summaries,
                       precision_run=br.effective_precision(run["precision"], torch.device(
@@ -308,10 +304,6 @@ def stall_watch(partial: Path, limit_s: float):
 
 def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
     """Launch ``world`` ranks for ``runs`` (relaunching after a crash while time is left)."""
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
-    from hidup.runtime.launch import LaunchError, launch
-
     records: dict = {}
     for attempt in range(1 + args.relaunch):
         todo = [r for r in runs if r["id"] not in records]
@@ -323,7 +315,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         error = None
         try:
             launch(child_main, wcfg, nnodes=1, cpn=world, node_rank=0, master_addr="127.0.0.1",
-                   master_port=get_free_port(), timeout_s=args.dist_timeout,
+                   master_port=0, timeout_s=args.dist_timeout,
                    stalled=stall_watch(partial, args.stall_timeout))
         except (LaunchError, RuntimeError) as e:
             error = str(e)
@@ -346,8 +338,6 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 
 def parse_args(argv):
-    from hidup.runtime.options import add_model_flags
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--network", choices=sorted(NETWORK_ENV), default="nvlink")
@@ -410,12 +400,9 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     args = parse_args(argv)
     started = time.time()
     env = apply_network(args.network)
-    import hidup.models
 
     for flag, names in (("--models", args.models), ("--calibrate-plans", args.calibrate_plans or [])):
         unknown = [m for m in names if m not in hidup.models.names()]
@@ -432,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has "
                          f"{torch.cuda.device_count()}")
     if args.ops_from is not None:
-        from hidup.profiler.profile import load as load_profile
         try:
             carried = load_profile(args.ops_from)
         except Exception as e:  # noqa: BLE001 - reported with the flag's name

@@ -29,12 +29,16 @@ import json
 import os
 import platform
 import re
+import sys
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+import hidup
+from hidup.search import SearchError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,9 +107,6 @@ def describe_plan(plan, graph) -> dict:
 
 def run_job(name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None,
             seq: int) -> dict:
-    import hidup
-    from hidup.search import SearchError
-
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -183,8 +184,6 @@ def parse_run(text: str, default_memory: float) -> tuple[str, int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
                    help="NAME@WORLD[:GB] per run (GB: the memory budget per GPU, 0 for none; default --memory)")

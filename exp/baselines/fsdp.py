@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module, outer_module_lists
 
@@ -30,8 +31,6 @@ except ImportError:  # older torch keeps FSDP2 under the composable namespace
 
 
 def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
-    from torch.distributed.device_mesh import init_device_mesh
-
     model.to(device)
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

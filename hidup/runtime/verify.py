@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -180,12 +179,6 @@ def _run_rank(ctx: Distributed, args) -> dict:
                          progress=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
     world size is refused here, before any rank starts -- then run the ranks and report."""
@@ -198,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(CPN=str(args.world), NNODES="1", NODERANK="0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
+    env["MASTER_PORT"] = env.get("MASTER_PORT") or "0"  # 0: the launcher's store on a free port
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
     plan_text = str(args.plan) if args.plan is not None else args.style

@@ -351,7 +351,7 @@ def run_ranks(fn: Callable, args: tuple, layout: Layout, *, backend: str | None 
     On a failure the surviving ranks are stopped and :class:`LaunchError` names the cause (module
     docstring); ``user_errors=False`` reports every rank's exception with its traceback, user error
     or not.  SIGTERM and SIGUSR1 sent to this process go on to the ranks while they run."""
-    hosted = None
+    hosted = None  # the store, when this process hosts it: held until the ranks are done
     if layout.master_port == 0:
         hosted = dist.TCPStore(layout.master_addr, 0, layout.world_size + 1, True,
                                timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -369,22 +369,19 @@ def run_ranks(fn: Callable, args: tuple, layout: Layout, *, backend: str | None 
         raise
     finally:
         _restore_signals(forwarded)
-    try:
-        if failed:
-            exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
-            _stop(procs.processes)
-            _drain(results, out, wait_s=0.2)  # every rank has exited: what it put is in the pipe
-            raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited))
+    if failed:
+        exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
+        _stop(procs.processes)
+        _drain(results, out, wait_s=0.2)  # every rank has exited: what it put is in the pipe
+        raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited))
+    missing = [r for r in range(layout.cpn) if r not in out]
+    if missing:
+        _drain(results, out, wait_s=2.0)
         missing = [r for r in range(layout.cpn) if r not in out]
-        if missing:
-            _drain(results, out, wait_s=2.0)
-            missing = [r for r in range(layout.cpn) if r not in out]
-        if missing:
-            exited = {i: p.exitcode for i, p in enumerate(procs.processes)}
-            raise LaunchError(_failure_report(procs.processes, out, layout, missing, exited))
-        return [out[r] for r in range(layout.cpn)]
-    finally:
-        del hosted  # the store outlives the ranks' use of it
+    if missing:
+        exited = {i: p.exitcode for i, p in enumerate(procs.processes)}
+        raise LaunchError(_failure_report(procs.processes, out, layout, missing, exited))
+    return [out[r] for r in range(layout.cpn)]
 
 
 def _wait(processes, results, out: dict, layout: Layout, stalled) -> list[int]:

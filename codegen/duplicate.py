@@ -31,6 +31,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from hidup.codegen.compiled import compile_module
 from hidup.codegen.program import using_group
 
 __all__ = ["half", "copy_inputs", "SequentialCopies", "StagedCopies"]
@@ -62,8 +63,6 @@ class SequentialCopies:
 
     def compile(self, backend: str | None) -> None:
         """Run the program through ``torch.compile(backend=...)`` (None: eagerly)."""
-        from hidup.codegen.compiled import compile_module
-
         self.run = self.gm if backend is None else compile_module(self.gm, backend)
 
     def __call__(self, inputs_of, groups):
@@ -107,8 +106,6 @@ class StagedCopies:
     def compile(self, backend: str | None) -> None:
         """Run each stage through its own ``torch.compile(backend=...)`` (None: eagerly); the stage
         runner, its streams and process groups stay as they are."""
-        from hidup.codegen.compiled import compile_module
-
         self.compiled = {}
         if backend is None:
             return

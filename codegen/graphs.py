@@ -48,6 +48,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from hidup.codegen.rewrite import _device_of
 from hidup.codegen.timing import max_over_ranks, median_seconds
 
 __all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
@@ -86,7 +87,6 @@ class GraphedStep:
                  trials: int = 5, group=None, optimizer=None):
         self.module = module
         self.optimizer = optimizer
-        from hidup.codegen.rewrite import _device_of
 
         self.device = _device_of(module)
         self.autocast_dtype = autocast_dtype

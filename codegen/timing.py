@@ -26,6 +26,7 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["sync", "Stopwatch", "median_seconds", "Timer", "time_call", "graph_time", "max_over_ranks"]
 
@@ -118,8 +119,6 @@ def time_call(fn: Callable[[], object], device: torch.device | str = "cpu", *, w
 def max_over_ranks(values: list[float], group, device: torch.device | str) -> list[float]:
     """Each value's maximum over the ranks of ``group`` (None: the world); ``values`` as they are
     without a process group.  Every rank of ``group`` must call this."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
     on = device if dist.get_backend(group) == "nccl" else "cpu"

@@ -22,12 +22,14 @@ steps, and the compiled program is kept only when faster by more than ``margin``
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.rewrite import CompileError, compile
 from hidup.codegen.timing import Stopwatch, max_over_ranks, median_seconds
 
 __all__ = ["choose_duplication", "time_modes", "choose_compile", "compile_step"]
@@ -65,8 +67,6 @@ def _time_both(model, plan, rank: int, world_size: int, inputs: tuple, group, ti
     compiled with it and timed (the slowest rank's medians).  ``on`` is the duplicated module, kept
     for the caller; when the batch does not halve (the same on every rank) ``on_s`` and ``on`` are
     None and ``why`` says why."""
-    from hidup.codegen.rewrite import CompileError, compile
-
     kw = dict(compile_kwargs, group=group)
     off = compile(model, plan, rank, world_size, inputs, duplication=False, **kw)
     device = next((p.device for p in off.parameters()), torch.device("cpu"))
@@ -112,8 +112,6 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     modes, and ``info = {"duplication": bool, "trial": {"on_s", "off_s"}, "reason": str}`` (see the
     module docstring).  ``example_inputs`` are the inputs of the timed steps (the global batch, as
     for ``compile``); every rank of ``group`` must call this."""
-    from hidup.codegen.rewrite import compile
-
     inputs = tuple(example_inputs)
     planned = bool(getattr(plan, "duplication", False))
 
@@ -142,8 +140,6 @@ def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) 
     backend, forward and backward graphs); leaves no gradient.  ``graphed``: under the autocast a
     captured step runs (weight-cast cache off), so the steps that follow find the compiled graphs their
     guards accept.  Every rank of the module's group calls it."""
-    import contextlib
-
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     with Stopwatch(device) as watch:
         cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype \

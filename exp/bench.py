@@ -44,20 +44,21 @@ of the plan in that mode and ``measured / predicted``.
 
 Repeats: ``--repeats R`` runs each (world, model, precision) in ``R`` rounds, every method once per
 round, a round starting only when the one before it is done; a run then reports the median of its
-rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio with its range over the
-rounds' pairs.  Over sockets one run of a plan can differ from the next by a quarter; rounds keep such
-drift from landing on one method only.
+rounds' times (``rounds`` lists each; ``exp/benchplan.py``), and the summary table gives each ratio
+with its range over the rounds' pairs.  Over sockets one run of a plan can differ from the next by a
+quarter; rounds keep such drift from landing on one method only.
 
 Time bounds: each run (each variant of a baseline) does ``--warmup`` steps and at most ``--best-of`` x
-``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run starts after ``--time-budget`` seconds; a run
-that fails (OOM, error, a crashed rank) is recorded with its error and the sweep continues (a crashed
-group is relaunched for the remaining runs, and a baseline keeps the variants it finished before the
-crash; so is a group whose run has not finished after
-``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces the
-runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only what is
-not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets this
-network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the end.  ``--breakdown`` also
-records one profiled step per run (chrome trace under ``<out>/traces/``, analyzed by exp/breakdown.py).
+``--iters`` timed steps within ``--run-cap`` seconds (fewer near the end of the budget); no new run
+starts after ``--time-budget`` seconds; a run that fails (OOM, error, a crashed rank) is recorded
+with its error and the sweep continues (a crashed group is relaunched for the remaining runs, and a
+baseline keeps the variants it finished before the crash; so is a group whose run has not finished
+after ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces
+the runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only
+what is not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets
+this network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the
+end.  ``--breakdown`` also records one profiled step per run (chrome trace under
+``<out>/traces/``, analyzed by exp/breakdown.py).
 
 On a CPU the same command runs on gloo ranks (tiny models: ``--layers 2 --d-model 32 ...``); tf32 and
 bf16 then run as fp32, which the records note.
@@ -70,8 +71,12 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
+import torch
+
+import hidup.models
 from exp import benchrun as br
 from exp import benchsearch
 from exp.baselines.harness import VARIANTS
@@ -80,6 +85,11 @@ from exp.benchreport import bench_finish
 from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
 from exp.report import ROOT, command_line, hardware, load_json
+from hidup.plan import Plan
+from hidup.profiler.measure import profile_machine
+from hidup.profiler.profile import load as load_profile
+from hidup.runtime.launch import LaunchError, launch
+from hidup.runtime.options import add_model_flags
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -103,11 +113,6 @@ def apply_network(network: str) -> dict:
 # =============================================================================== rank side
 def child_main(ctx, cfg: dict) -> None:
     """Everything one rank does inside the launched group (see the module docstring)."""
-    import torch
-
-    import hidup.models
-    from hidup.plan import Plan
-
     device, rank, world = ctx.device, ctx.rank, ctx.world_size
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
@@ -151,15 +156,16 @@ def child_main(ctx, cfg: dict) -> None:
                 result = {"status": "failed", "error": f"search: {plan_doc.get('error')}"}
             else:
                 plan = Plan.from_dict(plan_doc["plan"]) if plan_doc is not None else None
-                trace = (Path(cfg["out"]) / "traces" / f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
-                         if cfg.get("breakdown") else None)
+                trace_name = f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
+                trace = Path(cfg["out"]) / "traces" / trace_name if cfg.get("breakdown") else None
                 result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
                                     warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
                                     trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
                                     compile_backend=cfg["compile_backend"],
-                                    on_variant=lambda v, summary: emit({"event": "variant", "key": run["id"],
-                                                                        "variant": v, "summary": summary}),
-                                    phase=lambda name: emit({"event": "phase", "key": run["id"], "phase": name}))
+                                    on_variant=lambda v, summary, key=run["id"]: emit(
+                                        {"event": "variant", "key": key, "variant": v, "summary": summary}),
+                                    phase=lambda name, key=run["id"]: emit({"event": "phase", "key": key,
+                                                                            "phase": name}))
         record.update(result)
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
@@ -185,10 +191,6 @@ def child_main(ctx, cfg: dict) -> None:
 def measure_profile(cfg: dict, device) -> None:
     """Measure this network's profile on every rank (quick, time-bounded); rank 0 writes it.  A failure
     leaves ``<profile>.error`` so that the searches fall back to the builtin profile."""
-    import traceback
-
-    from hidup.profiler.measure import profile_machine
-
     path = Path(cfg["profile"])
     error = ""
     ops_models = [(m, cfg["overrides"]) for m in cfg["models"]] if cfg["ops_seconds"] > 0 else None
@@ -268,10 +270,6 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
     record["variants"] = summaries
     ran = {v: x for v, x in variants.items() if x.get("status") == "ok"}
     if ran:
-        import torch
-
-        import hidup.models
-
         best = min(ran, key=lambda v: ran[v]["iter_time_s"])
         record.update(ran[best], status="ok", variant=best, variants=summaries,
                       precision_run=br.effective_precision(run["precision"], torch.device(
@@ -283,8 +281,8 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
 
 def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
-    event is its start, one of its phases or one of its finished variants) has gone ``limit_s`` seconds without a result or a next
-    phase -- naming the phase it stopped in; None otherwise."""
+    event is its start, one of its phases or one of its finished variants) has gone ``limit_s``
+    seconds without a result or a next phase -- naming the phase it stopped in; None otherwise."""
     def stalled() -> str | None:
         try:
             st = partial.stat()
@@ -306,10 +304,6 @@ def stall_watch(partial: Path, limit_s: float):
 
 def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
     """Launch ``world`` ranks for ``runs`` (relaunching after a crash while time is left)."""
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
-    from hidup.runtime.launch import LaunchError, launch
-
     records: dict = {}
     for attempt in range(1 + args.relaunch):
         todo = [r for r in runs if r["id"] not in records]
@@ -321,7 +315,7 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         error = None
         try:
             launch(child_main, wcfg, nnodes=1, cpn=world, node_rank=0, master_addr="127.0.0.1",
-                   master_port=get_free_port(), timeout_s=args.dist_timeout,
+                   master_port=0, timeout_s=args.dist_timeout,
                    stalled=stall_watch(partial, args.stall_timeout))
         except (LaunchError, RuntimeError) as e:
             error = str(e)
@@ -344,8 +338,6 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
 
 
 def parse_args(argv):
-    from hidup.runtime.options import add_model_flags
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--network", choices=sorted(NETWORK_ENV), default="nvlink")
@@ -408,12 +400,9 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     args = parse_args(argv)
     started = time.time()
     env = apply_network(args.network)
-    import hidup.models
 
     for flag, names in (("--models", args.models), ("--calibrate-plans", args.calibrate_plans or [])):
         unknown = [m for m in names if m not in hidup.models.names()]
@@ -430,11 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has "
                          f"{torch.cuda.device_count()}")
     if args.ops_from is not None:
-        from hidup.profiler.profile import load as load_profile
         try:
             carried = load_profile(args.ops_from)
         except Exception as e:  # noqa: BLE001 - reported with the flag's name
-            raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})")
+            raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})") from None
         if not carried.ops:
             raise SystemExit(f"--ops-from {args.ops_from}: the profile has no per-op times; measure them with "
                              f"--ops-seconds instead")

@@ -15,6 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from exp import benchsearch
 from exp.benchrun import VARIANT_METHODS
 from exp.benchsearch import job_name
@@ -60,8 +62,6 @@ def timed_parts(run: dict, cfg: dict) -> int:
 
 def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
     """Runs per world (in order) and the search jobs they need."""
-    import torch
-
     overrides = benchsearch.overrides_of(args)
     per_world, jobs = {}, {}
     prec_search = {p: ("fp32" if not torch.cuda.is_available() else p) for p in args.precisions}

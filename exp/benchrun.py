@@ -44,16 +44,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import gzip
+import shutil
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from exp.baselines import harness
 from exp.baselines.timing import sync
 from exp.breakdown import analyze_file
+from hidup.codegen import choose_duplication
+from hidup.codegen import compile as hidup_compile
+from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import max_over_ranks
+from hidup.codegen.trial import compile_step
+from hidup.profiler.calibrate import TwoCopies
 from hidup.runtime.data import rank_share
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.
@@ -160,8 +169,6 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
                                       variant, precision, compile_backend)
         module = got.module
         if method == "single-dup":
-            from hidup.profiler.calibrate import TwoCopies
-
             module = TwoCopies(module, device)
         prep = Prepared(module, got.loss_scale, got.after_backward, dict(got.info), loss_weight=got.loss_weight)
         prep.coupled = not single
@@ -172,8 +179,6 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             prep.info["variant"] = variant
         return prep, inputs
     if method in HIDUP_METHODS:
-        from hidup.codegen import compile as hidup_compile
-
         if plan is None:
             raise ValueError(f"method {method} needs a plan (none was given)")
         model = model.to(device)
@@ -184,8 +189,6 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         shared = None if graph else _shared_copy_groups(world, device, duplication)
         trial, compile_s = None, None
         if method == "hidup-auto":
-            from hidup.codegen import choose_duplication
-
             with precision_mode(precision, device):
                 module, trial = choose_duplication(model, plan, rank, world, inputs, cuda_graphs=graph,
                                                    autocast_dtype=harness.autocast_dtype(precision),
@@ -194,7 +197,6 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
             module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared,
                                    compile=compiled)
             if compiled:  # compiled as hidup train --compile on compiles: one step under the capture's autocast
-                from hidup.codegen.trial import compile_step
 
                 with precision_mode(precision, device):
                     compile_s = compile_step(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
@@ -213,7 +215,8 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         if variant not in (None, "eager", "graph"):
             raise ValueError(f"method {method} runs as hidup train runs it; variant {variant!r} does not apply")
         info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
-                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s, "step_mode": "eager"}  # the capture, where it happens, says "graph"
+                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s,
+                "step_mode": "eager"}  # the capture, where it happens, says "graph"
         if trial is not None:
             info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
@@ -238,8 +241,6 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     phase = phase or (lambda name: None)
     module = prep.module
     if prep.graph and prep.graphed is None:
-        from hidup.codegen.graphs import GraphedStep
-
         phase("capture")
         with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
             prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
@@ -263,14 +264,11 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
 
 def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
     """One more step; rank 0 records it with torch.profiler, writes the chrome trace, and analyzes it."""
-    from pathlib import Path
-
     rank0 = not distributed() or dist.get_rank() == 0
     if not rank0:
         step()
         sync(device)
         return None
-    from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -283,8 +281,6 @@ def _profiled_step(step, device: torch.device, trace_path) -> dict | None:
         out = analyze_file(path)
     except ValueError as e:
         out = {"error": str(e), "trace": str(path)}
-    import gzip
-    import shutil
 
     with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb", compresslevel=6) as dst:
         shutil.copyfileobj(src, dst)  # traces compress about tenfold
@@ -361,8 +357,6 @@ def variant_summary(result: dict) -> dict:
 
 
 def _variant_path(path, variant: str):
-    from pathlib import Path
-
     path = Path(path)
     return path.with_name(f"{path.stem}-{variant}{path.suffix}")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -30,6 +31,9 @@ import traceback
 from pathlib import Path
 
 from exp.report import ROOT, load_json, save_json
+
+# torch and hidup (which loads torch) are imported inside the functions: a pool worker imports this
+# module before its initializer sets OMP_NUM_THREADS, which OpenMP reads once, as torch loads.
 
 __all__ = ["Searcher", "search_job", "predict", "make_problem", "job_name", "overrides_of", "resolve_profile",
            "plan_identity"]
@@ -213,7 +217,6 @@ class Searcher:
                 continue  # cached result of the same job on the same profile
             (self.plan_dir / f"{name}.json").unlink(missing_ok=True)
             todo.append(job)
-        import multiprocessing as mp
 
         if self.workers == 0:  # in this process, one after the other (no worker start-up cost)
             for job in todo:

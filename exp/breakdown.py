@@ -41,6 +41,7 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -111,8 +112,6 @@ def load_events(trace) -> list[dict]:
         path = Path(trace)
         try:
             if path.suffix == ".gz":
-                import gzip
-
                 with gzip.open(path, "rt") as f:
                     trace = json.load(f)
             else:

@@ -47,18 +47,38 @@ completed with ``--first-seed``, or measured again) both report through it::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
+import hidup.models
 from exp import benchrun as br
 from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial
 from exp.benchsearch import Searcher, job_name, make_problem, overrides_of, predict, resolve_profile
-from exp.report import (ROOT, command_line, hardware, hardware_line, link, load_json, pyplot, save_json, table,
-                        text_table, write_section)
+from exp.report import (
+    ROOT,
+    command_line,
+    hardware,
+    hardware_line,
+    link,
+    load_json,
+    pyplot,
+    save_json,
+    table,
+    text_table,
+    write_section,
+)
 from hidup.files import atomic_write
+from hidup.plan import Plan
+from hidup.profiler import load
+from hidup.runtime.launch import LaunchError, launch
+from hidup.runtime.options import add_model_flags
+from hidup.trace import trace
 
 
 def perturbations(args) -> list[dict]:
@@ -83,13 +103,6 @@ def perturbations(args) -> list[dict]:
 # ============================================================================ rank side
 def child_main(ctx, cfg: dict) -> None:
     """Measure each distinct plan once, in the order the searches finish (clean first)."""
-    import json
-
-    import torch
-
-    import hidup.models
-    from hidup.plan import Plan
-
     device, rank, world = ctx.device, ctx.rank, ctx.world_size
     if device.type == "cpu":
         torch.set_num_threads(max(1, (__import__("os").cpu_count() or 1) // max(1, world)))
@@ -207,11 +220,6 @@ def _flips(clean: dict, plan: dict) -> dict:
 
 def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured: dict, profile_path: Path) -> dict:
     """Rows of the table from the search results and the measured times (see the module docstring)."""
-    import hidup.models
-    from hidup.plan import Plan
-    from hidup.profiler import load
-    from hidup.trace import trace
-
     docs = {n: load_json(plan_dir / f"{n}.json") for n in names}
     clean = docs[names[0]]
     if not clean or clean.get("status") != "ok":
@@ -454,8 +462,6 @@ def write_combined(result: dict, docs: Path, run_paths: list[Path]) -> None:
 # ============================================================================ command line
 
 def parse_args(argv):
-    from hidup.runtime.options import add_model_flags
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bert-sgmoe")
@@ -503,14 +509,12 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     args = parse_args(argv)
     if args.combine:
         try:
             result = combine(args.combine)
         except ValueError as e:
-            raise SystemExit(f"--combine: {e}")
+            raise SystemExit(f"--combine: {e}") from None
         write_combined(result, args.docs, args.combine)
         print(text_table(HEADERS, table_rows(result["rows"])))
         print(f"\nwrote {Path(args.docs) / 'robustness.json'}, robustness.md (section 'combined'), robustness.png")
@@ -524,7 +528,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.predict_only and torch.cuda.is_available() and args.world > torch.cuda.device_count():
         raise SystemExit(f"--world {args.world} needs {args.world} GPUs; this host has {torch.cuda.device_count()} "
                          "(or use --predict-only)")
-    import hidup.models
 
     if args.model not in hidup.models.names():
         raise SystemExit(f"--model {args.model}: not in the zoo ({', '.join(hidup.models.names())})")
@@ -557,10 +560,6 @@ def main(argv: list[str] | None = None) -> int:
             if not searcher.wait(timeout=max(1.0, deadline - time.time())):
                 print("[noise] the time budget ran out before every search finished; rows use the finished ones")
         else:
-            from torch.distributed.elastic.utils.distributed import get_free_port
-
-            from hidup.runtime.launch import LaunchError, launch
-
             partial = args.bench_out / f".partial-robustness-{args.network}.jsonl"
             partial.unlink(missing_ok=True)
             cfg = {"network": args.network, "profile": str(profile_path), "profile_budget": args.profile_budget,
@@ -573,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                    "worlds": [args.world], "precisions": [args.search_precision], "ops_seconds": 60.0}
             try:
                 launch(child_main, cfg, nnodes=1, cpn=args.world, node_rank=0, master_addr="127.0.0.1",
-                       master_port=get_free_port(), timeout_s=args.dist_timeout)
+                       master_port=0, timeout_s=args.dist_timeout)
             except (LaunchError, RuntimeError) as e:
                 print(f"[noise] the process group failed; reporting what was measured:\n{str(e)[-2000:]}")
             measured = read_partial(partial)[0]

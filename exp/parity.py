@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import hidup.models
 from hidup.runtime.launch import launch
 from hidup.runtime.verify import parity_report
 
@@ -63,8 +64,6 @@ def _rank(ctx, args) -> list:
 
 
 def main(argv=None) -> int:
-    import hidup.models
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--models", nargs="+", default=hidup.models.names())

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def hardware(device_type: str | None = None) -> dict:
     """Facts about this host and its accelerators (GPU name/count, torch, CUDA, NCCL, Python)."""
-    import torch
+    import torch  # here, not at the top: benchsearch's pool workers import this module before torch
 
     info = {"host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "date": datetime.datetime.now().isoformat(timespec="seconds")}

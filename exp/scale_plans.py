@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
 import platform
+import re
+import sys
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+import hidup
+from hidup.search import SearchError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,9 +107,6 @@ def describe_plan(plan, graph) -> dict:
 
 def run_job(name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None,
             seq: int) -> dict:
-    import hidup
-    from hidup.search import SearchError
-
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -114,7 +115,8 @@ def run_job(name: str, world: int, profile: str, memory_gb: float, precision: st
     trace_s = time.perf_counter() - t0
     row = {"job": name, "world": world, "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
            "batch": world, "seq": seq, "nodes": len(graph.nodes), "fallbacks": list(graph.fallbacks),
-           "host": f"{os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), torch {torch.__version__}",
+           "host": f"{os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), "
+                   f"torch {torch.__version__}",
            "profile": profile, "precision": precision, "memory_budget_gb": memory_gb or None,
            "trace_s": round(trace_s, 2)}
     t0 = time.perf_counter()
@@ -144,21 +146,24 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
              "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
              "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
              "NVLink domain by the ring factor, which a real two-node cluster is not.", "",
-             "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind | weights stored |",
+             "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind "
+             "| weights stored |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | no plan "
-                         f"| - | {r['error'].split('. Fix')[0]} | - |")
+            lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+                         f"| {r['trace_s']} | {r['search_s']} | no plan | - | {r['error'].split('. Fix')[0]} | - |")
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
         stored = "; ".join(f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items())
                            for role, forms in r["stored"].items())
-        lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} | {r['trace_s']} | {r['search_s']} | "
-                     f"{r['predicted_ms']} | {r['memory_gib']} | {kinds} | {stored} |")
+        lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+                     f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "
+                     f"| {stored} |")
     for r in rows:
         if "summary" in r:
-            lines += ["", f"## {r['job']}, {r['world']} GPUs, " + (f"budget {r['memory_budget_gb']:g} GB" if r['memory_budget_gb'] else "no budget"), "", "```", r["summary"].rstrip(), "```"]
+            budget = f"budget {r['memory_budget_gb']:g} GB" if r["memory_budget_gb"] else "no budget"
+            lines += ["", f"## {r['job']}, {r['world']} GPUs, {budget}", "", "```", r["summary"].rstrip(), "```"]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -172,15 +177,13 @@ def parse_run(text: str, default_memory: float) -> tuple[str, int, float]:
         world, _, memory = rest.partition(":")
         run = (name, int(world), float(memory) if memory else default_memory)
     except ValueError:
-        raise SystemExit(f"scale_plans: --runs {text!r} is not NAME@WORLD[:GB] (e.g. mixtral-8x7b@16:141)")
+        raise SystemExit(f"scale_plans: --runs {text!r} is not NAME@WORLD[:GB] (e.g. mixtral-8x7b@16:141)") from None
     if name not in JOBS:
         raise SystemExit(f"scale_plans: unknown job {name!r} in --runs {text!r}; jobs: {', '.join(sorted(JOBS))}")
     return run
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
                    help="NAME@WORLD[:GB] per run (GB: the memory budget per GPU, 0 for none; default --memory)")

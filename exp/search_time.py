@@ -22,11 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 import hidup.models
 import hidup.profiler
 from hidup.search import search
 from hidup.trace import trace
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(model: str, layers: int, world: int, profile, algorithm: str, repeat: int) -> dict:

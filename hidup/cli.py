@@ -22,11 +22,21 @@ rank that dies is named with its exit code or signal (:mod:`hidup.runtime.launch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
 from pathlib import Path
 
+import hidup.models
+import hidup.profiler
+from hidup import __version__
+from hidup.describe import describe
+from hidup.plan import Plan, model_record, summary
+from hidup.profiler.profile import DTYPES
+from hidup.runtime import bench_rank
+from hidup.runtime import cli as runtime_cli
+from hidup.runtime.launch import LaunchError, user_error
 from hidup.runtime.options import (
     DEFAULT_PROFILE,
     CommandError,
@@ -36,12 +46,12 @@ from hidup.runtime.options import (
     say,
     settle_model,
 )
+from hidup.search import search
+from hidup.search.ilp import DEFAULT_TIME_LIMIT
 
 # --------------------------------------------------------------------------------------------- search
 
 def _search_parser(sub) -> None:
-    from hidup.profiler.profile import DTYPES
-
     p = sub.add_parser("search", help="search a parallelization plan for a model",
                        description="Trace a model (zoo or package.module:function), search the fastest "
                        "per-op sharding for a world size under a machine profile, print the plan summary and save "
@@ -72,8 +82,6 @@ def _search_parser(sub) -> None:
 
 
 def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:
-    from hidup.search.ilp import DEFAULT_TIME_LIMIT
-
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
                    help=f"stop the ILP after this many seconds (default {DEFAULT_TIME_LIMIT:g}); it then keeps the "
                         "best plan found, marked unproven in the plan, or fails if it found none")
@@ -107,10 +115,6 @@ def _report_warnings(caught, command: str) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    import hidup.profiler
-    from hidup.plan import model_record, summary
-    from hidup.search import search
-
     record = model_record(settle_model(args))  # refuses non-JSON arguments before the search runs
     out = args.out or Path(f"strategy_{args.model.replace(':', '.')}.json")
     check_out_path(out)
@@ -149,8 +153,6 @@ def _show_parser(sub) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from hidup.plan import Plan, summary
-
     plan = Plan.load(args.plan)
     settle_model(args, plan, args.plan)
     # Rebuild the graph the plan was made for, so the summary can name layers and shapes.
@@ -167,8 +169,6 @@ def _describe_parser(sub) -> None:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    from hidup.describe import describe
-
     settle_model(args)
     print(describe(build_graph(args), max_rows=args.rows))
     return 0
@@ -179,10 +179,6 @@ def _models_parser(sub) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    import hidup.models
-
     for name in hidup.models.names():
         cfg = hidup.models.config(name)
         fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
@@ -197,8 +193,6 @@ def _profiles_parser(sub) -> None:
 def cmd_profiles(args: argparse.Namespace) -> int:
     """Each built-in profile: name, kind (how its numbers were obtained, and the GPU), one line on the
     machine it describes and the world sizes it has collective tables for."""
-    import hidup.profiler
-
     rows = []
     for name in hidup.profiler.builtin_names():
         prof = hidup.profiler.load(name)
@@ -222,26 +216,12 @@ COMMANDS = {
 }
 
 
-def _bench_rank(attr: str):
-    """``hidup bench-rank``'s parser or command, from :mod:`hidup.runtime.bench_rank` (imported when used)."""
-    return lambda x: getattr(__import__("hidup.runtime.bench_rank", fromlist=[attr]), attr)(x)
-
-
-COMMANDS["bench-rank"] = (_bench_rank("add_parser"), _bench_rank("run"))
-
-
-def _optional_commands() -> None:
-    """Subcommands whose implementation lives with the runtime and profiler packages."""
-    try:
-        from hidup.runtime import cli as runtime_cli
-    except ImportError:
-        return
-    for name, entry in getattr(runtime_cli, "COMMANDS", {}).items():
-        COMMANDS.setdefault(name, entry)
+COMMANDS["bench-rank"] = (bench_rank.add_parser, bench_rank.run)
+for _name, _entry in runtime_cli.COMMANDS.items():  # train, verify, profile
+    COMMANDS.setdefault(_name, _entry)
 
 
 def parser() -> argparse.ArgumentParser:
-    _optional_commands()
     p = argparse.ArgumentParser(prog="hidup", description="Automatic SPMD parallelism for PyTorch "
                                 "training: trace, search, compile, verify.")
     _add_global_flags(p)
@@ -259,8 +239,6 @@ DEBUG_HELP = "on a user error, show the Python traceback (also from the ranks) i
 
 def _add_global_flags(p: argparse.ArgumentParser) -> None:
     """``hidup --version`` and ``hidup --debug COMMAND`` (``--debug`` also works after the command)."""
-    from hidup import __version__
-
     p.add_argument("--version", action="version", version=f"hidup {__version__}")
     p.add_argument("--debug", dest="debug_all", action="store_true", help=DEBUG_HELP)
 
@@ -300,8 +278,6 @@ def _user_error(e: Exception) -> str | None:
     the command line's own (:class:`CommandError`), and every error the ranks report as the user's
     (:func:`hidup.runtime.launch.user_error`: models, plans, traces, searches, profiles, compiles,
     checkpoints, paths, launches)."""
-    from hidup.runtime.launch import LaunchError, user_error
-
     if isinstance(e, (CommandError, LaunchError)):
         return str(e)
     if isinstance(e, ModuleNotFoundError) and e.name == "mip":

@@ -27,11 +27,13 @@ become :class:`hidup.trace.TraceFailure` with the model's source line.
 from __future__ import annotations
 
 import operator
+import traceback
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
 
 from hidup.fxvalues import map_value, value_leaves
 from hidup.rules.experts import routed_experts_as_custom_op
@@ -78,8 +80,6 @@ def _fix_device(v: Any) -> Any:
 
 
 def _user_location(e: BaseException) -> str:
-    import traceback
-
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(("hidup/export.py",)):
@@ -130,8 +130,6 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
 def _lifted_inputs(exported: torch.export.ExportedProgram) -> dict[str, Any] | None:
     """Placeholder name -> input spec of the exported graph, or None when the step mutates a buffer or
     an input (the unlifted module then writes the new values back)."""
-    from torch.export.graph_signature import OutputKind
-
     signature = exported.graph_signature
     if any(s.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT) for s in signature.output_specs):
         return None
@@ -143,7 +141,6 @@ def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: li
     # The exported graph takes parameters, buffers and lifted constants as placeholders; each becomes a
     # get_attr of the model's own tensor here (what ``exported.module()`` does, without generating and
     # compiling the code of a module that is never run).
-    from torch.export.graph_signature import InputKind
 
     lifted = _lifted_inputs(exported)
     unlifted = exported.graph_module if lifted is not None else exported.module()

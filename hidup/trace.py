@@ -53,6 +53,7 @@ import torch.fx
 from torch import nn
 
 from hidup.copies import copy_axis
+from hidup.export import ExportFailure, export_step
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
@@ -62,6 +63,7 @@ from hidup.fxvalues import target_name as _target_name
 from hidup.fxvalues import to_meta as _to_meta
 from hidup.fxvalues import value_leaves as _leaves
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.losses import explicit_normalizers
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.saved import Recorder
 
@@ -363,8 +365,6 @@ def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1) -> 
 
 
 def _exported(model: nn.Module, values: list) -> torch.fx.GraphModule:
-    from hidup.export import ExportFailure, export_step
-
     names = _forward_names(model, values)
     try:
         return export_step(model, values, names)
@@ -381,8 +381,6 @@ def _forward_names(model: nn.Module, values: list) -> list[str]:
 
 def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn,
            rules_missing: str) -> Traced:
-    from hidup.losses import explicit_normalizers
-
     explicit_normalizers(gm)
     builder = _Builder(gm, world_size, signatures_fn)
     with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too

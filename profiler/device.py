@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+import torch.fx
 
+from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import graph_time, time_call
 from hidup.profiler.profile import DTYPES
 
@@ -221,8 +223,6 @@ def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 
     launch and host-dispatch cost that every op of a generated program pays.  ``graphed=True``
     (CUDA only) times the same step captured as one CUDA graph
     (:class:`hidup.codegen.graphs.GraphedStep`): what is left is the GPU's gap between kernels."""
-    import torch.fx
-
     device = torch.device(device)
     root = torch.nn.Module()
     root.leaf = torch.nn.Parameter(torch.ones(8, device=device))
@@ -239,7 +239,6 @@ def op_overhead(device: torch.device | str, ops: int = 64, *, budget_s: float = 
     if graphed:
         if device.type != "cuda":
             raise ValueError(f"op_overhead(graphed=True) needs a CUDA device, got {device}")
-        from hidup.codegen.graphs import GraphedStep
 
         step = GraphedStep(program, ())  # the same step, captured and replayed
 

@@ -29,22 +29,37 @@ whose speed drifts over seconds.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
 import re
+import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+import hidup.models
 from hidup.codegen.timing import max_over_ranks
-from hidup.profiler.profile import DTYPES
+from hidup.files import atomic_write
+from hidup.models.source import ModelSourceError, load_factory
+from hidup.profiler import profile as profile_mod
+from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
+from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
 
 from .calibrate import measure_model_ops, program_scales
-
-if TYPE_CHECKING:
-    from hidup.profiler.profile import CommTable, Profile
+from .comm import default_comm_sizes, default_group_sizes, profile_collectives
+from .device import (
+    canonical_dtype,
+    default_matmul_sizes,
+    device_rates,
+    grad_copy_overhead,
+    layout_bandwidth,
+    memory_bandwidth,
+    op_overhead,
+)
 
 __all__ = ["profile_machine", "measure_model_ops", "write_profile", "comm_tables", "parse_sizes", "parse_overrides",
            "add_profile_args", "run_profile"]
@@ -60,7 +75,6 @@ def _rates_agreed(rates: dict[str, float], device: torch.device) -> dict[str, fl
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
 
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
@@ -100,8 +114,6 @@ def comm_tables(curves) -> dict[str, dict[int, "CommTable"]]:
     """Profile tables from measured curves: ``alpha`` as fitted and the bandwidth *net of alpha*,
     ``algbw(S) = S / max(t(S) - alpha, 1e-3 t(S))``, so that the profile's
     ``time = alpha + S / algbw(S)`` reproduces each measured ``t(S)`` (to 0.1 % of it)."""
-    from hidup.profiler.profile import CommTable
-
     tables: dict[str, dict[int, CommTable]] = {}
     for c in curves:
         bws = [s / max(t - c.alpha, 1e-3 * t) for s, t in zip(c.sizes, c.seconds)]
@@ -168,11 +180,6 @@ def _calibrate(prof, raw: dict, device: torch.device, ops_models, ops_worlds, op
 
 def write_profile(prof, raw: dict, out: str | Path) -> Path:
     """Write the profile JSON to ``out`` and the raw measurements to ``<out stem>.raw.json``."""
-    import json
-
-    from hidup.files import atomic_write
-    from hidup.profiler.profile import save
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save(prof, out)
@@ -183,22 +190,6 @@ def write_profile(prof, raw: dict, out: str | Path) -> Path:
 def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matmul_sizes, group_sizes,
              budget_s, comm_rounds: int = 1):
     """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
-    import datetime as _dt
-    import socket as _socket
-
-    from hidup.profiler import profile as profile_mod
-
-    from .comm import default_comm_sizes, default_group_sizes, profile_collectives
-    from .device import (
-        canonical_dtype,
-        default_matmul_sizes,
-        device_rates,
-        grad_copy_overhead,
-        layout_bandwidth,
-        memory_bandwidth,
-        op_overhead,
-    )
-
     initialized = dist.is_available() and dist.is_initialized()
     pg_world = dist.get_world_size() if initialized else 1
     world = pg_world if world is None else world
@@ -277,8 +268,8 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         name = f"{short}x{world}-measured"
     prof = profile_mod.Profile(
         name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
-        host=_socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
-        date=_dt.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
+        host=socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
+        date=datetime.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
         op_overhead_graph=overhead_graph, concurrency=concurrency, layout_bandwidth=layout_bw,
         grad_copy_overhead=grad_copy, grad_copy_overhead_graph=grad_copy_graph,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
@@ -351,8 +342,6 @@ def parse_overrides(text: str) -> dict:
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
     """The flags of ``exp/profiler.py`` / ``hidup profile`` (launch flags included)."""
-    from hidup.runtime.launch import add_launch_args
-
     p.add_argument("--out", type=Path, default=None,
                    help="profile JSON to write (default profile_<name>.json; raw data in <out>.raw.json)")
     p.add_argument("--name", default=None, help="profile name (default <gpu>x<world>-measured)")
@@ -426,8 +415,6 @@ def _names(text: str, flag: str) -> list[str]:
         if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
             raise SystemExit(f"{flag} {text!r}: expected world sizes >= 1 separated by commas, e.g. '4,2'")
         return items
-    import hidup.models
-    from hidup.models.source import ModelSourceError, load_factory
 
     unknown = [x for x in items if x not in hidup.models.names() and not hidup.models.is_factory(x)]
     if not items or unknown:
@@ -443,8 +430,6 @@ def _names(text: str, flag: str) -> list[str]:
 
 def run_profile(args: argparse.Namespace) -> int:
     """Launch the ranks per ``args`` (NODERANK/CPN, torchrun or one process) and profile."""
-    from hidup.runtime.launch import launch, launch_kwargs, layout_from_env
-
     precisions = tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip())
     if args.comm_rounds < 1:
         raise SystemExit(f"--comm-rounds {args.comm_rounds}: give at least one pass (1 measures the tables once)")
@@ -475,15 +460,12 @@ def run_profile(args: argparse.Namespace) -> int:
         return _device_only(kwargs, args.out)
     nnodes = lk.get("nnodes") or int(os.environ.get("NNODES", "1") or 1)
     if lk.get("master_port") is None and not os.environ.get("MASTER_PORT") and nnodes == 1:
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        lk["master_port"] = get_free_port()  # one host: any free port avoids clashes with other jobs
+        lk["master_port"] = 0  # one host: the launcher's store on a free port, no clash with other jobs
     out = args.out.resolve() if args.out is not None else None
     results = launch(_rank_main, dict(kwargs, out=out), **lk)
     path = next((r for r in results if r is not None), None)
     if path is None:
         return 0  # another host holds global rank 0 and writes the file
-    from hidup.profiler.profile import load
 
     prof = load(path)
     print(f"profile {prof.name!r} written to {path}")
@@ -498,8 +480,6 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _device_only(kwargs: dict, out: Path | None) -> int:
     """One process and nothing to merge: print the device rates (a profile needs collectives)."""
-    from .device import device_rates, memory_bandwidth
-
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     budget = kwargs["budget_s"] if kwargs["budget_s"] is not None else (0.1 if kwargs["quick"] else 0.3)
     rates = device_rates(device, kwargs["dtypes"], kwargs["matmul_sizes"], budget_s=budget)

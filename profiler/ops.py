@@ -35,6 +35,7 @@ checks their sum against whole steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import zlib
@@ -43,8 +44,12 @@ from typing import Any, Mapping
 import torch
 from torch.fx.node import map_aggregate
 
+import hidup.rules as rules
 from hidup.codegen.timing import Stopwatch, graph_time, time_call
 from hidup.ir import Graph, Signature
+from hidup.profiler.device import tf32
+from hidup.profiler.profile import DTYPES, op_dtype, op_key
+from hidup.trace import trace_half_batch, trace_module
 
 __all__ = ["time_ops", "model_op_times", "node_signatures"]
 
@@ -101,11 +106,6 @@ def _flat_tensors(value) -> list[torch.Tensor]:
 
 def _precision(precision: str, device: torch.device):
     """The context float32 ops run in under ``precision`` (see the module docstring)."""
-    import contextlib
-
-    from .device import tf32
-    from .profile import DTYPES
-
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {DTYPES}, got {precision!r}")
     stack = contextlib.ExitStack()
@@ -127,9 +127,6 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
     ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
     measures the distinct keys whose CRC-32 is ``i`` modulo ``n`` (see the module docstring).
     """
-    import hidup.rules as rules
-    from hidup.profiler.profile import op_dtype, op_key
-
     device = torch.device(device)
     graphed = device.type == "cuda" if graphed is None else graphed
     if graphed and device.type != "cuda":
@@ -217,8 +214,6 @@ def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan
                    **kwargs) -> dict[str, tuple[float, float]]:
     """:func:`time_ops` of ``model`` traced at its batch, then (``half_batch``) at half of it; a
     ``plan`` restricts both to its signatures (matched by node name and forms at half the batch)."""
-    from hidup.trace import trace_half_batch, trace_module
-
     traced = trace_module(model, example_inputs, world_size)
     cache = {} if cache is None else cache
     ops = time_ops(traced, plan, cache=cache, **kwargs)

@@ -38,6 +38,7 @@ from typing import Callable
 
 from hidup.ir import Graph, Node, Signature, block_label
 from hidup.optionset import OptionSet
+from hidup.profiler import load
 from hidup.search import dp, ilp
 from hidup.search.memory import MemoryModel
 from hidup.search.modes import solve_modes
@@ -154,8 +155,6 @@ def search(graph: Graph, profile, options: SearchOptions | None = None, *, world
 
 def _loaded(profile):
     """``profile`` itself, or the profile a builtin name or a path names."""
-    from hidup.profiler import load
-
     return load(profile) if isinstance(profile, str) or hasattr(profile, "__fspath__") else profile
 
 

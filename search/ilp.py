@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hidup.search.problem import Problem, SearchError
+from hidup.search.schedule import evaluate
 
 __all__ = ["solve", "optimize", "min_memory", "Outcome", "DEFAULT_TIME_LIMIT", "PROGRESS_EVERY"]
 
@@ -315,8 +316,6 @@ def min_memory(problem: Problem, time_limit: float | None = None) -> float:
 
 def _time_of(problem: Problem, ks: list[int]) -> float:
     """The ILP objective (seconds, no duplication) of an assignment."""
-    from hidup.search.schedule import evaluate
-
     return evaluate(problem, ks, False).objective
 
 

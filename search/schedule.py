@@ -70,6 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hidup.search.memory import MEMORY_PARTS
 from hidup.search.problem import Problem, SearchError, Step
 
 __all__ = ["dup_apply", "dup_apply_stages", "recurrence_source", "generate", "Evaluation", "evaluate",
@@ -193,7 +194,6 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     for i, k in enumerate(ks):
         for j, v in enumerate(problem.mem_parts[i][k]):
             parts[j] += v
-    from hidup.search.memory import MEMORY_PARTS
     memory = dict(zip(MEMORY_PARTS, parts))
     memory["total"] = sum(parts)
     stages: list[list[str]] = []

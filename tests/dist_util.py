@@ -1,31 +1,27 @@
 """Run a function on N gloo (or NCCL) ranks in fresh processes and collect what each rank returns.
 
-``run_distributed(fn, world, *args)`` starts ``world`` processes (multiprocessing ``spawn``), joins
-them into one gloo process group through a TCP store that this process hosts on a free port (no
-port races), calls ``fn(rank, world, *args)`` on each, and returns the list of results by rank.
-An exception on any rank is re-raised here with that rank's traceback; the other ranks are
-terminated.  Nothing can hang: the process group has a timeout and the whole run a deadline.
-Results travel pickled (tensors by value), so they survive the worker's exit.
+``run_distributed(fn, world, *args)`` runs ``fn(rank, world, *args)`` on ``world`` ranks started by
+the runtime's own launcher (:func:`hidup.runtime.launch.run_ranks`, the one ``hidup train`` uses):
+processes spawned afresh, joined into one gloo process group through a TCP store that this process
+hosts on a free port (no port races), and returns the list of results by rank.  An exception on any
+rank is re-raised here as :class:`DistributedFailure` with that rank's traceback; the other ranks
+are stopped.  Nothing can hang: the process group has a timeout and the whole run a deadline, past
+which the ranks print their Python stacks and are killed.  Results travel pickled (tensors by
+value), so they survive the worker's exit.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import queue as queue_mod
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from hidup.runtime.launch import shutdown
+from hidup.runtime.launch import Distributed, LaunchError, Layout, run_ranks
 
 
 class DistributedFailure(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised (the message carries its traceback), died, or the run passed its deadline."""
 
 
 def device() -> torch.device:
@@ -35,72 +31,26 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _worker(fn, rank, world, port, results, args, pg_timeout, env, backend):
-    os.environ.update(env)
-    import torch
-
+def _call(ctx: Distributed, fn, args):
     torch.set_num_threads(1)
-    try:
-        kwargs = {}
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False,
-                              timeout=datetime.timedelta(seconds=pg_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout), **kwargs)
-        out = fn(rank, world, *args)
-        results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        shutdown()
+    return fn(ctx.rank, ctx.world_size, *args)
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 90.0, pg_timeout: float = 30.0,
                     env: dict | None = None, backend: str = "gloo"):
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed on ``world`` ranks
-    (gloo; or NCCL with ``backend="nccl"``, rank r on GPU ``r``).
+    (gloo; or NCCL with ``backend="nccl"``, rank r on GPU ``r``), with ``env`` set in each rank.
 
     ``fn`` must be importable (a module-level function).  ``timeout`` bounds the whole run,
     ``pg_timeout`` each collective (so a dead rank makes the others fail fast)."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=datetime.timedelta(seconds=pg_timeout),
-                          wait_for_workers=False)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, store.port, results, args, pg_timeout, env or {},
-                                                       backend),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
+    layout = Layout(world, 1, world, 0, "127.0.0.1", 0)  # port 0: the launcher hosts the store on a free port
     deadline = time.monotonic() + timeout
+
+    def stalled() -> str | None:
+        return f"the run did not finish in {timeout} s" if time.monotonic() > deadline else None
+
     try:
-        while len(out) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"run_distributed({fn.__name__}, world={world}) did not finish in {timeout} s; "
-                                   f"ranks done: {sorted(out)}")
-            try:
-                rank, ok, payload = results.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in out]
-                if dead:
-                    time.sleep(0.5)  # let a rank that reported an error get its message through
-                    if results.empty():
-                        raise DistributedFailure(f"rank(s) {dead} of {fn.__name__} died with exit codes "
-                                                 f"{[procs[r].exitcode for r in dead]} and no report") from None
-                continue
-            if not ok:
-                raise DistributedFailure(f"rank {rank} of {fn.__name__} (world {world}) raised:\n{payload}")
-            out[rank] = pickle.loads(payload)
-        return [out[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        del store
+        return run_ranks(_call, (fn, args), layout, backend=backend, timeout_s=pg_timeout,
+                         env=env, stalled=stalled, user_errors=False)
+    except LaunchError as e:
+        raise DistributedFailure(f"{fn.__name__} on {world} ranks: {e}") from None

@@ -61,6 +61,7 @@ def test_layout_single_when_nothing_set():
     ({"CPN": "2", "NNODES": "2"}, "NODERANK"),
     ({"CPN": "2", "NNODES": "2", "NODERANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
     ({"CPN": "2", "NNODES": "2", "NODERANK": "1"}, "MASTER_ADDR"),
+    ({"CPN": "2", "NNODES": "2", "NODERANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "0"}, "one node only"),
     ({"CPN": "two"}, "not an integer"),
     ({"CPN": "0"}, "at least 1"),
 ])

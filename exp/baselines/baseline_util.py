@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hidup.models import ModelConfig
+
 BUCKET_BYTES = 25 << 20  # DDP's default bucket size
 
 
@@ -47,6 +49,9 @@ class Options:
     graph: bool = False
     precision: str = "fp32"
     compile_backend: str = "inductor"
+
+
+EAGER = Options()  # the default: eager, fp32
 
 
 @dataclass
@@ -94,8 +99,6 @@ class LossForm:
 def loss_form_of(model: nn.Module) -> LossForm:
     """The :class:`LossForm` of ``model``: its ``loss_form`` attribute (a LossForm, ``"sum"`` or
     ``"mean"``) when it has one; ``sum`` for a zoo model (``hidup.models``: summed over groups)."""
-    from hidup.models import ModelConfig
-
     form = getattr(model, "loss_form", None)
     if isinstance(form, LossForm):
         return form

@@ -22,12 +22,12 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from exp.baselines.baseline_util import Options, Prepared, compile_module
+from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module
 
 DDP_CAPTURE_WARMUP = 11  # eager DDP iterations torch requires before a CUDA-graph capture
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     model.to(device)
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
     # Buffers are identical on every rank (same seed): do not re-broadcast them every forward.

@@ -32,10 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hidup.models import MoEFFN, moe_gating
-
-from exp.baselines.baseline_util import BUCKET_BYTES, Options, Prepared, compile_module
+from exp.baselines.baseline_util import BUCKET_BYTES, EAGER, Options, Prepared, compile_module
 from hidup.codegen import GradBucketer
+from hidup.models import MoEFFN, moe_gating
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,7 +102,7 @@ class ExpertParallelMoE(nn.Module):
 def convert(model: nn.Module, rank: int, world: int, group=None) -> int:
     """Replace every :class:`MoEFFN` in ``model`` by its :class:`ExpertParallelMoE`; returns how many."""
     count = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoEFFN):
                 setattr(module, child_name, ExpertParallelMoE(child, rank, world, group))
@@ -111,7 +110,7 @@ def convert(model: nn.Module, rank: int, world: int, group=None) -> int:
     return count
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     """Expert-parallel ``model``: local experts, replicated dense parameters (summed gradients)."""
     n = convert(model, rank, world)
     if n == 0:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from exp.baselines.baseline_util import Options, Prepared, compile_module, outer_module_lists
+from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module, outer_module_lists
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -29,9 +30,7 @@ except ImportError:  # older torch keeps FSDP2 under the composable namespace
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
-    from torch.distributed.device_mesh import init_device_mesh
-
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     model.to(device)
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

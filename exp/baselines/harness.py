@@ -49,9 +49,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import hidup.models
 from exp.baselines.baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight
 from exp.baselines.timing import time_steps
 from hidup.runtime.data import rank_share
+from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
+from hidup.runtime.options import add_model_args, apply_config_file, model_overrides, settle_model
 
 BASELINES = ("ddp", "fsdp", "expert", "single")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -277,8 +280,6 @@ def run_variant(prepared, inputs: tuple, precision: str, device: torch.device, *
 # ------------------------------------------------------------------------------------ one run
 def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict:
     """One rank's part of a baseline run (inside an initialized process group unless ``single``)."""
-    import hidup.models
-
     model, inputs = hidup.models.build(spec.model, world_size=spec.world, seed=spec.seed, **spec.overrides)
     cfg = getattr(model, "config", None)
     if spec.baseline == "single":
@@ -329,8 +330,6 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
     ``spec.world`` processes on this host; ``single`` always runs in this process.
     ``launch_kwargs`` are :func:`hidup.runtime.launch.launch`'s (``cpn``, ``master_port``, ...).
     """
-    from hidup.runtime.launch import launch, layout_from_env
-
     if spec.baseline == "single":
         results = launch(_launched, spec, env={})
     else:
@@ -338,10 +337,8 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
         layout = layout_from_env(**{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr", "master_port")
                                     if k in kw})
         if layout.source == "single":  # nothing set: all ranks on this host
-            from torch.distributed.elastic.utils.distributed import get_free_port
-
             kw.setdefault("cpn", spec.world)
-            kw.setdefault("master_port", get_free_port())
+            kw.setdefault("master_port", 0)  # the launcher's store on a free port
             layout = layout_from_env(**{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr",
                                                           "master_port") if k in kw})
         if layout.world_size != spec.world:
@@ -352,8 +349,6 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from hidup.runtime.options import add_model_args
-
     p = argparse.ArgumentParser(description="Run one training baseline (DDP, FSDP2, expert "
                                 "parallelism, or one GPU's share) and print its timing as JSON.")
     p.add_argument("--baseline", choices=BASELINES, required=True)
@@ -371,15 +366,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the model's)")
     p.add_argument("--aux-weight", type=float, default=None, help="MoE balance-loss weight")
     p.add_argument("--out", type=Path, default=None, help="append the result as one JSON line to this file")
-    from hidup.runtime.launch import add_launch_args
 
     add_launch_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hidup.runtime.options import apply_config_file, model_overrides, settle_model
-
     p = _parser()
     args = apply_config_file(p, list(sys.argv[1:] if argv is None else argv))
     settle_model(args)  # the default model and world when not given
@@ -395,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
     skip = variant_skip(spec.variant, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if skip:
         p.error(f"--variant {spec.variant}: {skip}; choose eager or compile")
-    from hidup.runtime.launch import launch_kwargs
 
     result = run(spec, **launch_kwargs(args))
     if result is None:

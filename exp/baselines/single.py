@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from exp.baselines.baseline_util import Options, Prepared, compile_module
+from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module
 
 
-def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = Options()) -> Prepared:
+def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     model.to(device)
     return Prepared(compile_module(model, opts), info={"compile": "whole model" if opts.compile else None})

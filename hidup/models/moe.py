@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hidup.rules as rules
+
 
 def moe_gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool | None = None):
     """Route each token of each group to its top-``k`` experts (see the module docstring).
@@ -132,8 +134,6 @@ _gating_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _declare_gating_rule() -> None:
     """``hidup::moe_gating`` treats groups independently: sharded along the group dim 0."""
-    import hidup.rules as rules
-
     rules.declare_batch_op(torch.ops.hidup.moe_gating.default)
 
 

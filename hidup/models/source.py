@@ -38,6 +38,8 @@ import traceback
 import torch
 import torch.nn as nn
 
+from hidup.models.config import ZOO
+
 __all__ = ["ModelSourceError", "is_factory", "load_factory", "build_factory", "recorded_source",
            "positional_inputs", "describe_source", "HIDUP_SUPPLIED"]
 
@@ -199,8 +201,6 @@ def recorded_source(plan) -> dict | None:
     """``{"model": spec, "args": {...}}`` that rebuilds ``plan``'s model, or None when the plan does
     not say (searched in Python without ``model_source``).  A plan from before model records that
     names a zoo model is read as that model with its ``model_config`` overrides."""
-    from hidup.models.config import ZOO
-
     record = getattr(plan, "model_source", None)
     if record:
         return {"model": record["model"], "args": dict(record.get("args") or {})}

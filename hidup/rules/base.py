@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from hidup.fxvalues import map_value
 from hidup.ir import Signature
 
 
@@ -59,8 +60,6 @@ class RuleContext:
         tensors when an op is timed -- so that :func:`hidup.rules.localize` returns a call on them.
         The slots are filled *before* localizing: a rule may reorder its arguments
         (``aten.embedding(weight, indices)`` runs as ``F.embedding(indices, weight)``)."""
-        from hidup.fxvalues import map_value
-
         it = iter(tensors)
         count = 0
 

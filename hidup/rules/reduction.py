@@ -17,6 +17,7 @@ import torch
 
 from hidup.ir import Signature
 from hidup.rules.base import LocalCall, RuleContext
+from hidup.rules.elementwise import elementwise_signatures
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, bind, callable_of, register
 
@@ -98,7 +99,6 @@ def _mean(ctx: RuleContext) -> list[Signature]:
           "max", "min", "prod", name="reduce_nonlinear")
 def _nonlinear(ctx: RuleContext) -> list[Signature]:
     if len(ctx.inputs) == 2:  # torch.max(a, b): elementwise
-        from hidup.rules.elementwise import elementwise_signatures
         return elementwise_signatures(ctx)
     names = ["input", "dim", "keepdim"]
     b = bind(ctx.args, ctx.kwargs, names + ["dtype", "out"], {"dim": None, "keepdim": False}, where=str(ctx.target))

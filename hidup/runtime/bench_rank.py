@@ -45,11 +45,25 @@ import argparse
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import hidup.models
+import hidup.profiler
+from hidup.codegen import compile as hidup_compile
+from hidup.codegen.compiled import backend_of
+from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.codegen.timing import Stopwatch
+from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
+from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
+from hidup.search import search
+from hidup.search.memory import MEMORY_PARTS, MemoryModel
+from hidup.trace import forward_inputs
 
 MODES = ("eager", "cuda-graph", "compile", "compile+graph")
 PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler, which the timed step has not
@@ -57,8 +71,6 @@ PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler
 
 def add_parser(sub) -> None:
     """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
-    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
-
     p = sub.add_parser("bench-rank", help="time one rank's program of a world-N plan on one device "
                        "(fake process group) against the single-device share",
                        description=__doc__.split("\n\n")[0])
@@ -120,9 +132,6 @@ def _settings(args, device: torch.device) -> tuple[list, list, list]:
 
 def _plan(args, device: torch.device, precision: str):
     """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
-    from hidup.plan import Plan, model_record
-    from hidup.runtime.options import build_graph, settle_model
-
     if args.plan is not None:
         if not Path(args.plan).is_file():
             _fail(f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first, or give "
@@ -132,8 +141,6 @@ def _plan(args, device: torch.device, precision: str):
         return plan, str(args.plan)
     if args.world is None:
         _fail("give --plan PLAN, or --model M with --world N to search a plan now")
-    import hidup.profiler
-    from hidup.search import search
 
     record = model_record(settle_model(args))
     _check_rank(args)
@@ -166,9 +173,6 @@ def _precision(name: str, device: torch.device):
 def time_mode(module, inputs, mode: str, precision: str, device: torch.device, args, *, compile_fn) -> dict:
     """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
-    from hidup.codegen.graphs import GraphedStep, fused_adam
-    from hidup.codegen.timing import Stopwatch
-
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
     params = [p for p in module.parameters() if p.requires_grad]
@@ -221,9 +225,6 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
 def predicted_memory(args, plan, precision: str) -> dict | None:
     """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
     when the plan's model cannot be traced here."""
-    from hidup.runtime.options import build_graph
-    from hidup.search.memory import MEMORY_PARTS, MemoryModel
-
     try:
         graph = build_graph(args, "tracing the plan's model for its memory")
     except SystemExit:
@@ -300,14 +301,6 @@ def _table(runs: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import hidup.models
-    from hidup.codegen import compile as hidup_compile
-    from hidup.codegen.compiled import backend_of
-    from hidup.trace import forward_inputs
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
@@ -344,7 +337,6 @@ def run(args: argparse.Namespace) -> int:
         model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=device, **args.model_args)
         values = forward_inputs(model, inputs)
         t0 = time.perf_counter()
-        import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

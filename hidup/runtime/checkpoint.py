@@ -56,6 +56,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -63,6 +64,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
@@ -86,12 +89,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -101,8 +99,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -148,8 +144,6 @@ class _Layout:
         if self.distributed:
             sharded = [t for _, t, shard in iter_shards(module) if shard.sharded]
             if sharded:
-                from torch.distributed.device_mesh import DeviceMesh
-
                 self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
                                                   sharded[0].device.type)
 
@@ -157,7 +151,6 @@ class _Layout:
         """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
         if self.mesh is None or not shard.sharded:
             return local
-        from torch.distributed.tensor import DTensor, Shard
 
         shape = torch.Size(shard.logical_shape)
         stride = torch.empty(shape, device="meta").stride()  # the logical tensor is contiguous

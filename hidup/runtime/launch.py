@@ -7,9 +7,17 @@ Two ways to describe the ranks:
   ``n * CPN + i``, local rank ``i`` and the world is ``NNODES * CPN``.
 * torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``: the process already is one rank.
 
-``MASTER_ADDR`` / ``MASTER_PORT`` come from flags or the environment (flags win).  The process
-group uses NCCL when CUDA is available and gloo otherwise, with a timeout (120 s by default) so
-that a rank that dies makes the others fail instead of hanging.
+``MASTER_ADDR`` / ``MASTER_PORT`` come from flags or the environment (flags win).  On one node,
+``MASTER_PORT=0`` makes the launcher host the rendezvous store itself on a free port that the OS
+picks (no two runs race for a port).  The process group uses NCCL when CUDA is available and gloo
+otherwise, with a timeout (120 s by default) so that a rank that dies makes the others fail
+instead of hanging.
+
+:func:`run_ranks` is the one process launcher: it spawns a node's ranks, joins them into one
+process group, collects each rank's pickled result or failure, stops the others when one fails,
+forwards SIGTERM/SIGUSR1 to them, and kills them (after dumping their stacks) when a watchdog says
+they stalled.  :func:`launch` (``hidup train``, ``hidup verify``) and the tests' ``run_distributed``
+both run on it.
 
 When spawned ranks fail, the report names the cause, not its echoes: a rank that died without
 reporting (killed by a signal, ``os._exit``, a crash in native code) is named with its global rank,
@@ -29,6 +37,8 @@ import argparse
 import contextlib
 import datetime
 import errno
+import faulthandler
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import queue as queue_mod
@@ -42,9 +52,10 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-__all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch", "shutdown",
-           "add_launch_args", "launch_kwargs", "user_error", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch", "run_ranks",
+           "shutdown", "add_launch_args", "launch_kwargs", "user_error", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -159,13 +170,19 @@ def layout_from_env(env: Mapping[str, str] | None = None, *, nnodes: int | None 
     if nnodes > 1 and (addr is None or port is None):
         raise LaunchError(f"a run over NNODES={nnodes} nodes needs MASTER_ADDR and MASTER_PORT of node 0 "
                           f"(export them or pass --master-addr/--master-port)")
+    if nnodes > 1 and port == 0:
+        raise LaunchError(f"MASTER_PORT=0 (a free port picked by this launcher) works on one node only; a run over "
+                          f"NNODES={nnodes} nodes needs the port of node 0 that every node can be told")
     return Layout(nnodes * cpn, nnodes, cpn, node_rank, addr or "127.0.0.1", port if port is not None else 29500,
                   None, "noderank")
 
 
-def init_distributed(layout: Layout, *, backend: str | None = None,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed:
-    """Join this process (``layout.local_rank`` set) into the process group of ``layout``."""
+def init_distributed(layout: Layout, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     hosted_store: bool = False) -> Distributed:
+    """Join this process (``layout.local_rank`` set) into the process group of ``layout``.
+
+    ``hosted_store``: the launcher hosts the rendezvous store at ``master_addr:master_port`` and
+    every rank joins it as a client (otherwise rank 0 hosts it)."""
     if layout.local_rank is None:
         raise LaunchError("init_distributed: the layout has no local rank; call it inside a spawned process")
     cuda = torch.cuda.is_available()
@@ -185,32 +202,35 @@ def init_distributed(layout: Layout, *, backend: str | None = None,
         kwargs = {}
         if backend == "nccl" and "device_id" in dist.init_process_group.__code__.co_varnames:
             kwargs["device_id"] = device
-        dist.init_process_group(backend, init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
-                                rank=layout.rank, world_size=layout.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if hosted_store:
+            kwargs["store"] = dist.TCPStore(layout.master_addr, layout.master_port, layout.world_size + 1, False,
+                                            timeout=timeout)
+        else:
+            kwargs["init_method"] = f"tcp://{layout.master_addr}:{layout.master_port}"
+        dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size, timeout=timeout, **kwargs)
     return Distributed(layout.rank, layout.world_size, layout.local_rank, layout.node_rank, device, backend, layout)
 
 
 def dump_stacks_on_sigusr2() -> None:
     """``kill -USR2 <pid>`` of a rank prints every thread's Python stack to its stderr (a hung rank)."""
-    import faulthandler
-    import signal
-
     sig = getattr(signal, "SIGUSR2", None)
     if sig is not None:
         with contextlib.suppress(Exception):
             faulthandler.register(sig, all_threads=True)
 
 
-def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s):
-    ctx = None
+def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s, hosted_store, env,
+           user_errors):
+    os.environ.update(env)
     dump_stacks_on_sigusr2()
     try:
-        ctx = init_distributed(replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s)
+        ctx = init_distributed(replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s,
+                               hosted_store=hosted_store)
         out = fn(ctx, *args)
         results.put((local_rank, True, pickle.dumps(out)))
     except BaseException as e:
-        user = None if os.environ.get("HIDUP_DEBUG") else user_error(e)
+        user = user_error(e) if user_errors and not os.environ.get("HIDUP_DEBUG") else None
         results.put((local_rank, False, (user, True) if user is not None else (traceback.format_exc(), False)))
         if isinstance(e, SystemExit):  # reported above; exiting with its message would print it again
             raise SystemExit(1) from None
@@ -228,6 +248,7 @@ def user_error(e: BaseException) -> str | None:
     model that cannot be built or traced, a plan that does not fit, a search with no plan, a malformed
     profile, a compile or CUDA-graph capture that cannot work, a launch setting, a path that cannot be
     read or written, and a checkpoint that cannot be loaded into the run's model."""
+    # imported here, on a failure: a rank that starts imports only what its function needs
     from hidup.codegen.graphs import GraphCaptureError
     from hidup.codegen.program import CompileError
     from hidup.export import ExportFailure
@@ -312,27 +333,51 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
             if layout.world_size > 1:
                 shutdown()
 
-    import torch.multiprocessing as mp
-
     if announce:
         print(f"hidup: starting {layout.cpn} ranks on node {layout.node_rank} ({backend or 'nccl if CUDA, else gloo'}"
               f"; world {layout.world_size}) ...", file=sys.stderr, flush=True)
+    return run_ranks(fn, args, layout, backend=backend, timeout_s=timeout_s, stalled=stalled)
+
+
+def run_ranks(fn: Callable, args: tuple, layout: Layout, *, backend: str | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+              stalled: Callable[[], str | None] | None = None, user_errors: bool = True) -> list:
+    """Spawn the ``layout.cpn`` ranks of this node, each running ``fn(ctx: Distributed, *args)`` in a
+    process group (``backend``, collectives timing out after ``timeout_s``), and return their
+    results by local rank.
+
+    ``layout.master_port == 0``: this process hosts the rendezvous store on a free port.  ``env`` is
+    set in each rank before it joins.  ``stalled`` is polled twice a second (see :func:`launch`).
+    On a failure the surviving ranks are stopped and :class:`LaunchError` names the cause (module
+    docstring); ``user_errors=False`` reports every rank's exception with its traceback, user error
+    or not.  SIGTERM and SIGUSR1 sent to this process go on to the ranks while they run."""
+    hosted = None  # the store, when this process hosts it: held until the ranks are done
+    if layout.master_port == 0:
+        hosted = dist.TCPStore(layout.master_addr, 0, layout.world_size + 1, True,
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        layout = replace(layout, master_port=hosted.port)
     results = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_child, args=(layout, fn, args, results, backend, timeout_s), nprocs=layout.cpn,
-                               join=False, start_method="spawn")
+    procs = mp.start_processes(_child, args=(layout, fn, args, results, backend, timeout_s, hosted is not None,
+                                             dict(env or {}), user_errors),
+                               nprocs=layout.cpn, join=False, start_method="spawn")
     out: dict[int, object] = {}
     forwarded = _forward_signals(procs)
     try:
         failed = _wait(procs.processes, results, out, layout, stalled)
+    except BaseException:
+        _kill(procs.processes)  # an interrupt, or a stall: nothing may outlive the launcher
+        raise
     finally:
         _restore_signals(forwarded)
     if failed:
         exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
         _stop(procs.processes)
-        _drain(results, out, wait_s=2.0)
+        _drain(results, out, wait_s=0.2)  # every rank has exited: what it put is in the pipe
         raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited))
-    _drain(results, out, wait_s=2.0)
     missing = [r for r in range(layout.cpn) if r not in out]
+    if missing:
+        _drain(results, out, wait_s=2.0)
+        missing = [r for r in range(layout.cpn) if r not in out]
     if missing:
         exited = {i: p.exitcode for i, p in enumerate(procs.processes)}
         raise LaunchError(_failure_report(procs.processes, out, layout, missing, exited))
@@ -340,18 +385,21 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
 
 
 def _wait(processes, results, out: dict, layout: Layout, stalled) -> list[int]:
-    """Wait for the ranks; the local ranks that failed (exited non-zero, or reported a failure), in
-    the order they were seen to fail, or ``[]`` when every rank finished.  A rank that exits non-zero
-    after reporting its result (a library's teardown at exit) only warns: its result is complete."""
-    import multiprocessing.connection
-
+    """Wait for the ranks; the local ranks that failed (reported a failure, or exited non-zero), in
+    the order they were seen to fail (reports in the order they came), or ``[]`` when every rank
+    finished.  A rank that exits non-zero after reporting its result (a library's teardown at exit)
+    only warns: its result is complete."""
     pending = {p.sentinel: i for i, p in enumerate(processes)}
+    reader = getattr(results, "_reader", None)  # wakes the loop as soon as a rank reports
     failed: list[int] = []
     died_after_result: list[int] = []
     while pending:
-        ready = multiprocessing.connection.wait(list(pending), timeout=0.5)
+        ready = mp_connection.wait([*pending, *([reader] if reader is not None else [])], timeout=0.5)
         _drain(results, out)
+        failed += [i for i, v in out.items() if isinstance(v, _Failure) and i not in failed]
         for sentinel in ready:
+            if sentinel not in pending:
+                continue
             i = pending.pop(sentinel)
             processes[i].join()
             if processes[i].exitcode == 0:
@@ -360,7 +408,7 @@ def _wait(processes, results, out: dict, layout: Layout, stalled) -> list[int]:
                 _drain(results, out, wait_s=0.2)  # what it put before exiting may still be in the pipe
             if i in out and not isinstance(out[i], _Failure):
                 died_after_result.append(i)
-            else:
+            elif i not in failed:
                 failed.append(i)
         if failed:
             return failed
@@ -436,12 +484,18 @@ def _failure_report(processes, out: dict, layout: Layout, failed: list[int], exi
     return f"{who(i)} exited {_exit_text(processes[i].exitcode)} without reporting a result"
 
 
+def _kill(processes) -> None:
+    """SIGKILL the ranks still alive, and reap them."""
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join(timeout=5)
+
+
 def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
     """Kill stalled ranks, after asking each in turn for its Python stacks (SIGUSR2, printed to its
     stderr under a header naming the rank) so that the report shows where every rank was waiting."""
-    import signal
-    import sys
-
     sig = getattr(signal, "SIGUSR2", None)
     alive = [(i, p) for i, p in enumerate(processes) if p.is_alive()]
     if sig is not None:
@@ -459,8 +513,6 @@ def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
 def _forward_signals(procs) -> dict:
     """Pass SIGTERM / SIGUSR1 received by the launcher on to its ranks (they checkpoint, and on
     SIGTERM stop, at the end of the step), instead of dying and orphaning them."""
-    import signal
-
     def forward(signum, frame):
         for p in procs.processes:
             if p.is_alive():
@@ -477,8 +529,6 @@ def _forward_signals(procs) -> dict:
 
 
 def _restore_signals(previous: dict) -> None:
-    import signal
-
     for sig, handler in previous.items():
         signal.signal(sig, handler)
 
@@ -509,7 +559,8 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpn", type=int, default=None, help="processes (cards) per node (env CPN)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's index (env NODERANK)")
     g.add_argument("--master-addr", default=None, help="address of node 0 (env MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (env MASTER_PORT)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port on node 0 (env MASTER_PORT; 0 on one node: a free port)")
     g.add_argument("--backend", default=None, choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")
     g.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before a collective waiting on a dead rank fails (default {DEFAULT_TIMEOUT_S:g})")

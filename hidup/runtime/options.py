@@ -17,6 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import hidup.models
+from hidup.models.source import ModelSourceError, describe_source, recorded_source
+from hidup.plan import PlanError
+from hidup.trace import trace
+
 MODEL_FLAGS = {
     # flag: (type, help)
     "layers": (int, "number of transformer layers"),
@@ -71,8 +76,6 @@ def model_overrides(args: argparse.Namespace) -> dict:
 
 def parse_model_arg(text: str) -> tuple[str, object]:
     """``"key=value"`` -> ``("key", value)``; the value is JSON when it parses, else the string."""
-    from hidup.models.source import ModelSourceError
-
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key.isidentifier():
@@ -87,8 +90,6 @@ def parse_model_arg(text: str) -> tuple[str, object]:
 def model_request(args: argparse.Namespace) -> tuple[str | None, dict]:
     """The model spec and arguments given on the command line or in ``--config`` (spec None if none):
     the ``[model]`` table, overridden by the model flags, and ``--model-arg``."""
-    from hidup.models.source import ModelSourceError
-
     given = dict(getattr(args, "model_table", None) or {})  # --config's [model] table: defaults
     flags = model_overrides(args)
     given.update(flags)
@@ -106,9 +107,6 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
     Without a plan: what was given (the default zoo model if nothing).  With a plan: its record, after
     checking that the given flags agree with it (:class:`PlanError` otherwise); a plan without a record
     needs ``--model``.  Returns the record ``{"model": spec, "args": {...}}``."""
-    from hidup.models.source import describe_source, recorded_source
-    from hidup.plan import PlanError
-
     spec, given = model_request(args)
     if plan is None:
         record = {"model": spec or DEFAULT_MODEL, "args": given}
@@ -155,8 +153,6 @@ def check_plan_fits(args: argparse.Namespace, plan, where) -> None:
     """Trace the job's model as the ranks will and refuse a plan made for another graph
     (:meth:`hidup.plan.Plan.check`: world size, model structure, shapes, dtypes) -- here, before any
     rank is spawned, rather than in every rank after it started."""
-    from hidup.plan import PlanError
-
     graph = build_graph(args, "checking the plan against its model: tracing")
     try:
         plan.check(graph)
@@ -173,7 +169,7 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
         return args
     try:
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    except ModuleNotFoundError:  # Python 3.10, where TOML needs the tomli package
         import tomli as tomllib  # type: ignore[no-redef]
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -219,10 +215,6 @@ def build_graph(args: argparse.Namespace, why: str = "tracing"):
     created from Python data differently on ``meta``, which would change the graph's fingerprint).
     ``args.model`` / ``args.model_args`` come from :func:`settle_model`; ``why`` starts the status
     line printed while it runs."""
-    import hidup.models
-    from hidup.models.source import ModelSourceError
-    from hidup.trace import trace
-
     if not hidup.models.is_factory(args.model) and args.model not in hidup.models.names():
         raise SystemExit(f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}, "
                          "or give your own as package.module:function")

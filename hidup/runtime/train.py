@@ -44,14 +44,25 @@ import statistics
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
+import hidup.models
+import hidup.profiler
+from hidup import codegen
+from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.codegen.timing import Stopwatch, max_over_ranks
+from hidup.codegen.trial import choose_compile, compile_step
+from hidup.plan import Plan, PlanError
 from hidup.profiler.profile import DTYPES
-from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs
+from hidup.runtime import checkpoint
+from hidup.runtime.data import StdlibCorpus
+from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
+from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, settle_model
+from hidup.search import search
+from hidup.trace import trace
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
-
     add_model_args(p, world_default=None)
     g = p.add_argument_group("training")
     g.add_argument("--plan", type=Path, default=None, help="plan JSON from `hidup search` (default: search now)")
@@ -112,8 +123,6 @@ class _Signals:
         return handle
 
     def agreed(self, device) -> tuple[bool, bool]:
-        from hidup.codegen.timing import max_over_ranks
-
         save, stop = max_over_ranks([float(self.save), float(self.stop)], None, device)
         return bool(save), bool(stop)
 
@@ -153,13 +162,8 @@ def _recompute_text(plan) -> str:
 
 
 def _plan_for(args, model, inputs, world: int):
-    from hidup.plan import Plan
-
     if args.plan is not None:
         return Plan.load(args.plan)
-    import hidup.profiler
-    from hidup.search import search
-    from hidup.trace import trace
 
     graph = trace(model, inputs, world_size=world, half_batch=True)
     return search(graph, hidup.profiler.load(args.profile), world_size=world,
@@ -183,8 +187,6 @@ def _captures(args, cuda: bool) -> bool:
 def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, rank: int) -> dict:
     """Settle ``--compile`` on ``module`` (:mod:`hidup.codegen.compiled`): ``{"compile": bool,
     "compile_s": seconds of the compiling step or None, "trial": {...}}``; rank 0 prints what it did."""
-    from hidup.codegen.trial import choose_compile, compile_step
-
     mode = getattr(args, "compile", "off")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return {"compile": False, "compile_s": None, "trial": {}}
@@ -203,13 +205,6 @@ def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, 
 
 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
-    import hidup.models
-    from hidup.codegen import clip_grad_norm_, compile
-    from hidup.codegen.graphs import fused_adam
-    from hidup.codegen.timing import Stopwatch
-    from hidup.runtime import checkpoint
-    from hidup.runtime.data import StdlibCorpus
-
     world, rank, device = ctx.world_size, ctx.rank, ctx.device
     if args.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -231,16 +226,14 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     use_graph = _captures(args, device.type == "cuda")
     if mode == "auto" and device.type == "cuda" and world > 1:
-        from hidup.codegen import choose_duplication
-
         trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
-        module, trial = choose_duplication(model, plan, rank, world, trial_batch, cuda_graphs=use_graph,
-                                           autocast_dtype=autocast_dtype)
+        module, trial = codegen.choose_duplication(model, plan, rank, world, trial_batch, cuda_graphs=use_graph,
+                                                   autocast_dtype=autocast_dtype)
         if rank == 0:
             print(trial["reason"], flush=True)
     else:
         duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
-        module = compile(model, plan, rank, world, _to(inputs, device), duplication=duplication)
+        module = codegen.compile(model, plan, rank, world, _to(inputs, device), duplication=duplication)
     params = [p for p in module.parameters() if p.requires_grad]
     if args.optimizer == "adam" and device.type == "cuda":
         opt = fused_adam(params, args.lr, device)
@@ -286,7 +279,6 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     unit = "tokens" if is_lm else "samples"
     prof = None
     if args.chrome_trace is not None:
-        from torch.profiler import ProfilerActivity, profile, schedule
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=3, repeat=1))
         prof.start()
@@ -296,8 +288,6 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
         if use_graph and graphed is None:
-            from hidup.codegen.graphs import GraphedStep
-
             graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype,  # warm-up + capture, once
                                   choose=args.cuda_graphs == "auto", group=module.group,
                                   optimizer=opt if opt_in_graph else None)
@@ -316,7 +306,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
                 else:
                     loss.backward()
             if args.clip is not None:
-                clip_grad_norm_(module, args.clip)
+                codegen.clip_grad_norm_(module, args.clip)
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -373,10 +363,6 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
     A plan for another world size than the launch's is refused here, before any rank starts."""
-    from hidup.plan import Plan, PlanError
-    from hidup.runtime.launch import layout_from_env
-    from hidup.runtime.options import settle_model
-
     plan = Plan.load(args.plan) if args.plan is not None else None
     explicit_world = args.world
     settle_model(args, plan, args.plan)

@@ -23,18 +23,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 
+import hidup.models
+import hidup.profiler
+from hidup import codegen
+from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.params import full_grad_dict
+from hidup.plan import Plan
 from hidup.runtime.launch import Distributed, launch
+from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, settle_model
+from hidup.search import forced, search
+from hidup.trace import trace
 
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
-    from hidup.runtime.options import DEFAULT_PROFILE, add_model_args
-
     add_model_args(p, world_default=2)
     p.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now); it records its "
                    "model and world size")
@@ -61,13 +67,8 @@ def make_plan(model, inputs, world: int, *, plan=None, style: str = "searched", 
               duplication: bool = True):
     """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``;
     ``duplication`` is what a searched or forced plan may use."""
-    from hidup.plan import Plan
-
     if plan is not None:
         return Plan.load(plan)
-    import hidup.profiler
-    from hidup.search import forced, search
-    from hidup.trace import trace
 
     graph = trace(model, inputs, world_size=world)
     prof = hidup.profiler.load(profile)
@@ -108,10 +109,6 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
         if progress and ctx.rank == 0:
             print(f"verify: {text}", file=sys.stderr, flush=True)
 
-    import hidup.models
-    from hidup.codegen import compile
-    from hidup.codegen.params import full_grad_dict
-
     world, device = ctx.world_size, ctx.device
     what = "loading the plan" if plan is not None else (
         "searching a plan" if style == "searched" else f"making a forced {style}-parallel plan")
@@ -121,11 +118,9 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
                          duplication=duplication is not False)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
-    module = compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
+    module = codegen.compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
     say(f"forward and backward on {world} ranks" + (f", then {steps} SGD steps" if steps else "") + " ...")
     if cuda_graph:
-        from hidup.codegen.graphs import GraphedStep
-
         graphed = GraphedStep(module, batch)  # its warm-up steps compute gradients, never step the weights
 
         def forward_backward(b):
@@ -185,18 +180,9 @@ def _run_rank(ctx: Distributed, args) -> dict:
                          progress=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
     world size is refused here, before any rank starts -- then run the ranks and report."""
-    from hidup.plan import Plan
-    from hidup.runtime.options import settle_model
-
     if args.plan is not None:
         if args.style != "searched":
             raise SystemExit(f"--style {args.style} forces a plan; it does not combine with --plan")
@@ -206,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(CPN=str(args.world), NNODES="1", NODERANK="0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
+    env["MASTER_PORT"] = env.get("MASTER_PORT") or "0"  # 0: the launcher's store on a free port
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
     plan_text = str(args.plan) if args.plan is not None else args.style

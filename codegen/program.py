@@ -39,10 +39,13 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.node import _get_qualified_name
 
+from hidup import rules
 from hidup.codegen import collectives, compiled
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
+from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import FULL, REDUCE, Form, Signature, block_label
+from hidup.rules.base import TensorMeta
 
 __all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "using_copy_sums", "CompileError"]
 
@@ -133,9 +136,8 @@ def using_copy_sums(sums: dict[int, torch.Tensor] | None):
 
 def hidup_tensor_leaves(value: Any) -> tuple:
     """The tensors of a (nested) tuple/list/dict value, in the tracer's order."""
-    from hidup.fxvalues import value_leaves as _leaves
+    return tuple(value_leaves(value, torch.Tensor))
 
-    return tuple(_leaves(value, torch.Tensor))
 
 
 class _CallWrapper(nn.Module):
@@ -185,14 +187,12 @@ def _stage_index(plan) -> dict[str, int]:
 
 def _fix_devices(value, device: torch.device):
     """Devices folded during shape propagation are ``meta``; the program runs on ``device``."""
-    from hidup.fxvalues import map_value as _map
-
     def fix(v):
         if isinstance(v, torch.device) and v.type == "meta":
             return device
         return v
 
-    return _map(value, fix)
+    return map_value(value, fix)
 
 
 class _Builder:
@@ -318,8 +318,6 @@ class _Builder:
         self.produced[tid] = form if form.is_gather else FULL
 
     def add_call(self, node, sig: Signature) -> None:
-        from hidup import rules
-
         ctx = self.traced.contexts[node.name]
         n_arg = _count_meta(ctx.args) + _count_meta(ctx.kwargs)
         inputs = [self.value_in(tid, form) for tid, form in zip(node.inputs[:n_arg], sig.inputs[:n_arg])]
@@ -406,10 +404,7 @@ def _getitem(seq, i):
 
 
 def _count_meta(value) -> int:
-    from hidup.fxvalues import value_leaves as _leaves
-    from hidup.rules.base import TensorMeta
-
-    return len(_leaves(value, TensorMeta))
+    return len(value_leaves(value, TensorMeta))
 
 
 

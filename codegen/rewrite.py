@@ -35,12 +35,21 @@ import torch.fx
 import torch.nn as nn
 
 from hidup.codegen import collectives
+from hidup.codegen.compiled import backend_of, compile_module
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
-from hidup.codegen.program import CompileError, RankProgram, build_rank_program, using_copy_sums, using_group
+from hidup.codegen.program import (
+    CompileError,
+    RankProgram,
+    build_rank_program,
+    hidup_copy_sum,
+    using_copy_sums,
+    using_group,
+)
 from hidup.copies import copy_axis
 from hidup.ir import GRAD_BUCKET_MB
 from hidup.optionset import OptionSet
+from hidup.trace import forward_inputs, trace_copy, trace_module
 
 __all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
 
@@ -82,8 +91,6 @@ class HidupModule(nn.Module):
         """Run the program through ``torch.compile`` (``True``: inductor, or a backend name such as
         ``"aot_eager"``) or eagerly (``False``/``None``); see :mod:`hidup.codegen.compiled`.
         Compilation happens on the next call (the first step after this one is slow)."""
-        from hidup.codegen.compiled import backend_of, compile_module
-
         backend = backend_of(compile)
         self.compile_backend = backend
         if self.duplication:
@@ -151,8 +158,6 @@ def _side_pass(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int
     two copies (counts of labels: no parameter, no gradient), as its own module returning them, with
     their keys; None when the program has none.  Duplication runs it on both copies' inputs first
     and hands each copy the sums (:mod:`hidup.copies`)."""
-    from hidup.codegen.program import hidup_copy_sum
-
     sums = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hidup_copy_sum]
     if not sums:
         return None
@@ -187,8 +192,6 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _positional(model: nn.Module, example_inputs) -> list:
-    from hidup.trace import forward_inputs
-
     values = forward_inputs(model, example_inputs)
     return values
 
@@ -229,8 +232,6 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     ``example_inputs`` hold the global batch (as for tracing).  Every rank of ``group`` must call
     this (duplication creates two process groups on CUDA, one per copy, unless the options pass
     ``copy_groups``)."""
-    from hidup.trace import trace_copy, trace_module
-
     opts = CompileOptions.of(options, **changes)
     local_batch, duplication, batch_dims = opts.local_batch, opts.duplication, opts.batch_dims
     device, streams, copy_groups = opts.device, opts.streams, opts.copy_groups

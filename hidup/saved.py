@@ -54,10 +54,13 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hidup import rules
 from hidup.fxvalues import dtype_name, map_value, value_leaves
 from hidup.ir import DTYPE_BYTES, FULL, Graph, Node, Signature
+from hidup.rules.base import TensorMeta
 
 __all__ = ["SavedItem", "SavedRecord", "Recorder", "record_of", "tensor_dtype", "tensor_nbytes", "saved_bytes",
            "plan_saved_bytes", "AUTOCAST_DTYPES"]
@@ -227,8 +230,6 @@ class Recorder:
         return self._records[key]
 
     def _run(self, key: str) -> SavedRecord:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         record = SavedRecord(key, {})
         autocast = AUTOCAST_DTYPES.get(key)
         with FakeTensorMode(allow_non_fake_inputs=False), torch.enable_grad():
@@ -414,8 +415,6 @@ class _LocalOps:
                 for sig, items in per_sig.items()}
 
     def _items(self, node: Node, sig: Signature) -> list[SavedItem] | None:
-        from hidup.rules.base import TensorMeta
-
         g, world, dtypes = self.rec.graph, self.rec.graph.world_size, self.record.dtypes
         ctx = self.rec.contexts[node.name]
         n_arg = len(value_leaves((ctx.args, ctx.kwargs), TensorMeta))
@@ -452,8 +451,6 @@ class _LocalOps:
     def _run(self, ctx, sig: Signature, specs) -> list | None:
         """(slot, index, bytes, dtype, how, shape) per storage the local op's backward keeps; None when
         the local op cannot run here (it then falls back to the whole op's record)."""
-        from hidup import rules
-
         made: dict[int, torch.Tensor] = {}
         tensors = []
         for tid, shape, dtype, grad in specs:

@@ -23,8 +23,28 @@ prediction on a calibration model is in-sample, one on a held-out model is not.
 
 from __future__ import annotations
 
+import datetime
+import math
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
+
+import hidup.models
+from hidup.codegen.duplicate import half
+from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.timing import time_call
+from hidup.codegen.trial import time_modes
+from hidup.runtime.data import rank_share
+from hidup.search import price, search
+from hidup.search.cost import CostModel
+from hidup.search.plan import Plan
+from hidup.search.problem import SearchError
+from hidup.trace import trace
+
+from .corrections import Correction, Corrections, Point, Provenance
+from .device import tf32
+from .ops import model_op_times
 
 __all__ = ["measure_model_ops", "in_context_scale", "dup_context_scale", "predicted_step", "predicted_copies",
            "TwoCopies", "program_scales", "program_checks", "apply_program_checks", "fit_program_scale",
@@ -48,9 +68,7 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
     same pairs run as duplication's two copies on two streams (:func:`dup_context_scale`), reported
     the same way.  The new op times change the physical prediction that the profile's corrections
     were fitted over, so the result has none (fit them again: :func:`program_scales`)."""
-    import hidup.models
 
-    from .ops import model_op_times
 
     initialized = dist.is_available() and dist.is_initialized()
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
@@ -126,7 +144,6 @@ def _geomean_scale(checks: list[dict], default: float | None, min_coverage: floa
     ``min_coverage`` (the share of the prediction from measured ops, or for :func:`program_scales`
     the share that moves with compute) and whose factor lies in [0.5, 2] (others are reported, not
     used); ``default`` if none."""
-    import math
 
     usable = [c["scale"] for c in _usable(checks, min_coverage)]
     return math.exp(sum(math.log(x) for x in usable) / len(usable)) if usable else default
@@ -163,7 +180,6 @@ class TwoCopies(torch.nn.Module):
                 quiet(False)
 
     def forward(self, *inputs):
-        from hidup.codegen.duplicate import half
 
         def copy(c):
             return self.model(*(half(x, 0, c, 1) if isinstance(x, torch.Tensor) else x for x in inputs))
@@ -192,9 +208,6 @@ def predicted_copies(profile, model: torch.nn.Module, example_inputs, world_size
 
 
 def _predicted(profile, model, example_inputs, world_size: int, precision: str, copies: bool):
-    from hidup.runtime.data import rank_share
-    from hidup.search.cost import CostModel
-    from hidup.trace import trace
 
     graph = trace(model, rank_share(tuple(example_inputs), 0, world_size), 1, half_batch=copies)
     cost = CostModel(graph, profile.launched(True), precision)  # one device: nothing of the ranks' program
@@ -217,12 +230,7 @@ def _time_step(name: str, overrides: dict, world_size: int, device: torch.device
     """(seconds of one step, seconds of its Adam step, trainable bytes) of one rank's share of zoo
     model ``name`` on ``device``, forward and backward as one CUDA graph; ``copies`` runs it as
     :class:`TwoCopies` (the Adam step is then not timed: 0.0)."""
-    import hidup.models
-    from hidup.codegen.graphs import GraphedStep
-    from hidup.codegen.timing import time_call
-    from hidup.runtime.data import rank_share
 
-    from .device import tf32
 
     model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
     model = model.to(device)
@@ -250,7 +258,6 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
     measured ops, and the Adam step on its parameters after it.  Returns ``{"model", "precision",
     "measured_s", "predicted_s", "coverage", "scale", "optimizer_s", "optimizer_bytes"}``; the caller
     decides what to keep (see :func:`measure_model_ops`)."""
-    import hidup.models
 
     device = torch.device(device)
     meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
@@ -268,7 +275,6 @@ def dup_context_scale(profile, name: str, overrides: dict, world_size: int, devi
     :func:`predicted_copies` from ``profile``.  Returns ``{"model", "precision", "measured_s",
     "predicted_s", "coverage", "scale"}``: a check of the per-copy pricing (see
     :func:`measure_model_ops`)."""
-    import hidup.models
 
     device = torch.device(device)
     meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
@@ -284,7 +290,6 @@ def fit_program_scale(predict, measured: float, lo: float = 0.25, hi: float = 4.
     bisection on log k (None when even ``lo`` or ``hi`` cannot reach it); ``coverage`` is the share
     of the prediction at ``k = 1`` that moves with compute (a step bound by communication has little,
     and its factor says nothing about compute)."""
-    import math
 
     at1 = predict(1.0)
     coverage = (predict(1.1) - at1) / (0.1 * at1) if at1 > 0 else 0.0
@@ -319,9 +324,7 @@ def apply_program_checks(prof, checks: list[dict], held_out: list[str] = ()):
     notes, not used: 1 when none is).  Each correction's provenance records the checks it was
     fitted on and the checks of the ``held_out`` models, priced with the fitted value
     (:func:`held_out_points`; a check without its plan is left out there)."""
-    import datetime
 
-    from .corrections import Correction, Corrections, Point, Provenance
 
     held = set(held_out)
     fit = [c for c in checks if c.get("model") not in held]
@@ -353,7 +356,6 @@ def apply_program_checks(prof, checks: list[dict], held_out: list[str] = ()):
 
 def _with_held_out(corrections, points: dict[str, tuple]):
     """``corrections`` with each fitted correction's held-out points (``points[name]``) recorded."""
-    from dataclasses import replace
 
     changed = {}
     for name, held in points.items():
@@ -367,9 +369,7 @@ def held_out_points(prof, checks: list[dict]) -> dict[str, tuple]:
     """Correction name -> the :class:`~hidup.profiler.corrections.Point` of each of ``checks`` (of
     :func:`program_checks`, with their plans) for it: the measured time against the plan's prediction
     in that mode under ``prof``, its corrections applied."""
-    from hidup.search.plan import Plan
 
-    from .corrections import Point
 
     out: dict[str, list] = {}
     for c in checks:
@@ -385,8 +385,6 @@ def held_out_points(prof, checks: list[dict]) -> dict[str, tuple]:
 
 def _check_graph(check: dict):
     """The traced graph (meta tensors, with its half-batch trace) of a check's model."""
-    import hidup.models
-    from hidup.trace import trace
 
     world = check["world"]
     model, inputs = hidup.models.build(check["model"], world_size=world, device="meta", **check.get("overrides", {}))
@@ -395,7 +393,6 @@ def _check_graph(check: dict):
 
 def _plan_time(graph, prof, plan, precision: str, cuda_graphs: bool, duplicated: bool) -> float:
     """Predicted forward + backward seconds of ``plan`` in one mode under ``prof``."""
-    from hidup.search import price
 
     ev = price(graph, prof, plan, precision, cuda_graphs)[duplicated]
     return ev.forward + ev.backward
@@ -413,13 +410,7 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
     "coverage", "scale" | "error", "cuda_graphs", "plan"}``: ``scale`` is the factor that makes the
     cost model's forward + backward of the plan in that mode equal the measured time
     (:func:`fit_program_scale`)."""
-    import hidup.models
-    from hidup.codegen.trial import time_modes
-    from hidup.search import search
-    from hidup.search.problem import SearchError
-    from hidup.trace import trace
 
-    from .device import tf32
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         raise ValueError("program_scales times plans on the ranks: run it on >= 2 ranks (NODERANK/CPN or torchrun)")

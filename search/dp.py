@@ -65,6 +65,7 @@ from typing import Callable
 
 import numpy as np
 
+from hidup.search.ilp import CBC_FIX, CbcMissing, min_memory
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply_stages, generate, recurrence_source
 from hidup.search.segments import Occurrence, find_blocks
@@ -342,8 +343,6 @@ class _DP:
     def infeasible(self, i: int) -> SearchError:
         node = self.p.order[i]
         if self.has_mem:
-            from hidup.search.ilp import CBC_FIX, CbcMissing, min_memory
-
             try:
                 need = min_memory(self.p)
             except CbcMissing:  # no CBC to compute the least memory: say what is known

@@ -47,9 +47,22 @@ import torch.distributed as dist
 from hidup.ir import FORM_CHANGE_OPS, FULL, REDUCE, Form, conversion, gather
 
 __all__ = [
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_pad", "keep_rank0",
-    "replicate", "convert", "apply_op", "world_of", "rank_of",
-    "gather_raw", "reduce_scatter_raw", "all_to_all_raw", "all_reduce_raw",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "slice",
+    "zero_pad",
+    "keep_rank0",
+    "replicate",
+    "convert",
+    "apply_op",
+    "world_of",
+    "rank_of",
+    "gather_raw",
+    "reduce_scatter_raw",
+    "all_to_all_raw",
+    "all_reduce_raw",
 ]
 
 # (backend name, op) pairs whose fused collective failed once; the fallback is used from then on.
@@ -97,6 +110,7 @@ def _fused(group, op: str, fn, fallback):
 
 # ------------------------------------------------------------------------------------------------
 # Raw collectives on dim 0 of a contiguous tensor (no autograd).
+
 
 def gather_raw(x: torch.Tensor, group=None) -> torch.Tensor:
     """``cat`` over ranks along dim 0 of the contiguous tensor ``x`` (equal shapes on all ranks)."""
@@ -176,6 +190,7 @@ def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # Dim-aware ops (no autograd).
+
 
 def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).contiguous() if dim else x.contiguous()
@@ -287,6 +302,7 @@ def apply_op(op: str, x: torch.Tensor, frm: Form, to: Form, group=None) -> torch
 # ------------------------------------------------------------------------------------------------
 # Autograd.
 
+
 class _Convert(torch.autograd.Function):
     """Forward ``fwd`` from ``src`` to ``dst``; backward ``bwd`` from ``dst`` to ``src``."""
 
@@ -357,6 +373,8 @@ def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:
     per :func:`hidup.ir.conversion`, with the conjugate backward."""
     conv = conversion(src, dst)
     if conv is None:
-        raise ValueError(f"no conversion from form {src} to form {dst}; "
-                         f"only parameters produce 'replicate' and nothing converts into it")
+        raise ValueError(
+            f"no conversion from form {src} to form {dst}; "
+            f"only parameters produce 'replicate' and nothing converts into it"
+        )
     return _convert_op(x, conv.forward, conv.backward, src, dst, group)

@@ -186,8 +186,10 @@ def backend_of(compile) -> str | None:  # noqa: A002 - the option's name
         return "inductor"
     if isinstance(compile, str):
         if compile not in BACKENDS and compile not in torch._dynamo.list_backends(exclude_tags=()):
-            raise ValueError(f"compile={compile!r}: not a torch.compile backend; use True (inductor), False, "
-                             f"or one of {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"compile={compile!r}: not a torch.compile backend; use True (inductor), False, "
+                f"or one of {', '.join(BACKENDS)}"
+            )
         return compile
     raise ValueError(f"compile={compile!r}: expected True, False or a torch.compile backend name")
 

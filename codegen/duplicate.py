@@ -41,17 +41,24 @@ def half(x: torch.Tensor, dim: int, copy: int, blocks: int) -> torch.Tensor:
     """Copy ``copy`` (0 or 1) of ``x`` along ``dim`` (see module docstring)."""
     m = x.shape[dim]
     if m % (2 * blocks):
-        raise ValueError(f"duplication splits dim {dim} of an input of shape {tuple(x.shape)} into 2 x {blocks} "
-                         f"blocks, which does not divide {m}; use a batch that is a multiple of {2 * blocks} "
-                         f"or turn duplication off")
-    return x.unflatten(dim, (blocks, 2, m // (2 * blocks))).select(dim + 1, copy).flatten(dim, dim + 1).contiguous() \
-        if blocks > 1 else x.narrow(dim, copy * (m // 2), m // 2)
+        raise ValueError(
+            f"duplication splits dim {dim} of an input of shape {tuple(x.shape)} into 2 x {blocks} "
+            f"blocks, which does not divide {m}; use a batch that is a multiple of {2 * blocks} "
+            f"or turn duplication off"
+        )
+    return (
+        x.unflatten(dim, (blocks, 2, m // (2 * blocks))).select(dim + 1, copy).flatten(dim, dim + 1).contiguous()
+        if blocks > 1
+        else x.narrow(dim, copy * (m // 2), m // 2)
+    )
 
 
 def copy_inputs(values: list, batch_dims: list, blocks: list[int], copy: int) -> list:
     """Copy ``copy``'s inputs; ``batch_dims[i]`` None (or a non-tensor input) passes it unchanged."""
-    return [half(v, d, copy, b) if isinstance(v, torch.Tensor) and d is not None else v
-            for v, d, b in zip(values, batch_dims, blocks)]
+    return [
+        half(v, d, copy, b) if isinstance(v, torch.Tensor) and d is not None else v
+        for v, d, b in zip(values, batch_dims, blocks)
+    ]
 
 
 class SequentialCopies:

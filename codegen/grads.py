@@ -106,8 +106,9 @@ class GradBucketer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket = self.buckets[self._where[id(p)]]
         bucket.ready.add(id(p))
-        while self._next < len(self.buckets) and \
-                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
+            self.buckets[self._next].params
+        ):
             self._launch(self.buckets[self._next])
             self._next += 1
 
@@ -130,7 +131,7 @@ class GradBucketer:
                 offset = 0
                 for p in bucket.members:
                     n = p.numel()
-                    summed = bucket.buffer[offset:offset + n].view(p.grad.shape)
+                    summed = bucket.buffer[offset : offset + n].view(p.grad.shape)
                     if p.grad.is_contiguous():  # the sum becomes the gradient, a view of the bucket: no copy back
                         p.grad = summed
                     else:

@@ -82,9 +82,20 @@ class GraphedStep:
     written back in place afterwards (the graph keeps their addresses); state the warm-up created is
     zeroed, which is the fresh state of Adam and AdamW (moments and step count zero)."""
 
-    def __init__(self, module: nn.Module, example_inputs, *, autocast_dtype=None, warmup: int = 3,
-                 enabled: bool | None = None, capture_error_mode: str = "thread_local", choose: bool = False,
-                 trials: int = 5, group=None, optimizer=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        example_inputs,
+        *,
+        autocast_dtype=None,
+        warmup: int = 3,
+        enabled: bool | None = None,
+        capture_error_mode: str = "thread_local",
+        choose: bool = False,
+        trials: int = 5,
+        group=None,
+        optimizer=None,
+    ):
         self.module = module
         self.optimizer = optimizer
 
@@ -95,8 +106,10 @@ class GraphedStep:
         self._specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in examples]
         self.enabled = (self.device.type == "cuda") if enabled is None else bool(enabled)
         if self.enabled and self.device.type != "cuda":
-            raise GraphCaptureError(f"CUDA-graph capture needs the module on a CUDA device, it is on {self.device}; "
-                                    f"pass enabled=False (or None) to run the step eagerly")
+            raise GraphCaptureError(
+                f"CUDA-graph capture needs the module on a CUDA device, it is on {self.device}; "
+                f"pass enabled=False (or None) to run the step eagerly"
+            )
         self.graph = None
         self._static_inputs: list = []
         self._static_loss: torch.Tensor | None = None
@@ -113,8 +126,10 @@ class GraphedStep:
         """Copies of the parameters and of the optimizer's tensor state (None without an optimizer)."""
         if self.optimizer is None:
             return None
-        state = {id(p): {k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)}
-                 for p, st in self.optimizer.state.items()}
+        state = {
+            id(p): {k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)}
+            for p, st in self.optimizer.state.items()
+        }
         return [p.detach().clone() for p in self.params], state
 
     def _restore(self, before) -> None:
@@ -148,8 +163,9 @@ class GraphedStep:
         self._static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in examples]
         for x in self._static_inputs:
             if isinstance(x, torch.Tensor) and x.device != self.device:
-                raise GraphCaptureError(f"example input on {x.device} but the module is on {self.device}; "
-                                        f"move the inputs to {self.device}")
+                raise GraphCaptureError(
+                    f"example input on {x.device} but the module is on {self.device}; move the inputs to {self.device}"
+                )
         main = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(main)
@@ -204,9 +220,11 @@ class GraphedStep:
                 continue
             if not isinstance(x, torch.Tensor) or (tuple(x.shape), x.dtype) != spec:
                 got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"input {i}: the graphed step was captured for shape/dtype {spec}, got {got}; "
-                                 f"a CUDA graph replays fixed shapes (use a fixed batch shape, drop the last "
-                                 f"partial batch, or run eagerly: hidup train --cuda-graphs off)")
+                raise ValueError(
+                    f"input {i}: the graphed step was captured for shape/dtype {spec}, got {got}; "
+                    f"a CUDA graph replays fixed shapes (use a fixed batch shape, drop the last "
+                    f"partial batch, or run eagerly: hidup train --cuda-graphs off)"
+                )
 
     def __call__(self, *inputs) -> torch.Tensor:
         """One step: this step's loss (detached); every parameter's ``.grad`` holds its gradient."""

@@ -21,8 +21,16 @@ import torch.nn as nn
 from hidup.codegen.collectives import apply_op, rank_of, world_of
 from hidup.ir import FULL, REPLICATE, Form
 
-__all__ = ["ParamShard", "shard_tensor", "gather_tensor", "iter_shards", "full_state_dict", "full_grad_dict",
-           "load_full_state_dict", "local_name"]
+__all__ = [
+    "ParamShard",
+    "shard_tensor",
+    "gather_tensor",
+    "iter_shards",
+    "full_state_dict",
+    "full_grad_dict",
+    "load_full_state_dict",
+    "local_name",
+]
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,10 @@ def full_state_dict(module: nn.Module, group=None) -> "OrderedDict[str, torch.Te
     for _, t, shard in iter_shards(module):
         full = gather_tensor(t.detach(), shard.form, group)
         if tuple(full.shape) != shard.logical_shape:
-            raise RuntimeError(f"{shard.logical_name}: gathered shape {tuple(full.shape)} differs from the "
-                               f"logical shape {shard.logical_shape}")
+            raise RuntimeError(
+                f"{shard.logical_name}: gathered shape {tuple(full.shape)} differs from the "
+                f"logical shape {shard.logical_shape}"
+            )
         out[shard.logical_name] = full if shard.sharded and world_of(group) > 1 else full.clone()  # never alias
     return out
 
@@ -121,8 +131,9 @@ def load_full_state_dict(module: nn.Module, state: dict, group=None, strict: boo
             continue
         full = state[shard.logical_name]
         if tuple(full.shape) != shard.logical_shape:
-            raise ValueError(f"{shard.logical_name}: state holds shape {tuple(full.shape)}, the model expects "
-                             f"{shard.logical_shape}")
+            raise ValueError(
+                f"{shard.logical_name}: state holds shape {tuple(full.shape)}, the model expects {shard.logical_shape}"
+            )
         with torch.no_grad():
             t.copy_(shard_tensor(full, shard.form, rank, world).to(t.device, t.dtype))
         seen.add(shard.logical_name)

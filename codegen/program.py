@@ -96,22 +96,26 @@ def hidup_take_input(x: torch.Tensor, form: str) -> torch.Tensor:
     """This rank's piece of a global input in ``form`` (a slice for gather forms)."""
     if torch.compiler.is_compiling():
         active = compiled.ACTIVE
-        return x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, active.world,
-                                                                                active.token)
+        return (
+            x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, active.world, active.token)
+        )
     f = _form(form)
     if not f.is_gather:
         return x
     group = current_group()
-    return collectives.apply_op("slice", x, FULL, f, group) if not x.requires_grad else \
-        collectives.slice(x, f.dim, group)
+    return (
+        collectives.apply_op("slice", x, FULL, f, group) if not x.requires_grad else collectives.slice(x, f.dim, group)
+    )
 
 
 def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     """Fail clearly when a local-batch input does not have its local shape."""
     if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"input {name!r}: expected this rank's local piece of shape {tuple(shape)}, got "
-                         f"{tuple(x.shape)}; the module was compiled with local_batch=True (see "
-                         f"module.input_forms), pass local_batch=False to give the global batch instead")
+        raise ValueError(
+            f"input {name!r}: expected this rank's local piece of shape {tuple(shape)}, got "
+            f"{tuple(x.shape)}; the module was compiled with local_batch=True (see "
+            f"module.input_forms), pass local_batch=False to give the global batch instead"
+        )
     return x
 
 
@@ -139,7 +143,6 @@ def hidup_tensor_leaves(value: Any) -> tuple:
     return tuple(value_leaves(value, torch.Tensor))
 
 
-
 class _CallWrapper(nn.Module):
     """Holds a local callable fx cannot name in generated code (a partial, a bound object)."""
 
@@ -152,6 +155,7 @@ class _CallWrapper(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class RankProgram:
@@ -171,10 +175,12 @@ def _match(node, sig: Signature) -> Signature:
         if (s.inputs, s.outputs, s.impl, s.params) == (sig.inputs, sig.outputs, sig.impl, sig.params):
             return s
     options = "; ".join(str(s) for s in node.signatures[:6])
-    raise CompileError(f"plan chooses {sig} for node {node.name} ({node.target}"
-                       f"{' at ' + node.source if node.source else ''}), which is not one of its signatures "
-                       f"for this model/batch/world ({options}{' ...' if len(node.signatures) > 6 else ''}). "
-                       f"Fix: search the plan again for this model, batch and world size")
+    raise CompileError(
+        f"plan chooses {sig} for node {node.name} ({node.target}"
+        f"{' at ' + node.source if node.source else ''}), which is not one of its signatures "
+        f"for this model/batch/world ({options}{' ...' if len(node.signatures) > 6 else ''}). "
+        f"Fix: search the plan again for this model, batch and world size"
+    )
 
 
 def _stage_index(plan) -> dict[str, int]:
@@ -187,6 +193,7 @@ def _stage_index(plan) -> dict[str, int]:
 
 def _fix_devices(value, device: torch.device):
     """Devices folded during shape propagation are ``meta``; the program runs on ``device``."""
+
     def fix(v):
         if isinstance(v, torch.device) and v.type == "meta":
             return device
@@ -196,8 +203,9 @@ def _fix_devices(value, device: torch.device):
 
 
 class _Builder:
-    def __init__(self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None,
-                 recompute=()):
+    def __init__(
+        self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None, recompute=()
+    ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
         self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
         self.region = None  # the recomputation region new nodes join (codegen.recompute)
@@ -247,8 +255,10 @@ class _Builder:
         if node.name not in choices:
             if node.op == "output":
                 return Signature((REDUCE,), ())
-            raise CompileError(f"plan has no choice for node {node.name} ({node.op} {node.target}); "
-                               f"was it searched for this model? Fix: search again")
+            raise CompileError(
+                f"plan has no choice for node {node.name} ({node.op} {node.target}); "
+                f"was it searched for this model? Fix: search again"
+            )
         return _match(node, choices[node.name]) if node.op != "output" else choices[node.name]
 
     # -- values
@@ -269,8 +279,10 @@ class _Builder:
         key = (tid, dst)
         if key not in self.converted:
             if collectives.conversion(src, dst) is None:
-                raise CompileError(f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
-                                   f"but a consumer needs {dst}; no conversion exists")
+                raise CompileError(
+                    f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
+                    f"but a consumer needs {dst}; no conversion exists"
+                )
             self.converted[key] = self.call(hidup_convert, (self.value(tid), str(src), str(dst)))
         return self.converted[key]
 
@@ -296,11 +308,16 @@ class _Builder:
         logical = self.traced.param_names.get(node.name)
         if logical is None:
             raise CompileError(f"param node {node.name} has no parameter name in the trace")
-        original = self.traced.gm.get_parameter(logical) if node.target == "parameter" else \
-            operator.attrgetter(logical)(self.traced.gm)
+        original = (
+            self.traced.gm.get_parameter(logical)
+            if node.target == "parameter"
+            else operator.attrgetter(logical)(self.traced.gm)
+        )
         if form.kind == "reduce":
-            raise CompileError(f"plan stores parameter {logical} in form reduce; parameters are stored "
-                               f"replicate or gather_d. Fix: search again")
+            raise CompileError(
+                f"plan stores parameter {logical} in form reduce; parameters are stored "
+                f"replicate or gather_d. Fix: search again"
+            )
         data = shard_tensor(original.detach(), form, self.rank, self.world).to(self.device).clone()
         attr = local_name(logical)
         if isinstance(original, nn.Parameter):
@@ -312,8 +329,7 @@ class _Builder:
             self.root.register_buffer(attr, data)
             stored = data
         self.stored[attr] = stored
-        self.shards[attr] = ParamShard(logical, tuple(original.shape), form,
-                                       not isinstance(original, nn.Parameter))
+        self.shards[attr] = ParamShard(logical, tuple(original.shape), form, not isinstance(original, nn.Parameter))
         self.lazy_params[tid] = attr
         self.produced[tid] = form if form.is_gather else FULL
 
@@ -322,8 +338,12 @@ class _Builder:
         n_arg = _count_meta(ctx.args) + _count_meta(ctx.kwargs)
         inputs = [self.value_in(tid, form) for tid, form in zip(node.inputs[:n_arg], sig.inputs[:n_arg])]
         call = rules.localize(ctx.with_tensors(inputs), sig, self.rank)
-        out = self.call(call.target, _fix_devices(tuple(call.args), self.device),
-                        _fix_devices(dict(call.kwargs), self.device), name=node.name)
+        out = self.call(
+            call.target,
+            _fix_devices(tuple(call.args), self.device),
+            _fix_devices(dict(call.kwargs), self.device),
+            name=node.name,
+        )
         if len(node.outputs) == 1 and not self._structured(node.name):
             self.local[node.outputs[0]] = out
         else:
@@ -373,8 +393,7 @@ class _Builder:
             elif node.op == "call":
                 label = block_label(node.module)
                 # duplication interleaves its copies stage by stage: a region must not span stages
-                self.region = (label, self.stage if self.copies is not None else 0) if label in self.recompute \
-                    else None
+                self.region = (label, self.stage if self.copies is not None else 0) if label in self.recompute else None
                 self.add_call(node, sig)
                 self.region = None
             elif node.op == "output":
@@ -385,8 +404,11 @@ class _Builder:
         self.graph.lint()
         gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
         # GraphModule copies only what the graph references.
-        paths = {id(t): p for p, t in list(gm.named_parameters(remove_duplicate=False)) +
-                 list(gm.named_buffers(remove_duplicate=False))}
+        paths = {
+            id(t): p
+            for p, t in list(gm.named_parameters(remove_duplicate=False))
+            + list(gm.named_buffers(remove_duplicate=False))
+        }
         shards, replicated = {}, []
         for attr, shard in self.shards.items():
             path = paths.get(id(self.stored[attr]))
@@ -395,8 +417,14 @@ class _Builder:
             shards[path] = shard
             if attr in self.replicated:
                 replicated.append(path)
-        return RankProgram(gm, shards, replicated, self.input_forms, self.input_shapes,
-                           max(1, len(getattr(self.plan, "stages", None) or [])))
+        return RankProgram(
+            gm,
+            shards,
+            replicated,
+            self.input_forms,
+            self.input_shapes,
+            max(1, len(getattr(self.plan, "stages", None) or [])),
+        )
 
 
 def _getitem(seq, i):
@@ -407,10 +435,17 @@ def _count_meta(value) -> int:
     return len(value_leaves(value, TensorMeta))
 
 
-
-
-def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.device | str = "cpu",
-                       local_batch: bool = False, copies=None, recompute=None) -> RankProgram:
+def build_rank_program(
+    traced,
+    plan,
+    rank: int,
+    world: int,
+    *,
+    device: torch.device | str = "cpu",
+    local_batch: bool = False,
+    copies=None,
+    recompute=None,
+) -> RankProgram:
     """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
     under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
     ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
@@ -426,8 +461,10 @@ def build_rank_program(traced, plan, rank: int, world: int, *, device: torch.dev
     known = {block_label(n.module) for n in traced.graph.nodes} - {""}
     unknown = sorted(set(labels) - known)
     if unknown:
-        raise CompileError(f"recompute names layers the model does not have: {', '.join(unknown[:5])}"
-                           f"{' ...' if len(unknown) > 5 else ''} (its repeated layers: "
-                           f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
-                           "Fix: name repeated layers as the plan's `layers` report does, or search again")
+        raise CompileError(
+            f"recompute names layers the model does not have: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} (its repeated layers: "
+            f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
+            "Fix: name repeated layers as the plan's `layers` report does, or search again"
+        )
     return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels).build()

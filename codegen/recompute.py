@@ -122,4 +122,3 @@ def outline_regions(graph: torch.fx.Graph, root: nn.Module, prefix: str = "recom
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` (a rank program) runs any region through recomputation."""
     return any(isinstance(m, Recomputed) for m in module.modules())
-

@@ -57,9 +57,22 @@ __all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
 class HidupModule(nn.Module):
     """One rank's compiled training step (see module docstring)."""
 
-    def __init__(self, program: RankProgram, *, rank: int, world_size: int, group=None, local_batch: bool = False,
-                 duplication: bool = False, copy_groups=None, batch_dims=None, bucket_mb: float = GRAD_BUCKET_MB,
-                 streams: bool | None = None, plan=None, compile=None):  # noqa: A002
+    def __init__(
+        self,
+        program: RankProgram,
+        *,
+        rank: int,
+        world_size: int,
+        group=None,
+        local_batch: bool = False,
+        duplication: bool = False,
+        copy_groups=None,
+        batch_dims=None,
+        bucket_mb: float = GRAD_BUCKET_MB,
+        streams: bool | None = None,
+        plan=None,
+        compile=None,  # noqa: A002 - the option's name
+    ):
         super().__init__()
         self.gm = program.gm
         self.program = program
@@ -80,9 +93,12 @@ class HidupModule(nn.Module):
             use_streams = device.type == "cuda" if streams is None else streams
             self.runner = StagedCopies(self.gm, device) if use_streams else SequentialCopies(self.gm)
             if use_streams and self.runner.num_stages < program.num_stages:
-                warnings.warn(f"duplication: the generated program has {self.runner.num_stages} of the plan's "
-                              f"{program.num_stages} stages (the trace orders some op after an op of a later "
-                              f"stage), so the copies overlap less than the search assumed", stacklevel=2)
+                warnings.warn(
+                    f"duplication: the generated program has {self.runner.num_stages} of the plan's "
+                    f"{program.num_stages} stages (the trace orders some op after an op of a later "
+                    f"stage), so the copies overlap less than the search assumed",
+                    stacklevel=2,
+                )
         self._run = (self.gm,)  # what forward calls without duplication (a tuple: not a submodule)
         self.compile_backend = None
         self.set_compile(compile)
@@ -101,8 +117,9 @@ class HidupModule(nn.Module):
     # -- running
     def _bind(self, args, kwargs) -> list:
         if len(args) > len(self.input_names):
-            raise TypeError(f"compiled module takes {len(self.input_names)} inputs ({self.input_names}), "
-                            f"got {len(args)}")
+            raise TypeError(
+                f"compiled module takes {len(self.input_names)} inputs ({self.input_names}), got {len(args)}"
+            )
         values = list(args) + [None] * (len(self.input_names) - len(args))
         for k, v in kwargs.items():
             if k not in self.input_names:
@@ -224,8 +241,16 @@ class CompileOptions(OptionSet):
     WHAT = "compile"
 
 
-def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, group=None,  # noqa: A001
-            options: CompileOptions | None = None, **changes) -> HidupModule:
+def compile(  # noqa: A001
+    model: nn.Module,
+    plan,
+    rank: int,
+    world_size: int,
+    example_inputs,
+    group=None,
+    options: CompileOptions | None = None,
+    **changes,
+) -> HidupModule:
     """The module rank ``rank`` of ``world_size`` trains under ``plan`` (see module docstring), built
     with ``options`` (:class:`CompileOptions`) updated by the keyword ``changes``.
 
@@ -243,8 +268,10 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     if dist.is_available() and dist.is_initialized() and collectives.rank_of(group) != rank:
         raise CompileError(f"compile(rank={rank}) but this process is rank {collectives.rank_of(group)} of its group")
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise CompileError(f"world_size={world_size} needs an initialized process group "
-                           f"(hidup.runtime.launch or torch.distributed.init_process_group)")
+        raise CompileError(
+            f"world_size={world_size} needs an initialized process group "
+            f"(hidup.runtime.launch or torch.distributed.init_process_group)"
+        )
     plan_world = getattr(plan, "world_size", world_size)
     if plan_world != world_size:
         raise CompileError(f"the plan was searched for world size {plan_world}, not {world_size}; search again")
@@ -269,8 +296,9 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
         check = getattr(plan, "check", None)
         if check is not None:
             check(traced.graph)
-    program = build_rank_program(traced, plan, rank, world_size, device=device, local_batch=local_batch,
-                                 copies=copies, recompute=opts.recompute)
+    program = build_rank_program(
+        traced, plan, rank, world_size, device=device, local_batch=local_batch, copies=copies, recompute=opts.recompute
+    )
 
     staged = device.type == "cuda" if streams is None else streams
     if not (duplication and staged and world_size > 1):
@@ -281,6 +309,17 @@ def compile(model: nn.Module, plan, rank: int, world_size: int, example_inputs, 
     else:
         ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
         copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
-    return HidupModule(program, rank=rank, world_size=world_size, group=group, local_batch=local_batch,
-                       duplication=duplication, copy_groups=copy_groups, batch_dims=dims, bucket_mb=opts.bucket_mb,
-                       streams=streams, plan=plan, compile=opts.compile)
+    return HidupModule(
+        program,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        local_batch=local_batch,
+        duplication=duplication,
+        copy_groups=copy_groups,
+        batch_dims=dims,
+        bucket_mb=opts.bucket_mb,
+        streams=streams,
+        plan=plan,
+        compile=opts.compile,
+    )

@@ -93,9 +93,16 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def time_call(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 2,
-              sample_s: float = 0.01, budget_s: float = 0.2, min_samples: int = 3,
-              max_samples: int = 50) -> float:
+def time_call(
+    fn: Callable[[], object],
+    device: torch.device | str = "cpu",
+    *,
+    warmup: int = 2,
+    sample_s: float = 0.01,
+    budget_s: float = 0.2,
+    min_samples: int = 3,
+    max_samples: int = 50,
+) -> float:
     """Median seconds per call of ``fn``, bounded to about ``budget_s`` seconds of timing.
 
     One trial call fixes ``k`` (calls per sample, so that a sample lasts ``~sample_s``); samples are

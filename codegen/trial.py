@@ -38,8 +38,9 @@ __all__ = ["choose_duplication", "time_modes", "choose_compile", "compile_step"]
 def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
     """Median seconds of ``trials`` forward + backward steps of ``module`` on ``inputs``."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=warmup,
-                       enabled=cuda_graphs and device.type == "cuda")
+    step = GraphedStep(
+        module, inputs, autocast_dtype=autocast_dtype, warmup=warmup, enabled=cuda_graphs and device.type == "cuda"
+    )
     try:
         if not step.enabled:  # a captured step warmed up before its capture
             for _ in range(warmup):
@@ -56,8 +57,11 @@ def _release_copy_groups(module, group, compile_kwargs: dict) -> None:
     being dropped); groups the caller passed in (``copy_groups``) are the caller's to keep."""
     if compile_kwargs.get("copy_groups") is not None:
         return
-    owned = [g for g in (getattr(module, "copy_groups", None) or ())
-             if g is not None and g is not group and g is not dist.group.WORLD]
+    owned = [
+        g
+        for g in (getattr(module, "copy_groups", None) or ())
+        if g is not None and g is not group and g is not dist.group.WORLD
+    ]
     for g in {id(g): g for g in owned}.values():
         dist.destroy_process_group(g)
 
@@ -92,22 +96,54 @@ def _timing(cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> dict
     return dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials), warmup=max(1, warmup))
 
 
-def time_modes(model, plan, rank: int, world_size: int, example_inputs, *, group=None, cuda_graphs: bool = True,
-               autocast_dtype=None, trials: int = 5, warmup: int = 2, **compile_kwargs) -> dict:
+def time_modes(
+    model,
+    plan,
+    rank: int,
+    world_size: int,
+    example_inputs,
+    *,
+    group=None,
+    cuda_graphs: bool = True,
+    autocast_dtype=None,
+    trials: int = 5,
+    warmup: int = 2,
+    **compile_kwargs,
+) -> dict:
     """``{"off_s", "on_s"}``: median seconds of a forward + backward step of ``plan`` compiled without
     and with duplication, timed as :func:`choose_duplication` times them (the slowest rank's medians;
     ``on_s`` is None when the batch does not halve).  Keeps no module: each is dropped after its
     timing, with the copy communicators it created.  Every rank of ``group`` must call this."""
-    off_s, on_s, on, _ = _time_both(model, plan, rank, world_size, tuple(example_inputs), group,
-                                    _timing(cuda_graphs, autocast_dtype, trials, warmup), compile_kwargs)
+    off_s, on_s, on, _ = _time_both(
+        model,
+        plan,
+        rank,
+        world_size,
+        tuple(example_inputs),
+        group,
+        _timing(cuda_graphs, autocast_dtype, trials, warmup),
+        compile_kwargs,
+    )
     if on is not None:
         _release_copy_groups(on, group, compile_kwargs)
     return {"off_s": off_s, "on_s": on_s}
 
 
-def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, *, group=None,
-                       cuda_graphs: bool = True, autocast_dtype=None, trials: int = 5, warmup: int = 2,
-                       margin: float = 0.02, **compile_kwargs):
+def choose_duplication(
+    model,
+    plan,
+    rank: int,
+    world_size: int,
+    example_inputs,
+    *,
+    group=None,
+    cuda_graphs: bool = True,
+    autocast_dtype=None,
+    trials: int = 5,
+    warmup: int = 2,
+    margin: float = 0.02,
+    **compile_kwargs,
+):
     """``(module, info)``: ``plan`` compiled (:func:`hidup.codegen.compile`) in the faster of its two
     modes, and ``info = {"duplication": bool, "trial": {"on_s", "off_s"}, "reason": str}`` (see the
     module docstring).  ``example_inputs`` are the inputs of the timed steps (the global batch, as
@@ -118,16 +154,30 @@ def choose_duplication(model, plan, rank: int, world_size: int, example_inputs, 
     def single():
         return compile(model, plan, rank, world_size, inputs, duplication=False, group=group, **compile_kwargs)
 
-    off_s, on_s, on, why = _time_both(model, plan, rank, world_size, inputs, group,
-                                      _timing(cuda_graphs, autocast_dtype, trials, warmup), compile_kwargs)
+    off_s, on_s, on, why = _time_both(
+        model,
+        plan,
+        rank,
+        world_size,
+        inputs,
+        group,
+        _timing(cuda_graphs, autocast_dtype, trials, warmup),
+        compile_kwargs,
+    )
     if on is None:
-        return single(), {"duplication": False, "trial": {"off_s": off_s},
-                          "reason": f"duplication cannot run this batch ({why}); running one copy"}
+        return single(), {
+            "duplication": False,
+            "trial": {"off_s": off_s},
+            "reason": f"duplication cannot run this batch ({why}); running one copy",
+        }
     keep_on = on_s <= off_s * (1.0 + margin) if planned else on_s * (1.0 + margin) < off_s
     chosen = "on" if keep_on else "off"
-    info = {"duplication": keep_on, "trial": {"on_s": on_s, "off_s": off_s},
-            "reason": f"duplication {chosen} (trial: on {on_s * 1e3:.2f} ms, off {off_s * 1e3:.2f} ms per forward + "
-                      f"backward; the plan says {'on' if planned else 'off'})"}
+    info = {
+        "duplication": keep_on,
+        "trial": {"on_s": on_s, "off_s": off_s},
+        "reason": f"duplication {chosen} (trial: on {on_s * 1e3:.2f} ms, off {off_s * 1e3:.2f} ms per forward + "
+        f"backward; the plan says {'on' if planned else 'off'})",
+    }
     if keep_on:
         return on, info
     _release_copy_groups(on, group, compile_kwargs)
@@ -142,8 +192,11 @@ def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) 
     guards accept.  Every rank of the module's group calls it."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     with Stopwatch(device) as watch:
-        cast = torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed) if autocast_dtype \
+        cast = (
+            torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not graphed)
+            if autocast_dtype
             else contextlib.nullcontext()
+        )
         with cast:
             loss = module(*inputs)
         loss.backward()
@@ -152,8 +205,18 @@ def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) 
     return watch.seconds
 
 
-def choose_compile(module, example_inputs, *, group=None, cuda_graphs: bool = True, autocast_dtype=None,
-                   trials: int = 5, warmup: int = 2, margin: float = 0.02, backend: str = "inductor") -> dict:
+def choose_compile(
+    module,
+    example_inputs,
+    *,
+    group=None,
+    cuda_graphs: bool = True,
+    autocast_dtype=None,
+    trials: int = 5,
+    warmup: int = 2,
+    margin: float = 0.02,
+    backend: str = "inductor",
+) -> dict:
     """Keep ``module`` (a :class:`hidup.codegen.HidupModule`) compiled with ``backend`` or eager, whichever
     runs a forward + backward faster (``hidup train --compile auto``), timed as :func:`choose_duplication`
     times its modes: ``trials`` steps, captured as a CUDA graph when ``cuda_graphs``, the slowest rank's
@@ -172,7 +235,11 @@ def choose_compile(module, example_inputs, *, group=None, cuda_graphs: bool = Tr
     keep = compiled_s * (1.0 + margin) < eager_s
     if not keep:
         module.set_compile(None)
-    return {"compile": keep, "compile_s": compile_s, "trial": {"eager_s": eager_s, "compiled_s": compiled_s},
-            "reason": f"compile {'on' if keep else 'off'} (trial: {backend} {compiled_s * 1e3:.2f} ms, eager "
-                      f"{eager_s * 1e3:.2f} ms per forward + backward{', as CUDA graphs' if cuda_graphs else ''}; "
-                      f"compiling took {compile_s:.1f} s)"}
+    return {
+        "compile": keep,
+        "compile_s": compile_s,
+        "trial": {"eager_s": eager_s, "compiled_s": compiled_s},
+        "reason": f"compile {'on' if keep else 'off'} (trial: {backend} {compiled_s * 1e3:.2f} ms, eager "
+        f"{eager_s * 1e3:.2f} ms per forward + backward{', as CUDA graphs' if cuda_graphs else ''}; "
+        f"compiling took {compile_s:.1f} s)",
+    }

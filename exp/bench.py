@@ -158,14 +158,27 @@ def child_main(ctx, cfg: dict) -> None:
                 plan = Plan.from_dict(plan_doc["plan"]) if plan_doc is not None else None
                 trace_name = f"{cfg['network']}-{run['id'].replace('/', '-').replace('#', '-r')}.json"
                 trace = Path(cfg["out"]) / "traces" / trace_name if cfg.get("breakdown") else None
-                result = br.execute(run["method"], built[0], built[1], rank, world, device, record["precision_run"],
-                                    warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan,
-                                    trace_path=trace, variants=cfg["variants"], best_of=cfg["best_of"],
-                                    compile_backend=cfg["compile_backend"],
-                                    on_variant=lambda v, summary, key=run["id"]: emit(
-                                        {"event": "variant", "key": key, "variant": v, "summary": summary}),
-                                    phase=lambda name, key=run["id"]: emit({"event": "phase", "key": key,
-                                                                            "phase": name}))
+                result = br.execute(
+                    run["method"],
+                    built[0],
+                    built[1],
+                    rank,
+                    world,
+                    device,
+                    record["precision_run"],
+                    warmup=cfg["warmup"],
+                    iters=cfg["iters"],
+                    cap_s=choice["cap"],
+                    plan=plan,
+                    trace_path=trace,
+                    variants=cfg["variants"],
+                    best_of=cfg["best_of"],
+                    compile_backend=cfg["compile_backend"],
+                    on_variant=lambda v, summary, key=run["id"]: emit(
+                        {"event": "variant", "key": key, "variant": v, "summary": summary}
+                    ),
+                    phase=lambda name, key=run["id"]: emit({"event": "phase", "key": key, "phase": name}),
+                )
         record.update(result)
         if record["status"] == "ok":
             _throughput(record, built[0].config, world)
@@ -182,10 +195,12 @@ def child_main(ctx, cfg: dict) -> None:
         emit({"event": "result", "record": record})
         if rank == 0:
             t = record.get("iter_time_s")
-            print(f"[bench {cfg['network']}] {run['id']}: {record['status']}"
-                  + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})")
-                  + (f" [{record['variant']} of {', '.join(record['variants'])}]" if record.get("variant") else ""),
-                  flush=True)
+            print(
+                f"[bench {cfg['network']}] {run['id']}: {record['status']}"
+                + (f" {t * 1e3:.2f} ms x{record['iters']}" if t else f" ({str(record.get('error'))[:120]})")
+                + (f" [{record['variant']} of {', '.join(record['variants'])}]" if record.get("variant") else ""),
+                flush=True,
+            )
 
 
 def measure_profile(cfg: dict, device) -> None:
@@ -195,11 +210,22 @@ def measure_profile(cfg: dict, device) -> None:
     error = ""
     ops_models = [(m, cfg["overrides"]) for m in cfg["models"]] if cfg["ops_seconds"] > 0 else None
     try:
-        profile_machine(None, progress=False, device=device, out=path, quick=True, budget_s=cfg["profile_budget"],
-                        name=f"{cfg['network']}-measured", merge=cfg.get("ops_from"), ops_models=ops_models,
-                        ops_worlds=cfg["worlds"], ops_precisions=tuple(cfg["precisions"]),
-                        ops_seconds=cfg["ops_seconds"], comm_rounds=cfg["comm_rounds"],
-                        calibrate_plans=[(m, cfg["overrides"]) for m in cfg.get("calibrate_plans") or []])
+        profile_machine(
+            None,
+            progress=False,
+            device=device,
+            out=path,
+            quick=True,
+            budget_s=cfg["profile_budget"],
+            name=f"{cfg['network']}-measured",
+            merge=cfg.get("ops_from"),
+            ops_models=ops_models,
+            ops_worlds=cfg["worlds"],
+            ops_precisions=tuple(cfg["precisions"]),
+            ops_seconds=cfg["ops_seconds"],
+            comm_rounds=cfg["comm_rounds"],
+            calibrate_plans=[(m, cfg["overrides"]) for m in cfg.get("calibrate_plans") or []],
+        )
     except Exception as e:  # noqa: BLE001 - reported through the marker file
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
     failed = br.reduce_max([1.0 if error else 0.0], device)[0] > 0
@@ -271,9 +297,15 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
     ran = {v: x for v, x in variants.items() if x.get("status") == "ok"}
     if ran:
         best = min(ran, key=lambda v: ran[v]["iter_time_s"])
-        record.update(ran[best], status="ok", variant=best, variants=summaries,
-                      precision_run=br.effective_precision(run["precision"], torch.device(
-                          "cuda" if torch.cuda.is_available() else "cpu")))
+        record.update(
+            ran[best],
+            status="ok",
+            variant=best,
+            variants=summaries,
+            precision_run=br.effective_precision(
+                run["precision"], torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            ),
+        )
         record.pop("error", None)
         _throughput(record, hidup.models.config(run["model"], world, **cfg["overrides"]), world)
     return record
@@ -283,6 +315,7 @@ def stall_watch(partial: Path, limit_s: float):
     """A ``launch(stalled=...)`` check: a reason once the run in progress (the progress file's last
     event is its start, one of its phases or one of its finished variants) has gone ``limit_s``
     seconds without a result or a next phase -- naming the phase it stopped in; None otherwise."""
+
     def stalled() -> str | None:
         try:
             st = partial.stat()
@@ -299,6 +332,7 @@ def stall_watch(partial: Path, limit_s: float):
             return None
         where = f" in phase {last['phase']!r}" if last.get("phase") else ""
         return f"run {last.get('key')} made no progress{where} for {limit_s:.0f} s (--stall-timeout)"
+
     return stalled
 
 
@@ -314,9 +348,17 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         wcfg = dict(cfg, runs=todo, partial=str(partial), measure_profile=cfg["measure_profile"] and attempt == 0)
         error = None
         try:
-            launch(child_main, wcfg, nnodes=1, cpn=world, node_rank=0, master_addr="127.0.0.1",
-                   master_port=0, timeout_s=args.dist_timeout,
-                   stalled=stall_watch(partial, args.stall_timeout))
+            launch(
+                child_main,
+                wcfg,
+                nnodes=1,
+                cpn=world,
+                node_rank=0,
+                master_addr="127.0.0.1",
+                master_port=0,
+                timeout_s=args.dist_timeout,
+                stalled=stall_watch(partial, args.stall_timeout),
+            )
         except (LaunchError, RuntimeError) as e:
             error = str(e)
         done, started, variants = read_partial(partial)
@@ -327,74 +369,146 @@ def run_world(world: int, runs: list[dict], cfg: dict, args) -> dict:
         crashed = [k for k in started if k not in done] or [todo[0]["id"]]
         for r in todo:
             if r["id"] in crashed:
-                records[r["id"]] = crashed_record(r, f"the process group failed during this run: {error[-3000:]}",
-                                                  variants.get(r["id"], {}), cfg, world)
-        print(f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
-              f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}", flush=True)
+                records[r["id"]] = crashed_record(
+                    r,
+                    f"the process group failed during this run: {error[-3000:]}",
+                    variants.get(r["id"], {}),
+                    cfg,
+                    world,
+                )
+        print(
+            f"[bench {args.network}] world {world}: the group failed during {crashed[0]}; "
+            f"{'relaunching for the remaining runs' if attempt < args.relaunch else 'giving up'}",
+            flush=True,
+        )
     for r in runs:
-        records.setdefault(r["id"], dict(r, network=args.network, status="skipped",
-                                          error="not run: time budget exhausted or the group failed"))
+        records.setdefault(
+            r["id"],
+            dict(r, network=args.network, status="skipped", error="not run: time budget exhausted or the group failed"),
+        )
     return records
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--network", choices=sorted(NETWORK_ENV), default="nvlink")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--precisions", nargs="+", choices=("fp32", "tf32", "bf16"), default=["tf32", "bf16"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
-                   help=f"default: {' '.join(DEFAULT_METHODS)}")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(DEFAULT_METHODS),
+        help=f"default: {' '.join(DEFAULT_METHODS)}",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
-    p.add_argument("--iters", type=int, default=10,
-                   help="steps per timed window (between two device syncs) at most (default 10)")
-    p.add_argument("--best-of", type=int, default=3, metavar="K",
-                   help="timed windows per run (per variant), the fastest reported: the same for every method "
-                        "(default 3)")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                   help="the variants each baseline (single, ddp, fsdp, expert) runs in, its fastest reported: "
-                        "eager, compile (torch.compile), graph (the whole step as one CUDA graph), compile-graph "
-                        "(default: all; CUDA-graph variants are recorded as skipped on a CPU)")
-    p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of the compiled variants (default inductor; aot_eager checks the "
-                        "compiled path where inductor is too slow to build, e.g. on a small CPU)")
-    p.add_argument("--run-cap", type=float, default=25.0,
-                   help="seconds of stepping per run (per variant of a baseline) at most (default 25)")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="run every method R times, in R rounds of all methods per (world, model, precision); a "
-                        "run reports the median of its rounds (default 1)")
-    p.add_argument("--time-budget", type=float, default=480.0,
-                   help="seconds after which no run starts (default 480, for a < 9 min command)")
+    p.add_argument(
+        "--iters", type=int, default=10, help="steps per timed window (between two device syncs) at most (default 10)"
+    )
+    p.add_argument(
+        "--best-of",
+        type=int,
+        default=3,
+        metavar="K",
+        help="timed windows per run (per variant), the fastest reported: the same for every method (default 3)",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the variants each baseline (single, ddp, fsdp, expert) runs in, its fastest reported: "
+        "eager, compile (torch.compile), graph (the whole step as one CUDA graph), compile-graph "
+        "(default: all; CUDA-graph variants are recorded as skipped on a CPU)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled variants (default inductor; aot_eager checks the "
+        "compiled path where inductor is too slow to build, e.g. on a small CPU)",
+    )
+    p.add_argument(
+        "--run-cap",
+        type=float,
+        default=25.0,
+        help="seconds of stepping per run (per variant of a baseline) at most (default 25)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every method R times, in R rounds of all methods per (world, model, precision); a "
+        "run reports the median of its rounds (default 1)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=480.0,
+        help="seconds after which no run starts (default 480, for a < 9 min command)",
+    )
     p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
-    p.add_argument("--resume", action="store_true",
-                   help="skip the runs <out>/<network>.json already records as ok and, without --profile, reuse "
-                        "<out>/<network>-profile.json: a matrix larger than one time budget completes over "
-                        "several invocations")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the runs <out>/<network>.json already records as ok and, without --profile, reuse "
+        "<out>/<network>-profile.json: a matrix larger than one time budget completes over "
+        "several invocations",
+    )
     p.add_argument("--profile-budget", type=float, default=0.1, help="seconds per measured point (default 0.1)")
-    p.add_argument("--comm-rounds", type=int, default=3, metavar="R",
-                   help="passes over the collective tables of the measured profile, each point keeping its median "
-                        "(default 3: a sockets network drifts over seconds)")
-    p.add_argument("--ops-seconds", type=float, default=60.0,
-                   help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
-                        "(model, world, precision) and rank at most (default 60; 0: price ops by the roofline)")
-    p.add_argument("--ops-from", type=Path, default=None, metavar="PROFILE",
-                   help="take the per-op times of this profile (e.g. one measured on another network of the same "
-                        "GPUs) into the measured profile and time only the shapes it lacks")
-    p.add_argument("--calibrate-plans", nargs="*", default=None, metavar="MODEL",
-                   help="when measuring the profile: time these models' searched plans on the ranks, without and "
-                        "with duplication, and store the cost model's compute factors inside the distributed "
-                        "program (hidup profile --calibrate-plans); with --profile, nothing is measured")
-    p.add_argument("--search-jobs", type=int, default=None,
-                   help="parallel search processes (default: by CPUs; 0: search in this process)")
+    p.add_argument(
+        "--comm-rounds",
+        type=int,
+        default=3,
+        metavar="R",
+        help="passes over the collective tables of the measured profile, each point keeping its median "
+        "(default 3: a sockets network drifts over seconds)",
+    )
+    p.add_argument(
+        "--ops-seconds",
+        type=float,
+        default=60.0,
+        help="per-op timing of the models at their sharded and half-batch shapes, seconds per "
+        "(model, world, precision) and rank at most (default 60; 0: price ops by the roofline)",
+    )
+    p.add_argument(
+        "--ops-from",
+        type=Path,
+        default=None,
+        metavar="PROFILE",
+        help="take the per-op times of this profile (e.g. one measured on another network of the same "
+        "GPUs) into the measured profile and time only the shapes it lacks",
+    )
+    p.add_argument(
+        "--calibrate-plans",
+        nargs="*",
+        default=None,
+        metavar="MODEL",
+        help="when measuring the profile: time these models' searched plans on the ranks, without and "
+        "with duplication, and store the cost model's compute factors inside the distributed "
+        "program (hidup profile --calibrate-plans); with --profile, nothing is measured",
+    )
+    p.add_argument(
+        "--search-jobs",
+        type=int,
+        default=None,
+        help="parallel search processes (default: by CPUs; 0: search in this process)",
+    )
     p.add_argument("--breakdown", action="store_true", help="trace one step per run and break its time down")
     p.add_argument("--relaunch", type=int, default=1, help="relaunches of a group that crashed (default 1)")
     p.add_argument("--dist-timeout", type=float, default=120.0, help="process-group timeout in seconds")
-    p.add_argument("--stall-timeout", type=float, default=180.0,
-                   help="seconds a run may go without finishing before its group is killed and relaunched for "
-                        "the remaining runs (a hang no process-group timeout ends; 0: never)")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=180.0,
+        help="seconds a run may go without finishing before its group is killed and relaunched for "
+        "the remaining runs (a hang no process-group timeout ends; 0: never)",
+    )
     add_model_flags(p.add_argument_group("model overrides (applied to every model)"))
     return p.parse_args(argv)
 
@@ -407,25 +521,31 @@ def main(argv: list[str] | None = None) -> int:
     for flag, names in (("--models", args.models), ("--calibrate-plans", args.calibrate_plans or [])):
         unknown = [m for m in names if m not in hidup.models.names()]
         if unknown:
-            raise SystemExit(f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has "
-                             f"{', '.join(hidup.models.names())}")
+            raise SystemExit(
+                f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(hidup.models.names())}"
+            )
     if args.repeats < 1 or args.comm_rounds < 1 or args.best_of < 1:
-        raise SystemExit(f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds} / --best-of {args.best_of}: "
-                         f"each must be at least 1")
+        raise SystemExit(
+            f"--repeats {args.repeats} / --comm-rounds {args.comm_rounds} / --best-of {args.best_of}: "
+            f"each must be at least 1"
+        )
     if min(args.worlds) < 2:
-        raise SystemExit("--worlds: every world size must be at least 2 (the single-rank floor is the "
-                         "'single' method of each world)")
+        raise SystemExit(
+            "--worlds: every world size must be at least 2 (the single-rank floor is the 'single' method of each world)"
+        )
     if torch.cuda.is_available() and max(args.worlds) > torch.cuda.device_count():
-        raise SystemExit(f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has "
-                         f"{torch.cuda.device_count()}")
+        raise SystemExit(
+            f"--worlds {max(args.worlds)} needs {max(args.worlds)} GPUs; this host has {torch.cuda.device_count()}"
+        )
     if args.ops_from is not None:
         try:
             carried = load_profile(args.ops_from)
         except Exception as e:  # noqa: BLE001 - reported with the flag's name
             raise SystemExit(f"--ops-from {args.ops_from}: not a readable profile ({type(e).__name__}: {e})") from None
         if not carried.ops:
-            raise SystemExit(f"--ops-from {args.ops_from}: the profile has no per-op times; measure them with "
-                             f"--ops-seconds instead")
+            raise SystemExit(
+                f"--ops-from {args.ops_from}: the profile has no per-op times; measure them with --ops-seconds instead"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = started + args.time_budget
     resumed_profile = args.out / f"{args.network}-profile.json"
@@ -441,33 +561,58 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         per_world, jobs = resume_runs(per_world, jobs, args.out / f"{args.network}.json")
     plan_dir = args.out / "plans" / args.network
-    searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], deadline,
-                        workers=args.search_jobs, reserve_cpus=2 * max(args.worlds))
+    searcher = Searcher(
+        plan_dir,
+        jobs,
+        profile_path,
+        FALLBACK_PROFILE[args.network],
+        deadline,
+        workers=args.search_jobs,
+        reserve_cpus=2 * max(args.worlds),
+    )
     searcher.start()
-    cfg = {"network": args.network, "out": str(args.out), "plan_dir": str(plan_dir), "profile": str(profile_path),
-           "profile_budget": args.profile_budget, "comm_rounds": args.comm_rounds, "measure_profile": measure,
-           "deadline": deadline,
-           "reserve_s": 10.0, "min_run_s": 3.0, "run_cap": args.run_cap, "warmup": args.warmup,
-           "iters": args.iters, "best_of": args.best_of, "variants": list(dict.fromkeys(args.variants)),
-           "compile_backend": args.compile_backend,
-           "variant_units": max(1, sum(1 for v in dict.fromkeys(args.variants)
-                                       if "graph" not in v or torch.cuda.is_available())),
-           "overrides": benchsearch.overrides_of(args), "breakdown": args.breakdown,
-           "models": list(args.models), "worlds": list(args.worlds), "precisions": list(args.precisions),
-           "ops_seconds": args.ops_seconds, "ops_from": str(args.ops_from) if args.ops_from else None,
-           "calibrate_plans": args.calibrate_plans or []}
+    cfg = {
+        "network": args.network,
+        "out": str(args.out),
+        "plan_dir": str(plan_dir),
+        "profile": str(profile_path),
+        "profile_budget": args.profile_budget,
+        "comm_rounds": args.comm_rounds,
+        "measure_profile": measure,
+        "deadline": deadline,
+        "reserve_s": 10.0,
+        "min_run_s": 3.0,
+        "run_cap": args.run_cap,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "best_of": args.best_of,
+        "variants": list(dict.fromkeys(args.variants)),
+        "compile_backend": args.compile_backend,
+        "variant_units": max(
+            1, sum(1 for v in dict.fromkeys(args.variants) if "graph" not in v or torch.cuda.is_available())
+        ),
+        "overrides": benchsearch.overrides_of(args),
+        "breakdown": args.breakdown,
+        "models": list(args.models),
+        "worlds": list(args.worlds),
+        "precisions": list(args.precisions),
+        "ops_seconds": args.ops_seconds,
+        "ops_from": str(args.ops_from) if args.ops_from else None,
+        "calibrate_plans": args.calibrate_plans or [],
+    }
     records: dict = {}
     worlds = list(per_world)
     try:
         for i, world in enumerate(worlds):
-            future = sum(timed_parts(r, cfg) for w in worlds[i + 1:] for r in per_world[w])
+            future = sum(timed_parts(r, cfg) for w in worlds[i + 1 :] for r in per_world[w])
             records.update(run_world(world, per_world[world], dict(cfg, future_runs=future), args))
             cfg["measure_profile"] = False
     finally:
         searcher.stop()
     records = merge_rounds(records)
-    bench_finish(args, records, env, hardware(), command_line("exp/bench.py", argv), profile_path,
-                     time.time() - started)
+    bench_finish(
+        args, records, env, hardware(), command_line("exp/bench.py", argv), profile_path, time.time() - started
+    )
     return 0
 
 

@@ -37,8 +37,10 @@ def pick(pending: list[dict], cfg: dict) -> dict:
     loops (the time left shared over the timed loops left, :func:`timed_parts`)."""
     left = cfg["deadline"] - time.time() - cfg["reserve_s"]
     if left < cfg["min_run_s"]:
-        return {"skip": "time budget exhausted before this run could start (raise --time-budget or run fewer "
-                        "models/worlds per command)"}
+        return {
+            "skip": "time budget exhausted before this run could start (raise --time-budget or run fewer "
+            "models/worlds per command)"
+        }
     runs_left = sum(timed_parts(r, cfg) for r in pending) + cfg["future_runs"]
     cap = min(cfg["run_cap"], max(cfg["min_run_s"], 0.7 * left / runs_left))  # per timed part
     plan_dir = Path(cfg["plan_dir"])
@@ -73,12 +75,24 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
                 for rnd in range(args.repeats):
                     for method in args.methods:
                         key = run_key(world, model, precision, method)
-                        r = {"key": key, "id": key if args.repeats == 1 else f"{key}#{rnd}", "round": rnd,
-                             "world": world, "model": model, "precision": precision, "method": method}
+                        r = {
+                            "key": key,
+                            "id": key if args.repeats == 1 else f"{key}#{rnd}",
+                            "round": rnd,
+                            "world": world,
+                            "model": model,
+                            "precision": precision,
+                            "method": method,
+                        }
                         if method.startswith("hidup"):
                             r["plan"] = name
-                            jobs[name] = {"name": name, "model": model, "world": world,
-                                          "precision": prec_search[precision], "overrides": overrides}
+                            jobs[name] = {
+                                "name": name,
+                                "model": model,
+                                "world": world,
+                                "precision": prec_search[precision],
+                                "overrides": overrides,
+                            }
                         runs.append(r)
         per_world[world] = runs
     return per_world, jobs
@@ -90,8 +104,11 @@ def resume_runs(per_world: dict[int, list[dict]], jobs: dict[str, dict], results
     done = {r["key"] for r in (load_json(results, {}) or {}).get("runs", []) if r.get("status") == "ok"}
     left = {w: [r for r in runs if r["key"] not in done] for w, runs in per_world.items()}
     kept = sum(len(runs) for runs in per_world.values()) - sum(len(runs) for runs in left.values())
-    print(f"[bench] --resume: {kept} runs already recorded as ok in {results}, "
-          f"{sum(len(runs) for runs in left.values())} to run", flush=True)
+    print(
+        f"[bench] --resume: {kept} runs already recorded as ok in {results}, "
+        f"{sum(len(runs) for runs in left.values())} to run",
+        flush=True,
+    )
     needed = {r["plan"] for runs in left.values() for r in runs if "plan" in r}
     return {w: runs for w, runs in left.items() if runs}, {n: j for n, j in jobs.items() if n in needed}
 
@@ -117,8 +134,16 @@ def merge_rounds(records: dict[str, dict]) -> dict[str, dict]:
         out[key] = base
         if len(recs) == 1:
             continue
-        base["rounds"] = [{"round": r.get("round", 0), "status": r.get("status"), "iter_time_s": r.get("iter_time_s"),
-                           "iters": r.get("iters"), "date": r.get("date")} for r in recs]
+        base["rounds"] = [
+            {
+                "round": r.get("round", 0),
+                "status": r.get("status"),
+                "iter_time_s": r.get("iter_time_s"),
+                "iters": r.get("iters"),
+                "date": r.get("date"),
+            }
+            for r in recs
+        ]
         if ok:
             times = [r["iter_time_s"] for r in ok]
             median = statistics.median(times)

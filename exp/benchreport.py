@@ -30,17 +30,34 @@ from exp.report import (
     write_section,
 )
 
-BENCH_HEADERS = ["world", "model", "prec", "method", "variant", "iter (ms)", "throughput", "scaling eff.",
-                 "eff. (graphed floor)", "peak mem (GiB)", "predicted (ms)", "measured/pred.", "note"]
+BENCH_HEADERS = [
+    "world",
+    "model",
+    "prec",
+    "method",
+    "variant",
+    "iter (ms)",
+    "throughput",
+    "scaling eff.",
+    "eff. (graphed floor)",
+    "peak mem (GiB)",
+    "predicted (ms)",
+    "measured/pred.",
+    "note",
+]
 
 
 def add_efficiency(runs: list[dict]) -> None:
     """``scaling_efficiency = t_single / t`` per run, with ``t_single`` the floor of the same
     (world, model, precision); ``None`` where either time is missing.  Where the floor was also run
     as one CUDA graph (``single-graph``), ``scaling_efficiency_graphed = t_single_graph / t``."""
+
     def floor_of(method):
-        return {(r["world"], r["model"], r["precision"]): r["iter_time_s"] for r in runs
-                if r.get("method") == method and r.get("status") == "ok"}
+        return {
+            (r["world"], r["model"], r["precision"]): r["iter_time_s"]
+            for r in runs
+            if r.get("method") == method and r.get("status") == "ok"
+        }
 
     floor, floor_graph = floor_of("single"), floor_of("single-graph")
     ref_loss = {}
@@ -55,8 +72,10 @@ def add_efficiency(runs: list[dict]) -> None:
         r["scaling_efficiency_graphed"] = fg / r["iter_time_s"] if fg and r.get("status") == "ok" else None
         ref = ref_loss.get(g)
         if ref and r.get("status") == "ok" and not r.get("method", "").startswith("single"):
-            r["loss_check"] = {"reference": ref[0], "relative_difference":
-                               abs(r["loss_first"] - ref[1]) / max(abs(ref[1]), 1e-12)}
+            r["loss_check"] = {
+                "reference": ref[0],
+                "relative_difference": abs(r["loss_first"] - ref[1]) / max(abs(ref[1]), 1e-12),
+            }
 
 
 def _note(r: dict) -> str:
@@ -67,12 +86,17 @@ def _note(r: dict) -> str:
     rounds = [x["iter_time_s"] for x in r.get("rounds") or [] if x.get("status") == "ok"]
     if len(r.get("rounds") or []) > 1:
         failed = len(r["rounds"]) - len(rounds)
-        notes.append(f"median of {len(rounds)} rounds ({ms(min(rounds))}-{ms(max(rounds))} ms)"
-                     + (f", {failed} failed" if failed else ""))
+        notes.append(
+            f"median of {len(rounds)} rounds ({ms(min(rounds))}-{ms(max(rounds))} ms)"
+            + (f", {failed} failed" if failed else "")
+        )
     if r.get("capped"):
         notes.append(f"{r.get('iters')} steps per window (time cap)")
-    others = [f"{v} {ms(x['iter_time_s'])} ms" if x.get("status") == "ok" else f"{v} {x.get('status')}"
-              for v, x in (r.get("variants") or {}).items() if v != r.get("variant")]
+    others = [
+        f"{v} {ms(x['iter_time_s'])} ms" if x.get("status") == "ok" else f"{v} {x.get('status')}"
+        for v, x in (r.get("variants") or {}).items()
+        if v != r.get("variant")
+    ]
     if others:
         notes.append("other variants: " + ", ".join(others))
     if r.get("precision_run") and r["precision_run"] != r["precision"]:
@@ -83,15 +107,22 @@ def _note(r: dict) -> str:
         notes.append("search preferred duplication")
     dup_trial = (r.get("info") or {}).get("duplication_trial") or {}
     if "on_s" in dup_trial:
-        notes.append(f"duplication {'on' if r['info'].get('duplication') else 'off'} by trial (on "
-                     f"{dup_trial['on_s'] * 1e3:.1f} ms, off {dup_trial['off_s'] * 1e3:.1f} ms; plan: "
-                     f"{'on' if r.get('plan_duplication') else 'off'})")
+        notes.append(
+            f"duplication {'on' if r['info'].get('duplication') else 'off'} by trial (on "
+            f"{dup_trial['on_s'] * 1e3:.1f} ms, off {dup_trial['off_s'] * 1e3:.1f} ms; plan: "
+            f"{'on' if r.get('plan_duplication') else 'off'})"
+        )
     mode = (r.get("info") or {}).get("step_mode")
     if mode and r.get("method") in ("hidup", "hidup-nodup", "hidup-auto"):
         trial = (r.get("info") or {}).get("mode_timings") or {}
-        notes.append(f"{'CUDA graph' if mode == 'graph' else 'eager steps'} kept" + (
-            f" (trial: graph {trial['graph_s'] * 1e3:.1f} ms, eager {trial['eager_s'] * 1e3:.1f} ms)"
-            if "graph_s" in trial else ""))
+        notes.append(
+            f"{'CUDA graph' if mode == 'graph' else 'eager steps'} kept"
+            + (
+                f" (trial: graph {trial['graph_s'] * 1e3:.1f} ms, eager {trial['eager_s'] * 1e3:.1f} ms)"
+                if "graph_s" in trial
+                else ""
+            )
+        )
     check = r.get("loss_check") or {}
     tol = 2e-2 if r.get("precision_run", r.get("precision")) == "bf16" else 5e-3
     if check.get("relative_difference", 0.0) > tol:
@@ -106,12 +137,23 @@ def bench_rows(runs: list[dict]) -> list[list]:
         pred = r.get("predicted_s")
         eff = r.get("scaling_efficiency")
         effg = r.get("scaling_efficiency_graphed")
-        rows.append([r["world"], r["model"], r["precision"], r["method"], variant_of(r),
-                     ms(r.get("iter_time_s")) if ok else None,
-                     f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
-                     f"{eff:.2f}" if eff is not None else None, f"{effg:.2f}" if effg is not None else None,
-                     gib(r.get("peak_memory_bytes")) if ok else None,
-                     ms(pred) if pred else None, _accuracy(r, pred) if ok and pred else None, _note(r)])
+        rows.append(
+            [
+                r["world"],
+                r["model"],
+                r["precision"],
+                r["method"],
+                variant_of(r),
+                ms(r.get("iter_time_s")) if ok else None,
+                f"{rate(r.get('throughput'))} {r.get('unit', '')}" if ok else None,
+                f"{eff:.2f}" if eff is not None else None,
+                f"{effg:.2f}" if effg is not None else None,
+                gib(r.get("peak_memory_bytes")) if ok else None,
+                ms(pred) if pred else None,
+                _accuracy(r, pred) if ok and pred else None,
+                _note(r),
+            ]
+        )
     return rows
 
 
@@ -122,8 +164,17 @@ def _accuracy(r: dict, pred: float) -> str:
     return f"{r['iter_time_s'] / pred:.2f}" + (" (in-sample)" if r["model"] in fitted or "?" in fitted else "")
 
 
-SPEEDUP_HEADERS = ["world", "model", "prec", "fastest baseline (ms)", "searched plan (ms)", "speedup",
-                   "dup. on vs off", "eff. (graphed floor)", "measured/pred."]
+SPEEDUP_HEADERS = [
+    "world",
+    "model",
+    "prec",
+    "fastest baseline (ms)",
+    "searched plan (ms)",
+    "speedup",
+    "dup. on vs off",
+    "eff. (graphed floor)",
+    "measured/pred.",
+]
 BASELINES = ("ddp", "fsdp", "expert")
 
 
@@ -189,10 +240,19 @@ def speedup_rows(runs: list[dict]) -> list[list]:
         speedup = _ratio(best, searched)
         if not all(_fair(r) for r in bases):
             speedup += " (vs eager baselines)"
-        rows.append([world, model, precision, f"{ms(best['iter_time_s'])} {best['method']} {variant_of(best)}",
-                     f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}", speedup,
-                     _ratio(off, on) if on and off else None, f"{eff:.3f}" if eff is not None else None,
-                     _accuracy(searched, pred) if pred else None])
+        rows.append(
+            [
+                world,
+                model,
+                precision,
+                f"{ms(best['iter_time_s'])} {best['method']} {variant_of(best)}",
+                f"{ms(searched['iter_time_s'])} {'dup' if plan_dup else 'no dup'}",
+                speedup,
+                _ratio(off, on) if on and off else None,
+                f"{eff:.3f}" if eff is not None else None,
+                _accuracy(searched, pred) if pred else None,
+            ]
+        )
     return rows
 
 
@@ -203,11 +263,19 @@ def _sort_key(r: dict):
 
 def _profile_summary(path: Path) -> dict:
     doc = load_json(path, {}) or {}
-    out = {"name": doc.get("name"), "path": str(path), "source": doc.get("source"), "gpu": doc.get("gpu"),
-           "flops": doc.get("flops"), "collectives": {}}
+    out = {
+        "name": doc.get("name"),
+        "path": str(path),
+        "source": doc.get("source"),
+        "gpu": doc.get("gpu"),
+        "flops": doc.get("flops"),
+        "collectives": {},
+    }
     for c, groups in (doc.get("collectives") or {}).items():
-        out["collectives"][c] = {g: {"alpha_s": t["alpha"], "algbw_at_max": t["algbw"][-1], "max_bytes": t["sizes"][-1]}
-                                 for g, t in groups.items()}
+        out["collectives"][c] = {
+            g: {"alpha_s": t["alpha"], "algbw_at_max": t["algbw"][-1], "max_bytes": t["sizes"][-1]}
+            for g, t in groups.items()
+        }
     return out
 
 
@@ -217,19 +285,39 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     path = Path(args.out) / f"{args.network}.json"
     doc = load_json(path, {}) or {}
     runs = {r["key"]: r for r in doc.get("runs", [])}
-    runs.update({k: r for k, r in records.items()  # a run this invocation did not reach keeps its result
-                 if not (r.get("status") == "skipped" and runs.get(k, {}).get("status") == "ok")})
+    runs.update(
+        {
+            k: r
+            for k, r in records.items()  # a run this invocation did not reach keeps its result
+            if not (r.get("status") == "skipped" and runs.get(k, {}).get("status") == "ok")
+        }
+    )
     ordered = sorted(runs.values(), key=_sort_key)
     add_efficiency(ordered)
-    invocation = {"command": command, "hardware": hw, "env": env, "elapsed_s": elapsed,
-                  "time_budget_s": args.time_budget, "profile": _profile_summary(profile_path),
-                  "runs": sorted(records)}
-    doc = {"network": args.network, "env": env, "latest": invocation,
-           "invocations": (doc.get("invocations", []) + [invocation])[-20:], "runs": ordered}
+    invocation = {
+        "command": command,
+        "hardware": hw,
+        "env": env,
+        "elapsed_s": elapsed,
+        "time_budget_s": args.time_budget,
+        "profile": _profile_summary(profile_path),
+        "runs": sorted(records),
+    }
+    doc = {
+        "network": args.network,
+        "env": env,
+        "latest": invocation,
+        "invocations": (doc.get("invocations", []) + [invocation])[-20:],
+        "runs": ordered,
+    }
     save_json(path, doc)
     figure = bench_figure(Path(args.out), Path(args.docs) / "benchmarks.png")
-    write_section(Path(args.docs) / "benchmarks.md", f"bench-{args.network}",
-                  bench_markdown(doc, page_dir=Path(args.docs), results=path, figure=figure), title="Benchmarks")
+    write_section(
+        Path(args.docs) / "benchmarks.md",
+        f"bench-{args.network}",
+        bench_markdown(doc, page_dir=Path(args.docs), results=path, figure=figure),
+        title="Benchmarks",
+    )
     new = [r for r in ordered if r["key"] in records]
     print()
     print(text_table(BENCH_HEADERS, bench_rows(new)))
@@ -237,63 +325,98 @@ def bench_finish(args, records: dict, env: dict, hw: dict, command: str, profile
     if speedups:
         print()
         print(text_table(SPEEDUP_HEADERS, speedups))
-    print(f"\n{len(new)} runs ({sum(r.get('status') == 'ok' for r in new)} ok) in {elapsed:.0f} s; "
-          f"results: {path}; report: {Path(args.docs) / 'benchmarks.md'}"
-          + (f"; figure: {figure}" if figure else " (no figure: matplotlib is not installed)"), flush=True)
+    print(
+        f"\n{len(new)} runs ({sum(r.get('status') == 'ok' for r in new)} ok) in {elapsed:.0f} s; "
+        f"results: {path}; report: {Path(args.docs) / 'benchmarks.md'}"
+        + (f"; figure: {figure}" if figure else " (no figure: matplotlib is not installed)"),
+        flush=True,
+    )
     return doc
 
 
-def bench_markdown(doc: dict, page_dir: Path | None = None, results: Path | None = None,
-                   figure: Path | None = None) -> str:
+def bench_markdown(
+    doc: dict, page_dir: Path | None = None, results: Path | None = None, figure: Path | None = None
+) -> str:
     """One network's section of ``benchmarks.md`` (in ``page_dir``), linking the results file, the
     profile the searches used and the figure where given."""
     inv = doc["latest"]
     prof = inv.get("profile") or {}
     prof_path = Path(prof["path"]) if prof.get("path") else None
-    where = (link(prof_path, page_dir) if page_dir is not None and prof_path is not None and prof_path.is_file()
-             else f"`{prof.get('path')}`")
-    lines = [f"## Network: {doc['network']}", "",
-             f"Command: `{inv['command']}`  ", f"Hardware: {hardware_line(inv['hardware'])}  ",
-             f"Date: {inv['hardware'].get('date')}  ",
-             f"NCCL environment: {', '.join(f'{k}={v}' for k, v in sorted(doc['env'].items())) or '(defaults)'}  ",
-             f"Profile used by the search: {prof.get('name')} ({prof.get('source')}, {where})"]
+    where = (
+        link(prof_path, page_dir)
+        if page_dir is not None and prof_path is not None and prof_path.is_file()
+        else f"`{prof.get('path')}`"
+    )
+    lines = [
+        f"## Network: {doc['network']}",
+        "",
+        f"Command: `{inv['command']}`  ",
+        f"Hardware: {hardware_line(inv['hardware'])}  ",
+        f"Date: {inv['hardware'].get('date')}  ",
+        f"NCCL environment: {', '.join(f'{k}={v}' for k, v in sorted(doc['env'].items())) or '(defaults)'}  ",
+        f"Profile used by the search: {prof.get('name')} ({prof.get('source')}, {where})",
+    ]
     if page_dir is not None and results is not None:
         lines[-1] += "  "
-        lines.append(f"Results: {link(results, page_dir)}"
-                     + (f"; figure (every network): {link(figure, page_dir)}" if figure is not None else ""))
+        lines.append(
+            f"Results: {link(results, page_dir)}"
+            + (f"; figure (every network): {link(figure, page_dir)}" if figure is not None else "")
+        )
     ar = (prof.get("collectives") or {}).get("all_reduce") or {}
     if ar:
         lines[-1] += "  "
-        lines.append("Measured all-reduce: " + ", ".join(
-            f"{g} ranks alpha {v['alpha_s'] * 1e6:.0f} us, {v['algbw_at_max'] / 1e9:.1f} GB/s at "
-            f"{v['max_bytes'] / 2**20:.0f} MiB" for g, v in sorted(ar.items())))
-    lines += ["", "Iteration time: the best of the timed windows, each window N steps between two device syncs, "
-              "(t_end - t_start) / N, max over ranks -- every method timed alike (exp/baselines/timing.py). A "
-              "baseline reports its fastest variant (eager, compile = torch.compile, graph = the whole step "
-              "including fused Adam as one CUDA graph, compile-graph = both); the note lists the others. "
-              "Scaling efficiency = single-rank-share time (its fastest variant) / time (weak scaling; the "
-              "graphed floor: that share's forward and backward captured as hidup captures its steps); "
-              "predicted = the plan's cost-model time in that mode; measured/pred. is marked in-sample where "
-              "the profile's corrections were fitted on that model's plans.",
-              "", table(BENCH_HEADERS, bench_rows(doc["runs"]))]
+        lines.append(
+            "Measured all-reduce: "
+            + ", ".join(
+                f"{g} ranks alpha {v['alpha_s'] * 1e6:.0f} us, {v['algbw_at_max'] / 1e9:.1f} GB/s at "
+                f"{v['max_bytes'] / 2**20:.0f} MiB"
+                for g, v in sorted(ar.items())
+            )
+        )
+    lines += [
+        "",
+        "Iteration time: the best of the timed windows, each window N steps between two device syncs, "
+        "(t_end - t_start) / N, max over ranks -- every method timed alike (exp/baselines/timing.py). A "
+        "baseline reports its fastest variant (eager, compile = torch.compile, graph = the whole step "
+        "including fused Adam as one CUDA graph, compile-graph = both); the note lists the others. "
+        "Scaling efficiency = single-rank-share time (its fastest variant) / time (weak scaling; the "
+        "graphed floor: that share's forward and backward captured as hidup captures its steps); "
+        "predicted = the plan's cost-model time in that mode; measured/pred. is marked in-sample where "
+        "the profile's corrections were fitted on that model's plans.",
+        "",
+        table(BENCH_HEADERS, bench_rows(doc["runs"])),
+    ]
     speedups = speedup_rows(doc["runs"])
     if speedups:
-        lines += ["", f"### The searched plan against the fastest baseline ({doc['network']})", "",
-                  table(SPEEDUP_HEADERS, speedups), "",
-                  "searched plan: hidup's plan in the duplication mode the search chose; fastest baseline: "
-                  "the fastest variant of DDP, FSDP2 and expert parallelism; speedup = fastest "
-                  "baseline / searched plan, labelled 'vs eager baselines' where the baselines did not try "
-                  "compiled or captured variants; dup. on vs off = the same plan without / with duplication; with "
-                  "--repeats, the range of the ratios of each round's pair of runs."]
-    items = [(r["key"], r["breakdown"]) for r in doc["runs"] if isinstance(r.get("breakdown"), dict)
-             and "span_s" in r["breakdown"]]
+        lines += [
+            "",
+            f"### The searched plan against the fastest baseline ({doc['network']})",
+            "",
+            table(SPEEDUP_HEADERS, speedups),
+            "",
+            "searched plan: hidup's plan in the duplication mode the search chose; fastest baseline: "
+            "the fastest variant of DDP, FSDP2 and expert parallelism; speedup = fastest "
+            "baseline / searched plan, labelled 'vs eager baselines' where the baselines did not try "
+            "compiled or captured variants; dup. on vs off = the same plan without / with duplication; with "
+            "--repeats, the range of the ratios of each round's pair of runs.",
+        ]
+    items = [
+        (r["key"], r["breakdown"])
+        for r in doc["runs"]
+        if isinstance(r.get("breakdown"), dict) and "span_s" in r["breakdown"]
+    ]
     if items:
-        lines += ["", f"### Time breakdown of one iteration ({doc['network']}, rank 0)", "",
-                  table(BREAKDOWN_HEADERS, breakdown_rows(items)), "",
-                  "compute / comm: busy time of compute kernels / NCCL kernels and device-to-device copies; "
-                  "hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
-                  "concurrent comm: communication of two or more streams at once (the copies' communicators, "
-                  "a gradient all-reduce beside them)."]
+        lines += [
+            "",
+            f"### Time breakdown of one iteration ({doc['network']}, rank 0)",
+            "",
+            table(BREAKDOWN_HEADERS, breakdown_rows(items)),
+            "",
+            "compute / comm: busy time of compute kernels / NCCL kernels and device-to-device copies; "
+            "hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
+            "concurrent comm: communication of two or more streams at once (the copies' communicators, "
+            "a gradient all-reduce beside them).",
+        ]
     return "\n".join(lines)
 
 
@@ -302,8 +425,11 @@ def figure_panels(out_dir: Path) -> dict:
     each network's merged ``<out>/<network>.json`` (copies beside it, a run's own file, repeat its keys
     and are ignored); the efficiency is against the graphed floor where one was measured (``graphed``):
     the eager floor pays host dispatch too."""
-    docs = [d for p, d in ((p, load_json(p, None)) for p in sorted(out_dir.glob("*.json"))) if d and "runs" in d
-            and d.get("network") == p.stem]
+    docs = [
+        d
+        for p, d in ((p, load_json(p, None)) for p in sorted(out_dir.glob("*.json")))
+        if d and "runs" in d and d.get("network") == p.stem
+    ]
     panels: dict = {}
     for d in docs:
         for r in d["runs"]:
@@ -335,8 +461,10 @@ def bench_figure(out_dir: Path, target: Path) -> Path | None:
         ax.set_xticklabels([f"{m}\n{p}" for m, p in keys], fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_ylabel("scaling efficiency")
-        ax.set_title(f"{net}, {world} GPUs (1.0 = one rank's share alone"
-                     + (", captured as one CUDA graph)" if panel["graphed"] else ")"))
+        ax.set_title(
+            f"{net}, {world} GPUs (1.0 = one rank's share alone"
+            + (", captured as one CUDA graph)" if panel["graphed"] else ")")
+        )
         if methods:  # a sweep of the floors alone has no bar to label
             ax.legend(fontsize=8, ncol=len(methods))
     fig.tight_layout()

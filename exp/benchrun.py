@@ -69,8 +69,19 @@ from hidup.runtime.data import rank_share
 warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
 warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
 
-METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup",
-           "hidup-auto", "hidup-eager", "hidup-nodup-eager")
+METHODS = (
+    "single",
+    "single-graph",
+    "single-dup",
+    "ddp",
+    "fsdp",
+    "expert",
+    "hidup",
+    "hidup-nodup",
+    "hidup-auto",
+    "hidup-eager",
+    "hidup-nodup-eager",
+)
 BASELINE_METHODS = ("single", "single-graph", "single-dup", "ddp", "fsdp", "expert")
 VARIANT_METHODS = ("single", "ddp", "fsdp", "expert")  # run in the variants of harness.VARIANTS
 HIDUP_METHODS = ("hidup", "hidup-nodup", "hidup-auto", "hidup-eager", "hidup-nodup-eager")
@@ -153,9 +164,18 @@ def _shared_copy_groups(world: int, device: torch.device, duplication: bool) -> 
     return _COPY_GROUPS[0]
 
 
-def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, device: torch.device,
-            plan=None, precision: str = "fp32", variant: str | None = None,
-            compile_backend: str = "inductor") -> tuple[Prepared, tuple]:
+def prepare(
+    method: str,
+    model_cpu,
+    inputs_cpu: tuple,
+    rank: int,
+    world: int,
+    device: torch.device,
+    plan=None,
+    precision: str = "fp32",
+    variant: str | None = None,
+    compile_backend: str = "inductor",
+) -> tuple[Prepared, tuple]:
     """(prepared method, this rank's inputs on ``device``) for one run; ``model_cpu`` is not modified.
     ``variant`` (methods of :data:`VARIANT_METHODS`; default ``eager``): one of ``harness.VARIANTS``."""
     model = copy.deepcopy(model_cpu)
@@ -165,8 +185,9 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         if method not in VARIANT_METHODS and variant != "eager":
             raise ValueError(f"method {method} has no variants (it is captured as hidup captures its steps)")
         inputs = tuple(t.to(device) for t in rank_share(inputs_cpu, rank, world))
-        got = harness.prepare_variant("single" if single else method, model, rank, world, device, inputs,
-                                      variant, precision, compile_backend)
+        got = harness.prepare_variant(
+            "single" if single else method, model, rank, world, device, inputs, variant, precision, compile_backend
+        )
         module = got.module
         if method == "single-dup":
             module = TwoCopies(module, device)
@@ -190,33 +211,50 @@ def prepare(method: str, model_cpu, inputs_cpu: tuple, rank: int, world: int, de
         trial, compile_s = None, None
         if method == "hidup-auto":
             with precision_mode(precision, device):
-                module, trial = choose_duplication(model, plan, rank, world, inputs, cuda_graphs=graph,
-                                                   autocast_dtype=harness.autocast_dtype(precision),
-                                                   compile=compiled)
+                module, trial = choose_duplication(
+                    model,
+                    plan,
+                    rank,
+                    world,
+                    inputs,
+                    cuda_graphs=graph,
+                    autocast_dtype=harness.autocast_dtype(precision),
+                    compile=compiled,
+                )
         else:
-            module = hidup_compile(model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared,
-                                   compile=compiled)
+            module = hidup_compile(
+                model, plan, rank, world, inputs, duplication=duplication, copy_groups=shared, compile=compiled
+            )
             if compiled:  # compiled as hidup train --compile on compiles: one step under the capture's autocast
-
                 with precision_mode(precision, device):
-                    compile_s = compile_step(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
-                                             graphed=graph)
+                    compile_s = compile_step(
+                        module, inputs, autocast_dtype=harness.autocast_dtype(precision), graphed=graph
+                    )
 
         # a run captured as a CUDA graph gets fresh copy communicators, destroyed after it: one pair
         # reused by runs captured as different graphs ended in illegal memory accesses after about
         # twenty runs (NCCL 2.28, sockets).  Eager runs share one pair (see _shared_copy_groups).
-        owned = [] if shared is not None else [g for g in getattr(module, "copy_groups", None) or ()
-                                               if g is not None and g is not dist.group.WORLD]
+        owned = (
+            []
+            if shared is not None
+            else [g for g in getattr(module, "copy_groups", None) or () if g is not None and g is not dist.group.WORLD]
+        )
 
         def cleanup():
             for g in {id(g): g for g in owned}.values():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
+
         if variant not in (None, "eager", "graph"):
             raise ValueError(f"method {method} runs as hidup train runs it; variant {variant!r} does not apply")
-        info = {"duplication": bool(module.duplication), "plan_duplication": bool(plan.duplication),
-                "cuda_graph": graph, "compiled": compiled, "compile_s": compile_s,
-                "step_mode": "eager"}  # the capture, where it happens, says "graph"
+        info = {
+            "duplication": bool(module.duplication),
+            "plan_duplication": bool(plan.duplication),
+            "cuda_graph": graph,
+            "compiled": compiled,
+            "compile_s": compile_s,
+            "step_mode": "eager",
+        }  # the capture, where it happens, says "graph"
         if trial is not None:
             info["duplication_trial"] = trial["trial"]
         prep = Prepared(module, 1.0, None, info, cleanup if owned else None)
@@ -233,8 +271,20 @@ def applicable(method: str, model_cpu) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ timing
-def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
-               cap_s: float | None, best_of: int = 1, trace_path=None, lr: float = 1e-4, phase=None) -> dict:
+def timed_loop(
+    prep: Prepared,
+    inputs: tuple,
+    precision: str,
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    cap_s: float | None,
+    best_of: int = 1,
+    trace_path=None,
+    lr: float = 1e-4,
+    phase=None,
+) -> dict:
     """Build the method's step, time it with the shared timer (:func:`timing.time_steps`, via
     :func:`harness.run_variant`), and trace one more step on request.  ``phase(name)`` is told each
     phase as it starts (``capture``, ``warmup``, ``timing``, ``trace``)."""
@@ -243,8 +293,13 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
     if prep.graph and prep.graphed is None:
         phase("capture")
         with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
-            prep.graphed = GraphedStep(module, inputs, autocast_dtype=harness.autocast_dtype(precision),
-                                       choose=prep.choose, group=getattr(module, "group", None))
+            prep.graphed = GraphedStep(
+                module,
+                inputs,
+                autocast_dtype=harness.autocast_dtype(precision),
+                choose=prep.choose,
+                group=getattr(module, "group", None),
+            )
         prep.info.update(step_mode=prep.graphed.mode, mode_timings=prep.graphed.timings)
     traced = {}
 
@@ -254,9 +309,21 @@ def timed_loop(prep: Prepared, inputs: tuple, precision: str, device: torch.devi
             with precision_mode(precision, device):
                 traced["breakdown"] = _profiled_step(step, device, trace_path)
 
-    out = harness.run_variant(prep, inputs, precision, device, warmup=warmup, iters=iters, best_of=best_of,
-                              cap_s=cap_s, lr=lr, capture=prep.capture, coupled=prep.coupled, phase=phase,
-                              after=after)
+    out = harness.run_variant(
+        prep,
+        inputs,
+        precision,
+        device,
+        warmup=warmup,
+        iters=iters,
+        best_of=best_of,
+        cap_s=cap_s,
+        lr=lr,
+        capture=prep.capture,
+        coupled=prep.coupled,
+        phase=phase,
+        after=after,
+    )
     losses = out.pop("losses")
     out.update(loss_first=losses[0], loss_last=losses[-1], losses=losses, breakdown=traced.get("breakdown"))
     return out
@@ -296,30 +363,61 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def execute(method: str, model_cpu, inputs_cpu, rank: int, world: int, device: torch.device, precision: str, *,
-            warmup: int, iters: int, cap_s: float | None, plan=None, trace_path=None, phase=None,
-            variants: tuple | list | None = None, best_of: int = 1, compile_backend: str = "inductor",
-            on_variant=None) -> dict:
+def execute(
+    method: str,
+    model_cpu,
+    inputs_cpu,
+    rank: int,
+    world: int,
+    device: torch.device,
+    precision: str,
+    *,
+    warmup: int,
+    iters: int,
+    cap_s: float | None,
+    plan=None,
+    trace_path=None,
+    phase=None,
+    variants: tuple | list | None = None,
+    best_of: int = 1,
+    compile_backend: str = "inductor",
+    on_variant=None,
+) -> dict:
     """One run on every rank, failures caught and agreed: returns rank 0's view of the outcome.
 
-    A method of :data:`VARIANT_METHODS` runs each of ``variants`` (default all of
-    ``harness.VARIANTS``) in turn, each timed within ``cap_s``; the run reports the fastest variant
-    that ran (``variant``; its timing, losses and info are the run's) and ``variants``: each
-    variant's status, time and error.  The run fails only when no variant ran.  Other methods run once.
-``on_variant(variant, summary)`` is told each variant's outcome as soon as it is known (so that a
-driver can keep the variants that ran when a later one brings the process group down).
+        A method of :data:`VARIANT_METHODS` runs each of ``variants`` (default all of
+        ``harness.VARIANTS``) in turn, each timed within ``cap_s``; the run reports the fastest variant
+        that ran (``variant``; its timing, losses and info are the run's) and ``variants``: each
+        variant's status, time and error.  The run fails only when no variant ran.  Other methods run once.
+    ``on_variant(variant, summary)`` is told each variant's outcome as soon as it is known (so that a
+    driver can keep the variants that ran when a later one brings the process group down).
 
-    A failure on any rank (an exception, e.g. CUDA out of memory) makes the run (or variant)
-    ``failed`` with the first failing rank's error; the process group stays usable when the ranks
-    fail symmetrically (an asymmetric failure inside a collective ends in the process-group timeout
-    instead).  ``phase(name)`` is told each phase as it starts (``prepare``, those of
-    :func:`timed_loop`, ``cleanup``; prefixed ``<variant>:`` for a variant), so that a watchdog can say
-    where a hung run stopped."""
+        A failure on any rank (an exception, e.g. CUDA out of memory) makes the run (or variant)
+        ``failed`` with the first failing rank's error; the process group stays usable when the ranks
+        fail symmetrically (an asymmetric failure inside a collective ends in the process-group timeout
+        instead).  ``phase(name)`` is told each phase as it starts (``prepare``, those of
+        :func:`timed_loop`, ``cleanup``; prefixed ``<variant>:`` for a variant), so that a watchdog can say
+        where a hung run stopped."""
     phase = phase or (lambda name: None)
     if method not in VARIANT_METHODS:
-        return _execute_once(method, None, model_cpu, inputs_cpu, rank, world, device, precision, warmup=warmup,
-                             iters=iters, cap_s=cap_s, plan=plan, trace_path=trace_path, phase=phase,
-                             best_of=best_of, compile_backend=compile_backend)
+        return _execute_once(
+            method,
+            None,
+            model_cpu,
+            inputs_cpu,
+            rank,
+            world,
+            device,
+            precision,
+            warmup=warmup,
+            iters=iters,
+            cap_s=cap_s,
+            plan=plan,
+            trace_path=trace_path,
+            phase=phase,
+            best_of=best_of,
+            compile_backend=compile_backend,
+        )
     variants = tuple(variants or harness.VARIANTS)
     unknown = [v for v in variants if v not in harness.VARIANTS]
     if unknown:
@@ -331,10 +429,24 @@ driver can keep the variants that ran when a later one brings the process group 
             results[v] = {"status": "skipped", "error": skip}
         else:
             trace = None if trace_path is None else _variant_path(trace_path, v)
-            results[v] = _execute_once(method, v, model_cpu, inputs_cpu, rank, world, device, precision,
-                                       warmup=warmup, iters=iters, cap_s=cap_s, plan=plan, trace_path=trace,
-                                       phase=lambda name, v=v: phase(f"{v}:{name}"), best_of=best_of,
-                                       compile_backend=compile_backend)
+            results[v] = _execute_once(
+                method,
+                v,
+                model_cpu,
+                inputs_cpu,
+                rank,
+                world,
+                device,
+                precision,
+                warmup=warmup,
+                iters=iters,
+                cap_s=cap_s,
+                plan=plan,
+                trace_path=trace,
+                phase=lambda name, v=v: phase(f"{v}:{name}"),
+                best_of=best_of,
+                compile_backend=compile_backend,
+            )
         if on_variant is not None:
             on_variant(v, variant_summary(results[v]))
     ran = {v: r for v, r in results.items() if r["status"] == "ok"}
@@ -347,8 +459,21 @@ driver can keep the variants that ran when a later one brings the process group 
     return out
 
 
-VARIANT_FIELDS = ("status", "iter_time_s", "window_times_s", "iters", "best_of", "warmup", "capped", "warmup_s",
-                  "loss_first", "loss_last", "peak_memory_bytes", "optimizer", "error")
+VARIANT_FIELDS = (
+    "status",
+    "iter_time_s",
+    "window_times_s",
+    "iters",
+    "best_of",
+    "warmup",
+    "capped",
+    "warmup_s",
+    "loss_first",
+    "loss_last",
+    "peak_memory_bytes",
+    "optimizer",
+    "error",
+)
 
 
 def variant_summary(result: dict) -> dict:
@@ -361,19 +486,46 @@ def _variant_path(path, variant: str):
     return path.with_name(f"{path.stem}-{variant}{path.suffix}")
 
 
-def _execute_once(method: str, variant: str | None, model_cpu, inputs_cpu, rank: int, world: int,
-                  device: torch.device, precision: str, *, warmup: int, iters: int, cap_s: float | None, plan,
-                  trace_path, phase, best_of: int, compile_backend: str) -> dict:
+def _execute_once(
+    method: str,
+    variant: str | None,
+    model_cpu,
+    inputs_cpu,
+    rank: int,
+    world: int,
+    device: torch.device,
+    precision: str,
+    *,
+    warmup: int,
+    iters: int,
+    cap_s: float | None,
+    plan,
+    trace_path,
+    phase,
+    best_of: int,
+    compile_backend: str,
+) -> dict:
     """One method (in one variant) on every rank; see :func:`execute`."""
     prep = None
     out: dict = {}
     error = ""
     try:
         phase("prepare")
-        prep, inputs = prepare(method, model_cpu, inputs_cpu, rank, world, device, plan, precision, variant,
-                               compile_backend)
-        out = timed_loop(prep, inputs, precision, device, warmup=warmup, iters=iters, cap_s=cap_s, best_of=best_of,
-                         trace_path=trace_path, phase=phase)
+        prep, inputs = prepare(
+            method, model_cpu, inputs_cpu, rank, world, device, plan, precision, variant, compile_backend
+        )
+        out = timed_loop(
+            prep,
+            inputs,
+            precision,
+            device,
+            warmup=warmup,
+            iters=iters,
+            cap_s=cap_s,
+            best_of=best_of,
+            trace_path=trace_path,
+            phase=phase,
+        )
         out["info"] = prep.info
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         error = f"rank {rank}: {type(e).__name__}: {e}"

@@ -35,8 +35,16 @@ from exp.report import ROOT, load_json, save_json
 # torch and hidup (which loads torch) are imported inside the functions: a pool worker imports this
 # module before its initializer sets OMP_NUM_THREADS, which OpenMP reads once, as torch loads.
 
-__all__ = ["Searcher", "search_job", "predict", "make_problem", "job_name", "overrides_of", "resolve_profile",
-           "plan_identity"]
+__all__ = [
+    "Searcher",
+    "search_job",
+    "predict",
+    "make_problem",
+    "job_name",
+    "overrides_of",
+    "resolve_profile",
+    "plan_identity",
+]
 
 
 def overrides_of(args) -> dict:
@@ -123,8 +131,9 @@ def load_profile(job: dict):
     profile = load(job["profile_path"])
     pert = job.get("perturb")
     if pert:
-        profile = profile.perturb(noise=pert.get("noise", 0.0), seed=pert.get("seed", 0),
-                                  comm_scale=pert.get("comm_scale", 1.0))
+        profile = profile.perturb(
+            noise=pert.get("noise", 0.0), seed=pert.get("seed", 0), comm_scale=pert.get("comm_scale", 1.0)
+        )
     return profile
 
 
@@ -147,14 +156,21 @@ def search_job(job: dict) -> str:
         profile = load_profile(job)
         prof_info["name"] = profile.name
         prof_info["calibration_models"] = profile.corrections.calibration_models()  # predictions there are in-sample
-        plan = search(graph, profile, world_size=job["world"], algorithm="dp", duplication=True,
-                      precision=job["precision"])
+        plan = search(
+            graph, profile, world_size=job["world"], algorithm="dp", duplication=True, precision=job["precision"]
+        )
         t2 = time.perf_counter()
         predicted = predict(make_problem(graph, profile.launched(True), job["precision"]), plan)
         eager = predict(make_problem(graph, profile.launched(False), job["precision"]), plan)
         predicted.update({f"{mode}-eager": t for mode, t in eager.items()})
-        doc.update(status="ok", plan=plan.to_dict(), predicted=predicted,
-                   search_s=t2 - t1, trace_s=t1 - t0, identity=plan_identity(plan.to_dict()))
+        doc.update(
+            status="ok",
+            plan=plan.to_dict(),
+            predicted=predicted,
+            search_s=t2 - t1,
+            trace_s=t1 - t0,
+            identity=plan_identity(plan.to_dict()),
+        )
     except Exception as e:  # noqa: BLE001 - recorded in the result file
         doc.update(status="failed", error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
     doc["profile"] = prof_info
@@ -169,8 +185,16 @@ def _init_worker() -> None:
 class Searcher:
     """Runs search jobs in a process pool once the profile file exists (see the module docstring)."""
 
-    def __init__(self, plan_dir: Path, jobs: dict[str, dict], profile_path: Path, fallback: str, deadline: float,
-                 workers: int | None = None, reserve_cpus: int = 0):
+    def __init__(
+        self,
+        plan_dir: Path,
+        jobs: dict[str, dict],
+        profile_path: Path,
+        fallback: str,
+        deadline: float,
+        workers: int | None = None,
+        reserve_cpus: int = 0,
+    ):
         self.plan_dir, self.jobs, self.profile_path = Path(plan_dir), jobs, Path(profile_path)
         self.fallback, self.deadline = fallback, deadline
         cpus = os.cpu_count() or 1
@@ -193,8 +217,9 @@ class Searcher:
                 return self.profile_path, ""
             if error.is_file() or time.time() > self.deadline:
                 why = error.read_text().strip().splitlines()[0] if error.is_file() else "not measured in time"
-                return resolve_profile(self.fallback), (f"profile measurement failed ({why}); searched with the "
-                                                         f"builtin profile {self.fallback}")
+                return resolve_profile(self.fallback), (
+                    f"profile measurement failed ({why}); searched with the builtin profile {self.fallback}"
+                )
             time.sleep(0.3)
         return None
 
@@ -207,13 +232,18 @@ class Searcher:
         code = code_digest()
         todo = []
         for name, job in self.jobs.items():
-            job = dict(job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir),
-                       code=code)
+            job = dict(
+                job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir), code=code
+            )
             old = load_json(self.plan_dir / f"{name}.json")
-            if old and old.get("status") == "ok" and old.get("profile", {}).get("sha256") == sha \
-                    and old.get("job", {}).get("code") == code \
-                    and old.get("job", {}).get("perturb") == job.get("perturb") \
-                    and old.get("job", {}).get("overrides") == job.get("overrides"):
+            if (
+                old
+                and old.get("status") == "ok"
+                and old.get("profile", {}).get("sha256") == sha
+                and old.get("job", {}).get("code") == code
+                and old.get("job", {}).get("perturb") == job.get("perturb")
+                and old.get("job", {}).get("overrides") == job.get("overrides")
+            ):
                 continue  # cached result of the same job on the same profile
             (self.plan_dir / f"{name}.json").unlink(missing_ok=True)
             todo.append(job)
@@ -233,9 +263,15 @@ class Searcher:
             self._pool.close()
 
     def _failed(self, job: dict, error: BaseException) -> None:
-        save_json(Path(job["plan_dir"]) / f"{job['name']}.json",
-                  {"name": job["name"], "status": "failed", "error": f"search worker died: {error!r}",
-                   "profile": {"path": job["profile_path"], "sha256": job["profile_sha"], "note": job["note"]}})
+        save_json(
+            Path(job["plan_dir"]) / f"{job['name']}.json",
+            {
+                "name": job["name"],
+                "status": "failed",
+                "error": f"search worker died: {error!r}",
+                "profile": {"path": job["profile_path"], "sha256": job["profile_sha"], "note": job["note"]},
+            },
+        )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every job has finished (or ``timeout`` seconds); True when all did."""

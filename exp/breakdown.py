@@ -49,8 +49,16 @@ from pathlib import Path
 
 from exp.report import ms, save_json, table, text_table, write_section
 
-__all__ = ["analyze", "analyze_file", "load_events", "union", "intersect_length", "total_length",
-           "breakdown_rows", "BREAKDOWN_HEADERS"]
+__all__ = [
+    "analyze",
+    "analyze_file",
+    "load_events",
+    "union",
+    "intersect_length",
+    "total_length",
+    "breakdown_rows",
+    "BREAKDOWN_HEADERS",
+]
 
 _CPU_COMM = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms)", re.IGNORECASE)
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -121,8 +129,10 @@ def load_events(trace) -> list[dict]:
     if isinstance(trace, dict):
         trace = trace.get("traceEvents")
     if not isinstance(trace, list):
-        raise ValueError("a chrome trace is a JSON list of events or an object with a 'traceEvents' list; "
-                         "export one with torch.profiler.profile(...).export_chrome_trace(path)")
+        raise ValueError(
+            "a chrome trace is a JSON list of events or an object with a 'traceEvents' list; "
+            "export one with torch.profiler.profile(...).export_chrome_trace(path)"
+        )
     return trace
 
 
@@ -155,8 +165,14 @@ def _is_comm_device(ev: dict, dtod_as_comm: bool) -> bool:
 
 def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> dict:
     """Breakdown of one iteration's trace (see the module docstring); times in seconds."""
-    events = [e for e in load_events(trace) if isinstance(e, dict) and e.get("ph") == "X"
-              and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
+    events = [
+        e
+        for e in load_events(trace)
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and isinstance(e.get("ts"), (int, float))
+        and isinstance(e.get("dur"), (int, float))
+    ]
     dev_events = [e for e in events if e.get("cat") in _DEVICE_CATS]
     if dev_events:
         devices = sorted({(e.get("args") or {}).get("device", 0) for e in dev_events}, key=lambda d: (d is None, d))
@@ -168,8 +184,10 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
         for e in dev_events:
             if _is_comm_device(e, dtod_as_comm):
                 by_stream.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"]))
-        streams = {"comm": len(by_stream),
-                   "compute": len({e.get("tid") for e in dev_events if not _is_comm_device(e, dtod_as_comm)})}
+        streams = {
+            "comm": len(by_stream),
+            "compute": len({e.get("tid") for e in dev_events if not _is_comm_device(e, dtod_as_comm)}),
+        }
         concurrent = concurrent_length(by_stream)
         source, n = "device", len(dev_events)
     else:
@@ -177,14 +195,17 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
         ops = [e for e in events if e.get("cat") == "cpu_op"]
         comm_ev = [e for e in ops if _CPU_COMM.match(str(e.get("name", "")))]
         comm = [(e["ts"], e["ts"] + e["dur"]) for e in comm_ev]
-        comp = subtract([(e["ts"], e["ts"] + e["dur"]) for e in ops if not _CPU_COMM.match(str(e.get("name", "")))],
-                        comm)
+        comp = subtract(
+            [(e["ts"], e["ts"] + e["dur"]) for e in ops if not _CPU_COMM.match(str(e.get("name", "")))], comm
+        )
         streams = {"comm": len({e.get("tid") for e in comm_ev}), "compute": len({e.get("tid") for e in ops})}
         source, n = "cpu", len(ops)
         concurrent = 0.0  # gloo's collectives run on its own threads: not visible per stream
     if not comm and not comp:
-        raise ValueError("the trace has no device kernels and no cpu_op events to analyze; profile with "
-                         "activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] around one iteration")
+        raise ValueError(
+            "the trace has no device kernels and no cpu_op events to analyze; profile with "
+            "activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] around one iteration"
+        )
     everything = comm + comp
     span = max(e for _, e in everything) - min(s for s, _ in everything)
     c, m = total_length(comp), total_length(comm)
@@ -192,10 +213,22 @@ def analyze(trace, *, dtod_as_comm: bool = True, device: int | None = None) -> d
     busy = total_length(everything)
     steps = _steps(events)
     us = 1e-6 / steps
-    return {"source": source, "device": chosen, "events": n, "steps": steps, "span_s": span * us,
-            "compute_s": c * us, "comm_s": m * us, "hidden_s": hidden * us, "exposed_s": (m - hidden) * us,
-            "idle_s": (span - busy) * us, "hidden_fraction": hidden / m if m > 0 else None,
-            "concurrent_comm_s": concurrent * us, "streams": streams, "dtod_as_comm": dtod_as_comm}
+    return {
+        "source": source,
+        "device": chosen,
+        "events": n,
+        "steps": steps,
+        "span_s": span * us,
+        "compute_s": c * us,
+        "comm_s": m * us,
+        "hidden_s": hidden * us,
+        "exposed_s": (m - hidden) * us,
+        "idle_s": (span - busy) * us,
+        "hidden_fraction": hidden / m if m > 0 else None,
+        "concurrent_comm_s": concurrent * us,
+        "streams": streams,
+        "dtod_as_comm": dtod_as_comm,
+    }
 
 
 def analyze_file(path: str | Path, **kwargs) -> dict:
@@ -204,8 +237,17 @@ def analyze_file(path: str | Path, **kwargs) -> dict:
     return out
 
 
-BREAKDOWN_HEADERS = ["run", "iteration span (ms)", "compute (ms)", "comm (ms)", "hidden comm (ms)",
-                     "exposed comm (ms)", "hidden %", "idle (ms)", "concurrent comm (ms)"]
+BREAKDOWN_HEADERS = [
+    "run",
+    "iteration span (ms)",
+    "compute (ms)",
+    "comm (ms)",
+    "hidden comm (ms)",
+    "exposed comm (ms)",
+    "hidden %",
+    "idle (ms)",
+    "concurrent comm (ms)",
+]
 
 
 def breakdown_rows(items: list[tuple[str, dict]]) -> list[list]:
@@ -213,21 +255,40 @@ def breakdown_rows(items: list[tuple[str, dict]]) -> list[list]:
     rows = []
     for label, b in items:
         frac = b.get("hidden_fraction")
-        rows.append([label, ms(b["span_s"]), ms(b["compute_s"]), ms(b["comm_s"]), ms(b["hidden_s"]),
-                     ms(b["exposed_s"]), "-" if frac is None else f"{100 * frac:.0f}", ms(b["idle_s"]),
-                     ms(b.get("concurrent_comm_s", 0.0))])
+        rows.append(
+            [
+                label,
+                ms(b["span_s"]),
+                ms(b["compute_s"]),
+                ms(b["comm_s"]),
+                ms(b["hidden_s"]),
+                ms(b["exposed_s"]),
+                "-" if frac is None else f"{100 * frac:.0f}",
+                ms(b["idle_s"]),
+                ms(b.get("concurrent_comm_s", 0.0)),
+            ]
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Computation / communication / hidden-communication breakdown of "
-                                "chrome traces (one training iteration each).")
+    p = argparse.ArgumentParser(
+        description="Computation / communication / hidden-communication breakdown of "
+        "chrome traces (one training iteration each)."
+    )
     p.add_argument("traces", nargs="+", type=Path, help="chrome trace JSON files (.json or .json.gz)")
-    p.add_argument("--dtod-compute", action="store_true",
-                   help="count device-to-device copies as computation (default: communication, as HiDup does)")
+    p.add_argument(
+        "--dtod-compute",
+        action="store_true",
+        help="count device-to-device copies as computation (default: communication, as HiDup does)",
+    )
     p.add_argument("--device", type=int, default=None, help="device index to analyze (default: the lowest)")
-    p.add_argument("--doc", type=Path, default=None, help="also write the table into this markdown file's "
-                   "'breakdown' section (e.g. docs/benchmarks.md)")
+    p.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="also write the table into this markdown file's 'breakdown' section (e.g. docs/benchmarks.md)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the numbers as JSON")
     args = p.parse_args(argv)
     items = []
@@ -243,12 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         save_json(args.json, {label: b for label, b in items})
     if args.doc is not None:
         cmd = " ".join(["python", "exp/breakdown.py"] + (sys.argv[1:] if argv is None else list(argv)))
-        body = ("## Time breakdown of one iteration (from traces)\n\n"
-                f"Command: `{cmd}`\n\n" + table(BREAKDOWN_HEADERS, rows) + "\n\n"
-                "compute / comm: busy time of compute kernels / NCCL kernels"
-                + ("" if args.dtod_compute else " and device-to-device copies")
-                + "; hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
-                "concurrent comm: communication of two or more streams at once.")
+        body = (
+            "## Time breakdown of one iteration (from traces)\n\n"
+            f"Command: `{cmd}`\n\n" + table(BREAKDOWN_HEADERS, rows) + "\n\n"
+            "compute / comm: busy time of compute kernels / NCCL kernels"
+            + ("" if args.dtod_compute else " and device-to-device copies")
+            + "; hidden: communication overlapped by compute on another stream; exposed = comm - hidden; "
+            "concurrent comm: communication of two or more streams at once."
+        )
         write_section(args.doc, "breakdown", body, title="Benchmarks")
         print(f"wrote the breakdown section of {args.doc}")
     return 0

@@ -30,6 +30,7 @@ def fsdp_restrict():
         if node.op == "param":
             return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
         return data(node, sig)
+
     return restrict
 
 
@@ -48,13 +49,17 @@ def main(argv=None) -> int:
         for recompute in ("off", "on"):
             suffix = "-recompute" if recompute == "on" else ""
             kw = dict(duplication=False, model_source=source, recompute=recompute)
-            plans = {"data": forced(graph, prof, "data", **kw),
-                     "fsdp": search(graph, prof, restrict=fsdp_restrict(), **kw),
-                     "tensor": forced(graph, prof, "tensor", **kw)}
+            plans = {
+                "data": forced(graph, prof, "data", **kw),
+                "fsdp": search(graph, prof, restrict=fsdp_restrict(), **kw),
+                "tensor": forced(graph, prof, "tensor", **kw),
+            }
             for name, plan in plans.items():
                 path = plan.save(args.out / f"{name}{suffix}.json")
-                print(f"{path}: predicted {plan.memory['total'] / 2**30:.3f} GiB per rank, "
-                      f"{len(plan.recompute)} layers recomputed")
+                print(
+                    f"{path}: predicted {plan.memory['total'] / 2**30:.3f} GiB per rank, "
+                    f"{len(plan.recompute)} layers recomputed"
+                )
     return 0
 
 

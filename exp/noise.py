@@ -87,16 +87,31 @@ def perturbations(args) -> list[dict]:
     for y in args.comm:
         if y <= -100:
             raise SystemExit(f"--comm {y}: communication can shrink by less than 100%")
-        out.append({"tag": f"comm{y:+d}", "label": f"{y:+d}% communication", "kind": "comm", "level": y,
-                    "perturb": {"noise": 0.0, "seed": 0, "comm_scale": 1.0 + y / 100.0}})
+        out.append(
+            {
+                "tag": f"comm{y:+d}",
+                "label": f"{y:+d}% communication",
+                "kind": "comm",
+                "level": y,
+                "perturb": {"noise": 0.0, "seed": 0, "comm_scale": 1.0 + y / 100.0},
+            }
+        )
     if not 0 <= args.first_seed < max(args.seeds, 1):
         raise SystemExit(f"--first-seed {args.first_seed}: must be at least 0 and below --seeds {args.seeds}")
     for s in range(args.first_seed, args.seeds):
         for x in args.noise:
             if not 0.0 <= x < 1.0:
                 raise SystemExit(f"--noise {x}: the noise level is a fraction in [0, 1)")
-            out.append({"tag": f"noise{x:g}-s{s}", "label": f"{100 * x:g}% random noise", "kind": "noise",
-                        "level": x, "seed": s, "perturb": {"noise": x, "seed": s, "comm_scale": 1.0}})
+            out.append(
+                {
+                    "tag": f"noise{x:g}-s{s}",
+                    "label": f"{100 * x:g}% random noise",
+                    "kind": "noise",
+                    "level": x,
+                    "seed": s,
+                    "perturb": {"noise": x, "seed": s, "comm_scale": 1.0},
+                }
+            )
     return out
 
 
@@ -110,8 +125,15 @@ def child_main(ctx, cfg: dict) -> None:
         measure_profile(cfg, device)
     model_cpu, inputs_cpu = hidup.models.build(cfg["model"], world_size=world, seed=0, **cfg["overrides"])
     plan_dir, names = Path(cfg["plan_dir"]), cfg["names"]
-    state = {"measured": set(), "bad": set(), "repeated": False, "last_clean": None, "pending": None,
-             "relative": {}, "again": set()}  # identity -> paired relative times; plans measured again
+    state = {
+        "measured": set(),
+        "bad": set(),
+        "repeated": False,
+        "last_clean": None,
+        "pending": None,
+        "relative": {},
+        "again": set(),
+    }  # identity -> paired relative times; plans measured again
     docs: dict[str, dict] = {}  # finished search results (written once, atomically)
 
     def decide() -> dict:
@@ -164,25 +186,52 @@ def child_main(ctx, cfg: dict) -> None:
         doc = choice["doc"]
         plan = Plan.from_dict(doc["plan"])
         method = ("hidup" if plan.duplication else "hidup-nodup") + ("-eager" if cfg.get("mode") == "eager" else "")
-        res = br.execute(method, model_cpu, inputs_cpu, rank, world, device, cfg["precision_run"],
-                         warmup=cfg["warmup"], iters=cfg["iters"], cap_s=choice["cap"], plan=plan)
+        res = br.execute(
+            method,
+            model_cpu,
+            inputs_cpu,
+            rank,
+            world,
+            device,
+            cfg["precision_run"],
+            warmup=cfg["warmup"],
+            iters=cfg["iters"],
+            cap_s=choice["cap"],
+            plan=plan,
+        )
         t = res.get("iter_time_s")
-        tag = "repeat" if choice["repeat"] else ("reference" if choice.get("ref") else
-                                                 ("measured again" if choice.get("again") else ""))
+        tag = (
+            "repeat"
+            if choice["repeat"]
+            else ("reference" if choice.get("ref") else ("measured again" if choice.get("again") else ""))
+        )
         if rank == 0:
-            print(f"[noise] plan {doc['identity']} ({choice['name']}{', ' + tag if tag else ''}): "
-                  + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"), flush=True)
+            print(
+                f"[noise] plan {doc['identity']} ({choice['name']}{', ' + tag if tag else ''}): "
+                + (f"{t * 1e3:.2f} ms" if t else f"{res['status']} {str(res.get('error'))[:120]}"),
+                flush=True,
+            )
         if choice.get("ref"):
             n_refs += 1
-            emit(dict(res, key=f"{doc['identity']}-ref{n_refs}", identity=doc["identity"], name=choice["name"],
-                      method=method, repeat=False, reference=True))
+            emit(
+                dict(
+                    res,
+                    key=f"{doc['identity']}-ref{n_refs}",
+                    identity=doc["identity"],
+                    name=choice["name"],
+                    method=method,
+                    repeat=False,
+                    reference=True,
+                )
+            )
             pending, state["pending"] = state["pending"], None
             pending["ref_after_s"] = t
             state["last_clean"] = t or state["last_clean"]
             refs = [x for x in (pending.get("ref_before_s"), t) if x]
             if pending.get("iter_time_s") and refs:
                 state["relative"].setdefault(pending["identity"], []).append(
-                    pending["iter_time_s"] / statistics.fmean(refs))
+                    pending["iter_time_s"] / statistics.fmean(refs)
+                )
             emit(pending)
             continue
         if choice.get("again"):
@@ -192,8 +241,15 @@ def child_main(ctx, cfg: dict) -> None:
         else:
             (state["measured"] if res["status"] == "ok" else state["bad"]).add(doc["identity"])
         suffix = "-repeat" if choice["repeat"] else (f"-again{n_refs}" if choice.get("again") else "")
-        record = dict(res, key=f"{doc['identity']}{suffix}", identity=doc["identity"], name=choice["name"],
-                      method=method, repeat=choice["repeat"], again=bool(choice.get("again")))
+        record = dict(
+            res,
+            key=f"{doc['identity']}{suffix}",
+            identity=doc["identity"],
+            name=choice["name"],
+            method=method,
+            repeat=choice["repeat"],
+            again=bool(choice.get("again")),
+        )
         if choice["name"] == names[0] and not choice["repeat"]:
             state["last_clean"] = t
         elif cfg.get("paired") and not choice["repeat"] and res["status"] == "ok":
@@ -214,8 +270,11 @@ def _flips(clean: dict, plan: dict) -> dict:
         if ref is not None and sig != ref:
             nodes.append(name)
             kinds[f"{ref.get('kind', '?')}->{sig.get('kind', '?')}"] += 1
-    return {"nodes": nodes, "kinds": dict(kinds.most_common()),
-            "duplication": None if plan["duplication"] == clean["duplication"] else plan["duplication"]}
+    return {
+        "nodes": nodes,
+        "kinds": dict(kinds.most_common()),
+        "duplication": None if plan["duplication"] == clean["duplication"] else plan["duplication"],
+    }
 
 
 def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured: dict, profile_path: Path) -> dict:
@@ -225,12 +284,14 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
     if not clean or clean.get("status") != "ok":
         raise SystemExit(f"the clean search failed or did not finish: {(clean or {}).get('error', 'no result')}")
     model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **overrides_of(args))
-    problem = make_problem(trace(model, inputs, world_size=args.world, half_batch=True), load(profile_path),
-                           args.search_precision)
+    problem = make_problem(
+        trace(model, inputs, world_size=args.world, half_batch=True), load(profile_path), args.search_precision
+    )
 
     def pred(doc):
         plan = Plan.from_dict(doc["plan"])
         return predict(problem, plan)["hidup" if plan.duplication else "hidup-nodup"]
+
     t_clean_pred = pred(clean)
     t_clean = (measured.get(clean["identity"]) or {}).get("iter_time_s")
     jobs = []
@@ -249,10 +310,16 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
                     paired.append((r["iter_time_s"], rr))
                 if r.get("info"):
                     modes.append({k: r["info"].get(k) for k in ("step_mode", "mode_timings")})
-            j.update(identity=d["identity"], duplication=d["plan"]["duplication"], search_s=d.get("search_s"),
-                     predicted_clean_model_s=pred(d), predicted_own_profile_s=d["predicted"][
-                         "hidup" if d["plan"]["duplication"] else "hidup-nodup"],
-                     measured_s=t, flips=_flips(clean["plan"], d["plan"]), step_modes=modes)
+            j.update(
+                identity=d["identity"],
+                duplication=d["plan"]["duplication"],
+                search_s=d.get("search_s"),
+                predicted_clean_model_s=pred(d),
+                predicted_own_profile_s=d["predicted"]["hidup" if d["plan"]["duplication"] else "hidup-nodup"],
+                measured_s=t,
+                flips=_flips(clean["plan"], d["plan"]),
+                step_modes=modes,
+            )
             j["relative_predicted"] = j["predicted_clean_model_s"] / t_clean_pred
             if d["identity"] == clean["identity"]:
                 j["relative_measured"] = 1.0 if t_clean else None
@@ -271,13 +338,25 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
     refs = [r["iter_time_s"] for k, r in measured.items() if r.get("reference") and r.get("iter_time_s")]
     clean_times = [t for t in [t_clean, repeat] + refs if t]
     spread = (max(clean_times) - min(clean_times)) / statistics.median(clean_times) if len(clean_times) > 1 else None
-    return {"clean": {"identity": clean["identity"], "measured_s": t_clean, "predicted_s": t_clean_pred,
-                      "duplication": clean["plan"]["duplication"], "repeat_measured_s": repeat,
-                      "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None,
-                      "runs_s": clean_times, "spread": spread,
-                      "step_modes": [r.get("info", {}).get("step_mode") for k, r in measured.items()
-                                     if r.get("identity") == clean["identity"] and r.get("info")]},
-            "rows": rows, "jobs": jobs}
+    return {
+        "clean": {
+            "identity": clean["identity"],
+            "measured_s": t_clean,
+            "predicted_s": t_clean_pred,
+            "duplication": clean["plan"]["duplication"],
+            "repeat_measured_s": repeat,
+            "measurement_noise": abs(repeat - t_clean) / t_clean if repeat and t_clean else None,
+            "runs_s": clean_times,
+            "spread": spread,
+            "step_modes": [
+                r.get("info", {}).get("step_mode")
+                for k, r in measured.items()
+                if r.get("identity") == clean["identity"] and r.get("info")
+            ],
+        },
+        "rows": rows,
+        "jobs": jobs,
+    }
 
 
 # ============================================================================ report
@@ -285,8 +364,18 @@ def _f(x, pct=False) -> str:
     return "-" if x is None else (f"{x:.3f}" if not pct else f"{100 * x:.1f}%")
 
 
-HEADERS = ["perturbation", "plans", "distinct", "measured", "mean rel. (measured)", "worst rel. (measured)",
-           "mean rel. (predicted)", "worst rel. (predicted)", "flipped nodes (mean)", "dup. flips"]
+HEADERS = [
+    "perturbation",
+    "plans",
+    "distinct",
+    "measured",
+    "mean rel. (measured)",
+    "worst rel. (measured)",
+    "mean rel. (predicted)",
+    "worst rel. (predicted)",
+    "flipped nodes (mean)",
+    "dup. flips",
+]
 
 
 def summary_rows(jobs: list[dict]) -> list[dict]:
@@ -301,26 +390,43 @@ def summary_rows(jobs: list[dict]) -> list[dict]:
         kinds = Counter()
         for j in ok:
             kinds.update(j["flips"]["kinds"])
-        rows.append({"label": label, "plans": len(group), "searched": len(ok),
-                     "distinct": len({j["identity"] for j in ok}), "measured": len(meas),
-                     "mean_measured": statistics.fmean(meas) if meas else None,
-                     "worst_measured": max(meas, default=None),
-                     "mean_predicted": statistics.fmean(predv) if predv else None,
-                     "worst_predicted": max(predv, default=None),
-                     "flipped_nodes_mean": statistics.fmean(len(j["flips"]["nodes"]) for j in ok) if ok else None,
-                     "duplication_flips": sum(j["flips"]["duplication"] is not None for j in ok),
-                     "flip_kinds": dict(kinds.most_common()),
-                     "flip_examples": sorted({n for j in ok for n in j["flips"]["nodes"]})[:8]})
+        rows.append(
+            {
+                "label": label,
+                "plans": len(group),
+                "searched": len(ok),
+                "distinct": len({j["identity"] for j in ok}),
+                "measured": len(meas),
+                "mean_measured": statistics.fmean(meas) if meas else None,
+                "worst_measured": max(meas, default=None),
+                "mean_predicted": statistics.fmean(predv) if predv else None,
+                "worst_predicted": max(predv, default=None),
+                "flipped_nodes_mean": statistics.fmean(len(j["flips"]["nodes"]) for j in ok) if ok else None,
+                "duplication_flips": sum(j["flips"]["duplication"] is not None for j in ok),
+                "flip_kinds": dict(kinds.most_common()),
+                "flip_examples": sorted({n for j in ok for n in j["flips"]["nodes"]})[:8],
+            }
+        )
     return rows
 
 
 def table_rows(rows: list[dict]) -> list[list]:
     """The cells of :data:`HEADERS` for :func:`summary_rows`' rows."""
-    return [[r["label"], r["searched"] if r["searched"] == r["plans"] else f"{r['searched']}/{r['plans']}",
-             r["distinct"], r["measured"], _f(r["mean_measured"]), _f(r["worst_measured"]), _f(r["mean_predicted"]),
-             _f(r["worst_predicted"]),
-             "-" if r["flipped_nodes_mean"] is None else f"{r['flipped_nodes_mean']:.1f}", r["duplication_flips"]]
-            for r in rows]
+    return [
+        [
+            r["label"],
+            r["searched"] if r["searched"] == r["plans"] else f"{r['searched']}/{r['plans']}",
+            r["distinct"],
+            r["measured"],
+            _f(r["mean_measured"]),
+            _f(r["worst_measured"]),
+            _f(r["mean_predicted"]),
+            _f(r["worst_predicted"]),
+            "-" if r["flipped_nodes_mean"] is None else f"{r['flipped_nodes_mean']:.1f}",
+            r["duplication_flips"],
+        ]
+        for r in rows
+    ]
 
 
 def write_docs(args, result: dict, meta: dict) -> None:
@@ -333,29 +439,55 @@ def write_docs(args, result: dict, meta: dict) -> None:
     profile = Path(meta["profile"])
     profile_ref = link(profile, docs) if profile.is_file() else f"`{meta['profile']}`"
     c = result["clean"]
-    lines = [f"# Robustness to profile errors ({args.model}, {args.world} GPUs, {args.network})", "",
-             f"Command: `{meta['command']}`  ", f"Hardware: {hardware_line(meta['hardware'])}  ",
-             f"Date: {meta['hardware'].get('date')}  ", f"Clean profile: {profile_ref}"
-             + (f" ({meta['profile_note']})" if meta.get("profile_note") else "") + "  ",
-             f"Precision: {args.precision}" + (f" (searched as {args.search_precision})"
-                                              if args.search_precision != args.precision else "")
-             + (", predicted only (no runs)" if args.predict_only else
-                {"eager": "; plans run eagerly on one shared pair of copy communicators",
-                 "auto": "; plans run as hidup train runs them, fresh copy communicators per run"}.get(
-                    meta.get("mode"), "")), "",
-             f"Clean plan `{c['identity']}` (duplication {'on' if c['duplication'] else 'off'}): predicted "
-             f"{_f(c['predicted_s'] and c['predicted_s'] * 1e3)} ms"
-             + (f", measured {c['measured_s'] * 1e3:.2f} ms" if c["measured_s"] else "")
-             + (f", re-measured at the end {c['repeat_measured_s'] * 1e3:.2f} ms (measurement noise "
-                f"{_f(c['measurement_noise'], pct=True)})" if c["repeat_measured_s"] else "")
-             + (f"; {len(c['runs_s'])} runs of the clean plan spread {_f(c['spread'], pct=True)} "
-                f"((max - min) / median)" if c.get("spread") is not None else "") + ".", "",
-             "Relative time = iteration time of the plan searched with the perturbed profile / that of the clean "
-             "plan (mean and worst over the perturbation's seeds). Predicted: both priced by the clean profile's "
-             "cost model; measured: both run on the GPUs (each distinct plan once"
-             + (", divided by the mean of the clean plan's runs right before and after it)"
-                if any(j.get("reference_s") for j in result["jobs"]) else ")") + ".", "",
-             table(HEADERS, table_rows(result["rows"])), "", f"Results: {link(results, docs)}", ""]
+    lines = [
+        f"# Robustness to profile errors ({args.model}, {args.world} GPUs, {args.network})",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Hardware: {hardware_line(meta['hardware'])}  ",
+        f"Date: {meta['hardware'].get('date')}  ",
+        f"Clean profile: {profile_ref}" + (f" ({meta['profile_note']})" if meta.get("profile_note") else "") + "  ",
+        f"Precision: {args.precision}"
+        + (f" (searched as {args.search_precision})" if args.search_precision != args.precision else "")
+        + (
+            ", predicted only (no runs)"
+            if args.predict_only
+            else {
+                "eager": "; plans run eagerly on one shared pair of copy communicators",
+                "auto": "; plans run as hidup train runs them, fresh copy communicators per run",
+            }.get(meta.get("mode"), "")
+        ),
+        "",
+        f"Clean plan `{c['identity']}` (duplication {'on' if c['duplication'] else 'off'}): predicted "
+        f"{_f(c['predicted_s'] and c['predicted_s'] * 1e3)} ms"
+        + (f", measured {c['measured_s'] * 1e3:.2f} ms" if c["measured_s"] else "")
+        + (
+            f", re-measured at the end {c['repeat_measured_s'] * 1e3:.2f} ms (measurement noise "
+            f"{_f(c['measurement_noise'], pct=True)})"
+            if c["repeat_measured_s"]
+            else ""
+        )
+        + (
+            f"; {len(c['runs_s'])} runs of the clean plan spread {_f(c['spread'], pct=True)} ((max - min) / median)"
+            if c.get("spread") is not None
+            else ""
+        )
+        + ".",
+        "",
+        "Relative time = iteration time of the plan searched with the perturbed profile / that of the clean "
+        "plan (mean and worst over the perturbation's seeds). Predicted: both priced by the clean profile's "
+        "cost model; measured: both run on the GPUs (each distinct plan once"
+        + (
+            ", divided by the mean of the clean plan's runs right before and after it)"
+            if any(j.get("reference_s") for j in result["jobs"])
+            else ")"
+        )
+        + ".",
+        "",
+        table(HEADERS, table_rows(result["rows"])),
+        "",
+        f"Results: {link(results, docs)}",
+        "",
+    ]
     if drawn is not None:
         lines += [f"![relative iteration times]({drawn.name})", ""]
     lines += ["## Decisions that flipped", ""]
@@ -376,8 +508,12 @@ def figure(rows: list[dict], target: Path, title: str) -> Path | None:
     labels = [r["label"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 3.8))
     xs = range(len(labels))
-    for off, key, name in ((-0.3, "mean_predicted", "mean (predicted)"), (-0.1, "worst_predicted", "worst (predicted)"),
-                           (0.1, "mean_measured", "mean (measured)"), (0.3, "worst_measured", "worst (measured)")):
+    for off, key, name in (
+        (-0.3, "mean_predicted", "mean (predicted)"),
+        (-0.1, "worst_predicted", "worst (predicted)"),
+        (0.1, "mean_measured", "mean (measured)"),
+        (0.3, "worst_measured", "worst (measured)"),
+    ):
         ys = [r[key] for r in rows]
         if any(y is not None for y in ys):
             ax.bar([x + off for x in xs], [y or 0.0 for y in ys], 0.2, label=name)
@@ -404,8 +540,10 @@ def combine(paths: list[Path]) -> dict:
         raise ValueError("nothing to combine: give the robustness.json files of the study's runs")
     clean = {r["clean"]["identity"] for _, r in runs}
     if len(clean) != 1:
-        raise ValueError(f"the runs searched different clean plans ({', '.join(sorted(clean))}): combine only runs "
-                         "of one build on one profile")
+        raise ValueError(
+            f"the runs searched different clean plans ({', '.join(sorted(clean))}): combine only runs "
+            "of one build on one profile"
+        )
     clean = clean.pop()
     measured: dict[str, list[dict]] = {}  # identity -> every paired measurement
     jobs: dict[str, dict] = {}  # tag -> its job in the first run that has it
@@ -426,18 +564,32 @@ def combine(paths: list[Path]) -> dict:
         if j["kind"] == "clean":
             continue
         runs_of = measured.get(j["identity"], [])
-        rel = 1.0 if j["identity"] == clean else (statistics.fmean(m["relative"] for m in runs_of) if runs_of
-                                                   else None)
-        seeds.append({"tag": tag, "label": j["label"], "kind": j["kind"], "status": "ok", "identity": j["identity"],
-                      "relative_predicted": j["relative_predicted"], "relative_measured": rel, "measured": runs_of,
-                      "flips": j["flips"]})
+        rel = 1.0 if j["identity"] == clean else (statistics.fmean(m["relative"] for m in runs_of) if runs_of else None)
+        seeds.append(
+            {
+                "tag": tag,
+                "label": j["label"],
+                "kind": j["kind"],
+                "status": "ok",
+                "identity": j["identity"],
+                "relative_predicted": j["relative_predicted"],
+                "relative_measured": rel,
+                "measured": runs_of,
+                "flips": j["flips"],
+            }
+        )
     rows = summary_rows(seeds)
-    return {"description": "Per perturbation: the relative measured time of its plan (the mean over every "
-                           "measurement of that plan in the runs, each paired with the clean plan's runs right "
-                           "before and after it) and its relative predicted time (the clean profile's cost model).",
-            "clean": clean, "runs": [{"file": p.name, "command": r.get("command"), "date": r.get("hardware", {})
-                                      .get("date")} for p, r in runs],
-            "seeds": seeds, "rows": rows}
+    return {
+        "description": "Per perturbation: the relative measured time of its plan (the mean over every "
+        "measurement of that plan in the runs, each paired with the clean plan's runs right "
+        "before and after it) and its relative predicted time (the clean profile's cost model).",
+        "clean": clean,
+        "runs": [
+            {"file": p.name, "command": r.get("command"), "date": r.get("hardware", {}).get("date")} for p, r in runs
+        ],
+        "seeds": seeds,
+        "rows": rows,
+    }
 
 
 def write_combined(result: dict, docs: Path, run_paths: list[Path]) -> None:
@@ -448,61 +600,111 @@ def write_combined(result: dict, docs: Path, run_paths: list[Path]) -> None:
     results = save_json(docs / "robustness.json", result)
     drawn = figure(result["rows"], docs / "robustness.png", "combined runs")
     worst = sorted((x for x in result["seeds"] if x["measured"]), key=lambda x: -x["relative_measured"])[:3]
-    lines = ["Combined from " + ", ".join(link(p, docs) for p in run_paths)
-             + f" (`python exp/noise.py --combine ...`); clean plan `{result['clean']}`; results: "
-             + link(results, docs) + (f", figure: {link(drawn, docs)}" if drawn is not None else "") + ".", "",
-             table(HEADERS, table_rows(result["rows"])), "",
-             "Slowest measured plans (relative time of each measurement):", ""]
+    lines = [
+        "Combined from "
+        + ", ".join(link(p, docs) for p in run_paths)
+        + f" (`python exp/noise.py --combine ...`); clean plan `{result['clean']}`; results: "
+        + link(results, docs)
+        + (f", figure: {link(drawn, docs)}" if drawn is not None else "")
+        + ".",
+        "",
+        table(HEADERS, table_rows(result["rows"])),
+        "",
+        "Slowest measured plans (relative time of each measurement):",
+        "",
+    ]
     for x in worst:
-        lines.append(f"- {x['tag']} (`{x['identity']}`, predicted {x['relative_predicted']:.3f}): "
-                     + ", ".join(f"{m['relative']:.3f} ({m['run']})" for m in x["measured"]))
+        lines.append(
+            f"- {x['tag']} (`{x['identity']}`, predicted {x['relative_predicted']:.3f}): "
+            + ", ".join(f"{m['relative']:.3f} ({m['run']})" for m in x["measured"])
+        )
     write_section(docs / "robustness.md", "combined", "\n".join(lines), title="Robustness to profile errors")
 
 
 # ============================================================================ command line
 
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bert-sgmoe")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--network", choices=("sockets", "nvlink"), default="sockets")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
     p.add_argument("--noise", type=float, nargs="+", default=[0.2, 0.4, 0.8])
     p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--first-seed", type=int, default=0,
-                   help="start at this seed (to complete a study that ran out of time: seeds first..seeds-1)")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="start at this seed (to complete a study that ran out of time: seeds first..seeds-1)",
+    )
     p.add_argument("--comm", type=int, nargs="+", default=[-50, -25, 25, 100], help="communication change in %%")
     p.add_argument("--profile", default=None, help="clean profile (builtin name or path)")
-    p.add_argument("--predict-only", action="store_true", help="do not run plans; price them with the clean "
-                   "profile's cost model (needs no GPU)")
+    p.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="do not run plans; price them with the clean profile's cost model (needs no GPU)",
+    )
     p.add_argument("--docs", type=Path, default=ROOT / "docs")
-    p.add_argument("--bench-out", type=Path, default=ROOT / "docs" / "bench", help="exp/bench.py's results "
-                   "directory (its <network>-profile.json is the default clean profile; plans are cached there)")
-    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="RUN",
-                   help="run nothing: combine these runs' robustness.json files into one study (each plan's "
-                        "measurements averaged) and write it to --docs (robustness.json, the 'combined' section "
-                        "of robustness.md, robustness.png)")
-    p.add_argument("--again-above", type=float, default=1.10,
-                   help="measure a plan a second time (paired) when it measured above this multiple of the "
-                        "clean plan, time allowing; its relative time is then the mean of both (0: never)")
-    p.add_argument("--unpaired", action="store_true",
-                   help="measure each plan once against one clean run (default: run the clean plan again right "
-                        "after each perturbed plan and divide by the mean of the clean runs around it)")
-    p.add_argument("--mode", choices=("auto", "eager"), default=None,
-                   help="how plans run: eagerly, every plan on one shared pair of copy communicators (the "
-                        "default on sockets, where hidup train's automatic choice keeps eager steps; about 4 s "
-                        "per run), or as hidup train runs them (auto: CUDA graph kept when faster, fresh copy "
-                        "communicators per run, about 25 s per run over sockets; the default on nvlink)")
+    p.add_argument(
+        "--bench-out",
+        type=Path,
+        default=ROOT / "docs" / "bench",
+        help="exp/bench.py's results "
+        "directory (its <network>-profile.json is the default clean profile; plans are cached there)",
+    )
+    p.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="run nothing: combine these runs' robustness.json files into one study (each plan's "
+        "measurements averaged) and write it to --docs (robustness.json, the 'combined' section "
+        "of robustness.md, robustness.png)",
+    )
+    p.add_argument(
+        "--again-above",
+        type=float,
+        default=1.10,
+        help="measure a plan a second time (paired) when it measured above this multiple of the "
+        "clean plan, time allowing; its relative time is then the mean of both (0: never)",
+    )
+    p.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="measure each plan once against one clean run (default: run the clean plan again right "
+        "after each perturbed plan and divide by the mean of the clean runs around it)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "eager"),
+        default=None,
+        help="how plans run: eagerly, every plan on one shared pair of copy communicators (the "
+        "default on sockets, where hidup train's automatic choice keeps eager steps; about 4 s "
+        "per run), or as hidup train runs them (auto: CUDA graph kept when faster, fresh copy "
+        "communicators per run, about 25 s per run over sockets; the default on nvlink)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--run-cap", type=float, default=20.0)
     p.add_argument("--time-budget", type=float, default=480.0)
     p.add_argument("--profile-budget", type=float, default=0.1)
-    p.add_argument("--comm-rounds", type=int, default=3, metavar="R",
-                   help="passes over the collective tables of a measured profile (median per point; default 3)")
-    p.add_argument("--search-jobs", type=int, default=None,
-                   help="parallel search processes (default: by CPUs; 0: search in this process)")
+    p.add_argument(
+        "--comm-rounds",
+        type=int,
+        default=3,
+        metavar="R",
+        help="passes over the collective tables of a measured profile (median per point; default 3)",
+    )
+    p.add_argument(
+        "--search-jobs",
+        type=int,
+        default=None,
+        help="parallel search processes (default: by CPUs; 0: search in this process)",
+    )
     p.add_argument("--dist-timeout", type=float, default=120.0)
     add_model_flags(p.add_argument_group("model overrides"))
     return p.parse_args(argv)
@@ -526,8 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     env = apply_network(args.network)
     gpu = torch.cuda.is_available() and not args.predict_only
     if not args.predict_only and torch.cuda.is_available() and args.world > torch.cuda.device_count():
-        raise SystemExit(f"--world {args.world} needs {args.world} GPUs; this host has {torch.cuda.device_count()} "
-                         "(or use --predict-only)")
+        raise SystemExit(
+            f"--world {args.world} needs {args.world} GPUs; this host has {torch.cuda.device_count()} "
+            "(or use --predict-only)"
+        )
 
     if args.model not in hidup.models.names():
         raise SystemExit(f"--model {args.model}: not in the zoo ({', '.join(hidup.models.names())})")
@@ -547,11 +751,27 @@ def main(argv: list[str] | None = None) -> int:
     perts = perturbations(args)
     overrides = overrides_of(args)
     names = [job_name(args.model, args.world, args.search_precision, overrides, f"-{p['tag']}") for p in perts]
-    jobs = {n: {"name": n, "model": args.model, "world": args.world, "precision": args.search_precision,
-                "overrides": overrides, "perturb": p["perturb"]} for n, p in zip(names, perts)}
+    jobs = {
+        n: {
+            "name": n,
+            "model": args.model,
+            "world": args.world,
+            "precision": args.search_precision,
+            "overrides": overrides,
+            "perturb": p["perturb"],
+        }
+        for n, p in zip(names, perts)
+    }
     plan_dir = args.bench_out / "plans" / f"robustness-{args.network}"
-    searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], deadline,
-                        workers=args.search_jobs, reserve_cpus=0 if args.predict_only else 2 * args.world)
+    searcher = Searcher(
+        plan_dir,
+        jobs,
+        profile_path,
+        FALLBACK_PROFILE[args.network],
+        deadline,
+        workers=args.search_jobs,
+        reserve_cpus=0 if args.predict_only else 2 * args.world,
+    )
     args.bench_out.mkdir(parents=True, exist_ok=True)
     searcher.start()
     measured: dict = {}
@@ -562,17 +782,42 @@ def main(argv: list[str] | None = None) -> int:
         else:
             partial = args.bench_out / f".partial-robustness-{args.network}.jsonl"
             partial.unlink(missing_ok=True)
-            cfg = {"network": args.network, "profile": str(profile_path), "profile_budget": args.profile_budget,
-                   "comm_rounds": args.comm_rounds,
-                   "measure_profile": measure, "model": args.model, "overrides": overrides, "plan_dir": str(plan_dir),
-                   "names": names, "deadline": deadline, "min_run_s": 3.0, "run_cap": args.run_cap,
-                   "warmup": args.warmup, "iters": args.iters, "partial": str(partial),
-                   "paired": not args.unpaired, "mode": args.mode, "again_above": args.again_above,
-                   "precision_run": args.precision if gpu else "fp32", "models": [args.model],
-                   "worlds": [args.world], "precisions": [args.search_precision], "ops_seconds": 60.0}
+            cfg = {
+                "network": args.network,
+                "profile": str(profile_path),
+                "profile_budget": args.profile_budget,
+                "comm_rounds": args.comm_rounds,
+                "measure_profile": measure,
+                "model": args.model,
+                "overrides": overrides,
+                "plan_dir": str(plan_dir),
+                "names": names,
+                "deadline": deadline,
+                "min_run_s": 3.0,
+                "run_cap": args.run_cap,
+                "warmup": args.warmup,
+                "iters": args.iters,
+                "partial": str(partial),
+                "paired": not args.unpaired,
+                "mode": args.mode,
+                "again_above": args.again_above,
+                "precision_run": args.precision if gpu else "fp32",
+                "models": [args.model],
+                "worlds": [args.world],
+                "precisions": [args.search_precision],
+                "ops_seconds": 60.0,
+            }
             try:
-                launch(child_main, cfg, nnodes=1, cpn=args.world, node_rank=0, master_addr="127.0.0.1",
-                       master_port=0, timeout_s=args.dist_timeout)
+                launch(
+                    child_main,
+                    cfg,
+                    nnodes=1,
+                    cpn=args.world,
+                    node_rank=0,
+                    master_addr="127.0.0.1",
+                    master_port=0,
+                    timeout_s=args.dist_timeout,
+                )
             except (LaunchError, RuntimeError) as e:
                 print(f"[noise] the process group failed; reporting what was measured:\n{str(e)[-2000:]}")
             measured = read_partial(partial)[0]
@@ -581,12 +826,27 @@ def main(argv: list[str] | None = None) -> int:
                 note = searcher.note
     finally:
         searcher.stop()
-    result = assemble(args, perts, names, plan_dir, measured, profile_path if not searcher.note else
-                      resolve_profile(FALLBACK_PROFILE[args.network]))
-    meta = {"command": command_line("exp/noise.py", argv), "hardware": hardware("cuda" if gpu else "cpu"),
-            "env": env, "profile": str(profile_path), "profile_note": note or searcher.note, "model": args.model,
-            "world": args.world, "precision": args.precision, "predict_only": args.predict_only, "mode": args.mode,
-            "elapsed_s": time.time() - started}
+    result = assemble(
+        args,
+        perts,
+        names,
+        plan_dir,
+        measured,
+        profile_path if not searcher.note else resolve_profile(FALLBACK_PROFILE[args.network]),
+    )
+    meta = {
+        "command": command_line("exp/noise.py", argv),
+        "hardware": hardware("cuda" if gpu else "cpu"),
+        "env": env,
+        "profile": str(profile_path),
+        "profile_note": note or searcher.note,
+        "model": args.model,
+        "world": args.world,
+        "precision": args.precision,
+        "predict_only": args.predict_only,
+        "mode": args.mode,
+        "elapsed_s": time.time() - started,
+    }
     write_docs(args, result, meta)
     print(text_table(HEADERS, table_rows(result["rows"])))
     print(f"\nwrote {Path(args.docs) / 'robustness.md'} and robustness.json ({time.time() - started:.0f} s)")

@@ -44,8 +44,16 @@ def _rank(ctx, args) -> list:
     for m, over, style, dup in configs(args.models, args.styles, args.duplication):
         t0 = time.perf_counter()
         try:
-            r = parity_report(ctx, m, over, style=style, duplication=dup, steps=args.steps, profile=args.profile,
-                              cuda_graph=args.cuda_graph)
+            r = parity_report(
+                ctx,
+                m,
+                over,
+                style=style,
+                duplication=dup,
+                steps=args.steps,
+                profile=args.profile,
+                cuda_graph=args.cuda_graph,
+            )
         except Exception as e:  # recorded, the sweep goes on
             r = {"model": m, "style": style, "duplication": dup, "error": f"{type(e).__name__}: {e}"}
             if ctx.world_size > 1:
@@ -55,10 +63,17 @@ def _rank(ctx, args) -> list:
             r.pop("grads", None)
             ok = "error" not in r and max(r["loss_rel"], r["grad_rel"], r.get("steps_rel", 0.0) / 10) <= args.tolerance
             r["ok"] = ok
-            print(f"{m:18s} {style:9s} dup={str(dup):5s} " + ("graph " if r.get("cuda_graph") else "") + (
-                f"loss {r['loss_rel']:.1e} grads {r['grad_rel']:.1e} steps {r.get('steps_rel', 0):.1e} "
-                f"[{','.join(r['kinds'])}] {'OK' if ok else 'MISMATCH'}" if "error" not in r else r["error"]),
-                flush=True)
+            print(
+                f"{m:18s} {style:9s} dup={str(dup):5s} "
+                + ("graph " if r.get("cuda_graph") else "")
+                + (
+                    f"loss {r['loss_rel']:.1e} grads {r['grad_rel']:.1e} steps {r.get('steps_rel', 0):.1e} "
+                    f"[{','.join(r['kinds'])}] {'OK' if ok else 'MISMATCH'}"
+                    if "error" not in r
+                    else r["error"]
+                ),
+                flush=True,
+            )
             out.append(r)
     return out
 
@@ -68,13 +83,21 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--models", nargs="+", default=hidup.models.names())
     p.add_argument("--styles", nargs="+", default=None, help="default: searched, data, tensor (+ expert for MoE)")
-    p.add_argument("--duplication", nargs="+", type=lambda s: s.lower() in ("1", "on", "true"),
-                   default=[False, True], help="on/off values to test (default: off on)")
+    p.add_argument(
+        "--duplication",
+        nargs="+",
+        type=lambda s: s.lower() in ("1", "on", "true"),
+        default=[False, True],
+        help="on/off values to test (default: off on)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", default="paper-v100-9.7gbps")
     p.add_argument("--tolerance", type=float, default=1e-5)
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="run the compiled modules' forward+backward as one captured CUDA graph (GPUs)")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="run the compiled modules' forward+backward as one captured CUDA graph (GPUs)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -89,8 +112,9 @@ def main(argv=None) -> int:
     print(f"{len(rows) - len(bad)}/{len(rows)} configurations in parity (tolerance {args.tolerance:g})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"world": args.world, "backend": backend, "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps({"world": args.world, "backend": backend, "torch": torch.__version__, "rows": rows}, indent=1)
+        )
     return 1 if bad else 0
 
 

@@ -28,8 +28,13 @@ def hardware(device_type: str | None = None) -> dict:
     """Facts about this host and its accelerators (GPU name/count, torch, CUDA, NCCL, Python)."""
     import torch  # here, not at the top: benchsearch's pool workers import this module before torch
 
-    info = {"host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    info = {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     if torch.cuda.is_available() and device_type != "cpu":
         info["device"] = torch.cuda.get_device_name(0)
         info["device_count"] = torch.cuda.device_count()
@@ -46,8 +51,12 @@ def hardware(device_type: str | None = None) -> dict:
 
 
 def hardware_line(hw: dict) -> str:
-    parts = [f"{hw.get('device_count', 0)} x {hw.get('device', '?')}" if hw.get("device_count")
-             else str(hw.get("device", "?")), f"torch {hw.get('torch', '?')}"]
+    parts = [
+        f"{hw.get('device_count', 0)} x {hw.get('device', '?')}"
+        if hw.get("device_count")
+        else str(hw.get("device", "?")),
+        f"torch {hw.get('torch', '?')}",
+    ]
     if hw.get("cuda"):
         parts.append(f"CUDA {hw['cuda']}")
     if hw.get("nccl"):
@@ -79,8 +88,10 @@ def load_json(path: str | Path, default=None):
 
 def table(headers: list[str], rows: list[list]) -> str:
     """A markdown table (cells converted with ``str``; ``None`` shows as ``-``)."""
+
     def cell(v) -> str:
         return "-" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -124,6 +135,7 @@ def pyplot():
     """``matplotlib.pyplot`` with the non-interactive Agg backend, or ``None`` if not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -43,13 +43,33 @@ from hidup.search import SearchError
 ROOT = Path(__file__).resolve().parent.parent
 
 JOBS = {
-    "llama3-8b": dict(family="llama", config=dict(
-        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
-    "mixtral-8x7b": dict(family="mixtral", config=dict(
-        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
-        num_experts_per_tok=2)),
+    "llama3-8b": dict(
+        family="llama",
+        config=dict(
+            num_hidden_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        ),
+    ),
+    "mixtral-8x7b": dict(
+        family="mixtral",
+        config=dict(
+            num_hidden_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
 }
 
 
@@ -83,8 +103,14 @@ def build(name: str, layers: int | None, batch: int, seq: int):
 
 
 def _weight_role(param: str) -> str | None:
-    for key, role in (("experts", "experts"), ("mlp_gate_weight", "router"), ("self_attn", "attention"), ("mlp", "mlp"),
-                      ("embed_tokens", "embedding"), ("lm_head", "lm_head")):
+    for key, role in (
+        ("experts", "experts"),
+        ("mlp_gate_weight", "router"),
+        ("self_attn", "attention"),
+        ("mlp", "mlp"),
+        ("embed_tokens", "embedding"),
+        ("lm_head", "lm_head"),
+    ):
         if key in param:
             return role
     return None
@@ -105,20 +131,30 @@ def describe_plan(plan, graph) -> dict:
     return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}}
 
 
-def run_job(name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None,
-            seq: int) -> dict:
+def run_job(
+    name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None, seq: int
+) -> dict:
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = hidup.trace(model, inputs, world_size=world)
     trace_s = time.perf_counter() - t0
-    row = {"job": name, "world": world, "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
-           "batch": world, "seq": seq, "nodes": len(graph.nodes), "fallbacks": list(graph.fallbacks),
-           "host": f"{os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), "
-                   f"torch {torch.__version__}",
-           "profile": profile, "precision": precision, "memory_budget_gb": memory_gb or None,
-           "trace_s": round(trace_s, 2)}
+    row = {
+        "job": name,
+        "world": world,
+        "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
+        "batch": world,
+        "seq": seq,
+        "nodes": len(graph.nodes),
+        "fallbacks": list(graph.fallbacks),
+        "host": f"{os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), "
+        f"torch {torch.__version__}",
+        "profile": profile,
+        "precision": precision,
+        "memory_budget_gb": memory_gb or None,
+        "trace_s": round(trace_s, 2),
+    }
     t0 = time.perf_counter()
     try:
         plan = hidup.search(graph, profile, memory_budget=memory_gb * 1e9 if memory_gb else None, precision=precision)
@@ -127,39 +163,59 @@ def run_job(name: str, world: int, profile: str, memory_gb: float, precision: st
         print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
         return row
     search_s = time.perf_counter() - t0
-    row.update({"search_s": round(search_s, 2), "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
-           "memory_gib": round(plan.memory["total"] / 2**30, 1), "duplication": plan.duplication,
-           **describe_plan(plan, graph), "summary": hidup.show(plan, graph)})
-    print(f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s, "
-          f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, kinds {row['kinds']}, "
-          f"stored {row['stored']}", flush=True)
+    row.update(
+        {
+            "search_s": round(search_s, 2),
+            "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
+            "memory_gib": round(plan.memory["total"] / 2**30, 1),
+            "duplication": plan.duplication,
+            **describe_plan(plan, graph),
+            "summary": hidup.show(plan, graph),
+        }
+    )
+    print(
+        f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s, "
+        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, kinds {row['kinds']}, "
+        f"stored {row['stored']}",
+        flush=True,
+    )
     return row
 
 
 def write_markdown(rows: list[dict], args, path: Path) -> None:
-    lines = ["# Plans for models that need many GPUs", "",
-             "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in rows)) + "  ",
-             f"Host: {rows[0]['host']}; "
-             f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, "
-             f"sequence {rows[0]['seq']}, one sequence per GPU.", "",
-             "Models are built on the meta device from `transformers` configs with the published shapes and "
-             "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
-             "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
-             "NVLink domain by the ring factor, which a real two-node cluster is not.", "",
-             "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind "
-             "| weights stored |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Plans for models that need many GPUs",
+        "",
+        "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in rows)) + "  ",
+        f"Host: {rows[0]['host']}; "
+        f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, "
+        f"sequence {rows[0]['seq']}, one sequence per GPU.",
+        "",
+        "Models are built on the meta device from `transformers` configs with the published shapes and "
+        "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
+        "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
+        "NVLink domain by the ring factor, which a real two-node cluster is not.",
+        "",
+        "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind "
+        "| weights stored |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                         f"| {r['trace_s']} | {r['search_s']} | no plan | - | {r['error'].split('. Fix')[0]} | - |")
+            lines.append(
+                f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+                f"| {r['trace_s']} | {r['search_s']} | no plan | - | {r['error'].split('. Fix')[0]} | - |"
+            )
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
-        stored = "; ".join(f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items())
-                           for role, forms in r["stored"].items())
-        lines.append(f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                     f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "
-                     f"| {stored} |")
+        stored = "; ".join(
+            f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items()) for role, forms in r["stored"].items()
+        )
+        lines.append(
+            f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+            f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "
+            f"| {stored} |"
+        )
     for r in rows:
         if "summary" in r:
             budget = f"budget {r['memory_budget_gb']:g} GB" if r["memory_budget_gb"] else "no budget"
@@ -185,16 +241,25 @@ def parse_run(text: str, default_memory: float) -> tuple[str, int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
-                   help="NAME@WORLD[:GB] per run (GB: the memory budget per GPU, 0 for none; default --memory)")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        default=list(DEFAULT_RUNS),
+        help="NAME@WORLD[:GB] per run (GB: the memory budget per GPU, 0 for none; default --memory)",
+    )
     p.add_argument("--layers", type=int, help="override the layer count (a quick check)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--profile", default="h200x4-nvlink")
     p.add_argument("--memory", type=float, default=141.0, help="default GB per GPU (H200: 141; 0: no budget)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--out", type=Path, default=ROOT / "docs")
-    p.add_argument("--render", type=Path, nargs="+", metavar="JSON",
-                   help="write the tables from the scale_plans.json of earlier runs (no search)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="write the tables from the scale_plans.json of earlier runs (no search)",
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)

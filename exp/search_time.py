@@ -40,9 +40,15 @@ def measure(model: str, layers: int, world: int, profile, algorithm: str, repeat
         t0 = time.perf_counter()
         plan = search(graph, profile, world_size=world, algorithm=algorithm, duplication=True)
         times.append(time.perf_counter() - t0)
-    return {"model": model, "layers": layers, "world": world, "nodes": len(graph.nodes),
-            "trace_s": trace_s, "search_s": statistics.median(times),
-            "predicted_iteration_s": plan.predicted["total"]}
+    return {
+        "model": model,
+        "layers": layers,
+        "world": world,
+        "nodes": len(graph.nodes),
+        "trace_s": trace_s,
+        "search_s": statistics.median(times),
+        "predicted_iteration_s": plan.predicted["total"],
+    }
 
 
 def main(argv=None) -> int:
@@ -54,8 +60,13 @@ def main(argv=None) -> int:
     p.add_argument("--algorithm", default="dp", choices=("dp", "ilp"))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="write the table and figure from a recorded search_time.json (no measuring)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="write the table and figure from a recorded search_time.json (no measuring)",
+    )
     args = p.parse_args(argv)
 
     if args.render is not None:
@@ -68,7 +79,7 @@ def main(argv=None) -> int:
         args.layers = sorted({r["layers"] for r in rows})
         args.worlds = sorted({r["world"] for r in rows})
         args.model = rows[0]["model"] if rows else args.model
-        if (m := re.search(r"--repeat (\d+)", command)):
+        if m := re.search(r"--repeat (\d+)", command):
             args.repeat = int(m.group(1))
     else:
         profile = hidup.profiler.load(args.profile)
@@ -77,26 +88,41 @@ def main(argv=None) -> int:
             for world in args.worlds:
                 r = measure(args.model, layers, world, profile, args.algorithm, args.repeat)
                 rows.append(r)
-                print(f"layers {layers:3d} world {world:3d}: {r['nodes']:5d} nodes, trace {r['trace_s']:.2f} s, "
-                      f"search {r['search_s']:.3f} s", flush=True)
-        host = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                "python": platform.python_version(), "cpus": __import__("os").cpu_count()}
+                print(
+                    f"layers {layers:3d} world {world:3d}: {r['nodes']:5d} nodes, trace {r['trace_s']:.2f} s, "
+                    f"search {r['search_s']:.3f} s",
+                    flush=True,
+                )
+        host = {
+            "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "cpus": __import__("os").cpu_count(),
+        }
         command = ("python exp/search_time.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "search_time.json").write_text(json.dumps({"command": command, "host": host,
-                                                           "profile": args.profile, "rows": rows}, indent=1))
-    lines = [f"# Search time ({args.model}, {args.algorithm.upper()} with duplication, profile {args.profile})", "",
-             f"Command: `{command}`  ", f"Host: {host['cpus']} CPUs ({host['machine']}), Python {host['python']}",
-             "", "Search seconds (median of %d); rows: layers, columns: world size." % args.repeat, "",
-             "| layers | " + " | ".join(str(w) for w in args.worlds) + " |",
-             "|---|" + "---|" * len(args.worlds)]
+    (args.out / "search_time.json").write_text(
+        json.dumps({"command": command, "host": host, "profile": args.profile, "rows": rows}, indent=1)
+    )
+    lines = [
+        f"# Search time ({args.model}, {args.algorithm.upper()} with duplication, profile {args.profile})",
+        "",
+        f"Command: `{command}`  ",
+        f"Host: {host['cpus']} CPUs ({host['machine']}), Python {host['python']}",
+        "",
+        "Search seconds (median of %d); rows: layers, columns: world size." % args.repeat,
+        "",
+        "| layers | " + " | ".join(str(w) for w in args.worlds) + " |",
+        "|---|" + "---|" * len(args.worlds),
+    ]
     for layers in args.layers:
         cells = [f"{r['search_s']:.3f}" for r in rows if r["layers"] == layers]
         lines.append(f"| {layers} | " + " | ".join(cells) + " |")
     (args.out / "search_time.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

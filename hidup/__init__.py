@@ -1,10 +1,10 @@
 """hidup: automatic SPMD parallelism for PyTorch training.
 
-    import hidup
-    model, inputs = hidup.models.build("bert-sgmoe", world_size=4, layers=2)
-    graph = hidup.trace(model, inputs, world_size=4)
-    plan = hidup.search(graph, hidup.profiler.load("h200x4-nvlink"))
-    print(hidup.show(plan, graph))
+import hidup
+model, inputs = hidup.models.build("bert-sgmoe", world_size=4, layers=2)
+graph = hidup.trace(model, inputs, world_size=4)
+plan = hidup.search(graph, hidup.profiler.load("h200x4-nvlink"))
+print(hidup.show(plan, graph))
 """
 
 from __future__ import annotations

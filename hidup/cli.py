@@ -51,40 +51,74 @@ from hidup.search.ilp import DEFAULT_TIME_LIMIT
 
 # --------------------------------------------------------------------------------------------- search
 
+
 def _search_parser(sub) -> None:
-    p = sub.add_parser("search", help="search a parallelization plan for a model",
-                       description="Trace a model (zoo or package.module:function), search the fastest "
-                       "per-op sharding for a world size under a machine profile, print the plan summary and save "
-                       "it as JSON; the plan records the model and its arguments.")
+    p = sub.add_parser(
+        "search",
+        help="search a parallelization plan for a model",
+        description="Trace a model (zoo or package.module:function), search the fastest "
+        "per-op sharding for a world size under a machine profile, print the plan summary and save "
+        "it as JSON; the plan records the model and its arguments.",
+    )
     add_model_args(p)
-    p.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help=f"builtin profile name or path to a profile JSON (default {DEFAULT_PROFILE})")
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"builtin profile name or path to a profile JSON (default {DEFAULT_PROFILE})",
+    )
     p.add_argument("--algorithm", choices=("dp", "ilp"), default="dp", help="search algorithm (default dp)")
     p.add_argument("--no-duplication", action="store_true", help="search without the two-copy overlap")
-    p.add_argument("--memory", type=float, default=None, metavar="GB",
-                   help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)")
+    p.add_argument(
+        "--memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)",
+    )
     _add_time_limit_flag(p)
-    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
-                   help="run repeated layers' forward again in the backward instead of keeping their activations: "
-                        "auto (when the fastest plan does not fit --memory, keep the faster plan that fits, with "
-                        "the fewest layers recomputed), on (every repeated layer), off (default auto)")
-    p.add_argument("--precision", choices=DTYPES, default="fp32",
-                   help="compute precision assumed by the cost model (default fp32)")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
-                        "step captured as one CUDA graph")
-    p.add_argument("--noise", type=float, default=0.0, metavar="X",
-                   help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]")
+    p.add_argument(
+        "--recompute",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run repeated layers' forward again in the backward instead of keeping their activations: "
+        "auto (when the fastest plan does not fit --memory, keep the faster plan that fits, with "
+        "the fewest layers recomputed), on (every repeated layer), off (default auto)",
+    )
+    p.add_argument(
+        "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
+        "step captured as one CUDA graph",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for --noise")
-    p.add_argument("--out", type=Path, default=None, help="plan file (default strategy_<model>.json, a factory's "
-                   "':' written as '.')")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="plan file (default strategy_<model>.json, a factory's ':' written as '.')",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the output path")
 
 
 def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
-                   help=f"stop the ILP after this many seconds (default {DEFAULT_TIME_LIMIT:g}); it then keeps the "
-                        "best plan found, marked unproven in the plan, or fails if it found none")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT,
+        metavar="SECONDS",
+        help=f"stop the ILP after this many seconds (default {DEFAULT_TIME_LIMIT:g}); it then keeps the "
+        "best plan found, marked unproven in the plan, or fails if it found none",
+    )
 
 
 def check_out_path(out: Path, flag: str = "--out") -> None:
@@ -95,17 +129,21 @@ def check_out_path(out: Path, flag: str = "--out") -> None:
     if out.is_dir():
         raise CommandError(f"{flag} {out} is a directory. Fix: give a file name, e.g. {flag} {out / 'plan.json'}")
     if not parent.is_dir():
-        raise CommandError(f"{flag} {out}: the directory {parent} does not exist. Fix: create it first "
-                           f"(mkdir -p {parent}) or write elsewhere")
+        raise CommandError(
+            f"{flag} {out}: the directory {parent} does not exist. Fix: create it first "
+            f"(mkdir -p {parent}) or write elsewhere"
+        )
     if not os.access(parent, os.W_OK):
         raise CommandError(f"{flag} {out}: the directory {parent} is not writable. Fix: write elsewhere")
 
 
 def next_steps(out: Path) -> str:
     """What to run after a plan is saved."""
-    return (f"next:\n  hidup show {out}      # per-layer summary\n"
-            f"  hidup verify --plan {out}   # loss and gradients on the plan's ranks vs one device (CPU is fine)\n"
-            f"  hidup train --plan {out}    # train on this node's GPUs")
+    return (
+        f"next:\n  hidup show {out}      # per-layer summary\n"
+        f"  hidup verify --plan {out}   # loss and gradients on the plan's ranks vs one device (CPU is fine)\n"
+        f"  hidup train --plan {out}    # train on this node's GPUs"
+    )
 
 
 def _report_warnings(caught, command: str) -> None:
@@ -125,14 +163,26 @@ def cmd_search(args: argparse.Namespace) -> int:
         profile = profile.perturb(noise=args.noise, seed=args.seed)
     graph = build_graph(args)
     budget = None if args.memory is None else args.memory * 1e9
-    say(args, f"searching ({args.algorithm}{', time limit %g s' % args.time_limit if args.algorithm == 'ilp' else ''})"
-        " ...")
+    say(
+        args,
+        f"searching ({args.algorithm}{', time limit %g s' % args.time_limit if args.algorithm == 'ilp' else ''}) ...",
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = search(graph, profile, world_size=args.world, algorithm=args.algorithm,
-                      duplication=not args.no_duplication, memory_budget=budget, precision=args.precision,
-                      progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs, model_source=record,
-                      time_limit=args.time_limit, recompute=args.recompute)
+        plan = search(
+            graph,
+            profile,
+            world_size=args.world,
+            algorithm=args.algorithm,
+            duplication=not args.no_duplication,
+            memory_budget=budget,
+            precision=args.precision,
+            progress=not args.quiet,
+            cuda_graphs=not args.no_cuda_graphs,
+            model_source=record,
+            time_limit=args.time_limit,
+            recompute=args.recompute,
+        )
     _report_warnings(caught, "search")
     plan.save(out)
     if not args.quiet:
@@ -144,10 +194,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _show_parser(sub) -> None:
-    p = sub.add_parser("show", help="print a saved plan's summary",
-                       description="Rebuild the plan's model from its record, check the plan against it and print "
-                       "the per-layer summary. The model flags are needed only for a plan that records no model "
-                       "(searched in Python without model_source=).")
+    p = sub.add_parser(
+        "show",
+        help="print a saved plan's summary",
+        description="Rebuild the plan's model from its record, check the plan against it and print "
+        "the per-layer summary. The model flags are needed only for a plan that records no model "
+        "(searched in Python without model_source=).",
+    )
     p.add_argument("plan", type=Path, help="plan JSON written by `hidup search` or Plan.save")
     add_model_args(p, world_default=None)
 
@@ -222,8 +275,9 @@ for _name, _entry in runtime_cli.COMMANDS.items():  # train, verify, profile
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hidup", description="Automatic SPMD parallelism for PyTorch "
-                                "training: trace, search, compile, verify.")
+    p = argparse.ArgumentParser(
+        prog="hidup", description="Automatic SPMD parallelism for PyTorch training: trace, search, compile, verify."
+    )
     _add_global_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for make, _ in COMMANDS.values():

@@ -71,9 +71,12 @@ def _adapted(node: Node, forms: tuple[Form, ...], grad: dict[int, bool]) -> Sign
     from constants at the copy's half batch (an expanded buffer, the embedding of constant token
     types) and has the same rows in both copies, so each copy holding its half is the split."""
     for s in node.signatures:
-        if all(_plain(want) == have or (have == REDUCE and _plain(want) == FULL and not grad[t])
-               or (have == FULL and want.is_gather)
-               for t, want, have in zip(node.inputs, s.inputs, forms)):
+        if all(
+            _plain(want) == have
+            or (have == REDUCE and _plain(want) == FULL and not grad[t])
+            or (have == FULL and want.is_gather)
+            for t, want, have in zip(node.inputs, s.inputs, forms)
+        ):
             return s
     return None
 
@@ -102,8 +105,9 @@ def copy_axis(graph: Graph, batch_dims: dict[str, int | None] | None = None) -> 
                 sig = _adapted(node, forms, grad)
                 if sig is None:
                     return CopyAxis(_why(node, forms, grad), out.forms)
-                out.summed |= {t for t, f, want in zip(node.inputs, forms, sig.inputs)
-                               if f == REDUCE and _plain(want) == FULL}
+                out.summed |= {
+                    t for t, f, want in zip(node.inputs, forms, sig.inputs) if f == REDUCE and _plain(want) == FULL
+                }
             carries = any(grad[t] for t in node.inputs) or any(graph.tensors[t].requires_grad for t in node.outputs)
             for tid, f in zip(node.outputs, sig.outputs):
                 out.forms[tid] = f
@@ -113,8 +117,11 @@ def copy_axis(graph: Graph, batch_dims: dict[str, int | None] | None = None) -> 
         elif node.op == "output":
             loss = node.inputs[0]
             if out.forms[loss] != REDUCE:
-                return CopyAxis(f"the loss ({graph.tensors[loss].producer}) is {out.forms[loss]} across the two "
-                                "copies, not a sum of a part per copy: it does not reduce over the batch", out.forms)
+                return CopyAxis(
+                    f"the loss ({graph.tensors[loss].producer}) is {out.forms[loss]} across the two "
+                    "copies, not a sum of a part per copy: it does not reduce over the batch",
+                    out.forms,
+                )
     return out
 
 
@@ -126,5 +133,7 @@ def _why(node: Node, forms: tuple[Form, ...], grad: dict[int, bool]) -> str:
         elif f == REDUCE:
             need.append(f"input {t} is a partial sum per copy{' carrying a gradient' if grad[t] else ''}")
     where = f"{node.name} ({node.target}{' at ' + node.source if node.source else ''})"
-    return (f"node {where} cannot run on half the batch in each copy: {'; '.join(need) or 'no signature fits'}. "
-            "The two copies would each see only their half, so duplication is off for this model")
+    return (
+        f"node {where} cannot run on half the batch in each copy: {'; '.join(need) or 'no signature fits'}. "
+        "The two copies would each see only their half, so duplication is off for this model"
+    )

@@ -43,12 +43,13 @@ def _count(n: int) -> str:
 def _header(graph: Graph) -> str:
     params = graph.params()
     numel = sum(t.numel for t in graph.tensors.values() if t.is_param)
-    lines = [f"graph {graph.model or '<unnamed>'} for world size {graph.world_size} "
-             f"(fingerprint {graph.fingerprint()})",
-             f"  nodes: {len(graph.nodes)}   param nodes: {len(params)}   parameters: {_count(numel)}   "
-             f"forward: {graph.total_flops / 1e9:.4g} GFLOPs",
-             f"  fallbacks (replicated, no rule): {len(graph.fallbacks)}"
-             + (f" -- {', '.join(graph.fallbacks)}" if graph.fallbacks else "")]
+    lines = [
+        f"graph {graph.model or '<unnamed>'} for world size {graph.world_size} (fingerprint {graph.fingerprint()})",
+        f"  nodes: {len(graph.nodes)}   param nodes: {len(params)}   parameters: {_count(numel)}   "
+        f"forward: {graph.total_flops / 1e9:.4g} GFLOPs",
+        f"  fallbacks (replicated, no rule): {len(graph.fallbacks)}"
+        + (f" -- {', '.join(graph.fallbacks)}" if graph.fallbacks else ""),
+    ]
     return "\n".join(lines)
 
 

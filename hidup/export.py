@@ -98,10 +98,12 @@ def _check_one_device(model: nn.Module, values: list, names: list[str], slots: l
         if not (t.dim() == 0 and t.device.type == "cpu"):
             where.setdefault(str(t.device), what)
     if len(where) > 1:
-        raise ExportFailure("the model and its inputs are on different devices: " +
-                            ", ".join(f"{what} is on {dev}" for dev, what in where.items()) +
-                            ". Fix: create the example inputs on the model's device (or move the model with "
-                            "model.to(device)) before handing them to hidup.")
+        raise ExportFailure(
+            "the model and its inputs are on different devices: "
+            + ", ".join(f"{what} is on {dev}" for dev, what in where.items())
+            + ". Fix: create the example inputs on the model's device (or move the model with "
+            "model.to(device)) before handing them to hidup."
+        )
 
 
 def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.GraphModule:
@@ -109,8 +111,10 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
     slots = [i for i, v in enumerate(values) if value_leaves(v, torch.Tensor)]
     for i in slots:
         if not isinstance(values[i], torch.Tensor):
-            raise ExportFailure(f"model input {names[i]!r} is a {type(values[i]).__name__} of tensors; hidup traces "
-                                "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
+            raise ExportFailure(
+                f"model input {names[i]!r} is a {type(values[i]).__name__} of tensors; hidup traces "
+                "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument."
+            )
     _check_one_device(model, values, names, slots)
     step = _Step(model, list(values), slots)
     try:
@@ -123,7 +127,8 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
             "  Fix: ops whose output shape depends on tensor values (nonzero, masked_select, .item(), .tolist()) "
             "cannot be captured for a fixed shape; compute such values from shapes or configuration, or wrap the "
             "code in a torch.library custom op with a fake (meta) implementation and declare a rule for it in "
-            "hidup.rules.") from e
+            "hidup.rules."
+        ) from e
     return _rebuild(exported, model, names, slots)
 
 
@@ -136,8 +141,9 @@ def _lifted_inputs(exported: torch.export.ExportedProgram) -> dict[str, Any] | N
     return {s.arg.name: s for s in signature.input_specs}
 
 
-def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: list[str],
-             slots: list[int]) -> torch.fx.GraphModule:
+def _rebuild(
+    exported: torch.export.ExportedProgram, model: nn.Module, names: list[str], slots: list[int]
+) -> torch.fx.GraphModule:
     # The exported graph takes parameters, buffers and lifted constants as placeholders; each becomes a
     # get_attr of the model's own tensor here (what ``exported.module()`` does, without generating and
     # compiling the code of a module that is never run).
@@ -150,8 +156,10 @@ def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: li
     placeholders = [graph.placeholder(name) for name in names]
     tensor_placeholders = iter(placeholders[i] for i in slots)
     attrs: dict[str, Any] = {}
-    model_state = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
+    model_state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
 
     def load(a):
         return env[a]
@@ -166,8 +174,9 @@ def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: li
                     env[n] = next(feed) if feed is not None else next(tensor_placeholders)
                     continue
                 if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-                    raise ExportFailure(f"the exported step takes a {spec.kind.name} input ({spec.target}), "
-                                        "which hidup cannot hold")
+                    raise ExportFailure(
+                        f"the exported step takes a {spec.kind.name} input ({spec.target}), which hidup cannot hold"
+                    )
                 path = _strip(spec.target)
                 attrs[path] = model_state.get(path, lifted_values.get(spec.target))
                 env[n] = graph.get_attr(path)
@@ -199,8 +208,9 @@ def _rebuild(exported: torch.export.ExportedProgram, model: nn.Module, names: li
                 new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack")})
                 stack = new.meta.get("nn_module_stack")
                 if stack:
-                    new.meta["nn_module_stack"] = {k: (_strip(path), kind) for k, (path, kind) in stack.items()
-                                                   if _strip(path) and path != "m"}
+                    new.meta["nn_module_stack"] = {
+                        k: (_strip(path), kind) for k, (path, kind) in stack.items() if _strip(path) and path != "m"
+                    }
                 env[n] = new
         raise ExportFailure("the exported graph has no output")
 

@@ -9,8 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-__all__ = ["map_value", "value_leaves", "dtype_name", "to_meta", "module_of", "source_of", "target_name",
-           "TORCH_DIR"]
+__all__ = ["map_value", "value_leaves", "dtype_name", "to_meta", "module_of", "source_of", "target_name", "TORCH_DIR"]
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')

@@ -45,9 +45,24 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 __all__ = [
-    "Form", "FULL", "REDUCE", "REPLICATE", "gather", "Conversion", "conversion", "FormChangeOp", "FORM_CHANGE_OPS",
+    "Form",
+    "FULL",
+    "REDUCE",
+    "REPLICATE",
+    "gather",
+    "Conversion",
+    "conversion",
+    "FormChangeOp",
+    "FORM_CHANGE_OPS",
     "FORM_CHANGES",
-    "COLLECTIVES", "Tensor", "Signature", "Node", "Graph", "DTYPE_BYTES", "GRAD_BUCKET_MB", "block_label",
+    "COLLECTIVES",
+    "Tensor",
+    "Signature",
+    "Node",
+    "Graph",
+    "DTYPE_BYTES",
+    "GRAD_BUCKET_MB",
+    "block_label",
     "block_family",
 ]
 
@@ -59,9 +74,20 @@ GRAD_BUCKET_MB = 25.0
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -92,7 +118,7 @@ class Form:
         """Inverse of ``str(form)``: ``"full"``, ``"reduce"``, ``"replicate"`` or ``"gather_<d>"``."""
         if text.startswith("gather_"):
             try:
-                return Form("gather", int(text[len("gather_"):]))
+                return Form("gather", int(text[len("gather_") :]))
             except ValueError:
                 pass
         elif text in ("full", "reduce", "replicate"):
@@ -106,7 +132,7 @@ class Form:
             return shape
         if self.dim >= len(shape) or shape[self.dim] % world:
             raise ValueError(f"form {self} does not fit shape {shape} on {world} ranks")
-        return shape[: self.dim] + (shape[self.dim] // world,) + shape[self.dim + 1:]
+        return shape[: self.dim] + (shape[self.dim] // world,) + shape[self.dim + 1 :]
 
 
 FULL = Form("full")
@@ -137,22 +163,32 @@ class FormChangeOp:
     meaning: str
 
 
-FORM_CHANGE_OPS: dict[str, FormChangeOp] = {op.name: op for op in (
-    FormChangeOp("identity", "", "", "identity", "the tensor as it is"),
-    FormChangeOp("slice", "", "split_dst", "zero_pad", "take this rank's slice along dst's gather dim"),
-    FormChangeOp("zero_pad", "", "join_src", "slice", "place the local slice in a zero tensor of the whole shape"),
-    FormChangeOp("keep_rank0", "", "", "keep_rank0", "rank 0 keeps the value, the others hold zeros (its own adjoint)"),
-    FormChangeOp("all_gather", "all_gather", "join_src", "reduce_scatter",
-                 "concatenate the ranks' slices"),
-    FormChangeOp("reduce_scatter", "reduce_scatter", "split_dst", "all_gather",
-                 "sum over ranks, keep this rank's slice"),
-    FormChangeOp("all_reduce", "all_reduce", "", "all_reduce", "sum over ranks"),
-    FormChangeOp("all_to_all", "all_to_all", "move", "all_to_all", "re-slice from src's gather dim to dst's"),
-    FormChangeOp("grad_sync", "all_reduce", "", "",
-                 "the backward of a replicated parameter's use: the adjoint of the forward op, then the sum "
-                 "over ranks; in a rank program the gradient bucketer sums each parameter's accumulated "
-                 "gradient once per backward (hidup.codegen.grads)"),
-)}
+FORM_CHANGE_OPS: dict[str, FormChangeOp] = {
+    op.name: op
+    for op in (
+        FormChangeOp("identity", "", "", "identity", "the tensor as it is"),
+        FormChangeOp("slice", "", "split_dst", "zero_pad", "take this rank's slice along dst's gather dim"),
+        FormChangeOp("zero_pad", "", "join_src", "slice", "place the local slice in a zero tensor of the whole shape"),
+        FormChangeOp(
+            "keep_rank0", "", "", "keep_rank0", "rank 0 keeps the value, the others hold zeros (its own adjoint)"
+        ),
+        FormChangeOp("all_gather", "all_gather", "join_src", "reduce_scatter", "concatenate the ranks' slices"),
+        FormChangeOp(
+            "reduce_scatter", "reduce_scatter", "split_dst", "all_gather", "sum over ranks, keep this rank's slice"
+        ),
+        FormChangeOp("all_reduce", "all_reduce", "", "all_reduce", "sum over ranks"),
+        FormChangeOp("all_to_all", "all_to_all", "move", "all_to_all", "re-slice from src's gather dim to dst's"),
+        FormChangeOp(
+            "grad_sync",
+            "all_reduce",
+            "",
+            "",
+            "the backward of a replicated parameter's use: the adjoint of the forward op, then the sum "
+            "over ranks; in a rank program the gradient bucketer sums each parameter's accumulated "
+            "gradient once per backward (hidup.codegen.grads)",
+        ),
+    )
+}
 
 # Form changes by (source kind, destination kind): (forward op, backward op).  A replicated
 # parameter enters a rank program as its whole (``full``) value, so it converts like a ``full``
@@ -234,8 +270,14 @@ class Tensor:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "shape": list(self.shape), "dtype": self.dtype, "producer": self.producer,
-                "requires_grad": self.requires_grad, "is_param": self.is_param}
+        return {
+            "id": self.id,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "producer": self.producer,
+            "requires_grad": self.requires_grad,
+            "is_param": self.is_param,
+        }
 
     @staticmethod
     def from_dict(d: dict) -> "Tensor":
@@ -267,14 +309,25 @@ class Signature:
         return f"({ins}) -> ({outs}){extra}"
 
     def to_dict(self) -> dict:
-        return {"inputs": [str(f) for f in self.inputs], "outputs": [str(f) for f in self.outputs],
-                "flops": self.flops, "kind": self.kind, "impl": self.impl,
-                "params": [[k, v] for k, v in self.params]}
+        return {
+            "inputs": [str(f) for f in self.inputs],
+            "outputs": [str(f) for f in self.outputs],
+            "flops": self.flops,
+            "kind": self.kind,
+            "impl": self.impl,
+            "params": [[k, v] for k, v in self.params],
+        }
 
     @staticmethod
     def from_dict(d: dict) -> "Signature":
-        return Signature(tuple(Form.parse(f) for f in d["inputs"]), tuple(Form.parse(f) for f in d["outputs"]),
-                         d["flops"], d["kind"], d.get("impl", ""), tuple((k, v) for k, v in d.get("params", [])))
+        return Signature(
+            tuple(Form.parse(f) for f in d["inputs"]),
+            tuple(Form.parse(f) for f in d["outputs"]),
+            d["flops"],
+            d["kind"],
+            d.get("impl", ""),
+            tuple((k, v) for k, v in d.get("params", [])),
+        )
 
 
 _BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -314,15 +367,33 @@ class Node:
     fallback: bool = False
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "op": self.op, "target": self.target, "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "signatures": [s.to_dict() for s in self.signatures],
-                "flops": self.flops, "module": self.module, "source": self.source, "fallback": self.fallback}
+        return {
+            "name": self.name,
+            "op": self.op,
+            "target": self.target,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "signatures": [s.to_dict() for s in self.signatures],
+            "flops": self.flops,
+            "module": self.module,
+            "source": self.source,
+            "fallback": self.fallback,
+        }
 
     @staticmethod
     def from_dict(d: dict) -> "Node":
-        return Node(d["name"], d["op"], d["target"], list(d["inputs"]), list(d["outputs"]),
-                    [Signature.from_dict(s) for s in d["signatures"]], d["flops"], d.get("module", ""),
-                    d.get("source", ""), d.get("fallback", False))
+        return Node(
+            d["name"],
+            d["op"],
+            d["target"],
+            list(d["inputs"]),
+            list(d["outputs"]),
+            [Signature.from_dict(s) for s in d["signatures"]],
+            d["flops"],
+            d.get("module", ""),
+            d.get("source", ""),
+            d.get("fallback", False),
+        )
 
 
 @dataclass
@@ -380,16 +451,26 @@ class Graph:
         return h.hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "world_size": self.world_size, "fallbacks": list(self.fallbacks),
-                "copy_reason": self.copy_reason,
-                "nodes": [n.to_dict() for n in self.nodes],
-                "tensors": [self.tensors[t].to_dict() for t in sorted(self.tensors)]}
+        return {
+            "model": self.model,
+            "world_size": self.world_size,
+            "fallbacks": list(self.fallbacks),
+            "copy_reason": self.copy_reason,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "tensors": [self.tensors[t].to_dict() for t in sorted(self.tensors)],
+        }
 
     @staticmethod
     def from_dict(d: dict) -> "Graph":
         tensors = {t["id"]: Tensor.from_dict(t) for t in d["tensors"]}
-        return Graph([Node.from_dict(n) for n in d["nodes"]], tensors, d["world_size"], d.get("model", ""),
-                     list(d.get("fallbacks", [])), copy_reason=d.get("copy_reason", ""))
+        return Graph(
+            [Node.from_dict(n) for n in d["nodes"]],
+            tensors,
+            d["world_size"],
+            d.get("model", ""),
+            list(d.get("fallbacks", [])),
+            copy_reason=d.get("copy_reason", ""),
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -403,8 +484,9 @@ class Graph:
                     raise ValueError(f"node {n.name} reads tensor {t} before it is produced")
             for s in n.signatures:
                 if len(s.inputs) != len(n.inputs) or len(s.outputs) != len(n.outputs):
-                    raise ValueError(f"node {n.name}: signature {s} does not match "
-                                     f"{len(n.inputs)} inputs / {len(n.outputs)} outputs")
+                    raise ValueError(
+                        f"node {n.name}: signature {s} does not match {len(n.inputs)} inputs / {len(n.outputs)} outputs"
+                    )
             if n.op != "output" and not n.signatures:
                 raise ValueError(f"node {n.name} has no signature")
             seen.update(n.outputs)

@@ -34,11 +34,17 @@ aten = torch.ops.aten
 
 # target -> (argument names in order, how "mean" is spelled, how "sum" is spelled)
 _LOSSES = {
-    F.cross_entropy: (["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-                       "label_smoothing"], "mean", "sum"),
+    F.cross_entropy: (
+        ["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"],
+        "mean",
+        "sum",
+    ),
     F.nll_loss: (["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction"], "mean", "sum"),
-    aten.cross_entropy_loss.default: (["self", "target", "weight", "reduction", "ignore_index",
-                                       "label_smoothing"], 1, 2),
+    aten.cross_entropy_loss.default: (
+        ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"],
+        1,
+        2,
+    ),
     aten.nll_loss.default: (["self", "target", "weight", "reduction", "ignore_index"], 1, 2),
     aten.nll_loss_nd.default: (["self", "target", "weight", "reduction", "ignore_index"], 1, 2),
 }
@@ -62,10 +68,15 @@ def explicit_normalizers(gm: torch.fx.GraphModule) -> int:
             continue
         names, mean, total = _LOSSES[node.target]
         b = _bound(node, names, mean)
-        if b is None or b["reduction"] != mean or b["weight"] is not None or b["size_average"] is not None \
-                or b["reduce"] is not None:
+        if (
+            b is None
+            or b["reduction"] != mean
+            or b["weight"] is not None
+            or b["size_average"] is not None
+            or b["reduce"] is not None
+        ):
             continue
-        args = list(node.args) + [b[n] for n in names[len(node.args):]]
+        args = list(node.args) + [b[n] for n in names[len(node.args) :]]
         args[names.index("reduction")] = total
         for legacy in ("size_average", "reduce"):
             if legacy in names:
@@ -73,8 +84,12 @@ def explicit_normalizers(gm: torch.fx.GraphModule) -> int:
         target = b[names[1]]
         where = node
         made = []
-        for target_fn, fn_args in ((node.target, tuple(args)), (torch.ne, (target, b["ignore_index"])),
-                                   (torch.sum, None), (torch.div, None)):
+        for target_fn, fn_args in (
+            (node.target, tuple(args)),
+            (torch.ne, (target, b["ignore_index"])),
+            (torch.sum, None),
+            (torch.div, None),
+        ):
             if fn_args is None:  # sum(counted), then div(summed, n)
                 fn_args = (made[1],) if target_fn is torch.sum else (made[0], made[2])
             with gm.graph.inserting_after(where):

@@ -23,8 +23,9 @@ class OptionSet:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise TypeError(f"{cls.WHAT}: unknown option(s) {', '.join(unknown)}; the options are "
-                            f"{', '.join(sorted(known))}")
+            raise TypeError(
+                f"{cls.WHAT}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}"
+            )
         opts = replace(options or cls(), **changes)
         opts.check()
         return opts

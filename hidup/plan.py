@@ -20,8 +20,16 @@ from hidup.search.plan import (
     model_record,
 )
 
-__all__ = ["Plan", "ConversionRecord", "PlanError", "summary", "PLAN_VERSION", "READABLE_VERSIONS", "layer_of",
-           "model_record"]
+__all__ = [
+    "Plan",
+    "ConversionRecord",
+    "PlanError",
+    "summary",
+    "PLAN_VERSION",
+    "READABLE_VERSIONS",
+    "layer_of",
+    "model_record",
+]
 
 
 def _ms(s: float) -> str:
@@ -53,8 +61,11 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         f"{plan.algorithm}, duplication {'on' if plan.duplication else 'off'}",
         f"predicted per iteration: {_ms(p['total'])} (forward {_ms(p['forward'])}, backward {_ms(p['backward'])}); "
         f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}",
-        "memory per rank: " + _mb(m.get("total", 0.0)) + " (" + ", ".join(
-            f"{k} {_mb(v)}" for k, v in m.items() if k != "total") + ")",
+        "memory per rank: "
+        + _mb(m.get("total", 0.0))
+        + " ("
+        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k != "total")
+        + ")",
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")
@@ -77,17 +88,20 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         lab = layers.get(c.consumer, "") or "(top)"
         if lab in rows:
             rows[lab]["bytes"] += c.comm_bytes
-    kinds_of = {lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(),
-                                                              key=lambda kv: (-kv[1], kv[0]))) or "-"
-                for lab in order}
+    kinds_of = {
+        lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+        for lab in order
+    }
     w = max([len("layer")] + [len(x) for x in order])
     wk = max([len("sharding")] + [len(x) for x in kinds_of.values()])
     lines.append(f"{'layer':<{w}}  {'nodes':>5}  {'sharding':<{wk}}  {'comm volume':>12}  {'time':>11}")
     for lab in order:
         r = rows[lab]
         lines.append(f"{lab:<{w}}  {r['nodes']:>5}  {kinds_of[lab]:<{wk}}  {_mb(r['bytes']):>12}  {_ms(r['time']):>11}")
-    lines.append(f"(time: compute plus communication charged to the layer, without overlap; "
-                 f"{len(plan.stages)} stages, {len(plan.conversions)} conversions)")
+    lines.append(
+        f"(time: compute plus communication charged to the layer, without overlap; "
+        f"{len(plan.stages)} stages, {len(plan.conversions)} conversions)"
+    )
     if plan.alternatives:
         lines += ["", "why (heaviest nodes; runner-up = best other signature with the rest of the plan fixed):"]
         for name, alt in plan.alternatives.items():

@@ -62,8 +62,17 @@ from hidup.fxvalues import dtype_name, map_value, value_leaves
 from hidup.ir import DTYPE_BYTES, FULL, Graph, Node, Signature
 from hidup.rules.base import TensorMeta
 
-__all__ = ["SavedItem", "SavedRecord", "Recorder", "record_of", "tensor_dtype", "tensor_nbytes", "saved_bytes",
-           "plan_saved_bytes", "AUTOCAST_DTYPES"]
+__all__ = [
+    "SavedItem",
+    "SavedRecord",
+    "Recorder",
+    "record_of",
+    "tensor_dtype",
+    "tensor_nbytes",
+    "saved_bytes",
+    "plan_saved_bytes",
+    "AUTOCAST_DTYPES",
+]
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -144,8 +153,9 @@ def _as_used(form):
     return FULL if form.kind == "replicate" else form
 
 
-def plan_saved_bytes(graph: Graph, record: SavedRecord, choices: dict[str, Signature],
-                     savers: Callable[[Node], bool] | None = None) -> float:
+def plan_saved_bytes(
+    graph: Graph, record: SavedRecord, choices: dict[str, Signature], savers: Callable[[Node], bool] | None = None
+) -> float:
     """Bytes per rank the backward keeps under a whole plan (``choices``: node name -> signature),
     following form changes: a saved input that its consumer reads in another form than its producer
     made it is the converted copy, one per (tensor, form) as the rank program makes them, of
@@ -211,8 +221,14 @@ class Recorder:
     ``tensor_ids`` maps each fx node name to the graph tensor ids of its tensor leaves, in order
     (:attr:`hidup.trace.Traced.tensor_ids`); ``values`` are the forward's argument values."""
 
-    def __init__(self, gm: torch.fx.GraphModule, values: list, tensor_ids: dict[str, list[int]], graph: Graph,
-                 contexts: dict | None = None):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        values: list,
+        tensor_ids: dict[str, list[int]],
+        graph: Graph,
+        contexts: dict | None = None,
+    ):
         self.gm, self.tensor_ids, self.graph, self.contexts = gm, tensor_ids, graph, contexts or {}
         # only shapes, dtypes and requires_grad of the inputs are kept (no data)
         self.specs = [map_value(v, lambda x: _Spec.of(x) if isinstance(x, torch.Tensor) else x) for v in values]
@@ -234,9 +250,13 @@ class Recorder:
         autocast = AUTOCAST_DTYPES.get(key)
         with FakeTensorMode(allow_non_fake_inputs=False), torch.enable_grad():
             interp = _SavingInterpreter(self, record)
-            with _Provenance(interp.derived), torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t), \
-                    torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None,
-                                   cache_enabled=False):
+            with (
+                _Provenance(interp.derived),
+                torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t),
+                torch.autocast(
+                    "cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None, cache_enabled=False
+                ),
+            ):
                 interp.run(enable_io_processing=False)
                 _LocalOps(self, record, interp).measure()
         return record
@@ -352,8 +372,11 @@ class _SavingInterpreter(torch.fx.Interpreter):
             if key in here:
                 continue
             here.add(key)
-            facts = dict(storage=self.storage_ids.setdefault(key, len(self.storage_ids)),
-                         owner=key not in self.saved_keys, held=key in self.held)
+            facts = dict(
+                storage=self.storage_ids.setdefault(key, len(self.storage_ids)),
+                owner=key not in self.saved_keys,
+                held=key in self.held,
+            )
             self.saved_keys.add(key)
             nbytes = int(t.untyped_storage().nbytes())
             dtype = dtype_name(t.dtype)
@@ -365,8 +388,9 @@ class _SavingInterpreter(torch.fx.Interpreter):
                 item = self._internal(node, key, in_keys, out_keys, nbytes, dtype, tuple(t.shape))
                 items.append(SavedItem(item.slot, item.index, nbytes, dtype, item.how, item.shape, **facts))
 
-    def _internal(self, node: Node, key: int, in_keys: list, out_keys: list, nbytes: int,
-                  dtype: str, shape: tuple) -> SavedItem:
+    def _internal(
+        self, node: Node, key: int, in_keys: list, out_keys: list, nbytes: int, dtype: str, shape: tuple
+    ) -> SavedItem:
         """A storage the node created: sized by the input or output it was computed from element for
         element (followed through casts and copies), else split as the node's first input that is not a
         parameter is where their dims line up (a norm's statistics follow the rows it normalizes)."""
@@ -410,9 +434,22 @@ class _LocalOps:
                 for it in items:
                     owners.setdefault(it.storage, node.name)
             self.record.local[node.name] = {
-                sig: [SavedItem(it.slot, it.index, it.nbytes, it.dtype, it.how, it.shape, it.storage,
-                                owners[it.storage] == node.name, it.held) for it in items]
-                for sig, items in per_sig.items()}
+                sig: [
+                    SavedItem(
+                        it.slot,
+                        it.index,
+                        it.nbytes,
+                        it.dtype,
+                        it.how,
+                        it.shape,
+                        it.storage,
+                        owners[it.storage] == node.name,
+                        it.held,
+                    )
+                    for it in items
+                ]
+                for sig, items in per_sig.items()
+            }
 
     def _items(self, node: Node, sig: Signature) -> list[SavedItem] | None:
         g, world, dtypes = self.rec.graph, self.rec.graph.world_size, self.record.dtypes
@@ -422,10 +459,20 @@ class _LocalOps:
             shapes = [f.local_shape(g.tensors[t].shape, world) for t, f in zip(node.inputs, sig.inputs)]
         except ValueError:
             return None
-        specs = tuple((t, sh, dtypes.get(t, g.tensors[t].dtype), g.tensors[t].requires_grad)
-                      for t, sh in zip(node.inputs[:n_arg], shapes))
-        key = (node.target, sig.inputs, sig.outputs, sig.impl, repr(sig.params), repr(ctx.args), repr(ctx.kwargs),
-               tuple((sh, dt, rg, node.inputs.index(t)) for t, sh, dt, rg in specs))
+        specs = tuple(
+            (t, sh, dtypes.get(t, g.tensors[t].dtype), g.tensors[t].requires_grad)
+            for t, sh in zip(node.inputs[:n_arg], shapes)
+        )
+        key = (
+            node.target,
+            sig.inputs,
+            sig.outputs,
+            sig.impl,
+            repr(sig.params),
+            repr(ctx.args),
+            repr(ctx.kwargs),
+            tuple((sh, dt, rg, node.inputs.index(t)) for t, sh, dt, rg in specs),
+        )
         if key not in self.cache:
             self.cache[key] = self._run(ctx, sig, specs)
         measured = self.cache[key]

@@ -67,8 +67,19 @@ from hidup.losses import explicit_normalizers
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.saved import Recorder
 
-__all__ = ["Traced", "TraceFailure", "FallbackWarning", "trace", "trace_module", "trace_copy", "trace_half_batch",
-           "halve_example", "forward_inputs", "map_value", "value_leaves"]
+__all__ = [
+    "Traced",
+    "TraceFailure",
+    "FallbackWarning",
+    "trace",
+    "trace_module",
+    "trace_copy",
+    "trace_half_batch",
+    "halve_example",
+    "forward_inputs",
+    "map_value",
+    "value_leaves",
+]
 
 
 class TraceFailure(RuntimeError):
@@ -94,6 +105,7 @@ class Traced:
 # ----------------------------------------------------------------------------------------------
 # rules hook (guarded: tracing works, everything replicated, while no rules are registered)
 
+
 def _rules_hook() -> tuple[Callable | None, str]:
     """(signatures function or None, why the rules are missing)."""
     try:
@@ -106,6 +118,7 @@ def _rules_hook() -> tuple[Callable | None, str]:
 
 # ----------------------------------------------------------------------------------------------
 # small helpers
+
 
 @dataclass(frozen=True)
 class _Ref:
@@ -135,12 +148,12 @@ def _gather_dims(shape: tuple[int, ...], world: int) -> list[int]:
 
 
 def _is_all_full(sig: Signature) -> bool:
-    return (all(f.kind in ("full", "replicate") for f in sig.inputs)
-            and all(f.kind == "full" for f in sig.outputs))
+    return all(f.kind in ("full", "replicate") for f in sig.inputs) and all(f.kind == "full" for f in sig.outputs)
 
 
 # ----------------------------------------------------------------------------------------------
 # IR building
+
 
 class _Builder:
     """Turns each fx node, with its propagated meta value, into IR nodes (see module docstring)."""
@@ -184,10 +197,22 @@ class _Builder:
         is_param = isinstance(obj, nn.Parameter)
         ref = self.new_ref(self.meta_of(obj), name, is_param)
         first = Signature((), (REPLICATE,), 0.0, "param") if is_param else Signature((), (FULL,), 0.0, "replicated")
-        sigs = [first] + [Signature((), (gather(d),), 0.0, "param" if is_param else "data")
-                          for d in _gather_dims(ref.meta.shape, self.world)]
-        self.nodes.append(Node(name, "param", "parameter" if is_param else "buffer", [], [ref.tid], sigs,
-                               module=dotted.rpartition(".")[0], source=_source_of(fx_node)))
+        sigs = [first] + [
+            Signature((), (gather(d),), 0.0, "param" if is_param else "data")
+            for d in _gather_dims(ref.meta.shape, self.world)
+        ]
+        self.nodes.append(
+            Node(
+                name,
+                "param",
+                "parameter" if is_param else "buffer",
+                [],
+                [ref.tid],
+                sigs,
+                module=dotted.rpartition(".")[0],
+                source=_source_of(fx_node),
+            )
+        )
         self.out.param_names[name] = dotted
         self.attr_refs[id(obj)] = ref
         return ref
@@ -204,11 +229,14 @@ class _Builder:
         if not _leaves(value, torch.Tensor):
             return self._constant(n, value)
         if not isinstance(value, torch.Tensor):
-            raise TraceFailure(f"model input {n.target!r} is a {type(value).__name__} of tensors; hidup traces "
-                               "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument.")
+            raise TraceFailure(
+                f"model input {n.target!r} is a {type(value).__name__} of tensors; hidup traces "
+                "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument."
+            )
         ref = self.new_ref(value, n.name)
         sigs = [Signature((), (FULL,), 0.0, "replicated")] + [
-            Signature((), (gather(d),), 0.0, "data") for d in _gather_dims(ref.meta.shape, self.world)]
+            Signature((), (gather(d),), 0.0, "data") for d in _gather_dims(ref.meta.shape, self.world)
+        ]
         self.nodes.append(Node(n.name, "input", "input", [], [ref.tid], sigs, source=_source_of(n)))
         self.struct[n.name] = ref
         self.out.tensor_ids[n.name] = [ref.tid]
@@ -225,17 +253,22 @@ class _Builder:
         loss = torch.fx.node.map_arg(n.args[0], lambda a: self.struct[a.name])
         if not isinstance(loss, _Ref) or loss.meta.shape != ():
             got = f"a tensor of shape {list(loss.meta.shape)}" if isinstance(loss, _Ref) else repr(loss)[:120]
-            raise TraceFailure(f"the model must return a scalar loss (a 0-dim tensor), but its forward returned "
-                               f"{got}. Fix: compute the loss inside forward (e.g. wrap the model in a module that "
-                               "returns loss_fn(model(x), y)).")
+            raise TraceFailure(
+                f"the model must return a scalar loss (a 0-dim tensor), but its forward returned "
+                f"{got}. Fix: compute the loss inside forward (e.g. wrap the model in a module that "
+                "returns loss_fn(model(x), y))."
+            )
         sigs = [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")]
         self.nodes.append(Node(n.name, "output", "output", [loss.tid], [], sigs, source=_source_of(n)))
 
     def _add_call_function(self, n: torch.fx.Node, value: Any) -> None:
         if not _leaves(value, torch.Tensor):
             return self._constant(n, value)
-        if n.target in (operator.getitem, builtins.getattr) and isinstance(n.args[0], torch.fx.Node) \
-                and not isinstance(self.struct[n.args[0].name], _Ref):
+        if (
+            n.target in (operator.getitem, builtins.getattr)
+            and isinstance(n.args[0], torch.fx.Node)
+            and not isinstance(self.struct[n.args[0].name], _Ref)
+        ):
             args = _map(tuple(n.args), lambda a: self.struct[a.name] if isinstance(a, torch.fx.Node) else a)
             picked = n.target(*args)  # the alias: select from the producer's structure
             self.struct[n.name] = picked
@@ -250,9 +283,15 @@ class _Builder:
         to_meta = lambda v: v.meta if isinstance(v, _Ref) else v  # noqa: E731
         out_struct = _map(value, lambda v: self.new_ref(v, n.name) if isinstance(v, torch.Tensor) else v)
         out_refs = _leaves(out_struct, _Ref)
-        ctx = RuleContext(target=n.target, args=_map(args, to_meta), kwargs=_map(kwargs, to_meta),
-                          inputs=[r.meta for r in in_refs], outputs=[r.meta for r in out_refs],
-                          world=self.world, node_name=n.name)
+        ctx = RuleContext(
+            target=n.target,
+            args=_map(args, to_meta),
+            kwargs=_map(kwargs, to_meta),
+            inputs=[r.meta for r in in_refs],
+            outputs=[r.meta for r in out_refs],
+            world=self.world,
+            node_name=n.name,
+        )
         sigs, reason = self._signatures(ctx)
         fallback = sigs is None
         if fallback:
@@ -260,8 +299,20 @@ class _Builder:
             sigs = [Signature(tuple(FULL for _ in in_refs), tuple(FULL for _ in out_refs), est, "replicated")]
             self.fallbacks.append((n.name, _target_name(n, self.gm), _source_of(n) or "?", reason))
         flops = next(s.flops for s in sigs if _is_all_full(s))
-        self.nodes.append(Node(n.name, "call", _target_name(n, self.gm), [r.tid for r in in_refs],
-                               [r.tid for r in out_refs], sigs, flops, _module_of(n), _source_of(n), fallback))
+        self.nodes.append(
+            Node(
+                n.name,
+                "call",
+                _target_name(n, self.gm),
+                [r.tid for r in in_refs],
+                [r.tid for r in out_refs],
+                sigs,
+                flops,
+                _module_of(n),
+                _source_of(n),
+                fallback,
+            )
+        )
         self.struct[n.name] = out_struct
         self.out.tensor_ids[n.name] = [r.tid for r in out_refs]
         self.out.contexts[n.name] = ctx
@@ -280,14 +331,25 @@ class _Builder:
         bad = [s for s in sigs if len(s.inputs) != n_in or len(s.outputs) != n_out]
         if bad:
             return None, f"its rule returned {bad[0]} for {n_in} inputs / {n_out} outputs"
-        sigs = [s for s in sigs if all(_fits(f, m, ctx.world) for f, m in zip(s.inputs, ctx.inputs))
-                and all(_fits(f, m, ctx.world) for f, m in zip(s.outputs, ctx.outputs))]
+        sigs = [
+            s
+            for s in sigs
+            if all(_fits(f, m, ctx.world) for f, m in zip(s.inputs, ctx.inputs))
+            and all(_fits(f, m, ctx.world) for f, m in zip(s.outputs, ctx.outputs))
+        ]
         if not sigs:
             return None, f"no signature of its rule fits world size {ctx.world}"
         if not any(_is_all_full(s) for s in sigs):
             # Contract breach; the largest per-rank cost is a lower bound on the unsharded op.
-            sigs.insert(0, Signature(tuple(FULL for _ in ctx.inputs), tuple(FULL for _ in ctx.outputs),
-                                     max(s.flops for s in sigs), "replicated"))
+            sigs.insert(
+                0,
+                Signature(
+                    tuple(FULL for _ in ctx.inputs),
+                    tuple(FULL for _ in ctx.outputs),
+                    max(s.flops for s in sigs),
+                    "replicated",
+                ),
+            )
         return list(sigs), ""
 
 
@@ -319,7 +381,8 @@ class _MetaProp(torch.fx.Interpreter):
                     "hidup propagates shapes on meta tensors, so ops whose output shape depends on tensor values "
                     "(nonzero, masked_select, .item(), .tolist()) cannot run there. Fix: compute such values from "
                     "shapes/config instead, or move the code into a torch.library custom op with a fake (meta) "
-                    "implementation and declare a rule for it (hidup.rules.declare_batch_op).") from e
+                    "implementation and declare a rule for it (hidup.rules.declare_batch_op)."
+                ) from e
             value = _map(value, lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
         else:
             value = None
@@ -329,6 +392,7 @@ class _MetaProp(torch.fx.Interpreter):
 
 # ----------------------------------------------------------------------------------------------
 # public API
+
 
 def forward_inputs(model: nn.Module, example_inputs: Any) -> list:
     """The forward's argument values in parameter order (defaults filled in)."""
@@ -341,7 +405,7 @@ def forward_inputs(model: nn.Module, example_inputs: Any) -> list:
             raise TraceFailure(f"{type(model).__name__}.forward takes *args/**kwargs; pass example inputs as a tuple")
         return list(example_inputs)
     try:
-        bound = (sig.bind(**example_inputs) if isinstance(example_inputs, dict) else sig.bind(*example_inputs))
+        bound = sig.bind(**example_inputs) if isinstance(example_inputs, dict) else sig.bind(*example_inputs)
     except TypeError as e:
         raise TraceFailure(f"example inputs do not match {type(model).__name__}.forward{sig}: {e}") from e
     return [bound.arguments.get(p.name, p.default) for p in params]
@@ -379,26 +443,34 @@ def _forward_names(model: nn.Module, values: list) -> list[str]:
     return [p.name for p in params]
 
 
-def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn,
-           rules_missing: str) -> Traced:
+def _build(
+    model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn, rules_missing: str
+) -> Traced:
     explicit_normalizers(gm)
     builder = _Builder(gm, world_size, signatures_fn)
     with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too
         _MetaProp(gm, builder, values).run(enable_io_processing=False)
 
-    graph = Graph(builder.nodes, builder.tensors, world_size, type(model).__name__,
-                  [name for name, *_ in builder.fallbacks])
+    graph = Graph(
+        builder.nodes, builder.tensors, world_size, type(model).__name__, [name for name, *_ in builder.fallbacks]
+    )
     graph.validate()
     graph.copy_reason = copy_axis(graph).reason
     # what autograd saves per node, measured on demand per precision (hidup.saved)
     graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts)
     if builder.fallbacks:
-        listing = "; ".join(f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
-                            for name, target, src, why in builder.fallbacks)
+        listing = "; ".join(
+            f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
+            for name, target, src, why in builder.fallbacks
+        )
         missing = f" ({rules_missing})" if rules_missing else ""
-        warnings.warn(f"hidup.trace: {len(builder.fallbacks)} op(s) of {type(model).__name__} have no usable "
-                      f"sharding rule{missing} and run replicated (all-full) on every rank: {listing}. Declare a "
-                      "rule in hidup.rules to shard them.", FallbackWarning, stacklevel=_caller_stacklevel())
+        warnings.warn(
+            f"hidup.trace: {len(builder.fallbacks)} op(s) of {type(model).__name__} have no usable "
+            f"sharding rule{missing} and run replicated (all-full) on every rank: {listing}. Declare a "
+            "rule in hidup.rules to shard them.",
+            FallbackWarning,
+            stacklevel=_caller_stacklevel(),
+        )
     out = builder.out
     out.graph = graph
     return out
@@ -407,12 +479,13 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size:
 def halve_example(values: list, batch_dims: list) -> list:
     """Example inputs of one duplicated copy for tracing: the first half of each batch dim (only
     shapes matter; ``batch_dims[i]`` None, or a non-tensor value, passes it unchanged)."""
-    return [v.narrow(d, 0, v.shape[d] // 2) if isinstance(v, torch.Tensor) and d is not None else v
-            for v, d in zip(values, batch_dims)]
+    return [
+        v.narrow(d, 0, v.shape[d] // 2) if isinstance(v, torch.Tensor) and d is not None else v
+        for v, d in zip(values, batch_dims)
+    ]
 
 
-def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *,
-               batch_dims: list | None = None) -> Traced:
+def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *, batch_dims: list | None = None) -> Traced:
     """The program one duplicated copy runs (:mod:`hidup.codegen.duplicate`): ``model`` traced for
     ``world_size`` ranks at half the global batch (:func:`halve_example` of every forward input;
     ``batch_dims`` default 0).  ValueError when a batch dim is odd (the copies could not split it)."""
@@ -422,8 +495,10 @@ def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *,
         raise ValueError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
     for v, d in zip(values, dims):
         if isinstance(v, torch.Tensor) and d is not None and v.shape[d] % 2:
-            raise ValueError(f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
-                             f"does not divide {v.shape[d]}; use an even batch or turn duplication off")
+            raise ValueError(
+                f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
+                f"does not divide {v.shape[d]}; use an even batch or turn duplication off"
+            )
     return trace_module(model, tuple(halve_example(values, dims)), world_size)
 
 

@@ -19,5 +19,16 @@ from hidup.profiler.profile import (
     save,
 )
 
-__all__ = ["Profile", "CommTable", "Corrections", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
-           "COLLECTIVES", "DTYPES"]
+__all__ = [
+    "Profile",
+    "CommTable",
+    "Corrections",
+    "ProfileError",
+    "load",
+    "save",
+    "builtin_names",
+    "op_key",
+    "op_dtype",
+    "COLLECTIVES",
+    "DTYPES",
+]

@@ -46,13 +46,30 @@ from .corrections import Correction, Corrections, Point, Provenance
 from .device import tf32
 from .ops import model_op_times
 
-__all__ = ["measure_model_ops", "in_context_scale", "dup_context_scale", "predicted_step", "predicted_copies",
-           "TwoCopies", "program_scales", "program_checks", "apply_program_checks", "fit_program_scale",
-           "held_out_points"]
+__all__ = [
+    "measure_model_ops",
+    "in_context_scale",
+    "dup_context_scale",
+    "predicted_step",
+    "predicted_copies",
+    "TwoCopies",
+    "program_scales",
+    "program_checks",
+    "apply_program_checks",
+    "fit_program_scale",
+    "held_out_points",
+]
 
 
-def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[int], device: torch.device,
-                      precisions: tuple[str, ...] = ("fp32",), seconds: float = 120.0, half_batch: bool = True):
+def measure_model_ops(
+    prof,
+    models: list[tuple[str, dict]],
+    world: int | list[int],
+    device: torch.device,
+    precisions: tuple[str, ...] = ("fp32",),
+    seconds: float = 120.0,
+    half_batch: bool = True,
+):
     """``prof`` plus the per-op times of zoo models traced for ``world`` ranks (a world size, or a
     list of them), at every signature's local shapes, at the batch and at half of it (ops.py), in
     each of ``precisions``.
@@ -68,7 +85,6 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
     same pairs run as duplication's two copies on two streams (:func:`dup_context_scale`), reported
     the same way.  The new op times change the physical prediction that the profile's corrections
     were fitted over, so the result has none (fit them again: :func:`program_scales`)."""
-
 
     initialized = dist.is_available() and dist.is_initialized()
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
@@ -87,8 +103,18 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
         for name, overrides in models:
             model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
             for precision in precisions:
-                mine = model_op_times(model, inputs, w, device=device, precision=precision, half_batch=half_batch,
-                                      graphed=graphed, cache=mine, total_s=seconds, shard=(rank, ranks))
+                mine = model_op_times(
+                    model,
+                    inputs,
+                    w,
+                    device=device,
+                    precision=precision,
+                    half_batch=half_batch,
+                    graphed=graphed,
+                    cache=mine,
+                    total_s=seconds,
+                    shard=(rank, ranks),
+                )
     ops = {}
     for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
         ops.update(part or {})
@@ -120,18 +146,34 @@ def measure_model_ops(prof, models: list[tuple[str, dict]], world: int | list[in
             torch.cuda.empty_cache()
         dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
     two_copies = _geomean_scale(dup_checks, None)
-    detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
-        f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
-        f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
-        f"{c['optimizer_bytes'] / 2**20:.0f} MiB" if "scale" in c else c["error"]) for c in checks)
-    dup_detail = "; ".join(f"{c['model']} {c['precision']} x{c['world']}: " + (
-        f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms one copy after the other "
-        f"= {c['scale']:.3f}" if "scale" in c else c["error"]) for c in dup_checks)
-    out.notes += (f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
-                  f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
-                  f"in-context check {_mean_text(in_context)} ({detail or 'not measured'}); "
-                  f"two-copy check {_mean_text(two_copies)} ({dup_detail or 'not measured'}); "
-                  "checks, not applied")
+    detail = "; ".join(
+        f"{c['model']} {c['precision']} x{c['world']}: "
+        + (
+            f"step {c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms from ops "
+            f"({c['coverage']:.0%} measured) = {c['scale']:.3f}, Adam step {c['optimizer_s'] * 1e3:.2f} ms for "
+            f"{c['optimizer_bytes'] / 2**20:.0f} MiB"
+            if "scale" in c
+            else c["error"]
+        )
+        for c in checks
+    )
+    dup_detail = "; ".join(
+        f"{c['model']} {c['precision']} x{c['world']}: "
+        + (
+            f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms one copy after the other "
+            f"= {c['scale']:.3f}"
+            if "scale" in c
+            else c["error"]
+        )
+        for c in dup_checks
+    )
+    out.notes += (
+        f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
+        f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
+        f"in-context check {_mean_text(in_context)} ({detail or 'not measured'}); "
+        f"two-copy check {_mean_text(two_copies)} ({dup_detail or 'not measured'}); "
+        "checks, not applied"
+    )
     return out
 
 
@@ -154,8 +196,9 @@ def _usable(checks: list[dict], min_coverage: float) -> list[dict]:
     return [c for c in checks if "scale" in c and c["coverage"] >= min_coverage and 0.5 <= c["scale"] <= 2.0]
 
 
-def predicted_step(profile, model: torch.nn.Module, example_inputs, world_size: int,
-                   precision: str = "fp32") -> tuple[float, float]:
+def predicted_step(
+    profile, model: torch.nn.Module, example_inputs, world_size: int, precision: str = "fp32"
+) -> tuple[float, float]:
     """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
     share of the ``world_size``-rank model run on one device, priced by the cost model from
     ``profile`` as a CUDA-graph step (its physical time: no correction applied)."""
@@ -198,8 +241,9 @@ class TwoCopies(torch.nn.Module):
         return losses[0] + losses[1]
 
 
-def predicted_copies(profile, model: torch.nn.Module, example_inputs, world_size: int,
-                     precision: str = "fp32") -> tuple[float, float]:
+def predicted_copies(
+    profile, model: torch.nn.Module, example_inputs, world_size: int, precision: str = "fp32"
+) -> tuple[float, float]:
     """(predicted forward + backward compute seconds, share of it from measured ops) of one rank's
     share of the ``world_size``-rank model run on one device as two duplicated copies one after the
     other: :meth:`hidup.search.cost.CostModel.copy_device_compute` of every op, twice, from
@@ -225,12 +269,12 @@ def _predicted(profile, model, example_inputs, world_size: int, precision: str, 
     return n * total, (measured / total if total else 0.0)
 
 
-def _time_step(name: str, overrides: dict, world_size: int, device: torch.device, precision: str,
-               budget_s: float, copies: bool) -> tuple[float, float, int]:
+def _time_step(
+    name: str, overrides: dict, world_size: int, device: torch.device, precision: str, budget_s: float, copies: bool
+) -> tuple[float, float, int]:
     """(seconds of one step, seconds of its Adam step, trainable bytes) of one rank's share of zoo
     model ``name`` on ``device``, forward and backward as one CUDA graph; ``copies`` runs it as
     :class:`TwoCopies` (the Adam step is then not timed: 0.0)."""
-
 
     model, inputs = hidup.models.build(name, world_size=world_size, seed=0, **overrides)
     model = model.to(device)
@@ -250,8 +294,15 @@ def _time_step(name: str, overrides: dict, world_size: int, device: torch.device
     return measured, opt_s, sum(p.numel() * p.element_size() for p in params)
 
 
-def in_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
-                     precision: str = "fp32", budget_s: float = 1.0) -> dict:
+def in_context_scale(
+    profile,
+    name: str,
+    overrides: dict,
+    world_size: int,
+    device: torch.device | str,
+    precision: str = "fp32",
+    budget_s: float = 1.0,
+) -> dict:
     """Measured over predicted time of one rank's share of zoo model ``name`` (built for
     ``world_size`` ranks) on ``device``: forward and backward captured as one CUDA graph
     (:class:`hidup.codegen.graphs.GraphedStep`) against :func:`predicted_step` from ``profile``'s
@@ -263,13 +314,27 @@ def in_context_scale(profile, name: str, overrides: dict, world_size: int, devic
     meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
     predicted, coverage = predicted_step(profile, meta_model, meta_inputs, world_size, precision)
     measured, opt_s, nbytes = _time_step(name, overrides, world_size, device, precision, budget_s, copies=False)
-    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
-            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0,
-            "optimizer_s": opt_s, "optimizer_bytes": nbytes}
+    return {
+        "model": name,
+        "precision": precision,
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "coverage": coverage,
+        "scale": measured / predicted if predicted > 0 else 1.0,
+        "optimizer_s": opt_s,
+        "optimizer_bytes": nbytes,
+    }
 
 
-def dup_context_scale(profile, name: str, overrides: dict, world_size: int, device: torch.device | str,
-                      precision: str = "fp32", budget_s: float = 1.0) -> dict:
+def dup_context_scale(
+    profile,
+    name: str,
+    overrides: dict,
+    world_size: int,
+    device: torch.device | str,
+    precision: str = "fp32",
+    budget_s: float = 1.0,
+) -> dict:
     """Measured over predicted time of one rank's share of zoo model ``name`` run as two duplicated
     copies on two streams (:class:`TwoCopies`, forward and backward as one CUDA graph) against
     :func:`predicted_copies` from ``profile``.  Returns ``{"model", "precision", "measured_s",
@@ -280,8 +345,14 @@ def dup_context_scale(profile, name: str, overrides: dict, world_size: int, devi
     meta_model, meta_inputs = hidup.models.build(name, world_size=world_size, device="meta", **overrides)
     predicted, coverage = predicted_copies(profile, meta_model, meta_inputs, world_size, precision)
     measured, _, _ = _time_step(name, overrides, world_size, device, precision, budget_s, copies=True)
-    return {"model": name, "precision": precision, "measured_s": measured, "predicted_s": predicted,
-            "coverage": coverage, "scale": measured / predicted if predicted > 0 else 1.0}
+    return {
+        "model": name,
+        "precision": precision,
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "coverage": coverage,
+        "scale": measured / predicted if predicted > 0 else 1.0,
+    }
 
 
 def fit_program_scale(predict, measured: float, lo: float = 0.25, hi: float = 4.0) -> tuple[float | None, float]:
@@ -302,8 +373,14 @@ def fit_program_scale(predict, measured: float, lo: float = 0.25, hi: float = 4.
     return math.exp((a + b) / 2), coverage
 
 
-def program_scales(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
-                   held_out: list[tuple[str, dict]] = (), **kwargs):
+def program_scales(
+    prof,
+    models: list[tuple[str, dict]],
+    precisions: tuple[str, ...],
+    device: torch.device,
+    held_out: list[tuple[str, dict]] = (),
+    **kwargs,
+):
     """``prof`` with ``dist_scale`` and ``dist_dup_scale`` fitted on the ranks of the initialized
     process group (every rank calls this; world size >= 2) on the plans of the calibration
     ``models`` and checked on those of the ``held_out`` models: :func:`program_checks` of both
@@ -311,8 +388,10 @@ def program_scales(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
     fit_names = {name for name, _ in models}
     overlap = sorted(fit_names & {name for name, _ in held_out})
     if overlap:
-        raise ValueError(f"program_scales: {', '.join(overlap)} both calibrates and is held out; a held-out "
-                         "model must be one the corrections are not fitted on")
+        raise ValueError(
+            f"program_scales: {', '.join(overlap)} both calibrates and is held out; a held-out "
+            "model must be one the corrections are not fitted on"
+        )
     checks = program_checks(prof, list(models) + list(held_out), precisions, device, **kwargs)
     return apply_program_checks(prof, checks, held_out=[name for name, _ in held_out])
 
@@ -325,7 +404,6 @@ def apply_program_checks(prof, checks: list[dict], held_out: list[str] = ()):
     fitted on and the checks of the ``held_out`` models, priced with the fitted value
     (:func:`held_out_points`; a check without its plan is left out there)."""
 
-
     held = set(held_out)
     fit = [c for c in checks if c.get("model") not in held]
     world = next((c["world"] for c in checks if "world" in c), 0)
@@ -333,24 +411,42 @@ def apply_program_checks(prof, checks: list[dict], held_out: list[str] = ()):
     fitted = {}
     for name in Corrections.names():
         mine = [c for c in fit if c.get("factor") == name]
-        points = tuple(Point(c["model"], c["precision"], c["measured_s"], c["predicted_s"], c["coverage"], c["scale"])
-                       for c in _usable(mine, 0.5))
-        fitted[name] = Correction(_geomean_scale(mine, 1.0, 0.5), None if not points else Provenance(
-            fitted_on=points, device=prof.gpu, world=world, cuda_graphs=graphs,
-            date=datetime.date.today().isoformat()))
+        points = tuple(
+            Point(c["model"], c["precision"], c["measured_s"], c["predicted_s"], c["coverage"], c["scale"])
+            for c in _usable(mine, 0.5)
+        )
+        fitted[name] = Correction(
+            _geomean_scale(mine, 1.0, 0.5),
+            None
+            if not points
+            else Provenance(
+                fitted_on=points,
+                device=prof.gpu,
+                world=world,
+                cuda_graphs=graphs,
+                date=datetime.date.today().isoformat(),
+            ),
+        )
     out = prof.with_corrections(Corrections(**fitted))
     held_points = held_out_points(out, [c for c in checks if c.get("model") in held])
     out = out.with_corrections(_with_held_out(out.corrections, held_points))
     detail = "; ".join(
         f"{c['model']} {c['precision']}"
         f"{dict(dist_scale=' one copy', dist_dup_scale=' duplicated').get(c.get('factor'), '')}"
-        f"{' (held out)' if c.get('model') in held else ''}: " + (
+        f"{' (held out)' if c.get('model') in held else ''}: "
+        + (
             f"{c['measured_s'] * 1e3:.2f} ms measured / {c['predicted_s'] * 1e3:.2f} ms predicted, "
-            f"{c['coverage']:.0%} of it compute -> {c['scale']:.3f}" if "scale" in c else c["error"])
-        for c in checks)
-    out.notes += (f"; inside the distributed program (x{world or '?'}, {'CUDA graphs' if graphs else 'eager'}): "
-                  f"dist_scale {out.corrections.dist_scale.value:.3f}, "
-                  f"dist_dup_scale {out.corrections.dist_dup_scale.value:.3f} ({detail or 'no plan'})")
+            f"{c['coverage']:.0%} of it compute -> {c['scale']:.3f}"
+            if "scale" in c
+            else c["error"]
+        )
+        for c in checks
+    )
+    out.notes += (
+        f"; inside the distributed program (x{world or '?'}, {'CUDA graphs' if graphs else 'eager'}): "
+        f"dist_scale {out.corrections.dist_scale.value:.3f}, "
+        f"dist_dup_scale {out.corrections.dist_dup_scale.value:.3f} ({detail or 'no plan'})"
+    )
     return out
 
 
@@ -370,16 +466,22 @@ def held_out_points(prof, checks: list[dict]) -> dict[str, tuple]:
     :func:`program_checks`, with their plans) for it: the measured time against the plan's prediction
     in that mode under ``prof``, its corrections applied."""
 
-
     out: dict[str, list] = {}
     for c in checks:
         if c.get("factor") is None or "measured_s" not in c or "plan" not in c:
             continue
         graph = _check_graph(c)
-        predicted = _plan_time(graph, prof, Plan.from_dict(c["plan"]), c["precision"], bool(c.get("cuda_graphs")),
-                               c["factor"] == "dist_dup_scale")
-        out.setdefault(c["factor"], []).append(Point(c["model"], c["precision"], c["measured_s"], predicted,
-                                                     c.get("coverage", 0.0), c.get("scale", 0.0)))
+        predicted = _plan_time(
+            graph,
+            prof,
+            Plan.from_dict(c["plan"]),
+            c["precision"],
+            bool(c.get("cuda_graphs")),
+            c["factor"] == "dist_dup_scale",
+        )
+        out.setdefault(c["factor"], []).append(
+            Point(c["model"], c["precision"], c["measured_s"], predicted, c.get("coverage", 0.0), c.get("scale", 0.0))
+        )
     return {k: tuple(v) for k, v in out.items()}
 
 
@@ -398,8 +500,17 @@ def _plan_time(graph, prof, plan, precision: str, cuda_graphs: bool, duplicated:
     return ev.forward + ev.backward
 
 
-def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, ...], device: torch.device,
-                   *, cuda_graphs: bool | None = None, trials: int = 5, warmup: int = 2, seed: int = 0) -> list[dict]:
+def program_checks(
+    prof,
+    models: list[tuple[str, dict]],
+    precisions: tuple[str, ...],
+    device: torch.device,
+    *,
+    cuda_graphs: bool | None = None,
+    trials: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> list[dict]:
     """One check per (zoo model with overrides, precision, mode), the same on every rank.
 
     The search's plan for this world under ``prof`` (its physical time: corrections taken as 1) is
@@ -411,7 +522,6 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
     cost model's forward + backward of the plan in that mode equal the measured time
     (:func:`fit_program_scale`)."""
 
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         raise ValueError("program_scales times plans on the ranks: run it on >= 2 ranks (NODERANK/CPN or torchrun)")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -422,11 +532,23 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
         meta_model, meta_inputs = hidup.models.build(name, world_size=world, device="meta", **overrides)
         graph = trace(meta_model, meta_inputs, world_size=world, half_batch=True)
         for precision in precisions:
-            row = {"model": name, "overrides": dict(overrides), "precision": precision, "world": world,
-                   "cuda_graphs": graphed}
+            row = {
+                "model": name,
+                "overrides": dict(overrides),
+                "precision": precision,
+                "world": world,
+                "cuda_graphs": graphed,
+            }
             try:
-                plan = search(graph, base, world_size=world, algorithm="dp", duplication=True, precision=precision,
-                              cuda_graphs=graphed)
+                plan = search(
+                    graph,
+                    base,
+                    world_size=world,
+                    algorithm="dp",
+                    duplication=True,
+                    precision=precision,
+                    cuda_graphs=graphed,
+                )
             except SearchError as e:  # deterministic: every rank skips the same pair
                 checks.append(dict(row, error=f"search: {e}"))
                 continue
@@ -435,8 +557,17 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
             inputs = tuple(x.to(device) for x in inputs)
             autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
             with tf32(precision == "tf32"):
-                measured = time_modes(model, plan, rank, world, inputs, cuda_graphs=graphed, autocast_dtype=autocast,
-                                      trials=trials, warmup=warmup)
+                measured = time_modes(
+                    model,
+                    plan,
+                    rank,
+                    world,
+                    inputs,
+                    cuda_graphs=graphed,
+                    autocast_dtype=autocast,
+                    trials=trials,
+                    warmup=warmup,
+                )
             del model, inputs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -450,11 +581,14 @@ def program_checks(prof, models: list[tuple[str, dict]], precisions: tuple[str, 
                     return _plan_time(graph, base.with_corrections(**{field: k}), plan, precision, graphed, mode)
 
                 k, coverage = fit_program_scale(predict, secs)
-                check = dict(row, factor=field, measured_s=secs, predicted_s=predict(1.0), coverage=coverage,
-                             plan=plan.to_dict())
+                check = dict(
+                    row, factor=field, measured_s=secs, predicted_s=predict(1.0), coverage=coverage, plan=plan.to_dict()
+                )
                 if k is None:
-                    check["error"] = (f"measured {secs * 1e3:.2f} ms is out of reach of the prediction "
-                                      f"({check['predicted_s'] * 1e3:.2f} ms at factor 1)")
+                    check["error"] = (
+                        f"measured {secs * 1e3:.2f} ms is out of reach of the prediction "
+                        f"({check['predicted_s'] * 1e3:.2f} ms at factor 1)"
+                    )
                 else:
                     check["scale"] = k
                 checks.append(check)

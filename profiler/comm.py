@@ -57,8 +57,16 @@ import torch.distributed as dist
 from hidup.codegen.timing import Timer, max_over_ranks
 from hidup.ir import COLLECTIVES
 
-__all__ = ["CommCurve", "fit_alpha", "monotone", "default_comm_sizes", "default_group_sizes", "time_collective",
-           "profile_collectives", "collective_call"]
+__all__ = [
+    "CommCurve",
+    "fit_alpha",
+    "monotone",
+    "default_comm_sizes",
+    "default_group_sizes",
+    "time_collective",
+    "profile_collectives",
+    "collective_call",
+]
 
 # Newer torch renames the tensor-in/tensor-out collectives; same signatures.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -90,10 +98,18 @@ class CommCurve:
         return [s / t for s, t in zip(self.sizes, self.seconds)]
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "group_size": self.group_size, "sizes": list(self.sizes),
-                "seconds": list(self.seconds), "raw_seconds": list(self.raw_seconds),
-                "algbw": self.algbw, "alpha": self.alpha, "pair_seconds": list(self.pair_seconds),
-                "pair_speedup": self.pair_speedup, "round_seconds": [list(r) for r in self.round_seconds]}
+        return {
+            "op": self.op,
+            "group_size": self.group_size,
+            "sizes": list(self.sizes),
+            "seconds": list(self.seconds),
+            "raw_seconds": list(self.raw_seconds),
+            "algbw": self.algbw,
+            "alpha": self.alpha,
+            "pair_seconds": list(self.pair_seconds),
+            "pair_speedup": self.pair_speedup,
+            "round_seconds": [list(r) for r in self.round_seconds],
+        }
 
 
 def monotone(seconds: list[float]) -> list[float]:
@@ -108,8 +124,9 @@ def fit_alpha(sizes: list[int], seconds: list[float], n_fit: int = 3) -> float:
     """Intercept of the least-squares line ``t = alpha + S / beta`` on the ``n_fit`` smallest sizes,
     clamped to ``[0, min t]`` (see the module docstring)."""
     if len(sizes) != len(seconds) or not sizes:
-        raise ValueError(f"fit_alpha needs equally long non-empty lists, got {len(sizes)} sizes "
-                         f"and {len(seconds)} times")
+        raise ValueError(
+            f"fit_alpha needs equally long non-empty lists, got {len(sizes)} sizes and {len(seconds)} times"
+        )
     pts = sorted(zip(sizes, seconds))[: max(1, n_fit)]
     t_min = min(t for _, t in pts)
     if len(pts) < 2:
@@ -153,8 +170,9 @@ def _elements(nbytes: int, g: int, op: str, elem: int) -> int:
     return max(unit, math.ceil(n / unit) * unit)
 
 
-def collective_call(op: str, numel: int, group, g: int, device: torch.device,
-                    dtype: torch.dtype = torch.float32, async_op: bool = False) -> Callable[[], object]:
+def collective_call(
+    op: str, numel: int, group, g: int, device: torch.device, dtype: torch.dtype = torch.float32, async_op: bool = False
+) -> Callable[[], object]:
     """A zero-argument function that runs ``op`` once on preallocated buffers (logical ``numel``);
     with ``async_op`` it returns the collective's work handle."""
     if op not in COLLECTIVES:
@@ -186,11 +204,20 @@ def _pair_call(op: str, numel: int, groups, g: int, device: torch.device, dtype:
     def run():
         for work in [call() for call in calls]:
             work.wait()
+
     return run
 
 
-def _sampled(fns: list[Callable[[], object]], timer: "Timer", device: torch.device, *, sample_s: float,
-             budget_s: float, min_samples: int, max_samples: int) -> list[list[float]]:
+def _sampled(
+    fns: list[Callable[[], object]],
+    timer: "Timer",
+    device: torch.device,
+    *,
+    sample_s: float,
+    budget_s: float,
+    min_samples: int,
+    max_samples: int,
+) -> list[list[float]]:
     """Per-call seconds of each of ``fns``, per sample, max over the world, sampled in turns.
 
     Each function is warmed up once and timed once to fix its calls per sample ``k`` (from the
@@ -212,15 +239,27 @@ def _sampled(fns: list[Callable[[], object]], timer: "Timer", device: torch.devi
     n_samples = int(min(max_samples, max(min_samples, budget_s // per_round)))
     local: list[list[float]] = [[] for _ in fns]
     for i in range(n_samples):
-        for j in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):
+        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
             _barrier(device)
             local[j].append(timer.measure(fns[j], ks[j]) / ks[j])
     return [max_over_ranks(samples, None, device) for samples in local]
 
 
-def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *, member: bool = True,
-                    sample_s: float = 0.02, budget_s: float = 0.25, min_samples: int = 3,
-                    max_samples: int = 20, dtype: torch.dtype = torch.float32, pair_with=None):
+def time_collective(
+    op: str,
+    nbytes: int,
+    group,
+    g: int,
+    device: torch.device,
+    *,
+    member: bool = True,
+    sample_s: float = 0.02,
+    budget_s: float = 0.25,
+    min_samples: int = 3,
+    max_samples: int = 20,
+    dtype: torch.dtype = torch.float32,
+    pair_with=None,
+):
     """Median seconds of one ``op`` of logical size ``nbytes`` on ``group`` (``g`` ranks), max over
     the world.  Every rank of the world must call this with the same arguments; ranks outside any
     group pass ``member=False`` and only take part in the agreement collectives.
@@ -243,8 +282,9 @@ def time_collective(op: str, nbytes: int, group, g: int, device: torch.device, *
         fns = [collective_call(op, numel, group, g, device, dtype)]
         if pair_with is not None:
             fns.append(_pair_call(op, numel, (group, pair_with), g, device, dtype))
-    samples = _sampled(fns, timer, device, sample_s=sample_s, budget_s=budget_s, min_samples=min_samples,
-                       max_samples=max_samples)
+    samples = _sampled(
+        fns, timer, device, sample_s=sample_s, budget_s=budget_s, min_samples=min_samples, max_samples=max_samples
+    )
     single = statistics.median(samples[0])
     if pair_with is None:
         return single
@@ -268,11 +308,19 @@ def _make_groups(world: int, g: int):
     return mine, mine is not None, created
 
 
-def profile_collectives(device: torch.device | str, sizes: list[int] | None = None,
-                        ops: tuple[str, ...] = COLLECTIVES, group_sizes: list[int] | None = None, *,
-                        budget_s: float = 0.25, n_fit: int = 3, dtype: torch.dtype = torch.float32,
-                        on_point: Callable[[str, int, int], None] | None = None,
-                        pairs: bool = True, rounds: int = 1) -> list[CommCurve]:
+def profile_collectives(
+    device: torch.device | str,
+    sizes: list[int] | None = None,
+    ops: tuple[str, ...] = COLLECTIVES,
+    group_sizes: list[int] | None = None,
+    *,
+    budget_s: float = 0.25,
+    n_fit: int = 3,
+    dtype: torch.dtype = torch.float32,
+    on_point: Callable[[str, int, int], None] | None = None,
+    pairs: bool = True,
+    rounds: int = 1,
+) -> list[CommCurve]:
     """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
     ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
     With ``pairs``, the whole-world group also times two calls at once on two communicators
@@ -287,9 +335,11 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
     called after each point (for progress bars).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("profile_collectives needs an initialized process group; call "
-                           "torch.distributed.init_process_group first (or use hidup.profiler.measure."
-                           "profile_machine, which profiles only the device when world size is 1)")
+        raise RuntimeError(
+            "profile_collectives needs an initialized process group; call "
+            "torch.distributed.init_process_group first (or use hidup.profiler.measure."
+            "profile_machine, which profiles only the device when world size is 1)"
+        )
     device = torch.device(device)
     world = dist.get_world_size()
     sizes = sorted(set(int(s) for s in (sizes or default_comm_sizes(device))))
@@ -315,8 +365,9 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
         for _ in range(rounds):
             for op in ops:
                 for s in sizes:
-                    t = time_collective(op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype,
-                                        pair_with=second)
+                    t = time_collective(
+                        op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype, pair_with=second
+                    )
                     if second is not None:
                         t, pair = t
                         ratio.setdefault((op, s), []).append(pair / max(t, 1e-12))
@@ -339,4 +390,3 @@ def profile_collectives(device: torch.device | str, sizes: list[int] | None = No
         for grp in created + ([second] if second is not None else []):
             dist.destroy_process_group(grp)
     return curves
-

@@ -55,9 +55,9 @@ __all__ = ["Correction", "Corrections", "Point", "Provenance", "MULTIPLIES", "Co
 
 MULTIPLIES = {
     "dist_scale": "t_fwd and t_bwd of every call node of a plan without duplication (compute inside the "
-                  "ranks' program)",
+    "ranks' program)",
     "dist_dup_scale": "t_fwd and t_bwd of every call node in each duplicated copy (compute inside the ranks' "
-                      "program with duplication)",
+    "program with duplication)",
 }
 
 
@@ -94,10 +94,14 @@ class Point:
     def from_dict(d, where: str) -> "Point":
         if not isinstance(d, dict) or not isinstance(d.get("model"), str) or not isinstance(d.get("precision"), str):
             raise CorrectionError(f"{where}: expected {{model, precision, measured_s, predicted_s, ...}}, got {d!r}")
-        return Point(d["model"], d["precision"], _number(d.get("measured_s"), f"{where}.measured_s"),
-                     _number(d.get("predicted_s"), f"{where}.predicted_s"),
-                     _number(d.get("coverage", 1.0), f"{where}.coverage"),
-                     _number(d.get("scale", 0.0), f"{where}.scale"))
+        return Point(
+            d["model"],
+            d["precision"],
+            _number(d.get("measured_s"), f"{where}.measured_s"),
+            _number(d.get("predicted_s"), f"{where}.predicted_s"),
+            _number(d.get("coverage", 1.0), f"{where}.coverage"),
+            _number(d.get("scale", 0.0), f"{where}.scale"),
+        )
 
     @property
     def error(self) -> float:
@@ -129,9 +133,15 @@ class Provenance:
         return tuple(dict.fromkeys(p.model for p in self.held_out))
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "world": self.world, "cuda_graphs": self.cuda_graphs, "date": self.date,
-                "recorded": self.recorded, "fitted_on": [p.to_dict() for p in self.fitted_on],
-                "held_out": [p.to_dict() for p in self.held_out]}
+        return {
+            "device": self.device,
+            "world": self.world,
+            "cuda_graphs": self.cuda_graphs,
+            "date": self.date,
+            "recorded": self.recorded,
+            "fitted_on": [p.to_dict() for p in self.fitted_on],
+            "held_out": [p.to_dict() for p in self.held_out],
+        }
 
     @staticmethod
     def from_dict(d, where: str) -> "Provenance":
@@ -147,8 +157,15 @@ class Provenance:
         def points(key: str) -> tuple[Point, ...]:
             return tuple(Point.from_dict(p, f"{where}.{key}[{i}]") for i, p in enumerate(d.get(key, [])))
 
-        return Provenance(points("fitted_on"), points("held_out"), str(d.get("device", "")), world,
-                          bool(d.get("cuda_graphs", False)), str(d.get("date", "")), bool(d.get("recorded", True)))
+        return Provenance(
+            points("fitted_on"),
+            points("held_out"),
+            str(d.get("device", "")),
+            world,
+            bool(d.get("cuda_graphs", False)),
+            str(d.get("date", "")),
+            bool(d.get("recorded", True)),
+        )
 
 
 UNRECORDED = Provenance(recorded=False)
@@ -174,10 +191,12 @@ class Correction:
     @staticmethod
     def from_dict(d, where: str) -> "Correction":
         if not isinstance(d, dict) or "value" not in d:
-            raise CorrectionError(f"{where}: expected {{\"value\": factor, \"provenance\": {{...}}}}, got {d!r}")
+            raise CorrectionError(f'{where}: expected {{"value": factor, "provenance": {{...}}}}, got {d!r}')
         prov = d.get("provenance")
-        return Correction(_number(d["value"], f"{where}.value", positive=True),
-                          None if prov is None else Provenance.from_dict(prov, f"{where}.provenance"))
+        return Correction(
+            _number(d["value"], f"{where}.value", positive=True),
+            None if prov is None else Provenance.from_dict(prov, f"{where}.provenance"),
+        )
 
 
 @dataclass(frozen=True)
@@ -233,8 +252,9 @@ class Corrections:
 
     def perturb(self, draw: Callable[[], float]) -> "Corrections":
         """Each value times one ``draw()``, in :meth:`names` order (provenance kept)."""
-        return replace(self, **{n: replace(getattr(self, n), value=getattr(self, n).value * draw())
-                                for n in self.names()})
+        return replace(
+            self, **{n: replace(getattr(self, n), value=getattr(self, n).value * draw()) for n in self.names()}
+        )
 
     def to_dict(self) -> dict:
         return {n: getattr(self, n).to_dict(n) for n in self.names()}
@@ -252,8 +272,9 @@ class Corrections:
     def from_legacy(cls, d: dict) -> "Corrections":
         """The top-level ``dist_scale`` / ``dist_dup_scale`` of an older profile document (values
         already validated), with an unrecorded provenance where a value is not 1."""
-        return cls(**{n: Correction(float(d[n]), UNRECORDED if float(d[n]) != 1.0 else None)
-                      for n in cls.names() if n in d})
+        return cls(
+            **{n: Correction(float(d[n]), UNRECORDED if float(d[n]) != 1.0 else None) for n in cls.names() if n in d}
+        )
 
     def describe(self) -> str:
         """One line per non-identity correction: its value, what it was fitted on, and how it did on held-out plans."""
@@ -270,6 +291,8 @@ class Corrections:
                 lines.append(f"{n} {c.value:.3f} (provenance not recorded: in-sample for every model)")
                 continue
             held = ", ".join(f"{x.model} {x.precision} {x.error:+.1%}" for x in p.held_out) or "none"
-            lines.append(f"{n} {c.value:.3f} fitted on {', '.join(p.models) or 'no plan'} "
-                         f"(x{p.world}, {p.device or 'unknown device'}); held out: {held}")
+            lines.append(
+                f"{n} {c.value:.3f} fitted on {', '.join(p.models) or 'no plan'} "
+                f"(x{p.world}, {p.device or 'unknown device'}); held out: {held}"
+            )
         return "; ".join(lines) or "none (identity)"

@@ -50,12 +50,26 @@ from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import graph_time, time_call
 from hidup.profiler.profile import DTYPES
 
-__all__ = ["MatmulRate", "matmul_rate", "device_rates",
-           "memory_bandwidth", "layout_bandwidth", "grad_copy_overhead", "default_matmul_sizes", "torch_dtype"]
+__all__ = [
+    "MatmulRate",
+    "matmul_rate",
+    "device_rates",
+    "memory_bandwidth",
+    "layout_bandwidth",
+    "grad_copy_overhead",
+    "default_matmul_sizes",
+    "torch_dtype",
+]
 
 # The compute dtypes are a profile's (DTYPES); "tf32" means float32 tensors with TF32 matmuls enabled.
-_ALIASES = {"float32": "fp32", "float": "fp32", "tfloat32": "tf32", "bfloat16": "bf16",
-            "float16": "fp16", "half": "fp16"}
+_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "tfloat32": "tf32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+}
 _STORAGE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -63,8 +77,9 @@ def canonical_dtype(name: str) -> str:
     """``fp32``/``tf32``/``bf16``/``fp16`` or a long name (``bfloat16``) -> the short name."""
     name = _ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"unknown compute dtype {name!r}; expected one of {', '.join(DTYPES)} "
-                         f"(or {', '.join(_ALIASES)})")
+        raise ValueError(
+            f"unknown compute dtype {name!r}; expected one of {', '.join(DTYPES)} (or {', '.join(_ALIASES)})"
+        )
     return name
 
 
@@ -117,8 +132,14 @@ def dtype_supported(device: torch.device | str, dtype: str) -> bool:
     return True
 
 
-def matmul_rate(device: torch.device | str, dtype: str, sizes: tuple[int, ...] | None = None, *,
-                budget_s: float = 0.3, warmup: int = 2) -> MatmulRate:
+def matmul_rate(
+    device: torch.device | str,
+    dtype: str,
+    sizes: tuple[int, ...] | None = None,
+    *,
+    budget_s: float = 0.3,
+    warmup: int = 2,
+) -> MatmulRate:
     """FLOP/s of square matmuls of ``dtype`` on ``device`` (see the module docstring)."""
     device = torch.device(device)
     dtype = canonical_dtype(dtype)
@@ -133,17 +154,23 @@ def matmul_rate(device: torch.device | str, dtype: str, sizes: tuple[int, ...] |
             a = torch.randn(n, n, generator=gen, device=device).to(storage)
             b = torch.randn(n, n, generator=gen, device=device).to(storage)
             out = torch.empty(n, n, device=device, dtype=storage)
-            seconds = time_call(functools.partial(torch.mm, a, b, out=out), device, warmup=warmup,
-                                budget_s=budget_s / len(sizes))
-            per_size[int(n)] = 2.0 * n ** 3 / seconds
+            seconds = time_call(
+                functools.partial(torch.mm, a, b, out=out), device, warmup=warmup, budget_s=budget_s / len(sizes)
+            )
+            per_size[int(n)] = 2.0 * n**3 / seconds
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return MatmulRate(dtype, max(per_size.values()), per_size)
 
 
-def device_rates(device: torch.device | str, dtypes: tuple[str, ...] = DTYPES,
-                 sizes: tuple[int, ...] | None = None, *, budget_s: float = 0.3,
-                 on_dtype: Callable[[str], None] | None = None) -> dict[str, MatmulRate]:
+def device_rates(
+    device: torch.device | str,
+    dtypes: tuple[str, ...] = DTYPES,
+    sizes: tuple[int, ...] | None = None,
+    *,
+    budget_s: float = 0.3,
+    on_dtype: Callable[[str], None] | None = None,
+) -> dict[str, MatmulRate]:
     """:func:`matmul_rate` for each supported dtype of ``dtypes`` (unsupported ones are left out).
 
     ``on_dtype(name)`` is called after each dtype (for progress bars).
@@ -190,8 +217,9 @@ def layout_bandwidth(device: torch.device | str, nbytes: int | None = None, *, b
     return moved / seconds
 
 
-def grad_copy_overhead(device: torch.device | str, params: int = 64, *, budget_s: float = 0.2,
-                       graphed: bool = False) -> float:
+def grad_copy_overhead(
+    device: torch.device | str, params: int = 64, *, budget_s: float = 0.2, graphed: bool = False
+) -> float:
     """Seconds per parameter of packing ``params`` tiny gradients into one flat buffer
     (``torch.cat``) and copying each back out of it (``copy_``), as the gradient buckets do
     (:mod:`hidup.codegen.grads`); ``graphed=True`` (CUDA only) times them captured in a CUDA graph."""
@@ -202,7 +230,7 @@ def grad_copy_overhead(device: torch.device | str, params: int = 64, *, budget_s
         flat = torch.cat([g.reshape(-1) for g in grads])
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
     if graphed:

@@ -61,8 +61,16 @@ from .device import (
     op_overhead,
 )
 
-__all__ = ["profile_machine", "measure_model_ops", "write_profile", "comm_tables", "parse_sizes", "parse_overrides",
-           "add_profile_args", "run_profile"]
+__all__ = [
+    "profile_machine",
+    "measure_model_ops",
+    "write_profile",
+    "comm_tables",
+    "parse_sizes",
+    "parse_overrides",
+    "add_profile_args",
+    "run_profile",
+]
 
 
 def _rates_agreed(rates: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -87,9 +95,13 @@ class _Progress:
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("[bold]profile[/]"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total}"), TextColumn("{task.description}"),
-                                TimeElapsedColumn())
+            self.bar = Progress(
+                TextColumn("[bold]profile[/]"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+            )
             self.task = self.bar.add_task("", total=total)
             self.bar.start()
 
@@ -121,16 +133,29 @@ def comm_tables(curves) -> dict[str, dict[int, "CommTable"]]:
     return tables
 
 
-def profile_machine(world: int | None = None, sizes: list[int] | None = None,
-                    dtypes: tuple[str, ...] = DTYPES, progress: bool = True, *,
-                    device: torch.device | str | None = None, out: str | Path | None = None,
-                    name: str | None = None, quick: bool = False, merge=None,
-                    matmul_sizes: tuple[int, ...] | None = None, group_sizes: list[int] | None = None,
-                    budget_s: float | None = None, ops_models: list[tuple[str, dict]] | None = None,
-                    ops_worlds: list[int] | None = None, ops_precisions: tuple[str, ...] = ("fp32",),
-                    ops_seconds: float = 120.0, calibrate_plans: list[tuple[str, dict]] | None = None,
-                    calibrate_precisions: tuple[str, ...] | None = None, comm_rounds: int = 1,
-                    held_out_plans: list[tuple[str, dict]] | None = None) -> "Profile":
+def profile_machine(
+    world: int | None = None,
+    sizes: list[int] | None = None,
+    dtypes: tuple[str, ...] = DTYPES,
+    progress: bool = True,
+    *,
+    device: torch.device | str | None = None,
+    out: str | Path | None = None,
+    name: str | None = None,
+    quick: bool = False,
+    merge=None,
+    matmul_sizes: tuple[int, ...] | None = None,
+    group_sizes: list[int] | None = None,
+    budget_s: float | None = None,
+    ops_models: list[tuple[str, dict]] | None = None,
+    ops_worlds: list[int] | None = None,
+    ops_precisions: tuple[str, ...] = ("fp32",),
+    ops_seconds: float = 120.0,
+    calibrate_plans: list[tuple[str, dict]] | None = None,
+    calibrate_precisions: tuple[str, ...] | None = None,
+    comm_rounds: int = 1,
+    held_out_plans: list[tuple[str, dict]] | None = None,
+) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
     Inside an initialized process group of ``world`` ranks (every rank calls this): device FLOP
@@ -148,20 +173,51 @@ def profile_machine(world: int | None = None, sizes: list[int] | None = None,
     ``comm_rounds`` measures the collective tables that many times and keeps each point's median
     (:func:`hidup.profiler.comm.profile_collectives`).
     """
-    prof, raw = _measure(world, sizes, dtypes, progress, device=device, name=name, quick=quick, merge=merge,
-                         matmul_sizes=matmul_sizes, group_sizes=group_sizes, budget_s=budget_s,
-                         comm_rounds=comm_rounds)
+    prof, raw = _measure(
+        world,
+        sizes,
+        dtypes,
+        progress,
+        device=device,
+        name=name,
+        quick=quick,
+        merge=merge,
+        matmul_sizes=matmul_sizes,
+        group_sizes=group_sizes,
+        budget_s=budget_s,
+        comm_rounds=comm_rounds,
+    )
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    prof = _calibrate(prof, raw, torch.device(device), ops_models, ops_worlds, tuple(ops_precisions), ops_seconds,
-                      calibrate_plans, tuple(calibrate_precisions or ops_precisions), held_out_plans)
+    prof = _calibrate(
+        prof,
+        raw,
+        torch.device(device),
+        ops_models,
+        ops_worlds,
+        tuple(ops_precisions),
+        ops_seconds,
+        calibrate_plans,
+        tuple(calibrate_precisions or ops_precisions),
+        held_out_plans,
+    )
     if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_profile(prof, raw, out)
     return prof
 
 
-def _calibrate(prof, raw: dict, device: torch.device, ops_models, ops_worlds, ops_precisions: tuple,
-               ops_seconds: float, calibrate_plans, calibrate_precisions: tuple, held_out_plans=None):
+def _calibrate(
+    prof,
+    raw: dict,
+    device: torch.device,
+    ops_models,
+    ops_worlds,
+    ops_precisions: tuple,
+    ops_seconds: float,
+    calibrate_plans,
+    calibrate_precisions: tuple,
+    held_out_plans=None,
+):
     """``prof`` with the models' per-op times and their single-device checks
     (:func:`measure_model_ops`, when ``ops_models``), then the corrections inside the distributed
     program fitted on ``calibrate_plans`` and checked on ``held_out_plans`` (:func:`program_scales`);
@@ -187,23 +243,40 @@ def write_profile(prof, raw: dict, out: str | Path) -> Path:
     return out
 
 
-def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matmul_sizes, group_sizes,
-             budget_s, comm_rounds: int = 1):
+def _measure(
+    world,
+    sizes,
+    dtypes,
+    progress,
+    *,
+    device,
+    name,
+    quick,
+    merge,
+    matmul_sizes,
+    group_sizes,
+    budget_s,
+    comm_rounds: int = 1,
+):
     """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
     initialized = dist.is_available() and dist.is_initialized()
     pg_world = dist.get_world_size() if initialized else 1
     world = pg_world if world is None else world
     if world != pg_world:
-        raise ValueError(f"profile_machine(world={world}) but the process group has {pg_world} ranks; "
-                         f"initialize torch.distributed with world_size={world} (or pass world=None)")
+        raise ValueError(
+            f"profile_machine(world={world}) but the process group has {pg_world} ranks; "
+            f"initialize torch.distributed with world_size={world} (or pass world=None)"
+        )
     rank = dist.get_rank() if initialized else 0
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     base = profile_mod.load(merge) if merge is not None else None
     if world == 1 and base is None:
-        raise ValueError("a single process can only measure the device; give merge=<profile name or path> "
-                         "to take the collective tables from, or run on >= 2 ranks (NODERANK/CPN or torchrun)")
+        raise ValueError(
+            "a single process can only measure the device; give merge=<profile name or path> "
+            "to take the collective tables from, or run on >= 2 ranks (NODERANK/CPN or torchrun)"
+        )
     dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))
     sizes = sorted(set(sizes or default_comm_sizes(device, quick)))
     matmul_sizes = tuple(matmul_sizes or default_matmul_sizes(device))
@@ -214,8 +287,7 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
     bar = _Progress(progress and rank == 0, n_points)
     t_start = time.perf_counter()
     try:
-        matmul = device_rates(device, dtypes, matmul_sizes, budget_s=budget,
-                              on_dtype=lambda d: bar.step(f"matmul {d}"))
+        matmul = device_rates(device, dtypes, matmul_sizes, budget_s=budget, on_dtype=lambda d: bar.step(f"matmul {d}"))
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
@@ -229,18 +301,27 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
             grad_copy_graph = 1.0 / _rates_agreed({"params": 1.0 / per_param}, device)["params"]
         curves = []
         if world > 1:
-            curves = profile_collectives(device, sizes, ops, group_sizes, budget_s=budget, rounds=comm_rounds,
-                                         on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"))
+            curves = profile_collectives(
+                device,
+                sizes,
+                ops,
+                group_sizes,
+                budget_s=budget,
+                rounds=comm_rounds,
+                on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"),
+            )
     finally:
         bar.close()
     # the slowest rank's time, so that every rank records the same notes (and returns the same profile)
     elapsed = 1.0 / _rates_agreed({"t": 1.0 / max(time.perf_counter() - t_start, 1e-9)}, device)["t"]
 
-    notes = [f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
-             f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us" +
-             (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "") +
-             f"; gradient bucket copies {grad_copy * 1e6:.2f} us per parameter" +
-             (f" ({grad_copy_graph * 1e6:.2f} us in a CUDA graph)" if grad_copy_graph else "")]
+    notes = [
+        f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
+        f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us"
+        + (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")
+        + f"; gradient bucket copies {grad_copy * 1e6:.2f} us per parameter"
+        + (f" ({grad_copy_graph * 1e6:.2f} us in a CUDA graph)" if grad_copy_graph else "")
+    ]
     flops = dict(base.flops) if base is not None else {}
     flops.update(rates)
     missing = [d for d in profile_mod.DTYPES if d not in flops]
@@ -255,9 +336,12 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         for c in curves:
             if c.pair_seconds:
                 concurrency.setdefault(c.op, {})[c.group_size] = ([float(x) for x in c.sizes], c.pair_speedup)
-        notes.append(f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
-                     f"{group_sizes}" + (f", median of {comm_rounds} passes" if comm_rounds > 1 else "")
-                     + "; algbw is net of alpha")
+        notes.append(
+            f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
+            f"{group_sizes}"
+            + (f", median of {comm_rounds} passes" if comm_rounds > 1 else "")
+            + "; algbw is net of alpha"
+        )
     else:
         collectives = {c: dict(t) for c, t in base.collectives.items()}
         concurrency = {c: dict(t) for c, t in base.concurrency.items()}
@@ -267,12 +351,24 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
         short = gpu.split("(")[0].replace("NVIDIA ", "").strip().lower().replace(" ", "-")
         name = f"{short}x{world}-measured"
     prof = profile_mod.Profile(
-        name=name, flops=flops, collectives=collectives, ops=dict(base.ops) if base is not None else {},
-        host=socket.gethostname(), gpu=gpu, world_sizes=[world] if world > 1 else list(base.world_sizes),
-        date=datetime.date.today().isoformat(), source="measured", memory_bandwidth=mem_bw, op_overhead=overhead,
-        op_overhead_graph=overhead_graph, concurrency=concurrency, layout_bandwidth=layout_bw,
-        grad_copy_overhead=grad_copy, grad_copy_overhead_graph=grad_copy_graph,
-        notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes))
+        name=name,
+        flops=flops,
+        collectives=collectives,
+        ops=dict(base.ops) if base is not None else {},
+        host=socket.gethostname(),
+        gpu=gpu,
+        world_sizes=[world] if world > 1 else list(base.world_sizes),
+        date=datetime.date.today().isoformat(),
+        source="measured",
+        memory_bandwidth=mem_bw,
+        op_overhead=overhead,
+        op_overhead_graph=overhead_graph,
+        concurrency=concurrency,
+        layout_bandwidth=layout_bw,
+        grad_copy_overhead=grad_copy,
+        grad_copy_overhead_graph=grad_copy_graph,
+        notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
+    )
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
         prof.ops_timing = base.ops_timing
         prof.optimizer_s_per_byte = base.optimizer_s_per_byte
@@ -282,18 +378,38 @@ def _measure(world, sizes, dtypes, progress, *, device, name, quick, merge, matm
             if not base.corrections.identity:
                 prof.notes += " (and its corrections inside the distributed program)"
     prof = profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {name!r}")  # validate
-    raw = {"name": name, "world": world, "device": gpu, "elapsed_s": elapsed, "copy_bandwidth": mem_bw,
-           "layout_bandwidth": layout_bw, "grad_copy_overhead": grad_copy, "grad_copy_overhead_graph": grad_copy_graph,
-           "op_overhead": overhead, "op_overhead_graph": overhead_graph,
-           "matmul": {d: r.to_dict() for d, r in matmul.items()},
-           "collectives": [c.to_dict() for c in curves]}
+    raw = {
+        "name": name,
+        "world": world,
+        "device": gpu,
+        "elapsed_s": elapsed,
+        "copy_bandwidth": mem_bw,
+        "layout_bandwidth": layout_bw,
+        "grad_copy_overhead": grad_copy,
+        "grad_copy_overhead_graph": grad_copy_graph,
+        "op_overhead": overhead,
+        "op_overhead_graph": overhead_graph,
+        "matmul": {d: r.to_dict() for d, r in matmul.items()},
+        "collectives": [c.to_dict() for c in curves],
+    }
     return prof, raw
 
 
 # ================================================================================ command line
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def _one_size(text: str) -> int:
@@ -342,46 +458,88 @@ def parse_overrides(text: str) -> dict:
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
     """The flags of ``exp/profiler.py`` / ``hidup profile`` (launch flags included)."""
-    p.add_argument("--out", type=Path, default=None,
-                   help="profile JSON to write (default profile_<name>.json; raw data in <out>.raw.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="profile JSON to write (default profile_<name>.json; raw data in <out>.raw.json)",
+    )
     p.add_argument("--name", default=None, help="profile name (default <gpu>x<world>-measured)")
-    p.add_argument("--sizes", default=None,
-                   help="collective sizes in logical bytes: '4K,1M,64M' or a power-of-two range '4K..256M' "
-                        "(default 4K..256M on GPUs, 4K..4M on CPUs)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="collective sizes in logical bytes: '4K,1M,64M' or a power-of-two range '4K..256M' "
+        "(default 4K..256M on GPUs, 4K..4M on CPUs)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing (about 4x faster)")
     p.add_argument("--dtypes", default="fp32,tf32,bf16,fp16", help="compute dtypes to time (default all four)")
     p.add_argument("--matmul-sizes", default=None, help="square matmul sizes, e.g. 2048,4096,8192")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
-    p.add_argument("--comm-rounds", type=int, default=1, metavar="R",
-                   help="measure the collective tables R times, one pass after the other, and keep each point's "
-                        "median: for a network whose speed drifts over seconds, e.g. NCCL over sockets (default 1)")
-    p.add_argument("--merge", default=None, help="profile (builtin name or path) supplying what is not measured: "
-                   "the collectives (and their concurrency) in a single-process run, per-op times (with the "
-                   "Adam rate), unsupported dtypes")
+    p.add_argument(
+        "--comm-rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="measure the collective tables R times, one pass after the other, and keep each point's "
+        "median: for a network whose speed drifts over seconds, e.g. NCCL over sockets (default 1)",
+    )
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="profile (builtin name or path) supplying what is not measured: "
+        "the collectives (and their concurrency) in a single-process run, per-op times (with the "
+        "Adam rate), unsupported dtypes",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--ops-model", default=None, help="also time the ops of these models (comma-separated zoo names "
-                   "or package.module:function factories returning (model, example_inputs)) at "
-                   "their sharded shapes (every signature, for each --ops-worlds; at the batch and at half of it, "
-                   "for duplication), check their sum against whole single-device steps (and the two copies on "
-                   "two streams; reported in the notes, not applied) and store them in the profile; the ranks "
-                   "split the work. "
-                   "Op shapes the --merge profile already has are not timed again")
-    p.add_argument("--ops-worlds", default=None, help="world sizes to trace --ops-model for, e.g. '4,2' (default: the "
-                   "profiled world size; a single process with --merge needs it)")
-    p.add_argument("--ops-precisions", default="fp32,tf32",
-                   help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)")
-    p.add_argument("--ops-overrides", default="", help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024' "
-                   "(a factory gets them as keyword arguments)")
-    p.add_argument("--ops-seconds", type=float, default=120.0,
-                   help="time limit of --ops-model per precision and rank, in seconds (default 120)")
-    p.add_argument("--calibrate-plans", default=None, metavar="MODELS",
-                   help="last, on the ranks: search these zoo models' plans (comma-separated; --ops-overrides and "
-                        "--ops-precisions apply) with the profile so far, time each plan's forward + backward "
-                        "without and with duplication as training runs it, and store the compute factors that "
-                        "make the cost model match (dist_scale, dist_dup_scale); needs >= 2 ranks")
-    p.add_argument("--held-out-plans", default=None, metavar="MODELS",
-                   help="with --calibrate-plans: time these zoo models' plans the same way and record how the "
-                        "fitted factors predict them (models the factors are not fitted on; comma-separated)")
+    p.add_argument(
+        "--ops-model",
+        default=None,
+        help="also time the ops of these models (comma-separated zoo names "
+        "or package.module:function factories returning (model, example_inputs)) at "
+        "their sharded shapes (every signature, for each --ops-worlds; at the batch and at half of it, "
+        "for duplication), check their sum against whole single-device steps (and the two copies on "
+        "two streams; reported in the notes, not applied) and store them in the profile; the ranks "
+        "split the work. "
+        "Op shapes the --merge profile already has are not timed again",
+    )
+    p.add_argument(
+        "--ops-worlds",
+        default=None,
+        help="world sizes to trace --ops-model for, e.g. '4,2' (default: the "
+        "profiled world size; a single process with --merge needs it)",
+    )
+    p.add_argument(
+        "--ops-precisions",
+        default="fp32,tf32",
+        help="precisions to time --ops-model in (the search's --precision; default fp32,tf32)",
+    )
+    p.add_argument(
+        "--ops-overrides",
+        default="",
+        help="model overrides for --ops-model, e.g. 'layers=2,d_model=1024' (a factory gets them as keyword arguments)",
+    )
+    p.add_argument(
+        "--ops-seconds",
+        type=float,
+        default=120.0,
+        help="time limit of --ops-model per precision and rank, in seconds (default 120)",
+    )
+    p.add_argument(
+        "--calibrate-plans",
+        default=None,
+        metavar="MODELS",
+        help="last, on the ranks: search these zoo models' plans (comma-separated; --ops-overrides and "
+        "--ops-precisions apply) with the profile so far, time each plan's forward + backward "
+        "without and with duplication as training runs it, and store the compute factors that "
+        "make the cost model match (dist_scale, dist_dup_scale); needs >= 2 ranks",
+    )
+    p.add_argument(
+        "--held-out-plans",
+        default=None,
+        metavar="MODELS",
+        help="with --calibrate-plans: time these zoo models' plans the same way and record how the "
+        "fitted factors predict them (models the factors are not fitted on; comma-separated)",
+    )
     add_launch_args(p)
 
 
@@ -394,12 +552,23 @@ def _rank_main(ctx, kwargs: dict):
     prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
     names, overrides, seconds, precisions, worlds = ops_model or ((), {}, 0.0, (), None)
     calibrated, plan_overrides, plan_precisions, held_out = calibrate or ((), {}, (), ())
-    prof = _calibrate(prof, raw, ctx.device, [(n, overrides) for n in names], worlds, precisions, seconds,
-                      [(n, plan_overrides) for n in calibrated], plan_precisions,
-                      [(n, plan_overrides) for n in held_out])
+    prof = _calibrate(
+        prof,
+        raw,
+        ctx.device,
+        [(n, overrides) for n in names],
+        worlds,
+        precisions,
+        seconds,
+        [(n, plan_overrides) for n in calibrated],
+        plan_precisions,
+        [(n, plan_overrides) for n in held_out],
+    )
     if ctx.rank == 0 and names:
-        print(f"{len(prof.ops)} op shapes of {', '.join(names)} "
-              f"(world {', '.join(map(str, worlds or [ctx.world_size]))}, {', '.join(precisions)})")
+        print(
+            f"{len(prof.ops)} op shapes of {', '.join(names)} "
+            f"(world {', '.join(map(str, worlds or [ctx.world_size]))}, {', '.join(precisions)})"
+        )
     if ctx.rank == 0 and calibrated:
         print(f"inside the distributed program ({', '.join(plan_precisions)}): {prof.corrections.describe()}")
     if ctx.rank != 0:
@@ -418,8 +587,10 @@ def _names(text: str, flag: str) -> list[str]:
 
     unknown = [x for x in items if x not in hidup.models.names() and not hidup.models.is_factory(x)]
     if not items or unknown:
-        raise SystemExit(f"{flag} {text!r}: unknown model(s) {', '.join(unknown) or '(none given)'}; the zoo has "
-                         f"{', '.join(hidup.models.names())}, or give package.module:function")
+        raise SystemExit(
+            f"{flag} {text!r}: unknown model(s) {', '.join(unknown) or '(none given)'}; the zoo has "
+            f"{', '.join(hidup.models.names())}, or give package.module:function"
+        )
     for spec in filter(hidup.models.is_factory, items):
         try:
             load_factory(spec)
@@ -436,26 +607,47 @@ def run_profile(args: argparse.Namespace) -> int:
     kwargs = dict(
         sizes=parse_sizes(args.sizes) if args.sizes else None,
         dtypes=tuple(d for d in args.dtypes.split(",") if d.strip()),
-        progress=not args.no_progress, quick=args.quick, name=args.name, merge=args.merge,
+        progress=not args.no_progress,
+        quick=args.quick,
+        name=args.name,
+        merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
-        budget_s=args.budget, group_sizes=None, comm_rounds=args.comm_rounds,
-        ops_model=(_names(args.ops_model, "--ops-model"), parse_overrides(args.ops_overrides), args.ops_seconds,
-                   precisions, [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None)
-        if args.ops_model else None,
-        calibrate_plans=(_names(args.calibrate_plans, "--calibrate-plans"), parse_overrides(args.ops_overrides),
-                         precisions, _names(args.held_out_plans, "--held-out-plans") if args.held_out_plans else [])
-        if args.calibrate_plans else None)
+        budget_s=args.budget,
+        group_sizes=None,
+        comm_rounds=args.comm_rounds,
+        ops_model=(
+            _names(args.ops_model, "--ops-model"),
+            parse_overrides(args.ops_overrides),
+            args.ops_seconds,
+            precisions,
+            [int(w) for w in _names(args.ops_worlds, "--ops-worlds")] if args.ops_worlds else None,
+        )
+        if args.ops_model
+        else None,
+        calibrate_plans=(
+            _names(args.calibrate_plans, "--calibrate-plans"),
+            parse_overrides(args.ops_overrides),
+            precisions,
+            _names(args.held_out_plans, "--held-out-plans") if args.held_out_plans else [],
+        )
+        if args.calibrate_plans
+        else None,
+    )
     if args.held_out_plans and not args.calibrate_plans:
         raise SystemExit("--held-out-plans checks the factors --calibrate-plans fits: give --calibrate-plans too")
     if args.calibrate_plans and set(kwargs["calibrate_plans"][0]) & set(kwargs["calibrate_plans"][3]):
         both = sorted(set(kwargs["calibrate_plans"][0]) & set(kwargs["calibrate_plans"][3]))
-        raise SystemExit(f"--held-out-plans {', '.join(both)}: also in --calibrate-plans; a held-out model must be "
-                         "one the factors are not fitted on")
+        raise SystemExit(
+            f"--held-out-plans {', '.join(both)}: also in --calibrate-plans; a held-out model must be "
+            "one the factors are not fitted on"
+        )
     lk = launch_kwargs(args)
     single = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single"
     if single and args.calibrate_plans:
-        raise SystemExit("--calibrate-plans times plans on the ranks: launch >= 2 (CPN=<GPUs> NODERANK=0, or "
-                         "torchrun), or leave it out")
+        raise SystemExit(
+            "--calibrate-plans times plans on the ranks: launch >= 2 (CPN=<GPUs> NODERANK=0, or "
+            "torchrun), or leave it out"
+        )
     if single and args.merge is None:
         return _device_only(kwargs, args.out)
     nnodes = lk.get("nnodes") or int(os.environ.get("NNODES", "1") or 1)
@@ -473,8 +665,10 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"  {d:5s} {r / 1e12:9.2f} TFLOP/s")
     for c, tabs in prof.collectives.items():
         for g, t in tabs.items():
-            print(f"  {c:15s} x{g}: alpha {t.alpha * 1e6:8.1f} us, algbw {t.algbw[-1] / 1e9:8.2f} GB/s "
-                  f"at {t.sizes[-1] / 2**20:.0f} MiB")
+            print(
+                f"  {c:15s} x{g}: alpha {t.alpha * 1e6:8.1f} us, algbw {t.algbw[-1] / 1e9:8.2f} GB/s "
+                f"at {t.sizes[-1] / 2**20:.0f} MiB"
+            )
     return 0
 
 
@@ -488,8 +682,10 @@ def _device_only(kwargs: dict, out: Path | None) -> int:
         sizes = ", ".join(f"{n}: {v / 1e12:.2f}" for n, v in r.per_size.items())
         print(f"  {d:5s} {r.rate / 1e12:9.2f} TFLOP/s   (per matmul size, TFLOP/s: {sizes})")
     print(f"  copy  {memory_bandwidth(device, budget_s=budget) / 1e9:9.1f} GB/s")
-    print("one process measures the device only; to write a profile, run the collectives too "
-          "(CPN=<GPUs> NODERANK=0, or torchrun) or give --merge <profile> to take them from")
+    print(
+        "one process measures the device only; to write a profile, run the collectives too "
+        "(CPN=<GPUs> NODERANK=0, or torchrun) or give --merge <profile> to take them from"
+    )
     if out is not None:
         print(f"nothing written to {out}")
         return 2

@@ -111,15 +111,31 @@ def _precision(precision: str, device: torch.device):
     stack = contextlib.ExitStack()
     stack.enter_context(tf32(precision == "tf32"))
     if precision in ("bf16", "fp16"):
-        stack.enter_context(torch.autocast(device_type=device.type, cache_enabled=False,
-                                           dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
+        stack.enter_context(
+            torch.autocast(
+                device_type=device.type,
+                cache_enabled=False,
+                dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+            )
+        )
     return stack
 
 
-def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", precision: str = "fp32",
-             graphed: bool | None = None, budget_s: float = 0.05, max_op_s: float = 0.5, total_s: float = 60.0,
-             warmup: int = 1, cache: dict | None = None, seed: int = 0,
-             shard: tuple[int, int] = (0, 1)) -> dict[str, tuple[float, float]]:
+def time_ops(
+    traced,
+    plan: Any = None,
+    *,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    graphed: bool | None = None,
+    budget_s: float = 0.05,
+    max_op_s: float = 0.5,
+    total_s: float = 60.0,
+    warmup: int = 1,
+    cache: dict | None = None,
+    seed: int = 0,
+    shard: tuple[int, int] = (0, 1),
+) -> dict[str, tuple[float, float]]:
     """Measured ``{op_key: (forward s, backward s)}`` for the call nodes of ``traced``
     (a :class:`hidup.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
 
@@ -169,9 +185,11 @@ def time_ops(traced, plan: Any = None, *, device: torch.device | str = "cpu", pr
             else:
                 skipped[key] = f"{name} ({measured})"
     if skipped:
-        warnings.warn(f"hidup.profiler.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
-                      f"the roofline: " + "; ".join(list(skipped.values())[:10]) +
-                      (" ..." if len(skipped) > 10 else ""), stacklevel=2)
+        warnings.warn(
+            f"hidup.profiler.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
+            f"the roofline: " + "; ".join(list(skipped.values())[:10]) + (" ..." if len(skipped) > 10 else ""),
+            stacklevel=2,
+        )
     return cache
 
 
@@ -185,8 +203,11 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
         return f"one forward took {first.seconds:.2f} s > max_op_s={max_op_s} s"
     wrt = [t for t in inputs if t.requires_grad]
     outs = [o for o in _flat_tensors(out) if o.requires_grad and o.is_floating_point()]
-    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype)
-             for o in outs] if wrt else []
+    grads = (
+        [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=o.dtype) for o in outs]
+        if wrt
+        else []
+    )
     del out, outs
 
     def fwd_bwd():
@@ -209,9 +230,16 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
     return fwd, max(both - fwd, 0.0)
 
 
-def model_op_times(model: torch.nn.Module, example_inputs, world_size: int, plan: Any = None, *,
-                   half_batch: bool = True, cache: dict | None = None,
-                   **kwargs) -> dict[str, tuple[float, float]]:
+def model_op_times(
+    model: torch.nn.Module,
+    example_inputs,
+    world_size: int,
+    plan: Any = None,
+    *,
+    half_batch: bool = True,
+    cache: dict | None = None,
+    **kwargs,
+) -> dict[str, tuple[float, float]]:
     """:func:`time_ops` of ``model`` traced at its batch, then (``half_batch``) at half of it; a
     ``plan`` restricts both to its signatures (matched by node name and forms at half the batch)."""
     traced = trace_module(model, example_inputs, world_size)

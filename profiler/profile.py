@@ -108,9 +108,25 @@ from hidup.files import atomic_write
 from .corrections import CorrectionError, Corrections
 from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
 
-__all__ = ["Profile", "CommTable", "ProfileError", "load", "save", "builtin_names", "op_key", "op_dtype",
-           "fit_ring_tables", "fit_all_to_all", "COLLECTIVES", "DTYPES", "SCHEMA_VERSION", "RING_LINK",
-           "RING_TOLERANCE", "A2A_TOLERANCE", "Corrections"]
+__all__ = [
+    "Profile",
+    "CommTable",
+    "ProfileError",
+    "load",
+    "save",
+    "builtin_names",
+    "op_key",
+    "op_dtype",
+    "fit_ring_tables",
+    "fit_all_to_all",
+    "COLLECTIVES",
+    "DTYPES",
+    "SCHEMA_VERSION",
+    "RING_LINK",
+    "RING_TOLERANCE",
+    "A2A_TOLERANCE",
+    "Corrections",
+]
 
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -172,8 +188,9 @@ class Profile:
         try:
             return self.flops[dtype]
         except KeyError:
-            raise KeyError(f"profile {self.name!r} has no FLOP rate for {dtype!r}; it has "
-                           f"{sorted(self.flops)}") from None
+            raise KeyError(
+                f"profile {self.name!r} has no FLOP rate for {dtype!r}; it has {sorted(self.flops)}"
+            ) from None
 
     def op_time(self, target: str, shapes: Iterable[Iterable[int]], dtype: str) -> tuple[float, float] | None:
         """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""
@@ -279,9 +296,22 @@ class Profile:
                 bws = [b * f() / comm_scale for b in t.algbw]
                 colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
-        out = Profile(self.name + suffix, flops, colls, ops, self.host, self.gpu, list(self.world_sizes),
-                      self.date, "perturbed", self.notes, self.memory_bandwidth * f(), self.op_overhead * f(),
-                      self.op_overhead_graph * f(), ops_timing=self.ops_timing)
+        out = Profile(
+            self.name + suffix,
+            flops,
+            colls,
+            ops,
+            self.host,
+            self.gpu,
+            list(self.world_sizes),
+            self.date,
+            "perturbed",
+            self.notes,
+            self.memory_bandwidth * f(),
+            self.op_overhead * f(),
+            self.op_overhead_graph * f(),
+            ops_timing=self.ops_timing,
+        )
         if self.ops:
             f()  # the draw of the deleted ops_scale (module docstring, "Perturbation")
         out.optimizer_s_per_byte = self.optimizer_s_per_byte * f() if self.optimizer_s_per_byte else 0.0
@@ -318,24 +348,38 @@ class Profile:
     # ----------------------------------------------------------------------------- (de)serialization
     def to_dict(self) -> dict:
         return {
-            "version": SCHEMA_VERSION, "name": self.name, "host": self.host, "gpu": self.gpu,
-            "world_sizes": list(self.world_sizes), "date": self.date, "source": self.source,
-            "notes": self.notes, "flops": dict(self.flops),
-            "memory_bandwidth": self.memory_bandwidth, "op_overhead": self.op_overhead,
-            "op_overhead_graph": self.op_overhead_graph, "ops_timing": self.ops_timing,
-            "optimizer_s_per_byte": self.optimizer_s_per_byte, "layout_bandwidth": self.layout_bandwidth,
-            "grad_copy_overhead": self.grad_copy_overhead, "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
+            "version": SCHEMA_VERSION,
+            "name": self.name,
+            "host": self.host,
+            "gpu": self.gpu,
+            "world_sizes": list(self.world_sizes),
+            "date": self.date,
+            "source": self.source,
+            "notes": self.notes,
+            "flops": dict(self.flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "op_overhead": self.op_overhead,
+            "op_overhead_graph": self.op_overhead_graph,
+            "ops_timing": self.ops_timing,
+            "optimizer_s_per_byte": self.optimizer_s_per_byte,
+            "layout_bandwidth": self.layout_bandwidth,
+            "grad_copy_overhead": self.grad_copy_overhead,
+            "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
             "corrections": self.corrections.to_dict(),
-            "concurrency": {c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
-                            for c, tabs in sorted(self.concurrency.items())},
+            "concurrency": {
+                c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
+                for c, tabs in sorted(self.concurrency.items())
+            },
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
-            "collectives": {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())}
-                            for c, tabs in self.collectives.items()},
+            "collectives": {
+                c: {str(g): t.to_dict() for g, t in sorted(tabs.items())} for c, tabs in self.collectives.items()
+            },
         }
 
     @staticmethod
     def from_dict(d: dict, where: str = "profile") -> "Profile":
         """Validate and build; errors name the offending field as ``<where>: <field>: ...``."""
+
         def bad(fieldname: str, msg: str) -> ProfileError:
             return ProfileError(f"{where}: field {fieldname!r}: {msg}")
 
@@ -372,8 +416,7 @@ class Profile:
             if not isinstance(d.get(key, ""), str):
                 raise bad(key, f"expected a string, got {d[key]!r}")
         ws = d.get("world_sizes", [])
-        if not isinstance(ws, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
-                                               for w in ws):
+        if not isinstance(ws, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws):
             raise bad("world_sizes", f"expected a list of positive integers, got {ws!r}")
 
         fl = d.get("flops")
@@ -382,8 +425,11 @@ class Profile:
         flops = {}
         for dt in DTYPES:
             if dt not in fl:
-                raise bad(f"flops.{dt}", "missing; give the device FLOP/s for this dtype "
-                          "(use the fp32 value if the device has no faster mode)")
+                raise bad(
+                    f"flops.{dt}",
+                    "missing; give the device FLOP/s for this dtype "
+                    "(use the fp32 value if the device has no faster mode)",
+                )
             flops[dt] = number(fl[dt], f"flops.{dt}")
         extra = set(fl) - set(DTYPES)
         if extra:
@@ -395,9 +441,11 @@ class Profile:
         ops = {}
         for k, v in ops_in.items():
             if not isinstance(v, dict) or "forward" not in v or "backward" not in v:
-                raise bad(f"ops[{k!r}]", "expected {\"forward\": seconds, \"backward\": seconds}")
-            ops[k] = (number(v["forward"], f"ops[{k!r}].forward", positive=False),
-                      number(v["backward"], f"ops[{k!r}].backward", positive=False))
+                raise bad(f"ops[{k!r}]", 'expected {"forward": seconds, "backward": seconds}')
+            ops[k] = (
+                number(v["forward"], f"ops[{k!r}].forward", positive=False),
+                number(v["backward"], f"ops[{k!r}].backward", positive=False),
+            )
 
         cin = d.get("collectives")
         if not isinstance(cin, dict):
@@ -444,15 +492,24 @@ class Profile:
         dropped = {k: number(d[k], k) for k in ("ops_scale", "dup_scale") if k in d}  # deleted factors
         dropped = {k: v for k, v in dropped.items() if v != 1.0}
         if dropped:
-            notes += ("; " if notes else "") + ", ".join(f"{k} {v:.3f}" for k, v in sorted(dropped.items())) + \
-                " not applied (factors about 1 that this hidup no longer has)"
+            notes += (
+                ("; " if notes else "")
+                + ", ".join(f"{k} {v:.3f}" for k, v in sorted(dropped.items()))
+                + " not applied (factors about 1 that this hidup no longer has)"
+            )
         legacy = {k: number(d[k], k) for k in Corrections.names() if k in d}  # before "corrections"
         if legacy and "corrections" in d:
-            raise bad("corrections", f"given both at the top level ({sorted(legacy)}) and under 'corrections'; "
-                      "keep the 'corrections' object")
+            raise bad(
+                "corrections",
+                f"given both at the top level ({sorted(legacy)}) and under 'corrections'; "
+                "keep the 'corrections' object",
+            )
         try:
-            corrections = Corrections.from_dict(d["corrections"], f"{where}: field 'corrections'") \
-                if "corrections" in d else Corrections.from_legacy(legacy)
+            corrections = (
+                Corrections.from_dict(d["corrections"], f"{where}: field 'corrections'")
+                if "corrections" in d
+                else Corrections.from_legacy(legacy)
+            )
         except CorrectionError as e:
             raise ProfileError(str(e)) from None
         if ops_timing not in ("graph", "eager"):
@@ -474,9 +531,28 @@ class Profile:
                 if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
                     raise bad(f, "sizes must be strictly increasing and as many as the speedups")
                 concurrency.setdefault(c, {})[gi] = (sizes, speed)
-        return Profile(name, flops, colls, ops, d.get("host", ""), d.get("gpu", ""), list(ws),
-                       d.get("date", ""), source, notes, membw, overhead, overhead_graph, concurrency,
-                       ops_timing, opt_rate, layout_bw, grad_copy, grad_copy_graph, corrections)
+        return Profile(
+            name,
+            flops,
+            colls,
+            ops,
+            d.get("host", ""),
+            d.get("gpu", ""),
+            list(ws),
+            d.get("date", ""),
+            source,
+            notes,
+            membw,
+            overhead,
+            overhead_graph,
+            concurrency,
+            ops_timing,
+            opt_rate,
+            layout_bw,
+            grad_copy,
+            grad_copy_graph,
+            corrections,
+        )
 
 
 def builtin_names() -> list[str]:
@@ -491,8 +567,10 @@ def load(name_or_path: str | Path) -> Profile:
     builtin = DEFAULTS_DIR / f"{text}.json"
     path = builtin if (builtin.is_file() and "/" not in text) else Path(text)
     if not path.is_file():
-        raise FileNotFoundError(f"no profile {text!r}: not a builtin ({', '.join(builtin_names())}) "
-                                "and no such file. Fix: pass a builtin name or the path of a profile JSON.")
+        raise FileNotFoundError(
+            f"no profile {text!r}: not a builtin ({', '.join(builtin_names())}) "
+            "and no such file. Fix: pass a builtin name or the path of a profile JSON."
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -110,16 +110,18 @@ def _share(table: "CommTable", i: int) -> float:
     return tau / (table.alpha + tau)
 
 
-def fit_all_to_all(table: "CommTable", link: list[float | None], link_share: list[float],
-                   tolerance: float = A2A_TOLERANCE) -> "CommTable":
+def fit_all_to_all(
+    table: "CommTable", link: list[float | None], link_share: list[float], tolerance: float = A2A_TOLERANCE
+) -> "CommTable":
     """``table`` (all-to-all of one group size) with each bandwidth-bound entry pulled back to within
     ``tolerance`` (log time) of the link's shape: ``link[i]`` is the log link time at ``table.sizes[i]``
     (None where unknown), ``link_share[i]`` its bandwidth share (module docstring, "Fitted tables").
     Returned unchanged (the same object) when nothing moves."""
     if tolerance < 0:
         raise ValueError(f"fit_all_to_all: tolerance must be >= 0, got {tolerance}")
-    bound = [i for i in range(len(table.sizes))
-             if link[i] is not None and link_share[i] >= 0.5 and _share(table, i) >= 0.5]
+    bound = [
+        i for i in range(len(table.sizes)) if link[i] is not None and link_share[i] >= 0.5 and _share(table, i) >= 0.5
+    ]
     if len(bound) < A2A_MIN_SIZES:
         return table
     d = {i: math.log(table.sizes[i] / table.algbw[i]) - link[i] for i in bound}
@@ -135,8 +137,11 @@ def fit_all_to_all(table: "CommTable", link: list[float | None], link_share: lis
     return CommTable(table.alpha, list(table.sizes), algbw)
 
 
-def fit_ring_tables(collectives: dict[str, dict[int, "CommTable"]], tolerance: float = RING_TOLERANCE,
-                    a2a_tolerance: float = A2A_TOLERANCE) -> dict[str, dict[int, "CommTable"]]:
+def fit_ring_tables(
+    collectives: dict[str, dict[int, "CommTable"]],
+    tolerance: float = RING_TOLERANCE,
+    a2a_tolerance: float = A2A_TOLERANCE,
+) -> dict[str, dict[int, "CommTable"]]:
     """Tables with the ring collectives of each group size made consistent with one link time per
     size, and the all-to-all of that group checked against the link's shape (see "Fitted tables" in
     the module docstring; ``a2a_tolerance=math.inf`` leaves all-to-all as measured); other tables

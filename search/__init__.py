@@ -14,8 +14,17 @@ enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs),
 from hidup.search.api import STYLES, SearchOptions, forced, make_plan, plan_indices, price, search
 from hidup.search.problem import Problem, SearchError
 
-__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "Problem", "SearchError",
-           "STYLES"]
+__all__ = [
+    "search",
+    "SearchOptions",
+    "forced",
+    "make_plan",
+    "price",
+    "plan_indices",
+    "Problem",
+    "SearchError",
+    "STYLES",
+]
 
 from hidup._callable import make_callable
 

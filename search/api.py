@@ -46,15 +46,26 @@ from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
-__all__ = ["search", "SearchOptions", "forced", "make_plan", "price", "plan_indices", "repeated_layers", "STYLES",
-           "RECOMPUTE"]
+__all__ = [
+    "search",
+    "SearchOptions",
+    "forced",
+    "make_plan",
+    "price",
+    "plan_indices",
+    "repeated_layers",
+    "STYLES",
+    "RECOMPUTE",
+]
 
 STYLES = ("data", "tensor", "expert")
 RECOMPUTE = ("auto", "on", "off")
 # style -> (preferred kinds in order, kinds never used)
-_STYLE_RULES = {"data": (("data",), {"tensor", "expert"}),
-                "tensor": (("tensor", "data"), {"expert"}),
-                "expert": (("expert", "data"), {"tensor"})}
+_STYLE_RULES = {
+    "data": (("data",), {"tensor", "expert"}),
+    "tensor": (("tensor", "data"), {"expert"}),
+    "expert": (("expert", "data"), {"tensor"}),
+}
 
 
 def _progress_fn(progress, label: str):
@@ -72,6 +83,7 @@ def _progress_fn(progress, label: str):
         elif live and pct // 10 != state["last"] // 10:
             state["last"] = pct
             print(f"\rsearch ({label}): {pct:3d}%", end="", file=sys.stderr, flush=True)
+
     return show
 
 
@@ -112,14 +124,23 @@ class SearchOptions(OptionSet):
         if self.algorithm not in ("dp", "ilp"):
             raise ValueError(f"algorithm must be 'dp' or 'ilp', got {self.algorithm!r}")
         if isinstance(self.recompute, str) and self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} or a list of layers, "
-                             f"got {self.recompute!r}")
+            raise ValueError(
+                f"recompute must be one of {', '.join(RECOMPUTE)} or a list of layers, got {self.recompute!r}"
+            )
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
 
 
-def search(graph: Graph, profile, options: SearchOptions | None = None, *, world_size: int | None = None,
-           progress=None, model_source=None, **changes) -> Plan:
+def search(
+    graph: Graph,
+    profile,
+    options: SearchOptions | None = None,
+    *,
+    world_size: int | None = None,
+    progress=None,
+    model_source=None,
+    **changes,
+) -> Plan:
     """Search the fastest plan for ``graph`` under ``profile`` (a Profile, builtin name or path),
     with ``options`` (:class:`SearchOptions`) updated by the keyword ``changes``
     (``search(graph, profile, memory_budget=80e9, precision="bf16")``).
@@ -138,9 +159,11 @@ def search(graph: Graph, profile, options: SearchOptions | None = None, *, world
     record = None if model_source is None else model_record(model_source)
     profile = _loaded(profile)
     if world_size is not None and world_size != graph.world_size:
-        raise SearchError(f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
-                          "signatures only fit that world size. Fix: trace again with world_size="
-                          f"{world_size}, or omit world_size.")
+        raise SearchError(
+            f"world_size={world_size} but the graph was traced for {graph.world_size} ranks; its "
+            "signatures only fit that world size. Fix: trace again with world_size="
+            f"{world_size}, or omit world_size."
+        )
     profile = profile.launched(opts.cuda_graphs)
     if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
@@ -165,14 +188,17 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
     for i, node in enumerate(problem.order):
         sig = plan.choices.get(node.name)
         if sig not in problem.sigs[i]:
-            raise ValueError(f"plan signature {sig} of node {node.name} is not among its allowed signatures; "
-                             "the plan was made for another graph")
+            raise ValueError(
+                f"plan signature {sig} of node {node.name} is not among its allowed signatures; "
+                "the plan was made for another graph"
+            )
         ks.append(problem.sigs[i].index(sig))
     return ks
 
 
-def price(graph: Graph, profile, plan: Plan, precision: str = "fp32",
-          cuda_graphs: bool = True) -> dict[bool, Evaluation]:
+def price(
+    graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True
+) -> dict[bool, Evaluation]:
     """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
     with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
     problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision)
@@ -184,8 +210,11 @@ def _fastest(evaluations: list[Evaluation]) -> Evaluation:
     """The evaluation with the least total (ties to duplication, then to the earlier)."""
     best: Evaluation | None = None
     for ev in evaluations:
-        if best is None or ev.total < best.total - 1e-15 * max(1.0, best.total) or \
-                (ev.total <= best.total and ev.duplication and not best.duplication):
+        if (
+            best is None
+            or ev.total < best.total - 1e-15 * max(1.0, best.total)
+            or (ev.total <= best.total and ev.duplication and not best.duplication)
+        ):
             best = ev
     return best
 
@@ -201,9 +230,11 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
     if not isinstance(opts.recompute, str):
         unknown = sorted(set(opts.recompute) - layers)
         if unknown:
-            raise SearchError(f"recompute names layers the model does not have: {', '.join(unknown[:5])}. Its "
-                              f"repeated layers: {', '.join(sorted(layers)[:8]) or 'none'}"
-                              f"{' ...' if len(layers) > 8 else ''}. Fix: name some of these, or use 'auto'")
+            raise SearchError(
+                f"recompute names layers the model does not have: {', '.join(unknown[:5])}. Its "
+                f"repeated layers: {', '.join(sorted(layers)[:8]) or 'none'}"
+                f"{' ...' if len(layers) > 8 else ''}. Fix: name some of these, or use 'auto'"
+            )
         return [frozenset(opts.recompute)]
     if opts.recompute == "on" and layers:
         return [layers]
@@ -281,11 +312,18 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
     local = not profile.corrections.identity
-    explore = Problem(graph, profile.without_corrections(), precision, opts.restrict, opts.optimizer_factor,
-                      recompute) if local else problem
+    explore = (
+        Problem(graph, profile.without_corrections(), precision, opts.restrict, opts.optimizer_factor, recompute)
+        if local
+        else problem
+    )
     beam = _beam(opts)
-    binds = memory_budget is not None and not recompute and opts.recompute == "auto" and \
-        sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
+    binds = (
+        memory_budget is not None
+        and not recompute
+        and opts.recompute == "auto"
+        and sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
+    )
     candidates: list[list[int]] = []
     solver = None
     if opts.algorithm == "ilp":
@@ -295,8 +333,9 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
             start, _ = dp.solve(explore, False, memory_budget, progress=fn, **beam)
         except SearchError:
             start = None
-        outcome = ilp.optimize(explore, memory_budget, opts.time_limit, start, progress=progress is True,
-                               started=started)
+        outcome = ilp.optimize(
+            explore, memory_budget, opts.time_limit, start, progress=progress is True, started=started
+        )
         if not outcome.proven:
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
@@ -309,15 +348,25 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
             if fastest.total >= beat:
                 return None
         candidates += solve_modes(
-            explore, modes, memory_budget,
-            lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"), **beam)
+            explore,
+            modes,
+            memory_budget,
+            lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"),
+            **beam,
+        )
     modes = (False, True) if opts.duplication else (False,)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
-    options = {"precision": precision, "memory_budget": memory_budget, "duplication_requested": opts.duplication,
-               "optimizer_factor": opts.optimizer_factor, "max_states": opts.max_states, "max_points": opts.max_points,
-               "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute)}
+    options = {
+        "precision": precision,
+        "memory_budget": memory_budget,
+        "duplication_requested": opts.duplication,
+        "optimizer_factor": opts.optimizer_factor,
+        "max_states": opts.max_states,
+        "max_points": opts.max_points,
+        "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
+    }
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
     return problem, best, binds, options
@@ -350,6 +399,7 @@ def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:
             return True
         kinds = allowed_kinds(node)
         return True if kinds is None else sig.kind in kinds
+
     return restrict
 
 
@@ -383,18 +433,42 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         for tid, inp, a, f in step.convs:
             c = p.cost.conversion(tid, p.forms[a], p.forms[f])
             t = g.tensors[tid]
-            conversions.append(ConversionRecord(tid, producer[tid], node.name, inp, p.forms[a], p.forms[f],
-                                                c.conv.forward, c.conv.backward, t.nbytes, t.requires_grad))
+            conversions.append(
+                ConversionRecord(
+                    tid,
+                    producer[tid],
+                    node.name,
+                    inp,
+                    p.forms[a],
+                    p.forms[f],
+                    c.conv.forward,
+                    c.conv.backward,
+                    t.nbytes,
+                    t.requires_grad,
+                )
+            )
     layers = {}
     for i, node in enumerate(p.order):
         lab = layer_of(node.module)
         if not lab and not node.inputs and i + 1 < p.n:
             lab = layer_of(p.order[i + 1].module)
         layers[node.name] = lab
-    plan = Plan(model=g.model, fingerprint=g.fingerprint(), world_size=g.world_size, profile=problem.profile.name,
-                algorithm=algorithm, duplication=ev.duplication, choices=choices, stages=ev.stages,
-                predicted=ev.times(), memory=ev.memory, conversions=conversions, options=options,
-                node_costs=node_costs, layers=layers)
+    plan = Plan(
+        model=g.model,
+        fingerprint=g.fingerprint(),
+        world_size=g.world_size,
+        profile=problem.profile.name,
+        algorithm=algorithm,
+        duplication=ev.duplication,
+        choices=choices,
+        stages=ev.stages,
+        predicted=ev.times(),
+        memory=ev.memory,
+        conversions=conversions,
+        options=options,
+        node_costs=node_costs,
+        layers=layers,
+    )
     plan.alternatives = _runner_ups(problem, ev, explain)
     return plan
 
@@ -402,8 +476,9 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
 def _runner_ups(problem: Problem, ev: Evaluation, count: int) -> dict[str, dict]:
     """For the ``count`` heaviest call nodes: the best other signature, everything else unchanged."""
     p = problem
-    heavy = sorted((i for i in range(p.n) if p.order[i].op == "call"),
-                   key=lambda i: -(ev.steps[i].fwd + ev.steps[i].bwd))[:count]
+    heavy = sorted(
+        (i for i in range(p.n) if p.order[i].op == "call"), key=lambda i: -(ev.steps[i].fwd + ev.steps[i].bwd)
+    )[:count]
     out = {}
     for i in heavy:
         best = None

@@ -17,8 +17,9 @@ from hidup.search.schedule import evaluate
 __all__ = ["brute_force"]
 
 
-def brute_force(problem: Problem, duplication: bool = False, memory_budget: float | None = None,
-                limit: int = 200_000) -> tuple[list[int], float]:
+def brute_force(
+    problem: Problem, duplication: bool = False, memory_budget: float | None = None, limit: int = 200_000
+) -> tuple[list[int], float]:
     count = math.prod(len(s) for s in problem.sigs)
     if count > limit:
         raise ValueError(f"brute_force: {count} assignments exceed the limit {limit}; use a smaller graph")

@@ -241,8 +241,7 @@ class CostModel:
         self.comm_profile = profile.fitted()  # collective times (fitted tables)
         # measured op times timed inside a CUDA graph hold no host dispatch: an eager step adds it
         launched, in_graph = profile.op_overhead, profile.op_overhead_graph
-        self._dispatch_extra = max(0.0, launched - in_graph) \
-            if profile.ops_timing == "graph" and in_graph > 0 else 0.0
+        self._dispatch_extra = max(0.0, launched - in_graph) if profile.ops_timing == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
         # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
         self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
@@ -345,14 +344,16 @@ class CostModel:
             return None
         return self.measured(half, hnode, match)
 
-    def copy_compute(self, node: Node, sig: Signature, device: tuple[float, float] | None = None,
-                     batch: bool | None = None) -> tuple[float, float]:
+    def copy_compute(
+        self, node: Node, sig: Signature, device: tuple[float, float] | None = None, batch: bool | None = None
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``sig`` in one duplicated copy inside the
         distributed program: :meth:`copy_device_compute` corrected (:meth:`corrected`)."""
         return self.corrected(self.copy_device_compute(node, sig, device, batch), duplicated=True)
 
-    def copy_device_compute(self, node: Node, sig: Signature, device: tuple[float, float] | None = None,
-                            batch: bool | None = None) -> tuple[float, float]:
+    def copy_device_compute(
+        self, node: Node, sig: Signature, device: tuple[float, float] | None = None, batch: bool | None = None
+    ) -> tuple[float, float]:
         """(forward, backward) physical seconds of ``node`` under ``sig`` in one duplicated copy
         (module docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half
         of its whole-batch time above the fixed per-op cost; the whole of it for a node on weights

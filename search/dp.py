@@ -74,7 +74,7 @@ __all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
 
 DEFAULT_MAX_STATES = "auto"  # beam_width(positions)
 DEFAULT_MAX_POINTS = 16  # 4 lost the duplicated optimum of bert-sgmoe on 4 H200s over sockets (3% slower);
-                         # 16 finds it and costs 2-8% more search time on the zoo
+# 16 finds it and costs 2-8% more search time on the zoo
 BEAM_STATES = 128  # the beam on graphs of up to BEAM_WORK / BEAM_STATES positions
 BEAM_WORK = 131072  # states x positions above that size (an 8B-parameter ATen graph: 2455 positions, 53 states)
 BEAM_MIN_STATES = 32
@@ -129,38 +129,54 @@ def _dominator(dims: int, duplication: bool):
 
 # The duplicated recurrence of both passes, inlined from its one statement in
 # :mod:`hidup.search.schedule` (a call per point and pass would double the search time).
-_dup_apply_both = generate("_dup_apply_both", (
-    "def _dup_apply_both(v, fwd_item, bwd_item):\n"
-    "    T, d, ns, T2, d2, ns2 = v[:6]\n"
-    "    mA, mB, cA, cB = fwd_item\n" + recurrence_source(4)
-    + "    mA, mB, cA, cB = bwd_item\n" + recurrence_source(4, "T2", "d2", "ns2")
-    + "    return (T, d, ns, T2, d2, ns2)\n"))
+_dup_apply_both = generate(
+    "_dup_apply_both",
+    (
+        "def _dup_apply_both(v, fwd_item, bwd_item):\n"
+        "    T, d, ns, T2, d2, ns2 = v[:6]\n"
+        "    mA, mB, cA, cB = fwd_item\n"
+        + recurrence_source(4)
+        + "    mA, mB, cA, cB = bwd_item\n"
+        + recurrence_source(4, "T2", "d2", "ns2")
+        + "    return (T, d, ns, T2, d2, ns2)\n"
+    ),
+)
 
 # node_step with duplication: every point of every state through every transition, into ``new``
 # (buckets of (estimate, point, trace)); the forward and backward items are unpacked once per
 # transition.
-_dup_node_step = generate("_dup_node_step", (
-    "def _dup_node_step(states, trans, i, new):\n"
-    "    get = new.get\n"
-    "    for key, front in states.items():\n"
-    "        for k, step, nkey in trans(i, key):\n"
-    "            bucket = get(nkey)\n"
-    "            if bucket is None:\n"
-    "                bucket = new[nkey] = []\n"
-    "            app = bucket.append\n"
-    "            fmA, fmB, fcA, fcB = step.fwd_item\n"
-    "            bmA, bmB, bcA, bcB = step.bwd_item\n"
-    "            fcomm = fmA > 0.0 or fmB > 0.0\n"
-    "            bcomm = bmA > 0.0 or bmB > 0.0\n"
-    "            for _, (T, d, ns, T2, d2, ns2), tr in front:\n"
-    + recurrence_source(16, item="fmA fmB fcA fcB", opens="fcomm")
-    + recurrence_source(16, "T2", "d2", "ns2", item="bmA bmB bcA bcB", opens="bcomm")
-    + "                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))\n"))
+_dup_node_step = generate(
+    "_dup_node_step",
+    (
+        "def _dup_node_step(states, trans, i, new):\n"
+        "    get = new.get\n"
+        "    for key, front in states.items():\n"
+        "        for k, step, nkey in trans(i, key):\n"
+        "            bucket = get(nkey)\n"
+        "            if bucket is None:\n"
+        "                bucket = new[nkey] = []\n"
+        "            app = bucket.append\n"
+        "            fmA, fmB, fcA, fcB = step.fwd_item\n"
+        "            bmA, bmB, bcA, bcB = step.bwd_item\n"
+        "            fcomm = fmA > 0.0 or fmB > 0.0\n"
+        "            bcomm = bmA > 0.0 or bmB > 0.0\n"
+        "            for _, (T, d, ns, T2, d2, ns2), tr in front:\n"
+        + recurrence_source(16, item="fmA fmB fcA fcB", opens="fcomm")
+        + recurrence_source(16, "T2", "d2", "ns2", item="bmA bmB bcA bcB", opens="bcomm")
+        + "                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))\n"
+    ),
+)
 
 
 class _DP:
-    def __init__(self, problem: Problem, duplication: bool, memory_budget: float | None,
-                 max_states: int | str | None, max_points: int | None):
+    def __init__(
+        self,
+        problem: Problem,
+        duplication: bool,
+        memory_budget: float | None,
+        max_states: int | str | None,
+        max_points: int | None,
+    ):
         self.p, self.dup, self.budget = problem, duplication, memory_budget
         self.max_states = beam_width(problem.n) if max_states == "auto" else max_states
         self.max_points = max_points
@@ -330,8 +346,9 @@ class _DP:
             _dup_node_step(states, trans, i, new)
         return new
 
-    def run_positions(self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float],
-                      progress=None) -> dict:
+    def run_positions(
+        self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float], progress=None
+    ) -> dict:
         for i in range(start, end):
             states = self.prune(self.node_step(states, i, mem_floor_of(i + 1)), i + 1)
             if not states:
@@ -346,23 +363,31 @@ class _DP:
             try:
                 need = min_memory(self.p)
             except CbcMissing:  # no CBC to compute the least memory: say what is known
-                return SearchError(f"no plan the DP kept fits the memory budget of {self.budget:.6g} bytes "
-                                   f"({self.budget / 2**30:.3f} GiB) per rank (it ran out of plans at node "
-                                   f"{node.name}); whether any plan fits is unknown, since the least memory "
-                                   f"is found by the ILP solver CBC, which python-mip could not load. Fix: raise "
-                                   f"the budget or use more ranks; to know the least memory, {CBC_FIX}.")
+                return SearchError(
+                    f"no plan the DP kept fits the memory budget of {self.budget:.6g} bytes "
+                    f"({self.budget / 2**30:.3f} GiB) per rank (it ran out of plans at node "
+                    f"{node.name}); whether any plan fits is unknown, since the least memory "
+                    f"is found by the ILP solver CBC, which python-mip could not load. Fix: raise "
+                    f"the budget or use more ranks; to know the least memory, {CBC_FIX}."
+                )
             if need <= self.budget:
-                return SearchError(f"plans within the memory budget of {self.budget:.6g} bytes exist (the least "
-                                   f"needs {need:.6g} bytes) but the DP's beam (max_states={self.max_states}, "
-                                   f"max_points={self.max_points}) dropped them at node {node.name}. Fix: use "
-                                   "algorithm='ilp', or max_states=None / a larger max_points.")
-            return SearchError(f"no plan fits the memory budget of {self.budget:.6g} bytes ({self.budget / 2**30:.3f} "
-                               f"GiB) per rank (the search ran out of plans at node {node.name}); the least memory "
-                               f"any plan needs is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget "
-                               "to at least that, or use more ranks.")
-        return SearchError(f"no feasible signature combination reaches node {node.name} ({node.target}); every "
-                           "signature needs a form change that cannot be made. Fix: check the node's signatures "
-                           "or the restriction.")
+                return SearchError(
+                    f"plans within the memory budget of {self.budget:.6g} bytes exist (the least "
+                    f"needs {need:.6g} bytes) but the DP's beam (max_states={self.max_states}, "
+                    f"max_points={self.max_points}) dropped them at node {node.name}. Fix: use "
+                    "algorithm='ilp', or max_states=None / a larger max_points."
+                )
+            return SearchError(
+                f"no plan fits the memory budget of {self.budget:.6g} bytes ({self.budget / 2**30:.3f} "
+                f"GiB) per rank (the search ran out of plans at node {node.name}); the least memory "
+                f"any plan needs is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget "
+                "to at least that, or use more ranks."
+            )
+        return SearchError(
+            f"no feasible signature combination reaches node {node.name} ({node.target}); every "
+            "signature needs a form change that cannot be made. Fix: check the node's signatures "
+            "or the restriction."
+        )
 
     # ---------------------------------------------------------------------------- blocks
     def table(self, occ: Occurrence, entry: tuple) -> list:
@@ -377,8 +402,9 @@ class _DP:
         block_min = p.min_mem_suffix[rep.start] - p.min_mem_suffix[rep.end]
         outside_min = p.min_mem_suffix[0] - block_min
         states = {tuple(key): [(0.0, self.zero, None)]}
-        states = self.run_positions(states, rep.start, rep.end,
-                                    lambda i: outside_min + p.min_mem_suffix[i] - p.min_mem_suffix[rep.end])
+        states = self.run_positions(
+            states, rep.start, rep.end, lambda i: outside_min + p.min_mem_suffix[i] - p.min_mem_suffix[rep.end]
+        )
         li = p.live_index[rep.end]
         out = []
         for nkey, front in states.items():
@@ -440,7 +466,7 @@ class _DP:
         for o in occs:
             self.reps.setdefault(o.type, o)
         starts = {o.start: (n, o) for n, o in enumerate(occs)}
-        later = {n: sum(o2.type == o.type for o2 in occs[n + 1:]) for n, o in enumerate(occs)}
+        later = {n: sum(o2.type == o.type for o2 in occs[n + 1 :]) for n, o in enumerate(occs)}
         states = {p.initial_key(): [(0.0, self.zero, None)]}
         i = 0
         while i < p.n:
@@ -472,9 +498,15 @@ class _DP:
         return ks, best_v
 
 
-def solve(problem: Problem, duplication: bool = True, memory_budget: float | None = None,
-          max_states: int | str | None = DEFAULT_MAX_STATES, max_points: int | None = DEFAULT_MAX_POINTS,
-          reuse_blocks: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], float]:
+def solve(
+    problem: Problem,
+    duplication: bool = True,
+    memory_budget: float | None = None,
+    max_states: int | str | None = DEFAULT_MAX_STATES,
+    max_points: int | None = DEFAULT_MAX_POINTS,
+    reuse_blocks: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
 
     With ``memory_budget`` the plan is first searched without it: memory is additive over the

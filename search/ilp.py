@@ -74,8 +74,10 @@ def cbc_model():
     try:
         return mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     except NameError as e:
-        raise CbcMissing(f"the ILP needs the CBC solver, and python-mip could not load its library ({e}). "
-                         f"Fix: {CBC_FIX}; or search with the DP (algorithm 'dp').") from None
+        raise CbcMissing(
+            f"the ILP needs the CBC solver, and python-mip could not load its library ({e}). "
+            f"Fix: {CBC_FIX}; or search with the DP (algorithm 'dp')."
+        ) from None
 
 
 def _build(problem: Problem, memory_budget: float | None, objective: str):
@@ -90,10 +92,13 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
     x = [[m.add_var(var_type=mip.BINARY, name=f"x_{i}_{k}") for k in range(len(p.sigs[i]))] for i in range(p.n)]
     for i in range(p.n):
         m += mip.xsum(x[i]) == 1, f"one_{i}"
-    time_terms = [x[i][k] * ((p.compute[i][k][0] + p.compute[i][k][1]) * _SCALE)
-                  for i in range(p.n) for k in range(len(p.sigs[i])) if sum(p.compute[i][k]) > 0]
-    mem_expr = mip.xsum(x[i][k] * p.mem[i][k] for i in range(p.n) for k in range(len(p.sigs[i]))
-                        if p.mem[i][k] > 0)
+    time_terms = [
+        x[i][k] * ((p.compute[i][k][0] + p.compute[i][k][1]) * _SCALE)
+        for i in range(p.n)
+        for k in range(len(p.sigs[i]))
+        if sum(p.compute[i][k]) > 0
+    ]
+    mem_expr = mip.xsum(x[i][k] * p.mem[i][k] for i in range(p.n) for k in range(len(p.sigs[i])) if p.mem[i][k] > 0)
 
     readers: dict[int, list[tuple[int, int]]] = {}
     for c, cn in enumerate(p.order):
@@ -177,9 +182,15 @@ class Outcome:
     def info(self) -> dict:
         """The record kept in a plan's options (``plan.options["solver"]``).  The wall time is left out so
         that the same search saves the same plan file; :meth:`describe` reports it."""
-        return {"solver": "ilp", "status": self.status, "proven_optimal": self.proven,
-                "objective_s": self.objective, "bound_s": self.bound, "gap": self.gap,
-                "time_limit_s": self.time_limit}
+        return {
+            "solver": "ilp",
+            "status": self.status,
+            "proven_optimal": self.proven,
+            "objective_s": self.objective,
+            "bound_s": self.bound,
+            "gap": self.gap,
+            "time_limit_s": self.time_limit,
+        }
 
     def describe(self) -> str:
         """One line for the user: the status, and for an unproven plan how far from proven it is."""
@@ -187,9 +198,11 @@ class Outcome:
             return f"ILP: optimal plan proven in {self.seconds:.1f} s"
         gap = "unknown" if self.gap is None else f"{100 * self.gap:.3g}%"
         bound = "no bound" if self.bound is None else f"bound {self.bound * 1e3:.6g} ms"
-        return (f"ILP: stopped by the time limit of {self.time_limit:g} s with a feasible plan whose optimality is "
-                f"unproven (incumbent {self.objective * 1e3:.6g} ms, {bound}, gap {gap}); a longer --time-limit "
-                "may find a faster plan or prove this one")
+        return (
+            f"ILP: stopped by the time limit of {self.time_limit:g} s with a feasible plan whose optimality is "
+            f"unproven (incumbent {self.objective * 1e3:.6g} ms, {bound}, gap {gap}); a longer --time-limit "
+            "may find a faster plan or prove this one"
+        )
 
 
 def _reporter(progress) -> Callable[[str], None] | None:
@@ -319,8 +332,14 @@ def _time_of(problem: Problem, ks: list[int]) -> float:
     return evaluate(problem, ks, False).objective
 
 
-def optimize(problem: Problem, memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
-             start: list[int] | None = None, progress=None, started: float | None = None) -> Outcome:
+def optimize(
+    problem: Problem,
+    memory_budget: float | None = None,
+    time_limit: float | None = DEFAULT_TIME_LIMIT,
+    start: list[int] | None = None,
+    progress=None,
+    started: float | None = None,
+) -> Outcome:
     """Solve the ILP under ``time_limit`` seconds (None: no limit); see the module docstring.
 
     ``started`` (a ``time.perf_counter()`` value, default now) is when the limit began: work done
@@ -334,23 +353,29 @@ def optimize(problem: Problem, memory_budget: float | None = None, time_limit: f
     say = _reporter(progress)
     t0 = time.perf_counter() if started is None else started
     m, x = _build(problem, memory_budget, "time")
-    fits = start is not None and (memory_budget is None or
-                                  sum(problem.mem[i][k] for i, k in enumerate(start)) <= memory_budget)
+    fits = start is not None and (
+        memory_budget is None or sum(problem.mem[i][k] for i, k in enumerate(start)) <= memory_budget
+    )
     if start is not None:
         m.start = [(x[i][k], 1.0) for i, k in enumerate(start)]
     remaining = None if time_limit is None else time_limit - (time.perf_counter() - t0)
     if remaining is not None and remaining <= 0:
         # the limit went into building the model: nothing is proven; the start is the plan, if it fits
         if fits:
-            return Outcome(list(start), "feasible", _time_of(problem, start), None, time.perf_counter() - t0,
-                           time_limit)
-        raise SearchError(f"the ILP found no plan within its time limit of {time_limit:g} s (its seed and building "
-                          "the model took it all). Fix: raise the time limit (hidup search --time-limit SECONDS), "
-                          "or use the DP (--algorithm dp)")
+            return Outcome(
+                list(start), "feasible", _time_of(problem, start), None, time.perf_counter() - t0, time_limit
+            )
+        raise SearchError(
+            f"the ILP found no plan within its time limit of {time_limit:g} s (its seed and building "
+            "the model took it all). Fix: raise the time limit (hidup search --time-limit SECONDS), "
+            "or use the DP (--algorithm dp)"
+        )
     if say is not None:
         limit = "no time limit" if time_limit is None else f"time limit {time_limit:g} s"
-        say(f"ilp: {m.num_cols} variables, {m.num_rows} constraints, {limit}"
-            + (", seeded with the DP's plan" if fits else ""))
+        say(
+            f"ilp: {m.num_cols} variables, {m.num_rows} constraints, {limit}"
+            + (", seeded with the DP's plan" if fits else "")
+        )
         with _Monitor(m, say, "ilp", t0):
             status = _run(m, remaining)
     else:
@@ -363,13 +388,19 @@ def optimize(problem: Problem, memory_budget: float | None = None, time_limit: f
             try:  # the least memory, within what is left of the limit (at least a few seconds)
                 need = min_memory(problem, None if time_limit is None else max(time_limit - seconds, 5.0))
             except SearchError:
-                raise SearchError(f"no plan fits the memory budget of {budget} per rank (the least memory any plan "
-                                  "needs was not found in time). Fix: raise the budget, or use more ranks.") from None
-            raise SearchError(f"no plan fits the memory budget of {budget} per rank; the least memory any plan needs "
-                              f"is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget to at least that, "
-                              "or use more ranks.")
-        raise SearchError("the ILP is infeasible without a memory budget: some node has no signature whose "
-                          "inputs can be produced; check the graph's signatures and the restriction")
+                raise SearchError(
+                    f"no plan fits the memory budget of {budget} per rank (the least memory any plan "
+                    "needs was not found in time). Fix: raise the budget, or use more ranks."
+                ) from None
+            raise SearchError(
+                f"no plan fits the memory budget of {budget} per rank; the least memory any plan needs "
+                f"is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget to at least that, "
+                "or use more ranks."
+            )
+        raise SearchError(
+            "the ILP is infeasible without a memory budget: some node has no signature whose "
+            "inputs can be produced; check the graph's signatures and the restriction"
+        )
     if status in (S.OPTIMAL, S.FEASIBLE):
         ks = _extract(problem, x)
         bound = m.objective_bound
@@ -379,21 +410,34 @@ def optimize(problem: Problem, memory_budget: float | None = None, time_limit: f
         outcome = Outcome(ks, "optimal" if status == S.OPTIMAL else "feasible", value, bound, seconds, time_limit)
     elif fits and status == S.NO_SOLUTION_FOUND:  # CBC kept no solution of its own; the seed still stands
         bound = m.objective_bound
-        outcome = Outcome(list(start), "feasible", _time_of(problem, start),
-                          bound / _SCALE if _finite(bound) else None, seconds, time_limit)
+        outcome = Outcome(
+            list(start),
+            "feasible",
+            _time_of(problem, start),
+            bound / _SCALE if _finite(bound) else None,
+            seconds,
+            time_limit,
+        )
     elif status == S.NO_SOLUTION_FOUND:
-        raise SearchError(f"the ILP found no plan within its time limit of {time_limit:g} s. Fix: raise the time "
-                          "limit (hidup search --time-limit SECONDS), or use the DP (--algorithm dp)")
+        raise SearchError(
+            f"the ILP found no plan within its time limit of {time_limit:g} s. Fix: raise the time "
+            "limit (hidup search --time-limit SECONDS), or use the DP (--algorithm dp)"
+        )
     else:
-        raise SearchError(f"CBC found no plan (status {status.name}). Fix: raise the time limit, or use the DP "
-                          "(--algorithm dp)")
+        raise SearchError(
+            f"CBC found no plan (status {status.name}). Fix: raise the time limit, or use the DP (--algorithm dp)"
+        )
     if say is not None and outcome.proven:  # an unproven plan is the caller's to report (a warning)
         say(outcome.describe())
     return outcome
 
 
-def solve(problem: Problem, memory_budget: float | None = None, time_limit: float | None = None,
-          start: list[int] | None = None) -> list[int]:
+def solve(
+    problem: Problem,
+    memory_budget: float | None = None,
+    time_limit: float | None = None,
+    start: list[int] | None = None,
+) -> list[int]:
     """Optimal signature index per position without duplication, under the memory budget.
 
     ``start`` (a signature index per position, e.g. the DP's answer) seeds CBC with a feasible plan;

@@ -126,8 +126,13 @@ class MemoryModel:
 
         if not self.recompute:
             return {"kept": saved(lambda n: True), "layer_inputs": 0.0, "recomputed": 0.0}
-        inputs = sum(self.local_bytes(t, f) for n in nodes if n.op == "call"
-                     for t, f in zip(n.outputs, choices[n.name].outputs) if t in self.kept_inputs)
+        inputs = sum(
+            self.local_bytes(t, f)
+            for n in nodes
+            if n.op == "call"
+            for t, f in zip(n.outputs, choices[n.name].outputs)
+            if t in self.kept_inputs
+        )
         layers = {self.layer_of(n) for n in nodes} - {""}
         largest = max((saved(lambda n, label=label: self.layer_of(n) == label) for label in layers), default=0.0)
         return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
@@ -137,8 +142,7 @@ class MemoryModel:
         g = self.graph
         if node.op == "param":
             p = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
-            grad = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs)
-                       if g.tensors[t].requires_grad)
+            grad = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if g.tensors[t].requires_grad)
             return p, grad, self.optimizer_factor * grad, 0.0, 0.0
         if node.op == "input":
             return 0.0, 0.0, 0.0, 0.0, sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))

@@ -20,15 +20,24 @@ __all__ = ["solve_modes", "PARALLEL_MIN_POSITIONS"]
 PARALLEL_MIN_POSITIONS = 1024  # below this a search takes about a second; a second process is not worth it
 
 
-def solve_modes(problem: Problem, modes: tuple[bool, ...], memory_budget: float | None = None,
-                progress_of: Callable[[bool], Callable | None] = lambda mode: None, **beam) -> list[list[int]]:
+def solve_modes(
+    problem: Problem,
+    modes: tuple[bool, ...],
+    memory_budget: float | None = None,
+    progress_of: Callable[[bool], Callable | None] = lambda mode: None,
+    **beam,
+) -> list[list[int]]:
     """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
     are independent, so on a graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the host
     has two cores and can fork, the duplicated one runs in a forked child process beside the plain
     one (fork shares the problem without copying it; only the answer travels back).  Otherwise, or
     if the child dies, they run one after the other."""
-    if (len(modes) != 2 or problem.n < PARALLEL_MIN_POSITIONS or (os.cpu_count() or 1) < 2
-            or "fork" not in multiprocessing.get_all_start_methods()):
+    if (
+        len(modes) != 2
+        or problem.n < PARALLEL_MIN_POSITIONS
+        or (os.cpu_count() or 1) < 2
+        or "fork" not in multiprocessing.get_all_start_methods()
+    ):
         return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)

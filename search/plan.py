@@ -74,14 +74,17 @@ def model_record(source, args: dict | None = None) -> dict:
     if not isinstance(source, str) or not source.strip():
         raise PlanError(f"model_source={source!r}: give the model's spec, a zoo name or 'package.module:function'")
     if args is not None and not isinstance(args, dict):
-        raise PlanError(f"model_source args of {source}: expected a dict of keyword arguments, "
-                        f"got {type(args).__name__}")
+        raise PlanError(
+            f"model_source args of {source}: expected a dict of keyword arguments, got {type(args).__name__}"
+        )
     args = dict(args or {})
     for key, value in args.items():
         if not isinstance(key, str) or not _json_exact(value):
-            raise PlanError(f"model argument {key}={value!r} of {source}: a plan records only JSON values (str, "
-                            "int, float, bool, None, lists and dicts of them). Fix: make the factory take a JSON "
-                            "value (e.g. the dtype's name 'float64' instead of torch.float64)")
+            raise PlanError(
+                f"model argument {key}={value!r} of {source}: a plan records only JSON values (str, "
+                "int, float, bool, None, lists and dicts of them). Fix: make the factory take a JSON "
+                "value (e.g. the dtype's name 'float64' instead of torch.float64)"
+            )
     return {"model": source, "args": args}
 
 
@@ -109,8 +112,18 @@ class ConversionRecord:
 
     @staticmethod
     def from_dict(d: dict) -> "ConversionRecord":
-        return ConversionRecord(d["tensor"], d["producer"], d["consumer"], d["input_index"], Form.parse(d["src"]),
-                                Form.parse(d["dst"]), d["forward"], d["backward"], d["bytes"], d.get("grad", True))
+        return ConversionRecord(
+            d["tensor"],
+            d["producer"],
+            d["consumer"],
+            d["input_index"],
+            Form.parse(d["src"]),
+            Form.parse(d["dst"]),
+            d["forward"],
+            d["backward"],
+            d["bytes"],
+            d.get("grad", True),
+        )
 
     @property
     def comm_bytes(self) -> int:
@@ -174,11 +187,16 @@ class Plan:
                 detail += f"; graph nodes without a choice: {', '.join(missing)}"
             if extra:
                 detail += f"; plan nodes not in the graph: {', '.join(extra)}"
-            problems.append(f"graph fingerprint: plan {self.fingerprint}, graph {fp} (the model's structure, "
-                            f"shapes or dtypes changed{detail})")
+            problems.append(
+                f"graph fingerprint: plan {self.fingerprint}, graph {fp} (the model's structure, "
+                f"shapes or dtypes changed{detail})"
+            )
         if problems:
-            raise PlanError("this plan was made for a different job -- " + "; ".join(problems)
-                            + ". Fix: run `hidup search` again for this model and world size.")
+            raise PlanError(
+                "this plan was made for a different job -- "
+                + "; ".join(problems)
+                + ". Fix: run `hidup search` again for this model and world size."
+            )
         for n in graph.nodes:
             sig = self.choices.get(n.name)
             if sig is None or (n.signatures and sig not in n.signatures):
@@ -187,14 +205,24 @@ class Plan:
     # ------------------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         return {
-            "version": self.version, "model": self.model, "fingerprint": self.fingerprint,
-            "world_size": self.world_size, "profile": self.profile, "algorithm": self.algorithm,
-            "duplication": self.duplication, "options": self.options, "model_config": self.model_config,
+            "version": self.version,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "profile": self.profile,
+            "algorithm": self.algorithm,
+            "duplication": self.duplication,
+            "options": self.options,
+            "model_config": self.model_config,
             "model_source": self.model_source,
-            "predicted": self.predicted, "memory": self.memory,
+            "predicted": self.predicted,
+            "memory": self.memory,
             "choices": {k: s.to_dict() for k, s in self.choices.items()},
-            "stages": self.stages, "conversions": [c.to_dict() for c in self.conversions],
-            "node_costs": self.node_costs, "layers": self.layers, "alternatives": self.alternatives,
+            "stages": self.stages,
+            "conversions": [c.to_dict() for c in self.conversions],
+            "node_costs": self.node_costs,
+            "layers": self.layers,
+            "alternatives": self.alternatives,
             "recompute": self.recompute,
         }
 
@@ -202,20 +230,33 @@ class Plan:
     def from_dict(d: dict, where: str = "plan") -> "Plan":
         version = d.get("version")
         if version not in READABLE_VERSIONS:
-            raise PlanError(f"{where}: plan format version {version!r}, this hidup reads versions "
-                            f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: run `hidup search` again to write a "
-                            "current plan.")
+            raise PlanError(
+                f"{where}: plan format version {version!r}, this hidup reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: run `hidup search` again to write a "
+                "current plan."
+            )
         try:
             return Plan(
-                model=d["model"], fingerprint=d["fingerprint"], world_size=d["world_size"], profile=d["profile"],
-                algorithm=d["algorithm"], duplication=d["duplication"],
+                model=d["model"],
+                fingerprint=d["fingerprint"],
+                world_size=d["world_size"],
+                profile=d["profile"],
+                algorithm=d["algorithm"],
+                duplication=d["duplication"],
                 choices={k: Signature.from_dict(s) for k, s in d["choices"].items()},
-                stages=[list(s) for s in d["stages"]], predicted=dict(d["predicted"]), memory=dict(d["memory"]),
+                stages=[list(s) for s in d["stages"]],
+                predicted=dict(d["predicted"]),
+                memory=dict(d["memory"]),
                 conversions=[ConversionRecord.from_dict(c) for c in d["conversions"]],
-                options=dict(d.get("options", {})), node_costs=dict(d.get("node_costs", {})),
-                layers=dict(d.get("layers", {})), alternatives=dict(d.get("alternatives", {})),
-                model_config=dict(d.get("model_config", {})), model_source=dict(d.get("model_source") or {}),
-                recompute=list(d.get("recompute") or []), version=PLAN_VERSION)
+                options=dict(d.get("options", {})),
+                node_costs=dict(d.get("node_costs", {})),
+                layers=dict(d.get("layers", {})),
+                alternatives=dict(d.get("alternatives", {})),
+                model_config=dict(d.get("model_config", {})),
+                model_source=dict(d.get("model_source") or {}),
+                recompute=list(d.get("recompute") or []),
+                version=PLAN_VERSION,
+            )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
 

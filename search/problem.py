@@ -54,6 +54,7 @@ from hidup.search.memory import MemoryModel
 
 __all__ = ["Problem", "Step", "SearchError", "block_label"]
 
+
 class SearchError(ValueError):
     """The search cannot produce a plan; the message says why and what to change."""
 
@@ -90,9 +91,15 @@ def _getter(idx: list[int]):
 class Problem:
     """Positions, allowed signatures, per-signature costs and tensor liveness of one search."""
 
-    def __init__(self, graph: Graph, profile, precision: str = "fp32",
-                 restrict: Callable[[Node, Signature], bool] | None = None, optimizer_factor: float = 2.0,
-                 recompute: frozenset | set | tuple = frozenset()):
+    def __init__(
+        self,
+        graph: Graph,
+        profile,
+        precision: str = "fp32",
+        restrict: Callable[[Node, Signature], bool] | None = None,
+        optimizer_factor: float = 2.0,
+        recompute: frozenset | set | tuple = frozenset(),
+    ):
         graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         self.cost = CostModel(graph, profile, precision)
@@ -131,9 +138,12 @@ class Problem:
         self.fixed = [self._again(i, self.cost.fixed(node)) for i, node in enumerate(self.order)]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
         self.compute_copy: list[list[tuple[float, float]]] = [
-            [self._again(i, self.cost.copy_compute(node, s, plain_device[i][k], self.node_batch[i]))
-             for k, s in enumerate(self.sigs[i])]
-            for i, node in enumerate(self.order)]
+            [
+                self._again(i, self.cost.copy_compute(node, s, plain_device[i][k], self.node_batch[i]))
+                for k, s in enumerate(self.sigs[i])
+            ]
+            for i, node in enumerate(self.order)
+        ]
 
         # liveness
         self.last_use: dict[int, int] = {}
@@ -158,7 +168,7 @@ class Problem:
         self._keep = []
         for i in range(self.n):
             keep = [a for kind, a in self.carry[i] if kind == 0]
-            if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep):]):
+            if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep) :]):
                 raise AssertionError("live order: kept tensors must precede new outputs")
             self._keep.append(_getter(keep))
         self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
@@ -218,14 +228,18 @@ class Problem:
     def _allowed(self, node: Node, restrict) -> list[Signature]:
         sigs = list(node.signatures)
         if node.op == "output" and not sigs:
-            sigs = [Signature(tuple(REDUCE for _ in node.inputs), (), 0.0, "replicated"),
-                    Signature(tuple(FULL for _ in node.inputs), (), 0.0, "replicated")]
+            sigs = [
+                Signature(tuple(REDUCE for _ in node.inputs), (), 0.0, "replicated"),
+                Signature(tuple(FULL for _ in node.inputs), (), 0.0, "replicated"),
+            ]
         if restrict is not None:
             kept = [s for s in sigs if restrict(node, s)]
             if not kept:
-                raise SearchError(f"node {node.name} ({node.target}, {node.source or 'no source'}): the restriction "
-                                  f"rejects all {len(sigs)} signatures ({', '.join(map(str, sigs))}). Fix: let the "
-                                  "restriction accept at least one of them.")
+                raise SearchError(
+                    f"node {node.name} ({node.target}, {node.source or 'no source'}): the restriction "
+                    f"rejects all {len(sigs)} signatures ({', '.join(map(str, sigs))}). Fix: let the "
+                    "restriction accept at least one of them."
+                )
             sigs = kept
         return sigs
 
@@ -308,8 +322,18 @@ class Problem:
         hf, hb = self.compute_copy[i][k]
         fwd_item = (fA, fB, hf + lfA, hf + lfB)
         bwd_item = (bA, bB, hb + lbA, hb + lbB)
-        step = Step(cf + ff, cb + fb, fwd_item, bwd_item, self.mem[i][k], cf + cb + lf + lb, tuple(convs), cb + lb,
-                    fb_async, fb_block)
+        step = Step(
+            cf + ff,
+            cb + fb,
+            fwd_item,
+            bwd_item,
+            self.mem[i][k],
+            cf + cb + lf + lb,
+            tuple(convs),
+            cb + lb,
+            fb_async,
+            fb_block,
+        )
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
         for j in dict.fromkeys(idx):

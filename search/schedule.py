@@ -73,8 +73,17 @@ from dataclasses import dataclass, field
 from hidup.search.memory import MEMORY_PARTS
 from hidup.search.problem import Problem, SearchError, Step
 
-__all__ = ["dup_apply", "dup_apply_stages", "recurrence_source", "generate", "Evaluation", "evaluate",
-           "overlapped_backward", "compress_steps", "ZERO_DUP"]
+__all__ = [
+    "dup_apply",
+    "dup_apply_stages",
+    "recurrence_source",
+    "generate",
+    "Evaluation",
+    "evaluate",
+    "overlapped_backward",
+    "compress_steps",
+    "ZERO_DUP",
+]
 
 ZERO_DUP = (0.0, 0.0, 0.0)  # (T, d, -s)
 
@@ -93,13 +102,13 @@ else:
 """
 
 
-def recurrence_source(indent: int, T: str = "T", d: str = "d", ns: str = "ns", item: str = "mA mB cA cB",
-                      opens: str | None = None) -> str:
+def recurrence_source(
+    indent: int, T: str = "T", d: str = "d", ns: str = "ns", item: str = "mA mB cA cB", opens: str | None = None
+) -> str:
     """Python source applying one item ``(mA, mB, cA, cB)`` (variable names in ``item``) to the
     state variables ``T, d, ns`` in place, indented by ``indent`` spaces."""
     mA, mB, cA, cB = item.split()
-    body = _RECURRENCE.format(T=T, d=d, ns=ns, mA=mA, mB=mB, cA=cA, cB=cB,
-                              opens=opens or f"{mA} > 0.0 or {mB} > 0.0")
+    body = _RECURRENCE.format(T=T, d=d, ns=ns, mA=mA, mB=mB, cA=cA, cB=cB, opens=opens or f"{mA} > 0.0 or {mB} > 0.0")
     return "".join(" " * indent + line + "\n" for line in body.splitlines())
 
 
@@ -110,8 +119,10 @@ def generate(name: str, source: str, namespace: dict | None = None):
     return scope[name]
 
 
-dup_apply = generate("dup_apply", "def dup_apply(T, d, ns, item):\n    mA, mB, cA, cB = item\n"
-                     + recurrence_source(4) + "    return T, d, ns\n")
+dup_apply = generate(
+    "dup_apply",
+    "def dup_apply(T, d, ns, item):\n    mA, mB, cA, cB = item\n" + recurrence_source(4) + "    return T, d, ns\n",
+)
 dup_apply.__doc__ = """One node of the duplicated recurrence: ``(T, d, ns)`` after ``item = (mA, mB, cA, cB)``;
 ``ns`` is minus the slack (lower is better)."""
 
@@ -160,8 +171,14 @@ class Evaluation:
         return max(0.0, self.forward + self.backward - self.compute)
 
     def times(self) -> dict[str, float]:
-        return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer, "comm": self.comm,
-                "exposed_comm": self.exposed_comm, "total": self.total}
+        return {
+            "forward": self.forward,
+            "backward": self.backward,
+            "optimizer": self.optimizer,
+            "comm": self.comm,
+            "exposed_comm": self.exposed_comm,
+            "total": self.total,
+        }
 
 
 def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
@@ -173,8 +190,10 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     for i, k in enumerate(ks):
         res = problem.step(i, k, key)
         if res is None:
-            raise SearchError(f"node {problem.order[i].name}: signature {problem.sigs[i][k]} needs a form change "
-                              "that cannot be made (only a parameter produces 'replicate')")
+            raise SearchError(
+                f"node {problem.order[i].name}: signature {problem.sigs[i][k]} needs a form change "
+                "that cannot be made (only a parameter produces 'replicate')"
+            )
         step, key = res
         steps.append(step)
     compute = sum(s.compute for s in steps)
@@ -203,8 +222,9 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
     optimizer = problem.profile.optimizer_s_per_byte * memory["grads"]
-    return Evaluation(list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages,
-                      objective, optimizer)
+    return Evaluation(
+        list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages, objective, optimizer
+    )
 
 
 def overlapped_backward(steps: list[Step]) -> float:

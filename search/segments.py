@@ -66,10 +66,19 @@ def _describe(problem: Problem, start: int, end: int):
                 ins.append(("e", ext[t], tinfo(t)))
         for j, t in enumerate(node.outputs):
             internal[t] = (r, j)
-        sigs = tuple((problem.in_forms[i][k], problem.out_forms[i][k], problem.compute[i][k], problem.mem[i][k],
-                      problem.sigs[i][k].kind) for k in range(len(problem.sigs[i])))
-        struct.append((node.op, node.target, tuple(ins), tuple(tinfo(t) for t in node.outputs),
-                       problem.node_batch[i], sigs))
+        sigs = tuple(
+            (
+                problem.in_forms[i][k],
+                problem.out_forms[i][k],
+                problem.compute[i][k],
+                problem.mem[i][k],
+                problem.sigs[i][k].kind,
+            )
+            for k in range(len(problem.sigs[i]))
+        )
+        struct.append(
+            (node.op, node.target, tuple(ins), tuple(tinfo(t) for t in node.outputs), problem.node_batch[i], sigs)
+        )
     live_end = problem.live[end]
     exits = []
     for t in live_end:

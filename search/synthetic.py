@@ -31,26 +31,41 @@ class _Builder:
 
     def tensor(self, producer: str, shape=None, requires_grad=False, is_param=False) -> int:
         tid = len(self.tensors)
-        self.tensors[tid] = Tensor(tid, tuple(self.shape if shape is None else shape), self.dtype, producer,
-                                   requires_grad, is_param)
+        self.tensors[tid] = Tensor(
+            tid, tuple(self.shape if shape is None else shape), self.dtype, producer, requires_grad, is_param
+        )
         return tid
 
     def input(self, name: str) -> int:
         t = self.tensor(name)
-        sigs = [Signature((), (FULL,), 0.0, "replicated"), Signature((), (gather(0),), 0.0, "data"),
-                Signature((), (gather(1),), 0.0, "data")]
+        sigs = [
+            Signature((), (FULL,), 0.0, "replicated"),
+            Signature((), (gather(0),), 0.0, "data"),
+            Signature((), (gather(1),), 0.0, "data"),
+        ]
         self.nodes.append(Node(name, "input", "input", [], [t], sigs))
         return t
 
     def param(self, name: str, module: str) -> int:
         t = self.tensor(name, requires_grad=True, is_param=True)
-        sigs = [Signature((), (REPLICATE,), 0.0, "param"), Signature((), (gather(0),), 0.0, "param"),
-                Signature((), (gather(1),), 0.0, "param")]
+        sigs = [
+            Signature((), (REPLICATE,), 0.0, "param"),
+            Signature((), (gather(0),), 0.0, "param"),
+            Signature((), (gather(1),), 0.0, "param"),
+        ]
         self.nodes.append(Node(name, "param", "parameter", [], [t], sigs, module=module))
         return t
 
-    def call(self, name: str, inputs: list[int], sigs: list[Signature], module: str, flops: float,
-             target: str = "op", shape=None) -> int:
+    def call(
+        self,
+        name: str,
+        inputs: list[int],
+        sigs: list[Signature],
+        module: str,
+        flops: float,
+        target: str = "op",
+        shape=None,
+    ) -> int:
         rg = any(self.tensors[t].requires_grad for t in inputs)
         t = self.tensor(name, shape=shape, requires_grad=rg)
         self.nodes.append(Node(name, "call", target, list(inputs), [t], sigs, flops, module=module))
@@ -75,16 +90,34 @@ def _random_sigs(rng: random.Random, n_in: int, flops: float, world: int, count:
 
 def _loss(b: _Builder, src: int) -> None:
     flops = float(b.tensors[src].numel)
-    sigs = [Signature((FULL,), (FULL,), flops, "replicated"),
-            Signature((gather(0),), (REDUCE,), flops / b.world, "data"),
-            Signature((gather(1),), (REDUCE,), flops / b.world, "data")]
+    sigs = [
+        Signature((FULL,), (FULL,), flops, "replicated"),
+        Signature((gather(0),), (REDUCE,), flops / b.world, "data"),
+        Signature((gather(1),), (REDUCE,), flops / b.world, "data"),
+    ]
     loss = b.call("loss", [src], sigs, "", flops, target="sum", shape=())
-    b.nodes.append(Node("output", "output", "output", [loss], [],
-                        [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")]))
+    b.nodes.append(
+        Node(
+            "output",
+            "output",
+            "output",
+            [loss],
+            [],
+            [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")],
+        )
+    )
 
 
-def random_graph(seed: int, calls: int = 5, world: int = 4, max_sigs: int = 3, params: bool = True,
-                 shape: tuple[int, int] = (256, 512), dtype: str = "float32", flops_scale: float = 1e9) -> Graph:
+def random_graph(
+    seed: int,
+    calls: int = 5,
+    world: int = 4,
+    max_sigs: int = 3,
+    params: bool = True,
+    shape: tuple[int, int] = (256, 512),
+    dtype: str = "float32",
+    flops_scale: float = 1e9,
+) -> Graph:
     """A random small graph (see the module docstring); same seed, same graph."""
     rng = random.Random(seed)
     b = _Builder(world, shape, dtype)
@@ -100,9 +133,16 @@ def random_graph(seed: int, calls: int = 5, world: int = 4, max_sigs: int = 3, p
     return Graph(b.nodes, b.tensors, world, model=f"random-{seed}")
 
 
-def layered_graph(layers: int = 48, nodes_per_layer: int = 20, world: int = 4, sigs: tuple[int, int] = (3, 5),
-                  seed: int = 0, shape: tuple[int, int] = (1024, 1024), dtype: str = "float32",
-                  flops_scale: float = 1e10) -> Graph:
+def layered_graph(
+    layers: int = 48,
+    nodes_per_layer: int = 20,
+    world: int = 4,
+    sigs: tuple[int, int] = (3, 5),
+    seed: int = 0,
+    shape: tuple[int, int] = (1024, 1024),
+    dtype: str = "float32",
+    flops_scale: float = 1e10,
+) -> Graph:
     """``layers`` copies of one random block of ``nodes_per_layer`` call nodes (see the docstring)."""
     rng = random.Random(seed)
     template = []  # per call: (input refs, has param, flops, signatures)
@@ -115,8 +155,9 @@ def layered_graph(layers: int = 48, nodes_per_layer: int = 20, world: int = 4, s
             refs = [j - 1] + ([rng.randrange(j)] if j > 1 and rng.random() < 0.3 else [])
         has_param = rng.random() < 0.4
         flops = flops_scale * rng.uniform(0.1, 4.0)
-        template.append((refs, has_param, flops,
-                         _random_sigs(rng, len(refs) + has_param, flops, world, rng.randint(*sigs))))
+        template.append(
+            (refs, has_param, flops, _random_sigs(rng, len(refs) + has_param, flops, world, rng.randint(*sigs)))
+        )
     b = _Builder(world, shape, dtype)
     x = b.input("x")
     for layer in range(layers):

@@ -36,8 +36,15 @@ def _call(ctx: Distributed, fn, args):
     return fn(ctx.rank, ctx.world_size, *args)
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 90.0, pg_timeout: float = 30.0,
-                    env: dict | None = None, backend: str = "gloo"):
+def run_distributed(
+    fn,
+    world: int,
+    *args,
+    timeout: float = 90.0,
+    pg_timeout: float = 30.0,
+    env: dict | None = None,
+    backend: str = "gloo",
+):
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed on ``world`` ranks
     (gloo; or NCCL with ``backend="nccl"``, rank r on GPU ``r``), with ``env`` set in each rank.
 
@@ -50,7 +57,15 @@ def run_distributed(fn, world: int, *args, timeout: float = 90.0, pg_timeout: fl
         return f"the run did not finish in {timeout} s" if time.monotonic() > deadline else None
 
     try:
-        return run_ranks(_call, (fn, args), layout, backend=backend, timeout_s=pg_timeout,
-                         env=env, stalled=stalled, user_errors=False)
+        return run_ranks(
+            _call,
+            (fn, args),
+            layout,
+            backend=backend,
+            timeout_s=pg_timeout,
+            env=env,
+            stalled=stalled,
+            user_errors=False,
+        )
     except LaunchError as e:
         raise DistributedFailure(f"{fn.__name__} on {world} ranks: {e}") from None

@@ -37,8 +37,12 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(t.shape), dtype_name(t.dtype), bool(t.requires_grad or isinstance(t, nn.Parameter)),
-                      isinstance(t, nn.Parameter))
+    return TensorMeta(
+        tuple(t.shape),
+        dtype_name(t.dtype),
+        bool(t.requires_grad or isinstance(t, nn.Parameter)),
+        isinstance(t, nn.Parameter),
+    )
 
 
 def _flat_outputs(out: Any) -> list[torch.Tensor]:
@@ -79,8 +83,16 @@ def make_context(target, args: tuple, kwargs: dict | None = None, world: int = 2
     with torch.no_grad():
         ref = _flat_outputs(fn(*args, **kwargs))
     outputs = [_meta(o) for o in ref]
-    ctx = RuleContext(target if module is None else type(module), tuple(margs), dict(mkwargs), inputs, outputs,
-                      world, module, "test_node")
+    ctx = RuleContext(
+        target if module is None else type(module),
+        tuple(margs),
+        dict(mkwargs),
+        inputs,
+        outputs,
+        world,
+        module,
+        "test_node",
+    )
     return ctx, values, ref
 
 
@@ -116,13 +128,15 @@ def _coarsest(*dtypes: torch.dtype) -> torch.dtype:
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
     # float64 is checked tightly; lower precisions (casts of random partial sums) by their epsilon;
     # ``dtype``: the precision the values went through when coarser than their own (a cast's gradient)
-    tol = {torch.float64: (1e-6, 1e-8), torch.float32: (1e-4, 1e-4)}.get(_coarsest(b.dtype, dtype or b.dtype),
-                                                                        (1e-2, 1e-2))
+    tol = {torch.float64: (1e-6, 1e-8), torch.float32: (1e-4, 1e-4)}.get(
+        _coarsest(b.dtype, dtype or b.dtype), (1e-2, 1e-2)
+    )
     torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
 
 
-def check_signature(ctx: RuleContext, sig: Signature, values: list[torch.Tensor], seed: int = 0,
-                    no_grad: tuple[int, ...] = ()) -> None:
+def check_signature(
+    ctx: RuleContext, sig: Signature, values: list[torch.Tensor], seed: int = 0, no_grad: tuple[int, ...] = ()
+) -> None:
     """Forward and backward of one signature on ``ctx.world`` simulated ranks (raises on mismatch).
 
     ``no_grad``: indices of floating inputs the op cannot differentiate (class weights of a loss).
@@ -136,7 +150,7 @@ def check_signature(ctx: RuleContext, sig: Signature, values: list[torch.Tensor]
     where = f"{getattr(ctx.target, '__name__', ctx.target)} {sig} N={N} shapes={[m.shape for m in ctx.inputs]}"
     module = ctx.module
     n_params = len(list(module.named_parameters())) if module is not None else 0
-    for f in sig.inputs[len(sig.inputs) - n_params:] if n_params else ():
+    for f in sig.inputs[len(sig.inputs) - n_params :] if n_params else ():
         assert f == FULL, f"{where}: module parameters must be full"
 
     # reference
@@ -169,7 +183,8 @@ def check_signature(ctx: RuleContext, sig: Signature, values: list[torch.Tensor]
         per = [o[j] for o in outs]
         for o in per:
             assert o.shape == tuple(form.local_shape(ref.shape, N)), (
-                f"{where}: output {j} local shape {tuple(o.shape)} != {form.local_shape(ref.shape, N)}")
+                f"{where}: output {j} local shape {tuple(o.shape)} != {form.local_shape(ref.shape, N)}"
+            )
         if form.is_gather:
             got = torch.cat([p.detach() for p in per], form.dim)
         elif form.kind == "reduce":
@@ -211,8 +226,15 @@ def check_signature(ctx: RuleContext, sig: Signature, values: list[torch.Tensor]
             _close(got, g, f"{where}: gradient of parameter {name}")
 
 
-def check_op(target, args: tuple, kwargs: dict | None = None, worlds=(2, 4), module: nn.Module | None = None,
-             seed: int = 0, no_grad: tuple[int, ...] = ()) -> dict[int, list[Signature]]:
+def check_op(
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    worlds=(2, 4),
+    module: nn.Module | None = None,
+    seed: int = 0,
+    no_grad: tuple[int, ...] = (),
+) -> dict[int, list[Signature]]:
     """Check every signature of the op for each world size; returns the signatures per world."""
     result = {}
     for N in worlds:
@@ -232,7 +254,8 @@ def check_op(target, args: tuple, kwargs: dict | None = None, worlds=(2, 4), mod
 
 def has_sig(sigs: list[Signature], inputs=None, outputs=None, kind=None) -> bool:
     """Whether a signature with these input/output forms (strings like "gather_0") is present."""
+
     def match(want, got):
         return want is None or tuple(str(f) for f in got) == tuple(want)
-    return any(match(inputs, s.inputs) and match(outputs, s.outputs) and (kind is None or s.kind == kind)
-               for s in sigs)
+
+    return any(match(inputs, s.inputs) and match(outputs, s.outputs) and (kind is None or s.kind == kind) for s in sigs)

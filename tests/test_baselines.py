@@ -30,7 +30,7 @@ EPS = torch.finfo(torch.float64).eps
 # a relative d moves the update by at most ~d; the loss after k steps moves by a relative ~k d.
 # 2**10 eps per step bounds that with a wide margin and is still 1e-13 for STEPS steps, where any
 # error in the math (a weight, a missed reduction) shows at 1e-3 or more.
-REL_TOL = 2 ** 10 * EPS * STEPS
+REL_TOL = 2**10 * EPS * STEPS
 
 
 class TokenMeanLM(nn.Module):
@@ -103,15 +103,29 @@ def _world2_rank(rank, world):
     for baseline in BASELINES:
         for variant in CPU_VARIANTS:
             share = rank_share(inputs, 0 if baseline == "single" else rank, world)
-            prepared = harness.prepare_variant(baseline, copy.deepcopy(model), rank, world, device, share, variant,
-                                               "fp32", compile_backend="aot_eager")
+            prepared = harness.prepare_variant(
+                baseline, copy.deepcopy(model), rank, world, device, share, variant, "fp32", compile_backend="aot_eager"
+            )
             stats = torch._dynamo.utils.counters["stats"]
             graphs = stats["unique_graphs"]
-            res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF,
-                                      lr=LR, coupled=baseline != "single")
-            out[(baseline, variant)] = dict(res, info=prepared.info, loss_scale=prepared.loss_scale,
-                                            loss_weight=prepared.loss_weight,
-                                            compiled_graphs=stats["unique_graphs"] - graphs)
+            res = harness.run_variant(
+                prepared,
+                share,
+                "fp32",
+                device,
+                warmup=WARMUP,
+                iters=ITERS,
+                best_of=BEST_OF,
+                lr=LR,
+                coupled=baseline != "single",
+            )
+            out[(baseline, variant)] = dict(
+                res,
+                info=prepared.info,
+                loss_scale=prepared.loss_scale,
+                loss_weight=prepared.loss_weight,
+                compiled_graphs=stats["unique_graphs"] - graphs,
+            )
             torch._dynamo.reset()
     tmodel, tinputs = token_mean_model()
     for baseline in ("ddp", "fsdp"):
@@ -119,8 +133,20 @@ def _world2_rank(rank, world):
         prepared = harness.prepare_variant(baseline, copy.deepcopy(tmodel), rank, world, device, share)
         res = harness.run_variant(prepared, share, "fp32", device, warmup=WARMUP, iters=ITERS, best_of=BEST_OF, lr=LR)
         out[("mean", baseline)] = dict(res, loss_weight=prepared.loss_weight, loss_scale=prepared.loss_scale)
-    out["executed"] = benchrun.execute("expert", model, inputs, rank, world, device, "fp32", warmup=WARMUP,
-                                       iters=ITERS, cap_s=None, best_of=BEST_OF, compile_backend="no-such-backend")
+    out["executed"] = benchrun.execute(
+        "expert",
+        model,
+        inputs,
+        rank,
+        world,
+        device,
+        "fp32",
+        warmup=WARMUP,
+        iters=ITERS,
+        cap_s=None,
+        best_of=BEST_OF,
+        compile_backend="no-such-backend",
+    )
     return out
 
 
@@ -134,7 +160,7 @@ def world2():
 def test_baseline_variant_trains_with_the_single_device_loss(world2, baseline, variant):
     model, inputs = _zoo(2)
     if baseline == "single":  # the floor: rank 0's share alone
-        inputs = tuple(t[:TINY["batch_per_gpu"]] for t in inputs)
+        inputs = tuple(t[: TINY["batch_per_gpu"]] for t in inputs)
     ref = _reference(model, inputs, STEPS)
     for results in world2:
         r = results[(baseline, variant)]
@@ -157,9 +183,9 @@ def test_baseline_variant_trains_with_the_single_device_loss(world2, baseline, v
 def test_ddp_and_fsdp_are_exact_for_a_mean_over_padded_tokens(world2):
     model, inputs = token_mean_model()
     ref = _reference(model, inputs, STEPS)
-    counts = [int((inputs[1][2 * r:2 * r + 2] != -100).sum()) for r in range(2)]
+    counts = [int((inputs[1][2 * r : 2 * r + 2] != -100).sum()) for r in range(2)]
     assert counts == [3, 11]  # unequal shares: the mean of the ranks' means is not the global mean
-    means = [model(*(t[2 * r:2 * r + 2] for t in inputs)).item() for r in range(2)]
+    means = [model(*(t[2 * r : 2 * r + 2] for t in inputs)).item() for r in range(2)]
     assert abs(sum(means) / 2 - ref[0]) > 1e-3 * abs(ref[0])
     for baseline in ("ddp", "fsdp"):
         for rank, results in enumerate(world2):
@@ -198,8 +224,9 @@ def test_time_steps_counts_windows_between_two_syncs():
     assert out["iters"] == 3 and len(out["window_times_s"]) == 4 and not out["capped"]
     assert out["iter_time_s"] == min(out["window_times_s"]) and len(out["warmup_times_s"]) == 2
     calls.clear()
-    capped = timing.time_steps(lambda: (calls.append(1), torch.zeros(()))[1], torch.device("cpu"), warmup=1,
-                               iters=50, best_of=2, cap_s=0.0)
+    capped = timing.time_steps(
+        lambda: (calls.append(1), torch.zeros(()))[1], torch.device("cpu"), warmup=1, iters=50, best_of=2, cap_s=0.0
+    )
     assert capped["iters"] == 1 and capped["capped"] and len(calls) == 1 + 2
     with pytest.raises(ValueError, match="best_of >= 1"):
         timing.time_steps(step, torch.device("cpu"), warmup=0, iters=1, best_of=0)
@@ -218,6 +245,7 @@ def test_adam_is_fused_where_torch_has_the_kernel():
 
     def no_kernel(p, cuda_unsupported=False):
         raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+
     topt._device_dtype_check_for_fused = no_kernel
     try:
         with pytest.warns(UserWarning, match="fused Adam is unavailable"):
@@ -234,8 +262,9 @@ def test_loss_forms_are_declared_or_refused():
     import hidup.models
     from exp.baselines import baseline_util
 
-    zoo, _ = hidup.models.build("gpt", world_size=2, layers=1, d_model=16, heads=2, ffn=32, seq_len=4,
-                                batch_per_gpu=2, vocab=32)
+    zoo, _ = hidup.models.build(
+        "gpt", world_size=2, layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32
+    )
     assert baseline_util.loss_form_of(zoo).kind == "sum"
     assert baseline_util.loss_form_of(TokenMeanLM()) is TokenMeanLM.loss_form
     plain = nn.Linear(2, 1)

@@ -16,13 +16,28 @@ from exp.report import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64", "--seq-len", "8", "--batch-per-gpu", "4",
-        "--vocab", "64"]
+TINY = [
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--ffn",
+    "64",
+    "--seq-len",
+    "8",
+    "--batch-per-gpu",
+    "4",
+    "--vocab",
+    "64",
+]
 
 
 def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "exp" / script)] + args, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "exp" / script)] + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
@@ -30,12 +45,46 @@ def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedPr
 # ------------------------------------------------------------------------------------ bench
 def test_bench_smoke_world2(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
-    proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
-                             "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
-                             "--profile-budget", "0.02", "--time-budget", "120", "--breakdown", "--variants", "eager",
-                             "graph", "--methods", "single", "single-dup", "ddp", "fsdp", "expert", "hidup",
-                             "hidup-nodup", "hidup-auto"]
-                + TINY, timeout=200)
+    proc = _run(
+        "bench.py",
+        [
+            "--network",
+            "sockets",
+            "--worlds",
+            "2",
+            "--models",
+            "bert-sgmoe",
+            "--precisions",
+            "tf32",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--profile-budget",
+            "0.02",
+            "--time-budget",
+            "120",
+            "--breakdown",
+            "--variants",
+            "eager",
+            "graph",
+            "--methods",
+            "single",
+            "single-dup",
+            "ddp",
+            "fsdp",
+            "expert",
+            "hidup",
+            "hidup-nodup",
+            "hidup-auto",
+        ]
+        + TINY,
+        timeout=200,
+    )
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
     assert set(runs) == {"single", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"}
@@ -86,16 +135,42 @@ def test_bench_smoke_world2(tmp_path):
 
 def test_bench_resume_runs_only_what_is_missing(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
-    common = ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--out",
-              str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2", "--profile-budget", "0.02",
-              "--ops-seconds", "0", "--variants", "eager", "--best-of", "1"] + TINY
+    common = [
+        "--network",
+        "sockets",
+        "--worlds",
+        "2",
+        "--models",
+        "bert-sgmoe",
+        "--precisions",
+        "tf32",
+        "--out",
+        str(out),
+        "--docs",
+        str(docs),
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--profile-budget",
+        "0.02",
+        "--ops-seconds",
+        "0",
+        "--variants",
+        "eager",
+        "--best-of",
+        "1",
+    ] + TINY
     _run("bench.py", common + ["--methods", "single", "ddp", "--time-budget", "60"], timeout=120)
     first = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
     assert first["single"]["status"] == first["ddp"]["status"] == "ok"
     profile_before = (out / "sockets-profile.json").read_bytes()
 
-    proc = _run("bench.py", common + ["--methods", "single", "ddp", "hidup-nodup", "--time-budget", "60", "--resume"],
-                timeout=120)
+    proc = _run(
+        "bench.py",
+        common + ["--methods", "single", "ddp", "hidup-nodup", "--time-budget", "60", "--resume"],
+        timeout=120,
+    )
     assert "2 runs already recorded as ok" in proc.stdout and "1 to run" in proc.stdout
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
@@ -103,23 +178,61 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     assert runs["hidup-nodup"]["status"] == "ok" and runs["hidup-nodup"]["profile"]["name"] == "sockets-measured"
     assert runs["single"]["date"] == first["single"]["date"]  # kept as recorded
     assert runs["hidup-nodup"]["scaling_efficiency"] == pytest.approx(
-        first["single"]["iter_time_s"] / runs["hidup-nodup"]["iter_time_s"])  # against the earlier floor
+        first["single"]["iter_time_s"] / runs["hidup-nodup"]["iter_time_s"]
+    )  # against the earlier floor
     assert (out / "sockets-profile.json").read_bytes() == profile_before  # reused, not measured again
 
     # an invocation that reaches no run (no time) leaves the recorded results as they were
-    _run("bench.py", common + ["--methods", "single", "--time-budget", "0",
-                               "--profile", str(out / "sockets-profile.json")], timeout=120)
+    _run(
+        "bench.py",
+        common + ["--methods", "single", "--time-budget", "0", "--profile", str(out / "sockets-profile.json")],
+        timeout=120,
+    )
     runs = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
     assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
 
 
 def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
-    proc = _run("bench.py", ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32",
-                             "--out", str(out), "--docs", str(docs), "--warmup", "1", "--iters", "2",
-                             "--profile-budget", "0.02", "--ops-seconds", "0", "--time-budget", "120", "--repeats",
-                             "2", "--variants", "eager", "--best-of", "1", "--methods", "ddp", "hidup", "hidup-nodup"]
-                + TINY, timeout=200)
+    proc = _run(
+        "bench.py",
+        [
+            "--network",
+            "sockets",
+            "--worlds",
+            "2",
+            "--models",
+            "bert-sgmoe",
+            "--precisions",
+            "tf32",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--profile-budget",
+            "0.02",
+            "--ops-seconds",
+            "0",
+            "--time-budget",
+            "120",
+            "--repeats",
+            "2",
+            "--variants",
+            "eager",
+            "--best-of",
+            "1",
+            "--methods",
+            "ddp",
+            "hidup",
+            "hidup-nodup",
+        ]
+        + TINY,
+        timeout=200,
+    )
     # a round starts only when the one before it is done
     order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
     assert sorted(order[:3]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in ("ddp", "hidup", "hidup-nodup")]
@@ -139,8 +252,13 @@ def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
 
 def test_bench_rejects_zero_rounds(tmp_path):
     for flag in ("--repeats", "--comm-rounds", "--best-of"):
-        proc = subprocess.run([sys.executable, str(ROOT / "exp" / "bench.py"), flag, "0", "--out", str(tmp_path)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "exp" / "bench.py"), flag, "0", "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode != 0 and "each must be at least 1" in proc.stderr and flag in proc.stderr
 
 
@@ -149,17 +267,39 @@ def test_merge_rounds_and_the_speedup_table():
 
     def rec(method, rnd, t, status="ok", **kw):
         key = f"w4/m/tf32/{method}"
-        return {"key": key, "id": f"{key}#{rnd}", "round": rnd, "world": 4, "model": "m", "precision": "tf32",
-                "method": method, "status": status, "iter_time_s": t if status == "ok" else None,
-                "peak_memory_bytes": 10 * (rnd + 1), "throughput": 100 / t if t else None, "iters": 5, **kw}
+        return {
+            "key": key,
+            "id": f"{key}#{rnd}",
+            "round": rnd,
+            "world": 4,
+            "model": "m",
+            "precision": "tf32",
+            "method": method,
+            "status": status,
+            "iter_time_s": t if status == "ok" else None,
+            "peak_memory_bytes": 10 * (rnd + 1),
+            "throughput": 100 / t if t else None,
+            "iters": 5,
+            **kw,
+        }
 
     plan = {"plan_duplication": True, "predicted_s": 2.0}
-    records = [rec("expert", 0, 6.0), rec("expert", 1, 9.0), rec("expert", 2, 3.0, "failed", error="boom"),
-               rec("ddp", 0, 8.0), rec("ddp", 1, 8.0), rec("ddp", 2, 8.0),
-               rec("hidup", 0, 2.0, **plan), rec("hidup", 1, 4.0, **plan), rec("hidup", 2, 3.0, **plan),
-               rec("hidup-nodup", 0, 3.0, **plan), rec("hidup-nodup", 1, 5.0, **plan),
-               rec("hidup-nodup", 2, 3.3, **plan),
-               rec("fsdp", 0, None, "failed", error="first"), rec("fsdp", 1, None, "failed", error="second")]
+    records = [
+        rec("expert", 0, 6.0),
+        rec("expert", 1, 9.0),
+        rec("expert", 2, 3.0, "failed", error="boom"),
+        rec("ddp", 0, 8.0),
+        rec("ddp", 1, 8.0),
+        rec("ddp", 2, 8.0),
+        rec("hidup", 0, 2.0, **plan),
+        rec("hidup", 1, 4.0, **plan),
+        rec("hidup", 2, 3.0, **plan),
+        rec("hidup-nodup", 0, 3.0, **plan),
+        rec("hidup-nodup", 1, 5.0, **plan),
+        rec("hidup-nodup", 2, 3.3, **plan),
+        rec("fsdp", 0, None, "failed", error="first"),
+        rec("fsdp", 1, None, "failed", error="second"),
+    ]
     merged = merge_rounds({r["id"]: r for r in records})
     expert = merged["w4/m/tf32/expert"]
     assert expert["iter_time_s"] == 7.5 and expert["round_spread"] == 1.5  # the failed round is left out
@@ -184,43 +324,98 @@ def test_merge_rounds_and_the_speedup_table():
     # tuned baselines: the fastest variant of any baseline is the reference, named with its variant
     def tuned(method, t, variants):
         fastest = min((v for v in variants if variants[v]), key=variants.get)
-        return dict(rec(method, 0, t), id=f"w4/m/tf32/{method}", variant=fastest,
-                    variants={v: {"status": "ok", "iter_time_s": x} if x else {"status": "failed", "error": "e"}
-                              for v, x in variants.items()})
-    runs = [tuned("ddp", 4.0, {"eager": 6.0, "compile": 4.0, "graph": None}),
-            tuned("expert", 5.0, {"eager": 5.0, "compile": None}), dict(rec("hidup", 0, 2.0, **plan), id="x")]
+        return dict(
+            rec(method, 0, t),
+            id=f"w4/m/tf32/{method}",
+            variant=fastest,
+            variants={
+                v: {"status": "ok", "iter_time_s": x} if x else {"status": "failed", "error": "e"}
+                for v, x in variants.items()
+            },
+        )
+
+    runs = [
+        tuned("ddp", 4.0, {"eager": 6.0, "compile": 4.0, "graph": None}),
+        tuned("expert", 5.0, {"eager": 5.0, "compile": None}),
+        dict(rec("hidup", 0, 2.0, **plan), id="x"),
+    ]
     merged = merge_rounds({r["id"]: r for r in runs})
     [row] = benchreport.speedup_rows(list(merged.values()))
     assert row[3] == "4000.00 ddp compile" and row[5] == "2.00x"  # no label: every baseline tried compiling
     ddp = merged["w4/m/tf32/ddp"]
     assert benchreport.bench_rows([ddp])[0][4] == "compile"
     assert "eager 6000.00 ms, graph failed" in benchreport._note(ddp)
-    eager_only = dict(merged["w4/m/tf32/expert"], variants={"eager": {"status": "ok", "iter_time_s": 5.0},
-                                                           "compile": {"status": "skipped", "error": "not asked"}})
+    eager_only = dict(
+        merged["w4/m/tf32/expert"],
+        variants={
+            "eager": {"status": "ok", "iter_time_s": 5.0},
+            "compile": {"status": "skipped", "error": "not asked"},
+        },
+    )
     [row] = benchreport.speedup_rows([merged["w4/m/tf32/hidup"], eager_only])
     assert row[5] == "2.50x (vs eager baselines)"
 
 
 def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
-    common = ["--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32", "--methods", "single",
-              "--variants", "eager", "--best-of", "1", "--warmup", "1", "--iters", "1", "--profile-budget", "0.02",
-              "--time-budget", "60"] + TINY
+    common = [
+        "--worlds",
+        "2",
+        "--models",
+        "bert-sgmoe",
+        "--precisions",
+        "tf32",
+        "--methods",
+        "single",
+        "--variants",
+        "eager",
+        "--best-of",
+        "1",
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--profile-budget",
+        "0.02",
+        "--time-budget",
+        "60",
+    ] + TINY
     first = tmp_path / "a"
-    _run("bench.py", common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],
-         timeout=150)
+    _run(
+        "bench.py",
+        common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],
+        timeout=150,
+    )
     carried = hidup.profiler.load(first / "nvlink-profile.json")
     assert len(carried.ops) > 20
     second = tmp_path / "b"
-    _run("bench.py", common + ["--network", "sockets", "--out", str(second), "--docs", str(tmp_path / "docs-b"),
-                               "--ops-from", str(first / "nvlink-profile.json")], timeout=150)
+    _run(
+        "bench.py",
+        common
+        + [
+            "--network",
+            "sockets",
+            "--out",
+            str(second),
+            "--docs",
+            str(tmp_path / "docs-b"),
+            "--ops-from",
+            str(first / "nvlink-profile.json"),
+        ],
+        timeout=150,
+    )
     prof = hidup.profiler.load(second / "sockets-profile.json")
     assert prof.name == "sockets-measured" and prof.collectives  # the network measured anew
     assert prof.ops == carried.ops  # every op time carried over, none timed again
 
     bad = tmp_path / "no-ops.json"
     hidup.profiler.save(hidup.profiler.load("h200x4-nvlink"), bad)
-    proc = subprocess.run([sys.executable, str(ROOT / "exp" / "bench.py"), "--ops-from", str(bad), "--out",
-                           str(tmp_path / "c")] + common, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "exp" / "bench.py"), "--ops-from", str(bad), "--out", str(tmp_path / "c")] + common,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "--ops-from" in proc.stderr and "no per-op times" in proc.stderr
 
 
@@ -236,8 +431,15 @@ def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
 
 def test_figure_reads_each_networks_merged_results_only(tmp_path):
     def run(method, eff, status="ok"):
-        return {"key": f"w2/m/tf32/{method}", "world": 2, "model": "m", "precision": "tf32", "method": method,
-                "status": status, "scaling_efficiency": eff}
+        return {
+            "key": f"w2/m/tf32/{method}",
+            "world": 2,
+            "model": "m",
+            "precision": "tf32",
+            "method": method,
+            "status": status,
+            "scaling_efficiency": eff,
+        }
 
     merged = {"network": "nvlink", "runs": [run("single", 1.0), run("ddp", 0.8), run("hidup", 1.1)]}
     copy = {"network": "nvlink", "runs": [run("ddp", None, "skipped"), run("hidup", None, "skipped")]}
@@ -245,18 +447,25 @@ def test_figure_reads_each_networks_merged_results_only(tmp_path):
     (tmp_path / "nvlink-run1.json").write_text(json.dumps(copy))  # sorts first; must not shadow nvlink.json
     (tmp_path / "nvlink-profile.json").write_text(json.dumps({"name": "p"}))
     assert benchreport.figure_panels(tmp_path) == {
-        ("nvlink", 2): {"graphed": False, "groups": {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}}
+        ("nvlink", 2): {"graphed": False, "groups": {("m", "tf32"): {"ddp": 0.8, "hidup": 1.1}}}
+    }
 
 
 def test_read_partial_skips_a_cut_line(tmp_path):
     from exp.bench import read_partial
 
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"event": "start", "key": "a"}) + "\n"
-                    + json.dumps({"event": "result", "record": {"key": "a", "status": "ok"}}) + "\n"
-                    + json.dumps({"event": "start", "key": "b"}) + "\n"
-                    + json.dumps({"event": "variant", "key": "b", "variant": "eager", "summary": {"status": "ok"}})
-                    + "\n" + '{"event": "res')
+    path.write_text(
+        json.dumps({"event": "start", "key": "a"})
+        + "\n"
+        + json.dumps({"event": "result", "record": {"key": "a", "status": "ok"}})
+        + "\n"
+        + json.dumps({"event": "start", "key": "b"})
+        + "\n"
+        + json.dumps({"event": "variant", "key": "b", "variant": "eager", "summary": {"status": "ok"}})
+        + "\n"
+        + '{"event": "res'
+    )
     records, started, variants = read_partial(path)
     assert list(records) == ["a"] and started == ["a", "b"] and variants == {"b": {"eager": {"status": "ok"}}}
 
@@ -267,12 +476,23 @@ def test_a_crash_keeps_the_variants_that_ran():
     was running."""
     from exp.bench import crashed_record
 
-    cfg = {"network": "nvlink", "variants": ["eager", "compile", "graph", "compile-graph"],
-           "overrides": {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(TINY[::2], TINY[1::2])}}
-    run = {"key": "w2/bert-sgmoe/tf32/fsdp", "id": "w2/bert-sgmoe/tf32/fsdp", "world": 2, "model": "bert-sgmoe",
-           "precision": "tf32", "method": "fsdp"}
-    done = {"eager": {"status": "ok", "iter_time_s": 0.02, "iters": 5},
-            "compile": {"status": "ok", "iter_time_s": 0.01, "iters": 5}}
+    cfg = {
+        "network": "nvlink",
+        "variants": ["eager", "compile", "graph", "compile-graph"],
+        "overrides": {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(TINY[::2], TINY[1::2])},
+    }
+    run = {
+        "key": "w2/bert-sgmoe/tf32/fsdp",
+        "id": "w2/bert-sgmoe/tf32/fsdp",
+        "world": 2,
+        "model": "bert-sgmoe",
+        "precision": "tf32",
+        "method": "fsdp",
+    }
+    done = {
+        "eager": {"status": "ok", "iter_time_s": 0.02, "iters": 5},
+        "compile": {"status": "ok", "iter_time_s": 0.01, "iters": 5},
+    }
     rec = crashed_record(run, "the process group failed during this run: boom", done, cfg, 2)
     assert rec["status"] == "ok" and rec["variant"] == "compile" and rec["iter_time_s"] == 0.01 and "error" not in rec
     assert rec["variants"]["graph"] == {"status": "failed", "error": "the process group failed during this run: boom"}
@@ -287,9 +507,30 @@ def test_a_crash_keeps_the_variants_that_ran():
 # ------------------------------------------------------------------------------------ noise
 def test_noise_predict_only(tmp_path):
     docs = tmp_path / "docs"
-    _run("noise.py", ["--predict-only", "--world", "2", "--seeds", "2", "--noise", "0.4", "--comm", "100",
-                      "--docs", str(docs), "--bench-out", str(tmp_path / "bench"), "--search-jobs", "0",
-                      "--time-budget", "100"] + TINY, timeout=150)
+    _run(
+        "noise.py",
+        [
+            "--predict-only",
+            "--world",
+            "2",
+            "--seeds",
+            "2",
+            "--noise",
+            "0.4",
+            "--comm",
+            "100",
+            "--docs",
+            str(docs),
+            "--bench-out",
+            str(tmp_path / "bench"),
+            "--search-jobs",
+            "0",
+            "--time-budget",
+            "100",
+        ]
+        + TINY,
+        timeout=150,
+    )
     res = json.loads((docs / "robustness.json").read_text())
     assert res["predict_only"] is True and res["world"] == 2
     assert [r["label"] for r in res["rows"]] == ["+100% communication", "40% random noise"]
@@ -316,9 +557,35 @@ def test_noise_measured_runs_pair_each_plan_with_the_clean_one(tmp_path):
     runs right before and after it, a plan above --again-above is measured once more (here: all of
     them, time allowing) and counts with the mean, and the spread of the clean runs is reported."""
     docs = tmp_path / "docs"
-    _run("noise.py", ["--world", "2", "--seeds", "3", "--noise", "0.8", "--comm", "100", "--docs", str(docs),
-                      "--bench-out", str(tmp_path / "bench"), "--warmup", "1", "--iters", "2", "--time-budget", "100",
-                      "--profile-budget", "0.02", "--again-above", "0.01"] + TINY, timeout=220)
+    _run(
+        "noise.py",
+        [
+            "--world",
+            "2",
+            "--seeds",
+            "3",
+            "--noise",
+            "0.8",
+            "--comm",
+            "100",
+            "--docs",
+            str(docs),
+            "--bench-out",
+            str(tmp_path / "bench"),
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--time-budget",
+            "100",
+            "--profile-budget",
+            "0.02",
+            "--again-above",
+            "0.01",
+        ]
+        + TINY,
+        timeout=220,
+    )
     res = json.loads((docs / "robustness.json").read_text())
     clean = res["clean"]
     assert clean["measured_s"] > 0 and clean["runs_s"][0] == clean["measured_s"]
@@ -345,8 +612,15 @@ def test_noise_perturbation_list():
     from exp import noise
 
     perts = noise.perturbations(Namespace(comm=[-50, 100], noise=[0.2, 0.8], seeds=2, first_seed=0))
-    assert [p["tag"] for p in perts] == ["clean", "comm-50", "comm+100", "noise0.2-s0", "noise0.8-s0",
-                                         "noise0.2-s1", "noise0.8-s1"]
+    assert [p["tag"] for p in perts] == [
+        "clean",
+        "comm-50",
+        "comm+100",
+        "noise0.2-s0",
+        "noise0.8-s0",
+        "noise0.2-s1",
+        "noise0.8-s1",
+    ]
     assert perts[1]["perturb"]["comm_scale"] == 0.5 and perts[2]["perturb"]["comm_scale"] == 2.0
     # completing a study that ran out of time: the same seeds' perturbations from --first-seed on
     rest = noise.perturbations(Namespace(comm=[], noise=[0.2, 0.8], seeds=2, first_seed=1))
@@ -361,22 +635,40 @@ def test_a_failing_run_is_recorded_not_raised():
     import hidup.models
     from exp import benchrun
 
-    model, inputs = hidup.models.build("bert-sgmoe", world_size=2, layers=2, d_model=32, heads=2, ffn=64, seq_len=8,
-                                       batch_per_gpu=4, vocab=64)
-    out = benchrun.execute("hidup", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=5.0,
-                           plan=None)
+    model, inputs = hidup.models.build(
+        "bert-sgmoe", world_size=2, layers=2, d_model=32, heads=2, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64
+    )
+    out = benchrun.execute(
+        "hidup", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=5.0, plan=None
+    )
     assert out["status"] == "failed" and "needs a plan" in out["error"] and out["error"].startswith("rank 0")
-    ok = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=2, cap_s=None,
-                          variants=["eager"], best_of=2)
+    ok = benchrun.execute(
+        "single",
+        model,
+        inputs,
+        0,
+        2,
+        torch.device("cpu"),
+        "fp32",
+        warmup=1,
+        iters=2,
+        cap_s=None,
+        variants=["eager"],
+        best_of=2,
+    )
     assert ok["status"] == "ok" and ok["iters"] == 2 and len(ok["window_times_s"]) == 2 and ok["variant"] == "eager"
-    capped = benchrun.execute("single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=5, cap_s=0.0,
-                              variants=["eager"])
+    capped = benchrun.execute(
+        "single", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=5, cap_s=0.0, variants=["eager"]
+    )
     assert capped["iters"] == 1 and capped["capped"]  # over the time cap: one timed step, flagged
     with pytest.raises(ValueError, match="unknown variant"):
-        benchrun.execute("ddp", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=None,
-                         variants=["fast"])
-    assert benchrun.applicable("expert", hidup.models.build("gpt", layers=1, d_model=32, heads=2, ffn=64, seq_len=8,
-                                                             batch_per_gpu=2, vocab=64)[0])
+        benchrun.execute(
+            "ddp", model, inputs, 0, 2, torch.device("cpu"), "fp32", warmup=1, iters=1, cap_s=None, variants=["fast"]
+        )
+    assert benchrun.applicable(
+        "expert",
+        hidup.models.build("gpt", layers=1, d_model=32, heads=2, ffn=64, seq_len=8, batch_per_gpu=2, vocab=64)[0],
+    )
 
 
 def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
@@ -385,20 +677,40 @@ def test_noise_combine_averages_each_plans_measurements_over_runs(tmp_path):
     from exp import noise
 
     def job(tag, label, ident, rel=None, runs=None, pred=1.0):
-        j = {"tag": tag, "label": label, "kind": "clean" if tag == "clean" else "noise", "status": "ok",
-             "identity": ident, "relative_predicted": pred, "flips": {"nodes": [], "kinds": {}, "duplication": None}}
+        j = {
+            "tag": tag,
+            "label": label,
+            "kind": "clean" if tag == "clean" else "noise",
+            "status": "ok",
+            "identity": ident,
+            "relative_predicted": pred,
+            "flips": {"nodes": [], "kinds": {}, "duplication": None},
+        }
         if runs is not None:
             j.update(relative_runs=runs, relative_measured=sum(runs) / len(runs), reference_s=[0.1])
         elif rel is not None:  # an older run: one measurement, no list
             j.update(relative_measured=rel, reference_s=[0.1, 0.1])
         return j
 
-    a = {"clean": {"identity": "c"}, "command": "a", "jobs": [
-        job("clean", "clean", "c"), job("n0.8-s0", "80%", "p", rel=1.2, pred=1.1), job("n0.8-s1", "80%", "c"),
-        job("n0.2-s0", "20%", "q")]}  # q: searched, not measured in this run
-    b = {"clean": {"identity": "c"}, "command": "b", "jobs": [
-        job("clean", "clean", "c"), job("n0.2-s0", "20%", "q", runs=[1.0, 1.1]),
-        job("n0.8-s1", "80%", "p", runs=[1.4])]}
+    a = {
+        "clean": {"identity": "c"},
+        "command": "a",
+        "jobs": [
+            job("clean", "clean", "c"),
+            job("n0.8-s0", "80%", "p", rel=1.2, pred=1.1),
+            job("n0.8-s1", "80%", "c"),
+            job("n0.2-s0", "20%", "q"),
+        ],
+    }  # q: searched, not measured in this run
+    b = {
+        "clean": {"identity": "c"},
+        "command": "b",
+        "jobs": [
+            job("clean", "clean", "c"),
+            job("n0.2-s0", "20%", "q", runs=[1.0, 1.1]),
+            job("n0.8-s1", "80%", "p", runs=[1.4]),
+        ],
+    }
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))

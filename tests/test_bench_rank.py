@@ -12,15 +12,45 @@ import pytest
 
 from hidup.cli import main
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
-        "--batch-per-gpu", "2", "--vocab", "64"]
+TINY = [
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq-len",
+    "8",
+    "--batch-per-gpu",
+    "2",
+    "--vocab",
+    "64",
+]
 FAST = ["--steps", "2", "--rounds", "2", "--warmup", "1", "--backend", "aot_eager", "--device", "cpu"]
 
 
 def test_bench_rank_cpu_writes_json(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    assert main(["search", "--model", "bert-sgmoe", "--world", "2", *TINY, "--profile", "h200x4-nvlink",
-                 "--out", str(plan), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "bert-sgmoe",
+                "--world",
+                "2",
+                *TINY,
+                "--profile",
+                "h200x4-nvlink",
+                "--out",
+                str(plan),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "rank.json"
     assert main(["bench-rank", "--plan", str(plan), "--rank", "1", *FAST, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -38,12 +68,15 @@ def test_bench_rank_cpu_writes_json(tmp_path, capsys):
     assert "rank eager" in text and "share compile" in text  # the table's header
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "mlp", "--world", "2", "--rank", "2"], "--rank 2 is outside the plan's world of 2 ranks"),
-    (["--plan", "no/such/plan.json"], "no plan file at no/such/plan.json"),
-    (["--model", "mlp", "--world", "2", "--modes", "cuda-graph"], "capture CUDA graphs"),
-    (["--model", "mlp", "--world", "2", "--modes", "fast"], "--modes 'fast': choose from"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "mlp", "--world", "2", "--rank", "2"], "--rank 2 is outside the plan's world of 2 ranks"),
+        (["--plan", "no/such/plan.json"], "no plan file at no/such/plan.json"),
+        (["--model", "mlp", "--world", "2", "--modes", "cuda-graph"], "capture CUDA graphs"),
+        (["--model", "mlp", "--world", "2", "--modes", "fast"], "--modes 'fast': choose from"),
+    ],
+)
 def test_bench_rank_refuses_bad_input(argv, message):
     with pytest.raises(SystemExit) as e:
         main(["bench-rank", *argv, "--device", "cpu"])
@@ -52,8 +85,25 @@ def test_bench_rank_refuses_bad_input(argv, message):
 
 
 def test_bench_rank_bad_rank_from_the_shell():
-    proc = subprocess.run([sys.executable, "-m", "hidup.cli", "bench-rank", "--model", "mlp", "--world", "2",
-                           "--rank", "5", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hidup.cli",
+            "bench-rank",
+            "--model",
+            "mlp",
+            "--world",
+            "2",
+            "--rank",
+            "5",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "--rank 5 is outside" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

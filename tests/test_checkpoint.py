@@ -226,8 +226,12 @@ def test_loads_on_four_ranks_under_their_plan(world2):
     params, adam = results[0]["saved"]
     loaded = run_distributed(_rank_load, 4, _plan(4), str(root / "ckpt"), timeout=240)
     for rank, (info, state, opt_state, forms) in enumerate(loaded):
-        assert info == {"step": TRAIN_STEPS, "loss_history": results[0]["info"]["loss_history"],
-                        "extra": {"note": "w2"}, "world_size": 2}
+        assert info == {
+            "step": TRAIN_STEPS,
+            "loss_history": results[0]["info"]["loss_history"],
+            "extra": {"note": "w2"},
+            "world_size": 2,
+        }
         _equal(state, params, f"rank {rank} parameter")
         _equal(opt_state, adam, f"rank {rank} Adam state")
         for name, (dim, shape_on_2) in results[0]["forms"].items():
@@ -335,8 +339,11 @@ def test_a_bad_path_or_another_model_is_refused_with_one_message(world2, tmp_pat
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / "empty", model)
     wider, _ = hidup.models.build("gpt", world_size=1, dtype="float64", **{**GPT, "ffn": 64})
-    with pytest.raises(ValueError, match=r"trunk.layers.0.ffn.fc1.weight: checkpoint .* holds shape \(32, 16\), "
-                                         r"the model expects \(64, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"trunk.layers.0.ffn.fc1.weight: checkpoint .* holds shape \(32, 16\), "
+        r"the model expects \(64, 16\)",
+    ):
         checkpoint.load(root / "ckpt", wider)
     deeper, _ = hidup.models.build("gpt", world_size=1, dtype="float64", **{**GPT, "layers": 2})
     with pytest.raises(KeyError, match="has no entry for 'trunk.layers.1."):
@@ -361,16 +368,32 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def test_train_resume_from_another_model_is_one_message(capsys, tmp_path):
-    model = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "4", "--seq-len", "4",
-             "--batch-per-gpu", "2", "--vocab", "32"]
+    model = [
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "4",
+        "--seq-len",
+        "4",
+        "--batch-per-gpu",
+        "2",
+        "--vocab",
+        "32",
+    ]
     run = ["--iterations", "1", "--checkpoint-dir", str(tmp_path)]
     assert _main(["train", *model, "--ffn", "32", *run], capsys)[0] == 0
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
     code, err = _main(["train", *model, "--ffn", "64", *run, "--resume"], capsys)
     assert code == 1 and "Traceback" not in err, err
     assert "cannot resume from checkpoint" in err and "holds shape (32, 16), the model expects (64, 16)" in err, err
-    code, err = _main(["train", *model, "--ffn", "32", "--iterations", "1", "--checkpoint-dir",
-                       str(tmp_path / "none"), "--resume"], capsys)
+    code, err = _main(
+        ["train", *model, "--ffn", "32", "--iterations", "1", "--checkpoint-dir", str(tmp_path / "none"), "--resume"],
+        capsys,
+    )
     assert code == 1 and "Traceback" not in err and "--resume: no checkpoint at" in err, err
 
 
@@ -383,18 +406,31 @@ def test_single_file_checkpoints_still_load(world2, tmp_path):
     names = list(params)
     path = tmp_path / "checkpoint.pt"
     state = {
-        "version": 1, "world_size": 2, "step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "params": params,
-        "optimizer": {"groups": [{"lr": 0.25, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0,
-                                  "amsgrad": False, "params": names}], "state": adam},
-        "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}] * 2, "extra": {}}
+        "version": 1,
+        "world_size": 2,
+        "step": 4,
+        "loss_history": [1.0, 0.5, 0.25, 0.125],
+        "params": params,
+        "optimizer": {
+            "groups": [
+                {"lr": 0.25, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "amsgrad": False, "params": names}
+            ],
+            "state": adam,
+        },
+        "rng": [{"torch": torch.get_rng_state(), "python": random.getstate()}] * 2,
+        "extra": {},
+    }
     torch.save(state, path)  # the version 1 format: one torch.save file
     first = torch.rand(3)
     model, _ = hidup.models.build("gpt", world_size=1, dtype="float64", seed=9, **GPT)
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     info = checkpoint.load(path, model, opt)
     assert torch.equal(torch.rand(3), first)  # the RNG state it holds (of rank 0: another world)
-    assert info == checkpoint.info(path) == {"step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "extra": {},
-                                             "world_size": 2}
+    assert (
+        info
+        == checkpoint.info(path)
+        == {"step": 4, "loss_history": [1.0, 0.5, 0.25, 0.125], "extra": {}, "world_size": 2}
+    )
     assert opt.param_groups[0]["lr"] == 0.25
     _equal(dict(model.state_dict()), params, "parameter")
     _equal({n: opt.state[p] for n, p in model.named_parameters()}, adam, "Adam state")

@@ -8,14 +8,44 @@ import pytest
 
 from hidup.cli import main
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
-        "--batch-per-gpu", "2", "--vocab", "64"]
+TINY = [
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq-len",
+    "8",
+    "--batch-per-gpu",
+    "2",
+    "--vocab",
+    "64",
+]
 
 
 def test_search_then_show(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["search", "--model", "bert-sgmoe", "--world", "4", *TINY, "--profile", "h200x4-socket",
-                 "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "bert-sgmoe",
+                "--world",
+                "4",
+                *TINY,
+                "--profile",
+                "h200x4-socket",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "plan for bert-sgmoe on 4 ranks" in text and "trunk.layers.1" in text
@@ -24,15 +54,35 @@ def test_search_then_show(tmp_path, capsys):
 def test_noise_changes_nothing_at_zero_and_is_reproducible(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
-        assert main(["search", "--model", "gpt", "--world", "2", *TINY, "--noise", "0.5", "--seed", "3",
-                     "--out", str(path), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "search",
+                    "--model",
+                    "gpt",
+                    "--world",
+                    "2",
+                    *TINY,
+                    "--noise",
+                    "0.5",
+                    "--seed",
+                    "3",
+                    "--out",
+                    str(path),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     assert a.read_text() == b.read_text()
 
 
 def test_toml_config_supplies_defaults_and_flags_win(tmp_path, capsys):
     cfg = tmp_path / "job.toml"
-    cfg.write_text('model = "gpt"\nworld = 2\nlayers = 1\nd-model = 32\nheads = 4\nffn = 64\n'
-                   'seq-len = 8\nbatch-per-gpu = 2\nvocab = 64\n')
+    cfg.write_text(
+        'model = "gpt"\nworld = 2\nlayers = 1\nd-model = 32\nheads = 4\nffn = 64\n'
+        "seq-len = 8\nbatch-per-gpu = 2\nvocab = 64\n"
+    )
     assert main(["describe", "--config", str(cfg), "--layers", "2", "--rows", "3"]) == 0
     assert "graph gpt for world size 2" in capsys.readouterr().out
     cfg.write_text('modle = "gpt"\n')
@@ -48,16 +98,51 @@ def test_unknown_model_names_the_choices():
 
 def test_verify_passes_and_exits_zero():
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-m", "hidup.cli", "verify", "--model", "bert-switch", "--world", "2",
-                          *TINY, "--style", "expert", "--steps", "2"], cwd=root, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hidup.cli",
+            "verify",
+            "--model",
+            "bert-switch",
+            "--world",
+            "2",
+            *TINY,
+            "--style",
+            "expert",
+            "--steps",
+            "2",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: the plan matches the single-device model" in out.stdout
 
 
 def test_model_arg_reaches_zoo_overrides_without_flags(capsys):
-    assert main(["describe", "--model", "gpt", "--world", "2", *TINY, "--model-arg", "dropout=0.0",
-                 "--model-arg", "aux_weight=0.5", "--rows", "1"]) == 0
+    assert (
+        main(
+            [
+                "describe",
+                "--model",
+                "gpt",
+                "--world",
+                "2",
+                *TINY,
+                "--model-arg",
+                "dropout=0.0",
+                "--model-arg",
+                "aux_weight=0.5",
+                "--rows",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "graph gpt for world size 2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["describe", "--model", "gpt", "--world", "2", *TINY, "--model-arg", "dropot=0.1"])

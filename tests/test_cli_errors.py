@@ -23,8 +23,24 @@ import pytest
 from hidup.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
-        "--batch-per-gpu", "2", "--vocab", "64"]
+TINY = [
+    "--model",
+    "gpt",
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq-len",
+    "8",
+    "--batch-per-gpu",
+    "2",
+    "--vocab",
+    "64",
+]
 
 
 def run_main(argv, capsys) -> tuple[int, str, str]:
@@ -45,8 +61,9 @@ def run_cli(argv, cwd: Path, env: dict | None = None, timeout: float = 240) -> s
     """``hidup ARGV`` as a user types it."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full.pop("HIDUP_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "hidup.cli", *argv], cwd=cwd, env=full, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hidup.cli", *argv], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_message(err: str, *needles: str) -> None:
@@ -64,10 +81,13 @@ def plan2(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------------- plan errors
-@pytest.mark.parametrize("content, needle", [
-    (None, "no plan file at"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (None, "no plan file at"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_unreadable_plan(tmp_path, capsys, content, needle):
     path = tmp_path / "plan.json"
     if content is not None:
@@ -111,8 +131,9 @@ def test_model_flags_that_contradict_the_plan(plan2, capsys):
 
 # ---------------------------------------------------------------------------------- profile errors
 def test_unknown_profile(capsys, tmp_path):
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--profile", "no-such-profile",
-                             "--out", str(tmp_path / "p.json")], capsys)
+    code, _, err = run_main(
+        ["search", *TINY, "--world", "2", "--profile", "no-such-profile", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert code == 1
     one_message(err, "no profile 'no-such-profile'", "h200x4-nvlink")
 
@@ -120,16 +141,18 @@ def test_unknown_profile(capsys, tmp_path):
 def test_malformed_profile(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "x", "flops": "fast"}))
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--profile", str(bad),
-                             "--out", str(tmp_path / "p.json")], capsys)
+    code, _, err = run_main(
+        ["search", *TINY, "--world", "2", "--profile", str(bad), "--out", str(tmp_path / "p.json")], capsys
+    )
     assert code == 1
     one_message(err, "hidup search: error:", str(bad))
 
 
 # ----------------------------------------------------------------------------------- search errors
 def test_memory_budget_no_plan_fits(capsys, tmp_path):
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--memory", "1e-6", "--out", str(tmp_path / "p.json")],
-                            capsys)
+    code, _, err = run_main(
+        ["search", *TINY, "--world", "2", "--memory", "1e-6", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert code == 1
     one_message(err, "memory budget")
     assert not (tmp_path / "p.json").exists()
@@ -167,8 +190,9 @@ def test_launch_settings(capsys, monkeypatch):
 
 def test_corrupt_checkpoint_in_process(capsys, tmp_path):
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    code, _, err = run_main(["train", *TINY, "--iterations", "2", "--checkpoint-dir", str(tmp_path), "--resume"],
-                            capsys)
+    code, _, err = run_main(
+        ["train", *TINY, "--iterations", "2", "--checkpoint-dir", str(tmp_path), "--resume"], capsys
+    )
     assert code == 1
     one_message(err, "cannot resume from checkpoint", "checkpoint.pt", "not a checkpoint torch.load can read")
 
@@ -191,8 +215,9 @@ def test_train_header_and_nothing_left_to_run(capsys, tmp_path):
     assert code == 0
     assert "train gpt: world 1 (gloo), plan searched now, duplication" in out and "steps eager" in out
     assert "running steps 1..1; the first includes warm-up" in out
-    code, out, _ = run_main(["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(tmp_path), "--resume"],
-                            capsys)
+    code, out, _ = run_main(
+        ["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(tmp_path), "--resume"], capsys
+    )
     assert code == 0
     assert "nothing left to run: the checkpoint is at step 1 of --iterations 1" in out
 
@@ -201,14 +226,15 @@ def test_corrupt_checkpoint_inside_ranks(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    out = run_cli(["train", *TINY, "--world", "2", "--iterations", "2", "--checkpoint-dir", str(ckpt), "--resume"],
-                  tmp_path)
+    out = run_cli(
+        ["train", *TINY, "--world", "2", "--iterations", "2", "--checkpoint-dir", str(ckpt), "--resume"], tmp_path
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     one_message(out.stderr, "hidup train: error: cannot resume from checkpoint", "starting 2 ranks")
     assert out.stderr.count("cannot resume") == 1, out.stderr  # one message, not one per rank
 
 
-DEAD_RANK = textwrap.dedent('''
+DEAD_RANK = textwrap.dedent("""
     import os
     import signal
 
@@ -230,7 +256,7 @@ DEAD_RANK = textwrap.dedent('''
         if dist.is_initialized() and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # rank 1 dies; rank 0 goes on to its first collective
         return Regression(), (torch.randn(4 * world_size, 8), torch.randn(4 * world_size, 1))
-''')
+""")
 
 
 def test_a_rank_that_dies_is_named_with_its_signal(tmp_path):
@@ -251,12 +277,14 @@ def test_a_missing_cbc_library_is_one_message(capsys, tmp_path, monkeypatch):
         raise NameError("name 'cbclib' is not defined")
 
     monkeypatch.setattr(mip, "Model", no_cbc)
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--algorithm", "ilp", "--out", str(tmp_path / "p.json")],
-                            capsys)
+    code, _, err = run_main(
+        ["search", *TINY, "--world", "2", "--algorithm", "ilp", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert code == 1
     one_message(err, "the ILP needs the CBC solver", "pip install cbcbox", "PMIP_CBC_LIBRARY", "'dp'")
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--memory", "1e-6", "--out", str(tmp_path / "p.json")],
-                            capsys)
+    code, _, err = run_main(
+        ["search", *TINY, "--world", "2", "--memory", "1e-6", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert code == 1
     one_message(err, "memory budget of 1000 bytes", "whether any plan fits is unknown", "pip install cbcbox")
     assert not (tmp_path / "p.json").exists()
@@ -265,8 +293,9 @@ def test_a_missing_cbc_library_is_one_message(capsys, tmp_path, monkeypatch):
 def test_ilp_time_limit_returns_an_unproven_plan_and_records_it(capsys, tmp_path):
     """A limit of 1 ns is spent before CBC can run: the DP's seed is the plan, marked unproven."""
     out = tmp_path / "ilp.json"
-    code, stdout, err = run_main(["search", *TINY, "--world", "2", "--algorithm", "ilp", "--time-limit", "1e-9",
-                                  "--out", str(out)], capsys)
+    code, stdout, err = run_main(
+        ["search", *TINY, "--world", "2", "--algorithm", "ilp", "--time-limit", "1e-9", "--out", str(out)], capsys
+    )
     assert code == 0
     one_message(err, "warning: ILP: stopped by the time limit of 1e-09 s", "optimality is unproven")
     solver = json.loads(out.read_text())["options"]["solver"]
@@ -276,8 +305,23 @@ def test_ilp_time_limit_returns_an_unproven_plan_and_records_it(capsys, tmp_path
 
 def test_ilp_time_limit_without_any_plan(capsys, tmp_path):
     """No seed fits a budget below every plan's memory, and 1 ns leaves CBC no time: no plan."""
-    code, _, err = run_main(["search", *TINY, "--world", "2", "--algorithm", "ilp", "--time-limit", "1e-9",
-                             "--memory", "1e-6", "--out", str(tmp_path / "p.json")], capsys)
+    code, _, err = run_main(
+        [
+            "search",
+            *TINY,
+            "--world",
+            "2",
+            "--algorithm",
+            "ilp",
+            "--time-limit",
+            "1e-9",
+            "--memory",
+            "1e-6",
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
+        capsys,
+    )
     assert code == 1
     one_message(err, "the ILP found no plan within its time limit of 1e-09 s", "--time-limit")
     assert not (tmp_path / "p.json").exists()
@@ -349,11 +393,13 @@ def test_cbc_log_lines_give_the_incumbent_and_bound():
     mon.parse("Cbc0010I After 100 nodes, 12 on tree, 83755.6 best solution, best possible 83371.8 (2.37 seconds)")
     assert (mon.nodes, mon.incumbent, mon.bound) == (100, 83755.6, 83371.8)
     mon = _Monitor(model=None, say=print, label="ilp", t0=0.0)
-    for line in ["     Nodes   OnTree  Depth         BestSol Method                 BestBound     Gap%   Time(s)",
-                 "  \u2500\u2500\u2500\u2500\u2500\u2500 \u2500\u2500\u2500\u2500",
-                 " \u2605       0        1      0         83755.6 Previous solutio           83755    0.00%      2.72",
-                 "        34        4      7         83755.6                            83755.2    0.00%      3.83",
-                 "\u25b6 Cut generation (root node, part 2)",
-                 "     1      532        0      3        0.3          83371.8     2.79"]:  # not a search row
+    for line in [
+        "     Nodes   OnTree  Depth         BestSol Method                 BestBound     Gap%   Time(s)",
+        "  \u2500\u2500\u2500\u2500\u2500\u2500 \u2500\u2500\u2500\u2500",
+        " \u2605       0        1      0         83755.6 Previous solutio           83755    0.00%      2.72",
+        "        34        4      7         83755.6                            83755.2    0.00%      3.83",
+        "\u25b6 Cut generation (root node, part 2)",
+        "     1      532        0      3        0.3          83371.8     2.79",
+    ]:  # not a search row
         mon.parse(line)
     assert (mon.nodes, mon.incumbent, mon.bound) == (34, 83755.6, 83755.2)

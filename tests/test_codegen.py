@@ -30,8 +30,10 @@ from dist_util import device, run_distributed
 STYLES = ("search", "data", "tensor", "expert")
 MODELS = {2: ("mlp", "gpt", "bert-sgmoe"), 4: ("bert-sgmoe",)}
 # Every other zoo model and world (a few minutes on two cores; HIDUP_QUICK_TESTS=1 skips them).
-FULL_MODELS = {2: ("bert-switch", "vit-sgmoe", "vit-switch", "bert-sgmoe-torch"),
-               4: ("mlp", "gpt", "bert-switch", "vit-sgmoe", "vit-switch", "bert-sgmoe-torch")}
+FULL_MODELS = {
+    2: ("bert-switch", "vit-sgmoe", "vit-switch", "bert-sgmoe-torch"),
+    4: ("mlp", "gpt", "bert-switch", "vit-sgmoe", "vit-switch", "bert-sgmoe-torch"),
+}
 PROFILE = "h200x4-nvlink"
 STEPS = 3
 
@@ -180,6 +182,7 @@ def _rank_parity(rank, world, jobs, extras=None, sgd_only=False):
 # Beyond parity: local batches, physical sharding, shared parameters and bucketing, clipping,
 # gradient accumulation, checkpoints across world sizes.  They run in the same process groups.
 
+
 class Tied(nn.Module):
     """A weight used twice (``w`` and ``w.t()``) plus a head: exercises gradient accumulation of a
     parameter over several uses before its bucket is all-reduced."""
@@ -229,8 +232,10 @@ def _rank_local_and_memory(rank, world, plans):
             out[(style, dup)] = abs(float(m.global_loss(m(*local))) - ref) / abs(ref)
         stored = sum(p.numel() for p in m.parameters())
         logical = sum(p.numel() for p in model.parameters())
-        shapes_ok = all(tuple(t.shape) == sh.form.local_shape(sh.logical_shape, world)
-                        for _, t, sh in __import__("hidup.codegen.params", fromlist=["x"]).iter_shards(m))
+        shapes_ok = all(
+            tuple(t.shape) == sh.form.local_shape(sh.logical_shape, world)
+            for _, t, sh in __import__("hidup.codegen.params", fromlist=["x"]).iter_shards(m)
+        )
         out[(style, "memory")] = (stored, logical, shapes_ok)
     try:
         m(*inputs)  # global inputs into a local-batch module
@@ -260,21 +265,41 @@ def _rank_staged(rank, world, plan):
     short_padded = [str(w.message) for w in caught if "of the plan's" in str(w.message)]
     stages = m.runner.num_stages
     distinct = len({id(g) for g in m.copy_groups}) == 2 and dist.get_world_size(m.copy_groups[0]) == world
-    r = _parity(rank, world, model, inputs, plan, True, ref, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9},
-                streams=True)
+    r = _parity(
+        rank, world, model, inputs, plan, True, ref, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}, streams=True
+    )
     # a second module on the first one's communicators: the same step, no new process groups
     again = hidup.compile(model, plan, rank, world, inputs, duplication=True, streams=True, copy_groups=m.copy_groups)
     reused = again.copy_groups == m.copy_groups
-    r2 = _parity(rank, world, model, inputs, plan, True, ref, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9},
-                 streams=True, copy_groups=m.copy_groups)
+    r2 = _parity(
+        rank,
+        world,
+        model,
+        inputs,
+        plan,
+        True,
+        ref,
+        torch.optim.SGD,
+        {"lr": 1e-3, "momentum": 0.9},
+        streams=True,
+        copy_groups=m.copy_groups,
+    )
     try:
         hidup.compile(model, plan, rank, world, inputs, duplication=True, streams=True, copy_groups=m.copy_groups[:1])
         bad = ""
     except hidup.codegen.CompileError as e:
         bad = str(e)
-    return {**r, "stages": stages, "plan_stages": len(plan.stages), "short_warning": short,
-            "short_padded": short_padded, "groups": distinct, "reused": reused, "reused_parity": r2,
-            "bad_groups": bad}
+    return {
+        **r,
+        "stages": stages,
+        "plan_stages": len(plan.stages),
+        "short_warning": short,
+        "short_padded": short_padded,
+        "groups": distinct,
+        "reused": reused,
+        "reused_parity": r2,
+        "bad_groups": bad,
+    }
 
 
 def _rank_tied(rank, world, plans):
@@ -304,8 +329,13 @@ def _rank_tied(rank, world, plans):
         m(*inputs).backward()
         g = full_grad_dict(m)
         accumulated = max(_rel(g[n], 2 * r, 1e-6) for n, r in ref_grads.items())
-        out[style] = {"grads": grads, "norm": abs(norm - ref_norm) / ref_norm, "clipped": clipped,
-                      "accumulated": accumulated, "buckets": len(m.bucketer.buckets)}
+        out[style] = {
+            "grads": grads,
+            "norm": abs(norm - ref_norm) / ref_norm,
+            "clipped": clipped,
+            "accumulated": accumulated,
+            "buckets": len(m.bucketer.buckets),
+        }
     return out
 
 
@@ -361,10 +391,12 @@ def _extras(world: int) -> dict:
     path = os.path.join(_CKPT_DIR, "step2.pt")
     if world == 2:
         gpt = _plans("gpt", 2)
-        return {"local": (_rank_local_and_memory, ({"search": gpt["search"], "tensor": gpt["tensor"]},)),
-                "tied": (_rank_tied, (_tied_plans(2),)),
-                "staged": (_rank_staged, (_staged_plan("bert-sgmoe", 2),)),
-                "ckpt_save": (_rank_ckpt_save, (gpt["search"], path))}
+        return {
+            "local": (_rank_local_and_memory, ({"search": gpt["search"], "tensor": gpt["tensor"]},)),
+            "tied": (_rank_tied, (_tied_plans(2),)),
+            "staged": (_rank_staged, (_staged_plan("bert-sgmoe", 2),)),
+            "ckpt_save": (_rank_ckpt_save, (gpt["search"], path)),
+        }
     if world == 4:
         _results(2)  # writes the checkpoint
         plan = _make_plans("gpt", 4, batch_per_gpu=2)["tensor"]
@@ -386,8 +418,9 @@ CASES = [(w, m, s, d) for w in MODELS for m in MODELS[w] for s in STYLES for d i
 FULL_CASES = [(w, m) for w in FULL_MODELS for m in FULL_MODELS[w]]
 
 
-@pytest.mark.parametrize("world, name, style, dup", CASES,
-                         ids=[f"w{w}-{m}-{s}-{'dup' if d else 'nodup'}" for w, m, s, d in CASES])
+@pytest.mark.parametrize(
+    "world, name, style, dup", CASES, ids=[f"w{w}-{m}-{s}-{'dup' if d else 'nodup'}" for w, m, s, d in CASES]
+)
 def test_parity(world, name, style, dup):
     results = _results(world)
     for rank, res in enumerate(results):
@@ -412,6 +445,7 @@ def test_parity_full(world, name):
 # Every zoo model's searched plan under the default profile (the plan `hidup search` and `hidup verify`
 # use), with the duplication the search chose: it must compile and match one device.  One process
 # group per world for all models.
+
 
 def _searched_default(world: int) -> list:
     import hidup
@@ -506,8 +540,9 @@ def test_checkpoint_resumes_on_another_world_and_plan():
         assert info["step"] == 2 and info["world_size"] == 2 and len(info["loss_history"]) == 2
         assert abs(loss - next_loss) / abs(next_loss) < 1e-5, f"rank {rank}: resumed loss {loss} vs {next_loss}"
         for name, value in saved_state.items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}"
+            )
 
 
 def test_single_process_compile_and_errors():

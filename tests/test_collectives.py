@@ -52,8 +52,7 @@ def _assemble(pieces, form: Form) -> torch.Tensor:
 def _case_values(world, case):
     g = torch.Generator().manual_seed(1000 + case)
     shape = _shape(world)
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            torch.randn(shape, generator=g, dtype=torch.float64))
+    return (torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64))
 
 
 def _pairs(world):
@@ -162,9 +161,11 @@ def _rank_errors(rank, world):
     from hidup.codegen import collectives as C
 
     msgs = []
-    for fn in (lambda: C.convert(torch.ones(4, 4), FULL, REPLICATE),
-               lambda: C.slice(torch.ones(3, 4), 0),
-               lambda: C.all_gather(torch.ones(2, 2), 5)):
+    for fn in (
+        lambda: C.convert(torch.ones(4, 4), FULL, REPLICATE),
+        lambda: C.slice(torch.ones(3, 4), 0),
+        lambda: C.all_gather(torch.ones(2, 2), 5),
+    ):
         try:
             fn()
             msgs.append("")

@@ -166,8 +166,9 @@ def test_single_wrong_all_to_all_entry_is_pulled_back(i, factor):
     clean = _link_tables()
     bad = _link_tables()
     a2a = bad["all_to_all"][4]
-    bad["all_to_all"][4] = CommTable(a2a.alpha, list(SIZES), [b * (factor if j == i else 1.0)
-                                                              for j, b in enumerate(a2a.algbw)])
+    bad["all_to_all"][4] = CommTable(
+        a2a.alpha, list(SIZES), [b * (factor if j == i else 1.0) for j, b in enumerate(a2a.algbw)]
+    )
     fit = fit_ring_tables(bad)
     true_t, _ = _a2a_times(clean, clean, i)
     raw_t, fit_t = _a2a_times(bad, fit, i)
@@ -186,8 +187,9 @@ def test_all_to_all_check_needs_three_bandwidth_bound_sizes():
     say which of them is wrong: the all-to-all stays as measured."""
     tabs = _link_tables(alpha=2e-3)
     a2a = tabs["all_to_all"][4]
-    tabs["all_to_all"][4] = CommTable(a2a.alpha, list(SIZES), [b * (0.25 if j == 3 else 1.0)
-                                                               for j, b in enumerate(a2a.algbw)])
+    tabs["all_to_all"][4] = CommTable(
+        a2a.alpha, list(SIZES), [b * (0.25 if j == 3 else 1.0) for j, b in enumerate(a2a.algbw)]
+    )
     assert fit_ring_tables(tabs)["all_to_all"][4].algbw == tabs["all_to_all"][4].algbw
     with pytest.raises(ValueError):
         fit_ring_tables(tabs, a2a_tolerance=-0.1)
@@ -198,8 +200,11 @@ def test_all_to_all_check_needs_three_bandwidth_bound_sizes():
 def _ring_only(monkeypatch):
     """Make Profile.fitted leave all-to-all as measured (the fit before the all-to-all check)."""
     fitted = Profile.fitted
-    monkeypatch.setattr(Profile, "fitted", lambda self, tolerance=RING_TOLERANCE, a2a_tolerance=math.inf:
-                        fitted(self, tolerance, math.inf))
+    monkeypatch.setattr(
+        Profile,
+        "fitted",
+        lambda self, tolerance=RING_TOLERANCE, a2a_tolerance=math.inf: fitted(self, tolerance, math.inf),
+    )
 
 
 def _moe_graph():

@@ -20,9 +20,11 @@ import torch
 from dist_util import run_distributed
 
 PROFILE = "h200x4-nvlink"
-SMALL = {"mlp": dict(layers=2, d_model=16, ffn=32, batch_per_gpu=4),
-         "bert-sgmoe": dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64),
-         "gpt": dict(layers=1, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)}
+SMALL = {
+    "mlp": dict(layers=2, d_model=16, ffn=32, batch_per_gpu=4),
+    "bert-sgmoe": dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64),
+    "gpt": dict(layers=1, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64),
+}
 TOL = 1e-9
 
 
@@ -39,8 +41,10 @@ def _plans(name: str, world: int) -> dict:
             warnings.simplefilter("ignore")
             graph = trace_module(model, inputs, world).graph
             style = "expert" if "moe" in name else "tensor"
-            return {"nodup": forced(graph, PROFILE, style, duplication=False),
-                    "dup": forced(graph, PROFILE, style, duplication=True)}
+            return {
+                "nodup": forced(graph, PROFILE, style, duplication=False),
+                "dup": forced(graph, PROFILE, style, duplication=True),
+            }
     finally:
         torch.set_default_dtype(before)
 
@@ -89,11 +93,15 @@ def _rank(rank, world, jobs, backend, dups=("nodup", "dup")):
             compiled.group_of = lookup
             groups = module.copy_groups if module.copy_groups else (module.group,)
             expected = {compiled.group_key(g) for g in groups}
-            out[(name, key)] = {"errs": errs, "groups_ok": used["forward"] == used["backward"] == expected,
-                                "groups": (used, expected), "duplication": module.duplication,
-                                "backend": module.compile_backend,
-                                "stages": getattr(getattr(module, "runner", None), "num_stages", None),
-                                "compiled_stages": len(getattr(getattr(module, "runner", None), "compiled", {}))}
+            out[(name, key)] = {
+                "errs": errs,
+                "groups_ok": used["forward"] == used["backward"] == expected,
+                "groups": (used, expected),
+                "duplication": module.duplication,
+                "backend": module.compile_backend,
+                "stages": getattr(getattr(module, "runner", None), "num_stages", None),
+                "compiled_stages": len(getattr(getattr(module, "runner", None), "compiled", {})),
+            }
     return out
 
 
@@ -118,8 +126,9 @@ def test_compiled_parity_world2(name, dup):
         assert r["duplication"] == (dup == "dup"), f"{name} {dup}: duplication did not run as asked"
         assert r["groups_ok"], f"{name} {dup} rank {rank}: collectives ran on the wrong process groups {r['groups']}"
         if dup == "dup":
-            assert r["stages"] > 1 and r["compiled_stages"] == r["stages"], \
+            assert r["stages"] > 1 and r["compiled_stages"] == r["stages"], (
                 f"{name}: {r['compiled_stages']} of {r['stages']} stages compiled"
+            )
         for step, (loss_err, grad_err) in enumerate(r["errs"]):
             where = f"{name} {dup} rank {rank} step {step}"
             assert loss_err < TOL, f"{where}: loss differs by {loss_err:.2e}"
@@ -158,8 +167,15 @@ def test_convert_op_shapes_match_fake():
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     try:
         x = torch.randn(8, 4, 12)
-        pairs = [("full", "gather_0"), ("gather_0", "full"), ("gather_1", "gather_2"), ("reduce", "gather_1"),
-                 ("full", "reduce"), ("reduce", "full"), ("gather_2", "reduce")]
+        pairs = [
+            ("full", "gather_0"),
+            ("gather_0", "full"),
+            ("gather_1", "gather_2"),
+            ("reduce", "gather_1"),
+            ("full", "reduce"),
+            ("reduce", "full"),
+            ("gather_2", "reduce"),
+        ]
         for src, dst in pairs:
             token = compiled._TOKENS[compiled.group_key(None)]
             y = torch.ops.hidup.convert(x, src, dst, 4, token)
@@ -196,10 +212,17 @@ def _rank_llama(rank, world, plan):
     ref_loss = ref(*ref_inputs)
     ref_loss.backward()
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
-    grad_err = max(float((grads[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
-                   for n, p in ref.named_parameters())
-    return {"loss": total, "ref": float(ref_loss), "grad": grad_err, "duplication": module.duplication,
-            "side_pass": module.side_pass is not None}
+    grad_err = max(
+        float((grads[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
+        for n, p in ref.named_parameters()
+    )
+    return {
+        "loss": total,
+        "ref": float(ref_loss),
+        "grad": grad_err,
+        "duplication": module.duplication,
+        "side_pass": module.side_pass is not None,
+    }
 
 
 def test_compiled_llama_masked_mean_duplicated():
@@ -230,15 +253,44 @@ def test_train_compile_on_matches_eager(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    tiny = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
-            "--batch-per-gpu", "2", "--vocab", "64", "--world", "2", "--iterations", "3", "--warmup", "0",
-            "--profile", PROFILE]
+    tiny = [
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--ffn",
+        "64",
+        "--seq-len",
+        "8",
+        "--batch-per-gpu",
+        "2",
+        "--vocab",
+        "64",
+        "--world",
+        "2",
+        "--iterations",
+        "3",
+        "--warmup",
+        "0",
+        "--profile",
+        PROFILE,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     losses = {}
     for mode in ("off", "on"):
         out = tmp_path / f"{mode}.json"
-        proc = subprocess.run([sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode,
-                               "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode, "--json", str(out)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         result = json.loads(out.read_text())
         assert result["compile"] == (mode == "on")

@@ -24,10 +24,17 @@ def _graph(name="gpt", world=2, **overrides):
 
 
 def _fitted() -> Corrections:
-    prov = Provenance(fitted_on=(Point("bert-sgmoe", "tf32", 27.63e-3, 25.49e-3, 0.89, 1.094),
-                                 Point("bert-sgmoe", "bf16", 19.01e-3, 17.85e-3, 0.84, 1.077)),
-                      held_out=(Point("vit-switch", "tf32", 20e-3, 21e-3, 0.9, 0.95),),
-                      device="NVIDIA H200", world=4, cuda_graphs=True, date="2026-11-21")
+    prov = Provenance(
+        fitted_on=(
+            Point("bert-sgmoe", "tf32", 27.63e-3, 25.49e-3, 0.89, 1.094),
+            Point("bert-sgmoe", "bf16", 19.01e-3, 17.85e-3, 0.84, 1.077),
+        ),
+        held_out=(Point("vit-switch", "tf32", 20e-3, 21e-3, 0.9, 0.95),),
+        device="NVIDIA H200",
+        world=4,
+        cuda_graphs=True,
+        date="2026-11-21",
+    )
     return Corrections(dist_scale=Correction(1.086, prov), dist_dup_scale=Correction(0.93, prov))
 
 
@@ -66,9 +73,11 @@ def test_profiles_without_corrections_load_as_the_identity():
 
 def test_malformed_corrections_name_the_field():
     doc = P.load("h200x4-nvlink").with_corrections(_fitted()).to_dict()
-    for path, value, match in ((("dist_scale", "value"), 0.0, "dist_scale.value"),
-                               (("dist_dup_scale", "provenance", "world"), "four", "dist_dup_scale.provenance.world"),
-                               (("dist_scale", "provenance", "fitted_on"), [{"model": 3}], "fitted_on\\[0\\]")):
+    for path, value, match in (
+        (("dist_scale", "value"), 0.0, "dist_scale.value"),
+        (("dist_dup_scale", "provenance", "world"), "four", "dist_dup_scale.provenance.world"),
+        (("dist_scale", "provenance", "fitted_on"), [{"model": 3}], "fitted_on\\[0\\]"),
+    ):
         bad = json.loads(json.dumps(doc))
         node = bad["corrections"]
         for key in path[:-1]:
@@ -169,9 +178,18 @@ def test_the_search_explores_the_physical_time_and_the_corrections_pick_the_mode
 
 
 def _check(model, overrides, plan, factor, measured, scale=None):
-    out = {"model": model, "overrides": overrides, "precision": "fp32", "world": 2, "cuda_graphs": False,
-           "factor": factor, "measured_s": measured, "predicted_s": measured, "coverage": 0.9,
-           "plan": plan.to_dict()}
+    out = {
+        "model": model,
+        "overrides": overrides,
+        "precision": "fp32",
+        "world": 2,
+        "cuda_graphs": False,
+        "factor": factor,
+        "measured_s": measured,
+        "predicted_s": measured,
+        "coverage": 0.9,
+        "plan": plan.to_dict(),
+    }
     if scale is not None:
         out["scale"] = scale
     return out
@@ -183,12 +201,14 @@ def test_program_corrections_are_fitted_on_calibration_models_and_checked_on_hel
     prof = P.load("h200x4-nvlink")
     fit_graph, held_graph = _graph(), _graph("bert-switch", **TINY_MOE)
     fit_plan, held_plan = search(fit_graph, prof), search(held_graph, prof)
-    checks = [_check("gpt", TINY, fit_plan, "dist_scale", 1e-3, 1.21),
-              _check("gpt", TINY, fit_plan, "dist_scale", 1e-3, 1.0),
-              _check("gpt", TINY, fit_plan, "dist_dup_scale", 1e-3, 0.9),
-              # held out: its own factor (0.5) must not enter the fit
-              _check("bert-switch", TINY_MOE, held_plan, "dist_scale", 2e-3, 0.5),
-              _check("bert-switch", TINY_MOE, held_plan, "dist_dup_scale", 3e-3, 0.5)]
+    checks = [
+        _check("gpt", TINY, fit_plan, "dist_scale", 1e-3, 1.21),
+        _check("gpt", TINY, fit_plan, "dist_scale", 1e-3, 1.0),
+        _check("gpt", TINY, fit_plan, "dist_dup_scale", 1e-3, 0.9),
+        # held out: its own factor (0.5) must not enter the fit
+        _check("bert-switch", TINY_MOE, held_plan, "dist_scale", 2e-3, 0.5),
+        _check("bert-switch", TINY_MOE, held_plan, "dist_dup_scale", 3e-3, 0.5),
+    ]
     out = apply_program_checks(prof, checks, held_out=["bert-switch"])
     c = out.corrections
     assert c.dist_scale.value == pytest.approx(1.1) and c.dist_dup_scale.value == pytest.approx(0.9)
@@ -213,14 +233,25 @@ def test_bench_report_marks_predictions_on_calibration_models_in_sample():
     from exp import benchreport
 
     def run(model, method, t, fitted):
-        return {"world": 4, "model": model, "precision": "tf32", "method": method, "status": "ok", "iter_time_s": t,
-                "predicted_s": 0.01 if method.startswith("hidup") else None, "plan_duplication": False,
-                "variant": "graph", "profile": {"calibration_models": fitted} if method.startswith("hidup") else None}
+        return {
+            "world": 4,
+            "model": model,
+            "precision": "tf32",
+            "method": method,
+            "status": "ok",
+            "iter_time_s": t,
+            "predicted_s": 0.01 if method.startswith("hidup") else None,
+            "plan_duplication": False,
+            "variant": "graph",
+            "profile": {"calibration_models": fitted} if method.startswith("hidup") else None,
+        }
 
-    runs = [run("bert-sgmoe", "hidup-nodup", 0.011, ["bert-sgmoe"]),  # calibrated on its own plans
-            run("vit-switch", "hidup-nodup", 0.012, ["bert-sgmoe"]),  # held out
-            run("gpt", "hidup-nodup", 0.013, ["?"]),  # an older profile: its calibration models unknown
-            run("bert-sgmoe", "ddp", 0.02, None)]
+    runs = [
+        run("bert-sgmoe", "hidup-nodup", 0.011, ["bert-sgmoe"]),  # calibrated on its own plans
+        run("vit-switch", "hidup-nodup", 0.012, ["bert-sgmoe"]),  # held out
+        run("gpt", "hidup-nodup", 0.013, ["?"]),  # an older profile: its calibration models unknown
+        run("bert-sgmoe", "ddp", 0.02, None),
+    ]
     cells = {r[1]: r[11] for r in benchreport.bench_rows(runs) if r[3] == "hidup-nodup"}
     assert cells == {"bert-sgmoe": "1.10 (in-sample)", "vit-switch": "1.20", "gpt": "1.30 (in-sample)"}
     [row] = benchreport.speedup_rows(runs)
@@ -235,10 +266,29 @@ def test_held_out_plans_need_calibration_plans_and_other_models():
 
     script = str(Path(__file__).resolve().parent.parent / "exp" / "profiler.py")
     env = {k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")}
-    alone = subprocess.run([sys.executable, script, "--merge", "h200x4-nvlink", "--held-out-plans", "gpt"],
-                           capture_output=True, text=True, timeout=120, env=env)
+    alone = subprocess.run(
+        [sys.executable, script, "--merge", "h200x4-nvlink", "--held-out-plans", "gpt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert alone.returncode == 1 and "give --calibrate-plans too" in alone.stderr
     assert "Traceback" not in alone.stderr
-    both = subprocess.run([sys.executable, script, "--merge", "h200x4-nvlink", "--calibrate-plans", "gpt,bert-switch",
-                           "--held-out-plans", "gpt"], capture_output=True, text=True, timeout=120, env=env)
+    both = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--merge",
+            "h200x4-nvlink",
+            "--calibrate-plans",
+            "gpt,bert-switch",
+            "--held-out-plans",
+            "gpt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert both.returncode == 1 and "--held-out-plans gpt: also in --calibrate-plans" in both.stderr

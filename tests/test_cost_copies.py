@@ -26,9 +26,11 @@ def _graph(shape=(8, 16, 32, 64), world=4, grad=True):
     x = Tensor(0, shape, "float32", "x")
     a = Tensor(1, shape, "float32", "e", requires_grad=grad)
     y = Tensor(2, shape, "float32", "f", requires_grad=grad)
-    nodes = [Node("x", "input", "input", [], [0], [Signature((), (f,)) for f in forms]),
-             Node("e", "call", "exp", [0], [1], [Signature((f,), (f,), 1.0) for f in forms]),
-             Node("f", "call", "neg", [1], [2], [Signature((f,), (f,), 1.0) for f in forms])]
+    nodes = [
+        Node("x", "input", "input", [], [0], [Signature((), (f,)) for f in forms]),
+        Node("e", "call", "exp", [0], [1], [Signature((f,), (f,), 1.0) for f in forms]),
+        Node("f", "call", "neg", [1], [2], [Signature((f,), (f,), 1.0) for f in forms]),
+    ]
     return Graph(nodes, {0: x, 1: a, 2: y}, world)
 
 
@@ -108,8 +110,10 @@ def test_layout_rate_falls_back_to_the_memory_bandwidth():
 def _param_graph(n=1 << 18, world=4):
     w = Tensor(0, (n,), "float32", "w", requires_grad=True, is_param=True)
     y = Tensor(1, (n,), "float32", "f", requires_grad=True)
-    nodes = [Node("w", "param", "parameter", [], [0], [Signature((), (REPLICATE,), 0, "param")]),
-             Node("f", "call", "neg", [0], [1], [Signature((FULL,), (FULL,), n)])]
+    nodes = [
+        Node("w", "param", "parameter", [], [0], [Signature((), (REPLICATE,), 0, "param")]),
+        Node("f", "call", "neg", [0], [1], [Signature((FULL,), (FULL,), n)]),
+    ]
     return Graph(nodes, {0: w, 1: y}, world)
 
 

@@ -15,8 +15,14 @@ def _graph(world=4):
     flops = 64 * 1024
     nodes = [
         Node("x", "input", "input", [], [0], [Signature((), (FULL,)), Signature((), (gather(0),))]),
-        Node("gelu", "call", "gelu", [0], [1], [Signature((FULL,), (FULL,), flops),
-                                               Signature((gather(0),), (gather(0),), flops / world, "data")]),
+        Node(
+            "gelu",
+            "call",
+            "gelu",
+            [0],
+            [1],
+            [Signature((FULL,), (FULL,), flops), Signature((gather(0),), (gather(0),), flops / world, "data")],
+        ),
     ]
     return Graph(nodes, {0: x, 1: y}, world)
 

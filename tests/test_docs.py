@@ -45,8 +45,13 @@ def links(text: str) -> list[str]:
 def docs_files() -> list[Path]:
     """The files under docs/ that a commit would hold."""
     if shutil.which("git") and (ROOT / ".git").exists():
-        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "docs"],
-                                cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "docs"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return sorted(ROOT / p for p in listed.split("\0") if p and (ROOT / p).is_file())
     return sorted(p for p in DOCS.rglob("*") if p.is_file())
 
@@ -77,5 +82,7 @@ def test_every_relative_link_resolves(page):
 def test_every_file_under_docs_is_a_page_or_linked():
     linked = {(page.parent / t).resolve() for page in pages() for t in links(page.read_text())}
     orphans = [str(f.relative_to(ROOT)) for f in docs_files() if f.suffix != ".md" and f.resolve() not in linked]
-    assert not orphans, ("files under docs/ that no page links to (link them from the page that reports "
-                         f"them, or delete them; git history keeps them): {orphans}")
+    assert not orphans, (
+        "files under docs/ that no page links to (link them from the page that reports "
+        f"them, or delete them; git history keeps them): {orphans}"
+    )

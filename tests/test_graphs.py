@@ -62,8 +62,16 @@ def test_compiled_module_step_in_parity_world2():
 
     from hidup.runtime.launch import launch
 
-    report = launch(_graph_parity_rank, nnodes=1, cpn=2, node_rank=0, master_addr="127.0.0.1",
-                    master_port=get_free_port(), backend="gloo", timeout_s=60)[0]
+    report = launch(
+        _graph_parity_rank,
+        nnodes=1,
+        cpn=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=get_free_port(),
+        backend="gloo",
+        timeout_s=60,
+    )[0]
     assert report["cuda_graph"] is False  # CPU: the eager path of the same object
     assert report["loss_rel"] <= 1e-5 and report["grad_rel"] <= 1e-5 and report["steps_rel"] <= 1e-4
 
@@ -126,8 +134,12 @@ def test_captured_step_with_fused_adam_matches_eager_on_cuda():
     model = model.cuda()
     inputs = tuple(x.cuda() for x in inputs)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    eager = _adam_run(model, inputs, GraphedStep(model, inputs, enabled=False,
-                                                 optimizer=fused_adam(model.parameters(), 1e-3, "cuda")), 4)
+    eager = _adam_run(
+        model,
+        inputs,
+        GraphedStep(model, inputs, enabled=False, optimizer=fused_adam(model.parameters(), 1e-3, "cuda")),
+        4,
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(start[n])

@@ -18,19 +18,33 @@ PACKAGES = {"hidup": "hidup", "hidup.search": "search", "hidup.codegen": "codege
 LAYERS = ("ir", "rules", "trace", "profile data", "search", "plan", "codegen", "runtime", "profiler", "cli")
 # module (or package prefix) -> layer; the longest matching prefix decides
 LAYER_OF = {
-    "hidup.ir": "ir", "hidup.optionset": "ir", "hidup.files": "ir", "hidup.fxvalues": "ir", "hidup._callable": "ir",
+    "hidup.ir": "ir",
+    "hidup.optionset": "ir",
+    "hidup.files": "ir",
+    "hidup.fxvalues": "ir",
+    "hidup._callable": "ir",
     "hidup.losses": "ir",
     "hidup.copies": "ir",
-    "hidup.rules": "rules", "hidup.models": "rules",
-    "hidup.trace": "trace", "hidup.export": "trace", "hidup.describe": "trace", "hidup.saved": "trace",
-    "hidup.profiler": "profile data", "hidup.profiler.profile": "profile data", "hidup.profiler.tables": "profile data",
+    "hidup.rules": "rules",
+    "hidup.models": "rules",
+    "hidup.trace": "trace",
+    "hidup.export": "trace",
+    "hidup.describe": "trace",
+    "hidup.saved": "trace",
+    "hidup.profiler": "profile data",
+    "hidup.profiler.profile": "profile data",
+    "hidup.profiler.tables": "profile data",
     "hidup.search": "search",
     "hidup.plan": "plan",
     "hidup.codegen": "codegen",
     "hidup.runtime": "runtime",
-    "hidup.profiler.comm": "profiler", "hidup.profiler.device": "profiler", "hidup.profiler.ops": "profiler",
-    "hidup.profiler.measure": "profiler", "hidup.profiler.calibrate": "profiler",
-    "hidup.cli": "cli", "hidup.runtime.cli": "cli",
+    "hidup.profiler.comm": "profiler",
+    "hidup.profiler.device": "profiler",
+    "hidup.profiler.ops": "profiler",
+    "hidup.profiler.measure": "profiler",
+    "hidup.profiler.calibrate": "profiler",
+    "hidup.cli": "cli",
+    "hidup.runtime.cli": "cli",
 }
 
 
@@ -58,7 +72,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -128,14 +142,18 @@ def _cycles(modules: dict[str, Path]) -> list[list[str]]:
 def test_no_import_cycle():
     cycles = _cycles(_modules())
     assert not cycles, "modules that import each other (directly or around a loop): " + "; ".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_cycle_check_fails_on_a_cycle(tmp_path):
     """The profiler's device and op timers importing each other (the last cycle there was) is found."""
-    files = {"hidup.profiler.device": "def f():\n    from hidup.profiler.ops import g\n",
-             "hidup.profiler.ops": "from hidup.profiler.device import tf32\n",
-             "hidup.profiler.profile": "from hidup.ir import Form\n", "hidup.ir": ""}
+    files = {
+        "hidup.profiler.device": "def f():\n    from hidup.profiler.ops import g\n",
+        "hidup.profiler.ops": "from hidup.profiler.device import tf32\n",
+        "hidup.profiler.profile": "from hidup.ir import Form\n",
+        "hidup.ir": "",
+    }
     modules = {}
     for name, src in files.items():
         modules[name] = tmp_path / f"{name}.py"
@@ -150,17 +168,23 @@ def test_every_module_has_a_layer():
 
 def test_no_upward_import():
     up = sorted(_upward(_modules()))
-    assert not up, ("imports that go up a layer (" + " -> ".join(LAYERS) + "): " +
-                    ", ".join(f"{a} imports {b} ({_layer(a)} -> {_layer(b)})" for a, b in up))
+    assert not up, (
+        "imports that go up a layer ("
+        + " -> ".join(LAYERS)
+        + "): "
+        + ", ".join(f"{a} imports {b} ({_layer(a)} -> {_layer(b)})" for a, b in up)
+    )
 
 
 def test_the_check_fails_on_an_upward_import(tmp_path):
     """Search importing the plan report, and trace importing codegen (the two upward imports there
     were), are found; the same imports pointing down are not."""
-    files = {"hidup.search.api": "from hidup.plan import summary\n",
-             "hidup.trace": "def f():\n    from hidup.codegen.duplicate import half\n",
-             "hidup.plan": "from hidup.search.api import search\n",
-             "hidup.codegen.duplicate": "from hidup.trace import trace_copy\n"}
+    files = {
+        "hidup.search.api": "from hidup.plan import summary\n",
+        "hidup.trace": "def f():\n    from hidup.codegen.duplicate import half\n",
+        "hidup.plan": "from hidup.search.api import search\n",
+        "hidup.codegen.duplicate": "from hidup.trace import trace_copy\n",
+    }
     modules = {}
     for name, src in files.items():
         modules[name] = tmp_path / f"{name}.py"
@@ -170,8 +194,11 @@ def test_the_check_fails_on_an_upward_import(tmp_path):
 
 def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
     """The resolver finds a function-level absolute import and a relative one."""
-    modules = {"hidup.search.api": tmp_path / "api.py", "hidup.plan": tmp_path / "plan.py",
-               "hidup.search.cost": tmp_path / "cost.py"}
+    modules = {
+        "hidup.search.api": tmp_path / "api.py",
+        "hidup.plan": tmp_path / "plan.py",
+        "hidup.search.cost": tmp_path / "cost.py",
+    }
     src = "def f():\n    from hidup.plan import Plan\n    from .cost import CostModel\n"
     modules["hidup.search.api"].write_text(src)
     assert _imports("hidup.search.api", modules["hidup.search.api"], modules) == {"hidup.plan", "hidup.search.cost"}

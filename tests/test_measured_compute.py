@@ -160,8 +160,9 @@ def test_the_optimizer_step_is_charged_on_the_parameters_each_rank_keeps():
     data = forced(g, prof, "data")
     assert data.predicted["optimizer"] == pytest.approx(1e-12 * data.memory["grads"])
     assert data.memory["grads"] == pytest.approx(sum(p.numel() * 4 for p in model.parameters()))
-    assert data.predicted["total"] == pytest.approx(data.predicted["forward"] + data.predicted["backward"]
-                                                    + data.predicted["optimizer"])
+    assert data.predicted["total"] == pytest.approx(
+        data.predicted["forward"] + data.predicted["backward"] + data.predicted["optimizer"]
+    )
     tensor = forced(g, prof, "tensor")  # sharded weights: each rank updates its slice only
     assert tensor.memory["grads"] < data.memory["grads"]
     assert tensor.predicted["optimizer"] == pytest.approx(1e-12 * tensor.memory["grads"])

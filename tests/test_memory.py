@@ -63,8 +63,10 @@ def _saved_bytes(module, inputs, autocast: bool) -> int:
             saved[_key(t)] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False),
+    ):
         module(*inputs)
     return sum(saved.values())
 
@@ -107,6 +109,7 @@ def _fsdp():
         if node.op == "param":
             return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
         return data(node, sig)
+
     return restrict
 
 
@@ -119,9 +122,18 @@ def _zoo(name: str, dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
-@pytest.mark.parametrize("name,style", [("gpt", "data"), ("bert-sgmoe", "data"), ("bert-sgmoe", "expert"),
-                                        ("gpt", "tensor"), ("bert-sgmoe", "tensor"), ("mlp", "tensor"),
-                                        ("gpt", "fsdp")])
+@pytest.mark.parametrize(
+    "name,style",
+    [
+        ("gpt", "data"),
+        ("bert-sgmoe", "data"),
+        ("bert-sgmoe", "expert"),
+        ("gpt", "tensor"),
+        ("bert-sgmoe", "tensor"),
+        ("mlp", "tensor"),
+        ("gpt", "fsdp"),
+    ],
+)
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
 def test_zoo_activations_are_what_autograd_saves(name, style, precision):
     """The plan's activations, form changes followed, are the bytes saved; for the data and expert plans

@@ -30,14 +30,22 @@ def export(model: nn.Module, inputs: tuple) -> torch.nn.Module:
 
 
 def test_names():
-    assert M.names() == ["bert-sgmoe", "bert-switch", "vit-sgmoe", "vit-switch", "gpt", "mlp",
-                         "bert-sgmoe-torch"]
+    assert M.names() == ["bert-sgmoe", "bert-switch", "vit-sgmoe", "vit-switch", "gpt", "mlp", "bert-sgmoe-torch"]
 
 
 def test_paper_defaults():
     c = M.config("bert-sgmoe", world_size=4)
-    assert (c.layers, c.d_model, c.heads, c.ffn, c.experts_per_gpu, c.seq_len, c.batch_per_gpu,
-            c.vocab, c.dropout) == (8, 768, 12, 3072, 2, 128, 32, 30522, 0.0)
+    assert (c.layers, c.d_model, c.heads, c.ffn, c.experts_per_gpu, c.seq_len, c.batch_per_gpu, c.vocab, c.dropout) == (
+        8,
+        768,
+        12,
+        3072,
+        2,
+        128,
+        32,
+        30522,
+        0.0,
+    )
     assert c.num_experts == 8 and c.global_batch == 128 and c.top_k == 2
     assert c.capacity == math.ceil(2 * 1.25 * 128 / 8)  # top-2 doubles the 1.25 factor
     assert M.config("bert-switch", 4).capacity == math.ceil(1.25 * 128 / 8)
@@ -63,8 +71,7 @@ def test_forward_backward_trace(name):
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     # MoE gating is one opaque custom op; stock attention and encoder layers are inlined to ATen ops
     assert (torch.ops.hidup.moe_gating.default in targets) == (name in MOE)
-    assert targets.count(torch.ops.hidup.moe_gating.default) == sum(
-        isinstance(m, M.MoEFFN) for m in model.modules())
+    assert targets.count(torch.ops.hidup.moe_gating.default) == sum(isinstance(m, M.MoEFFN) for m in model.modules())
     assert not any(isinstance(t, type) and issubclass(t, nn.Module) for t in targets)
     assert M.count_parameters(model) == model.config.num_parameters()
 
@@ -87,7 +94,7 @@ def test_batch_split_invariance(name):
         with torch.no_grad():
             full = model(*inputs)
             parts = model(*(t[:half] for t in inputs)) + model(*(t[half:] for t in inputs))
-            singles = sum(model(*(t[i:i + 1] for t in inputs)) for i in range(2 * half))
+            singles = sum(model(*(t[i : i + 1] for t in inputs)) for i in range(2 * half))
         assert abs(full.item() - parts.item()) <= tol * max(1.0, abs(full.item())), (name, dtype)
         assert abs(full.item() - singles.item()) <= tol * max(1.0, abs(full.item())), (name, dtype)
 
@@ -125,9 +132,17 @@ def test_bad_overrides():
         M.build("gpt", layerz=2)
     with pytest.raises(ValueError, match="unknown model 'bert'.*bert-sgmoe"):
         M.build("bert")
-    bad = [dict(layers=0), dict(layers=2.5), dict(layers=True), dict(d_model=30, heads=4),
-           dict(capacity_factor=-1.0), dict(capacity_factor=float("nan")), dict(dropout=1.0),
-           dict(aux_weight=-0.1), dict(batch_per_gpu="4")]
+    bad = [
+        dict(layers=0),
+        dict(layers=2.5),
+        dict(layers=True),
+        dict(d_model=30, heads=4),
+        dict(capacity_factor=-1.0),
+        dict(capacity_factor=float("nan")),
+        dict(dropout=1.0),
+        dict(aux_weight=-0.1),
+        dict(batch_per_gpu="4"),
+    ]
     for kw in bad:
         with pytest.raises(ValueError, match="bert-sgmoe"):
             M.config("bert-sgmoe", **kw)
@@ -145,8 +160,9 @@ def test_bad_overrides():
 
 def test_large_meta_build():
     start = time.perf_counter()
-    model, inputs = M.build("bert-sgmoe", world_size=8, device="meta", layers=48, d_model=4096,
-                            heads=32, ffn=16384, experts_per_gpu=2)
+    model, inputs = M.build(
+        "bert-sgmoe", world_size=8, device="meta", layers=48, d_model=4096, heads=32, ffn=16384, experts_per_gpu=2
+    )
     elapsed = time.perf_counter() - start
     n = M.count_parameters(model)
     assert n == model.config.num_parameters() and n > 1e10
@@ -314,8 +330,10 @@ def test_gating_op_is_the_plain_function_bit_for_bit(k, normalize, dtype):
     x = torch.randn(3, 10, 5, generator=gen, dtype=dtype)
     g_c, g_a = torch.randn(3, 10, 5, 4, generator=gen, dtype=dtype), torch.randn(3, generator=gen, dtype=dtype)
     grads = []
-    for fn in (lambda t: moe_gating(t, k, 4, normalize), lambda t: _gating(t, k, 4, k > 1 if normalize is None
-                                                                             else normalize)):
+    for fn in (
+        lambda t: moe_gating(t, k, 4, normalize),
+        lambda t: _gating(t, k, 4, k > 1 if normalize is None else normalize),
+    ):
         t = x.clone().requires_grad_(True)
         c, d, a = fn(t)
         torch.autograd.backward([c, a], [g_c, g_a])

@@ -26,8 +26,9 @@ def test_plan_fields(plan, graph):
     assert set(plan.choices) == {n.name for n in graph.nodes}
     assert sorted(x for s in plan.stages for x in s) == sorted(plan.choices)
     assert set(plan.predicted) == {"forward", "backward", "optimizer", "comm", "exposed_comm", "total"}
-    assert plan.predicted["total"] == pytest.approx(plan.predicted["forward"] + plan.predicted["backward"]
-                                                    + plan.predicted["optimizer"])
+    assert plan.predicted["total"] == pytest.approx(
+        plan.predicted["forward"] + plan.predicted["backward"] + plan.predicted["optimizer"]
+    )
     assert 0 <= plan.predicted["exposed_comm"] <= plan.predicted["total"]
     assert plan.memory["total"] == pytest.approx(sum(v for k, v in plan.memory.items() if k != "total"))
     for c in plan.conversions:

@@ -78,26 +78,38 @@ def _base() -> dict:
     return json.loads(json.dumps(P.load("paper-v100-9.7gbps").to_dict()))
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda d: d["flops"].pop("bf16"), "flops.bf16"),
-    (lambda d: d["flops"].__setitem__("fp32", -1), "flops.fp32"),
-    (lambda d: d["flops"].__setitem__("fp8", 1e12), "flops"),
-    (lambda d: d["collectives"].pop("all_to_all"), "collectives.all_to_all"),
-    (lambda d: d["collectives"]["all_reduce"]["8"].__setitem__("algbw", [0.0]), "collectives.all_reduce.8.algbw[0]"),
-    (lambda d: d["collectives"]["all_reduce"]["8"].__setitem__("alpha", -1e-6), "collectives.all_reduce.8.alpha"),
-    (lambda d: d["collectives"]["all_gather"]["8"].update(sizes=[2.0, 1.0], algbw=[1.0, 1.0]),
-     "collectives.all_gather.8.sizes"),
-    (lambda d: d["collectives"]["all_gather"]["8"].update(sizes=[1.0, 2.0], algbw=[1.0]),
-     "collectives.all_gather.8.algbw"),
-    (lambda d: d["collectives"]["all_gather"].__setitem__("1", d["collectives"]["all_gather"]["8"]),
-     "collectives.all_gather.1"),
-    (lambda d: d["collectives"].__setitem__("broadcast", {}), "collectives"),
-    (lambda d: d.__setitem__("source", "guessed"), "source"),
-    (lambda d: d.__setitem__("version", 99), "version"),
-    (lambda d: d.__setitem__("name", ""), "name"),
-    (lambda d: d.__setitem__("ops", {"k": {"forward": 1.0}}), "ops['k']"),
-    (lambda d: d.__setitem__("world_sizes", [0]), "world_sizes"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d["flops"].pop("bf16"), "flops.bf16"),
+        (lambda d: d["flops"].__setitem__("fp32", -1), "flops.fp32"),
+        (lambda d: d["flops"].__setitem__("fp8", 1e12), "flops"),
+        (lambda d: d["collectives"].pop("all_to_all"), "collectives.all_to_all"),
+        (
+            lambda d: d["collectives"]["all_reduce"]["8"].__setitem__("algbw", [0.0]),
+            "collectives.all_reduce.8.algbw[0]",
+        ),
+        (lambda d: d["collectives"]["all_reduce"]["8"].__setitem__("alpha", -1e-6), "collectives.all_reduce.8.alpha"),
+        (
+            lambda d: d["collectives"]["all_gather"]["8"].update(sizes=[2.0, 1.0], algbw=[1.0, 1.0]),
+            "collectives.all_gather.8.sizes",
+        ),
+        (
+            lambda d: d["collectives"]["all_gather"]["8"].update(sizes=[1.0, 2.0], algbw=[1.0]),
+            "collectives.all_gather.8.algbw",
+        ),
+        (
+            lambda d: d["collectives"]["all_gather"].__setitem__("1", d["collectives"]["all_gather"]["8"]),
+            "collectives.all_gather.1",
+        ),
+        (lambda d: d["collectives"].__setitem__("broadcast", {}), "collectives"),
+        (lambda d: d.__setitem__("source", "guessed"), "source"),
+        (lambda d: d.__setitem__("version", 99), "version"),
+        (lambda d: d.__setitem__("name", ""), "name"),
+        (lambda d: d.__setitem__("ops", {"k": {"forward": 1.0}}), "ops['k']"),
+        (lambda d: d.__setitem__("world_sizes", [0]), "world_sizes"),
+    ],
+)
 def test_validation_names_the_field(mutate, field):
     d = _base()
     mutate(d)
@@ -149,13 +161,18 @@ def test_perturb_comm_scale():
 
 
 def _one_linear_graph(dtype="float32"):
-    tensors = {0: Tensor(0, (8, 16), dtype, "x"), 1: Tensor(1, (32, 16), dtype, "w", True, True),
-               2: Tensor(2, (8, 32), dtype, "lin", True)}
+    tensors = {
+        0: Tensor(0, (8, 16), dtype, "x"),
+        1: Tensor(1, (32, 16), dtype, "w", True, True),
+        2: Tensor(2, (8, 32), dtype, "lin", True),
+    }
     sig_full = Signature((FULL, FULL), (FULL,), 2 * 8 * 16 * 32, "replicated")
     sig_data = Signature((gather(0), FULL), (gather(0),), 2 * 8 * 16 * 32 / 4, "data")
-    nodes = [Node("x", "input", "input", [], [0], [Signature((), (FULL,))]),
-             Node("w", "param", "parameter", [], [1], [Signature((), (FULL,), 0, "param")]),
-             Node("lin", "call", "linear", [0, 1], [2], [sig_full, sig_data], 2 * 8 * 16 * 32)]
+    nodes = [
+        Node("x", "input", "input", [], [0], [Signature((), (FULL,))]),
+        Node("w", "param", "parameter", [], [1], [Signature((), (FULL,), 0, "param")]),
+        Node("lin", "call", "linear", [0, 1], [2], [sig_full, sig_data], 2 * 8 * 16 * 32),
+    ]
     return Graph(nodes, tensors, 4), sig_full, sig_data
 
 
@@ -167,12 +184,14 @@ def test_cost_model_uses_measured_op_times_then_flops():
     fwd, bwd = cm.compute(g.node("lin"), sig_full)
     assert fwd == pytest.approx(sig_full.flops / 51e12) and bwd == pytest.approx(2 * fwd)
     assert CostModel(g, prof, precision="tf32").compute(g.node("lin"), sig_full)[0] == pytest.approx(
-        sig_full.flops / 407e12)
+        sig_full.flops / 407e12
+    )
     measured = prof.with_ops({op_key("linear", [(2, 16), (32, 16)], "fp32"): (3e-6, 5e-6)})
     assert CostModel(g, measured).compute(g.node("lin"), sig_data) == (3e-6, 5e-6)
     # keys carry the precision: a tf32 search does not read an fp32 measurement
     assert CostModel(g, measured, precision="tf32").compute(g.node("lin"), sig_data)[0] == pytest.approx(
-        sig_data.flops / 407e12)
+        sig_data.flops / 407e12
+    )
     # not measured at the full shapes: falls back to FLOPs
     assert CostModel(g, measured).compute(g.node("lin"), sig_full)[0] == pytest.approx(sig_full.flops / 51e12)
     gb, sf, _ = _one_linear_graph("bfloat16")
@@ -218,8 +237,18 @@ def test_search_prices_graph_or_eager_dispatch():
     from hidup.search import search
     from hidup.trace import trace
 
-    model, inputs = hidup.models.build("gpt", world_size=4, layers=2, d_model=64, heads=4, ffn=128,
-                                       batch_per_gpu=2, seq_len=16, vocab=128, device="meta")
+    model, inputs = hidup.models.build(
+        "gpt",
+        world_size=4,
+        layers=2,
+        d_model=64,
+        heads=4,
+        ffn=128,
+        batch_per_gpu=2,
+        seq_len=16,
+        vocab=128,
+        device="meta",
+    )
     graph = trace(model, inputs, world_size=4)
     graphed = search(graph, "h200x4-nvlink", cuda_graphs=True)
     eager = search(graph, "h200x4-nvlink", cuda_graphs=False)

@@ -93,8 +93,16 @@ SIZES = [4096, 16384, 65536]
 
 
 def _profile_rank(rank, world, out):
-    prof = profile_machine(world, SIZES, ("fp32",), progress=False, out=out if rank == 0 else None,
-                           matmul_sizes=(32, 64), budget_s=0.02, name="test-cpu")
+    prof = profile_machine(
+        world,
+        SIZES,
+        ("fp32",),
+        progress=False,
+        out=out if rank == 0 else None,
+        matmul_sizes=(32, 64),
+        budget_s=0.02,
+        name="test-cpu",
+    )
     return prof.to_dict()
 
 
@@ -152,8 +160,9 @@ def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
     monkeypatch.setattr(comm, "max_over_ranks", lambda values, group, device: list(values))
     monkeypatch.setattr(comm, "collective_call", lambda *a, **k: single)
     monkeypatch.setattr(comm, "_pair_call", lambda *a, **k: pair)
-    t, t_pair = comm.time_collective("all_reduce", 4096, None, 2, "cpu", pair_with=object(), sample_s=0.0,
-                                     budget_s=0.0, min_samples=8)
+    t, t_pair = comm.time_collective(
+        "all_reduce", 4096, None, 2, "cpu", pair_with=object(), sample_s=0.0, budget_s=0.0, min_samples=8
+    )
     timed = order[4:]  # after the warm-up and trial calls of each
     assert timed == ["s", "p", "p", "s"] * 4
     assert 2 * t / t_pair == pytest.approx(1.6, rel=0.03)
@@ -189,8 +198,12 @@ def _subgroup_rank(rank, world):
 def test_world4_measures_world_and_pairs():
     res = run_distributed(_subgroup_rank, 4, timeout=90)
     assert all(r == res[0] for r in res)
-    assert {(op, g) for op, g, *_ in res[0]} == {("all_reduce", 4), ("all_to_all", 4),
-                                                  ("all_reduce", 2), ("all_to_all", 2)}
+    assert {(op, g) for op, g, *_ in res[0]} == {
+        ("all_reduce", 4),
+        ("all_to_all", 4),
+        ("all_reduce", 2),
+        ("all_to_all", 2),
+    }
     for _op, g, sizes, secs, pairs in res[0]:
         assert sizes[0] >= 4096 and all(s > 0 for s in secs)
         # two communicators at once are timed for the whole world only (what duplication uses)
@@ -294,8 +307,9 @@ def test_op_times_are_keyed_as_the_cost_model_reads_them():
     from hidup.profiler.profile import op_dtype, op_key
     from hidup.trace import trace_module
 
-    model, inputs = hidup.models.build("gpt", world_size=2, device="meta", layers=1, d_model=16, heads=2,
-                                       ffn=32, seq_len=4, batch_per_gpu=2, vocab=32)
+    model, inputs = hidup.models.build(
+        "gpt", world_size=2, device="meta", layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32
+    )
     traced = trace_module(model, inputs, 2)
     graph = traced.graph
     # one sharded signature per call node where there is one (the last listed), else all-full
@@ -330,10 +344,32 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     root = ROOT
     tiny = "layers=1,d_model=16,heads=2,ffn=32,seq_len=4,batch_per_gpu=4,vocab=32,experts_per_gpu=1"
     out = tmp_path / "p.json"
-    cmd = [sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink", "--quick",
-           "--budget", "0.01", "--matmul-sizes", "64", "--dtypes", "fp32", "--no-progress",
-           "--ops-model", "gpt,bert-switch", "--ops-worlds", "2", "--ops-precisions", "fp32",
-           "--ops-overrides", tiny, "--ops-seconds", "10", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join(root, "exp", "profiler.py"),
+        "--merge",
+        "h200x4-nvlink",
+        "--quick",
+        "--budget",
+        "0.01",
+        "--matmul-sizes",
+        "64",
+        "--dtypes",
+        "fp32",
+        "--no-progress",
+        "--ops-model",
+        "gpt,bert-switch",
+        "--ops-worlds",
+        "2",
+        "--ops-precisions",
+        "fp32",
+        "--ops-overrides",
+        tiny,
+        "--ops-seconds",
+        "10",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     prof = hidup.profiler.load(out)
@@ -365,8 +401,9 @@ def _program_rank(rank, world):
     from hidup.profiler.calibrate import program_checks
 
     # this machine's own rates and gloo tables, so that predictions land near the measured times
-    prof = profile_machine(world, [4096, 65536, 1 << 20], ("fp32",), progress=False, matmul_sizes=(64, 128),
-                           budget_s=0.02, name="test-cpu")
+    prof = profile_machine(
+        world, [4096, 65536, 1 << 20], ("fp32",), progress=False, matmul_sizes=(64, 128), budget_s=0.02, name="test-cpu"
+    )
     models = [("bert-switch", TINY_MOE)]
     checks = program_checks(prof, models, ("fp32",), torch.device("cpu"), trials=3, warmup=1)
     # the same plans "measured" at 1.1 times what compute contributes: each factor must come out 1.1
@@ -397,15 +434,29 @@ def test_program_factors_average_the_usable_checks():
     from hidup.profiler.calibrate import apply_program_checks
 
     def check(factor, scale, coverage=0.9):
-        return {"model": "m", "precision": "tf32", "world": 4, "cuda_graphs": True, "factor": factor,
-                "measured_s": 1e-2, "predicted_s": 1e-2, "coverage": coverage, "scale": scale}
+        return {
+            "model": "m",
+            "precision": "tf32",
+            "world": 4,
+            "cuda_graphs": True,
+            "factor": factor,
+            "measured_s": 1e-2,
+            "predicted_s": 1e-2,
+            "coverage": coverage,
+            "scale": scale,
+        }
 
     prof = hidup.profiler.load("h200x4-nvlink")
-    out = apply_program_checks(prof, [check("dist_scale", 1.21), check("dist_scale", 1.0),
-                                      check("dist_scale", 3.0),  # outside [0.5, 2]: reported, not used
-                                      check("dist_dup_scale", 0.8, coverage=0.2),  # bound by communication
-                                      {k: v for k, v in check("dist_dup_scale", 0.9).items() if k != "scale"}
-                                      | {"error": "out of reach"}])
+    out = apply_program_checks(
+        prof,
+        [
+            check("dist_scale", 1.21),
+            check("dist_scale", 1.0),
+            check("dist_scale", 3.0),  # outside [0.5, 2]: reported, not used
+            check("dist_dup_scale", 0.8, coverage=0.2),  # bound by communication
+            {k: v for k, v in check("dist_dup_scale", 0.9).items() if k != "scale"} | {"error": "out of reach"},
+        ],
+    )
     assert out.corrections.dist_scale.value == pytest.approx(1.1) and out.corrections.dist_dup_scale.value == 1.0
     assert prof.corrections.identity  # a copy
     assert "inside the distributed program (x4, CUDA graphs): dist_scale 1.100, dist_dup_scale 1.000" in out.notes
@@ -416,13 +467,32 @@ def test_calibrating_plans_needs_ranks_and_passes_are_counted():
     import subprocess
 
     root = ROOT
-    done = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--merge", "h200x4-nvlink",
-                           "--calibrate-plans", "gpt"], capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")})
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "exp", "profiler.py"),
+            "--merge",
+            "h200x4-nvlink",
+            "--calibrate-plans",
+            "gpt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")},
+    )
     assert done.returncode != 0 and "--calibrate-plans times plans on the ranks" in done.stderr
-    bad = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--calibrate-plans", "nope"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, os.path.join(root, "exp", "profiler.py"), "--calibrate-plans", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "unknown model(s) nope" in bad.stderr
-    rounds = subprocess.run([sys.executable, os.path.join(root, "exp", "profiler.py"), "--comm-rounds", "0"],
-                            capture_output=True, text=True, timeout=120)
+    rounds = subprocess.run(
+        [sys.executable, os.path.join(root, "exp", "profiler.py"), "--comm-rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rounds.returncode != 0 and "--comm-rounds 0: give at least one pass" in rounds.stderr

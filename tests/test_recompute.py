@@ -36,9 +36,16 @@ from hidup.trace import trace
 PROFILE = "h200x4-nvlink"
 SMALL = dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
 # (model, plan style, duplication); "fsdp": data parallel with every weight stored split
-JOBS = [("gpt", "data", False), ("gpt", "tensor", True), ("gpt", "fsdp", False), ("gpt", "fsdp", True),
-        ("bert-sgmoe", "expert", False), ("bert-sgmoe", "tensor", True), ("llama", "data", True),
-        ("llama", "tensor", False)]
+JOBS = [
+    ("gpt", "data", False),
+    ("gpt", "tensor", True),
+    ("gpt", "fsdp", False),
+    ("gpt", "fsdp", True),
+    ("bert-sgmoe", "expert", False),
+    ("bert-sgmoe", "tensor", True),
+    ("llama", "data", True),
+    ("llama", "tensor", False),
+]
 
 
 def _fsdp():
@@ -50,6 +57,7 @@ def _fsdp():
         if node.op == "param":
             return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
         return data(node, sig)
+
     return restrict
 
 
@@ -80,8 +88,15 @@ def _rank_parity(rank, world, jobs):
         runs = {}
         for recompute in (False, True):
             model, inputs = _build(name, world)
-            module = hidup_compile(model, plan, rank, world, inputs, duplication=dup,
-                                   recompute=sorted(repeated_layers(graph)) if recompute else [])
+            module = hidup_compile(
+                model,
+                plan,
+                rank,
+                world,
+                inputs,
+                duplication=dup,
+                recompute=sorted(repeated_layers(graph)) if recompute else [],
+            )
             calls = []
             for m in module.modules():
                 if isinstance(m, Recomputed):
@@ -89,8 +104,13 @@ def _rank_parity(rank, world, jobs):
             loss = module(*inputs)
             loss.backward()
             regions = sum(isinstance(m, Recomputed) for m in module.modules())
-            runs[recompute] = (float(module.global_loss(loss)), full_grad_dict(module), regions, len(calls),
-                               module.duplication)
+            runs[recompute] = (
+                float(module.global_loss(loss)),
+                full_grad_dict(module),
+                regions,
+                len(calls),
+                module.duplication,
+            )
         if rank:
             continue
         ref, ref_inputs = _build(name, world)
@@ -103,14 +123,26 @@ def _rank_parity(rank, world, jobs):
         # (attention's key bias holds only rounding noise)
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
 
-        worst = max(float((again[1][k] - ref_grads[k].grad).abs().max()) /
-                    max(float(ref_grads[k].grad.abs().max()), 1e-2 * scale) for k in again[1])
-        out.append({"job": (name, style, dup), "loss": (plain[0], again[0], float(ref_loss)),
-                    "grad_vs_plain": max(float((again[1][k] - plain[1][k]).abs().max()) for k in plain[1]),
-                    "grad_vs_ref": worst, "regions": (plain[2], again[2]), "calls": again[3],
-                    "duplication": again[4], "kinds": sorted({s.kind for s in plan.choices.values()}),
-                    "gathered_weights": any(f.is_gather for n in graph.nodes if n.op == "param"
-                                            for f in plan.choices[n.name].outputs)})
+        worst = max(
+            float((again[1][k] - ref_grads[k].grad).abs().max())
+            / max(float(ref_grads[k].grad.abs().max()), 1e-2 * scale)
+            for k in again[1]
+        )
+        out.append(
+            {
+                "job": (name, style, dup),
+                "loss": (plain[0], again[0], float(ref_loss)),
+                "grad_vs_plain": max(float((again[1][k] - plain[1][k]).abs().max()) for k in plain[1]),
+                "grad_vs_ref": worst,
+                "regions": (plain[2], again[2]),
+                "calls": again[3],
+                "duplication": again[4],
+                "kinds": sorted({s.kind for s in plan.choices.values()}),
+                "gathered_weights": any(
+                    f.is_gather for n in graph.nodes if n.op == "param" for f in plan.choices[n.name].outputs
+                ),
+            }
+        )
     return out
 
 
@@ -139,8 +171,9 @@ def test_recomputed_program_is_exact(job):
     # per copy every region runs forward once, and again in the backward when something it saved is
     # needed (a region whose outputs need no gradient is not run again)
     copies = 2 if r["duplication"] else 1
-    assert r["regions"][1] * copies * 3 // 2 <= r["calls"] <= 2 * r["regions"][1] * copies, \
+    assert r["regions"][1] * copies * 3 // 2 <= r["calls"] <= 2 * r["regions"][1] * copies, (
         f"{r['calls']} region runs for {r['regions'][1]} regions, {copies} copies"
+    )
     assert r["duplication"] == dup
     assert abs(loss - plain_loss[0]) <= _tol(name) * abs(ref) and abs(loss - ref) <= _tol(name) * abs(ref), r["loss"]
     assert r["grad_vs_plain"] <= _tol(name), r["grad_vs_plain"]
@@ -152,6 +185,7 @@ def test_recomputed_program_is_exact(job):
 
 
 # ------------------------------------------------------------------------------------------------ memory
+
 
 @pytest.fixture
 def fake_group():
@@ -167,6 +201,7 @@ def _saved_outside_regions(module, inputs) -> int:
     """Bytes of the distinct storages the forward packs for the backward, beyond parameters, buffers and
     inputs: outside the recomputed regions what the ops save, and each region's inputs (a region packs
     what its ops save into hooks of its own)."""
+
     def key(t):
         return t.untyped_storage()._cdata
 
@@ -205,11 +240,13 @@ def test_memory_model_counts_what_is_kept(fake_group, style):
 
 # ------------------------------------------------------------------------------------------------ search
 
+
 @pytest.fixture(scope="module")
 def gpt_graph():
     warnings.simplefilter("ignore")
-    model, inputs = M.build("gpt", world_size=4, layers=4, d_model=64, heads=4, ffn=256, seq_len=64,
-                            batch_per_gpu=8, vocab=64)
+    model, inputs = M.build(
+        "gpt", world_size=4, layers=4, d_model=64, heads=4, ffn=256, seq_len=64, batch_per_gpu=8, vocab=64
+    )
     return trace(model, inputs, world_size=4)
 
 

@@ -42,6 +42,8 @@ def FAST(test):
 
     test.hypothesis.inner_test = seeded
     return _SETTINGS(test)
+
+
 SIZES = st.sampled_from([1, 2, 3, 4, 8])
 EVEN = st.sampled_from([4, 8])
 
@@ -57,8 +59,21 @@ def shapes(n_min=1, n_max=3):
 
 # --------------------------------------------------------------------------------------------- elementwise
 
-UNARY = [torch.tanh, F.gelu, F.relu, F.silu, torch.exp, torch.neg, torch.sigmoid, "tanh", "neg", "float",
-         "double", "contiguous", "clone"]
+UNARY = [
+    torch.tanh,
+    F.gelu,
+    F.relu,
+    F.silu,
+    torch.exp,
+    torch.neg,
+    torch.sigmoid,
+    "tanh",
+    "neg",
+    "float",
+    "double",
+    "contiguous",
+    "clone",
+]
 
 
 @FAST
@@ -84,11 +99,14 @@ def test_unary_scalar_args():
 
 
 @FAST
-@given(shape=shapes(2, 3), data=st.data(), op=st.sampled_from([operator.add, operator.sub, operator.mul,
-                                                                 operator.truediv, torch.add, "mul", torch.maximum]))
+@given(
+    shape=shapes(2, 3),
+    data=st.data(),
+    op=st.sampled_from([operator.add, operator.sub, operator.mul, operator.truediv, torch.add, "mul", torch.maximum]),
+)
 def test_binary_broadcast(shape, data, op):
     k = data.draw(st.integers(0, len(shape)))
-    other = list(shape[len(shape) - k:])
+    other = list(shape[len(shape) - k :])
     other = [1 if data.draw(st.booleans()) else s for s in other]
     x, y = rn(*shape), rn(*other) + (3.0 if op is operator.truediv else 0.0)
     swap = data.draw(st.booleans())
@@ -104,11 +122,17 @@ def test_binary_broadcast(shape, data, op):
         assert not any(str(f) == "reduce" for s in res[2] for f in s.outputs)
 
 
-@pytest.mark.parametrize("op,args", [
-    (operator.add, lambda: (rn(4, 2), 2.0)), (operator.add, lambda: (2.0, rn(4, 2))),
-    (operator.mul, lambda: (3.0, rn(4, 2))), (operator.truediv, lambda: (rn(4, 2), 2.0)),
-    (operator.truediv, lambda: (2.0, rn(4, 2).abs() + 1)), (operator.sub, lambda: (1.0, rn(4, 2))),
-])
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        (operator.add, lambda: (rn(4, 2), 2.0)),
+        (operator.add, lambda: (2.0, rn(4, 2))),
+        (operator.mul, lambda: (3.0, rn(4, 2))),
+        (operator.truediv, lambda: (rn(4, 2), 2.0)),
+        (operator.truediv, lambda: (2.0, rn(4, 2).abs() + 1)),
+        (operator.sub, lambda: (1.0, rn(4, 2))),
+    ],
+)
 def test_binary_scalars(op, args):
     res = check_op(op, args())
     affine = op in (operator.add, operator.sub) or (op is operator.truediv and not isinstance(args()[0], torch.Tensor))
@@ -199,11 +223,17 @@ def test_einsum_moe(g, s, e, c, d, f, which):
             assert has_sig(sigs, ["gather_2", "gather_0"], ["reduce"])
 
 
-@pytest.mark.parametrize("eq,shapes_", [
-    ("bij,bjk->bik", [(2, 4, 4), (2, 4, 2)]), ("ij,j->i", [(4, 4), (4,)]), ("ii->i", [(4, 4)]),
-    ("...ij,...jk->...ik", [(2, 4, 2), (1, 2, 4)]), ("ij,jk", [(4, 2), (2, 4)]),
-    ("bhqd,bhkd->bhqk", [(2, 4, 2, 2)] * 2),
-])
+@pytest.mark.parametrize(
+    "eq,shapes_",
+    [
+        ("bij,bjk->bik", [(2, 4, 4), (2, 4, 2)]),
+        ("ij,j->i", [(4, 4), (4,)]),
+        ("ii->i", [(4, 4)]),
+        ("...ij,...jk->...ik", [(2, 4, 2), (1, 2, 4)]),
+        ("ij,jk", [(4, 2), (2, 4)]),
+        ("bhqd,bhkd->bhqk", [(2, 4, 2, 2)] * 2),
+    ],
+)
 def test_einsum_generic(eq, shapes_):
     res = check_op(torch.einsum, (eq, *[rn(*s) for s in shapes_]))
     if eq == "ii->i":
@@ -318,8 +348,15 @@ def test_squeeze_keeps_sharded_unit_dim():
 @given(a=EVEN, b=SIZES, c=SIZES, data=st.data())
 def test_indexing(a, b, c, data):
     x = rn(a, b, c)
-    for idx in [(slice(None), 0), (Ellipsis, slice(0, 1)), (None, slice(None), slice(None), -1),
-                (slice(0, a), slice(None)), (Ellipsis, None), 1, (slice(None, None, 2),)]:
+    for idx in [
+        (slice(None), 0),
+        (Ellipsis, slice(0, 1)),
+        (None, slice(None), slice(None), -1),
+        (slice(0, a), slice(None)),
+        (Ellipsis, None),
+        1,
+        (slice(None, None, 2),),
+    ]:
         res = check_op(operator.getitem, (x, idx))
         if idx == (slice(0, a), slice(None)):
             assert has_sig(res[2], ["gather_0"], ["gather_0"])
@@ -364,8 +401,14 @@ def test_reductions(shape, data, fn):
 
 
 @FAST
-@given(n=EVEN, c=SIZES, extra=st.sampled_from([(), (2,)]), reduction=st.sampled_from(["sum", "none", "mean"]),
-       weighted=st.booleans(), smooth=st.sampled_from([0.0, 0.1]))
+@given(
+    n=EVEN,
+    c=SIZES,
+    extra=st.sampled_from([(), (2,)]),
+    reduction=st.sampled_from(["sum", "none", "mean"]),
+    weighted=st.booleans(),
+    smooth=st.sampled_from([0.0, 0.1]),
+)
 def test_cross_entropy(n, c, extra, reduction, weighted, smooth):
     logits = rn(n, c, *extra)
     target = torch.randint(0, c, (n, *extra))
@@ -377,8 +420,12 @@ def test_cross_entropy(n, c, extra, reduction, weighted, smooth):
     if reduction == "mean":
         assert len(res[2]) == 1
     else:
-        assert has_sig(res[2], ["gather_0", "gather_0"] + (["full"] if weighted else []),
-                       ["reduce" if reduction == "sum" else "gather_0"], kind="data")
+        assert has_sig(
+            res[2],
+            ["gather_0", "gather_0"] + (["full"] if weighted else []),
+            ["reduce" if reduction == "sum" else "gather_0"],
+            kind="data",
+        )
     check_op(F.nll_loss, (F.log_softmax(logits, 1), target), {"reduction": reduction})
     check_op(F.cross_entropy, (logits, torch.softmax(rn(n, c, *extra), 1)), {"reduction": reduction})
 

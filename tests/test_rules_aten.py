@@ -96,7 +96,7 @@ class Call:
 
 def _binary_tensor(draw, fn_y=rn):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
-    other = [1 if draw(st.booleans()) else s for s in (b, c)][draw(st.integers(0, 2)):]
+    other = [1 if draw(st.booleans()) else s for s in (b, c)][draw(st.integers(0, 2)) :]
     return [Call((rn(a, b, c), fn_y(*other))), Call((fn_y(*other), rn(a, b, c))), Call((rn(a, b, c), 2.0))]
 
 
@@ -121,8 +121,10 @@ def _linear(draw):
 
 def _addmm(draw):
     m, k, n = draw(EVEN), draw(EVEN), draw(SIZES)
-    return [Call((rn(n, param=True), rn(m, k), rn(k, n, param=True))),
-            Call((rn(m, n), rn(m, k), rn(k, n)), {"beta": 0.5, "alpha": 2.0})]
+    return [
+        Call((rn(n, param=True), rn(m, k), rn(k, n, param=True))),
+        Call((rn(m, n), rn(m, k), rn(k, n)), {"beta": 0.5, "alpha": 2.0}),
+    ]
 
 
 def _mm(draw):
@@ -137,8 +139,10 @@ def _bmm(draw):
 
 def _baddbmm(draw):
     b, m, k, n = draw(EVEN), draw(SIZES), draw(EVEN), draw(SIZES)
-    return [Call((rn(b, m, n), rn(b, m, k), rn(b, k, n))),
-            Call((rn(n), rn(b, m, k), rn(b, k, n)), {"beta": 0.5, "alpha": 2.0})]
+    return [
+        Call((rn(b, m, n), rn(b, m, k), rn(b, k, n))),
+        Call((rn(n), rn(b, m, k), rn(b, k, n)), {"beta": 0.5, "alpha": 2.0}),
+    ]
 
 
 def _matmul(draw):
@@ -184,14 +188,19 @@ def _pow_tensor(draw):
 
 def _masked_fill_scalar(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
-    return [Call((rn(a, b, c), mask(a, b, c), 0.0)), Call((rn(a, b, c), mask(1, b, c), -1e9)),
-            Call((rn(a, b, c), mask(a, 1, c), 2.0))]
+    return [
+        Call((rn(a, b, c), mask(a, b, c), 0.0)),
+        Call((rn(a, b, c), mask(1, b, c), -1e9)),
+        Call((rn(a, b, c), mask(a, 1, c), 2.0)),
+    ]
 
 
 def _masked_fill_tensor(draw):
     a, b = draw(EVEN), draw(SIZES)
-    return [Call((rn(a, b), mask(a, b), torch.tensor(2.0, dtype=D64))),
-            Call((rn(a, b), mask(a, b), torch.tensor(0.0, dtype=D64)))]
+    return [
+        Call((rn(a, b), mask(a, b), torch.tensor(2.0, dtype=D64))),
+        Call((rn(a, b), mask(a, b), torch.tensor(0.0, dtype=D64))),
+    ]
 
 
 def _where(draw):
@@ -245,14 +254,15 @@ def _detach_inplace(draw):
 
 def _to_dtype(draw):
     a, b = draw(EVEN), draw(SIZES)
-    return [Call((rn(a, b), torch.float32)), Call((rn(a, b), torch.float32, False, False)),
-            Call((ints(5, a, b), D64))]
+    return [Call((rn(a, b), torch.float32)), Call((rn(a, b), torch.float32, False, False)), Call((ints(5, a, b), D64))]
 
 
 def _to_dtype_layout(draw):
     a, b = draw(EVEN), draw(SIZES)
-    return [Call((rn(a, b),), {"dtype": torch.float32, "layout": torch.strided, "device": CPU}),
-            Call((rn(a, b),), {"dtype": D64, "device": CPU, "pin_memory": False})]
+    return [
+        Call((rn(a, b),), {"dtype": torch.float32, "layout": torch.strided, "device": CPU}),
+        Call((rn(a, b),), {"dtype": D64, "device": CPU, "pin_memory": False}),
+    ]
 
 
 def _to_device(draw):
@@ -262,8 +272,10 @@ def _to_device(draw):
 
 def _to_copy(draw):
     a, b = draw(EVEN), draw(SIZES)
-    return [Call((rn(a, b),), {"dtype": torch.float32}), Call((rn(a, b),), {"dtype": D64, "layout": torch.strided,
-                                                                             "device": CPU})]
+    return [
+        Call((rn(a, b),), {"dtype": torch.float32}),
+        Call((rn(a, b),), {"dtype": D64, "layout": torch.strided, "device": CPU}),
+    ]
 
 
 def _type_as(draw):
@@ -328,8 +340,15 @@ def _repeat(draw):
 def _slice(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
     x = rn(a, b, c)
-    return [Call((x, 1, 0, 1)), Call((x, -1, 0, 1)), Call((x, 2, 0, 9223372036854775807, 2)), Call((x,)),
-            Call((x, 0, 0, a)), Call((x, -2, None, None)), Call((x, 1), {"start": 0, "end": 1})]
+    return [
+        Call((x, 1, 0, 1)),
+        Call((x, -1, 0, 1)),
+        Call((x, 2, 0, 9223372036854775807, 2)),
+        Call((x,)),
+        Call((x, 0, 0, a)),
+        Call((x, -2, None, None)),
+        Call((x, 1), {"start": 0, "end": 1}),
+    ]
 
 
 def _select(draw):
@@ -365,14 +384,20 @@ def _unbind(draw):
 
 def _cat(draw):
     a, b, c, k = draw(EVEN), draw(SIZES), draw(SIZES), draw(st.integers(1, 3))
-    return [Call(([rn(a, b, c) for _ in range(k)], 1)), Call(([rn(a, b, c) for _ in range(k)], -1)),
-            Call(([rn(a, b) for _ in range(k)],))]
+    return [
+        Call(([rn(a, b, c) for _ in range(k)], 1)),
+        Call(([rn(a, b, c) for _ in range(k)], -1)),
+        Call(([rn(a, b) for _ in range(k)],)),
+    ]
 
 
 def _stack(draw):
     a, b, k = draw(EVEN), draw(SIZES), draw(st.integers(1, 3))
-    return [Call(([rn(a, b) for _ in range(k)], 1)), Call(([rn(a, b) for _ in range(k)], -1)),
-            Call(([rn(a, b) for _ in range(k)],))]
+    return [
+        Call(([rn(a, b) for _ in range(k)], 1)),
+        Call(([rn(a, b) for _ in range(k)], -1)),
+        Call(([rn(a, b) for _ in range(k)],)),
+    ]
 
 
 def _index_select(draw):
@@ -382,8 +407,11 @@ def _index_select(draw):
 
 def _gather(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
-    return [Call((rn(a, b, c), 2, ints(c, a, b, 2))), Call((rn(a, b, c), -1, ints(c, a, b, 1))),
-            Call((rn(a, b), 1, ints(b, a, 3)), {"sparse_grad": False})]
+    return [
+        Call((rn(a, b, c), 2, ints(c, a, b, 2))),
+        Call((rn(a, b, c), -1, ints(c, a, b, 1))),
+        Call((rn(a, b), 1, ints(b, a, 3)), {"sparse_grad": False}),
+    ]
 
 
 def _pad(draw):
@@ -393,15 +421,23 @@ def _pad(draw):
 
 def _constant_pad(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
-    return [Call((rn(a, b, c), [1, 2])), Call((rn(a, b, c), [1, 0, 0, 2], 0.5)), Call((rn(a, b, c), [0, 1]),
-                                                                                      {"value": -1.0})]
+    return [
+        Call((rn(a, b, c), [1, 2])),
+        Call((rn(a, b, c), [1, 0, 0, 2], 0.5)),
+        Call((rn(a, b, c), [0, 1]), {"value": -1.0}),
+    ]
 
 
 def _sum_dim(draw):
     a, b, c = draw(EVEN), draw(SIZES), draw(SIZES)
     x = rn(a, b, c)
-    return [Call((x, [0])), Call((x, [1, 2], True)), Call((x, [-1])), Call((x, [0], False), {"dtype": D64}),
-            Call((x, None))]
+    return [
+        Call((x, [0])),
+        Call((x, [1, 2], True)),
+        Call((x, [-1])),
+        Call((x, [0], False), {"dtype": D64}),
+        Call((x, None)),
+    ]
 
 
 def _sum_default(draw):
@@ -445,8 +481,12 @@ def _softmax_private(draw):
 def _layer_norm(draw):
     a, b, d = draw(EVEN), draw(SIZES), draw(SIZES)
     x = rn(a, b, d)
-    return [Call((x, [d], rn(d, param=True), rn(d, param=True), 1e-5, True)), Call((x, [d])),
-            Call((x, [b, d], rn(b, d, param=True), None, 1e-6)), Call((x, [d], None, rn(d, param=True)))]
+    return [
+        Call((x, [d], rn(d, param=True), rn(d, param=True), 1e-5, True)),
+        Call((x, [d])),
+        Call((x, [b, d], rn(b, d, param=True), None, 1e-6)),
+        Call((x, [d], None, rn(d, param=True))),
+    ]
 
 
 def _rms_norm(draw):
@@ -459,9 +499,14 @@ def _sdpa(draw):
     b, h, s, dh = draw(EVEN), draw(st.sampled_from([2, 4])), draw(SIZES), draw(SIZES)
     q, k, v = rn(b, h, s, dh), rn(b, h, s, dh), rn(b, h, s, dh)
     kv = rn(b, h // 2, s, dh), rn(b, h // 2, s, dh)
-    return [Call((q, k, v)), Call((q, k, v, rn(b, 1, s, s))), Call((q, k, v, None, 0.0, True)),
-            Call((q, k, v, torch.ones(s, s, dtype=torch.bool).tril()), {"scale": 0.3}),
-            Call((q, *kv), {"enable_gqa": True}), Call((q, *kv, None, 0.0, True), {"enable_gqa": True})]
+    return [
+        Call((q, k, v)),
+        Call((q, k, v, rn(b, 1, s, s))),
+        Call((q, k, v, None, 0.0, True)),
+        Call((q, k, v, torch.ones(s, s, dtype=torch.bool).tril()), {"scale": 0.3}),
+        Call((q, *kv), {"enable_gqa": True}),
+        Call((q, *kv, None, 0.0, True), {"enable_gqa": True}),
+    ]
 
 
 def _embedding(draw):
@@ -482,18 +527,27 @@ def _cross_entropy(draw):
     n, c = draw(EVEN), draw(SIZES)
     logits, t = rn(n, c), _targets(n, c)
     w = positive(c)
-    return [Call((logits, t)), Call((logits, t, None, 2)), Call((logits, t, None, 0, -100, 0.1)),
-            Call((rn(n, c, 2), _targets(n, c, 2), w, 2), no_grad=(2,)), Call((logits, t), {"reduction": 0}),
-            Call((logits, torch.softmax(rn(n, c), 1), None, 2))]
+    return [
+        Call((logits, t)),
+        Call((logits, t, None, 2)),
+        Call((logits, t, None, 0, -100, 0.1)),
+        Call((rn(n, c, 2), _targets(n, c, 2), w, 2), no_grad=(2,)),
+        Call((logits, t), {"reduction": 0}),
+        Call((logits, torch.softmax(rn(n, c), 1), None, 2)),
+    ]
 
 
 def _nll_loss(extra=()):
     def cases(draw):
         n, c = draw(EVEN), draw(SIZES)
         logp, t = torch.log_softmax(rn(n, c, *extra), 1), _targets(n, c, *extra)
-        return [Call((logp, t)), Call((logp, t, None, 2)), Call((logp, t, None, 0, -100)),
-                Call((logp, t, positive(c), 2), no_grad=(2,)),
-                Call((logp, t.clamp(min=0)), {"reduction": 2, "ignore_index": 0})]
+        return [
+            Call((logp, t)),
+            Call((logp, t, None, 2)),
+            Call((logp, t, None, 0, -100)),
+            Call((logp, t, positive(c), 2), no_grad=(2,)),
+            Call((logp, t.clamp(min=0)), {"reduction": 2, "ignore_index": 0}),
+        ]
 
     return cases
 
@@ -508,10 +562,13 @@ def _conv(nsp: int, padded: bool = False):
         x = rn(b, cin, *[4] * nsp)
         w = rn(cout, cin, *[2] * nsp, param=True)
         none, same = ("valid", "same") if padded else ([0] * nsp, [1] * nsp)
-        return [Call((x, w, rn(cout, param=True), [2] * nsp, none)), Call((x, w, None, [2] * nsp, none)),
-                Call((x, rn(cout, cin, *[3] * nsp, param=True), rn(cout, param=True), [1] * nsp, same, [1] * nsp)),
-                Call((x, rn(cout, cin // 2, *[1] * nsp), None, [1] * nsp, none, [1] * nsp, 2)),
-                Call((x[0], w, rn(cout, param=True), [2] * nsp, none))]
+        return [
+            Call((x, w, rn(cout, param=True), [2] * nsp, none)),
+            Call((x, w, None, [2] * nsp, none)),
+            Call((x, rn(cout, cin, *[3] * nsp, param=True), rn(cout, param=True), [1] * nsp, same, [1] * nsp)),
+            Call((x, rn(cout, cin // 2, *[1] * nsp), None, [1] * nsp, none, [1] * nsp, 2)),
+            Call((x[0], w, rn(cout, param=True), [2] * nsp, none)),
+        ]
 
     return cases
 
@@ -520,33 +577,44 @@ def _convolution(draw):
     # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     b, cin, cout = draw(EVEN), draw(st.sampled_from([2, 4])), draw(EVEN)
     x = rn(b, cin, 4, 4)
-    return [Call((x, rn(cout, cin, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], False, [0, 0], 1)),
-            Call((x, rn(cout, cin // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)),
-            Call((rn(b, cin, 4), rn(cout, cin, 3), None, [1], [1], [2], False, [0], 1)),
-            # transposed: weight [C_in, C_out, k]
-            Call((x, rn(cin, cout, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], True, [1, 1], 1)),
-            Call((x, rn(cin, cout // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], True, [0, 0], 2))]
+    return [
+        Call((x, rn(cout, cin, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], False, [0, 0], 1)),
+        Call((x, rn(cout, cin // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)),
+        Call((rn(b, cin, 4), rn(cout, cin, 3), None, [1], [1], [2], False, [0], 1)),
+        # transposed: weight [C_in, C_out, k]
+        Call((x, rn(cin, cout, 2, 2, param=True), rn(cout, param=True), [2, 2], [0, 0], [1, 1], True, [1, 1], 1)),
+        Call((x, rn(cin, cout // 2, 3, 3), None, [1, 1], [1, 1], [1, 1], True, [0, 0], 2)),
+    ]
 
 
 def _arange(*args):
-    return lambda draw: [Call(args), Call(args, {"dtype": D64, "device": CPU}),
-                         Call(args, {"dtype": torch.int64, "layout": torch.strided, "pin_memory": False})]
+    return lambda draw: [
+        Call(args),
+        Call(args, {"dtype": D64, "device": CPU}),
+        Call(args, {"dtype": torch.int64, "layout": torch.strided, "pin_memory": False}),
+    ]
 
 
 def _sized(*extra):
-    return lambda draw: [Call(([draw(EVEN), draw(SIZES)], *extra)),
-                         Call(([draw(EVEN)], *extra), {"dtype": D64, "device": CPU, "pin_memory": False})]
+    return lambda draw: [
+        Call(([draw(EVEN), draw(SIZES)], *extra)),
+        Call(([draw(EVEN)], *extra), {"dtype": D64, "device": CPU, "pin_memory": False}),
+    ]
 
 
 def _empty(draw):
-    return [Call(([draw(EVEN), draw(SIZES)],), {"dtype": torch.int64}),
-            Call(([draw(EVEN)],), {"dtype": torch.int32, "device": CPU, "memory_format": torch.contiguous_format})]
+    return [
+        Call(([draw(EVEN), draw(SIZES)],), {"dtype": torch.int64}),
+        Call(([draw(EVEN)],), {"dtype": torch.int32, "device": CPU, "memory_format": torch.contiguous_format}),
+    ]
 
 
 def _like(*extra):
-    return lambda draw: [Call((rn(draw(EVEN), draw(SIZES)), *extra)),
-                         Call((rn(draw(EVEN), draw(SIZES)), *extra), {"dtype": torch.float32, "device": CPU}),
-                         Call((ints(3, draw(EVEN)), *extra), {"memory_format": torch.preserve_format})]
+    return lambda draw: [
+        Call((rn(draw(EVEN), draw(SIZES)), *extra)),
+        Call((rn(draw(EVEN), draw(SIZES)), *extra), {"dtype": torch.float32, "device": CPU}),
+        Call((ints(3, draw(EVEN)), *extra), {"memory_format": torch.preserve_format}),
+    ]
 
 
 def _empty_like(draw):
@@ -688,8 +756,15 @@ for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     CASES[getattr(aten, _name).Scalar] = _compare_scalar
 
 # Overloads whose rule replicates every call on purpose: factories build constants on every rank.
-REPLICATED = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
-              aten.ones.default, aten.full.default, aten.empty.memory_format}
+REPLICATED = {
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.empty.memory_format,
+}
 _UNINITIALISED = {aten.empty.memory_format, aten.empty_like.default}
 
 

@@ -40,8 +40,9 @@ def test_factories_and_like():
 
 
 @torch.library.custom_op("hidup_test::top1_gating", mutates_args=())
-def top1_gating(logits: torch.Tensor, shift: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor]:
+def top1_gating(
+    logits: torch.Tensor, shift: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group top-1 routing with capacity of ``logits + shift`` (``shift[E]`` shared by every group):
     (combine[G,S,E,C], dispatch[G,S,E,C], aux[G])."""
     return _top1(logits, shift, capacity)
@@ -141,9 +142,13 @@ def test_flops_split_per_rank():
 
 def test_local_calls_run_in_fx_graph():
     """Local calls are plain callables + args: code generation can put them into an fx graph."""
-    cases = [("view", (rn(4, 6), 4, 2, 3), {}), (torch.mean, (rn(4, 6), 1), {}),
-             (F.embedding, (torch.randint(0, 8, (4,)), rn(8, 2, param=True)), {}),
-             (operator.getitem, (rn(4, 6), (slice(0, 4), 1)), {}), ("new_zeros", (rn(4, 6), (4, 6)), {})]
+    cases = [
+        ("view", (rn(4, 6), 4, 2, 3), {}),
+        (torch.mean, (rn(4, 6), 1), {}),
+        (F.embedding, (torch.randint(0, 8, (4,)), rn(8, 2, param=True)), {}),
+        (operator.getitem, (rn(4, 6), (slice(0, 4), 1)), {}),
+        ("new_zeros", (rn(4, 6), (4, 6)), {}),
+    ]
     for target, args, kwargs in cases:
         ctx, values, _ = make_context(target, args, kwargs, 2)
         for sig in rules.signatures(ctx):
@@ -173,19 +178,28 @@ def test_reduce_never_on_bool():
 
 def test_notation_engine():
     from hidup.rules.base import TensorMeta as M
-    x, w, b, out = M((4, 6, 8), "float32"), M((12, 8), "float32", True, True), M((12,), "float32", True, True), \
-        M((4, 6, 12), "float32")
+
+    x, w, b, out = (
+        M((4, 6, 8), "float32"),
+        M((12, 8), "float32", True, True),
+        M((12,), "float32", True, True),
+        M((4, 6, 12), "float32"),
+    )
     d = rules.dims("...k, nk!, n -> ...n", additive=[2])
     assert d.fixed == {"k"}
     sigs = d.signatures([x, w, b], [out], 2, 100.0)
-    assert [str(s) for s in sigs] == ["(full, full, full) -> (full)", "(gather_0, full, full) -> (gather_0)",
-                                      "(gather_1, full, full) -> (gather_1)",
-                                      "(full, gather_0, gather_0) -> (gather_2)"]
+    assert [str(s) for s in sigs] == [
+        "(full, full, full) -> (full)",
+        "(gather_0, full, full) -> (gather_0)",
+        "(gather_1, full, full) -> (gather_1)",
+        "(full, gather_0, gather_0) -> (gather_2)",
+    ]
     assert [s.flops for s in sigs] == [100.0, 50.0, 50.0, 50.0]
     assert [s.kind for s in sigs] == ["replicated", "data", "data", "tensor"]
     # broadcasting: a size-1 dim stays full; a contracted letter with an additive operand makes it reduce
-    sigs = rules.dims("...k, nk, n -> ...n", additive=[2]).signatures([M((1, 6, 8), "float32"), w, b],
-                                                                       [M((1, 6, 12), "float32")], 2, 1.0)
+    sigs = rules.dims("...k, nk, n -> ...n", additive=[2]).signatures(
+        [M((1, 6, 8), "float32"), w, b], [M((1, 6, 12), "float32")], 2, 1.0
+    )
     assert "(gather_2, gather_1, reduce) -> (reduce)" in [str(s) for s in sigs]
     assert not any(str(s.inputs[0]) == "gather_0" for s in sigs)
     with pytest.raises(rules.SpecError):

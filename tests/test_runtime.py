@@ -20,9 +20,11 @@ from hidup.runtime.launch import LaunchError, launch, layout_from_env
 # ----------------------------------------------------------------------------------------------
 # layout
 
+
 def test_layout_noderank_cpn():
-    lay = layout_from_env({"NODERANK": "1", "CPN": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1",
-                           "MASTER_PORT": "1234"})
+    lay = layout_from_env(
+        {"NODERANK": "1", "CPN": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    )
     assert (lay.world_size, lay.nnodes, lay.cpn, lay.node_rank) == (8, 2, 4, 1)
     assert lay.local_rank is None
     from dataclasses import replace
@@ -37,11 +39,16 @@ def test_layout_flags_win_over_env():
 
 
 def test_layout_torchrun():
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-           "MASTER_ADDR": "h", "MASTER_PORT": "29400"}
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29400",
+    }
     lay = layout_from_env(env)
-    assert (lay.source, lay.rank, lay.world_size, lay.local_rank, lay.node_rank, lay.cpn) == \
-        ("torchrun", 5, 8, 1, 1, 4)
+    assert (lay.source, lay.rank, lay.world_size, lay.local_rank, lay.node_rank, lay.cpn) == ("torchrun", 5, 8, 1, 1, 4)
 
 
 def test_layout_single_when_nothing_set():
@@ -49,22 +56,45 @@ def test_layout_single_when_nothing_set():
     assert (lay.source, lay.world_size) == ("single", 1)
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK"),
-    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "CPN": "2", "NODERANK": "0",
-      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "contradicts"),
-    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "CPN": "2", "NNODES": "3",
-      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "NNODES"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR"),
-    ({"NODERANK": "0"}, "CPN"),
-    ({"CPN": "2", "NNODES": "2"}, "NODERANK"),
-    ({"CPN": "2", "NNODES": "2", "NODERANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
-    ({"CPN": "2", "NNODES": "2", "NODERANK": "1"}, "MASTER_ADDR"),
-    ({"CPN": "2", "NNODES": "2", "NODERANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "0"}, "one node only"),
-    ({"CPN": "two"}, "not an integer"),
-    ({"CPN": "0"}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
+        (
+            {
+                "RANK": "3",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "0",
+                "CPN": "2",
+                "NODERANK": "0",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            },
+            "contradicts",
+        ),
+        (
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "1",
+                "CPN": "2",
+                "NNODES": "3",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            },
+            "NNODES",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR"),
+        ({"NODERANK": "0"}, "CPN"),
+        ({"CPN": "2", "NNODES": "2"}, "NODERANK"),
+        ({"CPN": "2", "NNODES": "2", "NODERANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
+        ({"CPN": "2", "NNODES": "2", "NODERANK": "1"}, "MASTER_ADDR"),
+        ({"CPN": "2", "NNODES": "2", "NODERANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "0"}, "one node only"),
+        ({"CPN": "two"}, "not an integer"),
+        ({"CPN": "0"}, "at least 1"),
+    ],
+)
 def test_layout_errors(env, match):
     with pytest.raises(LaunchError, match=match):
         layout_from_env(env)
@@ -72,6 +102,7 @@ def test_layout_errors(env, match):
 
 # ----------------------------------------------------------------------------------------------
 # launch (spawned ranks on gloo)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -169,8 +200,9 @@ def test_launch_stops_ranks_that_stall(tmp_path, capfd):
 
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="were stopped: no progress"):
-        launch(_hangs, str(marker), cpn=2, master_port=_free_port(), env={}, timeout_s=20, backend="gloo",
-               stalled=stalled)
+        launch(
+            _hangs, str(marker), cpn=2, master_port=_free_port(), env={}, timeout_s=20, backend="gloo", stalled=stalled
+        )
     assert time.monotonic() - t0 < 60
     err = capfd.readouterr().err  # each rank printed where it waited before it was killed
     assert err.count("in _hangs") == 2, err[-3000:]
@@ -185,6 +217,7 @@ def test_launch_single_process():
 # ----------------------------------------------------------------------------------------------
 # checkpoints
 
+
 class _Sharded(nn.Module):
     """A module laid out as codegen lays one out: weight sharded along dim 0, bias replicated."""
 
@@ -193,9 +226,11 @@ class _Sharded(nn.Module):
         self.w = nn.Parameter(shard_tensor(weight, gather(0), rank, world).clone())
         self.b = nn.Parameter(bias.clone())
         self.register_buffer("scale", torch.arange(4.0))
-        self.param_shards = {"w": ParamShard("lin.weight", tuple(weight.shape), gather(0)),
-                             "b": ParamShard("lin.bias", tuple(bias.shape), REPLICATE),
-                             "scale": ParamShard("scale", (4,), REPLICATE, is_buffer=True)}
+        self.param_shards = {
+            "w": ParamShard("lin.weight", tuple(weight.shape), gather(0)),
+            "b": ParamShard("lin.bias", tuple(bias.shape), REPLICATE),
+            "scale": ParamShard("scale", (4,), REPLICATE, is_buffer=True),
+        }
         self.group = None
 
 
@@ -223,8 +258,14 @@ def _load(rank, world, path):
     m = _Sharded(torch.zeros_like(w), torch.zeros_like(b), rank, world)
     opt = torch.optim.Adam(m.parameters(), lr=0.5)
     info = checkpoint.load(path, m, opt)
-    return info, full_state_dict(m), {n: dict(opt.state[p]) for n, p in (("w", m.w), ("b", m.b))}, \
-        opt.param_groups[0]["lr"], torch.rand(1), m.w.detach().clone()
+    return (
+        info,
+        full_state_dict(m),
+        {n: dict(opt.state[p]) for n, p in (("w", m.w), ("b", m.b))},
+        opt.param_groups[0]["lr"],
+        torch.rand(1),
+        m.w.detach().clone(),
+    )
 
 
 def test_checkpoint_resumes_on_another_world(tmp_path):
@@ -280,6 +321,7 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # data
+
 
 def test_synthetic_batches_are_deterministic():
     d = SyntheticTokens(batch=4, seq=8, vocab=50, seed=1)

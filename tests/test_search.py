@@ -67,6 +67,7 @@ def test_beam_result_is_a_real_plan_and_never_better_than_exact():
 # ------------------------------------------------------------------------------------------ memory
 def _memories(pr):
     import itertools
+
     out = []
     for ks in itertools.product(*(range(len(s)) for s in pr.sigs)):
         try:
@@ -88,8 +89,14 @@ def test_memory_budget_is_respected_and_optimal(seed):
     budget = (lo + hi) / 2
     best = min(t for m, t in mems if m <= budget)
     for algorithm in ("dp", "ilp"):
-        plan = hidup.search(g, SOCKET, algorithm=algorithm, duplication=False, memory_budget=budget, **(
-            EXACT if algorithm == "dp" else {}))
+        plan = hidup.search(
+            g,
+            SOCKET,
+            algorithm=algorithm,
+            duplication=False,
+            memory_budget=budget,
+            **(EXACT if algorithm == "dp" else {}),
+        )
         assert plan.memory["total"] <= budget
         assert rel_eq(plan.predicted["total"], best, 1e-7)
     dup_plan = hidup.search(g, SOCKET, duplication=True, memory_budget=budget, **EXACT)
@@ -144,6 +151,7 @@ def test_duplication_dominance_is_safe_for_every_future():
     import random
 
     from hidup.search.dp import _dominator
+
     rng = random.Random(7)
     dom = _dominator(6, True)
 
@@ -162,10 +170,15 @@ def test_duplication_dominance_is_safe_for_every_future():
             continue
         checked += 1
         for _ in range(5):
-            fut = [[(m, m2, rng.uniform(0, 2), rng.uniform(0, 2)) if rng.random() < 0.4 else
-                    (0.0, 0.0, rng.uniform(0, 2), rng.uniform(0, 2))
-                    for m, m2 in ((rng.uniform(0, 2), rng.uniform(0, 2)) for _ in range(rng.randint(0, 6)))]
-                   for _ in range(2)]
+            fut = [
+                [
+                    (m, m2, rng.uniform(0, 2), rng.uniform(0, 2))
+                    if rng.random() < 0.4
+                    else (0.0, 0.0, rng.uniform(0, 2), rng.uniform(0, 2))
+                    for m, m2 in ((rng.uniform(0, 2), rng.uniform(0, 2)) for _ in range(rng.randint(0, 6)))
+                ]
+                for _ in range(2)
+            ]
             ta = end(a[:3], fut[0]) + end(a[3:], fut[1])
             tb = end(b[:3], fut[0]) + end(b[3:], fut[1])
             assert ta <= tb + 1e-9
@@ -191,6 +204,7 @@ def test_block_reuse_is_exact_without_duplication():
     g = layered_graph(layers=5, nodes_per_layer=6, sigs=(2, 4), seed=3, shape=(256, 256))
     pr = Problem(g, SOCKET)
     from hidup.search.segments import find_blocks
+
     occ = find_blocks(pr)
     assert len(occ) >= 4 and len({o.type for o in occ}) == 1  # layer 0 also holds the input
     _, with_reuse = dp.solve(pr, False, reuse_blocks=True, **EXACT)
@@ -223,21 +237,58 @@ def test_search_is_deterministic():
 def _hand_graph():
     """x (8,16) -> linear with w (32,16) -> sum -> output; the linear reads x twice via two consumers."""
     f = 2 * 8 * 16 * 32
-    tensors = {0: Tensor(0, (8, 16), "float32", "x"), 1: Tensor(1, (32, 16), "float32", "w", True, True),
-               2: Tensor(2, (8, 32), "float32", "lin", True), 3: Tensor(3, (), "float32", "loss", True)}
+    tensors = {
+        0: Tensor(0, (8, 16), "float32", "x"),
+        1: Tensor(1, (32, 16), "float32", "w", True, True),
+        2: Tensor(2, (8, 32), "float32", "lin", True),
+        3: Tensor(3, (), "float32", "loss", True),
+    }
     nodes = [
-        Node("x", "input", "input", [], [0], [Signature((), (FULL,), 0, "replicated"),
-                                              Signature((), (gather(0),), 0, "data")]),
-        Node("w", "param", "parameter", [], [1], [Signature((), (REPLICATE,), 0, "param"),
-                                                  Signature((), (gather(0),), 0, "param")], module="fc"),
-        Node("lin", "call", "linear", [0, 1], [2], [
-            Signature((FULL, FULL), (FULL,), f, "replicated"),
-            Signature((gather(0), FULL), (gather(0),), f / 4, "data"),
-            Signature((FULL, gather(0)), (gather(1),), f / 4, "tensor")], f, module="fc"),
-        Node("loss", "call", "sum", [2], [3], [
-            Signature((FULL,), (FULL,), 256, "replicated"),
-            Signature((gather(0),), (REDUCE,), 64, "data"),
-            Signature((gather(1),), (REDUCE,), 64, "data")], 256, module="loss"),
+        Node(
+            "x",
+            "input",
+            "input",
+            [],
+            [0],
+            [Signature((), (FULL,), 0, "replicated"), Signature((), (gather(0),), 0, "data")],
+        ),
+        Node(
+            "w",
+            "param",
+            "parameter",
+            [],
+            [1],
+            [Signature((), (REPLICATE,), 0, "param"), Signature((), (gather(0),), 0, "param")],
+            module="fc",
+        ),
+        Node(
+            "lin",
+            "call",
+            "linear",
+            [0, 1],
+            [2],
+            [
+                Signature((FULL, FULL), (FULL,), f, "replicated"),
+                Signature((gather(0), FULL), (gather(0),), f / 4, "data"),
+                Signature((FULL, gather(0)), (gather(1),), f / 4, "tensor"),
+            ],
+            f,
+            module="fc",
+        ),
+        Node(
+            "loss",
+            "call",
+            "sum",
+            [2],
+            [3],
+            [
+                Signature((FULL,), (FULL,), 256, "replicated"),
+                Signature((gather(0),), (REDUCE,), 64, "data"),
+                Signature((gather(1),), (REDUCE,), 64, "data"),
+            ],
+            256,
+            module="loss",
+        ),
         Node("output", "output", "output", [3], [], []),  # no signatures: the search supplies them
     ]
     return Graph(nodes, tensors, 4, model="hand")
@@ -256,17 +307,27 @@ def test_hand_computed_data_parallel_cost():
     assert plan.predicted["total"] == pytest.approx(compute + grad_sync)
     assert plan.predicted["comm"] == pytest.approx(grad_sync)
     (conv,) = plan.conversions
-    assert (conv.producer, conv.consumer, conv.src, conv.dst, conv.forward, conv.backward) == \
-        ("w", "lin", REPLICATE, FULL, "identity", "grad_sync")
+    assert (conv.producer, conv.consumer, conv.src, conv.dst, conv.forward, conv.backward) == (
+        "w",
+        "lin",
+        REPLICATE,
+        FULL,
+        "identity",
+        "grad_sync",
+    )
     assert plan.memory["params"] == 32 * 16 * 4 and plan.memory["optimizer"] == 2 * 32 * 16 * 4
     assert plan.memory["inputs"] == 8 * 16 * 4 / 4
 
 
 def test_shared_conversion_is_paid_once():
     f = 1e9
-    tensors = {0: Tensor(0, (64, 64), "float32", "x"), 1: Tensor(1, (64, 64), "float32", "a", True),
-               2: Tensor(2, (64, 64), "float32", "b", True), 3: Tensor(3, (64, 64), "float32", "c", True),
-               4: Tensor(4, (64, 64), "float32", "p", True, True)}
+    tensors = {
+        0: Tensor(0, (64, 64), "float32", "x"),
+        1: Tensor(1, (64, 64), "float32", "a", True),
+        2: Tensor(2, (64, 64), "float32", "b", True),
+        3: Tensor(3, (64, 64), "float32", "c", True),
+        4: Tensor(4, (64, 64), "float32", "p", True, True),
+    }
     nodes = [
         Node("p", "param", "parameter", [], [4], [Signature((), (REPLICATE,), 0, "param")]),
         Node("x", "input", "input", [], [0], [Signature((), (FULL,), 0, "replicated")]),
@@ -318,8 +379,12 @@ def test_errors_name_the_problem():
 def test_progress_callback_and_restrict():
     g = random_graph(4, calls=6, max_sigs=4)
     seen = []
-    plan = hidup.search(g, SOCKET, progress=lambda done, total: seen.append((done, total)),
-                        restrict=lambda node, sig: node.op != "param" or sig.outputs == (REPLICATE,))
+    plan = hidup.search(
+        g,
+        SOCKET,
+        progress=lambda done, total: seen.append((done, total)),
+        restrict=lambda node, sig: node.op != "param" or sig.outputs == (REPLICATE,),
+    )
     assert seen and seen[-1][0] == seen[-1][1]
     assert all(plan.choices[n.name].outputs == (REPLICATE,) for n in g.params())
 
@@ -329,8 +394,9 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     from hidup.search.schedule import overlapped_backward
 
     def step(compute_b, blocking=0.0, grads=0.0):
-        return Step(0.0, compute_b + blocking + grads, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads,
-                    blocking)
+        return Step(
+            0.0, compute_b + blocking + grads, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads, blocking
+        )
 
     # reverse order: the last node's parameter gradient (3) is reduced while the others compute (4, then 2)
     assert overlapped_backward([step(4.0), step(2.0), step(1.0, grads=3.0)]) == pytest.approx(7.0)
@@ -339,8 +405,21 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     # the first node's gradient is reduced last and is fully exposed
     assert overlapped_backward([step(1.0, grads=3.0), step(2.0)]) == pytest.approx(6.0)
     # a data-parallel zoo plan: cheaper than the serialized sum, never cheaper than its compute
-    g = hidup.trace(*hidup.models.build("gpt", world_size=4, device="meta", layers=2, d_model=64, heads=4,
-                                         ffn=128, seq_len=16, batch_per_gpu=4, vocab=256), world_size=4)
+    g = hidup.trace(
+        *hidup.models.build(
+            "gpt",
+            world_size=4,
+            device="meta",
+            layers=2,
+            d_model=64,
+            heads=4,
+            ffn=128,
+            seq_len=16,
+            batch_per_gpu=4,
+            vocab=256,
+        ),
+        world_size=4,
+    )
     plan = hidup.search.forced(g, SOCKET, "data", duplication=False)
     pr = Problem(g, SOCKET)
     ev = evaluate(pr, [pr.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(pr.order)], False)
@@ -352,9 +431,23 @@ def test_backward_without_duplication_grows_with_compute():
     """Only a blocking collective makes the compute stream wait: the gradient all-reduce's packing
     copies, summed apart, leave no rounding residue that would act as one, so the backward never
     gets shorter when every compute item gets longer (``dist_scale``)."""
-    g = hidup.trace(*hidup.models.build("bert-switch", world_size=2, device="meta", layers=2, d_model=32, heads=2,
-                                         ffn=64, seq_len=8, batch_per_gpu=4, vocab=64, experts_per_gpu=1),
-                    world_size=2, half_batch=True)
+    g = hidup.trace(
+        *hidup.models.build(
+            "bert-switch",
+            world_size=2,
+            device="meta",
+            layers=2,
+            d_model=32,
+            heads=2,
+            ffn=64,
+            seq_len=8,
+            batch_per_gpu=4,
+            vocab=64,
+            experts_per_gpu=1,
+        ),
+        world_size=2,
+        half_batch=True,
+    )
     measured = P.load("h200x4-socket")  # its magnitudes left residues before
     for style in ("data", "expert"):
         plan = hidup.search.forced(g, measured, style, duplication=False)
@@ -362,8 +455,9 @@ def test_backward_without_duplication_grows_with_compute():
         for k in [0.9 + 0.005 * j for j in range(41)]:
             prof = measured.with_corrections(dist_scale=k)
             ev = hidup.search.price(g, prof, plan)[False]
-            assert all(s.bwd_block == 0.0 for s in ev.steps
-                       if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async)
+            assert all(
+                s.bwd_block == 0.0 for s in ev.steps if s.bwd_async > 0.0 and s.bwd == s.bwd_compute + s.bwd_async
+            )
             times.append(ev.forward + ev.backward)
         assert all(b >= a for a, b in zip(times, times[1:])), f"{style}: {times}"
 

@@ -22,8 +22,9 @@ def graph():
 def test_paper_profile_shards_experts_with_all_to_all(graph):
     plan = search(graph, hidup.profiler.load("paper-v100-9.7gbps"), world_size=8)
     experts = [n for n in plan.choices if n.endswith(("moe_w1", "moe_w2"))]
-    assert experts and all(plan.choices[n].outputs == (gather(0),) for n in experts), \
-        {n: str(plan.choices[n]) for n in experts}
+    assert experts and all(plan.choices[n].outputs == (gather(0),) for n in experts), {
+        n: str(plan.choices[n]) for n in experts
+    }
     assert any(c.forward == "all_to_all" for c in plan.conversions)
     assert any(s.kind == "expert" for s in plan.choices.values())
 

@@ -106,9 +106,17 @@ def _rank_parity(rank, world, jobs):
             d = float((g - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
             if d > worst:
                 worst, where = d, pname
-        results.append({"job": (name, style, dup), "duplication": module.duplication,
-                        "kinds": sorted({s.kind for s in plan.choices.values()}),
-                        "loss": total, "ref": float(ref_loss), "grad": worst, "where": where})
+        results.append(
+            {
+                "job": (name, style, dup),
+                "duplication": module.duplication,
+                "kinds": sorted({s.kind for s in plan.choices.values()}),
+                "loss": total,
+                "ref": float(ref_loss),
+                "grad": worst,
+                "where": where,
+            }
+        )
     return results
 
 
@@ -131,7 +139,8 @@ def test_parity(world, name, style, dup):
     where = f"{name} world {world} {style} plan, duplication {dup}"
     assert r["duplication"] == (dup and COPIES_EXACT[name]), f"{where}: ran with duplication {r['duplication']}"
     assert abs(r["loss"] - r["ref"]) <= loss_tol(name) * abs(r["ref"]), f"{where}: loss {r['loss']} vs {r['ref']}"
-    assert r["grad"] <= GRAD_TOL.get(name, loss_tol(name)), \
+    assert r["grad"] <= GRAD_TOL.get(name, loss_tol(name)), (
         f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
+    )
     if style in ("data", "tensor"):
         assert style in r["kinds"], f"{where}: the {style} plan uses {r['kinds']}"

@@ -51,10 +51,23 @@ class LMStep(nn.Module):
 
 
 def mixtral_config(experts: int = 4, hidden: int = 64, ffn: int = 96, layers: int = 2, act: str = "silu", **kw):
-    return T.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=ffn, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                           num_local_experts=experts, num_experts_per_tok=2, hidden_act=act, attention_dropout=0.0,
-                           bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
+    return T.MixtralConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=ffn,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        hidden_act=act,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def build(experts: int = 4, seed: int = 0):
@@ -74,6 +87,7 @@ def build(experts: int = 4, seed: int = 0):
 
 # --------------------------------------------------------------------------------------------- the op
 
+
 def _routing(tokens: int, k: int, experts: int, used: int, gen: torch.Generator):
     """Top-k indices drawn from the first ``used`` experts only (distinct per token), and weights."""
     scores = torch.rand(tokens, used, generator=gen)
@@ -82,12 +96,15 @@ def _routing(tokens: int, k: int, experts: int, used: int, gen: torch.Generator)
     return idx, w
 
 
-@pytest.mark.parametrize("tokens,hidden,ffn,experts,k,used,act", [
-    (8, 6, 5, 4, 2, 3, "silu"),    # expert 3 gets no token
-    (8, 4, 3, 4, 1, 2, "gelu"),    # experts 2 and 3 get none; k = 1
-    (16, 5, 4, 8, 2, 8, "relu"),
-    (4, 3, 2, 4, 1, 1, "gelu_tanh"),  # every token on expert 0
-])
+@pytest.mark.parametrize(
+    "tokens,hidden,ffn,experts,k,used,act",
+    [
+        (8, 6, 5, 4, 2, 3, "silu"),  # expert 3 gets no token
+        (8, 4, 3, 4, 1, 2, "gelu"),  # experts 2 and 3 get none; k = 1
+        (16, 5, 4, 8, 2, 8, "relu"),
+        (4, 3, 2, 4, 1, 1, "gelu_tanh"),  # every token on expert 0
+    ],
+)
 def test_routed_experts_signatures(tokens, hidden, ffn, experts, k, used, act):
     gen = torch.Generator().manual_seed(tokens * 100 + experts * 10 + k)
     idx, w = _routing(tokens, k, experts, used, gen)
@@ -143,8 +160,9 @@ def test_op_equals_transformers_eager_experts(act):
     assert config._experts_implementation == "eager"
     for a, b, what in zip(got, ref, ["y", "x", "w", "gate_up_proj", "down_proj"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
-    again = routed_experts_math(x.detach(), idx, w.detach(), experts.gate_up_proj.detach(),
-                                experts.down_proj.detach(), 0, act)
+    again = routed_experts_math(
+        x.detach(), idx, w.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(), 0, act
+    )
     torch.testing.assert_close(again, ref[0])
 
 
@@ -162,6 +180,7 @@ def test_expert_offset_selects_a_slice_of_experts():
 
 
 # --------------------------------------------------------------------------------------------- tracing
+
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mixtral_traces_every_op_with_a_rule(world):
@@ -245,8 +264,17 @@ def _rank_parity(rank, world, jobs):
             d = float((grads[pname] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
             if d > worst:
                 worst, where = d, pname
-        results.append({"job": (style, dup), "duplication": module.duplication, "moe_kinds": moe_kinds,
-                        "loss": total, "ref": float(ref_loss), "grad": worst, "where": where})
+        results.append(
+            {
+                "job": (style, dup),
+                "duplication": module.duplication,
+                "moe_kinds": moe_kinds,
+                "loss": total,
+                "ref": float(ref_loss),
+                "grad": worst,
+                "where": where,
+            }
+        )
     return results
 
 
@@ -273,6 +301,7 @@ def test_mixtral_parity(world, style, dup):
 
 
 # --------------------------------------------------------------------------------------------- search
+
 
 def test_search_shards_experts_that_dominate():
     """Few tokens and wide experts: moving the tokens costs far less than all-reducing the experts'

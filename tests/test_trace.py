@@ -53,25 +53,37 @@ def add_positions(h):
 
 # ---------------------------------------------------------------------------------------------
 
+
 def test_linear_gelu_linear_graph():
     t = _quiet(trace_module, MLPLoss(), (torch.randn(4, 8),), 2)
     assert isinstance(t, Traced) and isinstance(t.gm, torch.fx.GraphModule)
     g = t.graph
     ops = [(n.op, n.target) for n in g.nodes]
     assert ops == [("input", "input")] + [("param", "parameter")] * 4 + [
-        ("call", "linear"), ("call", "gelu"), ("call", "linear"), ("call", "sum"), ("output", "output")]
+        ("call", "linear"),
+        ("call", "gelu"),
+        ("call", "linear"),
+        ("call", "sum"),
+        ("output", "output"),
+    ]
     x, w1 = g.node("x"), g.node("fc1_weight")
     assert [str(s.outputs[0]) for s in x.signatures] == ["full", "gather_0", "gather_1"]
     assert [s.outputs for s in w1.signatures] == [(REPLICATE,), (gather(0),), (gather(1),)]
     assert w1.signatures[0].kind == "param" and g.tensors[w1.outputs[0]].is_param
-    assert t.param_names == {"fc1_weight": "fc1.weight", "fc1_bias": "fc1.bias",
-                             "fc2_weight": "fc2.weight", "fc2_bias": "fc2.bias"}
+    assert t.param_names == {
+        "fc1_weight": "fc1.weight",
+        "fc1_bias": "fc1.bias",
+        "fc2_weight": "fc2.weight",
+        "fc2_bias": "fc2.bias",
+    }
     lin = g.node("linear")
     assert lin.inputs == [x.outputs[0], w1.outputs[0], g.node("fc1_bias").outputs[0]]
     assert lin.module == "fc1" and lin.source.endswith(f"{HERE}:{MLPLoss.forward.__code__.co_firstlineno + 1}")
     assert g.tensors[lin.outputs[0]].shape == (4, 16) and g.tensors[lin.outputs[0]].requires_grad
-    assert any(all(f.kind in ("full", "replicate") for f in s.inputs) and s.outputs == (FULL,)
-               and s.flops == lin.flops for s in lin.signatures)
+    assert any(
+        all(f.kind in ("full", "replicate") for f in s.inputs) and s.outputs == (FULL,) and s.flops == lin.flops
+        for s in lin.signatures
+    )
     out = g.nodes[-1]
     assert [s.inputs for s in out.signatures] == [(REDUCE,), (FULL,)] and out.inputs == g.node("sum_1").outputs
     ctx = t.contexts["linear"]
@@ -141,8 +153,10 @@ def test_broken_rule_falls_back_and_bad_gathers_are_filtered(monkeypatch):
         if ctx.node_name == "relu":
             raise RuntimeError("boom")
         n_in, n_out = len(ctx.inputs), len(ctx.outputs)
-        return [hidup.ir.Signature((FULL,) * n_in, (FULL,) * n_out, 1.0),
-                hidup.ir.Signature((gather(1),) * n_in, (gather(1),) * n_out, 0.5, "tensor")]
+        return [
+            hidup.ir.Signature((FULL,) * n_in, (FULL,) * n_out, 1.0),
+            hidup.ir.Signature((gather(1),) * n_in, (gather(1),) * n_out, 0.5, "tensor"),
+        ]
 
     import hidup.rules
 
@@ -210,8 +224,7 @@ def test_factory_tensors_inside_forward():
     t = _quiet(trace_module, M(), (torch.randn(2, 6, 4),), 2)
     arange = t.graph.node("arange")
     assert arange.inputs == [] and t.graph.tensors[arange.outputs[0]].dtype == "int64"
-    assert [t.graph.tensors[n.outputs[0]].shape for n in t.graph.nodes if n.target == "add.Tensor"] == \
-        [(2, 6, 4)] * 2
+    assert [t.graph.tensors[n.outputs[0]].shape for n in t.graph.nodes if n.target == "add.Tensor"] == [(2, 6, 4)] * 2
 
 
 def test_real_model_is_untouched_and_world_one_has_no_gathers():
@@ -348,11 +361,13 @@ def test_describe():
 
 # --------------------------------------------------------------------------------------------- zoo
 
+
 def _small(name: str, world: int, **extra):
     # ViT's sequence is a square number of patches, so it gets 16 tokens instead of 8.
     seq = 16 if name.startswith("vit") else 8
-    return hidup.models.build(name, world_size=world, layers=2, d_model=32, heads=4, ffn=64, seq_len=seq,
-                              batch_per_gpu=2, vocab=64, **extra)
+    return hidup.models.build(
+        name, world_size=world, layers=2, d_model=32, heads=4, ffn=64, seq_len=seq, batch_per_gpu=2, vocab=64, **extra
+    )
 
 
 ZOO = hidup.models.names() if hasattr(hidup.models, "names") else ["<zoo missing>"]
@@ -370,8 +385,9 @@ def test_zoo_traces_without_fallbacks(name, world):
     assert all(n.signatures for n in t.graph.nodes) and t.graph.nodes[-1].op == "output"
     n_params = sum(p.numel() for p in model.parameters())
     assert sum(x.numel for x in t.graph.tensors.values() if x.is_param) == n_params
-    assert set(t.param_names.values()) <= {n for n, _ in model.named_parameters()} | \
-        {n for n, _ in model.named_buffers()}
+    assert set(t.param_names.values()) <= {n for n, _ in model.named_parameters()} | {
+        n for n, _ in model.named_buffers()
+    }
     # Some op is sharded along the batch for data parallelism.
     assert any(s.kind == "data" for n in t.graph.nodes if n.op == "call" for s in n.signatures)
 

@@ -21,8 +21,28 @@ import pytest
 from hidup.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "4", "--ffn", "64", "--seq-len", "8",
-        "--batch-per-gpu", "2", "--vocab", "64", "--lr", "1e-2", "--warmup", "0"]
+TINY = [
+    "--model",
+    "gpt",
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq-len",
+    "8",
+    "--batch-per-gpu",
+    "2",
+    "--vocab",
+    "64",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+]
 
 
 def _port() -> int:
@@ -32,8 +52,11 @@ def _port() -> int:
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPN", "NODERANK",
-                                                             "NNODES", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPN", "NODERANK", "NNODES", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra.items()})
     return env
 
@@ -54,12 +77,39 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     _train(["--world", "2", "--iterations", "6", "--json", str(full), "--master-port", str(_port())])
     ckpt = tmp_path / "ckpt"
     part = tmp_path / "part.json"
-    _train(["--world", "2", "--iterations", "6", "--checkpoint-dir", str(ckpt), "--stop-after", "3",
-            "--json", str(part), "--master-port", str(_port())])
+    _train(
+        [
+            "--world",
+            "2",
+            "--iterations",
+            "6",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--stop-after",
+            "3",
+            "--json",
+            str(part),
+            "--master-port",
+            str(_port()),
+        ]
+    )
     assert len(_losses(part)) == 3 and (ckpt / "checkpoint" / ".metadata").is_file()
     resumed = tmp_path / "resumed.json"
-    _train(["--world", "2", "--iterations", "6", "--checkpoint-dir", str(ckpt), "--resume", "--json", str(resumed),
-            "--master-port", str(_port())])
+    _train(
+        [
+            "--world",
+            "2",
+            "--iterations",
+            "6",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--json",
+            str(resumed),
+            "--master-port",
+            str(_port()),
+        ]
+    )
     a, b = _losses(full), _losses(resumed)
     assert len(a) == len(b) == 6
     assert a == pytest.approx(b, rel=1e-6), f"uninterrupted {a}\nresumed       {b}"
@@ -67,8 +117,19 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
 
 def test_sigterm_checkpoints_every_rank_and_stops(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--world", "2", "--iterations", "100000",
-           "--checkpoint-dir", str(ckpt), "--master-port", str(_port())]
+    cmd = [
+        sys.executable,
+        str(ROOT / "exp" / "train.py"),
+        *TINY,
+        "--world",
+        "2",
+        "--iterations",
+        "100000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--master-port",
+        str(_port()),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -95,9 +156,17 @@ def test_noderank_cpn_two_nodes_match_one_node(tmp_path):
     port = _port()
     two = tmp_path / "two.json"
     cmd = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--iterations", "3"]
-    procs = [subprocess.Popen(cmd + (["--json", str(two)] if node == 0 else []), cwd=ROOT,
-                              env=_env(CPN=2, NNODES=2, NODERANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            cmd + (["--json", str(two)] if node == 0 else []),
+            cwd=ROOT,
+            env=_env(CPN=2, NNODES=2, NODERANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for node, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
@@ -110,27 +179,83 @@ def test_strategy_then_train_with_the_saved_plan(tmp_path):
     """The original workflow: exp/strategy.py saves a plan, exp/train.py --plan trains with it exactly as
     with the same plan searched on the spot; a plan for another model is refused with the fix."""
     plan = tmp_path / "plan.json"
-    model_flags = TINY[:TINY.index("--lr")]
-    search = subprocess.run([sys.executable, str(ROOT / "exp" / "strategy.py"), *model_flags, "--world", "2",
-                             "--profile", "h200x4-socket", "--out", str(plan), "--quiet"],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    model_flags = TINY[: TINY.index("--lr")]
+    search = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "exp" / "strategy.py"),
+            *model_flags,
+            "--world",
+            "2",
+            "--profile",
+            "h200x4-socket",
+            "--out",
+            str(plan),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert search.returncode == 0, search.stdout + search.stderr
     saved, spot = tmp_path / "saved.json", tmp_path / "spot.json"
-    _train(["--world", "2", "--iterations", "3", "--plan", str(plan), "--json", str(saved),
-            "--master-port", str(_port())])
-    _train(["--world", "2", "--iterations", "3", "--profile", "h200x4-socket", "--json", str(spot),
-            "--master-port", str(_port())])
+    _train(
+        ["--world", "2", "--iterations", "3", "--plan", str(plan), "--json", str(saved), "--master-port", str(_port())]
+    )
+    _train(
+        [
+            "--world",
+            "2",
+            "--iterations",
+            "3",
+            "--profile",
+            "h200x4-socket",
+            "--json",
+            str(spot),
+            "--master-port",
+            str(_port()),
+        ]
+    )
     assert _losses(saved) == pytest.approx(_losses(spot), rel=1e-6)
     # --duplication on / off overrides the plan's mode; the two copies train the same model
     modes = {}
     for mode in ("on", "off"):
         modes[mode] = tmp_path / f"{mode}.json"
-        _train(["--world", "2", "--iterations", "3", "--plan", str(plan), "--duplication", mode, "--json",
-                str(modes[mode]), "--master-port", str(_port())])
+        _train(
+            [
+                "--world",
+                "2",
+                "--iterations",
+                "3",
+                "--plan",
+                str(plan),
+                "--duplication",
+                mode,
+                "--json",
+                str(modes[mode]),
+                "--master-port",
+                str(_port()),
+            ]
+        )
     on, off = (json.loads(modes[m].read_text()) for m in ("on", "off"))
     assert on["duplication"] is True and off["duplication"] is False
     assert on["losses"] == pytest.approx(off["losses"], rel=1e-5)
-    other = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--layers", "1", "--world", "2",
-             "--iterations", "1", "--plan", str(plan), "--master-port", str(_port())]
+    other = [
+        sys.executable,
+        str(ROOT / "exp" / "train.py"),
+        *TINY,
+        "--layers",
+        "1",
+        "--world",
+        "2",
+        "--iterations",
+        "1",
+        "--plan",
+        str(plan),
+        "--master-port",
+        str(_port()),
+    ]
     out = subprocess.run(other, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode != 0 and "run `hidup search` again" in out.stdout + out.stderr

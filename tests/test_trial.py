@@ -23,8 +23,9 @@ def _rank(rank, world, name, overrides, margin):
     ref_loss = ref(*inputs)
     ref_loss.backward()
     plan = forced(trace(model, inputs, world, half_batch=True), hidup.profiler.load("h200x4-nvlink"), "expert")
-    module, info = choose_duplication(model, plan, rank, world, inputs, cuda_graphs=False, trials=2, warmup=1,
-                                      margin=margin)
+    module, info = choose_duplication(
+        model, plan, rank, world, inputs, cuda_graphs=False, trials=2, warmup=1, margin=margin
+    )
     assert all(p.grad is None for p in module.parameters())  # the trial leaves no gradient behind
     loss = module(*inputs)
     loss.backward()
@@ -34,8 +35,14 @@ def _rank(rank, world, name, overrides, margin):
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
     err = max((grads[n] - g).abs().max().item() / max(g.abs().max().item(), floor) for n, g in ref_grads.items())
-    return {"info": info, "plan": plan.duplication, "module": module.duplication,
-            "loss": float(module.global_loss(loss).detach()), "ref": float(ref_loss.detach()), "grad_err": err}
+    return {
+        "info": info,
+        "plan": plan.duplication,
+        "module": module.duplication,
+        "loss": float(module.global_loss(loss).detach()),
+        "ref": float(ref_loss.detach()),
+        "grad_err": err,
+    }
 
 
 @pytest.mark.parametrize("margin", [10.0, -0.99])

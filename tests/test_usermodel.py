@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULE = "um_models"
 PROFILE = ["--profile", "h200x4-socket"]
 
-SOURCE = textwrap.dedent('''
+SOURCE = textwrap.dedent("""
     import torch
     import transformers
 
@@ -79,7 +79,7 @@ SOURCE = textwrap.dedent('''
         with torch.device("meta"):
             model = Regression(8, 16)
         return model, (torch.randn(4, 8), torch.randn(4))
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,11 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPN", "NODERANK",
-                                                             "NNODES", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPN", "NODERANK", "NNODES", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return env
 
@@ -133,10 +136,27 @@ def _refused(argv: list[str], capsys, *needles: str) -> str:
 
 # ------------------------------------------------------------------------------ the whole path
 
+
 def test_llama_factory_search_show_verify_train_without_model_flags(here, capsys, tmp_path):
     plan_path = here / "llama.json"
-    assert main(["search", "--model", f"{MODULE}:build_llama", "--world", "2", "--model-arg", "dtype=float64",
-                 *PROFILE, "--out", str(plan_path), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                f"{MODULE}:build_llama",
+                "--world",
+                "2",
+                "--model-arg",
+                "dtype=float64",
+                *PROFILE,
+                "--out",
+                str(plan_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     saved = json.loads(plan_path.read_text())
     assert saved["model_source"] == {"model": f"{MODULE}:build_llama", "args": {"dtype": "float64"}}
     assert saved["world_size"] == 2
@@ -153,8 +173,29 @@ def test_llama_factory_search_show_verify_train_without_model_flags(here, capsys
     assert f"duplication {'on' if plan.duplication else 'off'} (as the plan says)" in verified
 
     result = tmp_path / "train.json"
-    _ok(_run([sys.executable, "-m", "hidup.cli", "train", "--plan", str(plan_path), "--iterations", "2",
-              "--warmup", "0", "--lr", "1e-2", "--json", str(result), "--master-port", str(_port())], here))
+    _ok(
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "hidup.cli",
+                "train",
+                "--plan",
+                str(plan_path),
+                "--iterations",
+                "2",
+                "--warmup",
+                "0",
+                "--lr",
+                "1e-2",
+                "--json",
+                str(result),
+                "--master-port",
+                str(_port()),
+            ],
+            here,
+        )
+    )
     trained = json.loads(result.read_text())
     assert trained["model"] == f"{MODULE}:build_llama" and trained["world"] == 2 and trained["steps"] == 2
     assert len(trained["losses"]) == 2 and all(math.isfinite(x) for x in trained["losses"])
@@ -163,8 +204,24 @@ def test_llama_factory_search_show_verify_train_without_model_flags(here, capsys
 
 def test_plain_module_through_exp_scripts_and_verify_keeps_duplication_off(here, capsys, tmp_path):
     plan_path = here / "mlp.json"
-    _ok(_run([sys.executable, str(ROOT / "exp" / "strategy.py"), "--model", f"{MODULE}:build_mlp", "--world", "2",
-              "--no-duplication", *PROFILE, "--out", str(plan_path), "--quiet"], here))
+    _ok(
+        _run(
+            [
+                sys.executable,
+                str(ROOT / "exp" / "strategy.py"),
+                "--model",
+                f"{MODULE}:build_mlp",
+                "--world",
+                "2",
+                "--no-duplication",
+                *PROFILE,
+                "--out",
+                str(plan_path),
+                "--quiet",
+            ],
+            here,
+        )
+    )
     plan = Plan.load(plan_path)
     assert plan.model_source == {"model": f"{MODULE}:build_mlp", "args": {}} and not plan.duplication
     assert not plan.model_source["args"]
@@ -179,8 +236,25 @@ def test_plain_module_through_exp_scripts_and_verify_keeps_duplication_off(here,
     assert "OK: the plan matches the single-device model" in verified
 
     result = tmp_path / "train.json"
-    _ok(_run([sys.executable, str(ROOT / "exp" / "train.py"), "--plan", str(plan_path), "--iterations", "2",
-              "--warmup", "0", "--json", str(result), "--master-port", str(_port())], here))
+    _ok(
+        _run(
+            [
+                sys.executable,
+                str(ROOT / "exp" / "train.py"),
+                "--plan",
+                str(plan_path),
+                "--iterations",
+                "2",
+                "--warmup",
+                "0",
+                "--json",
+                str(result),
+                "--master-port",
+                str(_port()),
+            ],
+            here,
+        )
+    )
     trained = json.loads(result.read_text())
     assert trained["model"] == f"{MODULE}:build_mlp" and trained["world"] == 2 and trained["duplication"] is False
     assert len(trained["losses"]) == 2 and all(math.isfinite(x) for x in trained["losses"])
@@ -188,11 +262,28 @@ def test_plain_module_through_exp_scripts_and_verify_keeps_duplication_off(here,
 
 # ------------------------------------------------------------------------------ records and flags
 
+
 def _mlp_plan(here: Path, name: str = "mlp_small.json") -> Path:
     path = here / name
     if not path.exists():
-        assert main(["search", "--model", f"{MODULE}:build_mlp", "--world", "2", "--model-arg", "hidden=8",
-                     *PROFILE, "--out", str(path), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "search",
+                    "--model",
+                    f"{MODULE}:build_mlp",
+                    "--world",
+                    "2",
+                    "--model-arg",
+                    "hidden=8",
+                    *PROFILE,
+                    "--out",
+                    str(path),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     return path
 
 
@@ -209,11 +300,11 @@ def test_python_search_records_the_factory_or_show_says_what_to_pass(here, capsy
 
     bare = hidup.search(graph, "h200x4-socket")
     bare.save(here / "bare.json")
-    _refused(["show", str(here / "bare.json")], capsys, "does not record its model", "--model",
-             "model_source=")
+    _refused(["show", str(here / "bare.json")], capsys, "does not record its model", "--model", "model_source=")
     assert main(["show", str(here / "bare.json"), "--model", f"{MODULE}:build_mlp", "--model-arg", "hidden=8"]) == 0
-    _refused(["show", str(here / "bare.json"), "--model", f"{MODULE}:build_mlp"], capsys,
-             "made for a different job")  # the default hidden=16 is another model
+    _refused(
+        ["show", str(here / "bare.json"), "--model", f"{MODULE}:build_mlp"], capsys, "made for a different job"
+    )  # the default hidden=16 is another model
 
     with pytest.raises(PlanError, match="only JSON values"):
         hidup.search(graph, "h200x4-socket", model_source=(f"{MODULE}:build_mlp", {"dtype": torch.float64}))
@@ -232,17 +323,36 @@ def test_toml_model_table_names_the_factory_and_flags_win(here, capsys):
     cfg.write_text(f'world = 2\n[model]\nspec = "{MODULE}:build_mlp"\nhidden = 4\n')
     assert main(["describe", "--config", str(cfg), "--rows", "2"]) == 0
     assert f"graph {MODULE}:build_mlp for world size 2" in capsys.readouterr().out
-    _refused(["describe", "--config", str(cfg), "--model-arg", "depth=3"], capsys, "takes no argument depth",
-             "width, hidden, batch_per_rank")
+    _refused(
+        ["describe", "--config", str(cfg), "--model-arg", "depth=3"],
+        capsys,
+        "takes no argument depth",
+        "width, hidden, batch_per_rank",
+    )
     cfg.write_text(f'[model]\nspec = "{MODULE}:build_mlp"\nwhen = 1979-05-27\n')
-    _refused(["search", "--config", str(cfg), "--world", "2", "--out", str(here / "never.json")], capsys,
-             "only JSON values")
+    _refused(
+        ["search", "--config", str(cfg), "--world", "2", "--out", str(here / "never.json")], capsys, "only JSON values"
+    )
     assert not (here / "never.json").exists()
 
 
 def test_a_version_1_plan_still_loads_and_shows_its_zoo_model(here, capsys):
-    tiny = ["--layers", "1", "--d-model", "16", "--heads", "2", "--ffn", "32", "--seq-len", "4",
-            "--batch-per-gpu", "2", "--vocab", "32"]
+    tiny = [
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--ffn",
+        "32",
+        "--seq-len",
+        "4",
+        "--batch-per-gpu",
+        "2",
+        "--vocab",
+        "32",
+    ]
     path = here / "gpt.json"
     assert main(["search", "--model", "gpt", "--world", "2", *tiny, *PROFILE, "--out", str(path), "--quiet"]) == 0
     old = json.loads(path.read_text())
@@ -256,14 +366,25 @@ def test_a_version_1_plan_still_loads_and_shows_its_zoo_model(here, capsys):
 
 # ------------------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("spec, needles", [
-    ("no_such_module_xyz:build", ["no module named 'no_such_module_xyz'", "PYTHONPATH"]),
-    (f"{MODULE}:build_nothing", ["has no attribute 'build_nothing'", "build_llama"]),
-    (f"{MODULE}:build_raises", ["the factory raised ValueError: layers must be even", f"{MODULE}.py:"]),
-    (f"{MODULE}:build_wrong", ["must return (model, example_inputs)", "Linear"]),
-    (f"{MODULE}:build_split_devices", ["on different devices", "model tensor 'a.weight' is on meta",
-                                       "input 'x' is on cpu", "create the example inputs on the model's device"]),
-])
+
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("no_such_module_xyz:build", ["no module named 'no_such_module_xyz'", "PYTHONPATH"]),
+        (f"{MODULE}:build_nothing", ["has no attribute 'build_nothing'", "build_llama"]),
+        (f"{MODULE}:build_raises", ["the factory raised ValueError: layers must be even", f"{MODULE}.py:"]),
+        (f"{MODULE}:build_wrong", ["must return (model, example_inputs)", "Linear"]),
+        (
+            f"{MODULE}:build_split_devices",
+            [
+                "on different devices",
+                "model tensor 'a.weight' is on meta",
+                "input 'x' is on cpu",
+                "create the example inputs on the model's device",
+            ],
+        ),
+    ],
+)
 def test_a_bad_factory_is_one_message(here, capsys, spec, needles):
     _refused(["search", "--model", spec, "--world", "2", "--out", str(here / "never.json")], capsys, *needles)
 
@@ -281,14 +402,12 @@ def test_a_plan_for_another_world_or_model_is_refused_before_ranks_start(here, c
     _refused(["train", "--plan", plan, "--world", "4"], capsys, "searched for 2 ranks, not --world 4")
     _refused(["verify", "--plan", plan, "--world", "4"], capsys, "searched for 2 ranks, not --world 4")
     _refused(["train", "--plan", plan, "--cpn", "3"], capsys, "this launch has 3")
-    _refused(["train", "--plan", plan, "--model", f"{MODULE}:build_llama"], capsys,
-             f"searched for {MODULE}:build_mlp")
+    _refused(["train", "--plan", plan, "--model", f"{MODULE}:build_llama"], capsys, f"searched for {MODULE}:build_mlp")
 
 
 def test_bad_input_on_the_real_command_line_has_no_traceback(here):
     """The same messages through the console entry point: stderr, exit status 1, no traceback."""
-    out = _run([sys.executable, "-m", "hidup.cli", "search", "--model", f"{MODULE}:build_raises", "--world", "2"],
-               here)
+    out = _run([sys.executable, "-m", "hidup.cli", "search", "--model", f"{MODULE}:build_raises", "--world", "2"], here)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "the factory raised ValueError: layers must be even" in out.stderr
     plan = str(_mlp_plan(here, "mlp_cli.json"))

@@ -49,8 +49,15 @@ class Seq2SeqStep(nn.Module):
     def __init__(self, d_model: int = 32, heads: int = 4):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
-        self.core = nn.Transformer(d_model, heads, num_encoder_layers=1, num_decoder_layers=1,
-                                   dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.core = nn.Transformer(
+            d_model,
+            heads,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=64,
+            dropout=0.0,
+            batch_first=True,
+        )
         self.head = nn.Linear(d_model, VOCAB)
 
     def forward(self, input_ids, labels):
@@ -61,8 +68,16 @@ class Seq2SeqStep(nn.Module):
 
 
 def _no_dropout(config) -> None:
-    for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                "attention_dropout", "hidden_dropout", "classifier_dropout"):
+    for key in (
+        "attn_pdrop",
+        "resid_pdrop",
+        "embd_pdrop",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "attention_dropout",
+        "hidden_dropout",
+        "classifier_dropout",
+    ):
         if hasattr(config, key):
             setattr(config, key, 0.0)
 
@@ -76,21 +91,46 @@ def build(name: str, seed: int = 0):
         import transformers as T
 
         if name == "gpt2":
-            config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-                                  bos_token_id=0, eos_token_id=0)
+            config = T.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+            )
             cls = T.GPT2LMHeadModel
         elif name == "bert":
-            config = T.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                                  vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=0)
+            config = T.BertConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                intermediate_size=64,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                pad_token_id=0,
+            )
             cls = T.BertForMaskedLM
         elif name == "llama":
-            config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+            config = T.LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            )
             cls = T.LlamaForCausalLM
         elif name == "vit":
-            config = T.ViTConfig(image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, num_hidden_layers=2,
-                                 hidden_size=32, num_attention_heads=4, intermediate_size=64, num_labels=CLASSES)
+            config = T.ViTConfig(
+                image_size=IMAGE,
+                patch_size=PATCH,
+                num_channels=CHANNELS,
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                intermediate_size=64,
+                num_labels=CLASSES,
+            )
             cls = T.ViTForImageClassification
         else:
             raise ValueError(f"unknown third-party model {name!r}")
@@ -113,5 +153,10 @@ def build(name: str, seed: int = 0):
 NAMES = ("gpt2", "bert", "llama", "vit", "nn-transformer")
 # the dtype each model computes its loss in: the language-model losses of transformers upcast their
 # logits to float32; ViT's classification loss and nn.Transformer's stay in the model's float64
-LOSS_DTYPE = {"gpt2": torch.float32, "bert": torch.float32, "llama": torch.float32, "vit": torch.float64,
-              "nn-transformer": torch.float64}
+LOSS_DTYPE = {
+    "gpt2": torch.float32,
+    "bert": torch.float32,
+    "llama": torch.float32,
+    "vit": torch.float64,
+    "nn-transformer": torch.float64,
+}

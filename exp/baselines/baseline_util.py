@@ -106,10 +106,12 @@ def loss_form_of(model: nn.Module) -> LossForm:
         return LossForm(form)
     if form is None and isinstance(getattr(model, "config", None), ModelConfig):
         return LossForm("sum")
-    raise ValueError(f"the baselines need to know how the loss of {type(model).__name__} combines over ranks: "
-                     f"set model.loss_form in its factory to 'sum' (a sum over samples), 'mean' (a mean over "
-                     f"samples) or LossForm('mean', count=...) (a mean over counted items, e.g. unpadded tokens)"
-                     + (f"; got {form!r}" if form is not None else ""))
+    raise ValueError(
+        f"the baselines need to know how the loss of {type(model).__name__} combines over ranks: "
+        f"set model.loss_form in its factory to 'sum' (a sum over samples), 'mean' (a mean over "
+        f"samples) or LossForm('mean', count=...) (a mean over counted items, e.g. unpadded tokens)"
+        + (f"; got {form!r}" if form is not None else "")
+    )
 
 
 def loss_weight(form: LossForm, share: tuple, world: int, device: torch.device, group=None) -> float:
@@ -136,8 +138,10 @@ def make_adam(params, lr: float, capturable: bool = False) -> tuple[torch.optim.
         opt = torch.optim.Adam(params, lr=lr, fused=True, capturable=capturable)
         return opt, "Adam(fused=True" + (", capturable=True)" if capturable else ")")
     warnings.warn(f"fused Adam is unavailable here ({missing}); using plain Adam", stacklevel=2)
-    return (torch.optim.Adam(params, lr=lr, capturable=capturable),
-            ("Adam(capturable=True)" if capturable else "Adam") + f" (fused unavailable: {missing[:120]})")
+    return (
+        torch.optim.Adam(params, lr=lr, capturable=capturable),
+        ("Adam(capturable=True)" if capturable else "Adam") + f" (fused unavailable: {missing[:120]})",
+    )
 
 
 def fused_unavailable(params) -> str | None:

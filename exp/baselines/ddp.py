@@ -31,8 +31,11 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
     model.to(device)
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
     # Buffers are identical on every rank (same seed): do not re-broadcast them every forward.
-    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
         else {"broadcast_buffers": False}
+    )
     kwargs = dict(device_ids=ids, gradient_as_bucket_view=True, static_graph=True, **no_sync)
     if opts.graph and device.type == "cuda":
         side = torch.cuda.Stream(device)
@@ -42,6 +45,13 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
         torch.cuda.current_stream(device).wait_stream(side)
     else:
         module = DDP(model, **kwargs)
-    return Prepared(compile_module(module, opts), grads_averaged=True, capture_warmup=DDP_CAPTURE_WARMUP,
-                    info={"gradient_as_bucket_view": True, "static_graph": True,
-                          "compile": "DDP-wrapped model" if opts.compile else None})
+    return Prepared(
+        compile_module(module, opts),
+        grads_averaged=True,
+        capture_warmup=DDP_CAPTURE_WARMUP,
+        info={
+            "gradient_as_bucket_view": True,
+            "static_graph": True,
+            "compile": "DDP-wrapped model" if opts.compile else None,
+        },
+    )

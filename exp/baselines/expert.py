@@ -68,8 +68,10 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         E = moe.num_experts
         if E % world:
-            raise ValueError(f"expert parallelism needs the number of experts ({E}) divisible by the "
-                             f"world size ({world}); build the model with experts_per_gpu * world experts")
+            raise ValueError(
+                f"expert parallelism needs the number of experts ({E}) divisible by the "
+                f"world size ({world}); build the model with experts_per_gpu * world experts"
+            )
         self.d_model, self.ffn, self.num_experts = moe.d_model, moe.ffn, E
         self.k, self.capacity = moe.k, moe.capacity
         self.world, self.group = world, group
@@ -114,16 +116,23 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
     """Expert-parallel ``model``: local experts, replicated dense parameters (summed gradients)."""
     n = convert(model, rank, world)
     if n == 0:
-        raise ValueError(f"the expert baseline needs a model with MoE layers (hidup.models.MoEFFN); "
-                         f"{type(model).__name__} has none -- use the ddp or fsdp baseline")
+        raise ValueError(
+            f"the expert baseline needs a model with MoE layers (hidup.models.MoEFFN); "
+            f"{type(model).__name__} has none -- use the ddp or fsdp baseline"
+        )
     model.to(device)
     dense = [p for p in model.parameters() if not getattr(p, "expert", False)]
     # summed during the backward and waited for at its end (an autograd-engine callback); the
     # parameters' gradient hooks keep the bucketer alive
     GradBucketer(dense, bucket_mb=BUCKET_BYTES / 2**20)
-    return Prepared(compile_module(model, opts),
-                    info={"moe_layers": n, "local_experts": model_local_experts(model),
-                          "compile": "whole model" if opts.compile else None})
+    return Prepared(
+        compile_module(model, opts),
+        info={
+            "moe_layers": n,
+            "local_experts": model_local_experts(model),
+            "compile": "whole model" if opts.compile else None,
+        },
+    )
 
 
 def model_local_experts(model: nn.Module) -> int:

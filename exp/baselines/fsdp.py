@@ -33,8 +33,11 @@ except ImportError:  # older torch keeps FSDP2 under the composable namespace
 def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
     model.to(device)
     mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if opts.precision == "bf16" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if opts.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     units = 0
     for blocks in outer_module_lists(model):
         for i in range(len(blocks)):
@@ -42,6 +45,9 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
             fully_shard(blocks[i], mesh=mesh, mp_policy=mp)
             units += 1
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    info = {"fsdp_units": units + 1, "compile": "per block" if opts.compile else None,
-            "mixed_precision": "param bf16, reduce fp32" if opts.precision == "bf16" else None}
+    info = {
+        "fsdp_units": units + 1,
+        "compile": "per block" if opts.compile else None,
+        "mixed_precision": "param bf16, reduce fp32" if opts.precision == "bf16" else None,
+    }
     return Prepared(model, grads_averaged=True, info=info)

@@ -86,8 +86,10 @@ class RunSpec:
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.world < 1 or self.iters < 1 or self.warmup < 0 or self.best_of < 1:
-            raise ValueError(f"need world >= 1, iters >= 1, warmup >= 0, best_of >= 1; got world={self.world}, "
-                             f"iters={self.iters}, warmup={self.warmup}, best_of={self.best_of}")
+            raise ValueError(
+                f"need world >= 1, iters >= 1, warmup >= 0, best_of >= 1; got world={self.world}, "
+                f"iters={self.iters}, warmup={self.warmup}, best_of={self.best_of}"
+            )
 
 
 # ------------------------------------------------------------------------------------ precision
@@ -120,8 +122,9 @@ def precision_mode(precision: str, device: torch.device):
 def variant_options(variant: str, precision: str, compile_backend: str = "inductor") -> Options:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-    return Options(compile="compile" in variant, graph="graph" in variant, precision=precision,
-                   compile_backend=compile_backend)
+    return Options(
+        compile="compile" in variant, graph="graph" in variant, precision=precision, compile_backend=compile_backend
+    )
 
 
 def variant_skip(variant: str, device: torch.device) -> str | None:
@@ -131,9 +134,18 @@ def variant_skip(variant: str, device: torch.device) -> str | None:
     return None
 
 
-def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.device, share: tuple,
-                    variant: str = "eager", precision: str = "fp32", compile_backend: str = "inductor",
-                    loss_form=None):
+def prepare_variant(
+    baseline: str,
+    model,
+    rank: int,
+    world: int,
+    device: torch.device,
+    share: tuple,
+    variant: str = "eager",
+    precision: str = "fp32",
+    compile_backend: str = "inductor",
+    loss_form=None,
+):
     """``baseline``'s :class:`baseline_util.Prepared` for ``variant``, its loss weight set from this
     rank's input ``share`` (``single``: one device, weight 1).  ``model`` is converted in place."""
     form = loss_form if loss_form is not None else loss_form_of(model)
@@ -149,8 +161,9 @@ def prepare_variant(baseline: str, model, rank: int, world: int, device: torch.d
 
 
 # ------------------------------------------------------------------------------------ steps
-def step_once(prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *,
-              captured: bool = False) -> torch.Tensor:
+def step_once(
+    prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *, captured: bool = False
+) -> torch.Tensor:
     """Zero the gradients, forward under the precision's autocast, backward of ``loss * loss_scale``,
     the method's gradient glue, the optimizer step; the loss, detached.  ``captured`` (the body of a
     CUDA graph): the gradients are zeroed in place, so every replay writes the buffers the optimizer
@@ -246,9 +259,22 @@ def train_step(prepared, optimizer, inputs: tuple, precision: str, device: torch
     return EagerStep(prepared, optimizer, inputs, precision, device)()
 
 
-def run_variant(prepared, inputs: tuple, precision: str, device: torch.device, *, warmup: int, iters: int,
-                best_of: int = 1, cap_s: float | None = None, lr: float = 1e-4, capture: bool = False,
-                coupled: bool = True, phase=None, after=None) -> dict:
+def run_variant(
+    prepared,
+    inputs: tuple,
+    precision: str,
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    best_of: int = 1,
+    cap_s: float | None = None,
+    lr: float = 1e-4,
+    capture: bool = False,
+    coupled: bool = True,
+    phase=None,
+    after=None,
+) -> dict:
     """Build the step of ``prepared`` and time it (:func:`timing.time_steps`).  Returns the timing
     and ``losses``: the global loss of every step (``sum_r w_r L_r`` over the ranks when ``coupled``,
     this rank's own loss otherwise), setup steps of a capture first; and ``optimizer``.
@@ -294,23 +320,48 @@ def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict
         raise ValueError(f"--variant {spec.variant}: {skip}")
     inputs = tuple(t.to(device) for t in inputs)
     torch.manual_seed(spec.seed + 17 + rank)  # dropout streams, if the config enables dropout
-    prepared = prepare_variant(spec.baseline, model, rank, world, device, inputs, spec.variant, spec.precision,
-                               spec.compile_backend)
+    prepared = prepare_variant(
+        spec.baseline, model, rank, world, device, inputs, spec.variant, spec.precision, spec.compile_backend
+    )
     distributed = spec.baseline != "single" and dist.is_initialized() and world > 1
-    out = run_variant(prepared, inputs, spec.precision, device, warmup=spec.warmup, iters=spec.iters,
-                      best_of=spec.best_of, lr=spec.lr, capture="graph" in spec.variant, coupled=distributed)
+    out = run_variant(
+        prepared,
+        inputs,
+        spec.precision,
+        device,
+        warmup=spec.warmup,
+        iters=spec.iters,
+        best_of=spec.best_of,
+        lr=spec.lr,
+        capture="graph" in spec.variant,
+        coupled=distributed,
+    )
     t = out["iter_time_s"]
     groups = inputs[0].shape[0] * (world if spec.baseline != "single" else 1)
     tokens_per_group = cfg.tokens_per_group if cfg is not None and cfg.family != "mlp" else 1
     return {
-        "baseline": spec.baseline, "model": spec.model, "world": spec.world, "variant": spec.variant,
+        "baseline": spec.baseline,
+        "model": spec.model,
+        "world": spec.world,
+        "variant": spec.variant,
         "gpus_used": 1 if spec.baseline == "single" else world,
-        "config": cfg.to_dict() if cfg is not None else None, "precision": spec.precision, "lr": spec.lr,
-        "seed": spec.seed, "device": str(device), "backend": dist.get_backend() if distributed else "none",
-        "torch": torch.__version__, "warmup": spec.warmup, "iters": out["iters"], "best_of": spec.best_of,
-        "iter_time_s": t, "window_times_s": out["window_times_s"], "optimizer": out["optimizer"],
-        "samples_per_s": groups / t, "tokens_per_s": groups * tokens_per_group / t,
-        "peak_memory_bytes": out["peak_memory_bytes"], "losses": out["losses"],
+        "config": cfg.to_dict() if cfg is not None else None,
+        "precision": spec.precision,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "device": str(device),
+        "backend": dist.get_backend() if distributed else "none",
+        "torch": torch.__version__,
+        "warmup": spec.warmup,
+        "iters": out["iters"],
+        "best_of": spec.best_of,
+        "iter_time_s": t,
+        "window_times_s": out["window_times_s"],
+        "optimizer": out["optimizer"],
+        "samples_per_s": groups / t,
+        "tokens_per_s": groups * tokens_per_group / t,
+        "peak_memory_bytes": out["peak_memory_bytes"],
+        "losses": out["losses"],
         **{f"info_{k}": v for k, v in prepared.info.items()},
     }
 
@@ -334,23 +385,29 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
         results = launch(_launched, spec, env={})
     else:
         kw = {k: v for k, v in launch_kwargs.items() if v is not None}
-        layout = layout_from_env(**{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr", "master_port")
-                                    if k in kw})
+        layout = layout_from_env(
+            **{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr", "master_port") if k in kw}
+        )
         if layout.source == "single":  # nothing set: all ranks on this host
             kw.setdefault("cpn", spec.world)
             kw.setdefault("master_port", 0)  # the launcher's store on a free port
-            layout = layout_from_env(**{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr",
-                                                          "master_port") if k in kw})
+            layout = layout_from_env(
+                **{k: kw[k] for k in ("nnodes", "cpn", "node_rank", "master_addr", "master_port") if k in kw}
+            )
         if layout.world_size != spec.world:
-            raise ValueError(f"the launch gives {layout.world_size} ranks ({layout.source}: NNODES x CPN or "
-                             f"WORLD_SIZE) but --world is {spec.world}; make them agree")
+            raise ValueError(
+                f"the launch gives {layout.world_size} ranks ({layout.source}: NNODES x CPN or "
+                f"WORLD_SIZE) but --world is {spec.world}; make them agree"
+            )
         results = launch(_launched, spec, **kw)
     return next((r for r in results if r is not None), None)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Run one training baseline (DDP, FSDP2, expert "
-                                "parallelism, or one GPU's share) and print its timing as JSON.")
+    p = argparse.ArgumentParser(
+        description="Run one training baseline (DDP, FSDP2, expert "
+        "parallelism, or one GPU's share) and print its timing as JSON."
+    )
     p.add_argument("--baseline", choices=BASELINES, required=True)
     add_model_args(p, world_default=2)
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations (default 3)")
@@ -358,10 +415,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--variant", choices=VARIANTS, default="eager",
-                   help="eager, compile (torch.compile), graph (the whole step as one CUDA graph) or compile-graph")
-    p.add_argument("--best-of", type=int, default=1, metavar="K",
-                   help="time K windows of --iters steps between two device syncs and keep the fastest (default 1)")
+    p.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="eager",
+        help="eager, compile (torch.compile), graph (the whole step as one CUDA graph) or compile-graph",
+    )
+    p.add_argument(
+        "--best-of",
+        type=int,
+        default=1,
+        metavar="K",
+        help="time K windows of --iters steps between two device syncs and keep the fastest (default 1)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the model's)")
     p.add_argument("--aux-weight", type=float, default=None, help="MoE balance-loss weight")
@@ -380,8 +446,20 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     try:
-        spec = RunSpec(args.baseline, args.model, args.world, overrides, args.warmup, args.iters, args.lr,
-                       args.seed, args.precision, args.variant, args.best_of, args.compile_backend)
+        spec = RunSpec(
+            args.baseline,
+            args.model,
+            args.world,
+            overrides,
+            args.warmup,
+            args.iters,
+            args.lr,
+            args.seed,
+            args.precision,
+            args.variant,
+            args.best_of,
+            args.compile_backend,
+        )
     except ValueError as e:
         p.error(str(e))
     skip = variant_skip(spec.variant, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -395,8 +473,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    brief = {k: result[k] for k in ("baseline", "variant", "model", "world", "iter_time_s", "tokens_per_s",
-                                    "peak_memory_bytes", "optimizer")}
+    brief = {
+        k: result[k]
+        for k in (
+            "baseline",
+            "variant",
+            "model",
+            "world",
+            "iter_time_s",
+            "tokens_per_s",
+            "peak_memory_bytes",
+            "optimizer",
+        )
+    }
     brief["loss_first"], brief["loss_last"] = result["losses"][0], result["losses"][-1]
     print(json.dumps(brief, indent=1))
     return 0

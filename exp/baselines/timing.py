@@ -41,9 +41,17 @@ def barrier(device: torch.device, group=None) -> None:
     sync(device)
 
 
-def time_steps(step: Callable[[], torch.Tensor], device: torch.device, *, warmup: int, iters: int,
-               best_of: int = 1, cap_s: float | None = None, group=None,
-               phase: Callable[[str], None] | None = None) -> dict:
+def time_steps(
+    step: Callable[[], torch.Tensor],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    best_of: int = 1,
+    cap_s: float | None = None,
+    group=None,
+    phase: Callable[[str], None] | None = None,
+) -> dict:
     """Time ``step()`` (one training step; returns its loss as a detached tensor) as the module
     docstring says.  ``phase(name)`` is told ``warmup`` and ``timing`` as they start.
 
@@ -52,8 +60,10 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, *, warmup
     ``warmup_s`` (elapsed, max over ranks), ``capped`` (``N < iters`` for the time cap), ``losses``
     (a list of tensors, one per step) and ``peak_memory_bytes``."""
     if iters < 1 or best_of < 1 or warmup < 0:
-        raise ValueError(f"time_steps needs iters >= 1, best_of >= 1, warmup >= 0; got iters={iters}, "
-                         f"best_of={best_of}, warmup={warmup}")
+        raise ValueError(
+            f"time_steps needs iters >= 1, best_of >= 1, warmup >= 0; got iters={iters}, "
+            f"best_of={best_of}, warmup={warmup}"
+        )
     phase = phase or (lambda name: None)
     device = torch.device(device)
     losses: list[torch.Tensor] = []
@@ -85,6 +95,15 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, *, warmup
     windows = max_over_ranks(mine, group, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     peak_all = max_over_ranks([float(peak or 0)], group, device)[0]
-    return {"iter_time_s": min(windows), "window_times_s": windows, "iters": n, "best_of": best_of,
-            "warmup": warmup, "warmup_times_s": warm_times, "warmup_s": elapsed, "capped": n < iters,
-            "losses": losses, "peak_memory_bytes": int(peak_all) if peak is not None else None}
+    return {
+        "iter_time_s": min(windows),
+        "window_times_s": windows,
+        "iters": n,
+        "best_of": best_of,
+        "warmup": warmup,
+        "warmup_times_s": warm_times,
+        "warmup_s": elapsed,
+        "capped": n < iters,
+        "losses": losses,
+        "peak_memory_bytes": int(peak_all) if peak is not None else None,
+    }

@@ -32,8 +32,19 @@ from hidup.models.source import ModelSourceError, build_factory, is_factory, rec
 from hidup.models.torch_style import TorchStyleMoELM
 from hidup.models.vit import ViT, vit_inputs
 
-__all__ = ["build", "names", "config", "count_parameters", "ModelConfig", "moe_gating", "MoEFFN",
-           "OVERRIDES", "ModelSourceError", "is_factory", "recorded_source"]
+__all__ = [
+    "build",
+    "names",
+    "config",
+    "count_parameters",
+    "ModelConfig",
+    "moe_gating",
+    "MoEFFN",
+    "OVERRIDES",
+    "ModelSourceError",
+    "is_factory",
+    "recorded_source",
+]
 
 _FAMILIES = {
     "lm": (CausalLM, lm_inputs),
@@ -63,12 +74,15 @@ def _as_dtype(dtype) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
         return getattr(torch, dtype)
-    raise ValueError(f"hidup.models.build: dtype={dtype!r} is not a torch dtype; pass e.g. "
-                     f"torch.float32, torch.bfloat16 or 'bfloat16'")
+    raise ValueError(
+        f"hidup.models.build: dtype={dtype!r} is not a torch dtype; pass e.g. "
+        f"torch.float32, torch.bfloat16 or 'bfloat16'"
+    )
 
 
-def build(name: str, world_size: int = 1, *, device=None, dtype=None, seed: int = 0,
-          **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def build(
+    name: str, world_size: int = 1, *, device=None, dtype=None, seed: int = 0, **overrides
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build model ``name`` -- a zoo name or ``package.module:function`` -- and example inputs for the
     global batch.
 
@@ -84,8 +98,7 @@ def build(name: str, world_size: int = 1, *, device=None, dtype=None, seed: int 
         model, inputs = build_factory(name, world_size, device=device, seed=seed, **overrides)
         if dtype is not None:
             model = model.to(dtype=dtype)
-            inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                           for t in inputs)
+            inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
         return model, inputs
     cfg = resolve(name, world_size, **overrides)
     device = torch.device(device) if device is not None else torch.device("cpu")

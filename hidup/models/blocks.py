@@ -111,7 +111,8 @@ class Trunk(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             MoEBlock(cfg, seq_len, causal) if cfg.is_moe_layer(i) else DenseBlock(cfg, seq_len, causal)
-            for i in range(cfg.layers))
+            for i in range(cfg.layers)
+        )
         self.moe_layer = [cfg.is_moe_layer(i) for i in range(cfg.layers)]
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 

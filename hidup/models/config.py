@@ -129,8 +129,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(num_experts=self.num_experts, global_batch=self.global_batch,
-                 capacity=self.capacity, num_parameters=self.num_parameters())
+        d.update(
+            num_experts=self.num_experts,
+            global_batch=self.global_batch,
+            capacity=self.capacity,
+            num_parameters=self.num_parameters(),
+        )
         return d
 
     # ---- parameter count -----------------------------------------------------------------
@@ -138,8 +142,7 @@ class ModelConfig:
         """Exact parameter count of the model this config builds (formulas in the module doc)."""
         D, F, E = self.d_model, self.ffn, self.num_experts
         if self.family == "mlp":
-            return (D * F + F) + (self.layers - 1) * (F * F + F) + (F * self.num_classes
-                                                                     + self.num_classes)
+            return (D * F + F) + (self.layers - 1) * (F * F + F) + (F * self.num_classes + self.num_classes)
         attn = 4 * (D * D + D)
         dense = 2 * 2 * D + attn + 2 * D * F + F + D
         moe = 2 * 2 * D + attn + D * E + E * (2 * D * F + F + D)
@@ -181,20 +184,26 @@ def resolve(name: str, world_size: int = 1, **overrides) -> ModelConfig:
         raise ValueError(f"{where}: world_size={world_size!r} must be an integer >= 1")
     unknown = sorted(set(overrides) - set(OVERRIDES))
     if unknown:
-        raise ValueError(f"{where}: unknown override(s) {', '.join(unknown)}; valid overrides are: "
-                         f"{', '.join(OVERRIDES)}")
+        raise ValueError(
+            f"{where}: unknown override(s) {', '.join(unknown)}; valid overrides are: {', '.join(OVERRIDES)}"
+        )
     family, top_k = ZOO[name]
     values = dict(_FAMILY_DEFAULTS[family])
     for key, value in overrides.items():
         values[key] = _check_value(key, OVERRIDES[key], value, where)
     cfg = ModelConfig(name=name, family=family, top_k=top_k, world_size=world_size, **values)
     if family != "mlp" and cfg.d_model % cfg.heads:
-        raise ValueError(f"{where}: d_model={cfg.d_model} is not divisible by heads={cfg.heads}; "
-                         f"choose heads dividing d_model")
+        raise ValueError(
+            f"{where}: d_model={cfg.d_model} is not divisible by heads={cfg.heads}; choose heads dividing d_model"
+        )
     if family == "vit" and math.isqrt(cfg.seq_len) ** 2 != cfg.seq_len:
-        raise ValueError(f"{where}: seq_len={cfg.seq_len} is the number of image patches and must "
-                         f"be a perfect square (e.g. 16, 64, 256)")
+        raise ValueError(
+            f"{where}: seq_len={cfg.seq_len} is the number of image patches and must "
+            f"be a perfect square (e.g. 16, 64, 256)"
+        )
     if cfg.is_moe and cfg.top_k > cfg.num_experts:
-        raise ValueError(f"{where}: top-{cfg.top_k} routing needs at least {cfg.top_k} experts, "
-                         f"got experts_per_gpu*world_size={cfg.num_experts}; raise experts_per_gpu")
+        raise ValueError(
+            f"{where}: top-{cfg.top_k} routing needs at least {cfg.top_k} experts, "
+            f"got experts_per_gpu*world_size={cfg.num_experts}; raise experts_per_gpu"
+        )
     return cfg

@@ -46,7 +46,6 @@ def lm_inputs(cfg: ModelConfig, generator: torch.Generator | None, meta: bool):
     """``(tokens, targets)`` for the global batch: a random token stream shifted by one."""
     B, S = cfg.global_batch, cfg.seq_len
     if meta:
-        return (torch.empty(B, S, dtype=torch.long, device="meta"),
-                torch.empty(B, S, dtype=torch.long, device="meta"))
+        return (torch.empty(B, S, dtype=torch.long, device="meta"), torch.empty(B, S, dtype=torch.long, device="meta"))
     stream = torch.randint(0, cfg.vocab, (B, S + 1), generator=generator)
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()

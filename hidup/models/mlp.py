@@ -36,8 +36,7 @@ def mlp_inputs(cfg: ModelConfig, generator: torch.Generator | None, meta: bool):
     """``(x[B,D], labels[B])`` for the global batch."""
     B = cfg.global_batch
     if meta:
-        return (torch.empty(B, cfg.d_model, device="meta"),
-                torch.empty(B, dtype=torch.long, device="meta"))
+        return (torch.empty(B, cfg.d_model, device="meta"), torch.empty(B, dtype=torch.long, device="meta"))
     x = torch.randn(B, cfg.d_model, generator=generator)
     labels = torch.randint(0, cfg.num_classes, (B,), generator=generator)
     return x, labels

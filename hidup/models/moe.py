@@ -47,12 +47,13 @@ def moe_gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool | No
     graph, with a fake implementation for meta and fake tensors and its own autograd); this
     function checks the arguments first."""
     if logits.dim() != 3:
-        raise ValueError(f"moe_gating: logits must be [groups, tokens, experts], got a "
-                         f"{logits.dim()}-d tensor of shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"moe_gating: logits must be [groups, tokens, experts], got a "
+            f"{logits.dim()}-d tensor of shape {tuple(logits.shape)}"
+        )
     num_experts = logits.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
-        raise ValueError(f"moe_gating: k={k!r} must be an int in [1, {num_experts}] "
-                         f"(the number of experts)")
+        raise ValueError(f"moe_gating: k={k!r} must be an int in [1, {num_experts}] (the number of experts)")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"moe_gating: capacity={capacity!r} must be an int >= 1")
     return tuple(_gating_op(logits, k, capacity, bool(k > 1 if normalize is None else normalize)))
@@ -101,9 +102,11 @@ def _gating(logits: torch.Tensor, k: int, capacity: int, normalize: bool):
 # ``logits`` is the autograd of ``_gating`` itself (re-run under autograd in the backward), so forward
 # and backward are the ops of the plain function, bit for bit.
 
+
 @torch.library.custom_op("hidup::moe_gating", mutates_args=())
-def _gating_op(logits: torch.Tensor, k: int, capacity: int,
-               normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gating_op(
+    logits: torch.Tensor, k: int, capacity: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         return _gating(logits, k, capacity, normalize)
 
@@ -176,5 +179,7 @@ class MoEFFN(nn.Module):
         return y, aux
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, ffn={self.ffn}, experts={self.num_experts}, "
-                f"top_k={self.k}, capacity={self.capacity}")
+        return (
+            f"d_model={self.d_model}, ffn={self.ffn}, experts={self.num_experts}, "
+            f"top_k={self.k}, capacity={self.capacity}"
+        )

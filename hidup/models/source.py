@@ -40,8 +40,16 @@ import torch.nn as nn
 
 from hidup.models.config import ZOO
 
-__all__ = ["ModelSourceError", "is_factory", "load_factory", "build_factory", "recorded_source",
-           "positional_inputs", "describe_source", "HIDUP_SUPPLIED"]
+__all__ = [
+    "ModelSourceError",
+    "is_factory",
+    "load_factory",
+    "build_factory",
+    "recorded_source",
+    "positional_inputs",
+    "describe_source",
+    "HIDUP_SUPPLIED",
+]
 
 # Parameters hidup fills in itself when the factory declares them; they are not model arguments.
 HIDUP_SUPPLIED = ("world_size", "device")
@@ -83,8 +91,10 @@ def load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     module_name, attr = module_name.strip(), attr.strip()
     if not module_name or not attr or ":" in attr:
-        raise ModelSourceError(f"model {spec!r}: expected a zoo name (see `hidup models`) or "
-                               "package.module:function, e.g. mymodels:build_llama")
+        raise ModelSourceError(
+            f"model {spec!r}: expected a zoo name (see `hidup models`) or "
+            "package.module:function, e.g. mymodels:build_llama"
+        )
     _importable_cwd()
     try:
         module = importlib.import_module(module_name)
@@ -93,24 +103,33 @@ def load_factory(spec: str):
             raise ModelSourceError(
                 f"model {spec!r}: no module named {module_name!r} (looked in the current directory "
                 f"{os.getcwd()} and on sys.path). Fix: run from the directory holding {module_name.split('.')[0]}"
-                f".py, or add its directory to PYTHONPATH") from None
-        raise ModelSourceError(f"model {spec!r}: importing {module_name} failed: ModuleNotFoundError: {e} "
-                               f"(at {_where(e.__traceback__)}). Fix: install the missing package") from None
+                f".py, or add its directory to PYTHONPATH"
+            ) from None
+        raise ModelSourceError(
+            f"model {spec!r}: importing {module_name} failed: ModuleNotFoundError: {e} "
+            f"(at {_where(e.__traceback__)}). Fix: install the missing package"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any error while importing the user's module is reported as such
-        raise ModelSourceError(f"model {spec!r}: importing {module_name} failed: {type(e).__name__}: {e} "
-                               f"(at {_where(e.__traceback__)})") from None
+        raise ModelSourceError(
+            f"model {spec!r}: importing {module_name} failed: {type(e).__name__}: {e} (at {_where(e.__traceback__)})"
+        ) from None
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                            and getattr(v, "__module__", None) == module.__name__)
+            public = sorted(
+                k
+                for k, v in vars(module).items()
+                if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+            )
             raise ModelSourceError(
                 f"model {spec!r}: module {module_name} ({getattr(module, '__file__', '?')}) has no attribute "
-                f"{attr!r}; its functions and classes: {', '.join(public) or '(none)'}")
+                f"{attr!r}; its functions and classes: {', '.join(public) or '(none)'}"
+            )
         factory = getattr(factory, part)
     if not callable(factory):
-        raise ModelSourceError(f"model {spec!r}: {attr} is a {type(factory).__name__}, not a function returning "
-                               "(model, example_inputs)")
+        raise ModelSourceError(
+            f"model {spec!r}: {attr} is a {type(factory).__name__}, not a function returning (model, example_inputs)"
+        )
     return factory
 
 
@@ -121,8 +140,10 @@ def _factory_kwargs(spec: str, factory, world_size: int, device: torch.device, a
         params = None  # a builtin without a signature: pass the arguments as they are
     supplied = sorted(set(HIDUP_SUPPLIED) & set(args))
     if supplied:
-        raise ModelSourceError(f"model {spec!r}: {', '.join(supplied)} is set by hidup (--world, the rank's "
-                               "device), not a model argument; drop it from the model arguments")
+        raise ModelSourceError(
+            f"model {spec!r}: {', '.join(supplied)} is set by hidup (--world, the rank's "
+            "device), not a model argument; drop it from the model arguments"
+        )
     kwargs = dict(args)
     if params is None:
         return kwargs
@@ -131,16 +152,23 @@ def _factory_kwargs(spec: str, factory, world_size: int, device: torch.device, a
     unknown = sorted(k for k in args if k not in named and not takes_any)
     if unknown:
         accepted = [n for n in named if n not in HIDUP_SUPPLIED]
-        raise ModelSourceError(f"model {spec!r}: the factory takes no argument {', '.join(unknown)}; it takes: "
-                               f"{', '.join(accepted) or '(none)'}")
+        raise ModelSourceError(
+            f"model {spec!r}: the factory takes no argument {', '.join(unknown)}; it takes: "
+            f"{', '.join(accepted) or '(none)'}"
+        )
     for name, value in (("world_size", world_size), ("device", device)):
         if name in named:
             kwargs[name] = value
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        n
+        for n, p in params.items()
+        if p.default is p.empty and n not in kwargs and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if missing:
-        raise ModelSourceError(f"model {spec!r}: the factory needs {', '.join(missing)}; pass "
-                               + ", ".join(f"--model-arg {n}=VALUE" for n in missing))
+        raise ModelSourceError(
+            f"model {spec!r}: the factory needs {', '.join(missing)}; pass "
+            + ", ".join(f"--model-arg {n}=VALUE" for n in missing)
+        )
     return kwargs
 
 
@@ -154,21 +182,24 @@ def positional_inputs(model: nn.Module, inputs, where: str) -> tuple:
         sig = inspect.signature(model.forward)
         params = list(sig.parameters.values())
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-            raise ModelSourceError(f"{where}: {type(model).__name__}.forward takes *args/**kwargs, so dict example "
-                                   "inputs have no order; return them as a tuple")
+            raise ModelSourceError(
+                f"{where}: {type(model).__name__}.forward takes *args/**kwargs, so dict example "
+                "inputs have no order; return them as a tuple"
+            )
         try:
             bound = sig.bind(**inputs)
         except TypeError as e:
-            raise ModelSourceError(f"{where}: example inputs {sorted(inputs)} do not match "
-                                   f"{type(model).__name__}.forward{sig}: {e}") from None
+            raise ModelSourceError(
+                f"{where}: example inputs {sorted(inputs)} do not match {type(model).__name__}.forward{sig}: {e}"
+            ) from None
         last = max(i for i, p in enumerate(params) if p.name in bound.arguments)
-        return tuple(bound.arguments.get(p.name, p.default) for p in params[:last + 1])
-    raise ModelSourceError(f"{where}: example inputs must be a tensor, a tuple or a dict of inputs, got "
-                           f"{type(inputs).__name__}")
+        return tuple(bound.arguments.get(p.name, p.default) for p in params[: last + 1])
+    raise ModelSourceError(
+        f"{where}: example inputs must be a tensor, a tuple or a dict of inputs, got {type(inputs).__name__}"
+    )
 
 
-def build_factory(spec: str, world_size: int = 1, *, device=None, seed: int = 0,
-                  **args) -> tuple[nn.Module, tuple]:
+def build_factory(spec: str, world_size: int = 1, *, device=None, seed: int = 0, **args) -> tuple[nn.Module, tuple]:
     """Call the factory ``spec`` names (see the module docstring); ``(model, positional inputs)``."""
     factory = load_factory(spec)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -179,17 +210,23 @@ def build_factory(spec: str, world_size: int = 1, *, device=None, seed: int = 0,
             torch.manual_seed(seed)
             result = factory(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's code: one message naming the error and its line
-        raise ModelSourceError(f"model {spec!r}: the factory raised {type(e).__name__}: {e} "
-                               f"(at {_where(e.__traceback__, module_file)})") from None
+        raise ModelSourceError(
+            f"model {spec!r}: the factory raised {type(e).__name__}: {e} (at {_where(e.__traceback__, module_file)})"
+        ) from None
     where = f"model {spec!r}"
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        got = (f"a {type(result).__name__} of {len(result)} items" if isinstance(result, (tuple, list))
-               else f"an object of type {type(result).__name__}")
+        got = (
+            f"a {type(result).__name__} of {len(result)} items"
+            if isinstance(result, (tuple, list))
+            else f"an object of type {type(result).__name__}"
+        )
         raise ModelSourceError(f"{where}: the factory must return (model, example_inputs), but it returned {got}")
     model, inputs = result
     if not isinstance(model, nn.Module):
-        raise ModelSourceError(f"{where}: the factory's first result must be an nn.Module whose forward returns "
-                               f"the loss, but it is an object of type {type(model).__name__}")
+        raise ModelSourceError(
+            f"{where}: the factory's first result must be an nn.Module whose forward returns "
+            f"the loss, but it is an object of type {type(model).__name__}"
+        )
     inputs = positional_inputs(model, inputs, where)
     if "device" not in kwargs and device.type != "cpu":
         model = model.to(device)
@@ -213,4 +250,3 @@ def describe_source(record: dict) -> str:
     """``spec arg=value ...`` for messages."""
     args = " ".join(f"{k}={v!r}" for k, v in record["args"].items())
     return record["model"] + (f" ({args})" if args else "")
-

@@ -26,8 +26,7 @@ class TorchMoEBlock(nn.Module):
         super().__init__()
         self.p = cfg.dropout
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = nn.MultiheadAttention(cfg.d_model, cfg.heads, dropout=cfg.dropout,
-                                          batch_first=True)
+        self.attn = nn.MultiheadAttention(cfg.d_model, cfg.heads, dropout=cfg.dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.moe = MoEFFN(cfg.d_model, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.capacity)
 
@@ -52,15 +51,23 @@ class TorchStyleMoELM(nn.Module):
         S = cfg.seq_len
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Parameter(torch.empty(S, cfg.d_model))
-        self.register_buffer("causal_mask", torch.ones(S, S, dtype=torch.bool).triu(1),
-                             persistent=False)
+        self.register_buffer("causal_mask", torch.ones(S, S, dtype=torch.bool).triu(1), persistent=False)
         self.moe_layer = [cfg.is_moe_layer(i) for i in range(cfg.layers)]
         self.layers = nn.ModuleList(
-            TorchMoEBlock(cfg) if cfg.is_moe_layer(i) else nn.TransformerEncoderLayer(
-                cfg.d_model, cfg.heads, dim_feedforward=cfg.ffn, dropout=cfg.dropout,
-                activation="gelu", layer_norm_eps=cfg.layer_norm_eps, batch_first=True,
-                norm_first=True)
-            for i in range(cfg.layers))
+            TorchMoEBlock(cfg)
+            if cfg.is_moe_layer(i)
+            else nn.TransformerEncoderLayer(
+                cfg.d_model,
+                cfg.heads,
+                dim_feedforward=cfg.ffn,
+                dropout=cfg.dropout,
+                activation="gelu",
+                layer_norm_eps=cfg.layer_norm_eps,
+                batch_first=True,
+                norm_first=True,
+            )
+            for i in range(cfg.layers)
+        )
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.decoder = nn.Linear(cfg.d_model, cfg.vocab)
         nn.init.normal_(self.tok.weight, std=0.02)

@@ -53,8 +53,7 @@ def vit_inputs(cfg: ModelConfig, generator: torch.Generator | None, meta: bool):
     """``(images[B,3,H,W], labels[B])`` for the global batch."""
     B, side = cfg.global_batch, cfg.image_size
     if meta:
-        return (torch.empty(B, IN_CHANNELS, side, side, device="meta"),
-                torch.empty(B, dtype=torch.long, device="meta"))
+        return (torch.empty(B, IN_CHANNELS, side, side, device="meta"), torch.empty(B, dtype=torch.long, device="meta"))
     images = torch.randn(B, IN_CHANNELS, side, side, generator=generator)
     labels = torch.randint(0, cfg.num_classes, (B,), generator=generator)
     return images, labels

@@ -48,9 +48,22 @@ from hidup.rules.reduction import scaled_mean
 from hidup.rules.registry import Unsupported, default_localize, lookup
 
 __all__ = [
-    "find_rule", "signatures", "localize", "declare_batch_op",
-    "dims", "Dims", "shard_signatures", "SpecError", "RuleError", "Unsupported", "Rule", "RuleContext",
-    "TensorMeta", "LocalCall", "vocab_parallel_embedding", "scaled_mean",
+    "find_rule",
+    "signatures",
+    "localize",
+    "declare_batch_op",
+    "dims",
+    "Dims",
+    "shard_signatures",
+    "SpecError",
+    "RuleError",
+    "Unsupported",
+    "Rule",
+    "RuleContext",
+    "TensorMeta",
+    "LocalCall",
+    "vocab_parallel_embedding",
+    "scaled_mean",
 ]
 
 
@@ -85,8 +98,10 @@ def localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     if rule is None:
         if all(f == FULL for f in sig.inputs + sig.outputs):
             return default_localize(ctx, sig, rank)
-        raise RuleError(f"node {ctx.node_name or ctx.target!r}: no rule for target {ctx.target!r}, "
-                        f"so only the all-full signature can run, not {sig}")
+        raise RuleError(
+            f"node {ctx.node_name or ctx.target!r}: no rule for target {ctx.target!r}, "
+            f"so only the all-full signature can run, not {sig}"
+        )
     if rule.localize is None:
         return default_localize(ctx, sig, rank)
     return rule.localize(ctx, sig, rank)
@@ -99,9 +114,12 @@ def _validate(ctx: RuleContext, rule: Rule, sigs: list[Signature]) -> None:
         raise RuleError(f"{where}: the all-full signature is missing; every rule must offer it")
     for s in sigs:
         if len(s.inputs) != len(ctx.inputs) or len(s.outputs) != len(ctx.outputs):
-            raise RuleError(f"{where}: signature {s} has {len(s.inputs)}/{len(s.outputs)} forms for "
-                            f"{len(ctx.inputs)} inputs / {len(ctx.outputs)} outputs")
+            raise RuleError(
+                f"{where}: signature {s} has {len(s.inputs)}/{len(s.outputs)} forms for "
+                f"{len(ctx.inputs)} inputs / {len(ctx.outputs)} outputs"
+            )
         for f, m in list(zip(s.inputs, ctx.inputs)) + list(zip(s.outputs, ctx.outputs)):
             if f.is_gather and (f.dim >= len(m.shape) or m.shape[f.dim] % ctx.world):
-                raise RuleError(f"{where}: signature {s} splits shape {m.shape} as {f}, which "
-                                f"{ctx.world} ranks do not divide")
+                raise RuleError(
+                    f"{where}: signature {s} splits shape {m.shape} as {f}, which {ctx.world} ranks do not divide"
+                )

@@ -70,15 +70,21 @@ def _embedding(args, kwargs):
     padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
     scale = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
     sparse = args[4] if len(args) > 4 else kwargs.get("sparse", False)
-    return (indices, weight), {"padding_idx": None if padding_idx == -1 else padding_idx,
-                               "scale_grad_by_freq": scale, "sparse": sparse}
+    return (indices, weight), {
+        "padding_idx": None if padding_idx == -1 else padding_idx,
+        "scale_grad_by_freq": scale,
+        "sparse": sparse,
+    }
 
 
 def _loss(names: list[str]) -> Binder:
     def bind(args, kwargs):
         b = dict(zip(names, args)) | dict(kwargs)
-        out = {"weight": b.get("weight"), "reduction": _REDUCTION[b.get("reduction", 1)],
-               "ignore_index": b.get("ignore_index", -100)}
+        out = {
+            "weight": b.get("weight"),
+            "reduction": _REDUCTION[b.get("reduction", 1)],
+            "ignore_index": b.get("ignore_index", -100),
+        }
         if "label_smoothing" in b:
             out["label_smoothing"] = b["label_smoothing"]
         return (b["self"], b["target"]), out
@@ -244,8 +250,10 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     # attention, embedding, losses
     aten.scaled_dot_product_attention.default: (F.scaled_dot_product_attention, _same),
     aten.embedding.default: (F.embedding, _embedding),
-    aten.cross_entropy_loss.default: (F.cross_entropy, _loss(["self", "target", "weight", "reduction",
-                                                              "ignore_index", "label_smoothing"])),
+    aten.cross_entropy_loss.default: (
+        F.cross_entropy,
+        _loss(["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]),
+    ),
     aten.nll_loss.default: (F.nll_loss, _loss(["self", "target", "weight", "reduction", "ignore_index"])),
     aten.nll_loss_nd.default: (F.nll_loss, _loss(["self", "target", "weight", "reduction", "ignore_index"])),
     # factories
@@ -262,8 +270,26 @@ _TABLE: dict[Any, tuple[Any, Binder]] = {
     aten.empty_like.default: (torch.empty_like, _factory),
 }
 
-for _name in ("tanh", "sigmoid", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "erf", "reciprocal",
-              "log1p", "expm1", "sign", "isnan", "isinf", "logical_not", "square"):
+for _name in (
+    "tanh",
+    "sigmoid",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "abs",
+    "sin",
+    "cos",
+    "erf",
+    "reciprocal",
+    "log1p",
+    "expm1",
+    "sign",
+    "isnan",
+    "isinf",
+    "logical_not",
+    "square",
+):
     _TABLE[getattr(aten, _name).default] = (getattr(torch, _name), _same)
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     for _overload in ("Tensor", "Scalar"):
@@ -283,8 +309,9 @@ def _slotted(args: tuple, kwargs: dict, is_slot: Callable[[Any], bool]) -> tuple
     return map_value((tuple(args), dict(kwargs)), lambda v: _Slot(next(counter)) if is_slot(v) else v)
 
 
-def _permutation(args: tuple, kwargs: dict, binder: Binder, is_slot: Callable[[Any], bool], n: int,
-                 where: str) -> list[int]:
+def _permutation(
+    args: tuple, kwargs: dict, binder: Binder, is_slot: Callable[[Any], bool], n: int, where: str
+) -> list[int]:
     """``p`` with torch input j = ATen input p[j] (see module docstring)."""
     s_args, s_kwargs = _slotted(args, kwargs, is_slot)
     t_args, t_kwargs = binder(s_args, s_kwargs)
@@ -302,8 +329,7 @@ def _rebound(ctx: RuleContext, is_slot: Callable[[Any], bool]) -> tuple[RuleCont
     where = f"{ctx.target} at {ctx.node_name}"
     order = _permutation(ctx.args, ctx.kwargs, binder, is_slot, len(ctx.inputs), where)
     t_args, t_kwargs = binder(tuple(ctx.args), dict(ctx.kwargs))
-    torch_ctx = replace(ctx, target=torch_target, args=t_args, kwargs=t_kwargs,
-                        inputs=[ctx.inputs[i] for i in order])
+    torch_ctx = replace(ctx, target=torch_target, args=t_args, kwargs=t_kwargs, inputs=[ctx.inputs[i] for i in order])
     return torch_ctx, order, rule
 
 

@@ -46,7 +46,7 @@ def _sdpa(ctx: RuleContext) -> list[Signature]:
     }
     full_mask = lead + [heads, "s", "l"]
     if "attn_mask" in meta:
-        tok["attn_mask"] = full_mask[nq - len(meta["attn_mask"].shape):]
+        tok["attn_mask"] = full_mask[nq - len(meta["attn_mask"].shape) :]
     tin = [tok[n] for n in slots]
     tout = [lead + [heads, "s", "f"]]
     fixed = {"s", "l", "e", "f", "g"}
@@ -54,5 +54,14 @@ def _sdpa(ctx: RuleContext) -> list[Signature]:
         fixed.add(heads)
     B = math.prod(q.shape[:-2])
     flops = 2.0 * B * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed=fixed,
-                            kinds={heads: "tensor"}, where="scaled_dot_product_attention")
+    return shard_signatures(
+        tin,
+        tout,
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        flops,
+        fixed=fixed,
+        kinds={heads: "tensor"},
+        where="scaled_dot_product_attention",
+    )

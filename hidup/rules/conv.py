@@ -38,8 +38,17 @@ from hidup.rules.registry import Unsupported, bind, register, tensor_slots
 __all__ = []
 
 _NAMES = ["input", "weight", "bias", "stride", "padding", "dilation", "groups"]
-_CONVOLUTION_NAMES = ["input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
-                      "groups"]
+_CONVOLUTION_NAMES = [
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "dilation",
+    "transposed",
+    "output_padding",
+    "groups",
+]
 
 
 def _conv_sigs(ctx: RuleContext, names: list[str], transposed: bool, groups: int) -> list[Signature]:
@@ -79,8 +88,18 @@ def _conv_sigs(ctx: RuleContext, names: list[str], transposed: bool, groups: int
         flops = 2.0 * math.prod(out.shape) * math.prod(w.shape[1:])
     if "bias" in slots:
         flops += math.prod(out.shape)
-    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed=fixed,
-                            linear=linear, additive=additive, where=str(ctx.target))
+    return shard_signatures(
+        tin,
+        tout,
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        flops,
+        fixed=fixed,
+        linear=linear,
+        additive=additive,
+        where=str(ctx.target),
+    )
 
 
 @register(F.conv1d, F.conv2d, F.conv3d, name="conv")

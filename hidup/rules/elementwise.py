@@ -36,8 +36,9 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
-def elementwise_signatures(ctx: RuleContext, linear=(), fixed_last: int = 0, fixed_dims=(),
-                           additive=()) -> list[Signature]:
+def elementwise_signatures(
+    ctx: RuleContext, linear=(), fixed_last: int = 0, fixed_dims=(), additive=()
+) -> list[Signature]:
     """Signatures of a broadcasting elementwise op over ``ctx.inputs`` -> ``ctx.outputs``.
 
     ``additive`` operands (the terms of a sum) may join a reduce-propagating set even when they
@@ -50,13 +51,23 @@ def elementwise_signatures(ctx: RuleContext, linear=(), fixed_last: int = 0, fix
         raise Unsupported("elementwise op without a tensor output")
     width = max(len(m.shape) for m in list(ctx.inputs) + list(ctx.outputs))
     toks = [f"d{j}" for j in range(width)]
-    fixed = set(toks[width - fixed_last:]) if fixed_last else set()
+    fixed = set(toks[width - fixed_last :]) if fixed_last else set()
     fixed |= {toks[width + d] if d < 0 else toks[width - len(ctx.outputs[0].shape) + d] for d in fixed_dims}
-    tin = [toks[width - len(m.shape):] for m in ctx.inputs]
-    tout = [toks[width - len(m.shape):] for m in ctx.outputs]
+    tin = [toks[width - len(m.shape) :] for m in ctx.inputs]
+    tout = [toks[width - len(m.shape) :] for m in ctx.outputs]
     flops = sum(_numel(m.shape) for m in ctx.outputs)
-    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed=fixed,
-                            linear=linear, additive=additive, where=str(ctx.target))
+    return shard_signatures(
+        tin,
+        tout,
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        flops,
+        fixed=fixed,
+        linear=linear,
+        additive=additive,
+        where=str(ctx.target),
+    )
 
 
 def _is_scalar_zero(v) -> bool:
@@ -67,15 +78,75 @@ def _is_scalar_zero(v) -> bool:
 # unary ops: nonlinear and linear
 
 _UNARY_NONLINEAR = [
-    torch.tanh, torch.sigmoid, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs, torch.sin,
-    torch.cos, torch.erf, torch.square, torch.reciprocal, torch.log1p, torch.expm1, torch.relu,
-    torch.sign, torch.isnan, torch.isinf, torch.logical_not, torch.clamp, torch.clip, torch.pow,
-    torch.nan_to_num, torch.nn.functional.gelu, F.relu, F.silu, F.sigmoid, F.tanh, F.softplus,
-    F.elu, F.leaky_relu, F.mish, F.hardtanh, F.hardswish, F.relu6, F.selu, F.logsigmoid, F.dropout,
-    torch.dropout, operator.pow, operator.invert, operator.not_,
-    "tanh", "sigmoid", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "erf", "square",
-    "reciprocal", "log1p", "expm1", "relu", "sign", "isnan", "isinf", "logical_not", "clamp", "clip",
-    "pow", "nan_to_num", "bool", "long", "int", "__invert__",
+    torch.tanh,
+    torch.sigmoid,
+    torch.exp,
+    torch.log,
+    torch.sqrt,
+    torch.rsqrt,
+    torch.abs,
+    torch.sin,
+    torch.cos,
+    torch.erf,
+    torch.square,
+    torch.reciprocal,
+    torch.log1p,
+    torch.expm1,
+    torch.relu,
+    torch.sign,
+    torch.isnan,
+    torch.isinf,
+    torch.logical_not,
+    torch.clamp,
+    torch.clip,
+    torch.pow,
+    torch.nan_to_num,
+    torch.nn.functional.gelu,
+    F.relu,
+    F.silu,
+    F.sigmoid,
+    F.tanh,
+    F.softplus,
+    F.elu,
+    F.leaky_relu,
+    F.mish,
+    F.hardtanh,
+    F.hardswish,
+    F.relu6,
+    F.selu,
+    F.logsigmoid,
+    F.dropout,
+    torch.dropout,
+    operator.pow,
+    operator.invert,
+    operator.not_,
+    "tanh",
+    "sigmoid",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "abs",
+    "sin",
+    "cos",
+    "erf",
+    "square",
+    "reciprocal",
+    "log1p",
+    "expm1",
+    "relu",
+    "sign",
+    "isnan",
+    "isinf",
+    "logical_not",
+    "clamp",
+    "clip",
+    "pow",
+    "nan_to_num",
+    "bool",
+    "long",
+    "int",
+    "__invert__",
 ]
 
 
@@ -84,8 +155,18 @@ def _unary(ctx: RuleContext) -> list[Signature]:
     return elementwise_signatures(ctx)
 
 
-_UNARY_LINEAR = [operator.neg, torch.neg, "neg", operator.pos, torch.positive, "contiguous", "clone",
-                 torch.clone, "detach", torch.detach]
+_UNARY_LINEAR = [
+    operator.neg,
+    torch.neg,
+    "neg",
+    operator.pos,
+    torch.positive,
+    "contiguous",
+    "clone",
+    torch.clone,
+    "detach",
+    torch.detach,
+]
 
 
 @register(*_UNARY_LINEAR, name="elementwise_linear")
@@ -106,12 +187,19 @@ def _to(ctx: RuleContext) -> list[Signature]:
     """``x.to(dtype/device/other)``: elementwise; linear when the result is floating."""
     if len(ctx.inputs) == 2 and ctx.inputs[1].shape != ctx.inputs[0].shape:
         # ``type_as(other)`` / ``to(other)`` only read ``other``'s dtype: give it its own fixed dims
-        tin = [[f"d{j}" for j in range(len(ctx.inputs[0].shape))],
-               [f"o{j}" for j in range(len(ctx.inputs[1].shape))]]
+        tin = [[f"d{j}" for j in range(len(ctx.inputs[0].shape))], [f"o{j}" for j in range(len(ctx.inputs[1].shape))]]
         tout = [tin[0]]
-        return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, _numel(ctx.outputs[0].shape),
-                                fixed={f"o{j}" for j in range(len(ctx.inputs[1].shape))},
-                                linear=[(0,)] if ctx.outputs[0].dtype in FLOAT_DTYPES else (), where="to")
+        return shard_signatures(
+            tin,
+            tout,
+            ctx.inputs,
+            ctx.outputs,
+            ctx.world,
+            _numel(ctx.outputs[0].shape),
+            fixed={f"o{j}" for j in range(len(ctx.inputs[1].shape))},
+            linear=[(0,)] if ctx.outputs[0].dtype in FLOAT_DTYPES else (),
+            where="to",
+        )
     lin = ()
     if ctx.outputs[0].dtype in FLOAT_DTYPES and ctx.inputs[0].dtype in FLOAT_DTYPES:
         lin = [tuple(range(len(ctx.inputs)))]
@@ -129,8 +217,20 @@ def _binary_roles(ctx: RuleContext) -> tuple[dict, dict]:
     return b, idx
 
 
-@register(operator.add, operator.sub, torch.add, torch.sub, torch.subtract, "add", "sub", "__add__",
-          "__sub__", operator.iadd, operator.isub, name="add")
+@register(
+    operator.add,
+    operator.sub,
+    torch.add,
+    torch.sub,
+    torch.subtract,
+    "add",
+    "sub",
+    "__add__",
+    "__sub__",
+    operator.iadd,
+    operator.isub,
+    name="add",
+)
 def _add(ctx: RuleContext) -> list[Signature]:
     b, idx = _binary_roles(ctx)
     lin = ()
@@ -148,11 +248,19 @@ def _mul(ctx: RuleContext) -> list[Signature]:
     return elementwise_signatures(ctx, linear=lin)
 
 
-@register(operator.truediv, torch.div, torch.true_divide, torch.divide, "div", "true_divide",
-          "__truediv__", operator.itruediv, name="div")
+@register(
+    operator.truediv,
+    torch.div,
+    torch.true_divide,
+    torch.divide,
+    "div",
+    "true_divide",
+    "__truediv__",
+    operator.itruediv,
+    name="div",
+)
 def _div(ctx: RuleContext) -> list[Signature]:
-    b = bind(ctx.args, ctx.kwargs, ["input", "other", "rounding_mode"], {"rounding_mode": None},
-             where=str(ctx.target))
+    b = bind(ctx.args, ctx.kwargs, ["input", "other", "rounding_mode"], {"rounding_mode": None}, where=str(ctx.target))
     slots = tensor_slots(ctx.args, ctx.kwargs, ["input", "other", "rounding_mode"])
     idx = {name: i for i, (name, _) in enumerate(slots)}
     lin = [(idx["input"],)] if "input" in idx and b["rounding_mode"] is None else ()
@@ -160,12 +268,44 @@ def _div(ctx: RuleContext) -> list[Signature]:
 
 
 _BINARY_NONLINEAR = [
-    torch.maximum, torch.minimum, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
-    torch.logical_and, torch.logical_or, torch.atan2, torch.floor_divide, torch.remainder,
-    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.floordiv,
-    operator.mod, operator.and_, operator.or_, operator.xor,
-    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-    "__and__", "__or__", "floor_divide", "remainder",
+    torch.maximum,
+    torch.minimum,
+    torch.eq,
+    torch.ne,
+    torch.lt,
+    torch.le,
+    torch.gt,
+    torch.ge,
+    torch.logical_and,
+    torch.logical_or,
+    torch.atan2,
+    torch.floor_divide,
+    torch.remainder,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.floordiv,
+    operator.mod,
+    operator.and_,
+    operator.or_,
+    operator.xor,
+    "maximum",
+    "minimum",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "__and__",
+    "__or__",
+    "floor_divide",
+    "remainder",
 ]
 
 
@@ -215,8 +355,21 @@ def _cumsum(ctx: RuleContext) -> list[Signature]:
 # factories
 
 
-@register(torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.linspace,
-          torch.tensor, torch.rand, torch.randn, torch.randint, torch.randperm, name="factory")
+@register(
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.eye,
+    torch.linspace,
+    torch.tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    name="factory",
+)
 def _factory(ctx: RuleContext) -> list[Signature]:
     """Constant or random tensors built from Python values: all ranks build the whole tensor."""
     return [all_full(ctx, 0.0)]
@@ -236,9 +389,21 @@ def _like_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     return LocalCall(callable_of(ctx.target), (args[0], local), kwargs)  # new_zeros(*size) / (size)
 
 
-@register(torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like,
-          torch.randn_like, "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor",
-          name="like_factory", localize=_like_localize)
+@register(
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.empty_like,
+    torch.rand_like,
+    torch.randn_like,
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty",
+    "new_tensor",
+    name="like_factory",
+    localize=_like_localize,
+)
 def _like(ctx: RuleContext) -> list[Signature]:
     """A tensor built from another's shape/dtype (not its values).
 

@@ -31,8 +31,14 @@ __all__ = ["vocab_parallel_embedding"]
 _NAMES = ["input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"]
 
 
-def vocab_parallel_embedding(input: torch.Tensor, weight: torch.Tensor, start: int, padding_idx=None,  # noqa: A002 - F.embedding's name
-                             scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+def vocab_parallel_embedding(
+    input: torch.Tensor,  # noqa: A002 - F.embedding's name
+    weight: torch.Tensor,
+    start: int,
+    padding_idx=None,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
     """Rows ``[start, start + weight.shape[0])`` of a vocabulary-sharded embedding.
 
     Ids outside the local range give zero rows, so the sum over ranks is the full lookup.
@@ -50,22 +56,35 @@ def vocab_parallel_embedding(input: torch.Tensor, weight: torch.Tensor, start: i
 
 
 def _bound(ctx: RuleContext) -> dict:
-    return bind(ctx.args, ctx.kwargs, _NAMES, {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False,
-                                               "sparse": False}, where="embedding")
+    return bind(
+        ctx.args,
+        ctx.kwargs,
+        _NAMES,
+        {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False},
+        where="embedding",
+    )
 
 
 def _localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     if sig.impl != "vocab_parallel":
         return LocalCall(callable_of(ctx.target), tuple(ctx.args), dict(ctx.kwargs))
-    b = bind(ctx.args, ctx.kwargs, _NAMES, {"padding_idx": None, "scale_grad_by_freq": False, "sparse": False},
-             where="embedding")
+    b = bind(
+        ctx.args,
+        ctx.kwargs,
+        _NAMES,
+        {"padding_idx": None, "scale_grad_by_freq": False, "sparse": False},
+        where="embedding",
+    )
     vocab = ctx.inputs[1].shape[0]
     pad = b["padding_idx"]
     if pad is not None and pad < 0:
         pad += vocab
     start = rank * (vocab // ctx.world)
-    return LocalCall(vocab_parallel_embedding, (b["input"], b["weight"], start),
-                     {"padding_idx": pad, "scale_grad_by_freq": b["scale_grad_by_freq"], "sparse": b["sparse"]})
+    return LocalCall(
+        vocab_parallel_embedding,
+        (b["input"], b["weight"], start),
+        {"padding_idx": pad, "scale_grad_by_freq": b["scale_grad_by_freq"], "sparse": b["sparse"]},
+    )
 
 
 @register(F.embedding, name="embedding", localize=_localize)

@@ -64,8 +64,13 @@ from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
 
-__all__ = ["ACTIVATIONS", "routed_experts", "routed_experts_math", "routed_experts_as_custom_op",
-           "experts_layout_activation"]
+__all__ = [
+    "ACTIVATIONS",
+    "routed_experts",
+    "routed_experts_math",
+    "routed_experts_as_custom_op",
+    "experts_layout_activation",
+]
 
 # activation name -> the function applied to the gate half
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -78,8 +83,15 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 _NAMES = ["x", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "expert_offset", "act"]
 
 
-def routed_experts_math(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
-                        down_proj: Tensor, expert_offset: int, act: str) -> Tensor:
+def routed_experts_math(
+    x: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    expert_offset: int,
+    act: str,
+) -> Tensor:
     """The op in differentiable torch (see module docstring); the eager ``transformers`` loop."""
     fn = ACTIVATIONS[act]
     out = torch.zeros_like(x)
@@ -95,8 +107,15 @@ def routed_experts_math(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
 
 
 @torch.library.custom_op("hidup::routed_experts", mutates_args=())
-def routed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
-                   down_proj: Tensor, expert_offset: int, act: str) -> Tensor:
+def routed_experts(
+    x: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    expert_offset: int,
+    act: str,
+) -> Tensor:
     """Dropless routed experts ``[expert_offset, expert_offset + E_local)`` (see module docstring)."""
     with torch.no_grad():
         return routed_experts_math(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_offset, act)
@@ -112,12 +131,16 @@ def _check_shapes(x, idx, w, gate_up, down, act) -> None:
     if act not in ACTIVATIONS:
         raise ValueError(f"hidup::routed_experts: unknown activation {act!r}; expected one of {sorted(ACTIVATIONS)}")
     if x.dim() != 2 or idx.dim() != 2 or idx.shape != w.shape or idx.shape[0] != x.shape[0]:
-        raise ValueError(f"hidup::routed_experts: expected x[T,D], top_k_index[T,k], top_k_weights[T,k]; got "
-                         f"{tuple(x.shape)}, {tuple(idx.shape)}, {tuple(w.shape)}")
+        raise ValueError(
+            f"hidup::routed_experts: expected x[T,D], top_k_index[T,k], top_k_weights[T,k]; got "
+            f"{tuple(x.shape)}, {tuple(idx.shape)}, {tuple(w.shape)}"
+        )
     e, f2, d = gate_up.shape
     if d != x.shape[1] or f2 % 2 or tuple(down.shape) != (e, d, f2 // 2):
-        raise ValueError(f"hidup::routed_experts: expected gate_up_proj[E,2F,D], down_proj[E,D,F] with D = "
-                         f"{x.shape[1]}; got {tuple(gate_up.shape)}, {tuple(down.shape)}")
+        raise ValueError(
+            f"hidup::routed_experts: expected gate_up_proj[E,2F,D], down_proj[E,D,F] with D = "
+            f"{x.shape[1]}; got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -149,8 +172,14 @@ def experts_layout_activation(module: nn.Module) -> str | None:
     """The activation name of a ``transformers`` experts module whose layout the op models, else None."""
     if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "config", "act_fn")):
         return None
-    if (not module.has_gate or module.is_transposed or module.has_bias or getattr(module, "has_post_expert_norm", False)
-            or not getattr(module, "is_concatenated", True) or getattr(module, "_is_expert_parallel", False)):
+    if (
+        not module.has_gate
+        or module.is_transposed
+        or module.has_bias
+        or getattr(module, "has_post_expert_norm", False)
+        or not getattr(module, "is_concatenated", True)
+        or getattr(module, "_is_expert_parallel", False)
+    ):
         return None
     apply_gate = getattr(type(module), "_apply_gate", None)
     moe = sys.modules.get("transformers.integrations.moe")
@@ -187,8 +216,9 @@ _IMPLEMENTATION = "hidup"
 _PREVIOUS: dict[int, str | None] = {}  # id(config) -> its experts implementation before the export
 
 
-def _hidup_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
-                           top_k_weights: Tensor) -> Tensor:
+def _hidup_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
     act = experts_layout_activation(self)
     if act is None:  # a layout the op does not model: the implementation the model had
         moe = sys.modules["transformers.integrations.moe"]
@@ -196,8 +226,9 @@ def _hidup_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: 
         previous = _PREVIOUS.get(id(self.config))
         fn = moe.ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager) if previous else eager
         return fn(self, hidden_states, top_k_index, top_k_weights)
-    return torch.ops.hidup.routed_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                                          self.down_proj, 0, act)
+    return torch.ops.hidup.routed_experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act
+    )
 
 
 @contextlib.contextmanager
@@ -222,8 +253,11 @@ def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
     try:
         for key, config in configs.items():
             # the attribute behind the config's property: its setter would also overwrite sub-configs
-            attr = "_experts_implementation_internal" if hasattr(config, "_experts_implementation_internal") \
+            attr = (
+                "_experts_implementation_internal"
+                if hasattr(config, "_experts_implementation_internal")
                 else "_experts_implementation"
+            )
             saved[key] = (attr, getattr(config, attr))
             _PREVIOUS[key] = config._experts_implementation
             setattr(config, attr, _IMPLEMENTATION)
@@ -248,8 +282,7 @@ def _experts_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     offset = b["expert_offset"]
     if sig.inputs[3].is_gather:  # expert signature: rank r holds experts [r E/N, (r+1) E/N)
         offset += rank * (ctx.inputs[3].shape[0] // ctx.world)
-    return LocalCall(torch.ops.hidup.routed_experts.default,
-                     tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
+    return LocalCall(torch.ops.hidup.routed_experts.default, tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
 
 
 @register(torch.ops.hidup.routed_experts.default, routed_experts, name="routed_experts", localize=_experts_localize)
@@ -282,5 +315,13 @@ def _topk(ctx: RuleContext) -> list[Signature]:
     tin = [f"d{i}" for i in range(nd)]
     tout = list(tin)
     tout[d] = "k"
-    return shard_signatures([tin], [tout, tout], ctx.inputs, ctx.outputs, ctx.world, float(math.prod(x.shape)),
-                            fixed={tin[d], "k"}, where="topk")
+    return shard_signatures(
+        [tin],
+        [tout, tout],
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        float(math.prod(x.shape)),
+        fixed={tin[d], "k"},
+        where="topk",
+    )

@@ -28,8 +28,7 @@ __all__ = ["index_tokens"]
 
 
 def _full_slice(s: slice, size: int) -> bool:
-    return ((s.start in (None, 0) or s.start <= -size) and (s.stop is None or s.stop >= size)
-            and s.step in (None, 1))
+    return (s.start in (None, 0) or s.start <= -size) and (s.stop is None or s.stop >= size) and s.step in (None, 1)
 
 
 def _normalize_index(idx, nd: int) -> list:
@@ -109,8 +108,7 @@ def _getitem(ctx: RuleContext) -> list[Signature]:
             sigs.append(Signature((REDUCE,) + tuple(FULL for _ in ctx.inputs[1:]), (REDUCE,), 0.0, "data"))
         return sigs
     tin, tout, fixed, _ = index_tokens(idx, x.shape)
-    return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, fixed=fixed, linear=[(0,)],
-                            where="getitem")
+    return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, fixed=fixed, linear=[(0,)], where="getitem")
 
 
 @register(torch.select, "select", name="select")
@@ -119,9 +117,10 @@ def _select(ctx: RuleContext) -> list[Signature]:
     x = ctx.inputs[0]
     d = b["dim"] % len(x.shape)
     tin = [f"d{k}" for k in range(len(x.shape))]
-    tout = tin[:d] + tin[d + 1:]
-    return shard_signatures([tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed={tin[d]}, linear=[(0,)],
-                            where="select")
+    tout = tin[:d] + tin[d + 1 :]
+    return shard_signatures(
+        [tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed={tin[d]}, linear=[(0,)], where="select"
+    )
 
 
 def _narrow_args(ctx: RuleContext):
@@ -149,8 +148,7 @@ def _narrow(ctx: RuleContext) -> list[Signature]:
     if not (b["start"] in (0, -x.shape[d]) and b["length"] == x.shape[d]):
         tout[d] = "n"
         fixed = {tin[d], "n"}
-    return shard_signatures([tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed=fixed, linear=[(0,)],
-                            where="narrow")
+    return shard_signatures([tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed=fixed, linear=[(0,)], where="narrow")
 
 
 def _split_like(ctx: RuleContext, dim: int, keep_dim: bool) -> list[Signature]:
@@ -171,8 +169,9 @@ def _split_like(ctx: RuleContext, dim: int, keep_dim: bool) -> list[Signature]:
         else:
             del row[d]
         touts.append(row)
-    return shard_signatures([tin], touts, [x], ctx.outputs, ctx.world, 0.0, fixed=fixed, linear=[(0,)],
-                            strict=False, where=str(ctx.target))
+    return shard_signatures(
+        [tin], touts, [x], ctx.outputs, ctx.world, 0.0, fixed=fixed, linear=[(0,)], strict=False, where=str(ctx.target)
+    )
 
 
 def _split_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
@@ -241,8 +240,18 @@ def _cat(ctx: RuleContext) -> list[Signature]:
         row[d] = f"c{j}"
         tin.append(row)
     fixed = {"c"} | {f"c{j}" for j in range(len(ins))}
-    return shard_signatures(tin, [tout], ins, ctx.outputs, ctx.world, 0.0, fixed=fixed,
-                            linear=[tuple(range(len(ins)))], strict=False, where="cat")
+    return shard_signatures(
+        tin,
+        [tout],
+        ins,
+        ctx.outputs,
+        ctx.world,
+        0.0,
+        fixed=fixed,
+        linear=[tuple(range(len(ins)))],
+        strict=False,
+        where="cat",
+    )
 
 
 @register(torch.stack, name="stack")
@@ -253,9 +262,18 @@ def _stack(ctx: RuleContext) -> list[Signature]:
     d = dim % nd
     tout = [f"d{k}" for k in range(nd)]
     tout[d] = "s"
-    tin = [tout[:d] + tout[d + 1:] for _ in ctx.inputs]
-    return shard_signatures(tin, [tout], ctx.inputs, ctx.outputs, ctx.world, 0.0, fixed={"s"},
-                            linear=[tuple(range(len(ctx.inputs)))], where="stack")
+    tin = [tout[:d] + tout[d + 1 :] for _ in ctx.inputs]
+    return shard_signatures(
+        tin,
+        [tout],
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        0.0,
+        fixed={"s"},
+        linear=[tuple(range(len(ctx.inputs)))],
+        where="stack",
+    )
 
 
 @register(torch.index_select, "index_select", name="index_select")
@@ -267,8 +285,18 @@ def _index_select(ctx: RuleContext) -> list[Signature]:
     tout = list(tin)
     tin[d], tout[d] = "a", "b"
     idx_tok = ["b"]
-    return shard_signatures([tin, idx_tok], [tout], ctx.inputs, ctx.outputs, ctx.world, 0.0,
-                            fixed={"a", "b"}, linear=[(0,)], strict=False, where="index_select")
+    return shard_signatures(
+        [tin, idx_tok],
+        [tout],
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        0.0,
+        fixed={"a", "b"},
+        linear=[(0,)],
+        strict=False,
+        where="index_select",
+    )
 
 
 @register(torch.gather, "gather", name="gather")
@@ -286,16 +314,16 @@ def _gather(ctx: RuleContext) -> list[Signature]:
             tidx[k] = f"i{k}"
             fixed |= {tin[k], tidx[k]}
     tin[d], tidx[d] = "a", "b"
-    return shard_signatures([tin, tidx], [tidx], ctx.inputs, ctx.outputs, ctx.world, 0.0,
-                            fixed=fixed, linear=[(0,)], where="gather")
+    return shard_signatures(
+        [tin, tidx], [tidx], ctx.inputs, ctx.outputs, ctx.world, 0.0, fixed=fixed, linear=[(0,)], where="gather"
+    )
 
 
 @register(torch.nn.functional.pad, name="pad")
 def _pad(ctx: RuleContext) -> list[Signature]:
     """``F.pad(x, pad)``: the padded dims (the last ``len(pad) // 2``) are never sharded, the others
     may be.  Linear in ``x`` when it pads with zeros (constant mode, value 0 or None)."""
-    b = bind(ctx.args, ctx.kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None},
-             where="pad")
+    b = bind(ctx.args, ctx.kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None}, where="pad")
     x = ctx.inputs[0]
     nd = len(x.shape)
     padded = {nd - 1 - k for k in range(len(b["pad"]) // 2)}
@@ -303,5 +331,15 @@ def _pad(ctx: RuleContext) -> list[Signature]:
     tout = [f"p{k}" if k in padded else tin[k] for k in range(nd)]
     fixed = {tin[k] for k in padded} | {tout[k] for k in padded}
     zero = b["mode"] == "constant" and b["value"] in (None, 0, 0.0)
-    return shard_signatures([tin], [tout], [x], ctx.outputs, ctx.world, 0.0, fixed=fixed,
-                            linear=[(0,)] if zero else (), strict=False, where="pad")
+    return shard_signatures(
+        [tin],
+        [tout],
+        [x],
+        ctx.outputs,
+        ctx.world,
+        0.0,
+        fixed=fixed,
+        linear=[(0,)] if zero else (),
+        strict=False,
+        where="pad",
+    )

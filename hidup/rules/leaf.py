@@ -27,13 +27,16 @@ __all__ = ["declare_batch_op", "batch_signatures"]
 DimSpec = Any  # None | int | (in_dims, out_dims) | callable(ctx) -> (in_dims, out_dims)
 
 
-def batch_signatures(ctx: RuleContext, in_dims: Sequence[int | None], out_dims: Sequence[int | None],
-                     flops: float) -> list[Signature]:
+def batch_signatures(
+    ctx: RuleContext, in_dims: Sequence[int | None], out_dims: Sequence[int | None], flops: float
+) -> list[Signature]:
     """All-full plus the batch-sharded signature when every declared batch dim divides by N."""
     sigs = [all_full(ctx, flops)]
     if len(in_dims) != len(ctx.inputs) or len(out_dims) != len(ctx.outputs):
-        raise Unsupported(f"batch dims {list(in_dims)}/{list(out_dims)} do not match "
-                          f"{len(ctx.inputs)} tensor inputs / {len(ctx.outputs)} outputs")
+        raise Unsupported(
+            f"batch dims {list(in_dims)}/{list(out_dims)} do not match "
+            f"{len(ctx.inputs)} tensor inputs / {len(ctx.outputs)} outputs"
+        )
     ins, outs = [], []
     for dims_, metas, forms in ((in_dims, ctx.inputs, ins), (out_dims, ctx.outputs, outs)):
         for d, m in zip(dims_, metas):
@@ -71,8 +74,10 @@ def _overload(op: Any) -> torch._ops.OpOverload:
     overload = getattr(op, "_opoverload", None)
     if isinstance(overload, torch._ops.OpOverload):
         return overload
-    raise TypeError(f"declare_batch_op expects a torch.library custom op (an OpOverload such as "
-                    f"torch.ops.mylib.myop.default), got {op!r}")
+    raise TypeError(
+        f"declare_batch_op expects a torch.library custom op (an OpOverload such as "
+        f"torch.ops.mylib.myop.default), got {op!r}"
+    )
 
 
 def declare_batch_op(op: Any, dims: DimSpec = None, *, flops: float | Callable | None = None) -> Any:

@@ -30,8 +30,13 @@ _NLL = ["input", "target", "weight", "size_average", "ignore_index", "reduce", "
 
 
 def _loss_sigs(ctx: RuleContext, names: list[str], flops: float) -> list[Signature]:
-    b = bind(ctx.args, ctx.kwargs, names, {"weight": None, "size_average": None, "reduce": None,
-                                           "reduction": "mean"}, where=str(ctx.target))
+    b = bind(
+        ctx.args,
+        ctx.kwargs,
+        names,
+        {"weight": None, "size_average": None, "reduce": None, "reduction": "mean"},
+        where=str(ctx.target),
+    )
     if b["size_average"] is not None or b["reduce"] is not None:
         raise Unsupported("loss with the deprecated size_average/reduce arguments")
     slots = [n for n, _ in tensor_slots(ctx.args, ctx.kwargs, names)]
@@ -47,8 +52,7 @@ def _loss_sigs(ctx: RuleContext, names: list[str], flops: float) -> list[Signatu
     tok = {"input": xt, "target": tt, "weight": ["c"]}
     tin = [tok[n] for n in slots]
     tout = [[xt[0]] + xt[2:]] if b["reduction"] == "none" else [[]]
-    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed={"c"},
-                            where=str(ctx.target))
+    return shard_signatures(tin, tout, ctx.inputs, ctx.outputs, ctx.world, flops, fixed={"c"}, where=str(ctx.target))
 
 
 @register(F.cross_entropy, name="cross_entropy")

@@ -108,7 +108,7 @@ def _addmm_like(ctx: RuleContext, core: str, names: list[str]) -> list[Signature
     nd = len(ctx.inputs[c].shape)
     if nd > len(out):
         raise Unsupported(f"{ctx.target}: input has more dims than the output")
-    role = {names[0]: out[len(out) - nd:], names[1]: a_spec, names[2]: b_spec}
+    role = {names[0]: out[len(out) - nd :], names[1]: a_spec, names[2]: b_spec}
     spec = ", ".join(role[n] for n in slots) + " -> " + out
     return _run(dims(spec, linear=[(c, m1), (c, m2)], additive=[c]), ctx, math.prod(ctx.outputs[0].shape))
 

@@ -24,8 +24,9 @@ from hidup.rules.registry import Unsupported, bind, register, tensor_slots
 __all__ = ["normalized_signatures"]
 
 
-def normalized_signatures(ctx: RuleContext, norm_dims: list[int], affine_names: dict[int, str] | None = None
-                          ) -> list[Signature]:
+def normalized_signatures(
+    ctx: RuleContext, norm_dims: list[int], affine_names: dict[int, str] | None = None
+) -> list[Signature]:
     """``ctx.inputs[0]`` normalized over ``norm_dims`` (non-negative); other inputs are affine
     parameters indexed by the trailing normalized dims; outputs have the input's shape."""
     x = ctx.inputs[0]
@@ -34,10 +35,18 @@ def normalized_signatures(ctx: RuleContext, norm_dims: list[int], affine_names: 
     fixed = {tin0[k] for k in norm_dims}
     tins = [tin0]
     for m in ctx.inputs[1:]:
-        tins.append(tin0[nd - len(m.shape):])
-    touts = [tin0[nd - len(m.shape):] for m in ctx.outputs]
-    return shard_signatures(tins, touts, ctx.inputs, ctx.outputs, ctx.world, 5.0 * math.prod(x.shape),
-                            fixed=fixed, where=str(getattr(ctx.target, "__name__", ctx.target)))
+        tins.append(tin0[nd - len(m.shape) :])
+    touts = [tin0[nd - len(m.shape) :] for m in ctx.outputs]
+    return shard_signatures(
+        tins,
+        touts,
+        ctx.inputs,
+        ctx.outputs,
+        ctx.world,
+        5.0 * math.prod(x.shape),
+        fixed=fixed,
+        where=str(getattr(ctx.target, "__name__", ctx.target)),
+    )
 
 
 @register(F.layer_norm, torch.layer_norm, name="layer_norm")
@@ -52,6 +61,7 @@ def _layer_norm(ctx: RuleContext) -> list[Signature]:
 
 
 if hasattr(F, "rms_norm"):
+
     @register(F.rms_norm, name="rms_norm")
     def _rms_norm(ctx: RuleContext) -> list[Signature]:
         names = ["input", "normalized_shape", "weight", "eps"]
@@ -61,8 +71,7 @@ if hasattr(F, "rms_norm"):
         return normalized_signatures(ctx, list(range(nd - k, nd)))
 
 
-@register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax",
-          name="softmax")
+@register(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax", name="softmax")
 def _softmax(ctx: RuleContext) -> list[Signature]:
     b = bind(ctx.args, ctx.kwargs, ["input", "dim", "_stacklevel", "dtype"], {"dim": None}, where="softmax")
     if b["dim"] is None:

@@ -51,8 +51,10 @@ def _parse_operand(text: str, where: str) -> list[tuple[str, bool]]:
     while pos < len(text):
         m = _ITEM.match(text, pos)
         if not m:
-            raise SpecError(f"{where}: cannot parse {text[pos:]!r} in dim spec operand {text!r}; "
-                            f"use single letters, '...' and '!' for non-shardable letters")
+            raise SpecError(
+                f"{where}: cannot parse {text[pos:]!r} in dim spec operand {text!r}; "
+                f"use single letters, '...' and '!' for non-shardable letters"
+            )
         tok = m.group(0)
         pos = m.end()
         if tok.isspace():
@@ -90,8 +92,10 @@ class Dims:
     def tokens(self, in_shapes, out_shapes) -> tuple[list[list[str]], list[list[str]]]:
         """Expand ``...`` for the given shapes: one token per dimension per operand."""
         if len(in_shapes) != len(self.ins) or len(out_shapes) != len(self.outs):
-            raise SpecError(f"dim spec {self.spec!r} has {len(self.ins)} inputs / {len(self.outs)} outputs, "
-                            f"the op has {len(in_shapes)} / {len(out_shapes)}")
+            raise SpecError(
+                f"dim spec {self.spec!r} has {len(self.ins)} inputs / {len(self.outs)} outputs, "
+                f"the op has {len(in_shapes)} / {len(out_shapes)}"
+            )
         ops = self.ins + self.outs
         shapes = list(in_shapes) + list(out_shapes)
         ell = []
@@ -100,8 +104,10 @@ class Dims:
             has = any(t == "..." for t, _ in items)
             n = len(shape) - explicit
             if n < 0 or (n > 0 and not has):
-                raise SpecError(f"dim spec {self.spec!r}: operand {''.join(t for t, _ in items)!r} "
-                                f"does not fit shape {tuple(shape)}")
+                raise SpecError(
+                    f"dim spec {self.spec!r}: operand {''.join(t for t, _ in items)!r} "
+                    f"does not fit shape {tuple(shape)}"
+                )
             ell.append(n if has else 0)
         width = max(ell, default=0)
         toks = []
@@ -113,14 +119,26 @@ class Dims:
                 else:
                     row.append(t)
             toks.append(row)
-        return toks[: len(self.ins)], toks[len(self.ins):]
+        return toks[: len(self.ins)], toks[len(self.ins) :]
 
-    def signatures(self, inputs: list[TensorMeta], outputs: list[TensorMeta], world: int,
-                   flops: float, contract: bool = True) -> list[Signature]:
+    def signatures(
+        self, inputs: list[TensorMeta], outputs: list[TensorMeta], world: int, flops: float, contract: bool = True
+    ) -> list[Signature]:
         tin, tout = self.tokens([m.shape for m in inputs], [m.shape for m in outputs])
-        return shard_signatures(tin, tout, inputs, outputs, world, flops, fixed=self.fixed,
-                                linear=self.linear, additive=self.additive, kinds=self.kinds,
-                                contract=contract, where=self.spec)
+        return shard_signatures(
+            tin,
+            tout,
+            inputs,
+            outputs,
+            world,
+            flops,
+            fixed=self.fixed,
+            linear=self.linear,
+            additive=self.additive,
+            kinds=self.kinds,
+            contract=contract,
+            where=self.spec,
+        )
 
 
 def dims(spec: str, *, fixed="", linear=(), additive=(), kinds=None) -> Dims:
@@ -132,10 +150,22 @@ def _can_reduce(meta: TensorMeta) -> bool:
     return meta.dtype != "bool"
 
 
-def shard_signatures(tin: list[list[str]], tout: list[list[str]], inputs: list[TensorMeta],
-                     outputs: list[TensorMeta], world: int, flops: float, *, fixed=frozenset(),
-                     linear=(), additive=frozenset(), kinds=None, contract: bool = True,
-                     strict: bool = True, where: str = "") -> list[Signature]:
+def shard_signatures(
+    tin: list[list[str]],
+    tout: list[list[str]],
+    inputs: list[TensorMeta],
+    outputs: list[TensorMeta],
+    world: int,
+    flops: float,
+    *,
+    fixed=frozenset(),
+    linear=(),
+    additive=frozenset(),
+    kinds=None,
+    contract: bool = True,
+    strict: bool = True,
+    where: str = "",
+) -> list[Signature]:
     """Signatures from explicit per-dimension tokens (the engine behind :class:`Dims`).
 
     ``strict`` checks that a token has one size (> 1) wherever it is not broadcast; shape rules
@@ -164,8 +194,7 @@ def shard_signatures(tin: list[list[str]], tout: list[list[str]], inputs: list[T
                 raise SpecError(f"{where}: dim {t!r} has sizes {sorted(big)} on different operands")
     contracted_any = any(t not in {x for r in tout for x in r} for r in tin for t in r)
 
-    sigs: list[Signature] = [Signature(tuple(FULL for _ in tin), tuple(FULL for _ in tout), float(flops),
-                                       "replicated")]
+    sigs: list[Signature] = [Signature(tuple(FULL for _ in tin), tuple(FULL for _ in tout), float(flops), "replicated")]
     for t in order:
         if t in fixed:
             continue
@@ -217,8 +246,14 @@ def shard_signatures(tin: list[list[str]], tout: list[list[str]], inputs: list[T
         if any(inputs[i].is_param and i not in additive for i in group):
             continue
         has_param = any(m.is_param for m in inputs)
-        sigs.append(Signature(tuple(REDUCE if i in group else FULL for i in range(nin)),
-                              tuple(REDUCE for _ in tout), float(flops), "tensor" if has_param else "data"))
+        sigs.append(
+            Signature(
+                tuple(REDUCE if i in group else FULL for i in range(nin)),
+                tuple(REDUCE for _ in tout),
+                float(flops),
+                "tensor" if has_param else "data",
+            )
+        )
     return dedupe(sigs)
 
 
@@ -246,4 +281,3 @@ def dedupe(sigs: list[Signature]) -> list[Signature]:
             seen.add(key)
             out.append(s)
     return out
-

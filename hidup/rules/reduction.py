@@ -67,8 +67,17 @@ def _reduction_sigs(ctx: RuleContext, dim, keepdim: bool, linear: bool) -> list[
     for o, m in zip(touts, ctx.outputs):
         if len(o) != len(m.shape):
             raise Unsupported(f"{ctx.target}: output shape {m.shape} does not match reduced dims {red}")
-    return shard_signatures([tin], touts, [x], ctx.outputs, ctx.world, float(math.prod(x.shape)),
-                            fixed=fixed, linear=[(0,)] if linear else (), where=str(ctx.target))
+    return shard_signatures(
+        [tin],
+        touts,
+        [x],
+        ctx.outputs,
+        ctx.world,
+        float(math.prod(x.shape)),
+        fixed=fixed,
+        linear=[(0,)] if linear else (),
+        where=str(ctx.target),
+    )
 
 
 @register(torch.sum, "sum", torch.nansum, "nansum", name="sum")
@@ -83,8 +92,9 @@ def _mean_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     f = sig.inputs[0]
     nd = len(ctx.inputs[0].shape)
     if f.is_gather and f.dim in reduced_dims(b["dim"], nd):
-        return LocalCall(scaled_mean, (ctx.args[0], b["dim"], b["keepdim"]),
-                         {"dtype": b["dtype"], "scale": 1.0 / ctx.world})
+        return LocalCall(
+            scaled_mean, (ctx.args[0], b["dim"], b["keepdim"]), {"dtype": b["dtype"], "scale": 1.0 / ctx.world}
+        )
     return LocalCall(callable_of(ctx.target), tuple(ctx.args), dict(ctx.kwargs))
 
 
@@ -94,9 +104,29 @@ def _mean(ctx: RuleContext) -> list[Signature]:
     return _reduction_sigs(ctx, b["dim"], b["keepdim"], True)
 
 
-@register(torch.amax, torch.amin, torch.logsumexp, torch.argmax, torch.argmin, torch.any, torch.all,
-          torch.max, torch.min, torch.prod, "amax", "amin", "logsumexp", "argmax", "argmin", "any", "all",
-          "max", "min", "prod", name="reduce_nonlinear")
+@register(
+    torch.amax,
+    torch.amin,
+    torch.logsumexp,
+    torch.argmax,
+    torch.argmin,
+    torch.any,
+    torch.all,
+    torch.max,
+    torch.min,
+    torch.prod,
+    "amax",
+    "amin",
+    "logsumexp",
+    "argmax",
+    "argmin",
+    "any",
+    "all",
+    "max",
+    "min",
+    "prod",
+    name="reduce_nonlinear",
+)
 def _nonlinear(ctx: RuleContext) -> list[Signature]:
     if len(ctx.inputs) == 2:  # torch.max(a, b): elementwise
         return elementwise_signatures(ctx)
@@ -108,11 +138,21 @@ def _nonlinear(ctx: RuleContext) -> list[Signature]:
 @register(torch.var, torch.std, "var", "std", torch.norm, "norm", name="reduce_moment")
 def _moment(ctx: RuleContext) -> list[Signature]:
     if ctx.target in (torch.norm, "norm"):
-        b = bind(ctx.args, ctx.kwargs, ["input", "p", "dim", "keepdim", "dtype"],
-                 {"p": "fro", "dim": None, "keepdim": False}, where="norm")
+        b = bind(
+            ctx.args,
+            ctx.kwargs,
+            ["input", "p", "dim", "keepdim", "dtype"],
+            {"p": "fro", "dim": None, "keepdim": False},
+            where="norm",
+        )
     else:
-        b = bind(ctx.args, ctx.kwargs, ["input", "dim", "unbiased", "keepdim", "correction"],
-                 {"dim": None, "keepdim": False}, where=str(ctx.target))
+        b = bind(
+            ctx.args,
+            ctx.kwargs,
+            ["input", "dim", "unbiased", "keepdim", "correction"],
+            {"dim": None, "keepdim": False},
+            where=str(ctx.target),
+        )
         if isinstance(b["dim"], bool):  # var(x, unbiased)
             b["dim"] = None
     return _reduction_sigs(ctx, b["dim"], b["keepdim"], False)

@@ -20,12 +20,21 @@ from hidup.ir import FULL, Signature
 from hidup.rules.base import LocalCall, Rule, RuleContext, TensorMeta
 
 __all__ = [
-    "Unsupported", "register", "register_module", "lookup", "lookup_module", "callable_of", "bind",
-    "tensor_slots", "is_tensor_value", "default_localize", "all_full", "FLOAT_DTYPES",
+    "Unsupported",
+    "register",
+    "register_module",
+    "lookup",
+    "lookup_module",
+    "callable_of",
+    "bind",
+    "tensor_slots",
+    "is_tensor_value",
+    "default_localize",
+    "all_full",
+    "FLOAT_DTYPES",
 ]
 
-FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-                "float8_e4m3fn", "float8_e5m2")
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
 
 _RULES: dict[Any, Rule] = {}
 _MODULE_RULES: dict[type, Rule] = {}
@@ -38,8 +47,9 @@ class Unsupported(Exception):
     """
 
 
-def register(*targets: Any, name: str | None = None,
-             localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None):
+def register(
+    *targets: Any, name: str | None = None, localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None
+):
     """Decorator: register ``fn(ctx) -> list[Signature]`` as the rule of every target.
 
     A string target ``"view"`` also registers ``torch.Tensor.view`` (a ``call_function`` on the
@@ -100,8 +110,7 @@ def is_tensor_value(v: Any) -> bool:
     return type(v).__name__ == "Node" and type(v).__module__.startswith("torch.fx")
 
 
-def bind(args: Iterable, kwargs: dict, names: list[str], defaults: dict | None = None,
-         where: str = "") -> dict:
+def bind(args: Iterable, kwargs: dict, names: list[str], defaults: dict | None = None, where: str = "") -> dict:
     """Map positional and keyword arguments onto parameter ``names``; unknown ones raise Unsupported."""
     args = tuple(args)
     out = dict(defaults or {})

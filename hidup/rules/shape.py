@@ -75,8 +75,18 @@ def reshape_tokens(src, dst) -> tuple[list[str], list[str], set[str]]:
 def _reshape_sigs(ctx: RuleContext) -> list[Signature]:
     x, out = ctx.inputs[0], ctx.outputs[0]
     tin, tout, fixed = reshape_tokens(x.shape, out.shape)
-    return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, fixed=fixed, linear=[(0,)],
-                            strict=False, where=f"{ctx.target} {x.shape}->{out.shape}")
+    return shard_signatures(
+        [tin],
+        [tout],
+        [x],
+        [out],
+        ctx.world,
+        0.0,
+        fixed=fixed,
+        linear=[(0,)],
+        strict=False,
+        where=f"{ctx.target} {x.shape}->{out.shape}",
+    )
 
 
 def _local_out(ctx: RuleContext, sig: Signature) -> tuple[int, ...]:
@@ -108,7 +118,7 @@ def _unflatten_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCal
     nd = len(ctx.inputs[0].shape)
     d = b["dim"] % nd
     k = len(b["sizes"])
-    local = _local_out(ctx, sig)[d:d + k]
+    local = _local_out(ctx, sig)[d : d + k]
     return LocalCall(callable_of(ctx.target), (ctx.args[0], b["dim"], tuple(local)))
 
 
@@ -124,8 +134,7 @@ def _permuted(ctx: RuleContext, perm: list[int]) -> list[Signature]:
     return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, linear=[(0,)], where=str(ctx.target))
 
 
-@register(torch.transpose, torch.swapaxes, torch.swapdims, "transpose", "swapaxes", "swapdims",
-          name="transpose")
+@register(torch.transpose, torch.swapaxes, torch.swapdims, "transpose", "swapaxes", "swapdims", name="transpose")
 def _transpose(ctx: RuleContext) -> list[Signature]:
     b = bind(ctx.args, ctx.kwargs, ["input", "dim0", "dim1"], where="transpose")
     nd = len(ctx.inputs[0].shape)
@@ -174,7 +183,7 @@ def _expand(ctx: RuleContext) -> list[Signature]:
     x, out = ctx.inputs[0], ctx.outputs[0]
     nx, no = len(x.shape), len(out.shape)
     tout = [f"d{k}" for k in range(no)]
-    tin = tout[no - nx:]
+    tin = tout[no - nx :]
     return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, linear=[(0,)], where="expand")
 
 
@@ -184,9 +193,8 @@ def _expand_as(ctx: RuleContext) -> list[Signature]:
     out = ctx.outputs[0]
     no = len(out.shape)
     tout = [f"d{k}" for k in range(no)]
-    tin = [tout[no - len(x.shape):], tout[no - len(other.shape):]]
-    return shard_signatures(tin, [tout], ctx.inputs, ctx.outputs, ctx.world, 0.0, linear=[(0,)],
-                            where="expand_as")
+    tin = [tout[no - len(x.shape) :], tout[no - len(other.shape) :]]
+    return shard_signatures(tin, [tout], ctx.inputs, ctx.outputs, ctx.world, 0.0, linear=[(0,)], where="expand_as")
 
 
 @register(torch.unsqueeze, "unsqueeze", name="unsqueeze")
@@ -222,6 +230,7 @@ def _repeat(ctx: RuleContext) -> list[Signature]:
     no, nx = len(out.shape), len(x.shape)
     tout = [f"d{k}" for k in range(no)]
     fixed = {tout[k] for k in range(no) if reps[k] != 1}
-    tin = tout[no - nx:]
-    return shard_signatures([tin], [tout], [x], [out], ctx.world, 0.0, fixed=fixed, linear=[(0,)],
-                            strict=False, where="repeat")
+    tin = tout[no - nx :]
+    return shard_signatures(
+        [tin], [tout], [x], [out], ctx.world, 0.0, fixed=fixed, linear=[(0,)], strict=False, where="repeat"
+    )

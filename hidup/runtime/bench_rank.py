@@ -71,25 +71,41 @@ PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler
 
 def add_parser(sub) -> None:
     """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
-    p = sub.add_parser("bench-rank", help="time one rank's program of a world-N plan on one device "
-                       "(fake process group) against the single-device share",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "bench-rank",
+        help="time one rank's program of a world-N plan on one device "
+        "(fake process group) against the single-device share",
+        description=__doc__.split("\n\n")[0],
+    )
     add_model_args(p, world_default=None)
     g = p.add_argument_group("bench")
     g.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now for --model/--world)")
     g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for a plan searched now")
     g.add_argument("--rank", type=int, default=0, help="which rank's program to run (default 0)")
-    g.add_argument("--duplication", choices=("plan", "on", "off"), default="plan",
-                   help="two half-batch copies as the plan says (default), or forced on/off")
-    g.add_argument("--modes", default=None,
-                   help=f"comma-separated, of {', '.join(MODES)} (default: all on CUDA, eager,compile on the CPU)")
-    g.add_argument("--precisions", default=None,
-                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default: tf32,bf16 on CUDA, fp32 on the CPU)")
-    g.add_argument("--share-modes", default=None,
-                   help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; "
-                        "'none' skips it)")
-    g.add_argument("--backend", default="inductor",
-                   help="torch.compile backend of the compile modes (default inductor)")
+    g.add_argument(
+        "--duplication",
+        choices=("plan", "on", "off"),
+        default="plan",
+        help="two half-batch copies as the plan says (default), or forced on/off",
+    )
+    g.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated, of {', '.join(MODES)} (default: all on CUDA, eager,compile on the CPU)",
+    )
+    g.add_argument(
+        "--precisions",
+        default=None,
+        help=f"comma-separated, of {', '.join(PRECISIONS)} (default: tf32,bf16 on CUDA, fp32 on the CPU)",
+    )
+    g.add_argument(
+        "--share-modes",
+        default=None,
+        help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; 'none' skips it)",
+    )
+    g.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of the compile modes (default inductor)"
+    )
     g.add_argument("--steps", type=int, default=20, help="steps per timed round (default 20)")
     g.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     g.add_argument("--warmup", type=int, default=3, help="untimed steps before a mode is timed (default 3)")
@@ -120,8 +136,10 @@ def _settings(args, device: torch.device) -> tuple[list, list, list]:
         share = _list(args.share_modes, ("compile+graph",) if cuda else ("compile",), MODES, "--share-modes")
     graphs = [m for m in modes + share if m.endswith("graph")]
     if graphs and not cuda:
-        _fail(f"modes {', '.join(sorted(set(graphs)))} capture CUDA graphs, and this run is on {device}; "
-              "use --modes eager,compile (and --share-modes compile) on the CPU")
+        _fail(
+            f"modes {', '.join(sorted(set(graphs)))} capture CUDA graphs, and this run is on {device}; "
+            "use --modes eager,compile (and --share-modes compile) on the CPU"
+        )
     for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
         if value < 1:
             _fail(f"{flag} {value}: must be at least 1")
@@ -134,8 +152,10 @@ def _plan(args, device: torch.device, precision: str):
     """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
     if args.plan is not None:
         if not Path(args.plan).is_file():
-            _fail(f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first, or give "
-                  "--model and --world to search one now")
+            _fail(
+                f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first, or give "
+                "--model and --world to search one now"
+            )
         plan = Plan.load(args.plan)
         settle_model(args, plan, args.plan)
         return plan, str(args.plan)
@@ -149,11 +169,21 @@ def _plan(args, device: torch.device, precision: str):
     if precision == "bf16":
         search_precision = "bf16"
     t0 = time.perf_counter()
-    plan = search(graph, hidup.profiler.load(args.profile), world_size=args.world,
-                  duplication=args.duplication != "off", precision=search_precision,
-                  cuda_graphs=device.type == "cuda", progress=False, model_source=record)
-    print(f"searched a world-{args.world} plan for {args.model} with profile {args.profile} in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    plan = search(
+        graph,
+        hidup.profiler.load(args.profile),
+        world_size=args.world,
+        duplication=args.duplication != "off",
+        precision=search_precision,
+        cuda_graphs=device.type == "cuda",
+        progress=False,
+        model_source=record,
+    )
+    print(
+        f"searched a world-{args.world} plan for {args.model} with profile {args.profile} in "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     return plan, "searched"
 
 
@@ -204,8 +234,13 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
                 for _ in range(args.steps):
                     loss = step(*inputs)
             samples.append(watch.seconds / args.steps)
-        record.update(status="ok", step_ms_median=statistics.median(samples) * 1e3, step_ms_best=min(samples) * 1e3,
-                      rounds_ms=[s * 1e3 for s in samples], loss_finite=bool(torch.isfinite(loss).item()))
+        record.update(
+            status="ok",
+            step_ms_median=statistics.median(samples) * 1e3,
+            step_ms_best=min(samples) * 1e3,
+            rounds_ms=[s * 1e3 for s in samples],
+            loss_finite=bool(torch.isfinite(loss).item()),
+        )
     except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the sweep goes on
         record.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
     finally:
@@ -274,10 +309,15 @@ def _print_row(what: str, r: dict) -> None:
         comp = f"  compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
         mem = f"  peak {r['peak_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_memory_bytes") else ""
         if r.get("rank_peak_bytes") and r.get("predicted_memory"):
-            mem += (f" (rank {r['rank_peak_bytes'] / 2**30:.3f} GiB, predicted "
-                    f"{r['predicted_memory']['total'] / 2**30:.3f} GiB)")
-        print(f"{what:6s} {r['precision']:5s} {r['mode']:14s} {r['step_ms_median']:10.3f} ms median "
-              f"{r['step_ms_best']:10.3f} ms best{comp}{mem}", flush=True)
+            mem += (
+                f" (rank {r['rank_peak_bytes'] / 2**30:.3f} GiB, predicted "
+                f"{r['predicted_memory']['total'] / 2**30:.3f} GiB)"
+            )
+        print(
+            f"{what:6s} {r['precision']:5s} {r['mode']:14s} {r['step_ms_median']:10.3f} ms median "
+            f"{r['step_ms_best']:10.3f} ms best{comp}{mem}",
+            flush=True,
+        )
     else:
         print(f"{what:6s} {r['precision']:5s} {r['mode']:14s} FAILED {r['error']}", flush=True)
 
@@ -319,12 +359,22 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     duplication = {"on": True, "off": False}.get(args.duplication)
-    config = {"model": args.model, "model_args": args.model_args, "world": world, "rank": args.rank,
-              "plan": plan_source,
-              "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3 or None,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "backend": args.backend, "steps": args.steps, "rounds": args.rounds,
-              "warmup": args.warmup, "optimizer": "adam (fused)", "stand-ins": "torch fake process group"}
+    config = {
+        "model": args.model,
+        "model_args": args.model_args,
+        "world": world,
+        "rank": args.rank,
+        "plan": plan_source,
+        "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3 or None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "backend": args.backend,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "optimizer": "adam (fused)",
+        "stand-ins": "torch fake process group",
+    }
     runs: list[dict] = []
 
     def save() -> None:
@@ -346,18 +396,23 @@ def run(args: argparse.Namespace) -> int:
         rank_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
         stored = sum(p.numel() for p in module.parameters())
         config["rank_params"], config["model_params"] = stored, sum(p.numel() for p in model.parameters())
-        print(f"rank {args.rank} of {world}: {stored:,} of the model's {config['model_params']:,} parameters, "
-              f"duplication {'on' if module.duplication else 'off'}, on {config['device']}", flush=True)
+        print(
+            f"rank {args.rank} of {world}: {stored:,} of the model's {config['model_params']:,} parameters, "
+            f"duplication {'on' if module.duplication else 'off'}, on {config['device']}",
+            flush=True,
+        )
         share = _Share(model.to(device), args.backend)
         share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
         predicted = {p: predicted_memory(args, plan, p) for p in precisions} if device.type == "cuda" else {}
         for precision in precisions:  # the share right after the rank, so a cut-short sweep keeps pairs
             for what, target, inputs_of, mode_list, switch in (
-                    ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
-                    ("share", share, share_inputs, share_modes, share.set_compile)):
+                ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
+                ("share", share, share_inputs, share_modes, share.set_compile),
+            ):
                 for mode in mode_list:
-                    r = dict(what=what,
-                             **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                    r = dict(
+                        what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch)
+                    )
                     if what == "rank" and predicted.get(precision) is not None:
                         r["predicted_memory"] = predicted[precision]
                     runs.append(r)
@@ -371,5 +426,3 @@ def run(args: argparse.Namespace) -> int:
         save()
         print(f"results written to {args.out}", flush=True)
     return 0 if all(r["status"] == "ok" for r in runs) else 1
-
-

@@ -144,8 +144,9 @@ class _Layout:
         if self.distributed:
             sharded = [t for _, t, shard in iter_shards(module) if shard.sharded]
             if sharded:
-                self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
-                                                  sharded[0].device.type)
+                self.mesh = DeviceMesh.from_group(
+                    group if group is not None else dist.group.WORLD, sharded[0].device.type
+                )
 
     def wrap(self, local: torch.Tensor, shard) -> torch.Tensor:
         """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
@@ -154,8 +155,9 @@ class _Layout:
 
         shape = torch.Size(shard.logical_shape)
         stride = torch.empty(shape, device="meta").stride()  # the logical tensor is contiguous
-        return DTensor.from_local(local, self.mesh, [Shard(shard.form.dim)], run_check=False, shape=shape,
-                                  stride=stride)
+        return DTensor.from_local(
+            local, self.mesh, [Shard(shard.form.dim)], run_check=False, shape=shape, stride=stride
+        )
 
     def dcp_kwargs(self) -> dict:
         if self.distributed:
@@ -201,8 +203,16 @@ def _quiet_single_process():
         yield
 
 
-def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         step: int = 0, loss_history=(), extra: dict | None = None, group=None) -> None:
+def save(
+    path: str | os.PathLike,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    loss_history=(),
+    extra: dict | None = None,
+    group=None,
+) -> None:
     """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer`` to the directory
     ``path``, replacing what is there only once the new one is complete; collective: every rank
     writes its own shards."""
@@ -222,8 +232,10 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
             names = []
             for p in g["params"]:
                 if id(p) not in by_id:
-                    raise ValueError("checkpoint.save: the optimizer holds a tensor that is not a parameter of the "
-                                     "module; build the optimizer from module.parameters()")
+                    raise ValueError(
+                        "checkpoint.save: the optimizer holds a tensor that is not a parameter of the "
+                        "module; build the optimizer from module.parameters()"
+                    )
                 shard = by_id[id(p)][1]
                 names.append(shard.logical_name)
                 for key, value in optimizer.state.get(p, {}).items():
@@ -231,14 +243,20 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
                         state[f"optim.{shard.logical_name}.{key}"] = layout.wrap(value.detach(), shard)
                         per_element.setdefault(shard.logical_name, []).append(key)
                     else:
-                        small.setdefault(shard.logical_name, {})[key] = (value.detach().cpu().clone()
-                                                                         if torch.is_tensor(value) else value)
+                        small.setdefault(shard.logical_name, {})[key] = (
+                            value.detach().cpu().clone() if torch.is_tensor(value) else value
+                        )
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         opt_meta = {"groups": groups, "per_element": per_element, "state": small}
     if rank == 0:
-        state["meta"] = {"version": FORMAT_VERSION, "world_size": layout.world, "step": int(step),
-                         "loss_history": [float(x) for x in loss_history], "optimizer": opt_meta,
-                         "extra": extra or {}}
+        state["meta"] = {
+            "version": FORMAT_VERSION,
+            "world_size": layout.world,
+            "step": int(step),
+            "loss_history": [float(x) for x in loss_history],
+            "optimizer": opt_meta,
+            "extra": extra or {},
+        }
     state[f"rng.{rank}"] = _rng_state()
 
     tmp, old = _siblings(path)
@@ -260,16 +278,25 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
     _on_rank0(layout, prepare)
     try:
         with _quiet_single_process():
-            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
-                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                     **layout.dcp_kwargs())
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(tmp, sync_files=True),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                **layout.dcp_kwargs(),
+            )
     except CheckpointException as e:
         raise _first_failure(e, rank) from None
     _on_rank0(layout, swap)  # every rank returns once the new checkpoint is in place
 
 
-def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         group=None, restore_rng: bool = True) -> dict:
+def load(
+    path: str | os.PathLike,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    group=None,
+    restore_rng: bool = True,
+) -> dict:
     """Load a checkpoint into ``module``/``optimizer``, re-sharded for the current plan and world
     (collective when distributed: every rank reads the slices it needs).
 
@@ -292,8 +319,9 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
         _check_shape(path, shard.logical_name, metadata[key], shard.logical_shape)
         request[key] = layout.wrap(t.detach(), shard)  # read in place into the stored piece
         targets[shard.logical_name] = (t, shard)
-    unknown = sorted(k[len("model."):] for k in metadata if k.startswith("model.")
-                     and k[len("model."):] not in targets)
+    unknown = sorted(
+        k[len("model.") :] for k in metadata if k.startswith("model.") and k[len("model.") :] not in targets
+    )
     if unknown:
         raise KeyError(f"checkpoint {path} has entries the model does not know: {unknown[:5]}")
 
@@ -333,8 +361,12 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: torch.opti
                 optimizer.state[t] = entry
     if rng is not None:
         _set_rng_state(rng)
-    return {"step": meta["step"], "loss_history": list(meta["loss_history"]), "extra": meta["extra"],
-            "world_size": meta["world_size"]}
+    return {
+        "step": meta["step"],
+        "loss_history": list(meta["loss_history"]),
+        "extra": meta["extra"],
+        "world_size": meta["world_size"],
+    }
 
 
 def info(path: str | os.PathLike) -> dict:
@@ -346,8 +378,12 @@ def info(path: str | os.PathLike) -> dict:
         ckpt = _read_single_file(path, source)
     else:
         ckpt = _read_meta(path, source)[1]
-    return {"step": ckpt["step"], "loss_history": list(ckpt["loss_history"]), "extra": ckpt["extra"],
-            "world_size": ckpt["world_size"]}
+    return {
+        "step": ckpt["step"],
+        "loss_history": list(ckpt["loss_history"]),
+        "extra": ckpt["extra"],
+        "world_size": ckpt["world_size"],
+    }
 
 
 def _checkpoint_at(path: Path) -> Path:
@@ -387,8 +423,9 @@ def _read_objects(path: Path, source: Path, keys: list[str]) -> dict:
             dcp.load(request, storage_reader=FileSystemReader(source), planner=_load_planner(), no_dist=True)
     except CheckpointException as e:
         exc = _first_failure(e, 0)
-        raise RuntimeError(f"checkpoint {path}: {', '.join(keys)} cannot be read: {type(exc).__name__}: {exc}") \
-            from None
+        raise RuntimeError(
+            f"checkpoint {path}: {', '.join(keys)} cannot be read: {type(exc).__name__}: {exc}"
+        ) from None
     return request
 
 
@@ -403,14 +440,19 @@ def _check_shape(path: Path, what: str, md, expected: tuple[int, ...]) -> None:
 def _check_groups(path: Path, optimizer, saved_groups: list, targets: dict) -> None:
     """Check that the optimizer's param groups hold the saved groups' parameters."""
     if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint {path} has {len(saved_groups)} optimizer param groups, the optimizer "
-                         f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving")
+        raise ValueError(
+            f"checkpoint {path} has {len(saved_groups)} optimizer param groups, the optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving"
+        )
     for g, saved in zip(optimizer.param_groups, saved_groups):
         ids = {id(p) for p in g["params"]}
-        if len(saved["params"]) != len(ids) or any(n not in targets or id(targets[n][0]) not in ids
-                                                  for n in saved["params"]):
-            raise ValueError(f"checkpoint {path}: optimizer param group {saved['params'][:3]}... does not match "
-                             f"the optimizer's; build the optimizer the same way as when saving")
+        if len(saved["params"]) != len(ids) or any(
+            n not in targets or id(targets[n][0]) not in ids for n in saved["params"]
+        ):
+            raise ValueError(
+                f"checkpoint {path}: optimizer param group {saved['params'][:3]}... does not match "
+                f"the optimizer's; build the optimizer the same way as when saving"
+            )
 
 
 def _set_hyper_parameters(optimizer, saved_groups: list) -> None:
@@ -424,8 +466,10 @@ def _read_single_file(path: Path, source: Path) -> dict:
     ckpt = torch.load(source, map_location="cpu", weights_only=False)
     if not isinstance(ckpt, dict) or ckpt.get("version") != _SINGLE_FILE_VERSION:
         version = ckpt.get("version") if isinstance(ckpt, dict) else None
-        raise ValueError(f"checkpoint {path} has format version {version}, expected {FORMAT_VERSION} (a directory) "
-                         f"or {_SINGLE_FILE_VERSION} (a single file)")
+        raise ValueError(
+            f"checkpoint {path} has format version {version}, expected {FORMAT_VERSION} (a directory) "
+            f"or {_SINGLE_FILE_VERSION} (a single file)"
+        )
     return ckpt
 
 
@@ -455,5 +499,9 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
     if restore_rng:
         rngs = ckpt["rng"]
         _set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
-    return {"step": ckpt["step"], "loss_history": list(ckpt["loss_history"]), "extra": ckpt["extra"],
-            "world_size": ckpt["world_size"]}
+    return {
+        "step": ckpt["step"],
+        "loss_history": list(ckpt["loss_history"]),
+        "extra": ckpt["extra"],
+        "world_size": ckpt["world_size"],
+    }

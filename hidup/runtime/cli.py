@@ -7,8 +7,11 @@ from hidup.runtime import train, verify
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a zoo model under a plan on this node's GPUs (or CPU ranks)",
-                       description=train.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "train",
+        help="train a zoo model under a plan on this node's GPUs (or CPU ranks)",
+        description=train.__doc__.split("\n\n")[0],
+    )
     train.add_train_args(p)
 
 
@@ -17,8 +20,11 @@ def _cmd_train(args) -> int:
 
 
 def _verify_parser(sub) -> None:
-    p = sub.add_parser("verify", help="compare a plan's loss and gradients with the single-device model",
-                       description=verify.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "verify",
+        help="compare a plan's loss and gradients with the single-device model",
+        description=verify.__doc__.split("\n\n")[0],
+    )
     verify.add_verify_args(p)
 
 
@@ -27,9 +33,12 @@ def _cmd_verify(args) -> int:
 
 
 def _profile_parser(sub) -> None:
-    p = sub.add_parser("profile", help="measure this machine's device FLOP rates and collective bandwidths",
-                       description="Measure the device and the network and write a profile JSON that "
-                       "`hidup search --profile` accepts.")
+    p = sub.add_parser(
+        "profile",
+        help="measure this machine's device FLOP rates and collective bandwidths",
+        description="Measure the device and the network and write a profile JSON that "
+        "`hidup search --profile` accepts.",
+    )
     measure.add_profile_args(p)
 
 

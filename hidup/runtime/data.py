@@ -29,10 +29,12 @@ def rank_share(inputs, rank: int, world: int) -> tuple[torch.Tensor, ...]:
     out = []
     for t in inputs:
         if t.shape[0] % world:
-            raise ValueError(f"input of shape {tuple(t.shape)}: global batch {t.shape[0]} does not split over "
-                             f"{world} ranks; choose a batch that is a multiple of the world size")
+            raise ValueError(
+                f"input of shape {tuple(t.shape)}: global batch {t.shape[0]} does not split over "
+                f"{world} ranks; choose a batch that is a multiple of the world size"
+            )
         k = t.shape[0] // world
-        out.append(t[rank * k:(rank + 1) * k].contiguous())
+        out.append(t[rank * k : (rank + 1) * k].contiguous())
     return tuple(out)
 
 
@@ -62,8 +64,9 @@ class SyntheticTokens(_Batches):
 
     def __init__(self, batch: int, seq: int, vocab: int, seed: int = 0):
         if batch < 1 or seq < 1 or vocab < 2:
-            raise ValueError(f"SyntheticTokens(batch={batch}, seq={seq}, vocab={vocab}): need batch >= 1, "
-                             f"seq >= 1, vocab >= 2")
+            raise ValueError(
+                f"SyntheticTokens(batch={batch}, seq={seq}, vocab={vocab}): need batch >= 1, seq >= 1, vocab >= 2"
+            )
         self.batch, self.seq, self.vocab, self.seed = batch, seq, vocab, seed
 
     def window(self, step: int) -> torch.Tensor:

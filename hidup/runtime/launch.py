@@ -54,8 +54,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Layout", "Distributed", "LaunchError", "layout_from_env", "init_distributed", "launch", "run_ranks",
-           "shutdown", "add_launch_args", "launch_kwargs", "user_error", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "Layout",
+    "Distributed",
+    "LaunchError",
+    "layout_from_env",
+    "init_distributed",
+    "launch",
+    "run_ranks",
+    "shutdown",
+    "add_launch_args",
+    "launch_kwargs",
+    "user_error",
+    "DEFAULT_TIMEOUT_S",
+]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -112,9 +124,15 @@ def _pick(flag, env_value):
     return flag if flag is not None else env_value
 
 
-def layout_from_env(env: Mapping[str, str] | None = None, *, nnodes: int | None = None, cpn: int | None = None,
-                    node_rank: int | None = None, master_addr: str | None = None,
-                    master_port: int | None = None) -> Layout:
+def layout_from_env(
+    env: Mapping[str, str] | None = None,
+    *,
+    nnodes: int | None = None,
+    cpn: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> Layout:
     """Read the rank layout from ``env`` (default ``os.environ``) and flags (which win).
 
     Raises :class:`LaunchError` naming the variable when something is missing or contradictory."""
@@ -130,8 +148,9 @@ def layout_from_env(env: Mapping[str, str] | None = None, *, nnodes: int | None 
     if torchrun:
         missing = [k for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local)) if v is None]
         if missing:
-            raise LaunchError(f"torchrun-style launch needs RANK, WORLD_SIZE and LOCAL_RANK; missing: "
-                              f"{', '.join(missing)}")
+            raise LaunchError(
+                f"torchrun-style launch needs RANK, WORLD_SIZE and LOCAL_RANK; missing: {', '.join(missing)}"
+            )
         if not 0 <= rank < world:
             raise LaunchError(f"RANK={rank} is outside WORLD_SIZE={world}")
         local_world = _int_env(env, "LOCAL_WORLD_SIZE") or cpn or world
@@ -140,22 +159,27 @@ def layout_from_env(env: Mapping[str, str] | None = None, *, nnodes: int | None 
         if cpn is not None:
             node = node_rank if node_rank is not None else rank // cpn
             if node * cpn + local != rank:
-                raise LaunchError(f"RANK={rank} contradicts NODERANK={node} * CPN={cpn} + LOCAL_RANK={local}; "
-                                  f"unset NODERANK/CPN under torchrun or make them agree")
+                raise LaunchError(
+                    f"RANK={rank} contradicts NODERANK={node} * CPN={cpn} + LOCAL_RANK={local}; "
+                    f"unset NODERANK/CPN under torchrun or make them agree"
+                )
             if nnodes is not None and nnodes * cpn != world:
                 raise LaunchError(f"WORLD_SIZE={world} contradicts NNODES={nnodes} * CPN={cpn}")
         cpn_eff = cpn or local_world
         node_eff = rank // cpn_eff if world % cpn_eff == 0 else 0
         if addr is None or port is None:
-            raise LaunchError("torchrun-style launch needs MASTER_ADDR and MASTER_PORT (torchrun sets both; "
-                              "otherwise export them or pass --master-addr/--master-port)")
+            raise LaunchError(
+                "torchrun-style launch needs MASTER_ADDR and MASTER_PORT (torchrun sets both; "
+                "otherwise export them or pass --master-addr/--master-port)"
+            )
         return Layout(world, max(1, world // cpn_eff), cpn_eff, node_eff, addr, port, local, "torchrun")
 
     if cpn is None and node_rank is None and nnodes is None:
         return Layout(1, 1, 1, 0, addr or "127.0.0.1", port if port is not None else 29500, None, "single")
     if cpn is None:
-        raise LaunchError("NODERANK/NNODES given without CPN (cards per node); export CPN=<processes per node> "
-                          "or pass --cpn")
+        raise LaunchError(
+            "NODERANK/NNODES given without CPN (cards per node); export CPN=<processes per node> or pass --cpn"
+        )
     if cpn < 1:
         raise LaunchError(f"CPN={cpn} must be at least 1")
     nnodes = 1 if nnodes is None else nnodes
@@ -168,17 +192,23 @@ def layout_from_env(env: Mapping[str, str] | None = None, *, nnodes: int | None 
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"NODERANK={node_rank} is outside 0..{nnodes - 1} (NNODES={nnodes})")
     if nnodes > 1 and (addr is None or port is None):
-        raise LaunchError(f"a run over NNODES={nnodes} nodes needs MASTER_ADDR and MASTER_PORT of node 0 "
-                          f"(export them or pass --master-addr/--master-port)")
+        raise LaunchError(
+            f"a run over NNODES={nnodes} nodes needs MASTER_ADDR and MASTER_PORT of node 0 "
+            f"(export them or pass --master-addr/--master-port)"
+        )
     if nnodes > 1 and port == 0:
-        raise LaunchError(f"MASTER_PORT=0 (a free port picked by this launcher) works on one node only; a run over "
-                          f"NNODES={nnodes} nodes needs the port of node 0 that every node can be told")
-    return Layout(nnodes * cpn, nnodes, cpn, node_rank, addr or "127.0.0.1", port if port is not None else 29500,
-                  None, "noderank")
+        raise LaunchError(
+            f"MASTER_PORT=0 (a free port picked by this launcher) works on one node only; a run over "
+            f"NNODES={nnodes} nodes needs the port of node 0 that every node can be told"
+        )
+    return Layout(
+        nnodes * cpn, nnodes, cpn, node_rank, addr or "127.0.0.1", port if port is not None else 29500, None, "noderank"
+    )
 
 
-def init_distributed(layout: Layout, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     hosted_store: bool = False) -> Distributed:
+def init_distributed(
+    layout: Layout, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, hosted_store: bool = False
+) -> Distributed:
     """Join this process (``layout.local_rank`` set) into the process group of ``layout``.
 
     ``hosted_store``: the launcher hosts the rendezvous store at ``master_addr:master_port`` and
@@ -191,8 +221,10 @@ def init_distributed(layout: Layout, *, backend: str | None = None, timeout_s: f
         if not cuda:
             raise LaunchError("backend nccl needs CUDA, which is not available here; use backend gloo")
         if layout.local_rank >= torch.cuda.device_count():
-            raise LaunchError(f"local rank {layout.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
-                              f"set CPN to at most the number of GPUs per node")
+            raise LaunchError(
+                f"local rank {layout.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                f"set CPN to at most the number of GPUs per node"
+            )
         device = torch.device("cuda", layout.local_rank)
         torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # fail fast on a dead peer
@@ -204,8 +236,9 @@ def init_distributed(layout: Layout, *, backend: str | None = None, timeout_s: f
             kwargs["device_id"] = device
         timeout = datetime.timedelta(seconds=timeout_s)
         if hosted_store:
-            kwargs["store"] = dist.TCPStore(layout.master_addr, layout.master_port, layout.world_size + 1, False,
-                                            timeout=timeout)
+            kwargs["store"] = dist.TCPStore(
+                layout.master_addr, layout.master_port, layout.world_size + 1, False, timeout=timeout
+            )
         else:
             kwargs["init_method"] = f"tcp://{layout.master_addr}:{layout.master_port}"
         dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size, timeout=timeout, **kwargs)
@@ -220,13 +253,13 @@ def dump_stacks_on_sigusr2() -> None:
             faulthandler.register(sig, all_threads=True)
 
 
-def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s, hosted_store, env,
-           user_errors):
+def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s, hosted_store, env, user_errors):
     os.environ.update(env)
     dump_stacks_on_sigusr2()
     try:
-        ctx = init_distributed(replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s,
-                               hosted_store=hosted_store)
+        ctx = init_distributed(
+            replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s, hosted_store=hosted_store
+        )
         out = fn(ctx, *args)
         results.put((local_rank, True, pickle.dumps(out)))
     except BaseException as e:
@@ -259,8 +292,19 @@ def user_error(e: BaseException) -> str | None:
 
     if isinstance(e, SystemExit) and isinstance(e.code, str):
         return e.code
-    if isinstance(e, (ModelSourceError, PlanError, TraceFailure, ExportFailure, SearchError, CompileError,
-                      GraphCaptureError, LaunchError)):
+    if isinstance(
+        e,
+        (
+            ModelSourceError,
+            PlanError,
+            TraceFailure,
+            ExportFailure,
+            SearchError,
+            CompileError,
+            GraphCaptureError,
+            LaunchError,
+        ),
+    ):
         return str(e)
     profile = sys.modules.get("hidup.profiler.profile")  # a layer above this one: only if it is loaded
     if profile is not None and isinstance(e, profile.ProfileError):
@@ -294,8 +338,10 @@ def _checkpoint_error(e: BaseException) -> str | None:
     detail = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
     if unreadable:
         detail = f"it is not a checkpoint torch.load can read ({type(e).__name__}: {detail})"
-    return (f"cannot resume from checkpoint {path}: {detail}. Fix: resume with the model, plan options and "
-            "optimizer that wrote it, or start afresh without --resume (or with another --checkpoint-dir)")
+    return (
+        f"cannot resume from checkpoint {path}: {detail}. Fix: resume with the model, plan options and "
+        "optimizer that wrote it, or start afresh without --resume (or with another --checkpoint-dir)"
+    )
 
 
 def shutdown() -> None:
@@ -305,10 +351,20 @@ def shutdown() -> None:
             dist.destroy_process_group()
 
 
-def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = None, node_rank: int | None = None,
-           master_addr: str | None = None, master_port: int | None = None, backend: str | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-           stalled: Callable[[], str | None] | None = None, announce: bool = False) -> list:
+def launch(
+    fn: Callable,
+    *args,
+    nnodes: int | None = None,
+    cpn: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    stalled: Callable[[], str | None] | None = None,
+    announce: bool = False,
+) -> list:
     """Run ``fn(ctx: Distributed, *args)`` on this node's ranks and return their results by local rank.
 
     Under torchrun the current process is the rank.  With ``NODERANK``/``CPN`` (env or flags) this
@@ -321,8 +377,9 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
     print their Python stacks to stderr and are killed, and :class:`LaunchError` is raised with it --
     a watchdog for hangs that no process-group timeout ends.  ``announce`` prints a line on stderr as
     the ranks start (they take seconds to import torch)."""
-    layout = layout_from_env(env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr,
-                             master_port=master_port)
+    layout = layout_from_env(
+        env, nnodes=nnodes, cpn=cpn, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    )
     if layout.source in ("torchrun", "single"):
         layout = replace(layout, local_rank=layout.local_rank or 0)
         dump_stacks_on_sigusr2()
@@ -334,14 +391,26 @@ def launch(fn: Callable, *args, nnodes: int | None = None, cpn: int | None = Non
                 shutdown()
 
     if announce:
-        print(f"hidup: starting {layout.cpn} ranks on node {layout.node_rank} ({backend or 'nccl if CUDA, else gloo'}"
-              f"; world {layout.world_size}) ...", file=sys.stderr, flush=True)
+        print(
+            f"hidup: starting {layout.cpn} ranks on node {layout.node_rank} ({backend or 'nccl if CUDA, else gloo'}"
+            f"; world {layout.world_size}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     return run_ranks(fn, args, layout, backend=backend, timeout_s=timeout_s, stalled=stalled)
 
 
-def run_ranks(fn: Callable, args: tuple, layout: Layout, *, backend: str | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-              stalled: Callable[[], str | None] | None = None, user_errors: bool = True) -> list:
+def run_ranks(
+    fn: Callable,
+    args: tuple,
+    layout: Layout,
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    stalled: Callable[[], str | None] | None = None,
+    user_errors: bool = True,
+) -> list:
     """Spawn the ``layout.cpn`` ranks of this node, each running ``fn(ctx: Distributed, *args)`` in a
     process group (``backend``, collectives timing out after ``timeout_s``), and return their
     results by local rank.
@@ -353,13 +422,23 @@ def run_ranks(fn: Callable, args: tuple, layout: Layout, *, backend: str | None 
     or not.  SIGTERM and SIGUSR1 sent to this process go on to the ranks while they run."""
     hosted = None  # the store, when this process hosts it: held until the ranks are done
     if layout.master_port == 0:
-        hosted = dist.TCPStore(layout.master_addr, 0, layout.world_size + 1, True,
-                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        hosted = dist.TCPStore(
+            layout.master_addr,
+            0,
+            layout.world_size + 1,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         layout = replace(layout, master_port=hosted.port)
     results = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_child, args=(layout, fn, args, results, backend, timeout_s, hosted is not None,
-                                             dict(env or {}), user_errors),
-                               nprocs=layout.cpn, join=False, start_method="spawn")
+    procs = mp.start_processes(
+        _child,
+        args=(layout, fn, args, results, backend, timeout_s, hosted is not None, dict(env or {}), user_errors),
+        nprocs=layout.cpn,
+        join=False,
+        start_method="spawn",
+    )
     out: dict[int, object] = {}
     forwarded = _forward_signals(procs)
     try:
@@ -420,9 +499,12 @@ def _wait(processes, results, out: dict, layout: Layout, stalled) -> list[int]:
             raise LaunchError(f"the ranks of node {layout.node_rank} were stopped: {reason}")
     if died_after_result:
         i = died_after_result[0]
-        warnings.warn(f"hidup launch: every rank of node {layout.node_rank} returned its result, then one died on "
-                      f"exit (local rank {i}, {_exit_text(processes[i].exitcode)}); the results are kept",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"hidup launch: every rank of node {layout.node_rank} returned its result, then one died on "
+            f"exit (local rank {i}, {_exit_text(processes[i].exitcode)}); the results are kept",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return failed
 
 
@@ -460,18 +542,27 @@ def _failure_report(processes, out: dict, layout: Layout, failed: list[int], exi
     errors -- a connection reset, a timeout -- are consequences), then a user error, then a traceback.
     ``failed``: the local ranks seen failing, in order; ``exited``: the exit codes of the ranks that
     had exited before the survivors were stopped."""
+
     def who(i: int) -> str:
-        return (f"rank {layout.node_rank * layout.cpn + i} (node {layout.node_rank}, local rank {i}, "
-                f"pid {processes[i].pid})")
+        return (
+            f"rank {layout.node_rank * layout.cpn + i} (node {layout.node_rank}, local rank {i}, "
+            f"pid {processes[i].pid})"
+        )
 
     dead = [i for i in failed if i not in out] + sorted(i for i in exited if i not in out and i not in failed)
     if dead:
         i = dead[0]
         others = [j for j in range(layout.cpn) if j != i]
-        tail = (f"; the other ranks of this node ({', '.join(str(layout.node_rank * layout.cpn + j) for j in others)})"
-                " were stopped (their errors follow from it)" if others else "")
-        return (f"{who(i)} died {_exit_text(exited.get(i, processes[i].exitcode))}, before reporting a result"
-                f"{tail}. Its own output above, if any, says why")
+        tail = (
+            f"; the other ranks of this node ({', '.join(str(layout.node_rank * layout.cpn + j) for j in others)})"
+            " were stopped (their errors follow from it)"
+            if others
+            else ""
+        )
+        return (
+            f"{who(i)} died {_exit_text(exited.get(i, processes[i].exitcode))}, before reporting a result"
+            f"{tail}. Its own output above, if any, says why"
+        )
     reported = [(i, out[i]) for i in failed if isinstance(out.get(i), _Failure)]
     reported += [(i, v) for i, v in sorted(out.items()) if isinstance(v, _Failure) and i not in failed]
     users = [(i, f) for i, f in reported if f.user]
@@ -500,8 +591,9 @@ def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
     alive = [(i, p) for i, p in enumerate(processes) if p.is_alive()]
     if sig is not None:
         for i, p in alive:
-            print(f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr, flush=True
+            )
             with contextlib.suppress(OSError):
                 os.kill(p.pid, sig)
             time.sleep(grace_s)  # one rank's dump at a time: they share the terminal
@@ -513,6 +605,7 @@ def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
 def _forward_signals(procs) -> dict:
     """Pass SIGTERM / SIGUSR1 received by the launcher on to its ranks (they checkpoint, and on
     SIGTERM stop, at the end of the step), instead of dying and orphaning them."""
+
     def forward(signum, frame):
         for p in procs.processes:
             if p.is_alive():
@@ -559,15 +652,30 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpn", type=int, default=None, help="processes (cards) per node (env CPN)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's index (env NODERANK)")
     g.add_argument("--master-addr", default=None, help="address of node 0 (env MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port on node 0 (env MASTER_PORT; 0 on one node: a free port)")
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="rendezvous port on node 0 (env MASTER_PORT; 0 on one node: a free port)",
+    )
     g.add_argument("--backend", default=None, choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")
-    g.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds before a collective waiting on a dead rank fails (default {DEFAULT_TIMEOUT_S:g})")
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds before a collective waiting on a dead rank fails (default {DEFAULT_TIMEOUT_S:g})",
+    )
 
 
 def launch_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of :func:`launch` from parsed :func:`add_launch_args` flags."""
-    return {"nnodes": args.nnodes, "cpn": args.cpn, "node_rank": args.node_rank, "master_addr": args.master_addr,
-            "master_port": args.master_port, "backend": args.backend, "timeout_s": args.dist_timeout,
-            "announce": True}
+    return {
+        "nnodes": args.nnodes,
+        "cpn": args.cpn,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "backend": args.backend,
+        "timeout_s": args.dist_timeout,
+        "announce": True,
+    }

@@ -39,10 +39,12 @@ DEFAULT_MODEL = "bert-sgmoe"
 DEFAULT_WORLD = 8
 DEFAULT_PROFILE = "paper-v100-9.7gbps"
 
-MODEL_HELP = (f"zoo model name (default {DEFAULT_MODEL}; see `hidup models`) or package.module:function, a "
-              "function returning (model, example_inputs) that gets the model flags as keyword arguments (plus "
-              "world_size and device if it takes them); the module is imported from the current directory or "
-              "sys.path")
+MODEL_HELP = (
+    f"zoo model name (default {DEFAULT_MODEL}; see `hidup models`) or package.module:function, a "
+    "function returning (model, example_inputs) that gets the model flags as keyword arguments (plus "
+    "world_size and device if it takes them); the module is imported from the current directory or "
+    "sys.path"
+)
 
 
 def add_model_flags(group) -> None:
@@ -52,26 +54,44 @@ def add_model_flags(group) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DEFAULT_WORLD) -> None:
-    g = p.add_argument_group("model", "with --plan, the plan's record of its model; flags that contradict it are "
-                             "refused")
+    g = p.add_argument_group(
+        "model", "with --plan, the plan's record of its model; flags that contradict it are refused"
+    )
     g.add_argument("--model", default=None, metavar="NAME|MODULE:FUNCTION", help=MODEL_HELP)
     add_model_flags(g)
-    g.add_argument("--model-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help="another keyword argument of the model (repeatable): VALUE is read as JSON (2, 0.5, true, "
-                        "null, [1, 2]) or else as a string (float64); zoo models take their overrides "
-                        "(dropout, aux_weight, ...)")
-    g.add_argument("--world", type=int, default=None, help="number of ranks (GPUs)"
-                   + ("" if world_default is None else f" (default {world_default}; with --plan the plan's)"))
-    g.add_argument("--config", type=Path, default=None,
-                   help="TOML file with defaults for these flags; a [model] table: spec = NAME or MODULE:FUNCTION "
-                        "and the model's arguments")
+    g.add_argument(
+        "--model-arg",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="another keyword argument of the model (repeatable): VALUE is read as JSON (2, 0.5, true, "
+        "null, [1, 2]) or else as a string (float64); zoo models take their overrides "
+        "(dropout, aux_weight, ...)",
+    )
+    g.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="number of ranks (GPUs)"
+        + ("" if world_default is None else f" (default {world_default}; with --plan the plan's)"),
+    )
+    g.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="TOML file with defaults for these flags; a [model] table: spec = NAME or MODULE:FUNCTION "
+        "and the model's arguments",
+    )
     p.set_defaults(world_default=world_default)
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
     """The model flags given (``--layers`` ...), as keyword arguments (``layers`` ...)."""
-    return {flag.replace("-", "_"): getattr(args, flag.replace("-", "_"))
-            for flag in MODEL_FLAGS if getattr(args, flag.replace("-", "_"), None) is not None}
+    return {
+        flag.replace("-", "_"): getattr(args, flag.replace("-", "_"))
+        for flag in MODEL_FLAGS
+        if getattr(args, flag.replace("-", "_"), None) is not None
+    }
 
 
 def parse_model_arg(text: str) -> tuple[str, object]:
@@ -79,8 +99,9 @@ def parse_model_arg(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key.isidentifier():
-        raise ModelSourceError(f"--model-arg {text!r}: write KEY=VALUE with KEY a Python identifier, e.g. "
-                               "--model-arg dtype=float64")
+        raise ModelSourceError(
+            f"--model-arg {text!r}: write KEY=VALUE with KEY a Python identifier, e.g. --model-arg dtype=float64"
+        )
     try:
         return key, json.loads(value)
     except ValueError:
@@ -115,17 +136,21 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
     else:
         where = plan_path or "the plan"
         if getattr(args, "world", None) is not None and args.world != plan.world_size:
-            raise PlanError(f"{where} was searched for {plan.world_size} ranks, not --world {args.world}. Fix: drop "
-                            f"--world (the plan's {plan.world_size} is used), or search again with --world "
-                            f"{args.world}")
+            raise PlanError(
+                f"{where} was searched for {plan.world_size} ranks, not --world {args.world}. Fix: drop "
+                f"--world (the plan's {plan.world_size} is used), or search again with --world "
+                f"{args.world}"
+            )
         args.world = plan.world_size
         record = recorded_source(plan)
         if record is None:
             if spec is None:
-                raise PlanError(f"{where} does not record its model (it was searched in Python without "
-                                "model_source=). Fix: pass --model NAME or --model package.module:function with "
-                                "the model's arguments (--layers ..., --model-arg KEY=VALUE), or search with "
-                                "hidup.search(..., model_source='package.module:function')")
+                raise PlanError(
+                    f"{where} does not record its model (it was searched in Python without "
+                    "model_source=). Fix: pass --model NAME or --model package.module:function with "
+                    "the model's arguments (--layers ..., --model-arg KEY=VALUE), or search with "
+                    "hidup.search(..., model_source='package.module:function')"
+                )
             record = {"model": spec, "args": given}
         else:
             wrong = []
@@ -137,9 +162,11 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
                 elif record["args"][key] != value:
                     wrong.append(f"{key}={value!r} (the plan has {record['args'][key]!r})")
             if wrong:
-                raise PlanError(f"{where} was searched for {describe_source(record)}; the model flags "
-                                f"{', '.join(wrong)} contradict it. Fix: drop the model flags (the plan rebuilds "
-                                "its own model), or run `hidup search` again for the model you mean")
+                raise PlanError(
+                    f"{where} was searched for {describe_source(record)}; the model flags "
+                    f"{', '.join(wrong)} contradict it. Fix: drop the model flags (the plan rebuilds "
+                    "its own model), or run `hidup search` again for the model you mean"
+                )
     args.model, args.model_args = record["model"], dict(record["args"])
     if plan is not None and getattr(args, "command", None) in RANK_COMMANDS:
         check_plan_fits(args, plan, where)
@@ -184,8 +211,10 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     for key, value in data.items():
         dest = key.replace("-", "_")
         if dest not in known:
-            p.error(f"--config {path}: unknown key {key!r}; valid keys: "
-                    + ", ".join(sorted(k.replace('_', '-') for k in known)))
+            p.error(
+                f"--config {path}: unknown key {key!r}; valid keys: "
+                + ", ".join(sorted(k.replace("_", "-") for k in known))
+            )
         if dest == "model" and isinstance(value, dict):
             table = {k.replace("-", "_"): v for k, v in value.items()}
             spec = table.pop("spec", None)
@@ -216,8 +245,10 @@ def build_graph(args: argparse.Namespace, why: str = "tracing"):
     ``args.model`` / ``args.model_args`` come from :func:`settle_model`; ``why`` starts the status
     line printed while it runs."""
     if not hidup.models.is_factory(args.model) and args.model not in hidup.models.names():
-        raise SystemExit(f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}, "
-                         "or give your own as package.module:function")
+        raise SystemExit(
+            f"unknown model {args.model!r}; choose one of: {', '.join(hidup.models.names())}, "
+            "or give your own as package.module:function"
+        )
     try:
         device = None if hidup.models.is_factory(args.model) else "meta"
         model, inputs = hidup.models.build(args.model, world_size=args.world, device=device, **args.model_args)

@@ -67,11 +67,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--plan", type=Path, default=None, help="plan JSON from `hidup search` (default: search now)")
     g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile used when searching on the spot")
-    g.add_argument("--duplication", choices=("auto", "plan", "on", "off"), default="auto",
-                   help="two half-batch copies per rank overlapping communication and compute: as the plan says, "
-                        "on, off, or auto (default): on GPUs with more than one rank, time a few steps of the plan "
-                        "with and without and keep the faster (the plan's choice unless the other wins by 2%%); "
-                        "elsewhere as the plan says")
+    g.add_argument(
+        "--duplication",
+        choices=("auto", "plan", "on", "off"),
+        default="auto",
+        help="two half-batch copies per rank overlapping communication and compute: as the plan says, "
+        "on, off, or auto (default): on GPUs with more than one rank, time a few steps of the plan "
+        "with and without and keep the faster (the plan's choice unless the other wins by 2%%); "
+        "elsewhere as the plan says",
+    )
     g.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
     g.add_argument("--iterations", type=int, default=20, help="optimizer steps (default 20)")
     g.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
@@ -79,28 +83,43 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
-    g.add_argument("--precision", choices=DTYPES, default="fp32",
-                   help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)")
-    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                   help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
-                        "--precision fp16, whose loss scaler checks gradients on the host, and kept only "
-                        "when replaying beats eager steps in a short trial)")
-    g.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="run the rank program through torch.compile (inductor; collectives stay eager as opaque "
-                        "custom ops, duplication's stages are compiled one by one): on, off, or auto (default): on "
-                        "GPUs time a few steps both ways and keep the faster, on the CPU off. The compilation time "
-                        "is printed; torch's compile caches are used")
-    g.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
-                   help="synthetic batches, or byte-level tokens of the Python standard library's source "
-                        "(language models; needs --vocab >= 256)")
+    g.add_argument(
+        "--precision", choices=DTYPES, default="fp32", help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)"
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
+        "--precision fp16, whose loss scaler checks gradients on the host, and kept only "
+        "when replaying beats eager steps in a short trial)",
+    )
+    g.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the rank program through torch.compile (inductor; collectives stay eager as opaque "
+        "custom ops, duplication's stages are compiled one by one): on, off, or auto (default): on "
+        "GPUs time a few steps both ways and keep the faster, on the CPU off. The compilation time "
+        "is printed; torch's compile caches are used",
+    )
+    g.add_argument(
+        "--data",
+        choices=("synthetic", "stdlib"),
+        default="synthetic",
+        help="synthetic batches, or byte-level tokens of the Python standard library's source "
+        "(language models; needs --vocab >= 256)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    g.add_argument("--chrome-trace", type=Path, default=None,
-                   help="write a chrome trace of 3 steps per rank to this directory")
+    g.add_argument(
+        "--chrome-trace", type=Path, default=None, help="write a chrome trace of 3 steps per rank to this directory"
+    )
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
     g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only on signal)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    g.add_argument("--stop-after", type=int, default=None,
-                   help="stop (as if interrupted) after this many steps of this invocation")
+    g.add_argument(
+        "--stop-after", type=int, default=None, help="stop (as if interrupted) after this many steps of this invocation"
+    )
     g.add_argument("--json", type=Path, default=None, help="write the run's results as JSON (rank 0)")
     add_launch_args(p)
 
@@ -120,6 +139,7 @@ class _Signals:
         def handle(signum, frame):
             self.save = True
             self.stop = self.stop or stop
+
         return handle
 
     def agreed(self, device) -> tuple[bool, bool]:
@@ -166,9 +186,14 @@ def _plan_for(args, model, inputs, world: int):
         return Plan.load(args.plan)
 
     graph = trace(model, inputs, world_size=world, half_batch=True)
-    return search(graph, hidup.profiler.load(args.profile), world_size=world,
-                  duplication=_duplication_mode(args) != "off", precision=args.precision,
-                  cuda_graphs=_captures(args, torch.cuda.is_available()))
+    return search(
+        graph,
+        hidup.profiler.load(args.profile),
+        world_size=world,
+        duplication=_duplication_mode(args) != "off",
+        precision=args.precision,
+        cuda_graphs=_captures(args, torch.cuda.is_available()),
+    )
 
 
 def _duplication_mode(args) -> str:
@@ -191,16 +216,14 @@ def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, 
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return {"compile": False, "compile_s": None, "trial": {}}
     if mode == "auto":
-        info = choose_compile(module, batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype,
-                              group=module.group)
+        info = choose_compile(module, batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype, group=module.group)
         if rank == 0:
             print(info["reason"], flush=True)
         return info
     module.set_compile(True)
     seconds = compile_step(module, batch, autocast_dtype=autocast_dtype, graphed=use_graph)
     if rank == 0:
-        print(f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)",
-              flush=True)
+        print(f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)", flush=True)
     return {"compile": True, "compile_s": seconds, "trial": {}}
 
 
@@ -215,8 +238,10 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     data = None
     if args.data == "stdlib":
         if not zoo:
-            raise SystemExit(f"--data stdlib feeds the zoo's language models; {args.model} gets synthetic batches "
-                             "shaped like its example inputs (leave out --data)")
+            raise SystemExit(
+                f"--data stdlib feeds the zoo's language models; {args.model} gets synthetic batches "
+                "shaped like its example inputs (leave out --data)"
+            )
         if getattr(cfg, "vocab", 0) < 256 or inputs[0].dtype.is_floating_point:
             raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
         data = StdlibCorpus(inputs[0].shape[0], inputs[0].shape[1])
@@ -227,8 +252,9 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     use_graph = _captures(args, device.type == "cuda")
     if mode == "auto" and device.type == "cuda" and world > 1:
         trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
-        module, trial = codegen.choose_duplication(model, plan, rank, world, trial_batch, cuda_graphs=use_graph,
-                                                   autocast_dtype=autocast_dtype)
+        module, trial = codegen.choose_duplication(
+            model, plan, rank, world, trial_batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype
+        )
         if rank == 0:
             print(trial["reason"], flush=True)
     else:
@@ -245,32 +271,46 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if use_graph and device.type != "cuda":
         raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
     if use_graph and scaler is not None:
-        raise SystemExit("--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
-                         "gradients on the host every step); use bf16, or --cuda-graphs off")
+        raise SystemExit(
+            "--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
+            "gradients on the host every step); use bf16, or --cuda-graphs off"
+        )
     # the update joins the captured step when nothing must see the gradients in between
     opt_in_graph = use_graph and args.optimizer == "adam" and args.clip is None and scaler is None
-    compiled = _compile_rank(args, module, _to(batch_at(inputs, 0, args.seed, cfg, data), device), device,
-                             autocast_dtype, use_graph, rank)
+    compiled = _compile_rank(
+        args, module, _to(batch_at(inputs, 0, args.seed, cfg, data), device), device, autocast_dtype, use_graph, rank
+    )
     graphed = None
 
     start, losses = 0, []
     ckpt_path = args.checkpoint_dir / "checkpoint" if args.checkpoint_dir else None
     if args.resume:
-        earlier = [p for p in ((ckpt_path, args.checkpoint_dir / "checkpoint.pt") if ckpt_path else ())
-                   if checkpoint.exists(p)]  # checkpoint.pt: the single file that earlier versions wrote
+        earlier = [
+            p for p in ((ckpt_path, args.checkpoint_dir / "checkpoint.pt") if ckpt_path else ()) if checkpoint.exists(p)
+        ]  # checkpoint.pt: the single file that earlier versions wrote
         if not earlier:
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}; give --checkpoint-dir of an earlier run")
         state = checkpoint.load(earlier[0], module, opt)
         start, losses = state["step"], list(state["loss_history"])
     if rank == 0:  # the run's header, and what it will do first
-        steps = ("CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")
-                 if use_graph else "eager")
-        print(f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
-              f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
-              f"{_recompute_text(plan)}", flush=True)
-        print(f"nothing left to run: {'the checkpoint is at' if args.resume else 'already at'} step {start} of "
-              f"--iterations {args.iterations}" if start >= args.iterations else f"running steps {start + 1}.."
-              f"{args.iterations}; the first includes warm-up and can take a while", flush=True)
+        steps = (
+            "CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")
+            if use_graph
+            else "eager"
+        )
+        print(
+            f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
+            f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
+            f"{_recompute_text(plan)}",
+            flush=True,
+        )
+        print(
+            f"nothing left to run: {'the checkpoint is at' if args.resume else 'already at'} step {start} of "
+            f"--iterations {args.iterations}"
+            if start >= args.iterations
+            else f"running steps {start + 1}..{args.iterations}; the first includes warm-up and can take a while",
+            flush=True,
+        )
 
     signals = _Signals()
     times, cuda = [], device.type == "cuda"
@@ -288,9 +328,14 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
         if use_graph and graphed is None:
-            graphed = GraphedStep(module, batch, autocast_dtype=autocast_dtype,  # warm-up + capture, once
-                                  choose=args.cuda_graphs == "auto", group=module.group,
-                                  optimizer=opt if opt_in_graph else None)
+            graphed = GraphedStep(
+                module,
+                batch,
+                autocast_dtype=autocast_dtype,  # warm-up + capture, once
+                choose=args.cuda_graphs == "auto",
+                group=module.group,
+                optimizer=opt if opt_in_graph else None,
+            )
             if rank == 0:
                 timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
                 print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
@@ -334,30 +379,40 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         prof.stop()
         args.chrome_trace.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(args.chrome_trace / f"trace_rank{rank}.json"))
-    timed = times[args.warmup:] if len(times) > args.warmup else times
-    timed = timed[-args.last_k:]
-    result = {"model": args.model, "world": world, "rank": rank, "steps": step, "losses": losses,
-              "iteration_s_mean": statistics.fmean(timed) if timed else None,
-              "iteration_s_std": statistics.pstdev(timed) if len(timed) > 1 else 0.0,
-              "iteration_s_median": statistics.median(timed) if timed else None,
-              "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
-              "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-              "duplication": bool(getattr(module, "duplication", False)), "precision": args.precision,
-              "cuda_graph": graphed is not None and graphed.graph is not None,
-              "step_mode_trial": graphed.timings if graphed is not None else {},
-              "duplication_trial": trial.get("trial", {}),
-              "compile": compiled["compile"], "compile_s": compiled["compile_s"],
-              "compile_trial": compiled["trial"],
-              "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total")}
+    timed = times[args.warmup :] if len(times) > args.warmup else times
+    timed = timed[-args.last_k :]
+    result = {
+        "model": args.model,
+        "world": world,
+        "rank": rank,
+        "steps": step,
+        "losses": losses,
+        "iteration_s_mean": statistics.fmean(timed) if timed else None,
+        "iteration_s_std": statistics.pstdev(timed) if len(timed) > 1 else 0.0,
+        "iteration_s_median": statistics.median(timed) if timed else None,
+        "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "duplication": bool(getattr(module, "duplication", False)),
+        "precision": args.precision,
+        "cuda_graph": graphed is not None and graphed.graph is not None,
+        "step_mode_trial": graphed.timings if graphed is not None else {},
+        "duplication_trial": trial.get("trial", {}),
+        "compile": compiled["compile"],
+        "compile_s": compiled["compile_s"],
+        "compile_trial": compiled["trial"],
+        "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total"),
+    }
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""
-        print(f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
-              f"(last {len(timed)}), {result['tokens_per_s']:.0f} {unit}/s{mem}", flush=True)
+        print(
+            f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
+            f"(last {len(timed)}), {result['tokens_per_s']:.0f} {unit}/s{mem}",
+            flush=True,
+        )
     if rank == 0 and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     return result
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,9 +425,11 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None and launched:
         layout = layout_from_env(nnodes=args.nnodes, cpn=args.cpn, node_rank=args.node_rank)
         if layout.world_size != plan.world_size:
-            raise PlanError(f"{args.plan} was searched for {plan.world_size} ranks but this launch has "
-                            f"{layout.world_size} ({layout.source}: NNODES x CPN, or WORLD_SIZE). Fix: launch "
-                            f"{plan.world_size} ranks, or search again for {layout.world_size}")
+            raise PlanError(
+                f"{args.plan} was searched for {plan.world_size} ranks but this launch has "
+                f"{layout.world_size} ({layout.source}: NNODES x CPN, or WORLD_SIZE). Fix: launch "
+                f"{plan.world_size} ranks, or search again for {layout.world_size}"
+            )
     if args.world is not None and not launched and (plan is not None or explicit_world is not None):
         args.cpn, args.nnodes, args.node_rank = args.world, 1, 0  # one node, --world processes
     launch(run_rank, args, **launch_kwargs(args))

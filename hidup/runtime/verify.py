@@ -42,14 +42,26 @@ from hidup.trace import trace
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, world_default=2)
-    p.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now); it records its "
-                   "model and world size")
-    p.add_argument("--style", choices=("searched", "data", "tensor", "expert"), default="searched",
-                   help="without --plan: a searched plan or a forced data/tensor/expert-parallel one")
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="plan JSON (default: search one now); it records its model and world size",
+    )
+    p.add_argument(
+        "--style",
+        choices=("searched", "data", "tensor", "expert"),
+        default="searched",
+        help="without --plan: a searched plan or a forced data/tensor/expert-parallel one",
+    )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for the search")
-    p.add_argument("--duplication", choices=("plan", "on", "off"), default="plan",
-                   help="compile as the plan says (default, as `hidup train` on the CPU), or force duplication on "
-                        "or off; without --plan, off also searches without it")
+    p.add_argument(
+        "--duplication",
+        choices=("plan", "on", "off"),
+        default="plan",
+        help="compile as the plan says (default, as `hidup train` on the CPU), or force duplication on "
+        "or off; without --plan, off also searches without it",
+    )
     p.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
     p.add_argument("--steps", type=int, default=0, help="also compare K optimizer steps (default 0)")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest allowed relative difference")
@@ -63,8 +75,16 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(floor)) if b.numel() else 0.0
 
 
-def make_plan(model, inputs, world: int, *, plan=None, style: str = "searched", profile: str = "paper-v100-9.7gbps",
-              duplication: bool = True):
+def make_plan(
+    model,
+    inputs,
+    world: int,
+    *,
+    plan=None,
+    style: str = "searched",
+    profile: str = "paper-v100-9.7gbps",
+    duplication: bool = True,
+):
     """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``;
     ``duplication`` is what a searched or forced plan may use."""
     if plan is not None:
@@ -92,9 +112,20 @@ def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
     return losses
 
 
-def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=None, style: str = "searched",
-                  profile: str = "paper-v100-9.7gbps", duplication: bool | None = True, steps: int = 0,
-                  seed: int = 0, cuda_graph: bool = False, progress: bool = False) -> dict:
+def parity_report(
+    ctx: Distributed,
+    model_name: str,
+    overrides: dict,
+    *,
+    plan=None,
+    style: str = "searched",
+    profile: str = "paper-v100-9.7gbps",
+    duplication: bool | None = True,
+    steps: int = 0,
+    seed: int = 0,
+    cuda_graph: bool = False,
+    progress: bool = False,
+) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
     ``model_name`` is a zoo name or ``package.module:function`` and ``overrides`` its arguments.
@@ -105,17 +136,22 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     ``cuda_graph`` runs the compiled module's forward and backward through
     :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere).
     ``progress``: rank 0 prints a line on stderr as each phase starts."""
+
     def say(text: str) -> None:
         if progress and ctx.rank == 0:
             print(f"verify: {text}", file=sys.stderr, flush=True)
 
     world, device = ctx.world_size, ctx.device
-    what = "loading the plan" if plan is not None else (
-        "searching a plan" if style == "searched" else f"making a forced {style}-parallel plan")
+    what = (
+        "loading the plan"
+        if plan is not None
+        else ("searching a plan" if style == "searched" else f"making a forced {style}-parallel plan")
+    )
     say(f"building {model_name} and {what} on each of the {world} ranks ...")
     model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
-    the_plan = make_plan(model, inputs, world, plan=plan, style=style, profile=profile,
-                         duplication=duplication is not False)
+    the_plan = make_plan(
+        model, inputs, world, plan=plan, style=style, profile=profile, duplication=duplication is not False
+    )
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
     module = codegen.compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
@@ -126,10 +162,12 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
         def forward_backward(b):
             return graphed(*b)
     else:
+
         def forward_backward(b):
             out = module(*b)
             out.backward()
             return out
+
     loss = forward_backward(batch)
     total = module.global_loss(loss)
     grads = full_grad_dict(module)
@@ -149,11 +187,18 @@ def parity_report(ctx: Distributed, model_name: str, overrides: dict, *, plan=No
     ref_loss = ref_model(*ref_inputs)
     ref_loss.backward()
     kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
-    report = {"model": model_name, "style": style, "duplication": bool(module.duplication), "kinds": kinds,
-              "recompute": len(getattr(the_plan, "recompute", None) or []),
-              "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
-              "loss": float(total), "loss_ref": float(ref_loss.detach()), "loss_rel": rel_diff(total, ref_loss),
-              "grads": {}}
+    report = {
+        "model": model_name,
+        "style": style,
+        "duplication": bool(module.duplication),
+        "kinds": kinds,
+        "recompute": len(getattr(the_plan, "recompute", None) or []),
+        "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
+        "loss": float(total),
+        "loss_ref": float(ref_loss.detach()),
+        "loss_rel": rel_diff(total, ref_loss),
+        "grads": {},
+    }
     scale = max((float(p.grad.abs().max()) for p in ref_model.parameters() if p.grad is not None), default=0.0)
     for name, p in ref_model.named_parameters():
         mine, g = grads.get(name), p.grad
@@ -175,9 +220,18 @@ def _duplication(args) -> bool | None:
 
 
 def _run_rank(ctx: Distributed, args) -> dict:
-    return parity_report(ctx, args.model, args.model_args, plan=args.plan, style=args.style,
-                         profile=args.profile, duplication=_duplication(args), steps=args.steps, seed=args.seed,
-                         progress=True)
+    return parity_report(
+        ctx,
+        args.model,
+        args.model_args,
+        plan=args.plan,
+        style=args.style,
+        profile=args.profile,
+        duplication=_duplication(args),
+        steps=args.steps,
+        seed=args.seed,
+        progress=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,10 +251,12 @@ def run(args: argparse.Namespace) -> int:
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
     plan_text = str(args.plan) if args.plan is not None else args.style
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
-    print(f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
-          f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
-          f"parallelism used: {', '.join(report['kinds'])}"
-          f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}")
+    print(
+        f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
+        f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
+        f"parallelism used: {', '.join(report['kinds'])}"
+        f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"
+    )
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")
     print(f"gradients: {len(report['grads'])} tensors, max rel diff {worst:.2e} ({worst_name})")
@@ -213,4 +269,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  MISMATCH {n}: rel diff {report['grads'][n]:.2e} > {args.tolerance:g}")
     print("FAILED" if failed else "OK: the plan matches the single-device model")
     return 1 if failed else 0
-

@@ -48,7 +48,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from hidup.codegen.rewrite import _device_of
+from hidup.codegen.rewrite import device_of
 from hidup.codegen.timing import max_over_ranks, median_seconds
 
 __all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
@@ -99,7 +99,7 @@ class GraphedStep:
         self.module = module
         self.optimizer = optimizer
 
-        self.device = _device_of(module)
+        self.device = device_of(module)
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in module.parameters() if p.requires_grad]
         examples = tuple(example_inputs)

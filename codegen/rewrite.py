@@ -89,7 +89,7 @@ class HidupModule(nn.Module):
         self.side_pass = _side_pass(self.gm) if duplication else None
         if duplication:
             self.copy_groups = copy_groups or (group, group)
-            device = _device_of(self.gm)
+            device = device_of(self.gm)
             use_streams = device.type == "cuda" if streams is None else streams
             self.runner = StagedCopies(self.gm, device) if use_streams else SequentialCopies(self.gm)
             if use_streams and self.runner.num_stages < program.num_stages:
@@ -195,7 +195,8 @@ def _side_pass(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int
     return torch.fx.GraphModule(gm, graph, "CopySums"), [n.args[1] for n in sums]
 
 
-def _device_of(module: nn.Module) -> torch.device:
+def device_of(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter or buffer (the CPU when it has none)."""
     for t in list(module.parameters()) + list(module.buffers()):
         return t.device
     return torch.device("cpu")

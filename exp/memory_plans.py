@@ -16,22 +16,10 @@ from pathlib import Path
 
 import hidup
 import hidup.profiler
-from hidup.search import forced, search
-from hidup.search.api import _restrict_for
+from hidup.search import forced
 
 CONFIG = dict(layers=8, d_model=1024, heads=16, ffn=4096, seq_len=1024, batch_per_gpu=8, vocab=32000)
 WORLD = 8
-
-
-def fsdp_restrict():
-    data = _restrict_for("data")
-
-    def restrict(node, sig):
-        if node.op == "param":
-            return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
-        return data(node, sig)
-
-    return restrict
 
 
 def main(argv=None) -> int:
@@ -51,7 +39,7 @@ def main(argv=None) -> int:
             kw = dict(duplication=False, model_source=source, recompute=recompute)
             plans = {
                 "data": forced(graph, prof, "data", **kw),
-                "fsdp": search(graph, prof, restrict=fsdp_restrict(), **kw),
+                "fsdp": forced(graph, prof, "fsdp", **kw),
                 "tensor": forced(graph, prof, "tensor", **kw),
             }
             for name, plan in plans.items():

@@ -54,17 +54,19 @@ __all__ = [
     "price",
     "plan_indices",
     "repeated_layers",
+    "restrict_for",
     "STYLES",
     "RECOMPUTE",
 ]
 
-STYLES = ("data", "tensor", "expert")
+STYLES = ("data", "tensor", "expert", "fsdp")
 RECOMPUTE = ("auto", "on", "off")
 # style -> (preferred kinds in order, kinds never used)
 _STYLE_RULES = {
     "data": (("data",), {"tensor", "expert"}),
     "tensor": (("tensor", "data"), {"expert"}),
     "expert": (("expert", "data"), {"tensor"}),
+    "fsdp": (("data",), {"tensor", "expert"}),
 }
 
 
@@ -376,7 +378,8 @@ def _beam(opts: SearchOptions) -> dict:
     return dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)
 
 
-def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:
+def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
+    """The signature filter of ``style`` (one of :data:`STYLES`; :func:`forced` says what each keeps)."""
     if style not in _STYLE_RULES:
         raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
     prefer, never = _STYLE_RULES[style]
@@ -396,6 +399,8 @@ def _restrict_for(style: str) -> Callable[[Node, Signature], bool]:
         if node.op == "param":
             if style == "data":
                 return all(f.kind in ("replicate", "full") for f in sig.outputs)
+            if style == "fsdp":  # stored split wherever the parameter can be
+                return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
             return True
         kinds = allowed_kinds(node)
         return True if kinds is None else sig.kind in kinds
@@ -409,11 +414,13 @@ def forced(graph: Graph, profile, style: str, **kwargs) -> Plan:
     * ``data``: parameters replicated, every op its ``data`` signature where it has one, else
       a non-tensor/expert one (``replicated``);
     * ``tensor``: ``tensor`` signatures for ops that have one (attention, dense linears), else as data;
-    * ``expert``: ``expert`` signatures for the MoE expert einsums, else as data.
+    * ``expert``: ``expert`` signatures for the MoE expert einsums, else as data;
+    * ``fsdp``: every op as data, every parameter that can be stored split (``gather_d``) is, and
+      gathered for its use (FSDP / ZeRO-3 style).
 
     The remaining freedom (which dim, which parameter sharding) is searched as usual.
     """
-    plan = search(graph, profile, restrict=_restrict_for(style), **kwargs)
+    plan = search(graph, profile, restrict=restrict_for(style), **kwargs)
     plan.algorithm = f"forced-{style}"
     return plan
 

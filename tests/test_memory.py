@@ -101,16 +101,9 @@ def _check(model, inputs, style: str, precision: str) -> None:
 
 
 def _fsdp():
-    from hidup.search.api import _restrict_for
+    from hidup.search.api import restrict_for
 
-    data = _restrict_for("data")
-
-    def restrict(node, sig):
-        if node.op == "param":
-            return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
-        return data(node, sig)
-
-    return restrict
+    return restrict_for("fsdp")
 
 
 def _zoo(name: str, dtype: torch.dtype):

@@ -36,7 +36,7 @@ from hidup.codegen.params import full_grad_dict
 from hidup.plan import Plan
 from hidup.runtime.launch import Distributed, launch
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, settle_model
-from hidup.search import forced, search
+from hidup.search import STYLES, forced, search
 from hidup.trace import trace
 
 
@@ -50,9 +50,9 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--style",
-        choices=("searched", "data", "tensor", "expert"),
+        choices=("searched", *STYLES),
         default="searched",
-        help="without --plan: a searched plan or a forced data/tensor/expert-parallel one",
+        help="without --plan: a searched plan or a forced data/tensor/expert-parallel or FSDP-style one",
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for the search")
     p.add_argument(

@@ -71,8 +71,9 @@ class GraphedStep:
     returns this rank's part of the loss).  ``autocast_dtype`` (``torch.bfloat16``/``float16``)
     runs the forward under autocast.  ``warmup`` eager steps precede the capture (NCCL communicators
     and autograd state are created there).  ``enabled=None`` captures on CUDA and runs eagerly
-    elsewhere.  ``choose=True`` times ``trials`` replays against as many eager steps after the
-    capture and keeps the faster mode (agreed over ``group``, the default group when ``None``):
+    elsewhere.  ``choose=True`` times ``trials`` eager steps before the capture (so that an eager
+    step never runs beside the graph's reserved memory) against as many replays after it and keeps
+    the faster mode (agreed over ``group``, the default group when ``None``):
     a graph removes host dispatch, but over a slow network a replayed graph can interleave two
     duplicated copies less well than eager launches do, so neither mode always wins.
 
@@ -117,9 +118,12 @@ class GraphedStep:
         self.timings: dict[str, float] = {}
         if self.enabled:
             before = self._snapshot()
+            # eager steps are timed before the capture: once captured, the graph's memory pool stays
+            # reserved, and an eager step beside it would need a second step's activations
+            eager_s = self._time_eager(examples, max(1, int(warmup)), max(1, int(trials))) if choose else None
             self._capture(examples, max(1, int(warmup)), capture_error_mode)
             if choose:
-                self._choose(examples, max(1, int(trials)), group)
+                self._choose(examples, max(1, int(trials)), group, eager_s)
             self._restore(before)
 
     def _snapshot(self):
@@ -195,11 +199,20 @@ class GraphedStep:
         self._static_grads = [p.grad for p in self.params]
         torch.cuda.synchronize(self.device)
 
-    def _choose(self, examples, trials: int, group) -> None:
-        """Time ``trials`` replays against ``trials`` eager steps and keep the faster (the slowest
-        rank's medians decide, so every rank makes the same choice); eager frees the graph."""
+    def _time_eager(self, examples, warmup: int, trials: int) -> float:
+        """Median seconds of ``trials`` eager steps after ``warmup`` untimed ones."""
+        for _ in range(warmup):
+            self._eager(examples)
+        seconds = median_seconds(lambda: self._eager(examples), self.device, trials)
+        for p in self.params:
+            p.grad = None
+        return seconds
+
+    def _choose(self, examples, trials: int, group, eager_s: float) -> None:
+        """Time ``trials`` replays against the eager steps timed before the capture (``eager_s``) and
+        keep the faster (the slowest rank's medians decide, so every rank makes the same choice);
+        eager frees the graph."""
         graph_s = median_seconds(lambda: self(*examples), self.device, trials)
-        eager_s = median_seconds(lambda: self._eager(examples), self.device, trials)
         graph_s, eager_s = max_over_ranks([graph_s, eager_s], group, self.device)
         self.timings = {"graph_s": graph_s, "eager_s": eager_s}
         if eager_s < graph_s:

@@ -397,7 +397,7 @@ TINY_MOE = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=
 
 
 def _program_rank(rank, world):
-    import hidup.codegen.trial as trial
+    import hidup.profiler.calibrate as calibrate
     from hidup.profiler.calibrate import program_checks
 
     # this machine's own rates and gloo tables, so that predictions land near the measured times
@@ -408,12 +408,12 @@ def _program_rank(rank, world):
     checks = program_checks(prof, models, ("fp32",), torch.device("cpu"), trials=3, warmup=1)
     # the same plans "measured" at 1.1 times what compute contributes: each factor must come out 1.1
     want = {c["factor"]: c["predicted_s"] * (1 + 0.1 * c["coverage"]) for c in checks}
-    real = trial.time_modes
-    trial.time_modes = lambda *a, **k: {"off_s": want["dist_scale"], "on_s": want["dist_dup_scale"]}
+    real = calibrate.time_modes
+    calibrate.time_modes = lambda *a, **k: {"off_s": want["dist_scale"], "on_s": want["dist_dup_scale"]}
     try:
         exact = program_checks(prof, models, ("fp32",), torch.device("cpu"))
     finally:
-        trial.time_modes = real
+        calibrate.time_modes = real
     return [{k: v for k, v in c.items() if k != "plan"} for c in checks], exact
 
 

@@ -27,7 +27,7 @@ import thirdparty
 from dist_util import run_distributed
 from hidup.codegen import CompileError
 from hidup.ir import block_label
-from hidup.plan import Plan
+from hidup.plan import Plan, summary
 from hidup.search import SearchError, forced, search
 from hidup.search.api import repeated_layers
 from hidup.search.memory import MemoryModel
@@ -259,6 +259,7 @@ def test_search_recomputes_only_under_a_budget_that_needs_it(gpt_graph):
     assert fit.memory["total"] <= budget
     assert off.predicted["total"] < fit.predicted["total"] < on.predicted["total"]
     assert Plan.from_dict(fit.to_dict()).recompute == fit.recompute
+    assert f"recomputed in the backward: {len(fit.recompute)} layers (trunk.layers.0" in summary(fit, gpt_graph)
 
 
 def test_bad_layer_names_fail_clearly(gpt_graph):

@@ -38,7 +38,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils.checkpoint
 
-__all__ = ["Recomputed", "outline_regions", "is_checkpointed", "REGION"]
+__all__ = ["Recomputed", "outline_regions", "REGION"]
 
 REGION = "recompute_region"  # node.meta key: the region a generated node belongs to (None: none)
 
@@ -117,8 +117,3 @@ def outline_regions(graph: torch.fx.Graph, root: nn.Module, prefix: str = "recom
             graph.erase_node(node)
         count += 1
     return count
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether ``module`` (a rank program) runs any region through recomputation."""
-    return any(isinstance(m, Recomputed) for m in module.modules())

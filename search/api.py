@@ -263,7 +263,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
         raise errors[-1]
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
-    if problem.recompute and isinstance(opts.recompute, str) and opts.memory_budget is not None:
+    if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
         problem, best = _fewest_recomputed(graph, profile, opts, problem, best)
     plan = make_plan(problem, best, opts.algorithm, options, opts.explain)
     plan.recompute = sorted(problem.recompute, key=_layer_order)

@@ -246,6 +246,7 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
 
 
 def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
+    started = time.perf_counter()  # an ILP's time limit covers every search made here
     results = []
     errors = []
     for recompute in _recompute_choices(graph, opts):
@@ -253,7 +254,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
             break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
         beat = min((r[1].total for r in results), default=None) if recompute else None
         try:
-            found = _search_with(graph, profile, opts, progress, recompute, beat)
+            found = _search_with(graph, profile, opts, progress, recompute, beat, started)
         except SearchError as e:
             errors.append(e)
             continue
@@ -303,12 +304,15 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
     return problem, best
 
 
-def _search_with(graph, profile, opts: SearchOptions, progress, recompute: frozenset[str], beat: float | None = None):
+def _search_with(
+    graph, profile, opts: SearchOptions, progress, recompute: frozenset[str], beat: float | None, started: float
+):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
     worked out where ``recompute="auto"`` needs it.  With ``beat`` (the time of a plan already
     found) the DP first searches without the budget, and None is returned when even that plan is no
-    faster than ``beat``: a plan within the budget could not be either."""
+    faster than ``beat`` (a plan within the budget could not be either), or, for the ILP, when the
+    time limit counted from ``started`` is spent."""
     precision, memory_budget = opts.precision, opts.memory_budget
     problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
@@ -326,12 +330,18 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
         and opts.recompute == "auto"
         and sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
     )
+    modes = (False, True) if opts.duplication else (False,)
+    if beat is not None and memory_budget is not None:
+        free = solve_modes(explore, modes, None, lambda mode: None, **beam)
+        if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
+            return None
     candidates: list[list[int]] = []
     solver = None
     if opts.algorithm == "ilp":
+        if beat is not None and opts.time_limit is not None and time.perf_counter() - started >= opts.time_limit:
+            return None
         fn = _progress_fn(progress, "dp seed for the ilp")
-        started = time.perf_counter()  # the time limit covers the seed too
-        try:  # the DP's answer seeds CBC with a good incumbent
+        try:  # the DP's answer seeds CBC with a good incumbent (the time limit covers the seed too)
             start, _ = dp.solve(explore, False, memory_budget, progress=fn, **beam)
         except SearchError:
             start = None
@@ -343,12 +353,6 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
         solver = outcome.info()
         candidates.append(outcome.ks)
     else:
-        modes = (False, True) if opts.duplication else (False,)
-        if beat is not None and memory_budget is not None:
-            free = solve_modes(explore, modes, None, lambda mode: None, **beam)
-            fastest = _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes])
-            if fastest.total >= beat:
-                return None
         candidates += solve_modes(
             explore,
             modes,
@@ -356,7 +360,6 @@ def _search_with(graph, profile, opts: SearchOptions, progress, recompute: froze
             lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"),
             **beam,
         )
-    modes = (False, True) if opts.duplication else (False,)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])

@@ -324,3 +324,24 @@ def test_recomputed_program_compiles(style, dup):
     gradients (float64)."""
     loss_diff, grad_diff = run_distributed(_rank_compiled, 2, style, dup, timeout=600)[0]
     assert loss_diff <= _tol("gpt") and grad_diff <= _tol("gpt"), (loss_diff, grad_diff)
+
+
+def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypatch):
+    """Under a budget the fastest plan misses, recompute="auto" would run the ILP a second time; one
+    time limit covers both, so once it is spent the second ILP does not start."""
+    pytest.importorskip("mip")
+    from hidup.search import api
+
+    profile = hidup.profiler.load(PROFILE)
+    budget = 0.95 * search(gpt_graph, profile, recompute="off").memory["total"]
+    calls = []
+    real = api.ilp.optimize
+    monkeypatch.setattr(api.ilp, "optimize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    try:
+        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9)
+    except SearchError as e:
+        assert "time limit" in str(e)
+    assert len(calls) == 1
+    calls.clear()
+    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60)
+    assert len(calls) == 2 and fit.recompute and fit.memory["total"] <= budget

@@ -201,9 +201,11 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 def price(
     graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True
 ) -> dict[bool, Evaluation]:
-    """``plan``'s choices priced by the search's cost model, ``{False: without duplication, True:
-    with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in :func:`search`."""
-    problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision)
+    """``plan``'s choices, with its recomputed layers, priced by the search's cost model, ``{False:
+    without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in
+    :func:`search`."""
+    recompute = frozenset(getattr(plan, "recompute", None) or ())
+    problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision, recompute=recompute)
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
 

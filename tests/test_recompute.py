@@ -28,7 +28,7 @@ from dist_util import run_distributed
 from hidup.codegen import CompileError
 from hidup.ir import block_label
 from hidup.plan import Plan, summary
-from hidup.search import SearchError, forced, search
+from hidup.search import SearchError, forced, price, search
 from hidup.search.api import repeated_layers
 from hidup.search.memory import MemoryModel
 from hidup.trace import trace
@@ -259,6 +259,9 @@ def test_search_recomputes_only_under_a_budget_that_needs_it(gpt_graph):
     assert fit.memory["total"] <= budget
     assert off.predicted["total"] < fit.predicted["total"] < on.predicted["total"]
     assert Plan.from_dict(fit.to_dict()).recompute == fit.recompute
+    priced = price(gpt_graph, profile, fit)[fit.duplication]
+    assert priced.total == pytest.approx(fit.predicted["total"], rel=1e-12)
+    assert priced.memory["total"] == pytest.approx(fit.memory["total"], rel=1e-12)
     assert f"recomputed in the backward: {len(fit.recompute)} layers (trunk.layers.0" in summary(fit, gpt_graph)
 
 

@@ -314,7 +314,8 @@ def _search_with(
     worked out where ``recompute="auto"`` needs it.  With ``beat`` (the time of a plan already
     found) the DP first searches without the budget, and None is returned when even that plan is no
     faster than ``beat`` (a plan within the budget could not be either), or, for the ILP, when the
-    time limit counted from ``started`` is spent."""
+    time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
+    searched again."""
     precision, memory_budget = opts.precision, opts.memory_budget
     problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
@@ -333,11 +334,19 @@ def _search_with(
         and sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
     )
     modes = (False, True) if opts.duplication else (False,)
+    candidates: list[list[int]] = []
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
         if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
             return None
-    candidates: list[list[int]] = []
+        # a mode whose plan without the budget fits it keeps that plan (the budgeted DP would return it)
+        fits = {
+            mode: sum(explore.mem[i][k] for i, k in enumerate(ks)) <= memory_budget for mode, ks in zip(modes, free)
+        }
+        candidates += [ks for mode, ks in zip(modes, free) if fits[mode]]
+        modes_left = tuple(mode for mode in modes if not fits[mode])
+    else:
+        modes_left = modes
     solver = None
     if opts.algorithm == "ilp":
         if beat is not None and opts.time_limit is not None and time.perf_counter() - started >= opts.time_limit:
@@ -354,10 +363,10 @@ def _search_with(
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
         candidates.append(outcome.ks)
-    else:
+    elif modes_left:
         candidates += solve_modes(
             explore,
-            modes,
+            modes_left,
             memory_budget,
             lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"),
             **beam,

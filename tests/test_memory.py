@@ -24,7 +24,7 @@ import hidup
 import hidup.profiler
 from hidup.codegen import compile as hidup_compile
 from hidup.saved import record_of, tensor_dtype
-from hidup.search import forced, search
+from hidup.search import forced
 from hidup.search.memory import MemoryModel
 from hidup.trace import forward_inputs, trace_module
 
@@ -87,10 +87,8 @@ def _check(model, inputs, style: str, precision: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = trace_module(model, inputs, WORLD).graph
-        if style == "fsdp":  # every op data parallel, every weight stored split and gathered for use
-            plan = search(graph, PROFILE, duplication=False, precision=precision, restrict=_fsdp())
-        else:
-            plan = forced(graph, PROFILE, style, duplication=False, precision=precision)
+        # fsdp: every op data parallel, every weight stored split and gathered for use
+        plan = forced(graph, PROFILE, style, duplication=False, precision=precision)
         values = forward_inputs(model, inputs)
         module = hidup_compile(model, plan, 0, WORLD, values, duplication=False, local_batch=True)
     measured = _saved_bytes(module, _local_inputs(module, values), precision == "bf16")
@@ -98,12 +96,6 @@ def _check(model, inputs, style: str, precision: str) -> None:
     model_of = MemoryModel(graph, precision=precision)
     assert model_of.plan_activations(plan.choices) == measured, (style, precision, measured)
     return graph, plan, model_of, measured
-
-
-def _fsdp():
-    from hidup.search.api import restrict_for
-
-    return restrict_for("fsdp")
 
 
 def _zoo(name: str, dtype: torch.dtype):

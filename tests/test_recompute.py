@@ -32,6 +32,7 @@ from hidup.search import SearchError, forced, price, search
 from hidup.search.api import repeated_layers
 from hidup.search.memory import MemoryModel
 from hidup.trace import trace
+from test_memory import _saved_bytes
 
 PROFILE = "h200x4-nvlink"
 SMALL = dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
@@ -48,12 +49,6 @@ JOBS = [
 ]
 
 
-def _fsdp():
-    from hidup.search.api import restrict_for
-
-    return restrict_for("fsdp")
-
-
 def _build(name: str, world: int):
     if name in thirdparty.NAMES:
         return thirdparty.build(name)
@@ -61,10 +56,7 @@ def _build(name: str, world: int):
 
 
 def _plan(graph, style: str, dup: bool):
-    profile = hidup.profiler.load(PROFILE)
-    if style == "fsdp":
-        return search(graph, profile, duplication=dup, restrict=_fsdp())
-    return forced(graph, profile, style, duplication=dup)
+    return forced(graph, hidup.profiler.load(PROFILE), style, duplication=dup)
 
 
 def _rank_parity(rank, world, jobs):
@@ -190,29 +182,6 @@ def fake_group():
     dist.destroy_process_group()
 
 
-def _saved_outside_regions(module, inputs) -> int:
-    """Bytes of the distinct storages the forward packs for the backward, beyond parameters, buffers and
-    inputs: outside the recomputed regions what the ops save, and each region's inputs (a region packs
-    what its ops save into hooks of its own)."""
-
-    def key(t):
-        return t.untyped_storage()._cdata
-
-    held = {key(p) for p in module.parameters()} | {key(b) for b in module.buffers()}
-    held |= {key(v) for v in inputs if isinstance(v, torch.Tensor)}
-    saved, keep = {}, []
-
-    def pack(t):
-        keep.append(t)
-        if key(t) not in held:
-            saved[key(t)] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*inputs)
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("style", ["data", "tensor", "fsdp"])
 def test_memory_model_counts_what_is_kept(fake_group, style):
     from hidup.codegen import compile as hidup_compile
@@ -223,7 +192,9 @@ def test_memory_model_counts_what_is_kept(fake_group, style):
     plan = _plan(graph, style, False)
     layers = repeated_layers(graph)
     module = hidup_compile(model, plan, 0, 2, inputs, duplication=False, recompute=sorted(layers))
-    measured = _saved_outside_regions(module, inputs)
+    # a region packs what its ops save into hooks of its own: what is counted is what the ops outside the
+    # regions save, and each region's inputs
+    measured = _saved_bytes(module, inputs, autocast=False)
     plain = MemoryModel(graph).plan_activations(plan.choices)
     parts = MemoryModel(graph, recompute=layers).plan_activation_parts(plan.choices)
     assert parts["kept"] + parts["layer_inputs"] == measured, (parts, measured)

@@ -57,8 +57,16 @@ def _plain(f: Form) -> Form:
     return FULL if f.kind == "replicate" else f
 
 
+def _one_axis(node: Node) -> list[Signature]:
+    """The node's signatures for one axis of ranks: on a mesh, the distinct outer-axis factors (the
+    rule's own signatures for the whole op), which say how forms flow whatever the split count."""
+    if not any(s.axes for s in node.signatures):
+        return node.signatures
+    return list(dict.fromkeys(s.axes[0] for s in node.signatures if s.axes))
+
+
 def _fitting(node: Node, forms: tuple[Form, ...]) -> Signature | None:
-    for s in node.signatures:
+    for s in _one_axis(node):
         if tuple(_plain(f) for f in s.inputs) == forms:
             return s
     return None
@@ -70,7 +78,7 @@ def _adapted(node: Node, forms: tuple[Form, ...], grad: dict[int, bool]) -> Sign
     holds because a ``full`` tensor reads no batch input: if it has a batch-sized dim, it was built
     from constants at the copy's half batch (an expanded buffer, the embedding of constant token
     types) and has the same rows in both copies, so each copy holding its half is the split."""
-    for s in node.signatures:
+    for s in _one_axis(node):
         if all(
             _plain(want) == have
             or (have == REDUCE and _plain(want) == FULL and not grad[t])

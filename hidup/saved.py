@@ -59,8 +59,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hidup import rules
 from hidup.fxvalues import dtype_name, map_value, value_leaves
-from hidup.ir import DTYPE_BYTES, FULL, Graph, Node, Signature
+from hidup.ir import DTYPE_BYTES, FULL, Graph, Layout, Node, Signature
 from hidup.rules.base import TensorMeta
+from hidup.rules.mesh import localize_mesh
 
 __all__ = [
     "SavedItem",
@@ -117,15 +118,19 @@ def _fraction(graph: Graph, tid: int, form) -> float:
     n = math.prod(shape)
     if n == 0:
         return 0.0
-    return math.prod(form.local_shape(shape, graph.world_size)) / n
+    return math.prod(form.local_shape(shape, graph.mesh)) / n
 
 
 def _aligned(graph: Graph, tid: int, form, shape: tuple) -> float:
-    """1/N when ``form`` splits a dim of ``tid`` that the saved ``shape`` has at the same place and size."""
-    d = form.dim
-    if form.is_gather and d < len(shape) and shape[d] == graph.tensors[tid].shape[d]:
-        return 1.0 / graph.world_size
-    return 1.0
+    """The product of 1/n over the axes (of n ranks) whose form splits a dim of ``tid`` that the saved
+    ``shape`` has at the same place and size."""
+    whole = graph.tensors[tid].shape
+    forms = form.forms if isinstance(form, Layout) else (form,)
+    out = 1.0
+    for f, n in zip(forms, graph.mesh):
+        if f.is_gather and f.dim < len(shape) and shape[f.dim] == whole[f.dim]:
+            out /= n
+    return out
 
 
 def saved_bytes(graph: Graph, record: SavedRecord, node: Node, sig: Signature) -> float:
@@ -150,6 +155,8 @@ def item_bytes(graph: Graph, node: Node, sig: Signature, it: SavedItem, local: b
 
 def _as_used(form):
     """The form a consumer reads a tensor in: a ``replicate`` parameter is read as ``full``."""
+    if isinstance(form, Layout):
+        return Layout(tuple(_as_used(f) for f in form.forms))
     return FULL if form.kind == "replicate" else form
 
 
@@ -178,7 +185,7 @@ def plan_saved_bytes(
             if it.slot == "in" and it.how == "input":
                 tid, form = n.inputs[it.index], _as_used(sig.inputs[it.index])
                 if produced.get(tid, form) != form:
-                    numel = math.prod(form.local_shape(graph.tensors[tid].shape, graph.world_size))
+                    numel = math.prod(form.local_shape(graph.tensors[tid].shape, graph.mesh))
                     counted.setdefault(("copy", tid, form), numel * DTYPE_BYTES.get(it.dtype, 4))
                     continue
             if not it.held:
@@ -452,11 +459,11 @@ class _LocalOps:
             }
 
     def _items(self, node: Node, sig: Signature) -> list[SavedItem] | None:
-        g, world, dtypes = self.rec.graph, self.rec.graph.world_size, self.record.dtypes
+        g, dtypes = self.rec.graph, self.record.dtypes
         ctx = self.rec.contexts[node.name]
         n_arg = len(value_leaves((ctx.args, ctx.kwargs), TensorMeta))
         try:
-            shapes = [f.local_shape(g.tensors[t].shape, world) for t, f in zip(node.inputs, sig.inputs)]
+            shapes = [f.local_shape(g.tensors[t].shape, g.mesh) for t, f in zip(node.inputs, sig.inputs)]
         except ValueError:
             return None
         specs = tuple(
@@ -474,7 +481,7 @@ class _LocalOps:
             tuple((sh, dt, rg, node.inputs.index(t)) for t, sh, dt, rg in specs),
         )
         if key not in self.cache:
-            self.cache[key] = self._run(ctx, sig, specs)
+            self.cache[key] = self._run(ctx, sig, specs, g.mesh)
         measured = self.cache[key]
         if measured is None:
             return None
@@ -495,7 +502,7 @@ class _LocalOps:
             items.append(SavedItem(slot, index, nbytes, dtype, how, shape, storage, True, held))
         return items
 
-    def _run(self, ctx, sig: Signature, specs) -> list | None:
+    def _run(self, ctx, sig: Signature, specs, mesh: tuple[int, ...]) -> list | None:
         """(slot, index, bytes, dtype, how, shape) per storage the local op's backward keeps; None when
         the local op cannot run here (it then falls back to the whole op's record)."""
         made: dict[int, torch.Tensor] = {}
@@ -512,7 +519,10 @@ class _LocalOps:
             return t
 
         try:
-            call = rules.localize(ctx.with_tensors(tensors), sig, 0)
+            if sig.axes:
+                call = localize_mesh(ctx, sig, (0,) * len(mesh), mesh, rules.localize, tensors)
+            else:
+                call = rules.localize(ctx.with_tensors(tensors), sig, 0)
             args, kwargs = map_value(tuple(call.args), _cpu), map_value(dict(call.kwargs), _cpu)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = call.target(*args, **kwargs)

@@ -42,7 +42,7 @@ from hidup.profiler import load
 from hidup.search import dp, ilp
 from hidup.search.memory import MemoryModel
 from hidup.search.modes import solve_modes
-from hidup.search.plan import ConversionRecord, Plan, layer_of, model_record
+from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.search.problem import Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
@@ -452,8 +452,19 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         cf, cb = p.compute[i][ev.ks[i]]
         node_costs[node.name] = [cf, cb, step.fwd - cf, step.bwd - cb]
         for tid, inp, a, f in step.convs:
-            c = p.cost.conversion(tid, p.forms[a], p.forms[f])
+            c = p.conversion(tid, a, f)
             t = g.tensors[tid]
+            steps = tuple(
+                MeshStepRecord(
+                    s.axis,
+                    s.conv.forward,
+                    s.conv.backward,
+                    s.before,
+                    s.after,
+                    int(p.cost.step_bytes(tid, s.before, s.axis)),
+                )
+                for s in getattr(c.conv, "steps", ())
+            )
             conversions.append(
                 ConversionRecord(
                     tid,
@@ -466,6 +477,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     c.conv.backward,
                     t.nbytes,
                     t.requires_grad,
+                    steps,
                 )
             )
     layers = {}
@@ -478,6 +490,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         model=g.model,
         fingerprint=g.fingerprint(),
         world_size=g.world_size,
+        mesh=list(g.mesh) if len(g.mesh) > 1 else [],
         profile=problem.profile.name,
         algorithm=algorithm,
         duplication=ev.duplication,

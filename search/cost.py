@@ -136,14 +136,19 @@ from dataclasses import dataclass
 from hidup.ir import (
     DTYPE_BYTES,
     FORM_CHANGE_OPS,
+    FULL,
     GRAD_BUCKET_MB,
     Conversion,
     Form,
     Graph,
+    Layout,
+    MeshConversion,
     Node,
     Signature,
     Tensor,
     conversion,
+    held_fraction,
+    layout_conversions,
 )
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.saved import tensor_nbytes
@@ -179,6 +184,10 @@ class ConvCost:
     fwd_copies_b: float = 0.0
     bwd_copies_a: float = 0.0
     bwd_copies_b: float = 0.0
+    # the backward communication split: the bucketed gradient all-reduce (asynchronous) and the
+    # collectives the compute stream waits for (``bwd = bwd_async + bwd_block + bwd_copies``)
+    bwd_async: float = 0.0
+    bwd_block: float = 0.0
 
 
 def _copies_keep_rank0(copy, moved, frm, to, whole, part, membw, layout):
@@ -223,6 +232,19 @@ if set(_COPY_MODELS) | {"grad_sync"} != set(FORM_CHANGE_OPS):
     raise AssertionError(f"copy models for {sorted(_COPY_MODELS)}, the IR declares {sorted(FORM_CHANGE_OPS)}")
 
 
+def _group_level(profile, stride, n):  # TEMP until profiles carry network tables
+    f = getattr(profile, "group_level", None)
+    return f(stride, n) if f else "node"
+
+
+def _comm_time(profile, c, n, b, level):  # TEMP
+    return profile.comm_time(c, n, b) if level == "node" else profile.comm_time(c, n, b, level=level)
+
+
+def _pair_speedup(profile, c, n, b, level):  # TEMP
+    return profile.pair_speedup(c, n, b) if level == "node" else profile.pair_speedup(c, n, b, level=level)
+
+
 class CostModel:
     """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
 
@@ -232,7 +254,7 @@ class CostModel:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (the runtime's gradient bucket size in MB), got {bucket_mb!r}")
         self.graph, self.profile, self.precision = graph, profile, precision
-        self.world = graph.world_size
+        self.world, self.mesh = graph.world_size, graph.mesh
         trainable = sum(t.nbytes for t in graph.tensors.values() if t.is_param and t.requires_grad)
         self.bucket_bytes = float(min(bucket_mb * 2**20, trainable)) if trainable else bucket_mb * 2**20
         self._conv_cache: dict[tuple, ConvCost | None] = {}  # by (shape, bytes, grad, batch, src, dst)
@@ -265,7 +287,7 @@ class CostModel:
 
     def _local_shapes(self, graph: Graph, node: Node, sig: Signature) -> list | None:
         try:
-            return [f.local_shape(graph.tensors[t].shape, self.world) for t, f in zip(node.inputs, sig.inputs)]
+            return [f.local_shape(graph.tensors[t].shape, graph.mesh) for t, f in zip(node.inputs, sig.inputs)]
         except ValueError:
             return None
 
@@ -318,7 +340,7 @@ class CostModel:
             moved = sum(math.prod(sh) * DTYPE_BYTES.get(g.tensors[t].dtype, 4) for t, sh in zip(node.inputs, shapes))
             for t, f in zip(node.outputs, sig.outputs):
                 tensor = g.tensors[t]
-                moved += math.prod(f.local_shape(tensor.shape, self.world)) * DTYPE_BYTES.get(tensor.dtype, 4)
+                moved += math.prod(f.local_shape(tensor.shape, self.mesh)) * DTYPE_BYTES.get(tensor.dtype, 4)
             fwd = max(fwd, moved / membw)
         fwd += self.profile.op_overhead
         return fwd, (2.0 * fwd if needs_bwd else 0.0)
@@ -377,24 +399,37 @@ class CostModel:
         o = self.profile.op_overhead
         return o, (2.0 * o if self.requires_backward(node) else 0.0)
 
-    def comm(self, collective: str, nbytes: float) -> float:
-        """Seconds of one collective over the whole world on a logical buffer of ``nbytes``."""
+    def group(self, axis: int | None = None) -> tuple[int, str]:
+        """(ranks, link level) of the group a collective runs over: mesh axis ``axis``, or the whole
+        world (``None``).  An axis of size ``n`` whose members are ``stride`` ranks apart (the product of
+        the sizes of the axes after it) runs at the profile's :meth:`~hidup.profiler.Profile.group_level`."""
+        if axis is None:
+            n, stride = self.world, 1
+        else:
+            n, stride = self.mesh[axis], math.prod(self.mesh[axis + 1 :])
+        return n, _group_level(self.profile, stride, n)
+
+    def comm(self, collective: str, nbytes: float, axis: int | None = None) -> float:
+        """Seconds of one collective over the whole world (or mesh axis ``axis``'s group) on a logical
+        buffer of ``nbytes``."""
         if not collective:
             return 0.0
-        return self.comm_profile.comm_time(collective, self.world, nbytes)
+        n, level = self.group(axis)
+        return _comm_time(self.comm_profile, collective, n, nbytes, level)
 
-    def grad_sync(self, nbytes: float) -> float:
+    def grad_sync(self, nbytes: float, axis: int | None = None) -> float:
         """Seconds of a replicated parameter's gradient all-reduce of ``nbytes``: its share of one
         bucket's all-reduce (module docstring)."""
         bucket = max(float(nbytes), self.bucket_bytes)
-        return self.comm("all_reduce", bucket) * float(nbytes) / bucket
+        return self.comm("all_reduce", bucket, axis) * float(nbytes) / bucket
 
-    def pair_speedup(self, collective: str, nbytes: float) -> float:
+    def pair_speedup(self, collective: str, nbytes: float, axis: int | None = None) -> float:
         """How much faster two copies' equal collectives go together than one after the other
         (the profile's measured ``concurrency``; 1 where unmeasured)."""
         if not collective:
             return 1.0
-        return self.profile.pair_speedup(collective, self.world, nbytes)
+        n, level = self.group(axis)
+        return _pair_speedup(self.profile, collective, n, nbytes, level)
 
     def _copy(self, nbytes: float, rate: float, passes: float = 2.0) -> float:
         """Seconds of one copy kernel moving ``nbytes`` (read and written: ``passes=2``; written
@@ -402,16 +437,17 @@ class CostModel:
         moved = passes * nbytes / rate if rate > 0 else 0.0
         return self.profile.op_overhead + moved
 
-    def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float) -> float:
+    def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float, n: int | None = None) -> float:
         """Seconds of the memory copies form-change op ``op`` (:data:`hidup.ir.FORM_CHANGE_OPS`)
         makes on the compute stream turning a tensor of global ``shape`` and ``nbytes`` from form
-        ``frm`` into ``to`` (module docstring, "Memory copies around a form change")."""
+        ``frm`` into ``to`` over ``n`` ranks (default the world) (module docstring, "Memory copies
+        around a form change")."""
         if not op:
             return 0.0
         model = _COPY_MODELS.get(op)
         if model is None:
             raise ValueError(f"no copy model for conversion op {op!r}")
-        n = self.world
+        n = self.world if n is None else n
         membw, layout = self.profile.memory_bandwidth, self.profile.layout_rate()
 
         def moved(form: Form, dim: int) -> bool:  # the dims before `dim` of the local tensor are not all 1
@@ -442,6 +478,10 @@ class CostModel:
         if key in self._conv_cache:
             self._conv_by_tensor[(tid, src, dst)] = self._conv_cache[key]
             return self._conv_cache[key]
+        if isinstance(src, Layout):
+            cost = self._cheapest_path(t, tid, batch, src, dst)
+            self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
+            return cost
         conv = conversion(src, dst)
         if conv is None:
             cost = None
@@ -473,6 +513,96 @@ class CostModel:
                 bA = bB = bwd / self.pair_speedup(cb, b)
                 lfA = lfB = lf
                 lbA = lbB = lb
-            cost = ConvCost(conv, fwd + lf, bwd + lb, fA, fB, bA, bB, grad_sync, lf, lb, lfA, lfB, lbA, lbB)
+            cost = ConvCost(
+                conv,
+                fwd + lf,
+                bwd + lb,
+                fA,
+                fB,
+                bA,
+                bB,
+                grad_sync,
+                lf,
+                lb,
+                lfA,
+                lfB,
+                lbA,
+                lbB,
+                bwd if grad_sync else 0.0,
+                0.0 if grad_sync else bwd,
+            )
         self._conv_cache[key] = self._conv_by_tensor[(tid, src, dst)] = cost
         return cost
+
+    def step_bytes(self, tid: int, before: Layout, axis: int) -> float:
+        """Logical bytes of a one-axis step on mesh axis ``axis`` from layout ``before``: tensor
+        ``tid`` as the other axes hold it (the nccl-tests size of that axis's collective)."""
+        return float(self.nbytes[tid]) * held_fraction(before.with_axis(axis, FULL), self.mesh)
+
+    def _cheapest_path(self, t: Tensor, tid: int, batch: bool, src: Layout, dst: Layout) -> ConvCost | None:
+        """The cheapest (forward + backward, no duplication) of :func:`hidup.ir.layout_conversions`,
+        each step priced as a one-axis form change over its axis's group (module docstring, "Meshes")."""
+        best = None
+        for path in layout_conversions(src, dst):
+            cost = self._path_cost(t, tid, batch, path)
+            if best is None or cost.fwd + cost.bwd < best.fwd + best.bwd:
+                best = cost
+        return best
+
+    def _path_cost(self, t: Tensor, tid: int, batch: bool, path: MeshConversion) -> ConvCost:
+        tot = dict.fromkeys(
+            ("fwd", "bwd", "fA", "fB", "bA", "bB", "lf", "lb", "lfA", "lfB", "lbA", "lbB", "async", "block"), 0.0
+        )
+        grad = t.requires_grad
+        for step in path.steps:
+            conv, k = step.conv, step.axis
+            n = self.mesh[k]
+            b = self.step_bytes(tid, step.before, k)
+            shape = step.before.with_axis(k, FULL).local_shape(t.shape, self.mesh)
+            frm, to = step.before.forms[k], step.after.forms[k]
+            cf, cb = conv.collectives
+            cb = cb if grad else ""
+            sync = conv.grad_sync and grad
+            bwd_op = conv.backward_local if grad else ""
+            fwd = self.comm(cf, b, k)
+            lf = self.local_copies(conv.forward, frm, to, shape, b, n)
+            lb = self.local_copies(bwd_op, to, frm, shape, b, n)
+            if sync:
+                bwd = self.grad_sync(b, k)
+                lb += self.grad_copies(b)
+            else:
+                bwd = self.comm(cb, b, k)
+            if batch:
+                fA = self.comm(cf, b / 2, k) / self.pair_speedup(cf, b / 2, k)
+                bA = self.comm(cb, b / 2, k) / self.pair_speedup(cb, b / 2, k)
+                parts = (fA, fA, bA, bA)
+                lfA = self.local_copies(conv.forward, frm, to, shape, b / 2, n)
+                lbA = self.local_copies(bwd_op, to, frm, shape, b / 2, n)
+                copies = (lfA, lfA, lbA, lbA)
+            elif sync:
+                parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)
+            else:
+                fA, bA = fwd / self.pair_speedup(cf, b, k), bwd / self.pair_speedup(cb, b, k)
+                parts, copies = (fA, fA, bA, bA), (lf, lf, lb, lb)
+            for name, v in zip(("fwd", "bwd", "lf", "lb", "async" if sync else "block"), (fwd, bwd, lf, lb, bwd)):
+                tot[name] += v
+            for name, v in zip(("fA", "fB", "bA", "bB", "lfA", "lfB", "lbA", "lbB"), parts + copies):
+                tot[name] += v
+        return ConvCost(
+            path,
+            tot["fwd"] + tot["lf"],
+            tot["bwd"] + tot["lb"],
+            tot["fA"],
+            tot["fB"],
+            tot["bA"],
+            tot["bB"],
+            path.grad_sync and grad,
+            tot["lf"],
+            tot["lb"],
+            tot["lfA"],
+            tot["lfB"],
+            tot["lbA"],
+            tot["lbB"],
+            tot["async"],
+            tot["block"],
+        )

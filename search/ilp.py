@@ -123,7 +123,7 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
                         if a == f:
                             E[a, f] = m.add_var(lb=0.0)
                             continue
-                        conv = p.cost.conversion(t, p.forms[a], p.forms[f])
+                        conv = p.conversion(t, a, f)
                         E[a, f] = m.add_var(lb=0.0, ub=0.0 if conv is None else 1.0)
                         if conv is None:
                             continue

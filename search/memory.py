@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hidup.ir import Graph, Node, Signature, block_family, block_label
+from hidup.ir import Graph, Node, Signature, block_family, block_label, held_fraction
 from hidup.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
 
 __all__ = ["MemoryModel", "MEMORY_PARTS"]
@@ -91,7 +91,7 @@ class MemoryModel:
 
     def local_bytes(self, tid: int, form) -> float:
         b = self.nbytes[tid]
-        return b / self.graph.world_size if form.kind == "gather" else float(b)
+        return b * held_fraction(form, self.graph.mesh)
 
     def activations(self, node: Node, sig: Signature) -> float:
         """Bytes per rank that ``node``'s backward keeps under ``sig`` (module docstring)."""

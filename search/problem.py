@@ -192,6 +192,7 @@ class Problem:
         self._trans_cache: list[dict[tuple, tuple]] = [{} for _ in range(self.n)]
         self._pen_cache: dict[tuple, float] = {}  # (conversion class, relevant forms, a, b) -> penalty
         self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
+        self._conv_ids: dict[tuple[int, int, int], object] = {}
 
     # ------------------------------------------------------------------------------------ setup
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:
@@ -292,15 +293,13 @@ class Problem:
                 raise AssertionError(f"tensor {node.inputs[inp]} has no state at {node.name}")
             if f == prod or mask >> f & 1:
                 continue
-            c = self.cost.conversion(node.inputs[inp], self.forms[prod], self.forms[f])
+            c = self.conversion(node.inputs[inp], prod, f)
             if c is None:
                 return None
             ff += c.fwd
             fb += c.bwd
-            if c.grad_sync:
-                fb_async += c.bwd - c.bwd_copies  # the all-reduce; packing the bucket runs on the compute stream
-            else:  # summed apart, not as a difference of sums: rounding must not invent a wait
-                fb_block += c.bwd - c.bwd_copies
+            fb_async += c.bwd_async  # the gradient all-reduce; packing the bucket runs on the compute stream
+            fb_block += c.bwd_block
             lf += c.fwd_copies
             lb += c.bwd_copies
             lfA += c.fwd_copies_a
@@ -372,8 +371,17 @@ class Problem:
             return math.inf
         if f == prod or mask >> f & 1:
             return 0.0
-        c = self.cost.conversion(t, self.forms[prod], self.forms[f])
+        c = self.conversion(t, prod, f)
         return math.inf if c is None else c.fwd + c.bwd
+
+    def conversion(self, tid: int, src: int, dst: int):
+        """:meth:`CostModel.conversion` of tensor ``tid`` between form ids ``src`` and ``dst`` (cached by
+        ids: hashing layouts costs more than the lookup)."""
+        key = (tid, src, dst)
+        hit = self._conv_ids.get(key, self._conv_ids)
+        if hit is self._conv_ids:
+            hit = self._conv_ids[key] = self.cost.conversion(tid, self.forms[src], self.forms[dst])
+        return hit
 
     def initial_key(self) -> tuple:
         return ()

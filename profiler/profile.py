@@ -35,7 +35,7 @@ all-to-all is checked against that link.
 Two levels: node and network
 ----------------------------
 A cluster of nodes has two links: inside a node (NVLink) and between nodes (the network).  A
-profile may describe both (all optional; a profile without them is one level, as before)::
+profile may describe both (both fields optional; a profile without them has one level)::
 
      "gpus_per_node": 8,
      "network": {"collectives": {<as the top level>}, "concurrency": {<as the top level>}}
@@ -51,9 +51,10 @@ ranks ``rank = node * gpus_per_node + local``; a ``network`` section needs it.  
 group size, ring scaling), and :meth:`Profile.fitted` and :meth:`Profile.perturb` treat them as
 they treat the top level.  :meth:`Profile.group_level` says which level a mesh axis uses: an axis
 of ``n`` ranks with stride ``s`` (the product of the sizes of the axes after it) is at the node
-level when ``gpus_per_node % (n * s) == 0`` (its ``n * s``-rank blocks never straddle a node),
-and at the network level otherwise: a ring with one hop across nodes runs at the network's pace,
-so a group with several ranks per node is priced from the network tables at its own size.
+level when ``gpus_per_node % (n * s) == 0`` (its ``n * s``-rank blocks never straddle a node) or
+the whole world fits on one node, and at the network level otherwise: a ring with one hop across
+nodes runs at the network's pace, so a group with several ranks per node is priced from the
+network tables at its own size.
 
 Memory-bound ops and launch overhead
 ------------------------------------

@@ -2,10 +2,14 @@
 
     CPN=4 NODERANK=0 python exp/profiler.py --out h100x4.json         # one host, 4 GPUs
     NNODES=2 CPN=8 NODERANK=<n> MASTER_ADDR=<node 0> MASTER_PORT=29500 python exp/profiler.py
+    torchrun --nnodes 2 --nproc-per-node 8 ... exp/profiler.py        # the same two nodes under torchrun
     torchrun --nproc-per-node 4 exp/profiler.py --quick
+    CPN=4 NODERANK=0 python exp/profiler.py --gpus-per-node 2 --quick  # one host taken as 2 nodes x 2
     python exp/profiler.py                                            # one process: device rates only
 
-The math and the file format are described in hidup.profiler.measure and hidup.profiler.profile.
+On several nodes both levels are measured: the node's tables inside each node, the network's on
+groups of one rank per node, and the profile records gpus_per_node.  The math and the file format
+are described in hidup.profiler.measure and hidup.profiler.profile.
 """
 
 from __future__ import annotations

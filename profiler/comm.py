@@ -31,6 +31,16 @@ the median ratio of each pair of samples, so that the network's drift stays out 
 Sub-groups of ``g`` consecutive ranks (``{0,1}``, ``{2,3}``, ...) run their collectives
 concurrently, as a plan's sub-group collectives would.
 
+Nodes
+-----
+On several nodes of ``K`` ranks each (rank = node * K + local) the two levels of a profile are
+measured on two families of groups, every group of a family at once (:func:`node_groups`,
+:func:`network_groups`): the node level on ``g`` consecutive ranks inside each node (``{0..g-1}``,
+``{g..2g-1}``, ... never across a node boundary), the network level on ``g`` ranks of the same
+local index on ``g`` consecutive nodes, one rank per node (``{l, l+K, ..., l+(g-1)K}`` for every
+``l``): every GPU's NIC carries one group, as a mesh axis across nodes does.  Every rank creates
+every group of a family in the same order (``new_group`` is collective).
+
 Monotone times
 --------------
 Moving more bytes never takes less time, so a time that comes out below a larger size's is noise
@@ -63,6 +73,8 @@ __all__ = [
     "monotone",
     "default_comm_sizes",
     "default_group_sizes",
+    "node_groups",
+    "network_groups",
     "time_collective",
     "profile_collectives",
     "collective_call",
@@ -292,15 +304,51 @@ def time_collective(
     return single, single * ratio
 
 
-def _make_groups(world: int, g: int):
-    """All ranks create every group of ``g`` consecutive ranks (``new_group`` is collective);
-    returns (this rank's group or None, whether this rank is in one, the groups to destroy)."""
-    rank = dist.get_rank()
-    if g == world:
+def consecutive_groups(world: int, g: int) -> list[list[int]]:
+    """Groups of ``g`` consecutive ranks (``{0..g-1}``, ``{g..2g-1}``, ...); ranks past the last
+    whole group sit out."""
+    return [list(range(start, start + g)) for start in range(0, world - world % g, g)]
+
+
+def _check_nodes(world: int, gpus_per_node: int, g: int, span: int, what: str) -> None:
+    if gpus_per_node < 1 or world % gpus_per_node:
+        raise ValueError(f"{world} ranks do not split into nodes of {gpus_per_node}; give a divisor of {world}")
+    if not 2 <= g <= span:
+        raise ValueError(f"group size {g} is not in [2, {span}] ({what})")
+
+
+def node_groups(world: int, gpus_per_node: int, g: int) -> list[list[int]]:
+    """Groups of ``g`` consecutive ranks inside each node of ``gpus_per_node`` ranks (module
+    docstring, "Nodes"); a node's ranks past its last whole group sit out."""
+    _check_nodes(world, gpus_per_node, g, gpus_per_node, f"{gpus_per_node} ranks per node")
+    return [
+        [node * gpus_per_node + local for local in range(start, start + g)]
+        for node in range(world // gpus_per_node)
+        for start in range(0, gpus_per_node - gpus_per_node % g, g)
+    ]
+
+
+def network_groups(world: int, gpus_per_node: int, g: int) -> list[list[int]]:
+    """Groups of ``g`` ranks one per node: the same local index on ``g`` consecutive nodes (module
+    docstring, "Nodes"); nodes past the last whole block of ``g`` sit out."""
+    nnodes = world // max(gpus_per_node, 1)
+    _check_nodes(world, gpus_per_node, g, nnodes, f"{nnodes} nodes")
+    return [
+        [local + (first + k) * gpus_per_node for k in range(g)]
+        for local in range(gpus_per_node)
+        for first in range(0, nnodes - nnodes % g, g)
+    ]
+
+
+def _make_groups(groups: list[list[int]]):
+    """Every rank creates every group of ``groups`` in order (``new_group`` is collective); a group
+    of the whole world is the world's.  Returns (this rank's group or None, whether this rank is in
+    one, the groups to destroy)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if groups == [list(range(world))]:
         return dist.group.WORLD, True, []
     mine, created = None, []
-    for start in range(0, world - world % g, g):
-        ranks = list(range(start, start + g))
+    for ranks in groups:
         grp = dist.new_group(ranks)
         if rank in ranks:
             mine = grp
@@ -320,10 +368,15 @@ def profile_collectives(
     on_point: Callable[[str, int, int], None] | None = None,
     pairs: bool = True,
     rounds: int = 1,
+    groups: Callable[[int], list[list[int]]] | None = None,
+    pair_group: int | None = None,
 ) -> list[CommCurve]:
     """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
     ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
-    With ``pairs``, the whole-world group also times two calls at once on two communicators
+    ``groups(g)`` lists the groups of size ``g`` that run at once (default: ``g`` consecutive
+    ranks, :func:`consecutive_groups`; :func:`node_groups` and :func:`network_groups` for the two
+    levels of several nodes).  With ``pairs``, the groups of size ``pair_group`` (default: the
+    world), which must hold every rank, also time two calls at once on two communicators
     (``CommCurve.pair_seconds``): what two duplicated copies communicating together get.
 
     With ``rounds`` > 1 the whole table of a group size is measured that many times, one pass after
@@ -356,9 +409,23 @@ def profile_collectives(
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     elem = torch.empty((), dtype=dtype).element_size()
     curves: list[CommCurve] = []
+    groups = groups or (lambda g: consecutive_groups(world, g))
+    pair_group = world if pair_group is None else pair_group
     for g in group_sizes:
-        group, member, created = _make_groups(world, g)
-        second = dist.new_group(list(range(world))) if pairs and g == world else None
+        ranks = groups(g)
+        if any(len(r) != g for r in ranks):
+            raise ValueError(f"groups({g}) returned groups of other sizes: {ranks}")
+        group, member, created = _make_groups(ranks)
+        second = None
+        if pairs and g == pair_group:
+            if sorted(r for grp in ranks for r in grp) != list(range(world)):
+                raise ValueError(f"pairs are timed on groups that hold every rank once; groups({g}) = {ranks}")
+            if ranks == [list(range(world))]:  # the first communicator is the world's: a second one
+                second = dist.new_group(list(range(world)))
+                created.append(second)
+            else:  # a second communicator for each group
+                second, _, again = _make_groups(ranks)
+                created += again
         # (op, size) -> per round: the single call's time, and the pair's over the single's
         single: dict[tuple[str, int], list[float]] = {}
         ratio: dict[tuple[str, int], list[float]] = {}
@@ -387,6 +454,6 @@ def profile_collectives(
             curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
             curves.append(curve)
         _barrier(device)
-        for grp in created + ([second] if second is not None else []):
+        for grp in created:
             dist.destroy_process_group(grp)
     return curves

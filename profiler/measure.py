@@ -11,7 +11,14 @@ measures the device only) and returns a :class:`hidup.profiler.profile.Profile`:
 * ``concurrency[c][world]``: at every size, ``2 t(S) / t_pair(S)`` with ``t_pair`` the time of two
   equal calls issued together on two communicators of the whole world (what duplication's two
   copies do), in [1, 2] once clamped by the cost model; ``op_overhead`` / ``op_overhead_graph``:
-  the fixed cost per op, eager and inside a CUDA graph (device.py).
+  the fixed cost per op, eager and inside a CUDA graph (device.py);
+* on several nodes of ``K`` ranks (``NNODES`` > 1 with ``CPN=K``, torchrun's ``LOCAL_WORLD_SIZE=K``
+  below ``WORLD_SIZE``, or ``--gpus-per-node K`` to treat blocks of ``K`` consecutive ranks of one
+  host as nodes): ``gpus_per_node = K``, the top-level tables (the node level) on groups of
+  consecutive ranks inside each node (``K`` and pairs), and ``network`` on groups of one rank per
+  node (all the nodes, and pairs of nodes), each level's concurrency on its largest groups
+  (comm.py, "Nodes"; the levels: :mod:`hidup.profiler.profile`).  With one rank per node there is
+  one level: every table is across nodes and ``gpus_per_node`` stays 0.
 
 Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (one launcher per
 host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
@@ -21,7 +28,8 @@ and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and `
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
 seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
-(17 sizes x 4 collectives x 2 group sizes) takes one to two minutes.  ``comm_rounds`` (``--comm-rounds``)
+(17 sizes x 4 collectives x 2 group sizes) takes one to two minutes; several nodes measure both
+levels, up to twice as long.  ``comm_rounds`` (``--comm-rounds``)
 measures the collective tables that many times over and keeps each point's median, for a network
 whose speed drifts over seconds.
 """
@@ -50,7 +58,7 @@ from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
 from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
 
 from .calibrate import measure_model_ops, program_scales
-from .comm import default_comm_sizes, default_group_sizes, profile_collectives
+from .comm import default_comm_sizes, default_group_sizes, network_groups, node_groups, profile_collectives
 from .device import (
     canonical_dtype,
     default_matmul_sizes,
@@ -155,6 +163,7 @@ def profile_machine(
     calibrate_precisions: tuple[str, ...] | None = None,
     comm_rounds: int = 1,
     held_out_plans: list[tuple[str, dict]] | None = None,
+    gpus_per_node: int | None = None,
 ) -> "Profile":
     """Measure this machine and return a :class:`hidup.profiler.profile.Profile` (same on every rank).
 
@@ -171,7 +180,9 @@ def profile_machine(
     inside the distributed program fitted on them, checked on the plans of ``held_out_plans``
     (:func:`hidup.profiler.calibrate.program_scales`; both lists recorded in the corrections).
     ``comm_rounds`` measures the collective tables that many times and keeps each point's median
-    (:func:`hidup.profiler.comm.profile_collectives`).
+    (:func:`hidup.profiler.comm.profile_collectives`).  ``gpus_per_node`` (``K``, a divisor of
+    ``world`` below it) measures two levels, blocks of ``K`` consecutive ranks being nodes (module
+    docstring); ``group_sizes`` are then the node level's.
     """
     prof, raw = _measure(
         world,
@@ -186,6 +197,7 @@ def profile_machine(
         group_sizes=group_sizes,
         budget_s=budget_s,
         comm_rounds=comm_rounds,
+        gpus_per_node=gpus_per_node,
     )
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -257,6 +269,7 @@ def _measure(
     group_sizes,
     budget_s,
     comm_rounds: int = 1,
+    gpus_per_node: int | None = None,
 ):
     """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
     initialized = dist.is_available() and dist.is_initialized()
@@ -280,10 +293,14 @@ def _measure(
     dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))
     sizes = sorted(set(sizes or default_comm_sizes(device, quick)))
     matmul_sizes = tuple(matmul_sizes or default_matmul_sizes(device))
-    group_sizes = default_group_sizes(world) if group_sizes is None else list(group_sizes)
+    per_node = _gpus_per_node(world, gpus_per_node)
+    nnodes = world // per_node if per_node else 1
+    group_sizes = default_group_sizes(per_node or world) if group_sizes is None else list(group_sizes)
+    network_sizes = default_group_sizes(nnodes) if per_node else []
     budget = budget_s if budget_s is not None else (0.1 if quick else 0.3)
     ops = profile_mod.COLLECTIVES
-    n_points = len(dtypes) + (len(group_sizes) * len(ops) * len(sizes) * comm_rounds if world > 1 else 0)
+    n_groups = len(group_sizes) + len(network_sizes)
+    n_points = len(dtypes) + (n_groups * len(ops) * len(sizes) * comm_rounds if world > 1 else 0)
     bar = _Progress(progress and rank == 0, n_points)
     t_start = time.perf_counter()
     try:
@@ -299,7 +316,7 @@ def _measure(
             overhead_graph = 1.0 / _rates_agreed({"ops": 1.0 / per_op}, device)["ops"]
             per_param = grad_copy_overhead(device, budget_s=budget, graphed=True)
             grad_copy_graph = 1.0 / _rates_agreed({"params": 1.0 / per_param}, device)["params"]
-        curves = []
+        curves, net_curves = [], []
         if world > 1:
             curves = profile_collectives(
                 device,
@@ -309,6 +326,20 @@ def _measure(
                 budget_s=budget,
                 rounds=comm_rounds,
                 on_point=lambda op, g, s: bar.step(f"{op} x{g} {_fmt_bytes(s)}"),
+                groups=(lambda g: node_groups(world, per_node, g)) if per_node else None,
+                pair_group=per_node or None,
+            )
+        if network_sizes:
+            net_curves = profile_collectives(
+                device,
+                sizes,
+                ops,
+                network_sizes,
+                budget_s=budget,
+                rounds=comm_rounds,
+                on_point=lambda op, g, s: bar.step(f"{op} x{g} across nodes {_fmt_bytes(s)}"),
+                groups=lambda g: network_groups(world, per_node, g),
+                pair_group=nnodes,
             )
     finally:
         bar.close()
@@ -330,22 +361,29 @@ def _measure(
         for d in missing:
             flops[d] = fallback
         notes.append(f"{', '.join(missing)}: not measured (unsupported or not requested), fp32 rate used")
-    concurrency = {}
+    network = None
     if curves:
-        collectives = comm_tables(curves)
-        for c in curves:
-            if c.pair_seconds:
-                concurrency.setdefault(c.op, {})[c.group_size] = ([float(x) for x in c.sizes], c.pair_speedup)
+        collectives, concurrency = comm_tables(curves), _concurrency(curves)
         notes.append(
             f"collectives measured at {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B on group sizes "
             f"{group_sizes}"
+            + (
+                f" inside a node of {per_node} ranks and {network_sizes} across {nnodes} nodes (one rank per node)"
+                if per_node
+                else (f" across {world} nodes of one rank (one level)" if gpus_per_node == 1 else "")
+            )
             + (f", median of {comm_rounds} passes" if comm_rounds > 1 else "")
             + "; algbw is net of alpha"
         )
+        if net_curves:
+            network = profile_mod.NetworkTables(comm_tables(net_curves), _concurrency(net_curves))
     else:
         collectives = {c: dict(t) for c, t in base.collectives.items()}
         concurrency = {c: dict(t) for c, t in base.concurrency.items()}
-        notes.append(f"collectives taken from profile {base.name!r}")
+        network, per_node = base.network, base.gpus_per_node
+        notes.append(
+            f"collectives taken from profile {base.name!r}" + (" (both levels)" if network is not None else "")
+        )
     gpu = _device_name(device)
     if name is None:
         short = gpu.split("(")[0].replace("NVIDIA ", "").strip().lower().replace(" ", "-")
@@ -367,6 +405,8 @@ def _measure(
         layout_bandwidth=layout_bw,
         grad_copy_overhead=grad_copy,
         grad_copy_overhead_graph=grad_copy_graph,
+        gpus_per_node=per_node,
+        network=network,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
@@ -392,7 +432,33 @@ def _measure(
         "matmul": {d: r.to_dict() for d, r in matmul.items()},
         "collectives": [c.to_dict() for c in curves],
     }
+    if per_node and curves:
+        raw["gpus_per_node"] = per_node
+        raw["network_collectives"] = [c.to_dict() for c in net_curves]
     return prof, raw
+
+
+def _gpus_per_node(world: int, gpus_per_node: int | None) -> int:
+    """The node size whose two levels are measured: 0 for one level (not given, one node, or one
+    rank per node, where every group crosses nodes); a divisor of ``world`` otherwise."""
+    if gpus_per_node is None or gpus_per_node == world or world == 1:
+        return 0
+    if gpus_per_node < 1 or world % gpus_per_node:
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node}: the {world} ranks do not split into nodes of that size; "
+            f"give a divisor of {world} (the ranks of one node)"
+        )
+    return 0 if gpus_per_node == 1 else gpus_per_node
+
+
+def _concurrency(curves) -> dict[str, dict[int, tuple[list[float], list[float]]]]:
+    """Profile concurrency tables (collective -> group size -> (sizes, speedup)) of the curves that
+    timed pairs."""
+    out: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
+    for c in curves:
+        if c.pair_seconds:
+            out.setdefault(c.op, {})[c.group_size] = ([float(x) for x in c.sizes], c.pair_speedup)
+    return out
 
 
 # ================================================================================ command line
@@ -490,6 +556,16 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         "the collectives (and their concurrency) in a single-process run, per-op times (with the "
         "Adam rate), unsupported dtypes",
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="K",
+        help="treat each block of K consecutive ranks as one node and measure both levels: the node's "
+        "tables on groups inside a node and the network's on groups of one rank per node (default: "
+        "the launch's nodes, NNODES/CPN or torchrun's LOCAL_WORLD_SIZE; on one host this simulates "
+        "several nodes, e.g. for testing)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--ops-model",
@@ -549,7 +625,10 @@ def _rank_main(ctx, kwargs: dict):
     out = kwargs.pop("out")
     ops_model = kwargs.pop("ops_model")
     calibrate = kwargs.pop("calibrate_plans", None)
-    prof, raw = _measure(ctx.world_size, device=ctx.device, **kwargs)
+    per_node = kwargs.pop("gpus_per_node", None)
+    if per_node is None and ctx.layout.nnodes > 1:
+        per_node = ctx.layout.cpn
+    prof, raw = _measure(ctx.world_size, device=ctx.device, gpus_per_node=per_node, **kwargs)
     names, overrides, seconds, precisions, worlds = ops_model or ((), {}, 0.0, (), None)
     calibrated, plan_overrides, plan_precisions, held_out = calibrate or ((), {}, (), ())
     prof = _calibrate(
@@ -642,7 +721,9 @@ def run_profile(args: argparse.Namespace) -> int:
             "one the factors are not fitted on"
         )
     lk = launch_kwargs(args)
-    single = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"]).source == "single"
+    layout = layout_from_env(nnodes=lk["nnodes"], cpn=lk["cpn"], node_rank=lk["node_rank"])
+    single = layout.source == "single"
+    kwargs["gpus_per_node"] = _check_gpus_per_node(args.gpus_per_node, layout)
     if single and args.calibrate_plans:
         raise SystemExit(
             "--calibrate-plans times plans on the ranks: launch >= 2 (CPN=<GPUs> NODERANK=0, or "
@@ -663,13 +744,40 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"profile {prof.name!r} written to {path}")
     for d, r in prof.flops.items():
         print(f"  {d:5s} {r / 1e12:9.2f} TFLOP/s")
-    for c, tabs in prof.collectives.items():
-        for g, t in tabs.items():
-            print(
-                f"  {c:15s} x{g}: alpha {t.alpha * 1e6:8.1f} us, algbw {t.algbw[-1] / 1e9:8.2f} GB/s "
-                f"at {t.sizes[-1] / 2**20:.0f} MiB"
-            )
+    levels = [("", prof.collectives)]
+    if prof.network is not None:
+        print(f"  {prof.gpus_per_node} ranks per node; across nodes (one rank per node) marked 'net'")
+        levels.append((" net", prof.network.collectives))
+    for mark, collectives in levels:
+        for c, tabs in collectives.items():
+            for g, t in tabs.items():
+                print(
+                    f"  {c:15s} x{g}{mark:4s}: alpha {t.alpha * 1e6:8.1f} us, algbw {t.algbw[-1] / 1e9:8.2f} GB/s "
+                    f"at {t.sizes[-1] / 2**20:.0f} MiB"
+                )
     return 0
+
+
+def _check_gpus_per_node(value: int | None, layout) -> int | None:
+    """``--gpus-per-node``, checked against the launch's ranks (None: the launch's own nodes)."""
+    if value is None:
+        return None
+    if layout.source == "single":
+        raise SystemExit(
+            f"--gpus-per-node {value} groups the ranks of a run into nodes: launch >= 2 ranks "
+            "(CPN=<ranks> NODERANK=0, or torchrun), or leave it out"
+        )
+    if value < 1 or layout.world_size % value:
+        raise SystemExit(
+            f"--gpus-per-node {value}: the {layout.world_size} ranks do not split into nodes of {value}; "
+            f"give a divisor of {layout.world_size}"
+        )
+    if layout.nnodes > 1 and value != layout.cpn:
+        raise SystemExit(
+            f"--gpus-per-node {value} contradicts the launch's {layout.nnodes} nodes of {layout.cpn} ranks; "
+            "leave it out on a real multi-node launch"
+        )
+    return value
 
 
 def _device_only(kwargs: dict, out: Path | None) -> int:

@@ -32,6 +32,30 @@ Fitted tables (:mod:`hidup.profiler.tables`): the cost model reads collective ti
 :meth:`Profile.fitted`, whose ring collectives agree with one link time per size and whose
 all-to-all is checked against that link.
 
+Two levels: node and network
+----------------------------
+A cluster of nodes has two links: inside a node (NVLink) and between nodes (the network).  A
+profile may describe both (both fields optional; a profile without them has one level)::
+
+     "gpus_per_node": 8,
+     "network": {"collectives": {<as the top level>}, "concurrency": {<as the top level>}}
+
+The top-level ``collectives`` and ``concurrency`` are the *node* level: groups of consecutive
+ranks inside one node.  ``network`` holds the same tables measured on groups whose ranks sit on
+different nodes, one rank per node (ranks ``local + k * gpus_per_node``); every node's rank of
+each local index runs its group at once, as every GPU of a rail-optimized node has its own NIC.
+``gpus_per_node`` (0 = unknown or one node: every group is at the node level) numbers the global
+ranks ``rank = node * gpus_per_node + local``; a ``network`` section needs it.  The queries
+(:meth:`Profile.table`, ``bandwidth``, ``comm_time``, ``pair_speedup``) take ``level="node"``
+(the default) or ``level="network"``; the network tables follow the formulas above (nearest
+group size, ring scaling), and :meth:`Profile.fitted` and :meth:`Profile.perturb` treat them as
+they treat the top level.  :meth:`Profile.group_level` says which level a mesh axis uses: an axis
+of ``n`` ranks with stride ``s`` (the product of the sizes of the axes after it) is at the node
+level when ``gpus_per_node % (n * s) == 0`` (its ``n * s``-rank blocks never straddle a node) or
+the whole world fits on one node, and at the network level otherwise: a ring with one hop across
+nodes runs at the network's pace, so a group with several ranks per node is priced from the
+network tables at its own size.
+
 Memory-bound ops and launch overhead
 ------------------------------------
 ``memory_bandwidth`` (bytes/s, bytes read plus bytes written, as a device-to-device copy counts them)
@@ -90,7 +114,8 @@ order so a seed always gives the same profile); bandwidths are further divided b
 alphas multiplied by it (a network ``comm_scale`` times slower).  The corrections are drawn last, one
 factor each, and only for a profile with per-op times; the draws of the deleted ``ops_scale`` and
 ``dup_scale`` are still made and discarded, so that a seed gives every other field what it gave
-before.
+before.  A profile with network tables draws their factors after all of these (the same order, the
+network's concurrency last), so the draws of a one-level profile are those it always had.
 """
 
 from __future__ import annotations
@@ -110,6 +135,7 @@ from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_f
 
 __all__ = [
     "Profile",
+    "NetworkTables",
     "CommTable",
     "ProfileError",
     "load",
@@ -122,6 +148,7 @@ __all__ = [
     "COLLECTIVES",
     "DTYPES",
     "SCHEMA_VERSION",
+    "LEVELS",
     "RING_LINK",
     "RING_TOLERANCE",
     "A2A_TOLERANCE",
@@ -132,6 +159,8 @@ SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 SOURCES = ("measured", "builtin", "perturbed")
+LEVELS = ("node", "network")
+CLUSTER_PROFILE = "h100x64-ib400"  # the built-in profile with network tables
 DEFAULTS_DIR = Path(__file__).with_name("defaults")
 
 
@@ -152,6 +181,33 @@ def op_key(target: str, shapes: Iterable[Iterable[int]], dtype: str) -> str:
     """Key of a measured per-op time: ``linear(8x512,1024x512)tf32`` (``dtype`` from :func:`op_dtype`)."""
     dims = ",".join("x".join(str(int(d)) for d in s) for s in shapes)
     return f"{target}({dims}){dtype}"
+
+
+@dataclass
+class NetworkTables:
+    """The network level of a profile (module docstring, "Two levels: node and network"): the
+    collective tables and the concurrency of groups whose ranks sit on different nodes, one per node."""
+
+    collectives: dict[str, dict[int, CommTable]]
+    # collective -> group size -> (sizes, speedup), as Profile.concurrency
+    concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "collectives": _tables_to_dict(self.collectives),
+            "concurrency": _concurrency_to_dict(self.concurrency),
+        }
+
+
+def _tables_to_dict(collectives: dict[str, dict[int, CommTable]]) -> dict:
+    return {c: {str(g): t.to_dict() for g, t in sorted(tabs.items())} for c, tabs in collectives.items()}
+
+
+def _concurrency_to_dict(concurrency: dict[str, dict[int, tuple[list[float], list[float]]]]) -> dict:
+    return {
+        c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
+        for c, tabs in sorted(concurrency.items())
+    }
 
 
 @dataclass
@@ -181,6 +237,8 @@ class Profile:
     grad_copy_overhead_graph: float = 0.0  # the same inside a CUDA graph; 0 = not measured
     # fitted factors over the physical terms above, with their provenance (hidup.profiler.corrections)
     corrections: Corrections = field(default_factory=Corrections)
+    gpus_per_node: int = 0  # GPUs per node; 0 = unknown / one node: every group is at the node level
+    network: NetworkTables | None = None  # tables of groups across nodes (one rank per node); None = not measured
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -196,35 +254,57 @@ class Profile:
         """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""
         return self.ops.get(op_key(target, shapes, dtype))
 
-    def table(self, collective: str, group: int) -> tuple[CommTable, float]:
-        """(table of the nearest measured group size, bandwidth multiplier for ``group``)."""
-        if collective not in self.collectives:
+    def _level(self, level: str) -> tuple[dict, dict]:
+        """(collective tables, concurrency) of ``level``: ``"node"`` (the top level) or ``"network"``."""
+        if level == "node":
+            return self.collectives, self.concurrency
+        if level != "network":
+            raise ValueError(f"unknown level {level!r}; expected one of {LEVELS}")
+        if self.network is None:
+            raise ProfileError(
+                f"profile {self.name!r} has no network tables (its 'network' section), so it cannot price "
+                "a collective across nodes; it describes one node"
+                + (f" of {self.gpus_per_node} GPUs" if self.gpus_per_node else "")
+                + ". Fix: measure the profile on several nodes (exp/profiler.py or `hidup profile` with "
+                "NNODES/CPN or torchrun; --gpus-per-node simulates nodes on one host), or use the built-in "
+                f"cluster profile {CLUSTER_PROFILE!r}"
+            )
+        return self.network.collectives, self.network.concurrency
+
+    def table(self, collective: str, group: int, level: str = "node") -> tuple[CommTable, float]:
+        """(table of the nearest measured group size at ``level``, bandwidth multiplier for ``group``)."""
+        collectives, _ = self._level(level)
+        if collective not in collectives:
             raise KeyError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-        tables = self.collectives[collective]
+        tables = collectives[collective]
         if group in tables:
             return tables[group], 1.0
         m = min(tables, key=lambda g: (abs(g - group), -g))
         return tables[m], _ring_factor(m, group)
 
-    def bandwidth(self, collective: str, group: int, nbytes: float) -> float:
+    def bandwidth(self, collective: str, group: int, nbytes: float, level: str = "node") -> float:
         """Algorithmic bandwidth (bytes/s) of ``collective`` over ``group`` ranks at ``nbytes``."""
-        tab, factor = self.table(collective, group)
+        tab, factor = self.table(collective, group, level)
         net = tab.net_time(nbytes)
         return (nbytes / net if net > 0 else tab.bandwidth(nbytes)) * factor
 
-    def comm_time(self, collective: str, group: int, nbytes: float) -> float:
+    def comm_time(self, collective: str, group: int, nbytes: float, level: str = "node") -> float:
         """alpha + nbytes / algbw(nbytes), within the band of the measured neighbours
-        (:meth:`CommTable.net_time`); 0 for a group of one rank or an empty buffer."""
+        (:meth:`CommTable.net_time`), from the tables of ``level`` ("node" or "network",
+        :meth:`group_level`); 0 for a group of one rank or an empty buffer."""
+        if level != "node":
+            self._level(level)  # a profile without network tables fails here, whatever the size
         if group <= 1 or nbytes <= 0:
             return 0.0
-        tab, factor = self.table(collective, group)
+        tab, factor = self.table(collective, group, level)
         return tab.alpha + tab.net_time(nbytes) / factor
 
-    def pair_speedup(self, collective: str, group: int, nbytes: float) -> float:
+    def pair_speedup(self, collective: str, group: int, nbytes: float, level: str = "node") -> float:
         """Aggregate speedup of two concurrent ``collective`` calls of ``nbytes`` each on two
-        communicators over ``group`` ranks (see ``concurrency``); 1.0 where not measured.
-        Interpolated linearly in log(size), clamped at both ends and to [1, 2]."""
-        table = self.concurrency.get(collective, {}).get(group)
+        communicators over ``group`` ranks (see ``concurrency``; the network's at ``level="network"``);
+        1.0 where not measured.  Interpolated linearly in log(size), clamped at both ends and to [1, 2]."""
+        _, concurrency = self._level(level)
+        table = concurrency.get(collective, {}).get(group)
         if not table or nbytes <= 0:
             return 1.0
         sizes, speed = table
@@ -238,6 +318,27 @@ class Profile:
             k = speed[i - 1] * (1 - w) + speed[i] * w
         return min(2.0, max(1.0, k))
 
+    def group_level(self, stride: int, group: int, world: int | None = None) -> str:
+        """The level (``"node"`` or ``"network"``) whose tables price a collective over ``group``
+        ranks ``stride`` apart in the global rank order (rank = node * gpus_per_node + local): a
+        mesh axis of size ``group`` whose stride is the product of the sizes of the axes after it.
+
+        ``"node"`` when ``gpus_per_node`` is 0 (one level), when ``group <= 1``, when the whole
+        ``world`` (if given) fits on one node (``world <= gpus_per_node``), or when
+        ``gpus_per_node % (stride * group) == 0``: the ``stride * group`` consecutive ranks that one
+        axis and the axes after it span then never straddle a node boundary, so every group of the
+        axis sits on one node.  Otherwise some group of the axis spans two nodes (for a mesh whose
+        size is a multiple of ``stride * group``, which every mesh is) and the axis is
+        ``"network"``: a ring that crosses the network runs at the network's pace.  So
+        ``stride * (group - 1) < gpus_per_node`` is necessary but not sufficient: 2 ranks 3 apart on
+        8-GPU nodes pair 6 with 9."""
+        if stride < 1 or group < 1:
+            raise ValueError(f"group_level: stride and group must be >= 1, got stride={stride}, group={group}")
+        g = self.gpus_per_node
+        if g == 0 or group == 1 or (world is not None and world <= g) or g % (stride * group) == 0:
+            return "node"
+        return "network"
+
     # ----------------------------------------------------------------------------- derived profiles
     def fitted(self, tolerance: float = RING_TOLERANCE, a2a_tolerance: float = A2A_TOLERANCE) -> "Profile":
         """A copy whose ring collective tables agree with one link time per size and whose all-to-all
@@ -245,6 +346,10 @@ class Profile:
         collective times from it."""
         p = copy.copy(self)
         p.collectives = fit_ring_tables(self.collectives, tolerance, a2a_tolerance)
+        if self.network is not None:
+            p.network = NetworkTables(
+                fit_ring_tables(self.network.collectives, tolerance, a2a_tolerance), self.network.concurrency
+            )
         return p
 
     def launched(self, cuda_graphs: bool) -> "Profile":
@@ -288,13 +393,24 @@ class Profile:
         for k in sorted(self.ops):
             fw, bw = self.ops[k]
             ops[k] = (fw * f(), bw * f())
-        colls: dict[str, dict[int, CommTable]] = {}
-        for c in sorted(self.collectives):
-            colls[c] = {}
-            for g in sorted(self.collectives[c]):
-                t = self.collectives[c][g]
-                bws = [b * f() / comm_scale for b in t.algbw]
-                colls[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
+
+        def tables(collectives: dict[str, dict[int, CommTable]]) -> dict[str, dict[int, CommTable]]:
+            out: dict[str, dict[int, CommTable]] = {}
+            for c in sorted(collectives):
+                out[c] = {}
+                for g in sorted(collectives[c]):
+                    t = collectives[c][g]
+                    bws = [b * f() / comm_scale for b in t.algbw]
+                    out[c][g] = CommTable(t.alpha * comm_scale, list(t.sizes), bws)
+            return out
+
+        def speedups(concurrency: dict, into: dict) -> None:  # measured like a bandwidth: perturbed like one
+            for c in sorted(concurrency):
+                for g in sorted(concurrency[c]):
+                    sizes, speed = concurrency[c][g]
+                    into.setdefault(c, {})[g] = (list(sizes), [min(2.0, max(1.0, k * f())) for k in speed])
+
+        colls = tables(self.collectives)
         suffix = f"+noise{noise:g}-seed{seed}" + (f"-comm{comm_scale:g}" if comm_scale != 1.0 else "")
         out = Profile(
             self.name + suffix,
@@ -315,10 +431,7 @@ class Profile:
         if self.ops:
             f()  # the draw of the deleted ops_scale (module docstring, "Perturbation")
         out.optimizer_s_per_byte = self.optimizer_s_per_byte * f() if self.optimizer_s_per_byte else 0.0
-        for c in sorted(self.concurrency):  # measured like a bandwidth: perturbed like one, kept in [1, 2]
-            for g in sorted(self.concurrency[c]):
-                sizes, speed = self.concurrency[c][g]
-                out.concurrency.setdefault(c, {})[g] = (list(sizes), [min(2.0, max(1.0, k * f())) for k in speed])
+        speedups(self.concurrency, out.concurrency)  # kept in [1, 2]
         # drawn last, so that a seed perturbs everything above as it did before these were measured
         out.layout_bandwidth = self.layout_bandwidth * f()
         out.grad_copy_overhead = self.grad_copy_overhead * f()
@@ -326,6 +439,10 @@ class Profile:
         if self.ops:
             f()  # the draw of the deleted dup_scale
         out.corrections = self.corrections.perturb(f) if self.ops else self.corrections
+        out.gpus_per_node = self.gpus_per_node
+        if self.network is not None:  # after everything else: a one-node profile draws what it drew before
+            out.network = NetworkTables(tables(self.network.collectives))
+            speedups(self.network.concurrency, out.network.concurrency)
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -366,14 +483,11 @@ class Profile:
             "grad_copy_overhead": self.grad_copy_overhead,
             "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
             "corrections": self.corrections.to_dict(),
-            "concurrency": {
-                c: {str(g): {"sizes": list(sz), "speedup": list(k)} for g, (sz, k) in sorted(tabs.items())}
-                for c, tabs in sorted(self.concurrency.items())
-            },
+            "concurrency": _concurrency_to_dict(self.concurrency),
             "ops": {k: {"forward": a, "backward": b} for k, (a, b) in sorted(self.ops.items())},
-            "collectives": {
-                c: {str(g): t.to_dict() for g, t in sorted(tabs.items())} for c, tabs in self.collectives.items()
-            },
+            "collectives": _tables_to_dict(self.collectives),
+            "gpus_per_node": self.gpus_per_node,
+            **({"network": self.network.to_dict()} if self.network is not None else {}),
         }
 
     @staticmethod
@@ -447,39 +561,64 @@ class Profile:
                 number(v["backward"], f"ops[{k!r}].backward", positive=False),
             )
 
-        cin = d.get("collectives")
-        if not isinstance(cin, dict):
-            raise bad("collectives", f"a mapping with {COLLECTIVES} is required")
-        colls: dict[str, dict[int, CommTable]] = {}
-        for c in COLLECTIVES:
-            if c not in cin:
-                raise bad(f"collectives.{c}", "missing; every collective needs at least one group size")
-            groups = cin[c]
-            if not isinstance(groups, dict) or not groups:
-                raise bad(f"collectives.{c}", "expected a non-empty mapping group size -> table")
-            colls[c] = {}
-            for g, t in groups.items():
-                f = f"collectives.{c}.{g}"
-                gi = group_size(g, f)
-                if not isinstance(t, dict):
-                    raise bad(f, "expected {alpha, sizes, algbw}")
-                for key in ("alpha", "sizes", "algbw"):
-                    if key not in t:
-                        raise bad(f"{f}.{key}", "missing")
-                alpha = number(t["alpha"], f"{f}.alpha", positive=False)
-                sizes, bws = t["sizes"], t["algbw"]
-                if not isinstance(sizes, list) or not sizes:
-                    raise bad(f"{f}.sizes", "expected a non-empty list of byte counts")
-                if not isinstance(bws, list) or len(bws) != len(sizes):
-                    raise bad(f"{f}.algbw", f"expected a list as long as sizes ({len(sizes)} entries)")
-                sizes = [number(s, f"{f}.sizes[{i}]") for i, s in enumerate(sizes)]
-                bws = [number(b, f"{f}.algbw[{i}]") for i, b in enumerate(bws)]
-                if any(b <= a for a, b in zip(sizes, sizes[1:])):
-                    raise bad(f"{f}.sizes", f"must be strictly increasing, got {sizes}")
-                colls[c][gi] = CommTable(alpha, sizes, bws)
-        extra = set(cin) - set(COLLECTIVES)
-        if extra:
-            raise bad("collectives", f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
+        def tables(cin, prefix: str) -> dict[str, dict[int, CommTable]]:
+            """The collective tables of ``cin``; ``prefix`` names where they are (``collectives``)."""
+            if not isinstance(cin, dict):
+                raise bad(prefix, f"a mapping with {COLLECTIVES} is required")
+            colls: dict[str, dict[int, CommTable]] = {}
+            for c in COLLECTIVES:
+                if c not in cin:
+                    raise bad(f"{prefix}.{c}", "missing; every collective needs at least one group size")
+                groups = cin[c]
+                if not isinstance(groups, dict) or not groups:
+                    raise bad(f"{prefix}.{c}", "expected a non-empty mapping group size -> table")
+                colls[c] = {}
+                for g, t in groups.items():
+                    f = f"{prefix}.{c}.{g}"
+                    gi = group_size(g, f)
+                    if not isinstance(t, dict):
+                        raise bad(f, "expected {alpha, sizes, algbw}")
+                    for key in ("alpha", "sizes", "algbw"):
+                        if key not in t:
+                            raise bad(f"{f}.{key}", "missing")
+                    alpha = number(t["alpha"], f"{f}.alpha", positive=False)
+                    sizes, bws = t["sizes"], t["algbw"]
+                    if not isinstance(sizes, list) or not sizes:
+                        raise bad(f"{f}.sizes", "expected a non-empty list of byte counts")
+                    if not isinstance(bws, list) or len(bws) != len(sizes):
+                        raise bad(f"{f}.algbw", f"expected a list as long as sizes ({len(sizes)} entries)")
+                    sizes = [number(s, f"{f}.sizes[{i}]") for i, s in enumerate(sizes)]
+                    bws = [number(b, f"{f}.algbw[{i}]") for i, b in enumerate(bws)]
+                    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+                        raise bad(f"{f}.sizes", f"must be strictly increasing, got {sizes}")
+                    colls[c][gi] = CommTable(alpha, sizes, bws)
+            extra = set(cin) - set(COLLECTIVES)
+            if extra:
+                raise bad(prefix, f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
+            return colls
+
+        def speedups(cc, prefix: str) -> dict[str, dict[int, tuple[list[float], list[float]]]]:
+            """The concurrency tables of ``cc``; ``prefix`` names where they are (``concurrency``)."""
+            concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
+            cc = cc or {}
+            if not isinstance(cc, dict):
+                raise bad(prefix, "expected an object {collective: {group size: {sizes, speedup}}}")
+            for c, groups in cc.items():
+                if c not in COLLECTIVES or not isinstance(groups, dict):
+                    raise bad(prefix, f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
+                for g, entry in groups.items():
+                    f = f"{prefix}.{c}.{g}"
+                    gi = group_size(g, f)
+                    if not isinstance(entry, dict):
+                        raise bad(f, "expected {sizes, speedup}")
+                    sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]
+                    speed = [number(x, f + ".speedup") for x in entry.get("speedup", [])]
+                    if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+                        raise bad(f, "sizes must be strictly increasing and as many as the speedups")
+                    concurrency.setdefault(c, {})[gi] = (sizes, speed)
+            return concurrency
+
+        colls = tables(d.get("collectives"), "collectives")
         membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
         overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
         overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
@@ -514,23 +653,28 @@ class Profile:
             raise ProfileError(str(e)) from None
         if ops_timing not in ("graph", "eager"):
             raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
-        concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
-        cc = d.get("concurrency", {}) or {}
-        if not isinstance(cc, dict):
-            raise bad("concurrency", "expected an object {collective: {group size: {sizes, speedup}}}")
-        for c, groups in cc.items():
-            if c not in COLLECTIVES or not isinstance(groups, dict):
-                raise bad("concurrency", f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
-            for g, entry in groups.items():
-                f = f"concurrency.{c}.{g}"
-                gi = group_size(g, f)
-                if not isinstance(entry, dict):
-                    raise bad(f, "expected {sizes, speedup}")
-                sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]
-                speed = [number(x, f + ".speedup") for x in entry.get("speedup", [])]
-                if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-                    raise bad(f, "sizes must be strictly increasing and as many as the speedups")
-                concurrency.setdefault(c, {})[gi] = (sizes, speed)
+        concurrency = speedups(d.get("concurrency", {}), "concurrency")
+        gpus_per_node = d.get("gpus_per_node", 0)
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 0:
+            raise bad("gpus_per_node", f"expected an integer >= 0 (0 = one node), got {gpus_per_node!r}")
+        network = None
+        if d.get("network") is not None:
+            net = d["network"]
+            if not isinstance(net, dict):
+                raise bad("network", "expected an object {collectives, concurrency}")
+            extra = set(net) - {"collectives", "concurrency"}
+            if extra:
+                raise bad("network", f"unknown field(s) {sorted(extra)}; expected collectives and concurrency")
+            if gpus_per_node == 0:
+                raise bad(
+                    "gpus_per_node",
+                    "a profile with a 'network' section needs the GPUs per node (> 0), which say which "
+                    "groups cross nodes",
+                )
+            network = NetworkTables(
+                tables(net.get("collectives"), "network.collectives"),
+                speedups(net.get("concurrency", {}), "network.concurrency"),
+            )
         return Profile(
             name,
             flops,
@@ -552,6 +696,8 @@ class Profile:
             grad_copy,
             grad_copy_graph,
             corrections,
+            gpus_per_node,
+            network,
         )
 
 

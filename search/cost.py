@@ -232,19 +232,6 @@ if set(_COPY_MODELS) | {"grad_sync"} != set(FORM_CHANGE_OPS):
     raise AssertionError(f"copy models for {sorted(_COPY_MODELS)}, the IR declares {sorted(FORM_CHANGE_OPS)}")
 
 
-def _group_level(profile, stride, n):  # TEMP until profiles carry network tables
-    f = getattr(profile, "group_level", None)
-    return f(stride, n) if f else "node"
-
-
-def _comm_time(profile, c, n, b, level):  # TEMP
-    return profile.comm_time(c, n, b) if level == "node" else profile.comm_time(c, n, b, level=level)
-
-
-def _pair_speedup(profile, c, n, b, level):  # TEMP
-    return profile.pair_speedup(c, n, b) if level == "node" else profile.pair_speedup(c, n, b, level=level)
-
-
 class CostModel:
     """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
 
@@ -407,7 +394,7 @@ class CostModel:
             n, stride = self.world, 1
         else:
             n, stride = self.mesh[axis], math.prod(self.mesh[axis + 1 :])
-        return n, _group_level(self.profile, stride, n)
+        return n, self.profile.group_level(stride, n, self.world)
 
     def comm(self, collective: str, nbytes: float, axis: int | None = None) -> float:
         """Seconds of one collective over the whole world (or mesh axis ``axis``'s group) on a logical
@@ -415,7 +402,7 @@ class CostModel:
         if not collective:
             return 0.0
         n, level = self.group(axis)
-        return _comm_time(self.comm_profile, collective, n, nbytes, level)
+        return self.comm_profile.comm_time(collective, n, nbytes, level=level)
 
     def grad_sync(self, nbytes: float, axis: int | None = None) -> float:
         """Seconds of a replicated parameter's gradient all-reduce of ``nbytes``: its share of one
@@ -429,7 +416,7 @@ class CostModel:
         if not collective:
             return 1.0
         n, level = self.group(axis)
-        return _pair_speedup(self.profile, collective, n, nbytes, level)
+        return self.profile.pair_speedup(collective, n, nbytes, level=level)
 
     def _copy(self, nbytes: float, rate: float, passes: float = 2.0) -> float:
         """Seconds of one copy kernel moving ``nbytes`` (read and written: ``passes=2``; written

@@ -26,6 +26,18 @@ it then searches with every repeated layer recomputed too -- first without the b
 when even that plan is no faster than the one found -- and keeps the faster plan that fits, with the
 fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
 every repeated layer, ``"off"`` none.
+
+Meshes
+------
+On a graph traced for a device mesh of several axes (:mod:`hidup.ir`, "Meshes") every op offers the
+products of one signature per axis: 25-36 on two axes where one axis offers 5-6, and the DP's beam,
+sized for one axis, then keeps the wrong states.  :func:`_search_mesh` searches axis by axis instead:
+first with the outer axis (across nodes on a cluster) kept to :data:`OUTER_KINDS` -- data parallel,
+parameters replicated or stored split, ops replicated -- and the inner axes free; then, for up to
+:data:`MESH_ROUNDS` rounds, with one axis free and every other axis's forms fixed to the best plan's,
+keeping a plan only when it is faster.  Each step is the one-axis search above under a signature
+filter that keeps the current plan, so the prediction never grows; the result is a local optimum of
+the product space, not its global one.
 """
 
 from __future__ import annotations
@@ -288,15 +300,8 @@ def _other_axes(sig: Signature, axis: int) -> tuple:
 
 
 def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
-    """The plan for a graph on a mesh of several axes, searched axis by axis (module docstring, "Meshes").
-
-    The product signatures of a mesh make one search over all axes at once too wide for the DP's beam
-    (25-36 signatures per op on two axes against 5-6 on one).  So the search first keeps axis 0 (the
-    outer axis, across nodes on a cluster) to the kinds :data:`OUTER_KINDS` (data parallel, parameters
-    replicated or stored split, replicated ops) and searches the rest; then, in up to
-    :data:`MESH_ROUNDS` rounds, frees one axis at a time with every other axis's forms fixed to the
-    best plan's, keeping a plan only when it is faster.  Each search is the one-axis search with a
-    signature filter (``restrict``), every filter keeps the current plan, so the time never grows."""
+    """The plan for a graph on a mesh of several axes, searched axis by axis (module docstring,
+    "Meshes"); each step is :func:`_search` under an extra signature filter."""
     base = opts.restrict
 
     def within(keep):

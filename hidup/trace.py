@@ -180,6 +180,7 @@ class _Builder:
     ):
         self.gm, self.world, self.signatures_fn = gm, world, signatures_fn
         self.mesh = tuple(mesh) or (world,)
+        self.mesh_cache: dict[tuple, tuple] = {}  # op key -> product signatures (_mesh_signatures)
         self.nodes: list[Node] = []
         self.tensors: dict[int, Tensor] = {}
         self.struct: dict[str, Any] = {}  # fx node name -> value with _Ref in place of tensors
@@ -331,7 +332,7 @@ class _Builder:
             node_name=n.name,
         )
         if len(self.mesh) > 1:
-            sigs, reason = mesh_signatures(ctx, self.mesh, self._signatures, rules_localize)
+            sigs, reason = self._mesh_signatures(ctx)
         else:
             sigs, reason = self._signatures(ctx)
         fallback = sigs is None
@@ -359,6 +360,15 @@ class _Builder:
         self.struct[n.name] = out_struct
         self.out.tensor_ids[n.name] = [r.tid for r in out_refs]
         self.out.contexts[n.name] = ctx
+
+    def _mesh_signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
+        """:func:`hidup.rules.mesh.mesh_signatures`, once per distinct op (target, arguments, shapes):
+        the layers of a deep model repeat the same ops, and a product costs a rule call per factor."""
+        key = (ctx.target, repr(ctx.args), repr(ctx.kwargs), tuple(ctx.inputs), tuple(ctx.outputs))
+        hit = self.mesh_cache.get(key)
+        if hit is None:
+            hit = self.mesh_cache[key] = mesh_signatures(ctx, self.mesh, self._signatures, rules_localize)
+        return hit
 
     def _signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
         """The rule's signatures, filtered to the world size; (None, reason) means fall back."""

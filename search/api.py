@@ -477,7 +477,7 @@ def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
             return True
         if node.op == "param":
             if style == "data":
-                return all(f.kind in ("replicate", "full") for f in sig.outputs)
+                return all(x.kind in ("replicate", "full") for f in sig.outputs for x in getattr(f, "forms", (f,)))
             if style == "fsdp":  # stored split wherever the parameter can be
                 return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
             return True

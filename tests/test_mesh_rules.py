@@ -46,6 +46,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import example, given
@@ -55,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hidup
 import hidup.models
 from hidup import rules
+from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
     FORM_CHANGE_OPS,
     FULL,
@@ -70,7 +72,7 @@ from hidup.ir import (
     gather,
     layout_conversions,
 )
-from hidup.rules.mesh import axis_context
+from hidup.rules.mesh import axis_context, leaf_layouts
 from hidup.trace import FallbackWarning, filtered_signatures, trace_module
 from spmd import (
     check_mesh_signature,
@@ -683,3 +685,82 @@ def test_trace_on_mesh(name):
     assert back.copy_reason == graph.copy_reason
     for a, b in zip(graph.nodes, back.nodes, strict=True):
         assert a.signatures == b.signatures, f"{a.name}: signatures change through to_dict/from_dict"
+
+
+def _cpu(v):
+    """The trace's device constants (folded to meta for shape propagation) name the CPU here."""
+    return torch.device("cpu") if isinstance(v, torch.device) and v.type == "meta" else v
+
+
+class _NodeValues(torch.fx.Interpreter):
+    """Runs a traced step on real tensors and keeps every fx node's value."""
+
+    def __init__(self, gm):
+        super().__init__(gm, garbage_collect_values=False)
+        self.values: dict[str, object] = {}
+
+    def call_function(self, target, args, kwargs):
+        if target is aten._assert_tensor_metadata.default:
+            return None
+        return super().call_function(target, map_value(tuple(args), _cpu), map_value(dict(kwargs), _cpu))
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        self.values[n.name] = value
+        return value
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert-sgmoe"])
+def test_traced_products(name):
+    """Every product of every call node of a small float64 zoo model traced on 2x2 (its ATen ops, MoE
+    gating and all), simulated on the node's real inputs from one forward of the step."""
+    small = dict(layers=1, d_model=24, heads=4, ffn=48, seq_len=12, batch_per_gpu=3, vocab=96)
+    model, inputs = hidup.models.build(name, 4, dtype=D64, **small)
+    traced = trace_module(model, inputs, mesh=MESH)
+    run = _NodeValues(traced.gm)
+    with torch.no_grad():
+        run.run(*hidup.trace.forward_inputs(model, inputs))
+    fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
+    checked, seen = 0, set()
+    for node in traced.graph.nodes:
+        if node.op != "call":
+            continue
+        ctx = traced.contexts[node.name]
+        ctx = replace(ctx, args=map_value(tuple(ctx.args), _cpu), kwargs=map_value(dict(ctx.kwargs), _cpu))
+        key = (node.target, repr(ctx.args), repr(ctx.kwargs))  # repeated layers: checked once
+        if key in seen:
+            continue
+        seen.add(key)
+        fx = fx_nodes[node.name]
+        args = torch.fx.node.map_arg((fx.args, fx.kwargs), lambda a: run.values[a.name])
+        values = [v.detach().clone() for v in value_leaves(args, torch.Tensor)]
+        assert len(values) == len(ctx.inputs), node.name
+        for s in node.signatures:
+            check_mesh_signature(ctx, s, values, MESH)
+            checked += 1
+    assert checked > 300
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("param", [False, True])
+def test_leaf_layouts(mesh, param):
+    """An input's or parameter's layouts: per axis the whole value or a split of any dim that axis
+    divides as the axes before it left it -- every such layout once, and nothing else."""
+    shape = (12, 6, 1)
+    first = REPLICATE if param else FULL
+    sigs = leaf_layouts(shape, mesh, first, "param" if param else "data", "param" if param else "replicated")
+    got = [s.outputs[0] for s in sigs]
+    options = [first] + [gather(d) for d in range(len(shape))]
+    want = []
+    for forms in itertools.product(options, repeat=len(mesh)):
+        try:
+            Layout(forms).local_shape(shape, mesh)
+        except ValueError:
+            continue
+        want.append(Layout(forms))
+    assert sorted(got) == sorted(want) and len(set(got)) == len(got)
+    assert got[0] == Layout((first,) * len(mesh))
+    for s in sigs:
+        assert tuple(f.outputs[0] for f in s.axes) == s.outputs[0].forms
+        split_kind, whole_kind = ("param", "param") if param else ("data", "replicated")
+        assert s.kind == (split_kind if s.outputs[0].is_gather else whole_kind), s

@@ -55,6 +55,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 import hidup
 import hidup.models
+import test_rules_aten as aten_cases
 from hidup import rules
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
@@ -95,6 +96,15 @@ SPLIT = st.sampled_from([4, 6, 12])
 TINY = st.sampled_from([1, 2, 3])
 # every example runs on 2x2 and on one of 2x3 and 3x2
 MESHES = st.sampled_from([(2, 3), (3, 2)]).map(lambda m: ((2, 2), m))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tensors of a few dozen elements: on a busy machine more threads only wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def rn(*shape, param=False):
@@ -764,3 +774,22 @@ def test_leaf_layouts(mesh, param):
         assert tuple(f.outputs[0] for f in s.axes) == s.outputs[0].forms
         split_kind, whole_kind = ("param", "param") if param else ("data", "replicated")
         assert s.kind == (split_kind if s.outputs[0].is_gather else whole_kind), s
+
+
+@FAST
+@given(data=st.data())
+def test_aten_overloads(data):
+    """Overloads of ``hidup/rules/aten.py`` drawn at random, with the calls ``tests/test_rules_aten.py``
+    draws for them: every product on 2x2 (the ATen argument order through both axes)."""
+    op = data.draw(st.sampled_from(sorted(aten_cases.CASES, key=str)), label="op")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(op in aten_cases._UNINITIALISED or deterministic)
+    try:
+        for call in aten_cases.CASES[op](data.draw):
+            ctx, values, _ = make_context(op, call.args, call.kwargs, MESH[0])
+            sigs = mesh_rule_signatures(ctx, MESH)
+            check_factors(ctx, sigs, MESH)
+            for s in sigs:
+                check_mesh_signature(ctx, s, values, MESH, no_grad=call.no_grad)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)

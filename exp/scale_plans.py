@@ -227,7 +227,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
         stored = "; ".join(
             f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items()) for role, forms in r["stored"].items()
-        )
+        ).replace("|", "\\|")  # a layout's axes are joined by "|", a table cell's delimiter
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "

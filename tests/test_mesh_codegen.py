@@ -45,6 +45,10 @@ STYLES = {"data+tensor": ("data", "tensor"), "fsdp+data": ("fsdp", "data")}
 PLANS = ("search", "data+tensor", "fsdp+data", "recompute")
 # (model, plan) pairs that also run with duplication on
 DUPLICATED = {("gpt", p) for p in PLANS} | {("llama", "search"), ("mean", "search"), ("bert-sgmoe", "data+tensor")}
+# (model, plan) -> duplication settings run under torch.compile (the aot_eager backend: dynamo's capture,
+# the hidup::convert custom op and AOTAutograd, as tests/test_compiled.py explains); with duplication
+# the copies run the two-stream stage schedule (without streams on the CPU), each stage compiled
+COMPILED = {("gpt", "data+tensor"): (False, True), ("gpt", "recompute"): (False,)}
 F64_TOL = 1e-9
 LLAMA_TOL = 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(torch.float32).eps
 LR = 0.1
@@ -150,17 +154,21 @@ def _reference(model, inputs):
     return float(loss.detach()), grads, second
 
 
-def _parity(rank, model, inputs, plan, dup, ref) -> dict:
+def _parity(rank, model, inputs, plan, dup, ref, **options) -> dict:
     import hidup
     from hidup.codegen.mesh import coordinates
     from hidup.codegen.params import full_grad_dict, iter_shards
 
+    from hidup.codegen.grads import clip_grad_norm_
+
     ref_loss, ref_grads, ref_second = ref
+    ref_norm = float(torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())))
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module = hidup.compile(model, plan, rank, WORLD, inputs, duplication=dup)
+        module = hidup.compile(model, plan, rank, WORLD, inputs, duplication=dup, **options)
     assert module.duplication == dup and module.mesh_groups.mesh == MESH
+    assert module.compile_backend == options.get("compile")
     loss = module(*inputs)
     loss.backward()
     out = {"loss": abs(float(module.global_loss(loss)) - ref_loss) / abs(ref_loss)}
@@ -174,6 +182,8 @@ def _parity(rank, model, inputs, plan, dup, ref) -> dict:
         piece_err = max(piece_err, _rel(t.grad, want, 1e-2 * scale))
     for name, g in full_grad_dict(module).items():
         gathered_err = max(gathered_err, _rel(g, ref_grads[name], 1e-2 * scale))
+    # the global norm counts each piece once however many ranks hold it (a huge bound: no clipping)
+    out["norm"] = abs(float(clip_grad_norm_(module, 1e30)) - ref_norm) / ref_norm
     with torch.no_grad():
         for p in module.parameters():
             if p.grad is not None:
@@ -183,7 +193,19 @@ def _parity(rank, model, inputs, plan, dup, ref) -> dict:
     return out
 
 
-def _rank_parity(rank, world, jobs):
+def _rank_checkpoint_refused(rank, model, inputs, plan, path) -> str:
+    import hidup
+    from hidup.runtime import checkpoint
+
+    module = hidup.compile(model, plan, rank, WORLD, inputs)
+    try:
+        checkpoint.save(path, module)
+    except checkpoint.MeshCheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def _rank_parity(rank, world, jobs, path=None):
     torch.set_default_dtype(torch.float64)
     out = {}
     for name, plans in jobs:
@@ -192,6 +214,11 @@ def _rank_parity(rank, world, jobs):
         for label, plan in plans.items():
             for dup in (False, True) if (name, label) in DUPLICATED else (False,):
                 out[(name, label, dup)] = _parity(rank, model, inputs, plan, dup, ref)
+            for dup in COMPILED.get((name, label), ()):
+                options = dict(compile="aot_eager", streams=dup)  # with duplication: the staged schedule
+                out[(name, label, dup, "compiled")] = _parity(rank, model, inputs, plan, dup, ref, **options)
+        if name == "mean" and path is not None:
+            out["checkpoint"] = _rank_checkpoint_refused(rank, model, inputs, plans["search"], path)
     return out
 
 
@@ -206,20 +233,41 @@ CASES = [
 _RESULTS: list = []
 
 
-def _results() -> list:
+def _results(tmp_path_factory) -> list:
     if not _RESULTS:
         pytest.importorskip("transformers")
         jobs = [(name, _make_plans(name)) for name in MODELS]
-        _RESULTS.extend(run_distributed(_rank_parity, WORLD, jobs, timeout=600, pg_timeout=120))
+        path = str(tmp_path_factory.mktemp("mesh") / "checkpoint")
+        _RESULTS.extend(run_distributed(_rank_parity, WORLD, jobs, path, timeout=600, pg_timeout=120))
     return _RESULTS
 
 
 @pytest.mark.parametrize("name, label, dup", CASES, ids=[f"{n}-{p}-{'dup' if d else 'one'}" for n, p, d in CASES])
-def test_mesh_plan_matches_one_device(name, label, dup):
+def test_mesh_plan_matches_one_device(name, label, dup, tmp_path_factory):
+    _check(name, label, dup, (name, label, dup), tmp_path_factory)
+
+
+COMPILED_CASES = [(name, label, dup) for (name, label), dups in COMPILED.items() for dup in dups]
+
+
+@pytest.mark.parametrize(
+    "name, label, dup", COMPILED_CASES, ids=[f"{n}-{p}-{'dup' if d else 'one'}" for n, p, d in COMPILED_CASES]
+)
+def test_compiled_mesh_plan_matches_one_device(name, label, dup, tmp_path_factory):
+    _check(name, label, dup, (name, label, dup, "compiled"), tmp_path_factory)
+
+
+def test_checkpoints_of_mesh_plans_are_refused_by_name(tmp_path_factory):
+    for text in (results["checkpoint"] for results in _results(tmp_path_factory)):
+        assert "device mesh 2x2" in text and "not supported" in text, text
+
+
+def _check(name, label, dup, key, tmp_path_factory):
     tol = _tol(name)
-    for rank, results in enumerate(_results()):
-        r = results[(name, label, dup)]
+    for rank, results in enumerate(_results(tmp_path_factory)):
+        r = results[key]
         where = f"{name} {label} duplication={dup} rank {rank}"
+        assert r["norm"] <= 1e-5, f"{where}: the global gradient norm off by {r['norm']:.2e} (float32 sum)"
         assert r["loss"] <= tol, f"{where}: loss off by {r['loss']:.2e} (relative)"
         assert r["piece"] <= tol, f"{where}: a gradient piece off by {r['piece']:.2e}"
         assert r["gathered"] <= tol, f"{where}: a gathered gradient off by {r['gathered']:.2e}"

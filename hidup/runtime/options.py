@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hidup.models
 from hidup.models.source import ModelSourceError, describe_source, recorded_source
+from hidup.ir import parse_mesh
 from hidup.plan import PlanError
 from hidup.trace import trace
 
@@ -142,6 +143,8 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
                 f"{args.world}"
             )
         args.world = plan.world_size
+        if len(plan.mesh) > 1:  # the ranks trace for the plan's device mesh
+            args.mesh = tuple(plan.mesh)
         record = recorded_source(plan)
         if record is None:
             if spec is None:
@@ -238,6 +241,14 @@ def say(args: argparse.Namespace, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _mesh_of(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The device mesh of several axes the job runs on (``args.mesh``: a plan's, or ``2x4``), else None."""
+    mesh = getattr(args, "mesh", None)
+    if isinstance(mesh, str):
+        mesh = parse_mesh(mesh)
+    return tuple(mesh) if mesh and len(mesh) > 1 else None
+
+
 def build_graph(args: argparse.Namespace, why: str = "tracing"):
     """Build the model and trace it: a zoo model on the meta device (no weights are allocated), a
     factory's on the CPU, as the ranks trace it when they compile (``torch.export`` records tensors
@@ -258,7 +269,7 @@ def build_graph(args: argparse.Namespace, why: str = "tracing"):
         raise ModelSourceError(str(e)) from None
     say(args, f"{why} {args.model} for {args.world} ranks (torch.export) ...")
     t0 = time.perf_counter()
-    graph = trace(model, inputs, world_size=args.world, half_batch=True)
+    graph = trace(model, inputs, world_size=args.world, half_batch=True, mesh=_mesh_of(args))
     graph.model = args.model
     say(args, f"traced {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
     return graph

@@ -44,6 +44,7 @@ class MeshGroups:
     def __init__(self, mesh: tuple[int, ...], coords: tuple[int, ...], axes: tuple, world=None, device_mesh=None):
         self.mesh, self.coords, self.axes, self.world = tuple(mesh), tuple(coords), tuple(axes), world
         self.device_mesh = device_mesh
+        self.default = None  # the default process group when these groups were made
 
     def __repr__(self) -> str:
         return f"MeshGroups(mesh={self.mesh}, coords={self.coords})"
@@ -63,11 +64,13 @@ def mesh_groups(mesh: tuple[int, ...], rank: int, group=None, device_type: str =
         return MeshGroups(mesh, coords, (None,) * len(mesh), group)
     key = (mesh, id(group), device_type, copy)
     hit = _CACHE.get(key)
-    if hit is not None and hit.coords == coords:
-        return hit
+    if hit is not None and hit.coords == coords and hit.default is dist.group.WORLD:
+        return hit  # made in this process group's lifetime (a test may destroy it and start another)
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     if len(ranks) != math.prod(mesh):
-        raise ValueError(f"mesh {'x'.join(map(str, mesh))} holds {math.prod(mesh)} ranks; the process group has {len(ranks)}")
+        raise ValueError(
+            f"mesh {'x'.join(map(str, mesh))} holds {math.prod(mesh)} ranks; the process group has {len(ranks)}"
+        )
     from torch.distributed.device_mesh import DeviceMesh
 
     device_mesh = DeviceMesh(device_type, torch.tensor(ranks, dtype=torch.int64).view(mesh))
@@ -77,5 +80,6 @@ def mesh_groups(mesh: tuple[int, ...], rank: int, group=None, device_type: str =
     else:
         world = group
     out = MeshGroups(mesh, coords, axes, world, device_mesh)
+    out.default = dist.group.WORLD
     _CACHE[key] = out
     return out

@@ -20,6 +20,15 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
 * **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
   summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
 
+On a device mesh of several axes (``traced.graph.mesh``, :mod:`hidup.codegen.mesh`) rank r sits at
+coordinates ``c = unravel_index(r, mesh)``: an input is sliced axis after axis (axis 0's split of the
+global tensor, then axis 1's of that piece), a parameter stored likewise, a call node runs
+:func:`hidup.rules.mesh.localize_mesh` for ``c``, a layout change is the chain of one-axis steps the
+plan chose for it (:func:`hidup_convert_step` on each axis's group; the path of
+:func:`hidup.ir.layout_conversions` with the fewest collectives where the plan names none), and the
+loss is brought to ``reduce`` on every axis.  ``replicate_axes`` says over which axes each replicated
+parameter's gradient is summed.
+
 Every generated node carries ``meta["stage"]``, the index of its plan stage, which
 :mod:`hidup.codegen.duplicate` uses to interleave two half-batch copies on CUDA streams.
 """
@@ -350,9 +359,7 @@ class _Builder:
             chain = [(s.axis, _plain(s.before), _plain(s.after)) for s in steps]
             valid = chain[0][1] == src and chain[-1][2] == dst
             valid = valid and all(a[2] == b[1] for a, b in zip(chain, chain[1:]))
-            valid = valid and all(
-                before.with_axis(axis, after.forms[axis]) == after for axis, before, after in chain
-            )
+            valid = valid and all(before.with_axis(axis, after.forms[axis]) == after for axis, before, after in chain)
             if valid:
                 return [(axis, before.forms[axis], after.forms[axis]) for axis, before, after in chain]
         paths = layout_conversions(src, dst)

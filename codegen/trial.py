@@ -28,9 +28,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hidup.codegen.mesh import MeshGroups
-
 from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.rewrite import CompileError, compile
 from hidup.codegen.timing import Stopwatch, max_over_ranks, median_seconds
 

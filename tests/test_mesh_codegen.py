@@ -49,6 +49,9 @@ DUPLICATED = {("gpt", p) for p in PLANS} | {("llama", "search"), ("mean", "searc
 # the hidup::convert custom op and AOTAutograd, as tests/test_compiled.py explains); with duplication
 # the copies run the two-stream stage schedule (without streams on the CPU), each stage compiled
 COMPILED = {("gpt", "data+tensor"): (False, True), ("gpt", "recompute"): (False,)}
+# inputs given as each rank's local piece (local_batch=True): whole inputs (full|full) and inputs split
+# over both axes, with duplication cutting the copies out of the pieces
+LOCAL = {"mean": (("search", True), ("data+tensor", False), ("data+tensor", True))}
 F64_TOL = 1e-9
 LLAMA_TOL = 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(torch.float32).eps
 LR = 0.1
@@ -156,10 +159,9 @@ def _reference(model, inputs):
 
 def _parity(rank, model, inputs, plan, dup, ref, **options) -> dict:
     import hidup
+    from hidup.codegen.grads import clip_grad_norm_
     from hidup.codegen.mesh import coordinates
     from hidup.codegen.params import full_grad_dict, iter_shards
-
-    from hidup.codegen.grads import clip_grad_norm_
 
     ref_loss, ref_grads, ref_second = ref
     ref_norm = float(torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())))
@@ -169,10 +171,13 @@ def _parity(rank, model, inputs, plan, dup, ref, **options) -> dict:
         module = hidup.compile(model, plan, rank, WORLD, inputs, duplication=dup, **options)
     assert module.duplication == dup and module.mesh_groups.mesh == MESH
     assert module.compile_backend == options.get("compile")
+    coords = coordinates(rank, MESH)
+    if options.get("local_batch"):  # each rank gives only its piece of every input
+        forms = [module.input_forms[n] for n in module.input_names]
+        inputs = tuple(x if form is None else _piece(x, form, coords).contiguous() for x, form in zip(inputs, forms))
     loss = module(*inputs)
     loss.backward()
     out = {"loss": abs(float(module.global_loss(loss)) - ref_loss) / abs(ref_loss)}
-    coords = coordinates(rank, MESH)
     piece_err = gathered_err = 0.0
     for _, t, shard in iter_shards(module):
         if shard.is_buffer or not t.requires_grad:
@@ -217,6 +222,8 @@ def _rank_parity(rank, world, jobs, path=None):
             for dup in COMPILED.get((name, label), ()):
                 options = dict(compile="aot_eager", streams=dup)  # with duplication: the staged schedule
                 out[(name, label, dup, "compiled")] = _parity(rank, model, inputs, plan, dup, ref, **options)
+        for label, dup in LOCAL.get(name, ()):  # inputs given as each rank's piece
+            out[(name, label, dup, "local")] = _parity(rank, model, inputs, plans[label], dup, ref, local_batch=True)
         if name == "mean" and path is not None:
             out["checkpoint"] = _rank_checkpoint_refused(rank, model, inputs, plans["search"], path)
     return out
@@ -257,6 +264,11 @@ def test_compiled_mesh_plan_matches_one_device(name, label, dup, tmp_path_factor
     _check(name, label, dup, (name, label, dup, "compiled"), tmp_path_factory)
 
 
+@pytest.mark.parametrize("label, dup", LOCAL["mean"], ids=[f"{p}-{'dup' if d else 'one'}" for p, d in LOCAL["mean"]])
+def test_local_batch_inputs_on_a_mesh(label, dup, tmp_path_factory):
+    _check("mean", label, dup, ("mean", label, dup, "local"), tmp_path_factory)
+
+
 def test_checkpoints_of_mesh_plans_are_refused_by_name(tmp_path_factory):
     for text in (results["checkpoint"] for results in _results(tmp_path_factory)):
         assert "device mesh 2x2" in text and "not supported" in text, text
@@ -272,3 +284,37 @@ def _check(name, label, dup, key, tmp_path_factory):
         assert r["piece"] <= tol, f"{where}: a gradient piece off by {r['piece']:.2e}"
         assert r["gathered"] <= tol, f"{where}: a gathered gradient off by {r['gathered']:.2e}"
         assert r["second"] <= tol, f"{where}: the loss after one SGD step off by {r['second']:.2e}"
+
+
+def test_verify_runs_a_mesh_plan_and_train_refuses_its_checkpoints(tmp_path):
+    """``hidup verify --plan P`` runs a data x tensor 2x2 plan on 4 ranks (the plan records its
+    model and mesh: no flags); ``hidup train --plan P --checkpoint-dir D`` stops before any rank
+    starts with one message naming what is unsupported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import hidup
+    from hidup.search.api import forced
+    from hidup.trace import trace_module
+
+    model, inputs = hidup.models.build("gpt", world_size=WORLD, **ZOO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace_module(model, inputs, mesh=MESH).graph
+        plan = forced(graph, PROFILE, ("data", "tensor"), duplication=False, model_source=("gpt", ZOO), **SEARCH)
+    path = plan.save(tmp_path / "plan.json")
+    root = Path(__file__).resolve().parent.parent
+
+    def cli(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", "hidup.cli", *argv], cwd=root, capture_output=True, text=True, timeout=300
+        )
+
+    out = cli("verify", "--plan", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: the plan matches the single-device model" in out.stdout
+    assert "world 4 as a 2x2 mesh" in out.stdout and "data+tensor" in out.stdout  # per-axis kinds ran
+    out = cli("train", "--plan", str(path), "--iterations", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "checkpoints of mesh plans are not supported" in out.stderr and "starting" not in out.stderr

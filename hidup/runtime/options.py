@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import hidup.models
-from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.ir import parse_mesh
+from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.plan import PlanError
 from hidup.trace import trace
 

@@ -176,6 +176,11 @@ def _to(values, device) -> tuple:
     return tuple(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in values)
 
 
+def _mesh_text(plan) -> str:
+    mesh = getattr(plan, "mesh", None) or []
+    return f" as a {'x'.join(map(str, mesh))} mesh" if len(mesh) > 1 else ""
+
+
 def _recompute_text(plan) -> str:
     layers = getattr(plan, "recompute", None) or []
     return f", {len(layers)} layers recomputed in the backward" if layers else ""
@@ -299,7 +304,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             else "eager"
         )
         print(
-            f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
+            f"train {args.model}: world {world}{_mesh_text(plan)} ({ctx.backend}), plan {args.plan or 'searched now'}, "
+            "duplication "
             f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
             f"{_recompute_text(plan)}",
             flush=True,

@@ -99,6 +99,12 @@ def make_plan(
     return result
 
 
+def _mesh_text(args) -> str:
+    """`` as a 2x2 mesh`` for a plan on a device mesh of several axes, else ``""``."""
+    mesh = getattr(args, "mesh", None)
+    return f" as a {'x'.join(map(str, mesh))} mesh" if mesh and len(mesh) > 1 else ""
+
+
 def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
     """Losses of ``steps`` plain SGD steps of the single-device model."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -252,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     plan_text = str(args.plan) if args.plan is not None else args.style
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
     print(
-        f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
+        f"model {args.model}, world {args.world}{_mesh_text(args)} ({backend}), plan: {plan_text}, "
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -38,11 +39,25 @@ from pathlib import Path
 import torch
 
 import hidup
+from hidup.ir import parse_mesh
 from hidup.search import SearchError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 JOBS = {
+    "llama3-70b": dict(
+        family="llama",
+        config=dict(
+            num_hidden_layers=80,
+            hidden_size=8192,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            intermediate_size=28672,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        ),
+    ),
     "llama3-8b": dict(
         family="llama",
         config=dict(
@@ -132,17 +147,19 @@ def describe_plan(plan, graph) -> dict:
 
 
 def run_job(
-    name: str, world: int, profile: str, memory_gb: float, precision: str, layers: int | None, seq: int
+    name: str, mesh: tuple[int, ...], profile: str, memory_gb: float, precision: str, layers: int | None, seq: int
 ) -> dict:
+    world = math.prod(mesh)
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = hidup.trace(model, inputs, world_size=world)
+        graph = hidup.trace(model, inputs, world_size=world, mesh=mesh if len(mesh) > 1 else None)
     trace_s = time.perf_counter() - t0
     row = {
         "job": name,
         "world": world,
+        "mesh": "x".join(map(str, mesh)),
         "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
         "batch": world,
         "seq": seq,
@@ -203,7 +220,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+                f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
                 f"| {r['trace_s']} | {r['search_s']} | no plan | - | {r['error'].split('. Fix')[0]} | - |"
             )
             continue
@@ -212,28 +229,33 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
             f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items()) for role, forms in r["stored"].items()
         )
         lines.append(
-            f"| {r['job']} | {r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
+            f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "
             f"| {stored} |"
         )
     for r in rows:
         if "summary" in r:
             budget = f"budget {r['memory_budget_gb']:g} GB" if r["memory_budget_gb"] else "no budget"
-            lines += ["", f"## {r['job']}, {r['world']} GPUs, {budget}", "", "```", r["summary"].rstrip(), "```"]
+            gpus = r.get("mesh") or r["world"]
+            lines += ["", f"## {r['job']}, {gpus} GPUs, {budget}", "", "```", r["summary"].rstrip(), "```"]
     path.write_text("\n".join(lines) + "\n")
 
 
+NODE_PROFILE, CLUSTER_PROFILE = "h200x4-nvlink", "h100x64-ib400"
 DEFAULT_RUNS = ("llama3-8b@8", "llama3-8b@8:0", "mixtral-8x7b@8", "mixtral-8x7b@8:0", "mixtral-8x7b@16")
 
 
-def parse_run(text: str, default_memory: float) -> tuple[str, int, float]:
-    """``name@world[:GB]`` -> (job, world, memory budget in GB per GPU; 0 = none)."""
+def parse_run(text: str, default_memory: float) -> tuple[str, tuple[int, ...], float]:
+    """``name@world[:GB]`` or ``name@AxB[:GB]`` -> (job, mesh, memory budget in GB per GPU; 0 = none)."""
     try:
         name, rest = text.split("@")
         world, _, memory = rest.partition(":")
-        run = (name, int(world), float(memory) if memory else default_memory)
+        run = (name, parse_mesh(world), float(memory) if memory else default_memory)
     except ValueError:
-        raise SystemExit(f"scale_plans: --runs {text!r} is not NAME@WORLD[:GB] (e.g. mixtral-8x7b@16:141)") from None
+        raise SystemExit(
+            f"scale_plans: --runs {text!r} is not NAME@WORLD[:GB] or NAME@AxB[:GB] (e.g. mixtral-8x7b@16:141, "
+            "llama3-70b@8x8:80)"
+        ) from None
     if name not in JOBS:
         raise SystemExit(f"scale_plans: unknown job {name!r} in --runs {text!r}; jobs: {', '.join(sorted(JOBS))}")
     return run
@@ -249,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", type=int, help="override the layer count (a quick check)")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--profile", default="h200x4-nvlink")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help=f"profile of every run (default {NODE_PROFILE} for one axis, {CLUSTER_PROFILE} for a mesh)",
+    )
     p.add_argument("--memory", type=float, default=141.0, help="default GB per GPU (H200: 141; 0: no budget)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--out", type=Path, default=ROOT / "docs")
@@ -271,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             r["command"] = re.sub(r" --out \S+", "", r.get("command", ""))
         (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")
     else:
-        for name, world, memory in (parse_run(r, args.memory) for r in args.runs):
-            rows.append(run_job(name, world, args.profile, memory, args.precision, args.layers, args.seq))
+        for name, mesh, memory in (parse_run(r, args.memory) for r in args.runs):
+            profile = args.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
+            rows.append(run_job(name, mesh, profile, memory, args.precision, args.layers, args.seq))
             rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])
             (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later run is cut
     write_markdown(rows, args, args.out / "scale_plans.md")

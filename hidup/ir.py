@@ -52,7 +52,9 @@ an axis after ``k`` splits a dim that the change splits or joins: that axis cut 
 pieces the change would have to interleave (``gather_0|gather_0 -> full|gather_0`` holds slice
 ``4 i + j`` and needs slice ``j`` of four).  :func:`layout_conversions` lists the valid orders of the
 changed axes plus one path that always works (split axes inside the outermost changed one taken back
-to ``full``, innermost first, then every axis set outermost first); the cost model takes the cheapest.
+to ``full``, innermost first -- with a parameter's ``replicate`` axes too when the target holds a
+partial sum, which a layout never holds beside ``replicate`` -- then every axis set outermost first); the
+cost model takes the cheapest.
 """
 
 from __future__ import annotations
@@ -400,13 +402,17 @@ def _gathered_dims(*forms: Form) -> set[int]:
 def _mesh_step(layout: Layout, axis: int, form: Form) -> MeshStep | None:
     """Axis ``axis`` of ``layout`` changed to ``form``, or None when that cannot be one collective:
     the form change does not exist, or an axis after ``axis`` splits a dim this change splits or
-    joins (that axis cut the slices this one would move: module docstring, "Meshes")."""
+    joins (that axis cut the slices this one would move: module docstring, "Meshes"), or the result
+    would hold a partial sum beside a parameter's ``replicate`` axis (no layout)."""
     src = layout.forms[axis]
     conv = conversion(src, form)
     if conv is None:
         return None
     moved = _gathered_dims(src, form)
     if moved & _gathered_dims(*layout.forms[axis + 1 :]):
+        return None
+    kinds = {f.kind for f in layout.forms[:axis] + (form,) + layout.forms[axis + 1 :]}
+    if {"replicate", "reduce"} <= kinds:
         return None
     return MeshStep(axis, conv, layout, layout.with_axis(axis, form))
 
@@ -431,7 +437,8 @@ def layout_conversions(src: Layout, dst: Layout) -> list[MeshConversion]:
     Candidates: the differing axes changed directly in every order whose steps are all valid
     (:func:`_mesh_step`), and one path that always exists unless ``dst`` asks for a ``replicate`` that
     ``src`` lacks: take every split axis inside the outermost differing one back to ``full``
-    (innermost first), then set the axes to ``dst`` outermost first."""
+    (innermost first; when ``dst`` holds a partial sum, every ``replicate`` axis there too, since a
+    layout never holds both), then set the axes to ``dst`` outermost first."""
     if len(src.forms) != len(dst.forms):
         raise ValueError(f"layouts {src} and {dst} are on meshes of different ranks")
     if src == dst:
@@ -449,7 +456,12 @@ def layout_conversions(src: Layout, dst: Layout) -> list[MeshConversion]:
     for order in itertools.permutations(differ):
         add([(k, dst.forms[k]) for k in order])
     outer = differ[0]
-    lower = [(k, FULL) for k in reversed(range(outer + 1, len(src.forms))) if src.forms[k].is_gather]
+    summed = any(f.kind == "reduce" for f in dst.forms)
+    lower = [
+        (k, FULL)
+        for k in reversed(range(outer + 1, len(src.forms)))
+        if src.forms[k].is_gather or (summed and src.forms[k].kind == "replicate")
+    ]
     add(lower + [(k, dst.forms[k]) for k in range(outer, len(src.forms))])
     return list(paths.values())
 

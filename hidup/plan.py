@@ -9,7 +9,7 @@ plans load through either.
 
 from __future__ import annotations
 
-from hidup.ir import Graph
+from hidup.ir import Graph, mesh_text
 from hidup.search.plan import (
     PLAN_VERSION,
     READABLE_VERSIONS,
@@ -56,8 +56,9 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
             layers.setdefault(n.name, layer_of(n.module))
     p = plan.predicted
     m = plan.memory
+    mesh = f" (a {mesh_text(plan.mesh_shape)} mesh)" if len(plan.mesh) > 1 else ""
     lines = [
-        f"plan for {plan.model or '(unnamed model)'} on {plan.world_size} ranks: profile {plan.profile}, "
+        f"plan for {plan.model or '(unnamed model)'} on {plan.world_size} ranks{mesh}: profile {plan.profile}, "
         f"{plan.algorithm}, duplication {'on' if plan.duplication else 'off'}",
         f"predicted per iteration: {_ms(p['total'])} (forward {_ms(p['forward'])}, backward {_ms(p['backward'])}); "
         f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}",

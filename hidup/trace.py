@@ -76,6 +76,7 @@ __all__ = [
     "FallbackWarning",
     "trace",
     "trace_module",
+    "filtered_signatures",
     "trace_copy",
     "trace_half_batch",
     "halve_example",
@@ -180,6 +181,7 @@ class _Builder:
     ):
         self.gm, self.world, self.signatures_fn = gm, world, signatures_fn
         self.mesh = tuple(mesh) or (world,)
+        self.mesh_cache: dict[tuple, tuple] = {}  # op key -> product signatures (_mesh_signatures)
         self.nodes: list[Node] = []
         self.tensors: dict[int, Tensor] = {}
         self.struct: dict[str, Any] = {}  # fx node name -> value with _Ref in place of tensors
@@ -331,7 +333,7 @@ class _Builder:
             node_name=n.name,
         )
         if len(self.mesh) > 1:
-            sigs, reason = mesh_signatures(ctx, self.mesh, self._signatures, rules_localize)
+            sigs, reason = self._mesh_signatures(ctx)
         else:
             sigs, reason = self._signatures(ctx)
         fallback = sigs is None
@@ -360,40 +362,54 @@ class _Builder:
         self.out.tensor_ids[n.name] = [r.tid for r in out_refs]
         self.out.contexts[n.name] = ctx
 
+    def _mesh_signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
+        """:func:`hidup.rules.mesh.mesh_signatures`, once per distinct op (target, arguments, shapes):
+        the layers of a deep model repeat the same ops, and a product costs a rule call per factor."""
+        key = (ctx.target, repr(ctx.args), repr(ctx.kwargs), tuple(ctx.inputs), tuple(ctx.outputs))
+        hit = self.mesh_cache.get(key)
+        if hit is None:
+            hit = self.mesh_cache[key] = mesh_signatures(ctx, self.mesh, self._signatures, rules_localize)
+        return hit
+
     def _signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
-        """The rule's signatures, filtered to the world size; (None, reason) means fall back."""
-        if self.signatures_fn is None:
-            return None, "no rule"
-        try:
-            sigs = self.signatures_fn(ctx)
-        except Exception as e:  # noqa: BLE001 - a broken rule must not stop tracing: replicate and report it
-            return None, f"its rule raised {type(e).__name__}: {e}"
-        if sigs is None:
-            return None, "no rule"
-        n_in, n_out = len(ctx.inputs), len(ctx.outputs)
-        bad = [s for s in sigs if len(s.inputs) != n_in or len(s.outputs) != n_out]
-        if bad:
-            return None, f"its rule returned {bad[0]} for {n_in} inputs / {n_out} outputs"
-        sigs = [
-            s
-            for s in sigs
-            if all(_fits(f, m, ctx.world) for f, m in zip(s.inputs, ctx.inputs))
-            and all(_fits(f, m, ctx.world) for f, m in zip(s.outputs, ctx.outputs))
-        ]
-        if not sigs:
-            return None, f"no signature of its rule fits world size {ctx.world}"
-        if not any(_is_all_full(s) for s in sigs):
-            # Contract breach; the largest per-rank cost is a lower bound on the unsharded op.
-            sigs.insert(
-                0,
-                Signature(
-                    tuple(FULL for _ in ctx.inputs),
-                    tuple(FULL for _ in ctx.outputs),
-                    max(s.flops for s in sigs),
-                    "replicated",
-                ),
-            )
-        return list(sigs), ""
+        return filtered_signatures(self.signatures_fn, ctx)
+
+
+def filtered_signatures(signatures_fn: Callable | None, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
+    """The rule's signatures (``signatures_fn``: :func:`hidup.rules.signatures`) filtered to ``ctx.world``;
+    (None, reason) means fall back to replicating the op."""
+    if signatures_fn is None:
+        return None, "no rule"
+    try:
+        sigs = signatures_fn(ctx)
+    except Exception as e:  # noqa: BLE001 - a broken rule must not stop tracing: replicate and report it
+        return None, f"its rule raised {type(e).__name__}: {e}"
+    if sigs is None:
+        return None, "no rule"
+    n_in, n_out = len(ctx.inputs), len(ctx.outputs)
+    bad = [s for s in sigs if len(s.inputs) != n_in or len(s.outputs) != n_out]
+    if bad:
+        return None, f"its rule returned {bad[0]} for {n_in} inputs / {n_out} outputs"
+    sigs = [
+        s
+        for s in sigs
+        if all(_fits(f, m, ctx.world) for f, m in zip(s.inputs, ctx.inputs))
+        and all(_fits(f, m, ctx.world) for f, m in zip(s.outputs, ctx.outputs))
+    ]
+    if not sigs:
+        return None, f"no signature of its rule fits world size {ctx.world}"
+    if not any(_is_all_full(s) for s in sigs):
+        # Contract breach; the largest per-rank cost is a lower bound on the unsharded op.
+        sigs.insert(
+            0,
+            Signature(
+                tuple(FULL for _ in ctx.inputs),
+                tuple(FULL for _ in ctx.outputs),
+                max(s.flops for s in sigs),
+                "replicated",
+            ),
+        )
+    return list(sigs), ""
 
 
 class _MetaProp(torch.fx.Interpreter):

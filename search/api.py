@@ -26,6 +26,18 @@ it then searches with every repeated layer recomputed too -- first without the b
 when even that plan is no faster than the one found -- and keeps the faster plan that fits, with the
 fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
 every repeated layer, ``"off"`` none.
+
+Meshes
+------
+On a graph traced for a device mesh of several axes (:mod:`hidup.ir`, "Meshes") every op offers the
+products of one signature per axis: 25-36 on two axes where one axis offers 5-6, and the DP's beam,
+sized for one axis, then keeps the wrong states.  :func:`_search_mesh` searches axis by axis instead:
+first with the outer axis (across nodes on a cluster) kept to :data:`OUTER_KINDS` -- data parallel,
+parameters replicated or stored split, ops replicated -- and the inner axes free; then, for up to
+:data:`MESH_ROUNDS` rounds, with one axis free and every other axis's forms fixed to the best plan's,
+keeping a plan only when it is faster.  Each step is the one-axis search above under a signature
+filter that keeps the current plan, so the prediction never grows; the result is a local optimum of
+the product space, not its global one.
 """
 
 from __future__ import annotations
@@ -172,7 +184,11 @@ def search(
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
         opts = replace(opts, duplication=False)
     with dp.no_gc():
-        plan = _search(graph, profile, opts, progress)
+        plan = (
+            _search_mesh(graph, profile, opts, progress)
+            if len(graph.mesh) > 1
+            else _search(graph, profile, opts, progress)
+        )
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
@@ -271,6 +287,55 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
         problem, best = _fewest_recomputed(graph, profile, opts, problem, best)
     plan = make_plan(problem, best, opts.algorithm, options, opts.explain)
     plan.recompute = sorted(problem.recompute, key=_layer_order)
+    return plan
+
+
+# axis-0 factor kinds of the first mesh search: the outer axis spans the slowest links
+OUTER_KINDS = frozenset({"data", "param", "replicated"})
+MESH_ROUNDS = 2  # rounds of one search per axis after the first
+
+
+def _other_axes(sig: Signature, axis: int) -> tuple:
+    """``sig``'s forms on every mesh axis but ``axis`` (inputs, then outputs)."""
+    return tuple(f.forms[:axis] + f.forms[axis + 1 :] for f in sig.inputs + sig.outputs)
+
+
+def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
+    """The plan for a graph on a mesh of several axes, searched axis by axis (module docstring,
+    "Meshes"); each step is :func:`_search` under an extra signature filter."""
+    base = opts.restrict
+
+    def within(keep):
+        return lambda node, sig: (base is None or base(node, sig)) and keep(node, sig)
+
+    def outer(node: Node, sig: Signature) -> bool:
+        return node.op in ("output", "input") or not sig.axes or sig.axes[0].kind in OUTER_KINDS
+
+    try:
+        plan = _search(graph, profile, replace(opts, restrict=within(outer)), progress)
+    except SearchError:
+        plan = None
+    for _ in range(MESH_ROUNDS):
+        improved = False
+        for axis in range(len(graph.mesh)):
+            if plan is None:
+                fixed = None
+            else:
+                fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
+
+            def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
+                return fixed is None or _other_axes(sig, axis) == fixed.get(node.name)
+
+            try:
+                found = _search(graph, profile, replace(opts, restrict=within(keep)), progress)
+            except SearchError:
+                continue
+            if plan is None or found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9):
+                plan, improved = found, True
+        if not improved:
+            break
+    if plan is None:
+        return _search(graph, profile, opts, progress)  # raises the search's own message
     return plan
 
 
@@ -413,7 +478,7 @@ def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
             return True
         if node.op == "param":
             if style == "data":
-                return all(f.kind in ("replicate", "full") for f in sig.outputs)
+                return all(x.kind in ("replicate", "full") for f in sig.outputs for x in getattr(f, "forms", (f,)))
             if style == "fsdp":  # stored split wherever the parameter can be
                 return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
             return True

@@ -35,7 +35,9 @@ Speed
 * Cross-state dominance: a state is dropped when a cheaper state stays cheaper even after paying
   every conversion it might need that the other would not, summed over the tensors whose states
   differ (:meth:`_DP.cross_prune`; exact without duplication, where it runs once a position has
-  more than 8 states; with duplication a heuristic, run only when the beam would cut anyway).
+  more than 8 states; with duplication a heuristic, run only when the beam would cut anyway).  With a
+  beam it compares only the ``CROSS_PRUNE_SPAN`` times the beam's width fastest states (the
+  comparison is quadratic in the states; on a mesh a position reaches thousands).
 * ``max_points`` caps each Pareto set (keeping the points of least predicted time) and
   ``max_states`` caps the number of states after each position (keeping those whose best point is
   fastest): a beam.  ``None`` means unlimited (exact, as the tests against enumeration use); the
@@ -73,6 +75,9 @@ from hidup.search.segments import Occurrence, find_blocks
 __all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
 
 DEFAULT_MAX_STATES = "auto"  # beam_width(positions)
+# with a beam, cross-state pruning compares at most this many times the beam's width of the fastest
+# states (the comparison is quadratic; the states beyond are those the beam would drop first)
+CROSS_PRUNE_SPAN = 4
 DEFAULT_MAX_POINTS = 16  # 4 lost the duplicated optimum of bert-sgmoe on 4 H200s over sockets (3% slower);
 # 16 finds it and costs 2-8% more search time on the zoo
 BEAM_STATES = 128  # the beam on graphs of up to BEAM_WORK / BEAM_STATES positions
@@ -279,6 +284,10 @@ class _DP:
             states = {k: [min(b, key=_first)] for k, b in states.items() if b}
         beam_cuts = bool(self.max_states) and len(states) > self.max_states
         if not self.has_mem and (len(states) > 8 if not self.dup else beam_cuts):
+            if self.max_states and len(states) > CROSS_PRUNE_SPAN * self.max_states:
+                # the comparison is quadratic: with a beam, only the fastest states take part
+                keep = {k for k, _ in sorted(states.items(), key=_first_est)[: CROSS_PRUNE_SPAN * self.max_states]}
+                states = {k: f for k, f in states.items() if k in keep}
             states = self.cross_prune(states, pos)
         if self.max_states and len(states) > self.max_states:
             keep = {k for k, _ in sorted(states.items(), key=_first_est)[: self.max_states]}
@@ -289,7 +298,7 @@ class _DP:
         """Drop state B when a cheaper state A reaches every future of B for less:
         ``time(A) + sum_j penalty_j(A_j, B_j) <= time(B)``, the sum over the tensors whose states
         differ, ``penalty_j`` bounding the extra conversions tensor ``j`` in A's state may cost the
-        future (:meth:`Problem.penalty`; conversions of different tensors add).  Exact without
+        future (:meth:`Problem.penalties`; conversions of different tensors add).  Exact without
         duplication; with duplication a heuristic, used only together with the beam.
 
         States are ranked by time and each B is compared with every state A ranked before it.  A
@@ -297,7 +306,6 @@ class _DP:
         ``max(0, cost_C - cost_B) <= max(0, cost_C - cost_A) + max(0, cost_A - cost_B)``), so the
         kept state that dropped A also drops B.  The penalty sums are one matrix per position,
         assembled from one small matrix per tensor (its distinct states squared)."""
-        penalty = self.p.penalty
         ranked = sorted(states.items(), key=_first_est)
         n = len(ranked)
         total = None
@@ -306,8 +314,7 @@ class _DP:
             idx = [ids.setdefault(st, len(ids)) for st in column]
             if len(ids) == 1:
                 continue
-            vals = list(ids)
-            pen = np.array([[0.0 if a == b else penalty(pos, j, a, b) for b in vals] for a in vals])
+            pen = self.p.penalties(pos, j, list(ids))
             idx = np.array(idx)
             part = pen[idx[:, None], idx[None, :]]
             total = part if total is None else total + part

@@ -48,6 +48,8 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature, block_label
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
@@ -190,7 +192,8 @@ class Problem:
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
         self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
         self._trans_cache: list[dict[tuple, tuple]] = [{} for _ in range(self.n)]
-        self._pen_cache: dict[tuple, float] = {}  # (conversion class, relevant forms, a, b) -> penalty
+        # (conversion class, relevant forms, state) -> cost of making each relevant form available
+        self._pen_cache: dict[tuple, np.ndarray] = {}
         self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
         self._conv_ids: dict[tuple[int, int, int], object] = {}
 
@@ -343,27 +346,29 @@ class Problem:
         outs = tuple((self.out_forms[i][k][j], 0) for j, t in enumerate(node.outputs) if t in li)
         return step, tuple(updates), outs
 
-    def penalty(self, pos: int, j: int, a: tuple[int, int], b: tuple[int, int]) -> float:
-        """Upper bound on the extra conversion time (no duplication) the future pays when tensor
-        ``live[pos][j]`` is in state ``a`` instead of ``b``: the sum over forms ``f`` a later reader
-        may need of ``max(0, cost_a(f) - cost_b(f))``, ``cost_x(f)`` being 0 if ``f`` is available in
-        ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)`` otherwise."""
+    def penalties(self, pos: int, j: int, states: list[tuple[int, int]]) -> np.ndarray:
+        """``P[a, b]``: an upper bound on the extra conversion time (no duplication) the future pays
+        when tensor ``live[pos][j]`` is in state ``states[a]`` instead of ``states[b]``: the sum over
+        forms ``f`` a later reader may need of ``max(0, cost_a(f) - cost_b(f))``, ``cost_x(f)`` being 0
+        if ``f`` is available in ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)``
+        otherwise (infinite when there is none)."""
         t = self.live[pos][j]
         rel = self.relevant[pos][j]
-        ck = (self._conv_class[t], rel, a, b)
-        hit = self._pen_cache.get(ck)
-        if hit is not None:
-            return hit
-        total = 0.0
-        f = 0
-        while rel >> f:
-            if rel >> f & 1:
-                ca, cb = self._avail_cost(t, a, f), self._avail_cost(t, b, f)
-                if ca > cb:
-                    total += ca - cb
-            f += 1
-        self._pen_cache[ck] = total
-        return total
+        forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
+        rows = []
+        for st in states:
+            ck = (self._conv_class[t], rel, st)
+            row = self._pen_cache.get(ck)
+            if row is None:
+                row = self._pen_cache[ck] = np.array([self._avail_cost(t, st, f) for f in forms], float)
+            rows.append(row)
+        if not forms:
+            return np.zeros((len(states), len(states)))
+        costs = np.stack(rows)
+        a, b = costs[:, None, :], costs[None, :, :]
+        with np.errstate(invalid="ignore"):
+            extra = np.where(np.isinf(a) & np.isinf(b), 0.0, a - b)
+        return np.maximum(extra, 0.0).sum(axis=-1)
 
     def _avail_cost(self, t: int, st: tuple[int, int], f: int) -> float:
         prod, mask = st

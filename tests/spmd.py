@@ -13,11 +13,20 @@ backward  seed each output's gradient per its form (``gather_d``: the slice of a
           sum; ``reduce``: every rank must hold the same, exact gradient) and compare with
           autograd of the unsplit op.  Module parameters of leaf modules are shared by the
           simulated ranks, so their ``.grad`` accumulates the per-rank sum directly.
+
+On a device mesh ``(n_0, n_1, ...)`` (:func:`check_mesh_signature`) a tensor
+has a :class:`~hidup.ir.Layout`, one form per axis, and everything above nests axis after axis: the
+rank at coordinates ``(i, j, ...)`` holds axis 0's piece ``i`` of the value, split by axis 1's form
+into piece ``j``, and so on (``reduce`` on an axis: random parts over that axis summing to the piece
+the axes before it left).  Outputs and input gradients are rebuilt innermost axis first, each axis by
+the rule of its form above; the output gradients are seeded the same way, outer axis first.  Each
+rank runs :func:`hidup.rules.mesh.localize_mesh`, the op localized by one rule signature per axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -25,11 +34,24 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from hidup import rules
-from hidup.ir import FULL, Form, Signature
+from hidup.ir import FULL, Form, Layout, Signature
 from hidup.rules.base import RuleContext, TensorMeta
+from hidup.rules.mesh import localize_mesh, mesh_signatures
 from hidup.rules.registry import callable_of
 
-__all__ = ["make_context", "check_op", "check_signature", "has_sig", "dtype_name"]
+__all__ = [
+    "make_context",
+    "check_op",
+    "check_signature",
+    "has_sig",
+    "dtype_name",
+    "mesh_rule_signatures",
+    "check_mesh_signature",
+    "split_layout",
+    "seed_layout_grad",
+    "rebuild_layout",
+    "rebuild_layout_grad",
+]
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -259,3 +281,154 @@ def has_sig(sigs: list[Signature], inputs=None, outputs=None, kind=None) -> bool
         return want is None or tuple(str(f) for f in got) == tuple(want)
 
     return any(match(inputs, s.inputs) and match(outputs, s.outputs) and (kind is None or s.kind == kind) for s in sigs)
+
+
+# --------------------------------------------------------------------------------------------- meshes
+
+Coords = tuple[int, ...]
+
+
+def _nested(v: torch.Tensor, forms: tuple[Form, ...], mesh: tuple[int, ...], split) -> dict[Coords, torch.Tensor]:
+    """``v`` split axis after axis: ``split(piece, form, n)`` gives an axis's pieces of what the axes
+    before it left; keyed by mesh coordinates."""
+    if not mesh:
+        return {(): v}
+    out = {}
+    for i, piece in enumerate(split(v, forms[0], mesh[0])):
+        for rest, sub in _nested(piece, forms[1:], mesh[1:], split).items():
+            out[(i,) + rest] = sub
+    return out
+
+
+def _unnested(pieces: dict[Coords, torch.Tensor], forms: tuple[Form, ...], mesh: tuple[int, ...], join, prefix=()):
+    """Inverse of :func:`_nested`: ``join(parts, form, where)`` rebuilds one axis's pieces, innermost
+    axis first."""
+    k = len(prefix)
+    if k == len(mesh):
+        return pieces[prefix]
+    parts = [_unnested(pieces, forms, mesh, join, prefix + (i,)) for i in range(mesh[k])]
+    return join(parts, forms[k], f"axis {k} at {prefix}")
+
+
+def split_layout(v: torch.Tensor, layout: Layout, mesh: tuple[int, ...], gen: torch.Generator):
+    """Every rank's piece of ``v`` under ``layout`` (module docstring), keyed by mesh coordinates."""
+    return _nested(v, layout.forms, mesh, lambda x, f, n: _split_input(x, f, n, gen))
+
+
+def seed_layout_grad(g: torch.Tensor, layout: Layout, mesh: tuple[int, ...], gen: torch.Generator):
+    """Every rank's gradient of a tensor of ``layout`` whose true gradient is ``g``: the gradient
+    convention of :mod:`hidup.ir` applied per axis (``full``: random partial contributions)."""
+    return _nested(g, layout.forms, mesh, lambda x, f, n: _seed_grad(x, f, n, gen))
+
+
+def rebuild_layout(pieces: dict, layout: Layout, mesh: tuple[int, ...], where: str = "") -> torch.Tensor:
+    """The logical value of per-rank ``pieces`` of ``layout``; ``full``/``replicate`` axes must agree."""
+
+    def join(parts, form, at):
+        if form.is_gather:
+            return torch.cat(parts, form.dim)
+        if form.kind == "reduce":
+            return sum(parts[1:], parts[0])
+        for r, p in enumerate(parts[1:], 1):
+            _close(p, parts[0], f"{where}: {form} pieces differ along {at}, index {r}")
+        return parts[0]
+
+    return _unnested(pieces, layout.forms, mesh, join)
+
+
+def rebuild_layout_grad(
+    grads: dict, layout: Layout, mesh: tuple[int, ...], where: str = "", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The true gradient held as ``grads`` under the per-axis gradient convention of ``layout``
+    (``gather``: exact slices; ``full``/``replicate``: partial sums; ``reduce``: exact and identical
+    along the axis)."""
+
+    def join(parts, form, at):
+        if form.is_gather:
+            return torch.cat(parts, form.dim)
+        if form.kind == "reduce":
+            for r, p in enumerate(parts[1:], 1):
+                _close(p, parts[0], f"{where}: reduce gradients differ along {at}, index {r}", dtype)
+            return parts[0]
+        return sum(parts[1:], parts[0])
+
+    return _unnested(grads, layout.forms, mesh, join)
+
+
+def mesh_rule_signatures(ctx: RuleContext, mesh: tuple[int, ...]) -> list[Signature]:
+    """Every product signature of ``ctx``'s op on ``mesh``, exactly as :func:`hidup.trace` annotates a
+    call node (the one-axis rule signatures filtered to each axis's world)."""
+    from hidup.trace import filtered_signatures
+
+    sigs, reason = mesh_signatures(ctx, mesh, lambda c: filtered_signatures(rules.signatures, c), rules.localize)
+    assert sigs is not None, f"{ctx.target!r}: no signature on mesh {mesh}: {reason}"
+    return sigs
+
+
+def _coords(mesh: tuple[int, ...]) -> list[Coords]:
+    return [tuple(c) for c in itertools.product(*(range(n) for n in mesh))]
+
+
+def check_mesh_signature(
+    ctx: RuleContext,
+    sig: Signature,
+    values: list[torch.Tensor],
+    mesh: tuple[int, ...],
+    seed: int = 0,
+    no_grad: tuple[int, ...] = (),
+) -> None:
+    """Forward and backward of one product signature on the simulated ``mesh`` (raises on mismatch):
+    inputs split per layout, :func:`localize_mesh` run per rank, outputs and input gradients rebuilt
+    per layout and compared with the unsplit op and autograd (module docstring)."""
+    if ctx.module is not None:
+        raise ValueError("check_mesh_signature checks functions, not leaf modules")
+
+    def _wants_grad(t: torch.Tensor, i: int) -> bool:
+        return t.is_floating_point() and i not in no_grad
+
+    gen = torch.Generator().manual_seed(seed)
+    name = getattr(ctx.target, "__name__", ctx.target)
+    where = f"{name} {sig} mesh={mesh} shapes={[m.shape for m in ctx.inputs]}"
+    assert len(sig.axes) == len(mesh), f"{where}: {len(sig.axes)} factors for a mesh of {len(mesh)} axes"
+
+    # reference
+    ref_in = [v.detach().clone().requires_grad_(_wants_grad(v, i)) for i, v in enumerate(values)]
+    args, kwargs = _substitute(ctx.args, ctx.kwargs, ref_in)
+    ref_out = _flat_outputs(callable_of(ctx.target)(*args, **kwargs))
+    grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.requires_grad else None for o in ref_out]
+    pairs = [(o, g) for o, g in zip(ref_out, grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    ref_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ref_in]
+
+    # per-rank forward
+    coords = _coords(mesh)
+    pieces = [split_layout(v, lay, mesh, gen) for v, lay in zip(values, sig.inputs)]
+    locals_in, outs = {}, {}
+    for c in coords:
+        loc = [p[c].requires_grad_(_wants_grad(p[c], i)) for i, p in enumerate(pieces)]
+        locals_in[c] = loc
+        call = localize_mesh(ctx, sig, c, mesh, rules.localize, loc)
+        outs[c] = _flat_outputs(call.target(*call.args, **call.kwargs))
+    for j, (lay, ref) in enumerate(zip(sig.outputs, ref_out)):
+        want = lay.local_shape(ref.shape, mesh)
+        for c in coords:
+            got = tuple(outs[c][j].shape)
+            assert got == want, f"{where}: output {j} on rank {c} has local shape {got}, expected {want}"
+        per = {c: outs[c][j].detach() for c in coords}
+        _close(rebuild_layout(per, lay, mesh, f"{where}: output {j}"), ref.detach(), f"{where}: output {j}")
+
+    # per-rank backward
+    seeds = [seed_layout_grad(g, lay, mesh, gen) if g is not None else None for lay, g in zip(sig.outputs, grads)]
+    for c in coords:
+        todo = [(outs[c][j], sg[c]) for j, sg in enumerate(seeds) if sg is not None and outs[c][j].requires_grad]
+        if todo:
+            torch.autograd.backward([o for o, _ in todo], [g for _, g in todo])
+    out_dtype = _coarsest(*(o.dtype for o in ref_out))
+    for i, (lay, v) in enumerate(zip(sig.inputs, values)):
+        if not _wants_grad(v, i):
+            continue
+        dtype = _coarsest(v.dtype, out_dtype)
+        per = {c: g if (g := locals_in[c][i].grad) is not None else torch.zeros_like(locals_in[c][i]) for c in coords}
+        got = rebuild_layout_grad(per, lay, mesh, f"{where}: gradient of input {i}", dtype)
+        _close(got, ref_grads[i], f"{where}: gradient of input {i}", dtype)

@@ -19,7 +19,9 @@ axes after it may only replicate the op (their all-``full`` signature).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 from hidup.fxvalues import map_value
 from hidup.ir import FULL, Form, Layout, Signature, gather
@@ -65,7 +67,7 @@ def axis_context(
     order = seen if sorted(seen) == list(range(len(probes))) else None
     inputs = [local_in[i] for i in order] if order is not None else local_in
     nxt = RuleContext(
-        target=call.target,
+        target=_rule_target(call.target),
         args=tuple(call.args),
         kwargs=dict(call.kwargs),
         inputs=inputs,
@@ -77,6 +79,16 @@ def axis_context(
     if tensors is not None:
         call = localize(ctx.with_tensors(tensors), sig, rank)
     return AxisContext(nxt, order, call)
+
+
+def _rule_target(target: Any) -> Any:
+    """The local call's target as the rules name it: an unbound ``torch.Tensor`` method (what a rule's
+    local call runs for a method-name target, ``callable_of("sum")``) goes back to its name, since rules
+    tell ``"sum"`` from ``torch.nansum`` by the target they were given."""
+    name = getattr(target, "__name__", None)
+    if isinstance(name, str) and getattr(torch.Tensor, name, None) is target:
+        return name
+    return target
 
 
 def combined_kind(kinds: list[str]) -> str:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import hidup.models
-from hidup.ir import parse_mesh
+from hidup.ir import mesh_text, parse_mesh
 from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.plan import PlanError
 from hidup.trace import trace
@@ -77,6 +78,14 @@ def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DE
         + ("" if world_default is None else f" (default {world_default}; with --plan the plan's)"),
     )
     g.add_argument(
+        "--mesh",
+        type=_mesh_arg,
+        default=None,
+        metavar="AxB",
+        help="a device mesh of several axes, outer first (e.g. 8x8: nodes x GPUs per node); the world is "
+        "its size (with --plan the plan's)",
+    )
+    g.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -84,6 +93,35 @@ def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DE
         "and the model's arguments",
     )
     p.set_defaults(world_default=world_default)
+
+
+def _mesh_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _settle_mesh(args: argparse.Namespace, plan, where) -> None:
+    """``args.mesh`` (a tuple of 2+ axis sizes, or None for one axis) and ``args.world`` agreeing with it."""
+    mesh = getattr(args, "mesh", None)
+    if plan is not None:
+        if mesh is not None and tuple(mesh) != plan.mesh_shape:
+            raise PlanError(
+                f"{where} was searched for mesh {mesh_text(plan.mesh_shape)}, not --mesh {mesh_text(mesh)}. "
+                "Fix: drop --mesh (the plan's is used), or search again with that mesh"
+            )
+        args.mesh = tuple(plan.mesh) if len(plan.mesh) > 1 else None
+        return
+    if mesh is None or len(mesh) < 2:
+        args.mesh = None
+        if mesh is not None and getattr(args, "world", None) in (None, mesh[0]):
+            args.world = mesh[0]
+        return
+    size = math.prod(mesh)
+    if getattr(args, "world", None) not in (None, size):
+        raise PlanError(f"--mesh {mesh_text(mesh)} holds {size} ranks, not --world {args.world}. Fix: give one of them")
+    args.world = size
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
@@ -132,7 +170,7 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
     spec, given = model_request(args)
     if plan is None:
         record = {"model": spec or DEFAULT_MODEL, "args": given}
-        if getattr(args, "world", None) is None:
+        if getattr(args, "world", None) is None and getattr(args, "mesh", None) is None:
             args.world = getattr(args, "world_default", None)
     else:
         where = plan_path or "the plan"
@@ -143,8 +181,6 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
                 f"{args.world}"
             )
         args.world = plan.world_size
-        if len(plan.mesh) > 1:  # the ranks trace for the plan's device mesh
-            args.mesh = tuple(plan.mesh)
         record = recorded_source(plan)
         if record is None:
             if spec is None:
@@ -170,6 +206,7 @@ def settle_model(args: argparse.Namespace, plan=None, plan_path=None) -> dict:
                     f"{', '.join(wrong)} contradict it. Fix: drop the model flags (the plan rebuilds "
                     "its own model), or run `hidup search` again for the model you mean"
                 )
+    _settle_mesh(args, plan, plan_path or "the plan")
     args.model, args.model_args = record["model"], dict(record["args"])
     if plan is not None and getattr(args, "command", None) in RANK_COMMANDS:
         check_plan_fits(args, plan, where)
@@ -241,14 +278,6 @@ def say(args: argparse.Namespace, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _mesh_of(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """The device mesh of several axes the job runs on (``args.mesh``: a plan's, or ``2x4``), else None."""
-    mesh = getattr(args, "mesh", None)
-    if isinstance(mesh, str):
-        mesh = parse_mesh(mesh)
-    return tuple(mesh) if mesh and len(mesh) > 1 else None
-
-
 def build_graph(args: argparse.Namespace, why: str = "tracing"):
     """Build the model and trace it: a zoo model on the meta device (no weights are allocated), a
     factory's on the CPU, as the ranks trace it when they compile (``torch.export`` records tensors
@@ -267,9 +296,11 @@ def build_graph(args: argparse.Namespace, why: str = "tracing"):
         raise
     except ValueError as e:  # a zoo configuration out of range
         raise ModelSourceError(str(e)) from None
-    say(args, f"{why} {args.model} for {args.world} ranks (torch.export) ...")
+    mesh = getattr(args, "mesh", None)
+    ranks = f"a {mesh_text(mesh)} mesh" if mesh else f"{args.world} ranks"
+    say(args, f"{why} {args.model} for {ranks} (torch.export) ...")
     t0 = time.perf_counter()
-    graph = trace(model, inputs, world_size=args.world, half_batch=True, mesh=_mesh_of(args))
+    graph = trace(model, inputs, world_size=args.world, half_batch=True, mesh=mesh)
     graph.model = args.model
     say(args, f"traced {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
     return graph

@@ -190,7 +190,7 @@ def _plan_for(args, model, inputs, world: int):
     if args.plan is not None:
         return Plan.load(args.plan)
 
-    graph = trace(model, inputs, world_size=world, half_batch=True)
+    graph = trace(model, inputs, world_size=world, half_batch=True, mesh=getattr(args, "mesh", None))
     return search(
         graph,
         hidup.profiler.load(args.profile),

@@ -69,14 +69,19 @@ _TOKENS: dict[int, torch.Tensor] = {0: torch.zeros((), dtype=torch.int64)}
 
 class _Active:
     """The process group the generated code currently communicates on: its key, its token and its
-    number of ranks."""
+    number of ranks; on a device mesh also ``axes[k]``, the (ranks, token) of mesh axis ``k``'s group
+    (:mod:`hidup.codegen.mesh`), and ``axis_keys`` their keys."""
 
     key: int = 0
     token: torch.Tensor = _TOKENS[0]
     world: int = 1
+    axes: tuple = ()
+    axis_keys: tuple = ()
 
-    def set(self, key: int) -> None:
+    def set(self, key: int, axis_keys: tuple = ()) -> None:
         self.key, self.token, self.world = key, _TOKENS[key], world_of_key(key)
+        self.axis_keys = tuple(axis_keys)
+        self.axes = tuple((world_of_key(k), _TOKENS[k]) for k in self.axis_keys)
 
 
 ACTIVE = _Active()

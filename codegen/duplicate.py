@@ -4,8 +4,10 @@ communication overlaps the other's computation.
 Splitting.  A batch input of ``M`` rows along its batch dim is cut into two copies by viewing the
 rows as ``[blocks, 2, M / (2 blocks)]`` and taking index ``c`` of the middle axis, with
 ``blocks = N`` for a global input and ``blocks = 1`` for a local input that is already this rank's
-slice along the batch dim.  Both views select the same rows of the global batch, so a module fed
-the global batch and one fed local batches run identical copies, and copy ``c`` on rank ``r``
+slice along the batch dim (on a device mesh, ``blocks = N / P`` for a local input whose layout cuts
+the batch dim into ``P`` pieces: it holds ``N / P`` consecutive blocks).  Both views select the same
+rows of the global batch, so a module fed the global batch and one fed local batches run identical
+copies, and copy ``c`` on rank ``r``
 receives exactly rank ``r``'s share of copy ``c``'s half of the global batch.  Each copy is the
 plan's program traced at half the global batch, adjusted by :mod:`hidup.copies` so that its loss is
 its *part* of the whole batch's loss (means over the batch halved, label counts summed across the

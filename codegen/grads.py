@@ -19,6 +19,12 @@ DDP does):
   flat buffer (as DDP's ``gradient_as_bucket_view``: no copy back; a gradient with a strided
   layout is copied instead).
 
+On a device mesh (:mod:`hidup.codegen.mesh`) a parameter whose layout is ``replicate`` on axes ``K``
+holds a gradient that is partial over exactly those axes, so it is summed over the ranks that
+differ only in the coordinates ``K``: one bucketer per set ``K`` (the compiled module makes them),
+its group the axis's group for one axis, the mesh's whole group for every axis, else the axes'
+groups in turn (a sum over each axis of ``K`` in turn is the sum over ``K``).
+
 Because the sum is taken over the whole accumulated ``.grad``, gradient accumulation over several
 backward passes must skip the sync for all but the last one (``with module.no_sync(): ...``), and
 gradients must be zeroed between steps, as with DDP.
@@ -31,11 +37,13 @@ replicated gradients (identical on every rank after the sync) are counted once.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
 
 from hidup.codegen.collectives import world_of
+from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.params import iter_shards
 from hidup.ir import GRAD_BUCKET_MB
 
@@ -52,10 +60,12 @@ class _Bucket:
 
 
 class GradBucketer:
-    """Bucketed, overlapped all-reduce of the gradients of ``params`` (in forward first-use order)."""
+    """Bucketed, overlapped all-reduce of the gradients of ``params`` (in forward first-use order)
+    over ``group``, or over each group of a tuple in turn (module docstring)."""
 
     def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = GRAD_BUCKET_MB):
         self.group = group
+        self.groups = tuple(group) if isinstance(group, tuple) else (group,)
         self.enabled = True
         self.buckets: list[_Bucket] = []
         self._handles = []
@@ -99,7 +109,7 @@ class GradBucketer:
 
     # -- backward-time machinery
     def _hook(self, p: torch.Tensor) -> None:
-        if not self.enabled or world_of(self.group) == 1:
+        if not self.enabled or all(world_of(g) == 1 for g in self.groups):
             return
         if not self._pending:
             self._pending = True
@@ -117,7 +127,7 @@ class GradBucketer:
         if not bucket.members:
             return
         bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.members])
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.groups[0], async_op=True)
 
     def _finish(self) -> None:
         try:
@@ -128,6 +138,8 @@ class GradBucketer:
                 if bucket.work is None:
                     continue
                 bucket.work.wait()
+                for g in self.groups[1:]:
+                    dist.all_reduce(bucket.buffer, group=g)
                 offset = 0
                 for p in bucket.members:
                     n = p.numel()
@@ -151,6 +163,9 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     ``max_norm``; returns the global norm (before clipping).  Collective for compiled modules."""
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_: only the 2-norm is supported, got norm_type={norm_type}")
+    mesh = getattr(module, "mesh_groups", None) if group is None else group
+    if isinstance(mesh, MeshGroups):
+        return _clip_on_mesh(module, max_norm, mesh)
     group = getattr(module, "group", None) if group is None else group
     sharded, replicated = [], []
     for _, t, shard in iter_shards(module):
@@ -166,5 +181,28 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     total = sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + replicated:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _clip_on_mesh(module: torch.nn.Module, max_norm: float, mesh: MeshGroups) -> torch.Tensor:
+    """:func:`clip_grad_norm_` on a device mesh: a piece stored in layout ``L`` is held by
+    ``c = prod(mesh[k] for the axes k that do not split it)`` ranks (with equal gradients after the
+    sync), so ``||g||^2 = sum over ranks of sum over pieces ||g_piece||^2 / c``."""
+    grads = []
+    for _, t, shard in iter_shards(module):
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            forms = getattr(shard.form, "forms", None) or (shard.form,) * len(mesh.mesh)
+            copies = math.prod(n for f, n in zip(forms, mesh.mesh) if not f.is_gather)
+            grads.append((t.grad.detach(), copies))
+    device = grads[0][0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g, copies in grads:
+        sq += g.float().pow(2).sum() / copies
+    if world_of(mesh.world) > 1:
+        dist.all_reduce(sq, group=mesh.world)
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g, _ in grads:
         g.mul_(coef.to(g.dtype))
     return total

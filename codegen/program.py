@@ -20,6 +20,15 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
 * **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
   summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
 
+On a device mesh of several axes (``traced.graph.mesh``, :mod:`hidup.codegen.mesh`) rank r sits at
+coordinates ``c = unravel_index(r, mesh)``: an input is sliced axis after axis (axis 0's split of the
+global tensor, then axis 1's of that piece), a parameter stored likewise, a call node runs
+:func:`hidup.rules.mesh.localize_mesh` for ``c``, a layout change is the chain of one-axis steps the
+plan chose for it (:func:`hidup_convert_step` on each axis's group; the path of
+:func:`hidup.ir.layout_conversions` with the fewest collectives where the plan names none), and the
+loss is brought to ``reduce`` on every axis.  ``replicate_axes`` says over which axes each replicated
+parameter's gradient is summed.
+
 Every generated node carries ``meta["stage"]``, the index of its plan stage, which
 :mod:`hidup.codegen.duplicate` uses to interleave two half-batch copies on CUDA streams.
 """
@@ -41,11 +50,13 @@ from torch.fx.node import _get_qualified_name
 
 from hidup import rules
 from hidup.codegen import collectives, compiled
+from hidup.codegen.mesh import MeshGroups, coordinates
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.fxvalues import map_value, value_leaves
-from hidup.ir import FULL, REDUCE, Form, Signature, block_label
+from hidup.ir import FULL, REDUCE, Form, Layout, Signature, block_label, layout_conversions
 from hidup.rules.base import TensorMeta
+from hidup.rules.mesh import localize_mesh
 
 __all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "using_copy_sums", "CompileError"]
 
@@ -68,15 +79,30 @@ def current_group():
 
 @contextlib.contextmanager
 def using_group(group):
+    """Run generated code on ``group``: a process group, or on a device mesh a
+    :class:`hidup.codegen.mesh.MeshGroups` (one group per axis)."""
     before = getattr(_STATE, "group", None)
-    before_key = compiled.ACTIVE.key
+    before_key, before_axes = compiled.ACTIVE.key, compiled.ACTIVE.axis_keys
     _STATE.group = group
-    compiled.ACTIVE.set(compiled.group_key(group))
+    if isinstance(group, MeshGroups):
+        compiled.ACTIVE.set(compiled.group_key(group.world), tuple(compiled.group_key(g) for g in group.axes))
+    else:
+        compiled.ACTIVE.set(compiled.group_key(group))
     try:
         yield
     finally:
         _STATE.group = before
-        compiled.ACTIVE.set(before_key)
+        compiled.ACTIVE.set(before_key, before_axes)
+
+
+def _axis_group(axis: int):
+    group = current_group()
+    if not isinstance(group, MeshGroups):
+        raise RuntimeError(
+            "a rank program of a mesh plan runs on the mesh's process groups: call it through the "
+            "HidupModule hidup.compile returns (or inside using_group(MeshGroups))"
+        )
+    return group.axes[axis]
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,17 +118,27 @@ def hidup_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     return collectives.convert(x, _form(src), _form(dst), current_group())
 
 
-def hidup_take_input(x: torch.Tensor, form: str) -> torch.Tensor:
-    """This rank's piece of a global input in ``form`` (a slice for gather forms)."""
+def hidup_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+    """One step of a layout change on a device mesh: the one-axis form change ``src -> dst`` of the
+    local tensor over mesh axis ``axis``'s group (:mod:`hidup.codegen.mesh`); its backward is the
+    one-axis conversion's, on the same group."""
+    if torch.compiler.is_compiling():
+        world, token = compiled.ACTIVE.axes[axis]
+        return torch.ops.hidup.convert(x, src, dst, world, token)
+    return collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+
+
+def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:
+    """This rank's piece of a global input in ``form`` (a slice for gather forms); on a device mesh
+    ``axis`` names the mesh axis whose split this is (applied to the piece earlier axes left)."""
     if torch.compiler.is_compiling():
         active = compiled.ACTIVE
-        return (
-            x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, active.world, active.token)
-        )
+        world, token = (active.world, active.token) if axis is None else active.axes[axis]
+        return x if not form.startswith("gather") else torch.ops.hidup.convert(x, "full", form, world, token)
     f = _form(form)
     if not f.is_gather:
         return x
-    group = current_group()
+    group = current_group() if axis is None else _axis_group(axis)
     return (
         collectives.apply_op("slice", x, FULL, f, group) if not x.requires_grad else collectives.slice(x, f.dim, group)
     )
@@ -167,6 +203,22 @@ class RankProgram:
     input_forms: dict[str, Form | None]  # placeholder -> form (None: not a tensor input)
     input_shapes: dict[str, tuple[int, ...]]  # placeholder -> global shape
     num_stages: int
+    mesh: tuple[int, ...] = ()  # the device mesh of a plan on several axes, else ()
+    # gm path of each replicated parameter -> the mesh axes its gradient is summed over (on a mesh)
+    replicate_axes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _plain(form: "Form | Layout") -> "Form | Layout":
+    """``form`` with ``replicate`` read as ``full``: how a replicated parameter enters a rank program."""
+    if isinstance(form, Layout):
+        return Layout(tuple(FULL if f.kind == "replicate" else f for f in form.forms))
+    return FULL if form.kind == "replicate" else form
+
+
+def _summed_axes(form: "Form | Layout") -> tuple[int, ...]:
+    """The mesh axes over which a parameter stored in layout ``form`` holds partial gradients (those
+    that do not split it)."""
+    return tuple(k for k, f in enumerate(form.forms) if not f.is_gather)
 
 
 def _match(node, sig: Signature) -> Signature:
@@ -224,6 +276,13 @@ class _Builder:
         self.input_shapes: dict[str, tuple[int, ...]] = {}
         self.stage_of = _stage_index(plan)
         self.stage = 0
+        mesh = tuple(traced.graph.mesh)
+        self.mesh = mesh if len(mesh) > 1 else None  # a device mesh of several axes (codegen.mesh)
+        self.coords = coordinates(rank, mesh) if self.mesh else None
+        self.replicate_axes: dict[str, tuple[int, ...]] = {}
+        self.plan_steps = {
+            (c.tensor, _plain(c.dst)): c.steps for c in (getattr(plan, "conversions", None) or []) if c.steps
+        }
         self.n_wrappers = 0
         self.fx_nodes: dict[str, torch.fx.Node] = {}
 
@@ -270,13 +329,18 @@ class _Builder:
             self.local[tid] = self._tag(self.graph.get_attr(attr))
         return self.local[tid]
 
-    def value_in(self, tid: int, dst: Form) -> torch.fx.Node:
-        if dst.kind == "replicate":
-            dst = FULL
+    def value_in(self, tid: int, dst: "Form | Layout") -> torch.fx.Node:
+        dst = _plain(dst)
         src = self.produced[tid]
         if src == dst:
             return self.value(tid)
         key = (tid, dst)
+        if key not in self.converted and isinstance(dst, Layout):
+            node = self.value(tid)
+            for axis, a, b in self._mesh_steps(tid, src, dst):
+                if a != b:  # a replicated parameter's replicate -> full step is the identity here
+                    node = self.call(hidup_convert_step, (node, axis, str(a), str(b)))
+            self.converted[key] = node
         if key not in self.converted:
             if collectives.conversion(src, dst) is None:
                 raise CompileError(
@@ -286,6 +350,31 @@ class _Builder:
             self.converted[key] = self.call(hidup_convert, (self.value(tid), str(src), str(dst)))
         return self.converted[key]
 
+    def _mesh_steps(self, tid: int, src: Layout, dst: Layout) -> list[tuple[int, Form, Form]]:
+        """The one-axis steps ``(axis, form before, form after)`` that turn ``src`` into ``dst``: the
+        ones the plan chose for this tensor and layout, else the path of
+        :func:`hidup.ir.layout_conversions` with the fewest collectives."""
+        steps = self.plan_steps.get((tid, dst))
+        if steps:
+            chain = [(s.axis, _plain(s.before), _plain(s.after)) for s in steps]
+            valid = chain[0][1] == src and chain[-1][2] == dst
+            valid = valid and all(a[2] == b[1] for a, b in zip(chain, chain[1:]))
+            valid = valid and all(before.with_axis(axis, after.forms[axis]) == after for axis, before, after in chain)
+            if valid:
+                return [(axis, before.forms[axis], after.forms[axis]) for axis, before, after in chain]
+        paths = layout_conversions(src, dst)
+        if not paths:
+            raise CompileError(
+                f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
+                f"but a consumer needs {dst}; no layout change exists"
+            )
+
+        def collectives_of(path) -> int:
+            return sum(bool(c) for s in path.steps for c in s.conv.collectives)
+
+        best = min(paths, key=collectives_of)
+        return [(s.axis, s.before.forms[s.axis], s.after.forms[s.axis]) for s in best.steps]
+
     # -- IR nodes
     def add_input(self, node, sig: Signature, placeholder: torch.fx.Node) -> None:
         form = sig.outputs[0]
@@ -293,8 +382,13 @@ class _Builder:
         shape = self.traced.graph.tensors[tid].shape
         self.input_forms[node.name], self.input_shapes[node.name] = form, shape
         if self.local_batch:
-            local = form.local_shape(shape, self.world)
+            local = form.local_shape(shape, self.mesh or self.world)
             value = self.call(hidup_check_local, (placeholder, local, node.name))
+        elif isinstance(form, Layout):
+            value = placeholder
+            for axis, f in enumerate(form.forms):  # axis 0's split first, then axis 1's of that piece
+                if f.is_gather:
+                    value = self.call(hidup_take_input, (value, str(f), axis))
         elif form.is_gather:
             value = self.call(hidup_take_input, (placeholder, str(form)))
         else:
@@ -313,17 +407,21 @@ class _Builder:
             if node.target == "parameter"
             else operator.attrgetter(logical)(self.traced.gm)
         )
-        if form.kind == "reduce":
+        if any(f.kind == "reduce" for f in (form.forms if isinstance(form, Layout) else (form,))):
             raise CompileError(
-                f"plan stores parameter {logical} in form reduce; parameters are stored "
+                f"plan stores parameter {logical} in form {form}; parameters are stored "
                 f"replicate or gather_d. Fix: search again"
             )
-        data = shard_tensor(original.detach(), form, self.rank, self.world).to(self.device).clone()
+        data = shard_tensor(original.detach(), form, self.rank, self.world, self.mesh).to(self.device).clone()
         attr = local_name(logical)
         if isinstance(original, nn.Parameter):
             stored = nn.Parameter(data, requires_grad=original.requires_grad)
             self.root.register_parameter(attr, stored)
-            if not form.is_gather and stored.requires_grad:
+            if isinstance(form, Layout):
+                if _summed_axes(form) and stored.requires_grad:
+                    self.replicated.append(attr)
+                    self.replicate_axes[attr] = _summed_axes(form)
+            elif not form.is_gather and stored.requires_grad:
                 self.replicated.append(attr)
         else:
             self.root.register_buffer(attr, data)
@@ -331,13 +429,21 @@ class _Builder:
         self.stored[attr] = stored
         self.shards[attr] = ParamShard(logical, tuple(original.shape), form, not isinstance(original, nn.Parameter))
         self.lazy_params[tid] = attr
-        self.produced[tid] = form if form.is_gather else FULL
+        self.produced[tid] = _plain(form) if isinstance(form, Layout) else form if form.is_gather else FULL
 
     def add_call(self, node, sig: Signature) -> None:
         ctx = self.traced.contexts[node.name]
         n_arg = _count_meta(ctx.args) + _count_meta(ctx.kwargs)
         inputs = [self.value_in(tid, form) for tid, form in zip(node.inputs[:n_arg], sig.inputs[:n_arg])]
-        call = rules.localize(ctx.with_tensors(inputs), sig, self.rank)
+        if self.mesh is None:
+            call = rules.localize(ctx.with_tensors(inputs), sig, self.rank)
+        elif sig.axes:
+            call = localize_mesh(ctx, sig, self.coords, self.mesh, rules.localize, inputs)
+        else:
+            raise CompileError(
+                f"node {node.name}: the plan's signature {sig} has no per-axis factors for the mesh "
+                f"{self.mesh}. Fix: trace and search again for this mesh"
+            )
         out = self.call(
             call.target,
             _fix_devices(tuple(call.args), self.device),
@@ -367,7 +473,8 @@ class _Builder:
         return any(u.name in self.traced.tensor_ids and u.name not in self.traced.contexts for u in fx_node.users)
 
     def add_output(self, node) -> None:
-        loss = self.value_in(node.inputs[0], REDUCE)
+        # every rank's loss a partial sum over every axis: the backward seed 1 is then exact
+        loss = self.value_in(node.inputs[0], Layout((REDUCE,) * len(self.mesh)) if self.mesh else REDUCE)
         self.graph.output(loss)
 
     def build(self) -> RankProgram:
@@ -409,7 +516,7 @@ class _Builder:
             for p, t in list(gm.named_parameters(remove_duplicate=False))
             + list(gm.named_buffers(remove_duplicate=False))
         }
-        shards, replicated = {}, []
+        shards, replicated, replicate_axes = {}, [], {}
         for attr, shard in self.shards.items():
             path = paths.get(id(self.stored[attr]))
             if path is None:
@@ -417,6 +524,8 @@ class _Builder:
             shards[path] = shard
             if attr in self.replicated:
                 replicated.append(path)
+                if attr in self.replicate_axes:
+                    replicate_axes[path] = self.replicate_axes[attr]
         return RankProgram(
             gm,
             shards,
@@ -424,6 +533,8 @@ class _Builder:
             self.input_forms,
             self.input_shapes,
             max(1, len(getattr(self.plan, "stages", None) or [])),
+            self.mesh or (),
+            replicate_axes,
         )
 
 
@@ -457,6 +568,13 @@ def build_rank_program(
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:
         raise CompileError(f"rank {rank} is outside world size {world}")
+    plan_mesh = tuple(getattr(plan, "mesh", None) or ())
+    graph_mesh = tuple(traced.graph.mesh) if len(traced.graph.mesh) > 1 else ()
+    if plan_mesh != graph_mesh and (len(plan_mesh) > 1 or graph_mesh):
+        raise CompileError(
+            f"the plan was searched for the device mesh {plan_mesh or (world,)} but the model was traced for "
+            f"{graph_mesh or (world,)}. Fix: trace with mesh={plan_mesh or None} (hidup.compile does it from the plan)"
+        )
     labels = getattr(plan, "recompute", ()) if recompute is None else recompute
     known = {block_label(n.module) for n in traced.graph.nodes} - {""}
     unknown = sorted(set(labels) - known)

@@ -13,7 +13,8 @@ keeps its own inputs).  Each region becomes one submodule called through
   inputs (the tensors it reads from outside: the previous layer's output, the parameters) and the
   random-number state;
 * backward: when the first saved tensor of the region is needed, the region's forward runs again
-  (its collectives included, in the same order on every rank, so they still match) and its
+  (its collectives included, in the same order on every rank, so they still match, and on the
+  process groups its forward used: a duplicated copy's, or a device mesh's axis groups) and its
   backward proceeds as usual.
 
 The values are identical to the plain program's (same ops, same order, the RNG state replayed), so
@@ -31,6 +32,7 @@ the recomputation would not see that state.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -51,7 +53,17 @@ class Recomputed(nn.Module):
         self.region = region
 
     def forward(self, *args):
-        return torch.utils.checkpoint.checkpoint(self.region, *args, use_reentrant=False)
+        if torch.compiler.is_compiling():  # the compiled collectives carry their group's token
+            return torch.utils.checkpoint.checkpoint(self.region, *args, use_reentrant=False)
+        from hidup.codegen.program import current_group, using_group  # the program module imports this one
+
+        group = current_group()  # the recomputation, in the backward, communicates on the forward's groups
+        return torch.utils.checkpoint.checkpoint(
+            self.region,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), using_group(group)),
+        )
 
 
 def _runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:

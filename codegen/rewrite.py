@@ -21,11 +21,19 @@ in ``reduce`` form).  The returned :class:`HidupModule`:
   (:class:`hidup.codegen.grads.GradBucketer`; use ``module.no_sync()`` for accumulation);
 * with duplication (default: the plan's), runs two half-batch copies (:mod:`hidup.codegen.duplicate`)
   and returns the sum of their losses.
+
+A plan searched for a device mesh of several axes (``plan.mesh``, :mod:`hidup.ir` "Meshes") runs on
+``prod(mesh)`` ranks, rank ``r`` at ``numpy.unravel_index(r, mesh)``: the model is traced for that
+mesh, each layout change runs as one-axis steps on the axes' process groups
+(:mod:`hidup.codegen.mesh`, ``module.mesh_groups``), parameters and inputs are cut per layout, and a
+replicated parameter's gradient is summed over the axes on which it is ``replicate``, one bucketer
+per set of axes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -38,6 +46,7 @@ from hidup.codegen import collectives
 from hidup.codegen.compiled import backend_of, compile_module
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
+from hidup.codegen.mesh import MeshGroups, mesh_groups
 from hidup.codegen.program import (
     CompileError,
     RankProgram,
@@ -47,7 +56,7 @@ from hidup.codegen.program import (
     using_group,
 )
 from hidup.copies import copy_axis
-from hidup.ir import GRAD_BUCKET_MB
+from hidup.ir import GRAD_BUCKET_MB, Layout
 from hidup.optionset import OptionSet
 from hidup.trace import forward_inputs, trace_copy, trace_module
 
@@ -72,6 +81,7 @@ class HidupModule(nn.Module):
         streams: bool | None = None,
         plan=None,
         compile=None,  # noqa: A002 - the option's name
+        mesh_groups: MeshGroups | None = None,
     ):
         super().__init__()
         self.gm = program.gm
@@ -82,13 +92,15 @@ class HidupModule(nn.Module):
         self.input_forms = dict(program.input_forms)
         self.plan = plan
         self.param_shards = {f"gm.{path}": shard for path, shard in program.param_shards.items()}
-        replicated = [self.gm.get_parameter(path) for path in program.replicated]
-        self.bucketer = GradBucketer(replicated, group, bucket_mb) if world_size > 1 else None
+        self.mesh_groups = mesh_groups  # the device mesh's groups (a plan on several axes), else None
+        self.run_group = mesh_groups if mesh_groups is not None else group  # what the program runs on
+        self.bucketers = _bucketers(self.gm, program, group, mesh_groups, bucket_mb) if world_size > 1 else []
+        self.bucketer = self.bucketers[0] if self.bucketers else None
         self.batch_dims = batch_dims
         self.copy_groups = None
         self.side_pass = _side_pass(self.gm) if duplication else None
         if duplication:
-            self.copy_groups = copy_groups or (group, group)
+            self.copy_groups = copy_groups or (self.run_group, self.run_group)
             device = device_of(self.gm)
             use_streams = device.type == "cuda" if streams is None else streams
             self.runner = StagedCopies(self.gm, device) if use_streams else SequentialCopies(self.gm)
@@ -130,15 +142,17 @@ class HidupModule(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         values = self._bind(args, kwargs)
         if not self.duplication:
-            with using_group(self.group):
+            with using_group(self.run_group):
                 return self._run[0](*values)
         dims = self.batch_dims if self.batch_dims is not None else [0] * len(values)
         blocks = []
         for name in self.input_names:
             form = self.input_forms[name]
             d = dims[self.input_names.index(name)]
-            local_split = self.local_batch and form is not None and form.is_gather and form.dim == d
-            blocks.append(1 if local_split else self.world_size)
+            # a local input already holds `pieces` of the batch dim's world_size blocks (module doc of
+            # hidup.codegen.duplicate): its copies take half of each of the blocks it holds
+            pieces = _pieces(form, d, self.mesh_groups, self.world_size) if self.local_batch and form is not None else 1
+            blocks.append(self.world_size // pieces)
         inputs_of = lambda c: copy_inputs(values, dims, blocks, c)  # noqa: E731
         if self.side_pass is None:
             return self.runner(inputs_of, self.copy_groups)
@@ -159,15 +173,41 @@ class HidupModule(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Skip the gradient all-reduce of replicated parameters (accumulate locally)."""
-        if self.bucketer is None:
-            yield
-            return
-        with self.bucketer.no_sync():
+        with contextlib.ExitStack() as stack:
+            for bucketer in self.bucketers:
+                stack.enter_context(bucketer.no_sync())
             yield
 
     def code(self) -> str:
         """The generated Python of this rank's program."""
         return self.gm.code
+
+
+def _pieces(form, dim, mesh: MeshGroups | None, world: int) -> int:
+    """Into how many pieces ``form`` cuts dim ``dim`` (a local input holds one of them)."""
+    if isinstance(form, Layout):
+        return math.prod(n for f, n in zip(form.forms, mesh.mesh) if f.is_gather and f.dim == dim)
+    return world if form.is_gather and form.dim == dim else 1
+
+
+def _bucketers(gm, program: RankProgram, group, mesh: MeshGroups | None, bucket_mb: float) -> list[GradBucketer]:
+    """The gradient bucketers of the replicated parameters: one over ``group``; on a mesh one per set
+    of axes the parameters are ``replicate`` on (:mod:`hidup.codegen.grads`)."""
+    if mesh is None:
+        return [GradBucketer([gm.get_parameter(p) for p in program.replicated], group, bucket_mb)]
+    by_axes: dict[tuple[int, ...], list] = {}
+    for path in program.replicated:
+        by_axes.setdefault(program.replicate_axes[path], []).append(gm.get_parameter(path))
+    out = []
+    for axes, params in by_axes.items():
+        if len(axes) == len(mesh.mesh):
+            over = mesh.world
+        elif len(axes) == 1:
+            over = mesh.axes[axes[0]]
+        else:
+            over = tuple(mesh.axes[k] for k in axes)
+        out.append(GradBucketer(params, over, bucket_mb))
+    return out
 
 
 def _side_pass(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int]] | None:
@@ -278,6 +318,10 @@ def compile(  # noqa: A001
         raise CompileError(f"the plan was searched for world size {plan_world}, not {world_size}; search again")
     duplication = bool(getattr(plan, "duplication", False)) if duplication is None else duplication
     device = torch.device(device) if device is not None else _model_device(model)
+    mesh = tuple(getattr(plan, "mesh", None) or ())
+    mesh = mesh if len(mesh) > 1 else None
+    if mesh is not None and math.prod(mesh) != world_size:
+        raise CompileError(f"the plan's device mesh {mesh} holds {math.prod(mesh)} ranks, not world_size={world_size}")
 
     values = _positional(model, example_inputs)
     dims = batch_dims if batch_dims is not None else [0] * len(values)
@@ -285,7 +329,7 @@ def compile(  # noqa: A001
         raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
     copies = None
     if duplication:
-        traced = trace_copy(model, tuple(values), world_size, batch_dims=dims)
+        traced = trace_copy(model, tuple(values), world_size, batch_dims=dims, mesh=mesh)
         inputs = [n.name for n in traced.graph.nodes if n.op == "input"]
         names = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
         copies = copy_axis(traced.graph, {name: d for name, d in zip(names, dims) if name in inputs})
@@ -293,7 +337,7 @@ def compile(  # noqa: A001
             warnings.warn(f"hidup.compile: duplication is off: {copies.reason}", stacklevel=2)
             duplication, copies = False, None
     if not duplication:
-        traced = trace_module(model, tuple(values), world_size)
+        traced = trace_module(model, tuple(values), world_size, mesh=mesh)
         check = getattr(plan, "check", None)
         if check is not None:
             check(traced.graph)
@@ -302,8 +346,15 @@ def compile(  # noqa: A001
     )
 
     staged = device.type == "cuda" if streams is None else streams
+    groups = None
+    if mesh is not None:
+        groups = mesh_groups(mesh, rank, group, device.type)
     if not (duplication and staged and world_size > 1):
         copy_groups = None
+    elif mesh is not None:
+        if copy_groups is not None and not all(isinstance(g, MeshGroups) and g.mesh == mesh for g in copy_groups):
+            raise CompileError(f"copy_groups of a mesh plan must be two MeshGroups of the mesh {mesh}")
+        copy_groups = copy_groups or (groups, mesh_groups(mesh, rank, group, device.type, copy=1))
     elif copy_groups is not None:
         if len(copy_groups) != 2 or any(collectives.world_of(g) != world_size for g in copy_groups):
             raise CompileError(f"copy_groups must be two process groups of the {world_size} ranks of the job")
@@ -323,4 +374,5 @@ def compile(  # noqa: A001
         streams=streams,
         plan=plan,
         compile=opts.compile,
+        mesh_groups=groups,
     )

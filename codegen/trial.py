@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.codegen.graphs import GraphedStep
+from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.rewrite import CompileError, compile
 from hidup.codegen.timing import Stopwatch, max_over_ranks, median_seconds
 
@@ -60,8 +61,8 @@ def _release_copy_groups(module, group, compile_kwargs: dict) -> None:
     owned = [
         g
         for g in (getattr(module, "copy_groups", None) or ())
-        if g is not None and g is not group and g is not dist.group.WORLD
-    ]
+        if g is not None and g is not group and g is not dist.group.WORLD and not isinstance(g, MeshGroups)
+    ]  # a mesh's groups are cached for the modules that follow (hidup.codegen.mesh)
     for g in {id(g): g for g in owned}.values():
         dist.destroy_process_group(g)
 

@@ -67,6 +67,7 @@ __all__ = [
     "plan_indices",
     "repeated_layers",
     "restrict_for",
+    "restrict_per_axis",
     "STYLES",
     "RECOMPUTE",
 ]
@@ -487,7 +488,51 @@ def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
     return restrict
 
 
-def forced(graph: Graph, profile, style: str, **kwargs) -> Plan:
+def restrict_per_axis(styles: tuple[str, ...] | list[str]) -> Callable[[Node, Signature], bool]:
+    """The signature filter of one style per mesh axis (outer first; each one of :data:`STYLES`, as
+    :func:`forced` describes it) for a graph traced on a device mesh: a signature passes when each of
+    its one-axis factors ``sig.axes[k]`` passes axis ``k``'s style among the factors the node offers
+    after the same factors on axes ``< k``."""
+    styles = tuple(styles)
+    for style in styles:
+        if style not in _STYLE_RULES:
+            raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
+    cache: dict[tuple, set | None] = {}
+
+    def allowed(node: Node, k: int, prefix: tuple) -> set | None:
+        key = (node.name, k, prefix)
+        if key not in cache:
+            prefer, never = _STYLE_RULES[styles[k]]
+            kinds = {s.axes[k].kind for s in node.signatures if s.axes[:k] == prefix} - never
+            cache[key] = next(({kk} for kk in prefer if kk in kinds), kinds or None)
+        return cache[key]
+
+    def restrict(node: Node, sig: Signature) -> bool:
+        if node.op == "output":
+            return True
+        if len(sig.axes) != len(styles):
+            raise ValueError(
+                f"node {node.name}: {len(styles)} styles for a signature of {len(sig.axes)} mesh axes; "
+                "give one style per axis of the mesh the graph was traced for"
+            )
+        for k, style in enumerate(styles):
+            factor = sig.axes[k]
+            if node.op == "param":
+                if style == "data" and factor.outputs[0].is_gather:
+                    return False
+                if style == "fsdp" and not factor.outputs[0].is_gather:
+                    if any(s.axes[k].outputs[0].is_gather for s in node.signatures if s.axes[:k] == sig.axes[:k]):
+                        return False
+                continue
+            kinds = allowed(node, k, sig.axes[:k])
+            if kinds is not None and factor.kind not in kinds:
+                return False
+        return True
+
+    return restrict
+
+
+def forced(graph: Graph, profile, style: "str | tuple[str, ...]", **kwargs) -> Plan:
     """A plan of one fixed parallelism style, for baselines:
 
     * ``data``: parameters replicated, every op its ``data`` signature where it has one, else
@@ -497,10 +542,13 @@ def forced(graph: Graph, profile, style: str, **kwargs) -> Plan:
     * ``fsdp``: every op as data, every parameter that can be stored split (``gather_d``) is, and
       gathered for its use (FSDP / ZeRO-3 style).
 
-    The remaining freedom (which dim, which parameter sharding) is searched as usual.
+    The remaining freedom (which dim, which parameter sharding) is searched as usual.  On a device
+    mesh ``style`` may be one style per axis, outer first (``("data", "tensor")``:
+    :func:`restrict_per_axis`).
     """
-    plan = search(graph, profile, restrict=restrict_for(style), **kwargs)
-    plan.algorithm = f"forced-{style}"
+    per_axis = not isinstance(style, str)
+    plan = search(graph, profile, restrict=restrict_per_axis(style) if per_axis else restrict_for(style), **kwargs)
+    plan.algorithm = f"forced-{'+'.join(style) if per_axis else style}"
     return plan
 
 

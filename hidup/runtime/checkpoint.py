@@ -203,6 +203,20 @@ def _quiet_single_process():
         yield
 
 
+class MeshCheckpointError(ValueError):
+    """Checkpoints of a module compiled for a device mesh of several axes are not written or read."""
+
+
+def _refuse_mesh(module, what: str) -> None:
+    groups = getattr(module, "mesh_groups", None)
+    if groups is not None:
+        raise MeshCheckpointError(
+            f"checkpoint {what}: the module runs a plan on the device mesh {'x'.join(map(str, groups.mesh))}, "
+            "and checkpoints of mesh plans are not supported yet. Fix: train without --checkpoint-dir/"
+            "--resume, or with a plan searched for one axis of ranks"
+        )
+
+
 def save(
     path: str | os.PathLike,
     module: torch.nn.Module,
@@ -216,6 +230,7 @@ def save(
     """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer`` to the directory
     ``path``, replacing what is there only once the new one is complete; collective: every rank
     writes its own shards."""
+    _refuse_mesh(module, "save")
     path = Path(path)
     group = _group(module, group)
     layout = _Layout(module, group)
@@ -301,6 +316,7 @@ def load(
     (collective when distributed: every rank reads the slices it needs).
 
     Returns ``{"step", "loss_history", "extra", "world_size"}`` (the world size it was saved on)."""
+    _refuse_mesh(module, "load")
     path = Path(path)
     source = _checkpoint_at(path)
     if source.is_file():

@@ -176,6 +176,11 @@ def _to(values, device) -> tuple:
     return tuple(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in values)
 
 
+def _mesh_text(plan) -> str:
+    mesh = getattr(plan, "mesh", None) or []
+    return f" as a {'x'.join(map(str, mesh))} mesh" if len(mesh) > 1 else ""
+
+
 def _recompute_text(plan) -> str:
     layers = getattr(plan, "recompute", None) or []
     return f", {len(layers)} layers recomputed in the backward" if layers else ""
@@ -185,7 +190,7 @@ def _plan_for(args, model, inputs, world: int):
     if args.plan is not None:
         return Plan.load(args.plan)
 
-    graph = trace(model, inputs, world_size=world, half_batch=True)
+    graph = trace(model, inputs, world_size=world, half_batch=True, mesh=getattr(args, "mesh", None))
     return search(
         graph,
         hidup.profiler.load(args.profile),
@@ -299,7 +304,8 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             else "eager"
         )
         print(
-            f"train {args.model}: world {world} ({ctx.backend}), plan {args.plan or 'searched now'}, duplication "
+            f"train {args.model}: world {world}{_mesh_text(plan)} ({ctx.backend}), plan {args.plan or 'searched now'}, "
+            "duplication "
             f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
             f"{_recompute_text(plan)}",
             flush=True,
@@ -420,6 +426,12 @@ def run(args: argparse.Namespace) -> int:
     A plan for another world size than the launch's is refused here, before any rank starts."""
     plan = Plan.load(args.plan) if args.plan is not None else None
     explicit_world = args.world
+    if plan is not None and len(plan.mesh) > 1 and (args.checkpoint_dir or args.resume):
+        raise PlanError(
+            f"--checkpoint-dir/--resume: {args.plan} runs on the device mesh {'x'.join(map(str, plan.mesh))}, "
+            "and checkpoints of mesh plans are not supported yet. Fix: leave out --checkpoint-dir and "
+            "--resume, or use a plan searched for one axis of ranks"
+        )
     settle_model(args, plan, args.plan)
     launched = args.cpn is not None or "CPN" in os.environ or "RANK" in os.environ
     if plan is not None and launched:

@@ -84,19 +84,26 @@ def make_plan(
     style: str = "searched",
     profile: str = "paper-v100-9.7gbps",
     duplication: bool = True,
+    mesh: tuple[int, ...] | None = None,
 ):
-    """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``;
-    ``duplication`` is what a searched or forced plan may use."""
+    """A plan for ``model``: loaded from ``plan`` (a path), else searched, else forced to ``style``
+    (on the device ``mesh`` when given); ``duplication`` is what a searched or forced plan may use."""
     if plan is not None:
         return Plan.load(plan)
 
-    graph = trace(model, inputs, world_size=world)
+    graph = trace(model, inputs, world_size=world, mesh=mesh)
     prof = hidup.profiler.load(profile)
     if style == "searched":
         return search(graph, prof, world_size=world, duplication=duplication)
     result = forced(graph, prof, style)
     result.duplication = duplication
     return result
+
+
+def _mesh_text(args) -> str:
+    """`` as a 2x2 mesh`` for a plan on a device mesh of several axes, else ``""``."""
+    mesh = getattr(args, "mesh", None)
+    return f" as a {'x'.join(map(str, mesh))} mesh" if mesh and len(mesh) > 1 else ""
 
 
 def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
@@ -125,6 +132,7 @@ def parity_report(
     seed: int = 0,
     cuda_graph: bool = False,
     progress: bool = False,
+    mesh: tuple[int, ...] | None = None,
 ) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
@@ -135,7 +143,8 @@ def parity_report(
     with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``.
     ``cuda_graph`` runs the compiled module's forward and backward through
     :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere).
-    ``progress``: rank 0 prints a line on stderr as each phase starts."""
+    ``progress``: rank 0 prints a line on stderr as each phase starts.  ``mesh``: without ``plan``, the
+    plan is searched (or forced) for this device mesh of several axes."""
 
     def say(text: str) -> None:
         if progress and ctx.rank == 0:
@@ -150,7 +159,14 @@ def parity_report(
     say(f"building {model_name} and {what} on each of the {world} ranks ...")
     model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     the_plan = make_plan(
-        model, inputs, world, plan=plan, style=style, profile=profile, duplication=duplication is not False
+        model,
+        inputs,
+        world,
+        plan=plan,
+        style=style,
+        profile=profile,
+        duplication=duplication is not False,
+        mesh=mesh,
     )
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
@@ -231,6 +247,7 @@ def _run_rank(ctx: Distributed, args) -> dict:
         steps=args.steps,
         seed=args.seed,
         progress=True,
+        mesh=getattr(args, "mesh", None),
     )
 
 
@@ -252,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     plan_text = str(args.plan) if args.plan is not None else args.style
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
     print(
-        f"model {args.model}, world {args.world} ({backend}), plan: {plan_text}, "
+        f"model {args.model}, world {args.world}{_mesh_text(args)} ({backend}), plan: {plan_text}, "
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"

@@ -18,7 +18,7 @@ axes after it may only replicate the op (their all-``full`` signature).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -37,20 +37,19 @@ def _local_meta(meta: TensorMeta, form: Form, size: int) -> TensorMeta:
     return replace(meta, shape=form.local_shape(meta.shape, size))
 
 
+@dataclass(frozen=True)
 class AxisContext:
     """The op as one axis's signature localized it: ``ctx`` (for the next axis, ``world`` its size)
-    and ``order[i]``, the node's input index of the local call's ``i``-th tensor argument."""
+    and ``order[i]``, the node's input index of the local call's ``i``-th tensor argument (None when
+    the local call drops or repeats one)."""
 
-    def __init__(self, ctx: RuleContext, order: list[int] | None, call: LocalCall):
-        self.ctx, self.order, self.call = ctx, order, call
+    ctx: RuleContext
+    order: list[int] | None
 
 
-def axis_context(
-    ctx: RuleContext, sig: Signature, rank: int, next_world: int, localize: LocalizeFn, tensors: list | None = None
-) -> AxisContext:
+def axis_context(ctx: RuleContext, sig: Signature, rank: int, next_world: int, localize: LocalizeFn) -> AxisContext:
     """Localize ``ctx`` under one-axis ``sig`` for ``rank`` of ``ctx.world`` and describe the local op
-    for the next axis (``next_world`` ranks).  ``tensors`` fill the call's tensor slots (fx nodes in
-    code generation); by default fresh :class:`TensorMeta` of the local shapes."""
+    for the next axis (``next_world`` ranks), its tensors :class:`TensorMeta` of the local shapes."""
     local_in = [_local_meta(m, f, ctx.world) for m, f in zip(ctx.inputs, sig.inputs)]
     local_out = [_local_meta(m, f, ctx.world) for m, f in zip(ctx.outputs, sig.outputs)]
     probes = [TensorMeta(m.shape, m.dtype, m.requires_grad, m.is_param) for m in local_in]
@@ -76,9 +75,7 @@ def axis_context(
         module=ctx.module,
         node_name=ctx.node_name,
     )
-    if tensors is not None:
-        call = localize(ctx.with_tensors(tensors), sig, rank)
-    return AxisContext(nxt, order, call)
+    return AxisContext(nxt, order)
 
 
 def _rule_target(target: Any) -> Any:
@@ -227,7 +224,7 @@ def localize_mesh(
         args_k = list(tensors) if order is None else [tensors[i] for i in order]
         if k + 1 == len(mesh):
             return localize(ctx_k.with_tensors(args_k), factor, coords[k])
-        step = axis_context(ctx_k, factor, coords[k], mesh[k + 1], localize, tensors=None)
+        step = axis_context(ctx_k, factor, coords[k], mesh[k + 1], localize)
         if step.order is None:
             if all(_is_full(a) for a in sig.axes[k + 1 :]):
                 return localize(ctx_k.with_tensors(args_k), factor, coords[k])

@@ -17,12 +17,18 @@ while a set can serve any number of compiled modules.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MeshGroups", "mesh_groups", "coordinates"]
+from hidup.codegen import compiled
+
+__all__ = ["MeshGroups", "mesh_groups", "coordinates", "current_group", "using_group"]
+
+_GROUP = threading.local()  # the process group (or MeshGroups) the generated code communicates on
 
 
 def coordinates(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
@@ -83,3 +89,26 @@ def mesh_groups(mesh: tuple[int, ...], rank: int, group=None, device_type: str =
     out.default = dist.group.WORLD
     _CACHE[key] = out
     return out
+
+
+def current_group():
+    """The process group the generated code communicates on (set by :func:`using_group`)."""
+    return getattr(_GROUP, "group", None)
+
+
+@contextlib.contextmanager
+def using_group(group):
+    """Run generated code on ``group``: a process group, or on a device mesh a
+    :class:`MeshGroups` (one group per axis)."""
+    before = getattr(_GROUP, "group", None)
+    before_key, before_axes = compiled.ACTIVE.key, compiled.ACTIVE.axis_keys
+    _GROUP.group = group
+    if isinstance(group, MeshGroups):
+        compiled.ACTIVE.set(compiled.group_key(group.world), tuple(compiled.group_key(g) for g in group.axes))
+    else:
+        compiled.ACTIVE.set(compiled.group_key(group))
+    try:
+        yield
+    finally:
+        _GROUP.group = before
+        compiled.ACTIVE.set(before_key, before_axes)

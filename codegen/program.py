@@ -50,7 +50,7 @@ from torch.fx.node import _get_qualified_name
 
 from hidup import rules
 from hidup.codegen import collectives, compiled
-from hidup.codegen.mesh import MeshGroups, coordinates
+from hidup.codegen.mesh import MeshGroups, coordinates, current_group, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.fxvalues import map_value, value_leaves
@@ -67,32 +67,9 @@ class CompileError(ValueError):
 
 # ------------------------------------------------------------------------------------------------
 # Runtime helpers called from the generated code.  The process group is not baked into the code:
-# the module sets it around each run (duplicated copies use one group each).
+# the module sets it around each run (duplicated copies use one group each; hidup.codegen.mesh).
 
 _STATE = threading.local()
-
-
-def current_group():
-    """The process group the generated code communicates on (set by :func:`using_group`)."""
-    return getattr(_STATE, "group", None)
-
-
-@contextlib.contextmanager
-def using_group(group):
-    """Run generated code on ``group``: a process group, or on a device mesh a
-    :class:`hidup.codegen.mesh.MeshGroups` (one group per axis)."""
-    before = getattr(_STATE, "group", None)
-    before_key, before_axes = compiled.ACTIVE.key, compiled.ACTIVE.axis_keys
-    _STATE.group = group
-    if isinstance(group, MeshGroups):
-        compiled.ACTIVE.set(compiled.group_key(group.world), tuple(compiled.group_key(g) for g in group.axes))
-    else:
-        compiled.ACTIVE.set(compiled.group_key(group))
-    try:
-        yield
-    finally:
-        _STATE.group = before
-        compiled.ACTIVE.set(before_key, before_axes)
 
 
 def _axis_group(axis: int):

@@ -40,6 +40,8 @@ import torch.fx
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from hidup.codegen.mesh import current_group, using_group
+
 __all__ = ["Recomputed", "outline_regions", "REGION"]
 
 REGION = "recompute_region"  # node.meta key: the region a generated node belongs to (None: none)
@@ -55,8 +57,6 @@ class Recomputed(nn.Module):
     def forward(self, *args):
         if torch.compiler.is_compiling():  # the compiled collectives carry their group's token
             return torch.utils.checkpoint.checkpoint(self.region, *args, use_reentrant=False)
-        from hidup.codegen.program import current_group, using_group  # the program module imports this one
-
         group = current_group()  # the recomputation, in the backward, communicates on the forward's groups
         return torch.utils.checkpoint.checkpoint(
             self.region,

@@ -67,7 +67,7 @@ from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Layout, Node, Signature, Te
 from hidup.losses import explicit_normalizers
 from hidup.rules import localize as rules_localize
 from hidup.rules.base import RuleContext, TensorMeta
-from hidup.rules.mesh import leaf_layouts, mesh_signatures
+from hidup.rules.mesh import is_all_full, leaf_layouts, mesh_signatures
 from hidup.saved import Recorder
 
 __all__ = [
@@ -149,16 +149,6 @@ def _gather_dims(shape: tuple[int, ...], world: int) -> list[int]:
     if world <= 1:
         return []
     return [d for d, size in enumerate(shape) if size >= world and size % world == 0]
-
-
-def _axis_forms(form) -> tuple:
-    return form.forms if isinstance(form, Layout) else (form,)
-
-
-def _is_all_full(sig: Signature) -> bool:
-    return all(f.kind in ("full", "replicate") for x in sig.inputs for f in _axis_forms(x)) and all(
-        f.kind == "full" for x in sig.outputs for f in _axis_forms(x)
-    )
 
 
 def _whole_on_mesh(sig: Signature, axes: int) -> Signature:
@@ -343,7 +333,7 @@ class _Builder:
             if len(self.mesh) > 1:
                 sigs = [_whole_on_mesh(sigs[0], len(self.mesh))]
             self.fallbacks.append((n.name, _target_name(n, self.gm), _source_of(n) or "?", reason))
-        flops = next(s.flops for s in sigs if _is_all_full(s))
+        flops = next(s.flops for s in sigs if is_all_full(s))
         self.nodes.append(
             Node(
                 n.name,
@@ -398,7 +388,7 @@ def filtered_signatures(signatures_fn: Callable | None, ctx: RuleContext) -> tup
     ]
     if not sigs:
         return None, f"no signature of its rule fits world size {ctx.world}"
-    if not any(_is_all_full(s) for s in sigs):
+    if not any(is_all_full(s) for s in sigs):
         # Contract breach; the largest per-rank cost is a lower bound on the unsharded op.
         sigs.insert(
             0,

@@ -27,7 +27,15 @@ from hidup.fxvalues import map_value
 from hidup.ir import FULL, Form, Layout, Signature, gather
 from hidup.rules.base import LocalCall, RuleContext, TensorMeta
 
-__all__ = ["AxisContext", "axis_context", "mesh_signatures", "leaf_layouts", "localize_mesh", "combined_kind"]
+__all__ = [
+    "AxisContext",
+    "axis_context",
+    "mesh_signatures",
+    "leaf_layouts",
+    "localize_mesh",
+    "combined_kind",
+    "is_all_full",
+]
 
 SignaturesFn = Callable[[RuleContext], "tuple[list[Signature] | None, str]"]
 LocalizeFn = Callable[[RuleContext, Signature, int], LocalCall]
@@ -88,6 +96,18 @@ def _rule_target(target: Any) -> Any:
     return target
 
 
+def is_all_full(sig: Signature) -> bool:
+    """Whether ``sig`` runs the whole op on every rank (every axis's form ``full``; a parameter's
+    ``replicate`` input counts as whole), on one axis or a mesh."""
+
+    def forms(f):
+        return f.forms if isinstance(f, Layout) else (f,)
+
+    return all(x.kind in ("full", "replicate") for f in sig.inputs for x in forms(f)) and all(
+        x.kind == "full" for f in sig.outputs for x in forms(f)
+    )
+
+
 def combined_kind(kinds: list[str]) -> str:
     """Report label of a product: the factors' kinds that shard, joined by ``+`` (outer first)."""
     sharded = [k for k in kinds if k != "replicated"]
@@ -139,7 +159,7 @@ def mesh_signatures(
 
     mapped_forms: list[tuple[tuple[Form, ...], tuple[Form, ...]]] = []
     grow(replace(ctx, world=mesh[0]), 0, [], None, first)
-    sigs = sorted(best.values(), key=lambda s: (not _all_full(s), s.flops))
+    sigs = sorted(best.values(), key=lambda s: (not is_all_full(s), s.flops))
     return sigs, ""
 
 
@@ -159,12 +179,6 @@ def _compose(outer: list[int] | None, inner: list[int]) -> list[int] | None:
 def _pad(mapped: list, ctx: RuleContext, axes: int) -> list:
     full = (tuple(FULL for _ in ctx.inputs), tuple(FULL for _ in ctx.outputs))
     return list(mapped) + [full] * (axes - len(mapped))
-
-
-def _all_full(sig: Signature) -> bool:
-    return all(f.forms == tuple(x if x.kind == "replicate" else FULL for x in f.forms) for f in sig.inputs) and all(
-        set(f.forms) == {FULL} for f in sig.outputs
-    )
 
 
 def _keep(best: dict, factors: list[Signature], per_axis: list) -> None:
@@ -226,13 +240,9 @@ def localize_mesh(
             return localize(ctx_k.with_tensors(args_k), factor, coords[k])
         step = axis_context(ctx_k, factor, coords[k], mesh[k + 1], localize)
         if step.order is None:
-            if all(_is_full(a) for a in sig.axes[k + 1 :]):
+            if all(is_all_full(a) for a in sig.axes[k + 1 :]):
                 return localize(ctx_k.with_tensors(args_k), factor, coords[k])
             raise ValueError(f"node {ctx.node_name}: the local op of axis {k} cannot be split further")
         order = _compose(order, step.order)
         ctx_k = step.ctx
     raise AssertionError("unreachable")
-
-
-def _is_full(sig: Signature) -> bool:
-    return all(f.kind in ("full", "replicate") for f in sig.inputs) and all(f.kind == "full" for f in sig.outputs)

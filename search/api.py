@@ -33,9 +33,12 @@ On a graph traced for a device mesh of several axes (:mod:`hidup.ir`, "Meshes") 
 products of one signature per axis: 25-36 on two axes where one axis offers 5-6, and the DP's beam,
 sized for one axis, then keeps the wrong states.  :func:`_search_mesh` searches axis by axis instead:
 first with the outer axis (across nodes on a cluster) kept to :data:`OUTER_KINDS` -- data parallel,
-parameters replicated or stored split, ops replicated -- and the inner axes free; then, for up to
+parameters replicated or stored split, ops replicated -- and the inner axes free, a seed searched
+without duplication and with a beam of at most :data:`MESH_SEED_STATES` states (on an 8x8 Mixtral
+that seed alone was two thirds of the search at the full beam, and the plan found is the same); then, for up to
 :data:`MESH_ROUNDS` rounds, with one axis free and every other axis's forms fixed to the best plan's,
-keeping a plan only when it is faster.  Each step is the one-axis search above under a signature
+keeping a plan only when it is faster (an axis whose fixed forms are those it was last searched
+with is not searched again).  Each step is the one-axis search above under a signature
 filter that keeps the current plan, so the prediction never grows; the result is a local optimum of
 the product space, not its global one.
 """
@@ -293,6 +296,17 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
 # axis-0 factor kinds of the first mesh search: the outer axis spans the slowest links
 OUTER_KINDS = frozenset({"data", "param", "replicated"})
 MESH_ROUNDS = 2  # rounds of one search per axis after the first
+# the first search's beam at most (it only seeds the rounds; its product space makes each state dear)
+MESH_SEED_STATES = 32
+
+
+def _seed_options(opts: SearchOptions, restrict) -> SearchOptions:
+    """The first mesh search's options: ``restrict``, no duplication (the rounds choose the mode), and
+    a beam of at most :data:`MESH_SEED_STATES` states (unless the search is exact)."""
+    states = opts.max_states
+    if states is not None:
+        states = min(MESH_SEED_STATES, states if states != "auto" else MESH_SEED_STATES)
+    return replace(opts, restrict=restrict, duplication=False, max_states=states)
 
 
 def _other_axes(sig: Signature, axis: int) -> tuple:
@@ -312,9 +326,10 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
         return node.op in ("output", "input") or not sig.axes or sig.axes[0].kind in OUTER_KINDS
 
     try:
-        plan = _search(graph, profile, replace(opts, restrict=within(outer)), progress)
+        plan = _search(graph, profile, _seed_options(opts, within(outer)), progress)
     except SearchError:
         plan = None
+    searched: dict[int, dict] = {}  # axis -> the other axes' forms it was last searched with
     for _ in range(MESH_ROUNDS):
         improved = False
         for axis in range(len(graph.mesh)):
@@ -322,6 +337,9 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
                 fixed = None
             else:
                 fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
+                if searched.get(axis) == fixed:
+                    continue  # the same search again finds the same plan
+                searched[axis] = fixed
 
             def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
                 return fixed is None or _other_axes(sig, axis) == fixed.get(node.name)

@@ -519,12 +519,19 @@ def solve(
     With ``memory_budget`` the plan is first searched without it: memory is additive over the
     positions (``problem.mem``), so when the fastest plan fits the budget it is the fastest plan
     within it, and the search without a memory coordinate is much cheaper (six-entry points, and
-    cross-state pruning stays on).  Only a budget that binds runs the memory-aware DP."""
+    cross-state pruning stays on).  Only a budget that binds runs the memory-aware DP.  The answer
+    without a budget is kept on ``problem`` (``free_solutions``) and returned when asked again."""
     if memory_budget is not None:
         ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress)
         if sum(problem.mem[i][k] for i, k in enumerate(ks)) <= memory_budget:
             return ks, v
+    else:
+        known = problem.free_solutions.get((duplication, max_states, max_points, reuse_blocks))
+        if known is not None:
+            return list(known[0]), known[1]
     dp = _DP(problem, duplication, memory_budget, max_states, max_points)
     with no_gc():
         ks, v = dp.solve(reuse_blocks, progress)
+    if memory_budget is None:
+        problem.free_solutions[(duplication, max_states, max_points, reuse_blocks)] = (tuple(ks), dp.est(v))
     return ks, dp.est(v)

@@ -196,6 +196,9 @@ class Problem:
         self._pen_cache: dict[tuple, np.ndarray] = {}
         self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
         self._conv_ids: dict[tuple[int, int, int], object] = {}
+        # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
+        # a budgeted search asks for it again, first to see whether the budget binds
+        self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
     # ------------------------------------------------------------------------------------ setup
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:

@@ -6,7 +6,15 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   A tensor stored ``gather_d`` is saved as this rank's slice ``X[..., r*n/N:(r+1)*n/N, ...]`` of the
   logical ``X`` (offset ``r*n/N`` along ``d``); a replicated one is written once, by one rank (DCP
   deduplicates a key every rank holds whole and spreads such keys over the ranks by size; the value
-  is the same on every rank, as a compiled module all-reduces replicated gradients).
+  is the same on every rank, as a compiled module all-reduces replicated gradients).  On a device
+  mesh ``(n_0, n_1, ...)`` (:mod:`hidup.codegen.mesh`) a tensor has a :class:`~hidup.ir.Layout`,
+  one form per axis, and the splits nest outer axis first: the rank at ``(c_0, c_1, ...)`` holds
+  slice ``c_0`` of ``n_0`` along axis 0's dim, then slice ``c_1`` of ``n_1`` of that along axis 1's
+  dim, and so on (``gather_0|gather_0`` on 2x2: rank ``(i, j)`` holds chunk ``2 i + j`` of four
+  along dim 0, offset ``(2 i + j) n/4``; ``full|gather_1``: chunk ``j`` of two along dim 1).  Each
+  distinct chunk is written once, by one of the ranks holding it (ranks differing only in the
+  coordinates of ``full``/``replicate`` axes hold the same chunk; DCP deduplicates it as it does a
+  whole tensor).
 * ``optim.<name>.<key>`` for every per-element optimizer state tensor (one with the stored
   parameter's shape: Adam's ``exp_avg``, SGD's ``momentum_buffer``), sharded exactly as its
   parameter.
@@ -16,7 +24,13 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
 * ``rng.<r>``: rank ``r``'s RNG states (torch, python, numpy, CUDA).
 
 The shards are described to DCP as DTensors: ``DTensor.from_local(slice, mesh, [Shard(d)],
-shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group.  This is the public
+shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group; for a plan on a mesh of
+several axes on the module's own DeviceMesh (``module.mesh_groups.device_mesh``) with one placement
+per axis, ``Shard(d)`` for ``gather_d`` and ``Replicate()`` for ``full``/``replicate``.  DTensor
+applies nested placements outer axis first, each splitting what the axes before it left -- hidup's
+order, which tests/test_mesh_checkpoint.py checks against the written chunks' offsets -- but splits
+an uneven size ``torch.chunk``-wise where hidup splits only evenly, so a layout splitting a dim
+unevenly on some axis is refused by name (hidup's own sharding refuses it too).  This is the public
 torch 2.13 way to tell DCP "this rank holds this chunk of that global tensor" -- the default
 planners then compute each chunk's offsets (``compute_local_shape_and_global_offset``), write one
 file per rank, and on load give every rank the chunk its *current* DTensor asks for, read from
@@ -36,11 +50,14 @@ for one that gave up.  On several nodes ``path`` must be on a filesystem every r
 writes its own files there).
 
 Load is collective when distributed: every rank reads the slice its current plan and world need
-(``r'`` of ``N'`` along the current form's dim, from whichever saved slices overlap it), so a run
-may resume on another world size or plan.  Names and logical shapes are checked against DCP's
+(``r'`` of ``N'`` along the current form's dim, or its nested chunk on a mesh, from whichever saved
+chunks overlap it), so a run may resume on another world size, mesh or plan: a checkpoint of a 2x2
+plan loads into a one-axis plan of 2 ranks or the plain model on one process, and one of 2 ranks
+into a 2x2 plan.  Names and logical shapes are checked against DCP's
 metadata before anything is read, so a checkpoint of another model is refused with the first
 tensor that differs.  ``meta`` and the RNG states are read by each rank alone.  RNG states are
-restored per rank when the world size is unchanged, else every rank takes rank 0's.
+restored per rank when the world size is unchanged (a mesh counts its ranks), else every rank
+takes rank 0's.
 :func:`info` reads ``meta`` without a model.
 A checkpoint of the earlier single-file format (version 1: one ``torch.save`` file of the gathered
 logical tensors) still loads: ``path`` naming a file is read that way and re-sharded the same.

@@ -6,7 +6,15 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   A tensor stored ``gather_d`` is saved as this rank's slice ``X[..., r*n/N:(r+1)*n/N, ...]`` of the
   logical ``X`` (offset ``r*n/N`` along ``d``); a replicated one is written once, by one rank (DCP
   deduplicates a key every rank holds whole and spreads such keys over the ranks by size; the value
-  is the same on every rank, as a compiled module all-reduces replicated gradients).
+  is the same on every rank, as a compiled module all-reduces replicated gradients).  On a device
+  mesh ``(n_0, n_1, ...)`` (:mod:`hidup.codegen.mesh`) a tensor has a :class:`~hidup.ir.Layout`,
+  one form per axis, and the splits nest outer axis first: the rank at ``(c_0, c_1, ...)`` holds
+  slice ``c_0`` of ``n_0`` along axis 0's dim, then slice ``c_1`` of ``n_1`` of that along axis 1's
+  dim, and so on (``gather_0|gather_0`` on 2x2: rank ``(i, j)`` holds chunk ``2 i + j`` of four
+  along dim 0, offset ``(2 i + j) n/4``; ``full|gather_1``: chunk ``j`` of two along dim 1).  Each
+  distinct chunk is written once, by one of the ranks holding it (ranks differing only in the
+  coordinates of ``full``/``replicate`` axes hold the same chunk; DCP deduplicates it as it does a
+  whole tensor).
 * ``optim.<name>.<key>`` for every per-element optimizer state tensor (one with the stored
   parameter's shape: Adam's ``exp_avg``, SGD's ``momentum_buffer``), sharded exactly as its
   parameter.
@@ -16,7 +24,13 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
 * ``rng.<r>``: rank ``r``'s RNG states (torch, python, numpy, CUDA).
 
 The shards are described to DCP as DTensors: ``DTensor.from_local(slice, mesh, [Shard(d)],
-shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group.  This is the public
+shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group; for a plan on a mesh of
+several axes on the module's own DeviceMesh (``module.mesh_groups.device_mesh``) with one placement
+per axis, ``Shard(d)`` for ``gather_d`` and ``Replicate()`` for ``full``/``replicate``.  DTensor
+applies nested placements outer axis first, each splitting what the axes before it left -- hidup's
+order, which tests/test_mesh_checkpoint.py checks against the written chunks' offsets -- but splits
+an uneven size ``torch.chunk``-wise where hidup splits only evenly, so a layout splitting a dim
+unevenly on some axis is refused by name (hidup's own sharding refuses it too).  This is the public
 torch 2.13 way to tell DCP "this rank holds this chunk of that global tensor" -- the default
 planners then compute each chunk's offsets (``compute_local_shape_and_global_offset``), write one
 file per rank, and on load give every rank the chunk its *current* DTensor asks for, read from
@@ -36,11 +50,14 @@ for one that gave up.  On several nodes ``path`` must be on a filesystem every r
 writes its own files there).
 
 Load is collective when distributed: every rank reads the slice its current plan and world need
-(``r'`` of ``N'`` along the current form's dim, from whichever saved slices overlap it), so a run
-may resume on another world size or plan.  Names and logical shapes are checked against DCP's
+(``r'`` of ``N'`` along the current form's dim, or its nested chunk on a mesh, from whichever saved
+chunks overlap it), so a run may resume on another world size, mesh or plan: a checkpoint of a 2x2
+plan loads into a one-axis plan of 2 ranks or the plain model on one process, and one of 2 ranks
+into a 2x2 plan.  Names and logical shapes are checked against DCP's
 metadata before anything is read, so a checkpoint of another model is refused with the first
 tensor that differs.  ``meta`` and the RNG states are read by each rank alone.  RNG states are
-restored per rank when the world size is unchanged, else every rank takes rank 0's.
+restored per rank when the world size is unchanged (a mesh counts its ranks), else every rank
+takes rank 0's.
 :func:`info` reads ``meta`` without a model.
 A checkpoint of the earlier single-file format (version 1: one ``torch.save`` file of the gathered
 logical tensors) still loads: ``path`` naming a file is read that way and re-sharded the same.
@@ -65,10 +82,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
+from hidup.ir import Layout
 
 __all__ = ["save", "load", "info", "exists", "FORMAT_VERSION"]
 
@@ -134,35 +152,100 @@ def exists(path: str | os.PathLike) -> bool:
 
 
 class _Layout:
-    """How this rank's tensors map onto the logical ones: a 1-D DeviceMesh over the group, built
-    only when some tensor is sharded over more than one rank."""
+    """How this rank's tensors map onto the logical ones: the DeviceMesh their DTensors live on (the
+    compiled module's own mesh for a plan on several axes, else a 1-D one over the group), built only
+    when some tensor is sharded over more than one rank."""
 
     def __init__(self, module, group):
         self.group, self.world, self.rank = group, world_of(group), rank_of(group)
         self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         self.mesh = None
-        if self.distributed:
-            sharded = [t for _, t, shard in iter_shards(module) if shard.sharded]
-            if sharded:
-                self.mesh = DeviceMesh.from_group(
-                    group if group is not None else dist.group.WORLD, sharded[0].device.type
+        self.sizes: tuple[int, ...] = (self.world,)  # ranks along each axis of ``mesh``
+        sharded = [(t, shard) for _, t, shard in iter_shards(module) if shard.sharded]
+        if not self.distributed:
+            for t, shard in sharded:  # a piece of a tensor split over ranks that are not there
+                if tuple(t.shape) != tuple(shard.logical_shape):
+                    raise ValueError(
+                        f"checkpoint: {shard.logical_name} is stored as {shard.form}, a piece of shape "
+                        f"{tuple(t.shape)} of {tuple(shard.logical_shape)}, but no process group joins the "
+                        "ranks holding the other pieces. Fix: save and load from every rank of the job, "
+                        "after torch.distributed.init_process_group"
+                    )
+            return
+        if not sharded:
+            return
+        groups = getattr(module, "mesh_groups", None)
+        if groups is not None and len(groups.mesh) > 1:
+            if groups.device_mesh is None:
+                raise ValueError(
+                    f"checkpoint: the module's mesh groups {groups} hold no DeviceMesh; compile the module "
+                    "after torch.distributed.init_process_group"
                 )
+            self.mesh, self.sizes = groups.device_mesh, tuple(groups.mesh)
+        else:
+            self.mesh = DeviceMesh.from_group(
+                group if group is not None else dist.group.WORLD, sharded[0][0].device.type
+            )
 
     def wrap(self, local: torch.Tensor, shard) -> torch.Tensor:
         """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
         if self.mesh is None or not shard.sharded:
             return local
-
         shape = torch.Size(shard.logical_shape)
         stride = torch.empty(shape, device="meta").stride()  # the logical tensor is contiguous
-        return DTensor.from_local(
-            local, self.mesh, [Shard(shard.form.dim)], run_check=False, shape=shape, stride=stride
-        )
+        placements = _placements(shard, self.sizes)
+        if tuple(local.shape) != _local_shape(shard, self.sizes):
+            raise ValueError(
+                f"checkpoint: {shard.logical_name} is stored with shape {tuple(local.shape)}, but {shard.form} "
+                f"cuts {tuple(shape)} into pieces of {_local_shape(shard, self.sizes)} on "
+                f"{'x'.join(map(str, self.sizes))} ranks"
+            )
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def dcp_kwargs(self) -> dict:
         if self.distributed:
             return {"process_group": self.group}
         return {"no_dist": True}
+
+
+def _placements(shard, sizes: tuple[int, ...]) -> list:
+    """DTensor placements of ``shard``'s form, one per mesh axis: ``gather_d`` is ``Shard(d)``,
+    ``full``/``replicate`` ``Replicate()``.
+
+    DTensor applies nested placements outer axis first, each ``Shard`` splitting what the axes
+    before it left -- hidup's order (rank ``(i, j)`` of ``gather_0|gather_0`` holds chunk
+    ``i * n_1 + j``) -- but cuts an uneven size ``torch.chunk``-wise where hidup never splits one,
+    so an uneven split is refused here rather than mapped to other offsets."""
+    forms = shard.form.forms if isinstance(shard.form, Layout) else (shard.form,)
+    size = list(shard.logical_shape)
+    out = []
+    for axis, (form, n) in enumerate(zip(forms, sizes)):
+        if form.is_gather:
+            if form.dim >= len(size) or size[form.dim] % n:
+                have = size[form.dim] if form.dim < len(size) else None
+                raise ValueError(
+                    f"checkpoint: {shard.logical_name} of shape {tuple(shard.logical_shape)} is stored as "
+                    f"{shard.form}, which splits dim {form.dim} (size {have} there) over {n} ranks of mesh "
+                    f"axis {axis}: not evenly, so its pieces have no DTensor description. Fix: use a plan "
+                    "that splits only dims divisible by the ranks of their axes"
+                )
+            size[form.dim] //= n
+            out.append(Shard(form.dim))
+        elif form.kind in ("full", "replicate"):
+            out.append(Replicate())
+        else:
+            raise ValueError(
+                f"checkpoint: {shard.logical_name} is stored as {shard.form}, a partial sum on mesh axis "
+                f"{axis}; only split (gather) and whole (full, replicate) tensors are checkpointed"
+            )
+    return out
+
+
+def _local_shape(shard, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    form = shard.form
+    if isinstance(form, Layout):
+        return form.local_shape(shard.logical_shape, tuple(sizes))
+    return form.local_shape(shard.logical_shape, sizes[0])
 
 
 def _first_failure(e: CheckpointException, rank: int) -> BaseException:
@@ -203,20 +286,6 @@ def _quiet_single_process():
         yield
 
 
-class MeshCheckpointError(ValueError):
-    """Checkpoints of a module compiled for a device mesh of several axes are not written or read."""
-
-
-def _refuse_mesh(module, what: str) -> None:
-    groups = getattr(module, "mesh_groups", None)
-    if groups is not None:
-        raise MeshCheckpointError(
-            f"checkpoint {what}: the module runs a plan on the device mesh {'x'.join(map(str, groups.mesh))}, "
-            "and checkpoints of mesh plans are not supported yet. Fix: train without --checkpoint-dir/"
-            "--resume, or with a plan searched for one axis of ranks"
-        )
-
-
 def save(
     path: str | os.PathLike,
     module: torch.nn.Module,
@@ -230,7 +299,6 @@ def save(
     """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer`` to the directory
     ``path``, replacing what is there only once the new one is complete; collective: every rank
     writes its own shards."""
-    _refuse_mesh(module, "save")
     path = Path(path)
     group = _group(module, group)
     layout = _Layout(module, group)
@@ -316,7 +384,6 @@ def load(
     (collective when distributed: every rank reads the slices it needs).
 
     Returns ``{"step", "loss_history", "extra", "world_size"}`` (the world size it was saved on)."""
-    _refuse_mesh(module, "load")
     path = Path(path)
     source = _checkpoint_at(path)
     if source.is_file():
@@ -494,7 +561,9 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
     ckpt = _read_single_file(path, source)
     group = _group(module, group)
     world, rank = world_of(group), rank_of(group)
-    load_full_state_dict(module, ckpt["params"], group)
+    mesh_groups = getattr(module, "mesh_groups", None)
+    mesh = mesh_groups.mesh if mesh_groups is not None else None  # a Layout is cut on the module's mesh
+    load_full_state_dict(module, ckpt["params"], mesh_groups if mesh_groups is not None else group)
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")
@@ -506,7 +575,7 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
             local = {}
             for key, value in entry.items():
                 if torch.is_tensor(value) and tuple(value.shape) == shard.logical_shape and value.dim() > 0:
-                    local[key] = shard_tensor(value, shard.form, rank, world).to(t.device, t.dtype).clone()
+                    local[key] = shard_tensor(value, shard.form, rank, world, mesh).to(t.device, t.dtype).clone()
                 elif torch.is_tensor(value):
                     local[key] = value.clone()
                 else:

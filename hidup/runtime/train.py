@@ -426,12 +426,6 @@ def run(args: argparse.Namespace) -> int:
     A plan for another world size than the launch's is refused here, before any rank starts."""
     plan = Plan.load(args.plan) if args.plan is not None else None
     explicit_world = args.world
-    if plan is not None and len(plan.mesh) > 1 and (args.checkpoint_dir or args.resume):
-        raise PlanError(
-            f"--checkpoint-dir/--resume: {args.plan} runs on the device mesh {'x'.join(map(str, plan.mesh))}, "
-            "and checkpoints of mesh plans are not supported yet. Fix: leave out --checkpoint-dir and "
-            "--resume, or use a plan searched for one axis of ranks"
-        )
     settle_model(args, plan, args.plan)
     launched = args.cpn is not None or "CPN" in os.environ or "RANK" in os.environ
     if plan is not None and launched:

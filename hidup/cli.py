@@ -34,7 +34,7 @@ from hidup import __version__
 from hidup.describe import describe
 from hidup.plan import Plan, model_record, summary
 from hidup.profiler.profile import DTYPES
-from hidup.runtime import bench_rank
+from hidup.runtime import bench_rank, peak
 from hidup.runtime import cli as runtime_cli
 from hidup.runtime.launch import LaunchError, user_error
 from hidup.runtime.options import (
@@ -270,6 +270,7 @@ COMMANDS = {
 
 
 COMMANDS["bench-rank"] = (bench_rank.add_parser, bench_rank.run)
+COMMANDS["peak"] = (peak.add_parser, peak.run)
 for _name, _entry in runtime_cli.COMMANDS.items():  # train, verify, profile
     COMMANDS.setdefault(_name, _entry)
 

@@ -29,7 +29,9 @@ way: the floor that a rank doing its part of an N-way step without communication
 Memory (CUDA): each run records ``peak_memory_bytes`` (``torch.cuda.max_memory_allocated`` over the
 run) and ``rank_peak_bytes``, the part of it that is the rank's program: the peak less what was
 allocated before the run began (the whole model built for the share, the rank's stored tensors), plus
-the rank's stored parameters and buffers.  Beside it, ``predicted_memory`` is the memory model's figure
+the rank's stored parameters and buffers.  Beside it, ``predicted_peak`` is the peak of the rank's
+program run on fake tensors (:mod:`hidup.runtime.peak`; recorded for the eager and compile modes,
+whose peak is one step's), and ``predicted_memory`` is the memory model's figure
 for the plan at the run's precision (:mod:`hidup.search.memory`; its activations follow the plan's form
 changes, :func:`hidup.saved.plan_saved_bytes`): parameters, gradients, Adam's two moments, the bytes
 autograd keeps for the backward, and the inputs.
@@ -61,8 +63,8 @@ from hidup.codegen.timing import Stopwatch
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
+from hidup.runtime.peak import PeakError, predict_peak, predicted_memory
 from hidup.search import search
-from hidup.search.memory import MEMORY_PARTS, MemoryModel
 from hidup.trace import forward_inputs
 
 MODES = ("eager", "cuda-graph", "compile", "compile+graph")
@@ -257,25 +259,16 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
     return record
 
 
-def predicted_memory(args, plan, precision: str) -> dict | None:
-    """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
-    when the plan's model cannot be traced here."""
+def _predicted_peak(args, plan, duplication: bool | None, precision: str) -> dict | None:
+    """The rank's peak by a fake-tensor run of its program (:mod:`hidup.runtime.peak`), on the fake
+    process group this run made; None (with the reason printed) where the program cannot run so."""
     try:
-        graph = build_graph(args, "tracing the plan's model for its memory")
-    except SystemExit:
+        device = None if hidup.models.is_factory(args.model) else "meta"
+        model, inputs = hidup.models.build(args.model, world_size=args.world, seed=0, device=device, **args.model_args)
+        return predict_peak(model, forward_inputs(model, inputs), plan, args.rank, precision, duplication).to_dict()
+    except PeakError as e:
+        print(f"no predicted peak at {precision}: {e}", flush=True)
         return None
-    factor = (getattr(plan, "options", None) or {}).get("optimizer_factor", 2.0)
-    model = MemoryModel(graph, factor, "bf16" if precision == "bf16" else "fp32", frozenset(plan.recompute))
-    parts = dict.fromkeys(MEMORY_PARTS, 0.0)
-    for node in graph.nodes:
-        sig = plan.choices.get(node.name)
-        if sig is not None and node.op != "output":
-            for part, value in zip(MEMORY_PARTS, model.breakdown(node, sig)):
-                parts[part] += value
-    parts["activations_per_node"] = parts["activations"]
-    parts["activations"] = model.plan_activations(plan.choices)
-    parts["total"] = sum(parts[p] for p in MEMORY_PARTS)
-    return parts
 
 
 def _share_inputs(values: list, world: int) -> list:
@@ -311,7 +304,9 @@ def _print_row(what: str, r: dict) -> None:
         if r.get("rank_peak_bytes") and r.get("predicted_memory"):
             mem += (
                 f" (rank {r['rank_peak_bytes'] / 2**30:.3f} GiB, predicted "
-                f"{r['predicted_memory']['total'] / 2**30:.3f} GiB)"
+                f"{r['predicted_memory']['total'] / 2**30:.3f} GiB by the memory model"
+                + (f", {r['predicted_peak']['total'] / 2**30:.3f} GiB by a fake run" if r.get("predicted_peak") else "")
+                + ")"
             )
         print(
             f"{what:6s} {r['precision']:5s} {r['mode']:14s} {r['step_ms_median']:10.3f} ms median "
@@ -404,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
         share = _Share(model.to(device), args.backend)
         share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
         predicted = {p: predicted_memory(args, plan, p) for p in precisions} if device.type == "cuda" else {}
+        peaks = {p: _predicted_peak(args, plan, duplication, p) for p in precisions} if device.type == "cuda" else {}
         for precision in precisions:  # the share right after the rank, so a cut-short sweep keeps pairs
             for what, target, inputs_of, mode_list, switch in (
                 ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
@@ -415,6 +411,8 @@ def run(args: argparse.Namespace) -> int:
                     )
                     if what == "rank" and predicted.get(precision) is not None:
                         r["predicted_memory"] = predicted[precision]
+                    if what == "rank" and peaks.get(precision) is not None and mode in ("eager", "compile"):
+                        r["predicted_peak"] = peaks[precision]  # an eager program's peak (graphs keep their pool)
                     runs.append(r)
                     _print_row(what, r)
                     save()

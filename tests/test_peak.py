@@ -1,0 +1,158 @@
+"""The peak memory of a rank program, predicted on fake tensors (hidup.runtime.peak).
+
+The prediction is a run of the real rank program on fake tensors under torch's MemTracker; these
+tests pin what makes it a prediction of the real program:
+
+* the fake run allocates exactly what a real run of the same program on real CPU tensors allocates
+  (the same peak and parts, to the byte): faking changes no allocation;
+* its parts are the rank's own: parameters are the bytes of the rank's stored pieces, Adam's state
+  is two moments per piece and a step count, both following the plan's layout (data, tensor, a
+  2x2 mesh);
+* what the memory model leaves out is there: the gradient bucket of the all-reduce at the peak;
+* ``hidup peak`` prints both, writes JSON, exits 1 when the peak does not fit ``--memory``, and turns
+  a missing plan or a rank outside the plan into one message.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import hidup
+from hidup.codegen import compile as hidup_compile
+from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.runtime.peak import PEAK_PARTS, predict_peak, predicted_memory
+from hidup.search import forced
+from hidup.trace import forward_inputs
+
+SMALL = dict(layers=2, d_model=64, heads=4, ffn=128, seq_len=16, batch_per_gpu=4, vocab=256)
+LONG = dict(SMALL, seq_len=64, vocab=64)  # activations above the weights: the peak is in the step's backward
+
+
+def _plan(style, world=2, mesh=None, config=SMALL):
+    model, inputs = hidup.models.build("gpt", world_size=world, device="meta", **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = hidup.trace(model, inputs, world_size=world, mesh=mesh)
+        return forced(graph, "h200x4-nvlink", style, duplication=False, model_source=("gpt", config))
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _real_peak(plan, rank, world, steps=2) -> dict:
+    """The same steps on real CPU tensors (random weights), tracked the same way."""
+    model, inputs = hidup.models.build("gpt", world_size=world, seed=0, **SMALL)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            values = forward_inputs(model, inputs)
+            module = hidup_compile(model, plan, rank, world, values, duplication=False)
+            opt = fused_adam([p for p in module.parameters() if p.requires_grad], 1e-4, "cpu")
+            step = GraphedStep(module, values, enabled=False, optimizer=opt)
+            tracker = MemTracker()
+            tracker.track_external(module, opt)
+            with tracker:
+                for _ in range(steps):
+                    step(*values)
+                    tracker.reset_mod_stats()
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        stored = [p for p in module.parameters()]
+        return {
+            "total": peak["Total"],
+            **{name: peak.get(kind, 0) for name, kind in PEAK_PARTS.items()},
+            "stored": stored,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _predicted(plan, rank, world, config=SMALL, **kw):
+    model, inputs = hidup.models.build("gpt", world_size=world, device="meta", **config)
+    return predict_peak(model, forward_inputs(model, inputs), plan, rank, **kw)
+
+
+@pytest.mark.parametrize("style", ["data", "tensor"])
+def test_fake_run_allocates_what_a_real_run_allocates(style):
+    plan = _plan(style)
+    real = _real_peak(plan, 1, 2)
+    fake = _predicted(plan, 1, 2)
+    assert fake.total == real["total"] > 0
+    assert {k: fake.parts[k] for k in PEAK_PARTS} == {k: float(real[k]) for k in PEAK_PARTS}
+    # the parameters at the peak are the rank's own pieces
+    assert fake.parts["params"] == _nbytes(real["stored"])
+    # Adam: two moments of every piece plus its step count (a float32 scalar)
+    pieces = [p for p in real["stored"] if p.requires_grad]
+    assert fake.parts["optimizer"] == 2 * _nbytes(pieces) + 4 * len(pieces)
+
+
+def test_the_peak_holds_what_the_memory_model_leaves_out():
+    plan = _plan("data")
+    fake = _predicted(plan, 0, 2)
+
+    class Args:  # what predicted_memory reads of a command line
+        model, model_args, world, mesh, quiet = "gpt", SMALL, 2, None, True
+
+    modelled = predicted_memory(Args, plan, "fp32")
+    assert modelled is not None
+    # the parts the memory model counts exactly are the fake run's: the rank's stored weights, and at
+    # the peak (here the optimizer step) its gradients and Adam's moments beside them, and the gradient
+    # bucket the all-reduce sums into, which the memory model does not count
+    assert fake.parts["params"] == modelled["params"] and fake.parts["grads"] == modelled["grads"]
+    assert fake.parts["temporaries"] > 0
+    assert fake.total > modelled["params"] + modelled["grads"] + modelled["optimizer"]
+
+
+def test_tensor_plan_holds_a_fraction_of_the_weights_and_bf16_less_activation():
+    data, tensor = _plan("data"), _plan("tensor")
+    d, t = _predicted(data, 0, 2), _predicted(tensor, 0, 2)
+    assert t.parts["params"] < d.parts["params"]
+    long_data = _plan("data", config=LONG)
+    full, low = _predicted(long_data, 0, 2, LONG), _predicted(long_data, 0, 2, LONG, precision="bf16")
+    assert full.parts["activations"] > full.parts["params"]
+    assert low.parts["activations"] < full.parts["activations"]  # autocast keeps bf16 copies
+    assert low.precision == "bf16" and full.duplication is False
+
+
+def test_a_mesh_plan_and_duplication_run():
+    plan = _plan(("data", "tensor"), world=4, mesh=(2, 2))
+    fake = _predicted(plan, 3, 4)
+    flat = _predicted(_plan("data", world=4), 3, 4)
+    assert 0 < fake.parts["params"] < flat.parts["params"]  # weights split on axis 1
+    dup = _predicted(_plan("data"), 0, 2, duplication=True)
+    assert dup.duplication is True and dup.total > 0
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hidup.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_prints_both_figures_and_checks_a_budget(tmp_path):
+    path = tmp_path / "plan.json"
+    _plan("data").save(path)  # the plan names its model and configuration: no model flags needed
+    out = tmp_path / "peak.json"
+    args = ["peak", "--plan", str(path)]
+    proc = _cli(*args, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted peak" in proc.stdout and "temporaries" in proc.stdout and "memory model" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["predicted_peak"]["total"] > 0 and record["memory_model"]["total"] > 0
+    assert record["predicted_peak"]["params"] == record["memory_model"]["params"]
+    tight = _cli(*args, "--memory", "1e-6")
+    assert tight.returncode == 1 and "does not fit" in tight.stdout
+    missing = _cli("peak", "--plan", str(tmp_path / "none.json"))
+    assert missing.returncode != 0 and "no plan file" in missing.stderr and "Traceback" not in missing.stderr
+    outside = _cli(*args, "--rank", "5")
+    assert outside.returncode != 0 and "--rank 5" in outside.stderr and "Traceback" not in outside.stderr

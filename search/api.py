@@ -33,13 +33,16 @@ On a graph traced for a device mesh of several axes (:mod:`hidup.ir`, "Meshes") 
 products of one signature per axis: 25-36 on two axes where one axis offers 5-6, and the DP's beam,
 sized for one axis, then keeps the wrong states.  :func:`_search_mesh` searches axis by axis instead:
 first with the outer axis (across nodes on a cluster) kept to :data:`OUTER_KINDS` -- data parallel,
-parameters replicated or stored split, ops replicated -- and the inner axes free, a seed searched
-without duplication and with a beam of at most :data:`MESH_SEED_STATES` states (on an 8x8 Mixtral
-that seed alone was two thirds of the search at the full beam, and the plan found is the same); then, for up to
-:data:`MESH_ROUNDS` rounds, with one axis free and every other axis's forms fixed to the best plan's,
-keeping a plan only when it is faster (an axis whose fixed forms are those it was last searched
-with is not searched again).  Each step is the one-axis search above under a signature
-filter that keeps the current plan, so the prediction never grows; the result is a local optimum of
+parameters replicated or stored split, ops replicated -- and the inner axes free: a seed, searched
+without duplication, without the memory budget and with a beam of at most :data:`MESH_SEED_STATES`
+states (its product space makes every state dear: on an 8x8 Mixtral the seed at the full beam, with
+the budget, was two thirds of a 687-second search); then, for up to :data:`MESH_ROUNDS` rounds, with
+one axis free and every other axis's forms fixed to the best plan's, keeping a plan only when it is
+better: it fits the budget where the current one does not, or it is faster (an axis whose fixed forms
+are those it was last searched with is not searched again).  When no plan so found fits the budget,
+the seed is searched again under the budget and the rounds run again from it.  Each step is the
+one-axis search above under a signature filter that keeps the current plan, so among fitting plans
+the prediction never grows; the result is a local optimum of
 the product space, not its global one.
 """
 
@@ -300,18 +303,34 @@ MESH_ROUNDS = 2  # rounds of one search per axis after the first
 MESH_SEED_STATES = 32
 
 
-def _seed_options(opts: SearchOptions, restrict) -> SearchOptions:
-    """The first mesh search's options: ``restrict``, no duplication (the rounds choose the mode), and
-    a beam of at most :data:`MESH_SEED_STATES` states (unless the search is exact)."""
+def _seed_options(opts: SearchOptions, restrict, budgeted: bool) -> SearchOptions:
+    """The first mesh search's options: ``restrict``, no duplication (the rounds choose the mode), a
+    beam of at most :data:`MESH_SEED_STATES` states (unless the search is exact), and the memory
+    budget only when ``budgeted``."""
     states = opts.max_states
     if states is not None:
         states = min(MESH_SEED_STATES, states if states != "auto" else MESH_SEED_STATES)
-    return replace(opts, restrict=restrict, duplication=False, max_states=states)
+    budget = opts.memory_budget if budgeted else None
+    return replace(opts, restrict=restrict, duplication=False, max_states=states, memory_budget=budget)
 
 
 def _other_axes(sig: Signature, axis: int) -> tuple:
     """``sig``'s forms on every mesh axis but ``axis`` (inputs, then outputs)."""
     return tuple(f.forms[:axis] + f.forms[axis + 1 :] for f in sig.inputs + sig.outputs)
+
+
+def _fits(plan: Plan, budget: float | None) -> bool:
+    return budget is None or plan.memory["total"] <= budget
+
+
+def _better(found: Plan, plan: Plan | None, budget: float | None) -> bool:
+    """Whether ``found`` replaces ``plan``: it fits the budget where ``plan`` does not, or both fit (or
+    neither does) and it is faster."""
+    if plan is None:
+        return True
+    if _fits(found, budget) != _fits(plan, budget):
+        return _fits(found, budget)
+    return found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9)
 
 
 def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
@@ -325,33 +344,44 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
     def outer(node: Node, sig: Signature) -> bool:
         return node.op in ("output", "input") or not sig.axes or sig.axes[0].kind in OUTER_KINDS
 
-    try:
-        plan = _search(graph, profile, _seed_options(opts, within(outer)), progress)
-    except SearchError:
-        plan = None
-    searched: dict[int, dict] = {}  # axis -> the other axes' forms it was last searched with
-    for _ in range(MESH_ROUNDS):
-        improved = False
-        for axis in range(len(graph.mesh)):
-            if plan is None:
-                fixed = None
-            else:
-                fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
-                if searched.get(axis) == fixed:
-                    continue  # the same search again finds the same plan
-                searched[axis] = fixed
+    def from_seed(budgeted: bool) -> Plan | None:
+        try:
+            plan = _search(graph, profile, _seed_options(opts, within(outer), budgeted), progress)
+        except SearchError:
+            plan = None
+        searched: dict[int, dict] = {}  # axis -> the other axes' forms it was last searched with
+        for _ in range(MESH_ROUNDS):
+            improved = False
+            for axis in range(len(graph.mesh)):
+                if plan is None:
+                    fixed = None
+                else:
+                    fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
+                    if searched.get(axis) == fixed:
+                        continue  # the same search again finds the same plan
+                    searched[axis] = fixed
 
-            def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
-                return fixed is None or _other_axes(sig, axis) == fixed.get(node.name)
+                def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
+                    return fixed is None or _other_axes(sig, axis) == fixed.get(node.name)
 
-            try:
-                found = _search(graph, profile, replace(opts, restrict=within(keep)), progress)
-            except SearchError:
-                continue
-            if plan is None or found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9):
-                plan, improved = found, True
-        if not improved:
-            break
+                try:
+                    found = _search(graph, profile, replace(opts, restrict=within(keep)), progress)
+                except SearchError:
+                    continue
+                if _better(found, plan, opts.memory_budget):
+                    plan, improved = found, True
+            if not improved:
+                break
+        return plan
+
+    # the seed without the budget is cheap; the rounds search under it.  Only when they find no plan
+    # that fits is the seed searched under the budget too (its memory-aware DP in the product space
+    # is the dearest search of all)
+    plan = from_seed(budgeted=False)
+    if opts.memory_budget is not None and (plan is None or not _fits(plan, opts.memory_budget)):
+        again = from_seed(budgeted=True)
+        if again is not None and _better(again, plan, opts.memory_budget):
+            plan = again
     if plan is None:
         return _search(graph, profile, opts, progress)  # raises the search's own message
     return plan

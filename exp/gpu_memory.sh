@@ -1,6 +1,8 @@
 # Predicted vs measured peak memory of rank 0 (docs/memory.md): the plans of exp/memory_plans.py (zoo
 # GPT at world 8; data, FSDP-style and tensor; recomputation off and on), each run by `hidup bench-rank`
-# on one GPU with the other ranks stood in for by torch's fake process group.
+# on one GPU with the other ranks stood in for by torch's fake process group; bench-rank records beside the
+# measured peak the memory model's figure and the peak of a fake-tensor run of the same program
+# (hidup peak). Two recomputed plans also run with duplication on (bf16).
 #   OUT=results bash exp/gpu_memory.sh        # writes $OUT/mem/<plan>.json
 set -u
 . exp/gpu_env.sh
@@ -10,4 +12,9 @@ for P in data data-recompute fsdp fsdp-recompute tensor tensor-recompute; do
   echo "== $P"
   timeout 150 hidup bench-rank --plan "plans_mem/$P.json" --rank 0 --duplication off --modes eager \
     --share-modes none --precisions tf32,bf16 --steps 2 --rounds 1 --warmup 2 --out "$OUT/mem/$P.json" 2>&1 | tail -6
+done
+for P in tensor-recompute fsdp-recompute; do
+  echo "== $P, duplication on"
+  timeout 150 hidup bench-rank --plan "plans_mem/$P.json" --rank 0 --duplication on --modes eager \
+    --share-modes none --precisions bf16 --steps 2 --rounds 1 --warmup 2 --out "$OUT/mem/$P-dup.json" 2>&1 | tail -4
 done

@@ -13,6 +13,7 @@ from hidup.cli import main
 from hidup.ir import FULL, REPLICATE, Layout, gather, layout_conversions
 from hidup.plan import Plan, PlanError
 from hidup.profiler import load
+from hidup.search import SearchError
 from hidup.search.api import forced, price
 from hidup.search.cost import CostModel
 from hidup.trace import trace
@@ -126,6 +127,25 @@ def test_tensor_parallelism_stays_inside_nodes():
 def test_the_mesh_search_is_no_worse_than_the_data_parallel_plan(small, small_plan):
     data = forced(small, "h200x4-nvlink", "data", duplication=False)
     assert small_plan.predicted["total"] <= data.predicted["total"] * (1 + 1e-9)
+
+
+def test_under_a_budget_the_mesh_search_beats_the_forced_styles_that_fit():
+    """A budget the fastest plan does not fit: the search starts from the lean (FSDP-style on one axis)
+    seeds and must find a plan that fits and is no slower than any fitting fixed style per axis; a
+    budget nothing fits is one message, not a plan over the budget."""
+    model, inputs = _gpt(16, layers=2, d_model=256, heads=8, ffn=1024, seq_len=256, batch_per_gpu=4, vocab=2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(model, inputs, mesh=(2, 8))
+        fastest = hidup.search(graph, CLUSTER, duplication=False)
+        budget = 0.6 * fastest.memory["total"]
+        plan = hidup.search(graph, CLUSTER, memory_budget=budget)
+        assert plan.memory["total"] <= budget < fastest.memory["total"]
+        for styles in (("fsdp", "fsdp"), ("tensor", "fsdp"), ("fsdp", "tensor")):
+            fixed = forced(graph, CLUSTER, styles, memory_budget=budget)
+            assert plan.predicted["total"] <= fixed.predicted["total"] * (1 + 1e-9), styles
+        with pytest.raises(SearchError, match="no plan the mesh search found fits the memory budget"):
+            hidup.search(graph, CLUSTER, memory_budget=0.02 * fastest.memory["total"])
 
 
 def test_cli_search_on_a_mesh(tmp_path, capsys):

@@ -16,8 +16,6 @@ tests pin what makes it a prediction of the real program:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -27,6 +25,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hidup
+from hidup.cli import main
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.runtime.peak import PEAK_PARTS, predict_peak, predicted_memory
@@ -135,24 +134,19 @@ def test_a_mesh_plan_and_duplication_run():
     assert dup.duplication is True and dup.total > 0
 
 
-def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hidup.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_cli_prints_both_figures_and_checks_a_budget(tmp_path):
+def test_cli_prints_both_figures_and_checks_a_budget(tmp_path, capsys):
     path = tmp_path / "plan.json"
     _plan("data").save(path)  # the plan names its model and configuration: no model flags needed
     out = tmp_path / "peak.json"
     args = ["peak", "--plan", str(path)]
-    proc = _cli(*args, "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "predicted peak" in proc.stdout and "temporaries" in proc.stdout and "memory model" in proc.stdout
+    assert main([*args, "--out", str(out), "--memory", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted peak" in printed and "temporaries" in printed and "memory model" in printed
     record = json.loads(out.read_text())
     assert record["predicted_peak"]["total"] > 0 and record["memory_model"]["total"] > 0
     assert record["predicted_peak"]["params"] == record["memory_model"]["params"]
-    tight = _cli(*args, "--memory", "1e-6")
-    assert tight.returncode == 1 and "does not fit" in tight.stdout
-    missing = _cli("peak", "--plan", str(tmp_path / "none.json"))
-    assert missing.returncode != 0 and "no plan file" in missing.stderr and "Traceback" not in missing.stderr
-    outside = _cli(*args, "--rank", "5")
-    assert outside.returncode != 0 and "--rank 5" in outside.stderr and "Traceback" not in outside.stderr
+    assert main([*args, "--memory", "1e-6"]) == 1 and "does not fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no plan file"):
+        main(["peak", "--plan", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="--rank 5 is outside the plan's 2 ranks"):
+        main([*args, "--rank", "5"])

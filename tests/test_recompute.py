@@ -289,10 +289,13 @@ def test_ilp_prices_recomputation(gpt_graph):
 
 
 def _rank_compiled(rank, world, style, dup, graphs):
+    import torch._dynamo
+
     from hidup.codegen import compile as hidup_compile
     from hidup.codegen.params import full_grad_dict
 
     warnings.simplefilter("ignore")
+    torch._dynamo.reset()  # each case compiles from empty caches, as in a process of its own
     graph = _graph(graphs, "gpt", world)
     plan = _plan(graph, style, dup)
     layers = sorted(repeated_layers(graph))

@@ -4,9 +4,12 @@ of --repeats, the results files and the progress watchdog (the time breakdown: t
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -43,8 +46,12 @@ def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedPr
 
 
 # ------------------------------------------------------------------------------------ bench
-def test_bench_smoke_world2(tmp_path):
-    out, docs = tmp_path / "bench", tmp_path / "docs"
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One bench invocation with every method, both baseline variants and the measured op times: the
+    smoke checks read it, and its profile is the ``--ops-from`` source of another network's run."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    out, docs = tmp / "bench", tmp / "docs"
     proc = _run(
         "bench.py",
         [
@@ -85,6 +92,11 @@ def test_bench_smoke_world2(tmp_path):
         + TINY,
         timeout=200,
     )
+    return out, docs, proc
+
+
+def test_bench_smoke_world2(smoke):
+    out, docs, proc = smoke
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
     assert set(runs) == {"single", "single-dup", "ddp", "fsdp", "expert", "hidup", "hidup-nodup", "hidup-auto"}
@@ -133,52 +145,94 @@ def test_bench_smoke_world2(tmp_path):
     assert "w2/bert-sgmoe/tf32/hidup" in proc.stdout  # the compact table / progress reach stdout
 
 
-def test_bench_resume_runs_only_what_is_missing(tmp_path):
+# the resumed invocation and the rounds of --repeats run the same matrix: one invocation with rounds is
+# the earlier run that --resume completes
+RESUMED = [
+    "--network",
+    "sockets",
+    "--worlds",
+    "2",
+    "--models",
+    "bert-sgmoe",
+    "--precisions",
+    "tf32",
+    "--warmup",
+    "1",
+    "--iters",
+    "2",
+    "--profile-budget",
+    "0.02",
+    "--ops-seconds",
+    "0",
+    "--comm-rounds",
+    "1",
+    "--variants",
+    "eager",
+    "--best-of",
+    "1",
+] + TINY
+ROUNDS = ("single", "ddp", "hidup", "hidup-nodup")
+RESUMED_METHOD = "hidup-nodup-eager"  # the run --resume adds: the same plan, not captured
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    """``--repeats 2`` over the floor, a baseline and the searched plan in both modes (read, never written,
+    by the tests)."""
+    tmp = tmp_path_factory.mktemp("rounds")
+    out, docs = tmp / "bench", tmp / "docs"
+    proc = _run(
+        "bench.py",
+        RESUMED
+        + ["--out", str(out), "--docs", str(docs), "--time-budget", "120", "--repeats", "2", "--methods", *ROUNDS],
+        timeout=200,
+    )
+    return out, docs, proc
+
+
+def test_bench_repeats_runs_rounds_and_reports_their_median(rounds):
+    out, docs, proc = rounds
+    # a round starts only when the one before it is done
+    order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
+    assert sorted(order[: len(ROUNDS)]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in sorted(ROUNDS)]
+    assert sorted(order[len(ROUNDS) :]) == [f"w2/bert-sgmoe/tf32/{m}#1" for m in sorted(ROUNDS)]
+    doc = json.loads((out / "sockets.json").read_text())
+    assert doc["latest"]["runs"] == [f"w2/bert-sgmoe/tf32/{m}" for m in sorted(ROUNDS)]
+    assert len(doc["runs"]) == len(ROUNDS)
+    for r in doc["runs"]:
+        times = [x["iter_time_s"] for x in r["rounds"]]
+        assert r["status"] == "ok" and [x["round"] for x in r["rounds"]] == [0, 1] and "id" not in r
+        assert r["iter_time_s"] == pytest.approx(sum(times) / 2)  # the median of two rounds
+        assert r["round_spread"] == pytest.approx(max(times) / min(times))
+        assert r["throughput"] == pytest.approx(r["global_batch"] * 8 / r["iter_time_s"])
+    md = (docs / "benchmarks.md").read_text()
+    assert "median of 2 rounds" in md and "The searched plan against the fastest baseline" in md
+    assert "over 2 rounds" in md
+
+
+def test_bench_resume_runs_only_what_is_missing(rounds, tmp_path):
     out, docs = tmp_path / "bench", tmp_path / "docs"
-    common = [
-        "--network",
-        "sockets",
-        "--worlds",
-        "2",
-        "--models",
-        "bert-sgmoe",
-        "--precisions",
-        "tf32",
-        "--out",
-        str(out),
-        "--docs",
-        str(docs),
-        "--warmup",
-        "1",
-        "--iters",
-        "2",
-        "--profile-budget",
-        "0.02",
-        "--ops-seconds",
-        "0",
-        "--variants",
-        "eager",
-        "--best-of",
-        "1",
-    ] + TINY
-    _run("bench.py", common + ["--methods", "single", "ddp", "--time-budget", "60"], timeout=120)
+    shutil.copytree(rounds[0], out)  # the earlier invocation's results, profile and plans
     first = {r["method"]: r for r in json.loads((out / "sockets.json").read_text())["runs"]}
-    assert first["single"]["status"] == first["ddp"]["status"] == "ok"
+    assert all(first[m]["status"] == "ok" for m in ROUNDS)
     profile_before = (out / "sockets-profile.json").read_bytes()
+    common = RESUMED + ["--out", str(out), "--docs", str(docs)]
 
     proc = _run(
         "bench.py",
-        common + ["--methods", "single", "ddp", "hidup-nodup", "--time-budget", "60", "--resume"],
+        common + ["--methods", *ROUNDS, RESUMED_METHOD, "--time-budget", "60", "--resume"],
         timeout=120,
     )
-    assert "2 runs already recorded as ok" in proc.stdout and "1 to run" in proc.stdout
+    assert f"{len(ROUNDS)} runs already recorded as ok" in proc.stdout and "1 to run" in proc.stdout
     doc = json.loads((out / "sockets.json").read_text())
     runs = {r["method"]: r for r in doc["runs"]}
-    assert doc["latest"]["runs"] == ["w2/bert-sgmoe/tf32/hidup-nodup"]  # only the missing run ran
-    assert runs["hidup-nodup"]["status"] == "ok" and runs["hidup-nodup"]["profile"]["name"] == "sockets-measured"
+    assert doc["latest"]["runs"] == [f"w2/bert-sgmoe/tf32/{RESUMED_METHOD}"]  # only the missing run ran
+    resumed = runs[RESUMED_METHOD]
+    assert resumed["status"] == "ok" and resumed["profile"]["name"] == "sockets-measured"
     assert runs["single"]["date"] == first["single"]["date"]  # kept as recorded
-    assert runs["hidup-nodup"]["scaling_efficiency"] == pytest.approx(
-        first["single"]["iter_time_s"] / runs["hidup-nodup"]["iter_time_s"]
+    assert runs["ddp"] == first["ddp"]
+    assert resumed["scaling_efficiency"] == pytest.approx(
+        first["single"]["iter_time_s"] / resumed["iter_time_s"]
     )  # against the earlier floor
     assert (out / "sockets-profile.json").read_bytes() == profile_before  # reused, not measured again
 
@@ -192,74 +246,13 @@ def test_bench_resume_runs_only_what_is_missing(tmp_path):
     assert runs["single"]["status"] == "ok" and runs["single"]["date"] == first["single"]["date"]
 
 
-def test_bench_repeats_runs_rounds_and_reports_their_median(tmp_path):
-    out, docs = tmp_path / "bench", tmp_path / "docs"
-    proc = _run(
-        "bench.py",
-        [
-            "--network",
-            "sockets",
-            "--worlds",
-            "2",
-            "--models",
-            "bert-sgmoe",
-            "--precisions",
-            "tf32",
-            "--out",
-            str(out),
-            "--docs",
-            str(docs),
-            "--warmup",
-            "1",
-            "--iters",
-            "2",
-            "--profile-budget",
-            "0.02",
-            "--ops-seconds",
-            "0",
-            "--time-budget",
-            "120",
-            "--repeats",
-            "2",
-            "--variants",
-            "eager",
-            "--best-of",
-            "1",
-            "--methods",
-            "ddp",
-            "hidup",
-            "hidup-nodup",
-        ]
-        + TINY,
-        timeout=200,
-    )
-    # a round starts only when the one before it is done
-    order = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[bench sockets] w2")]
-    assert sorted(order[:3]) == [f"w2/bert-sgmoe/tf32/{m}#0" for m in ("ddp", "hidup", "hidup-nodup")]
-    assert sorted(order[3:]) == [f"w2/bert-sgmoe/tf32/{m}#1" for m in ("ddp", "hidup", "hidup-nodup")]
-    doc = json.loads((out / "sockets.json").read_text())
-    assert doc["latest"]["runs"] == [f"w2/bert-sgmoe/tf32/{m}" for m in ("ddp", "hidup", "hidup-nodup")]
-    for r in doc["runs"]:
-        times = [x["iter_time_s"] for x in r["rounds"]]
-        assert r["status"] == "ok" and [x["round"] for x in r["rounds"]] == [0, 1] and "id" not in r
-        assert r["iter_time_s"] == pytest.approx(sum(times) / 2)  # the median of two rounds
-        assert r["round_spread"] == pytest.approx(max(times) / min(times))
-        assert r["throughput"] == pytest.approx(r["global_batch"] * 8 / r["iter_time_s"])
-    md = (docs / "benchmarks.md").read_text()
-    assert "median of 2 rounds" in md and "The searched plan against the fastest baseline" in md
-    assert "over 2 rounds" in md
-
-
 def test_bench_rejects_zero_rounds(tmp_path):
+    from exp import bench
+
     for flag in ("--repeats", "--comm-rounds", "--best-of"):
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "exp" / "bench.py"), flag, "0", "--out", str(tmp_path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert proc.returncode != 0 and "each must be at least 1" in proc.stderr and flag in proc.stderr
+        with mock.patch.dict(os.environ), pytest.raises(SystemExit, match="each must be at least 1") as exc:
+            bench.main([flag, "0", "--out", str(tmp_path)])
+        assert flag in str(exc.value)
 
 
 def test_merge_rounds_and_the_speedup_table():
@@ -356,7 +349,11 @@ def test_merge_rounds_and_the_speedup_table():
     assert row[5] == "2.50x (vs eager baselines)"
 
 
-def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
+def test_bench_ops_from_carries_the_op_times_and_measures_the_network(smoke, tmp_path):
+    """The smoke run's profile (sockets, with the model's op times) carried into a run on another network."""
+    source = smoke[0] / "sockets-profile.json"
+    carried = hidup.profiler.load(source)
+    assert len(carried.ops) > 20
     common = [
         "--worlds",
         "2",
@@ -376,47 +373,29 @@ def test_bench_ops_from_carries_the_op_times_and_measures_the_network(tmp_path):
         "1",
         "--profile-budget",
         "0.02",
+        "--comm-rounds",
+        "1",
         "--time-budget",
         "60",
     ] + TINY
-    first = tmp_path / "a"
-    _run(
-        "bench.py",
-        common + ["--network", "nvlink", "--out", str(first), "--docs", str(tmp_path / "docs-a")],
-        timeout=150,
-    )
-    carried = hidup.profiler.load(first / "nvlink-profile.json")
-    assert len(carried.ops) > 20
     second = tmp_path / "b"
     _run(
         "bench.py",
         common
-        + [
-            "--network",
-            "sockets",
-            "--out",
-            str(second),
-            "--docs",
-            str(tmp_path / "docs-b"),
-            "--ops-from",
-            str(first / "nvlink-profile.json"),
-        ],
+        + ["--network", "nvlink", "--out", str(second), "--docs", str(tmp_path / "docs-b"), "--ops-from", str(source)],
         timeout=150,
     )
-    prof = hidup.profiler.load(second / "sockets-profile.json")
-    assert prof.name == "sockets-measured" and prof.collectives  # the network measured anew
+    prof = hidup.profiler.load(second / "nvlink-profile.json")
+    assert prof.name == "nvlink-measured" and prof.collectives  # the network measured anew
     assert prof.ops == carried.ops  # every op time carried over, none timed again
+
+    from exp import bench
 
     bad = tmp_path / "no-ops.json"
     hidup.profiler.save(hidup.profiler.load("h200x4-nvlink"), bad)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "exp" / "bench.py"), "--ops-from", str(bad), "--out", str(tmp_path / "c")] + common,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode != 0 and "--ops-from" in proc.stderr and "no per-op times" in proc.stderr
+    with mock.patch.dict(os.environ), pytest.raises(SystemExit, match="no per-op times") as exc:
+        bench.main(["--ops-from", str(bad), "--out", str(tmp_path / "c")] + common)
+    assert "--ops-from" in str(exc.value) and not (tmp_path / "c").exists()
 
 
 def test_bench_merges_reruns_and_keeps_other_sections(tmp_path):
@@ -580,6 +559,8 @@ def test_noise_measured_runs_pair_each_plan_with_the_clean_one(tmp_path):
             "100",
             "--profile-budget",
             "0.02",
+            "--comm-rounds",
+            "1",
             "--again-above",
             "0.01",
         ]

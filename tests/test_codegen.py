@@ -431,12 +431,25 @@ def test_parity(world, name, style, dup):
         assert r["params"] < 1e-5, f"{where}: parameters after {STEPS} steps differ by {r['params']:.2e}"
 
 
+_FULL_RESULTS: dict[int, list] = {}
+
+
+def _full_results(world: int) -> list:
+    """Every other zoo model of ``world``, all in one process group (one spawn per world)."""
+    if world not in _FULL_RESULTS:
+        jobs = [(name, _plans(name, world)) for name in FULL_MODELS[world]]
+        _FULL_RESULTS[world] = run_distributed(_rank_parity, world, jobs, timeout=900)
+    return _FULL_RESULTS[world]
+
+
 @pytest.mark.skipif(bool(os.environ.get("HIDUP_QUICK_TESTS")), reason="HIDUP_QUICK_TESTS=1 keeps to the core models")
 @pytest.mark.parametrize("world, name", FULL_CASES, ids=[f"w{w}-{m}" for w, m in FULL_CASES])
 def test_parity_full(world, name):
-    results = run_distributed(_rank_parity, world, [(name, _plans(name, world))], timeout=600)
+    results = _full_results(world)
     for rank, res in enumerate(results):
-        for (_, style, dup), r in res.items():
+        cases = {(style, dup): r for (model, style, dup), r in res.items() if model == name}
+        assert len(cases) == 2 * len(_plans(name, world)), sorted(cases)  # every plan, duplication off and on
+        for (style, dup), r in cases.items():
             where = f"{name} world {world} {style} plan duplication={dup} rank {rank}"
             assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["params"] < 1e-5, f"{where}: {r}"
 

@@ -178,8 +178,8 @@ def _rounds_rank(rank, world):
     return [c.to_dict() for c in curves]
 
 
-def test_collective_rounds_keep_each_points_median():
-    res = run_distributed(_rounds_rank, 2, timeout=90)
+def test_collective_rounds_keep_each_points_median(world2):
+    res = [r["rounds"] for r in world2]
     assert res[0] == res[1]
     (curve,) = res[0]
     assert [len(r) for r in curve["round_seconds"]] == [3, 3]
@@ -232,19 +232,22 @@ CASES = [("ddp", "bert-sgmoe"), ("fsdp", "bert-sgmoe"), ("expert", "bert-sgmoe")
 
 
 def _world2_rank(rank, world, out_path):
-    """The world-2 profile, then every distributed baseline case, in one process group (one spawn)."""
+    """The world-2 profile, the collective rounds, every distributed baseline case and the program
+    checks, in one process group (one spawn)."""
     h = _harness()
     out = {"profile": _profile_rank(rank, world, out_path), "profile_path": out_path}
+    out["rounds"] = _rounds_rank(rank, world)
     for baseline, model in CASES:
         spec = h.RunSpec(baseline, model, world, dict(TINY), warmup=0, iters=STEPS, lr=LR)
         out[(baseline, model)] = h.run_rank(rank, world, torch.device("cpu"), spec)
+    out["program"] = _program_rank(rank, world)
     return out
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "prof.json"
-    return run_distributed(_world2_rank, 2, out, timeout=150)
+    return run_distributed(_world2_rank, 2, out, timeout=400)
 
 
 def _reference_losses(model_name, world, batch_share=None):
@@ -376,8 +379,10 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
     assert "gpt fp32 x2" in prof.notes and "bert-switch fp32 x2" in prof.notes and "two-copy check" in prof.notes
     assert prof.collectives == hidup.profiler.load("h200x4-nvlink").collectives
     assert prof.ops and prof.ops_timing == "eager"
-    bad = subprocess.run(cmd[:-2] + ["--ops-worlds", "two", "--out", str(out)], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--ops-worlds 'two'" in bad.stderr
+    from exp import profiler as profiler_script
+
+    with pytest.raises(SystemExit, match="--ops-worlds 'two'"):
+        profiler_script.main(cmd[2:-2] + ["--ops-worlds", "two", "--out", str(out)])
 
 
 def test_fit_program_scale_finds_the_factor_and_says_when_it_cannot():
@@ -417,10 +422,10 @@ def _program_rank(rank, world):
     return [{k: v for k, v in c.items() if k != "plan"} for c in checks], exact
 
 
-def test_program_checks_time_both_modes_on_the_ranks_and_fit_the_cost_model():
+def test_program_checks_time_both_modes_on_the_ranks_and_fit_the_cost_model(world2):
     """On 2 gloo ranks: the searched plan of a small MoE model, both modes timed, the ranks agreeing;
     a time the cost model would give at factor 1.1 is fitted back to 1.1 in each mode."""
-    (checks, exact), (checks1, _) = run_distributed(_program_rank, 2, timeout=180)
+    (checks, exact), (checks1, _) = (r["program"] for r in world2)
     assert [(c["factor"], c["measured_s"]) for c in checks] == [(c["factor"], c["measured_s"]) for c in checks1]
     assert [c["factor"] for c in checks] == ["dist_scale", "dist_dup_scale"]
     for c in checks:
@@ -463,36 +468,14 @@ def test_program_factors_average_the_usable_checks():
     assert "out of reach" in out.notes and "20% of it compute -> 0.800" in out.notes
 
 
-def test_calibrating_plans_needs_ranks_and_passes_are_counted():
-    import subprocess
+def test_calibrating_plans_needs_ranks_and_passes_are_counted(monkeypatch):
+    from exp import profiler as profiler_script
 
-    root = ROOT
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(root, "exp", "profiler.py"),
-            "--merge",
-            "h200x4-nvlink",
-            "--calibrate-plans",
-            "gpt",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={k: v for k, v in os.environ.items() if k not in ("CPN", "NODERANK", "WORLD_SIZE")},
-    )
-    assert done.returncode != 0 and "--calibrate-plans times plans on the ranks" in done.stderr
-    bad = subprocess.run(
-        [sys.executable, os.path.join(root, "exp", "profiler.py"), "--calibrate-plans", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode != 0 and "unknown model(s) nope" in bad.stderr
-    rounds = subprocess.run(
-        [sys.executable, os.path.join(root, "exp", "profiler.py"), "--comm-rounds", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert rounds.returncode != 0 and "--comm-rounds 0: give at least one pass" in rounds.stderr
+    for var in ("CPN", "NODERANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit, match="--calibrate-plans times plans on the ranks"):
+        profiler_script.main(["--merge", "h200x4-nvlink", "--calibrate-plans", "gpt"])
+    with pytest.raises(SystemExit, match=r"unknown model\(s\) nope"):
+        profiler_script.main(["--calibrate-plans", "nope"])
+    with pytest.raises(SystemExit, match="--comm-rounds 0: give at least one pass"):
+        profiler_script.main(["--comm-rounds", "0"])

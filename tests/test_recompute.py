@@ -59,7 +59,14 @@ def _plan(graph, style: str, dup: bool):
     return forced(graph, hidup.profiler.load(PROFILE), style, duplication=dup)
 
 
-def _rank_parity(rank, world, jobs):
+def _graph(graphs: dict, name: str, world: int):
+    """The trace of model ``name``, made once per rank (the plans read it, never change it)."""
+    if name not in graphs:
+        graphs[name] = trace(*_build(name, world), world_size=world)
+    return graphs[name]
+
+
+def _rank_parity(rank, world, jobs, graphs):
     from hidup.codegen import compile as hidup_compile
     from hidup.codegen.params import full_grad_dict
     from hidup.codegen.recompute import Recomputed
@@ -67,8 +74,7 @@ def _rank_parity(rank, world, jobs):
     warnings.simplefilter("ignore")
     out = []
     for name, style, dup in jobs:
-        model, inputs = _build(name, world)
-        graph = trace(model, inputs, world_size=world)
+        graph = _graph(graphs, name, world)
         plan = _plan(graph, style, dup)
         runs = {}
         for recompute in (False, True):
@@ -131,13 +137,26 @@ def _rank_parity(rank, world, jobs):
     return out
 
 
-_RESULTS: list = []
+# (plan style, duplication) of the programs also run under torch.compile
+COMPILED = [("tensor", True), ("fsdp", False)]
+
+
+def _rank_all(rank, world):
+    """Every parity job and every compiled program, in one process group (one spawn)."""
+    graphs: dict = {}
+    return {
+        "parity": {r["job"]: r for r in _rank_parity(rank, world, JOBS, graphs)},
+        "compiled": {case: _rank_compiled(rank, world, *case, graphs) for case in COMPILED},
+    }
+
+
+_RESULTS: dict = {}
 
 
 def _results() -> dict:
     if not _RESULTS:
-        _RESULTS.extend(run_distributed(_rank_parity, 2, JOBS, timeout=900)[0])
-    return {r["job"]: r for r in _RESULTS}
+        _RESULTS.update(run_distributed(_rank_all, 2, timeout=900)[0])
+    return _RESULTS
 
 
 def _tol(name: str) -> float:
@@ -149,7 +168,7 @@ def _tol(name: str) -> float:
 
 @pytest.mark.parametrize("job", JOBS, ids=["-".join(map(str, j)) for j in JOBS])
 def test_recomputed_program_is_exact(job):
-    r = _results()[job]
+    r = _results()["parity"][job]
     name, style, dup = job
     plain_loss, loss, ref = r["loss"], r["loss"][1], r["loss"][2]
     assert r["regions"][0] == 0 and r["regions"][1] >= 2, r["regions"]
@@ -269,13 +288,15 @@ def test_ilp_prices_recomputation(gpt_graph):
     assert abs(on.predicted["total"] - dp_on.predicted["total"]) <= 0.02 * dp_on.predicted["total"]
 
 
-def _rank_compiled(rank, world, style, dup):
+def _rank_compiled(rank, world, style, dup, graphs):
+    import torch._dynamo
+
     from hidup.codegen import compile as hidup_compile
     from hidup.codegen.params import full_grad_dict
 
     warnings.simplefilter("ignore")
-    model, inputs = _build("gpt", world)
-    graph = trace(model, inputs, world_size=world)
+    torch._dynamo.reset()  # each case compiles from empty caches, as in a process of its own
+    graph = _graph(graphs, "gpt", world)
     plan = _plan(graph, style, dup)
     layers = sorted(repeated_layers(graph))
     out = {}
@@ -291,12 +312,12 @@ def _rank_compiled(rank, world, style, dup):
     return abs(eager[0] - compiled[0]), max(float((eager[1][k] - compiled[1][k]).abs().max()) for k in eager[1])
 
 
-@pytest.mark.parametrize("style,dup", [("tensor", True), ("fsdp", False)])
+@pytest.mark.parametrize("style,dup", COMPILED)
 def test_recomputed_program_compiles(style, dup):
     """Under torch.compile (dynamo capture and AOTAutograd, ``aot_eager``) the recomputed regions, their
     collectives and, with duplication, the two-stream stage schedule give the eager program's loss and
     gradients (float64)."""
-    loss_diff, grad_diff = run_distributed(_rank_compiled, 2, style, dup, timeout=600)[0]
+    loss_diff, grad_diff = _results()["compiled"][(style, dup)]
     assert loss_diff <= _tol("gpt") and grad_diff <= _tol("gpt"), (loss_diff, grad_diff)
 
 

@@ -268,9 +268,15 @@ def _load(rank, world, path):
     )
 
 
-def test_checkpoint_resumes_on_another_world(tmp_path):
-    path = tmp_path / "ckpt.pt"
-    saved = run_distributed(_train_and_save, 2, path)
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A checkpoint saved by two ranks (read, never written, by the tests) and what each rank saved."""
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    return path, run_distributed(_train_and_save, 2, path)
+
+
+def test_checkpoint_resumes_on_another_world(saved_checkpoint):
+    path, saved = saved_checkpoint
     for world in (4, 2):
         loaded = run_distributed(_load, world, path)
         for rank, (info, state, opt_state, lr, rnd, local_w) in enumerate(loaded):
@@ -288,9 +294,8 @@ def test_checkpoint_resumes_on_another_world(tmp_path):
                 torch.testing.assert_close(rnd, saved[0][2])
 
 
-def test_checkpoint_loads_into_a_plain_module(tmp_path):
-    path = tmp_path / "c.pt"
-    run_distributed(_train_and_save, 2, path)
+def test_checkpoint_loads_into_a_plain_module(saved_checkpoint):
+    path = saved_checkpoint[0]
     plain = nn.Module()
     plain.lin = nn.Linear(4, 8)
     plain.register_buffer("scale", torch.zeros(4))

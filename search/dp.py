@@ -68,7 +68,7 @@ from typing import Callable
 import numpy as np
 
 from hidup.search.ilp import CBC_FIX, CbcMissing, min_memory
-from hidup.search.problem import Problem, SearchError
+from hidup.search.problem import LazySearchError, Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply_stages, generate, recurrence_source
 from hidup.search.segments import Occurrence, find_blocks
 
@@ -171,6 +171,35 @@ _dup_node_step = generate(
         + "                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))\n"
     ),
 )
+
+
+def _budget_message(problem: Problem, budget: float, i: int, max_states, max_points) -> str:
+    """Why the memory-aware DP ran out of plans at position ``i``: no plan fits (and the least memory
+    any plan needs), or the beam dropped the plans that do."""
+    node = problem.order[i]
+    try:
+        need = min_memory(problem)
+    except CbcMissing:  # no CBC to compute the least memory: say what is known
+        return (
+            f"no plan the DP kept fits the memory budget of {budget:.6g} bytes "
+            f"({budget / 2**30:.3f} GiB) per rank (it ran out of plans at node "
+            f"{node.name}); whether any plan fits is unknown, since the least memory "
+            f"is found by the ILP solver CBC, which python-mip could not load. Fix: raise "
+            f"the budget or use more ranks; to know the least memory, {CBC_FIX}."
+        )
+    if need <= budget:
+        return (
+            f"plans within the memory budget of {budget:.6g} bytes exist (the least "
+            f"needs {need:.6g} bytes) but the DP's beam (max_states={max_states}, "
+            f"max_points={max_points}) dropped them at node {node.name}. Fix: use "
+            "algorithm='ilp', or max_states=None / a larger max_points."
+        )
+    return (
+        f"no plan fits the memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} "
+        f"GiB) per rank (the search ran out of plans at node {node.name}); the least memory "
+        f"any plan needs is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget "
+        "to at least that, or use more ranks."
+    )
 
 
 class _DP:
@@ -365,31 +394,13 @@ class _DP:
         return states
 
     def infeasible(self, i: int) -> SearchError:
-        node = self.p.order[i]
+        """The error of running out of states at position ``i``; under a budget its message (which
+        solves an ILP for the least memory) is worked out only when read, and holds no DP state."""
+        p, budget, states, points = self.p, self.budget, self.max_states, self.max_points
         if self.has_mem:
-            try:
-                need = min_memory(self.p)
-            except CbcMissing:  # no CBC to compute the least memory: say what is known
-                return SearchError(
-                    f"no plan the DP kept fits the memory budget of {self.budget:.6g} bytes "
-                    f"({self.budget / 2**30:.3f} GiB) per rank (it ran out of plans at node "
-                    f"{node.name}); whether any plan fits is unknown, since the least memory "
-                    f"is found by the ILP solver CBC, which python-mip could not load. Fix: raise "
-                    f"the budget or use more ranks; to know the least memory, {CBC_FIX}."
-                )
-            if need <= self.budget:
-                return SearchError(
-                    f"plans within the memory budget of {self.budget:.6g} bytes exist (the least "
-                    f"needs {need:.6g} bytes) but the DP's beam (max_states={self.max_states}, "
-                    f"max_points={self.max_points}) dropped them at node {node.name}. Fix: use "
-                    "algorithm='ilp', or max_states=None / a larger max_points."
-                )
-            return SearchError(
-                f"no plan fits the memory budget of {self.budget:.6g} bytes ({self.budget / 2**30:.3f} "
-                f"GiB) per rank (the search ran out of plans at node {node.name}); the least memory "
-                f"any plan needs is {need:.6g} bytes ({need / 2**30:.3f} GiB). Fix: raise the budget "
-                "to at least that, or use more ranks."
-            )
+            p.drop_caches()
+            return LazySearchError(lambda: _budget_message(p, budget, i, states, points))
+        node = p.order[i]
         return SearchError(
             f"no feasible signature combination reaches node {node.name} ({node.target}); every "
             "signature needs a form change that cannot be made. Fix: check the node's signatures "

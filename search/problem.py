@@ -61,6 +61,24 @@ class SearchError(ValueError):
     """The search cannot produce a plan; the message says why and what to change."""
 
 
+class LazySearchError(SearchError):
+    """A :class:`SearchError` whose message is worked out when it is first read: saying how much
+    memory any plan needs takes an ILP solve, which a caller that recovers from the error (the search
+    trying recomputation next) should not pay.  Pickled (from a worker process) with its message."""
+
+    def __init__(self, make_message: Callable[[], str]):
+        super().__init__()
+        self._make, self._text = make_message, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text, self._make = self._make(), None
+        return self._text
+
+    def __reduce__(self):
+        return (SearchError, (str(self),))
+
+
 @dataclass(frozen=True)
 class Step:
     """Cost of one transition (see the module docstring)."""
@@ -199,6 +217,13 @@ class Problem:
         # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
         # a budgeted search asks for it again, first to see whether the budget binds
         self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
+
+    def drop_caches(self) -> None:
+        """Forget the transition, step and penalty caches (they are rebuilt on demand): a search that
+        failed keeps its problem only to explain the failure, if asked."""
+        self._step_cache.clear()
+        self._trans_cache = [{} for _ in range(self.n)]
+        self._pen_cache.clear()
 
     # ------------------------------------------------------------------------------------ setup
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:

@@ -37,6 +37,10 @@ TINY = [
 ]
 
 
+# the bench matrix the end-to-end runs below share: world 2 over sockets, BERT-SGMoE in tf32
+SOCKETS_W2 = ["--network", "sockets", "--worlds", "2", "--models", "bert-sgmoe", "--precisions", "tf32"]
+
+
 def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "exp" / script)] + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout
@@ -55,14 +59,7 @@ def smoke(tmp_path_factory):
     proc = _run(
         "bench.py",
         [
-            "--network",
-            "sockets",
-            "--worlds",
-            "2",
-            "--models",
-            "bert-sgmoe",
-            "--precisions",
-            "tf32",
+            *SOCKETS_W2,
             "--out",
             str(out),
             "--docs",
@@ -148,14 +145,7 @@ def test_bench_smoke_world2(smoke):
 # the resumed invocation and the rounds of --repeats run the same matrix: one invocation with rounds is
 # the earlier run that --resume completes
 RESUMED = [
-    "--network",
-    "sockets",
-    "--worlds",
-    "2",
-    "--models",
-    "bert-sgmoe",
-    "--precisions",
-    "tf32",
+    *SOCKETS_W2,
     "--warmup",
     "1",
     "--iters",

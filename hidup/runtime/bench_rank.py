@@ -63,7 +63,7 @@ from hidup.codegen.timing import Stopwatch
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
-from hidup.runtime.peak import PeakError, predict_peak, predicted_memory
+from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
 from hidup.search import search
 from hidup.trace import forward_inputs
 
@@ -263,9 +263,7 @@ def _predicted_peak(args, plan, duplication: bool | None, precision: str) -> dic
     """The rank's peak by a fake-tensor run of its program (:mod:`hidup.runtime.peak`), on the fake
     process group this run made; None (with the reason printed) where the program cannot run so."""
     try:
-        device = None if hidup.models.is_factory(args.model) else "meta"
-        model, inputs = hidup.models.build(args.model, world_size=args.world, seed=0, device=device, **args.model_args)
-        return predict_peak(model, forward_inputs(model, inputs), plan, args.rank, precision, duplication).to_dict()
+        return rank_peak(args, plan, precision, duplication).to_dict()
     except PeakError as e:
         print(f"no predicted peak at {precision}: {e}", flush=True)
         return None

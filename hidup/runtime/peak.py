@@ -52,7 +52,16 @@ from hidup.runtime.options import add_model_args, build_graph, settle_model
 from hidup.search.memory import MEMORY_PARTS, MemoryModel
 from hidup.trace import forward_inputs
 
-__all__ = ["PeakMemory", "PeakError", "predict_peak", "predicted_memory", "PEAK_PARTS", "add_parser", "run"]
+__all__ = [
+    "PeakMemory",
+    "PeakError",
+    "predict_peak",
+    "rank_peak",
+    "predicted_memory",
+    "PEAK_PARTS",
+    "add_parser",
+    "run",
+]
 
 # MemTracker's categories, by the names hidup reports them under
 PEAK_PARTS = {
@@ -185,6 +194,15 @@ def predict_peak(
     return PeakMemory(float(peak["Total"]), parts, rank, precision, bool(getattr(module, "duplication", False)), steps)
 
 
+def rank_peak(args, plan, precision: str, duplication: bool | None, steps: int = 2) -> PeakMemory:
+    """:func:`predict_peak` of rank ``args.rank`` of the plan's model as the command line names it
+    (``args.model``/``args.model_args``): a zoo model built on the meta device, a factory's model
+    where the factory puts it (the ranks trace it there, see :func:`hidup.runtime.options.build_graph`)."""
+    device = None if hidup.models.is_factory(args.model) else "meta"
+    model, inputs = hidup.models.build(args.model, world_size=plan.world_size, device=device, **args.model_args)
+    return predict_peak(model, forward_inputs(model, inputs), plan, args.rank, precision, duplication, steps)
+
+
 def predicted_memory(args, plan, precision: str) -> dict | None:
     """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
     when the plan's model cannot be traced here."""
@@ -249,10 +267,8 @@ def run(args) -> int:
         _fail(f"--steps {args.steps}: at least one step")
     precision = args.precision or (plan.options or {}).get("precision", "fp32")
     duplication = {"on": True, "off": False}.get(args.duplication)
-    device = None if hidup.models.is_factory(args.model) else "meta"
-    model, inputs = hidup.models.build(args.model, world_size=plan.world_size, device=device, **args.model_args)
     try:
-        peak = predict_peak(model, forward_inputs(model, inputs), plan, args.rank, precision, duplication, args.steps)
+        peak = rank_peak(args, plan, precision, duplication, args.steps)
     except PeakError as e:
         _fail(str(e))
     modelled = predicted_memory(args, plan, precision) or {}
@@ -267,7 +283,7 @@ def run(args) -> int:
         left = f"{modelled[part] / gib:.3f} GiB" if part in modelled else "-"
         right = f"{peak.parts[part] / gib:.3f} GiB" if part in peak.parts else "-"
         print(f"{part:<12} {left:>14} {right:>14}")
-    print(f"{'total':<12} {modelled.get('total', 0) / gib if modelled else 0:>10.3f} GiB {peak.total / gib:>10.3f} GiB")
+    print(f"{'total':<12} {modelled.get('total', 0) / gib:>10.3f} GiB {peak.total / gib:>10.3f} GiB")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(

@@ -45,10 +45,9 @@ does not fit the budget, its inner axes hold what a plan with every weight repli
 wants, a poor start: the rounds start instead from the better of the *lean* seeds, one per axis,
 each searched under the budget with that axis FSDP-style (weights stored split, ops data parallel)
 and the others free (on an 8x8 Llama-3-70B under 80 GB the rounds from the first seed ended at 19.1 s
-per step, a forced FSDP x tensor plan at 6.0 s).  Each step is the
-one-axis search above under a signature filter that keeps the current plan, so among fitting plans
-the prediction never grows; the result is a local optimum of
-the product space, not its global one.
+per step, a forced FSDP x tensor plan at 6.0 s).  Each step is the one-axis search above under a
+signature filter that keeps the current plan, so among fitting plans the prediction never grows; the
+result is a local optimum of the product space, not its global one.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from hidup.ir import Graph, Node, Signature, block_label, mesh_text
+from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.profiler import load
 from hidup.search import dp, ilp
@@ -361,20 +360,18 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
             return None
 
     def rounds(plan: Plan | None) -> Plan | None:
+        """``plan`` improved axis by axis (None: no seed to improve)."""
         searched: dict[int, dict] = {}  # axis -> the other axes' forms it was last searched with
-        for _ in range(MESH_ROUNDS):
+        for _ in range(MESH_ROUNDS if plan is not None else 0):
             improved = False
             for axis in range(len(graph.mesh)):
-                if plan is None:
-                    fixed = None
-                else:
-                    fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
-                    if searched.get(axis) == fixed:
-                        continue  # the same search again finds the same plan
-                    searched[axis] = fixed
+                fixed = {name: _other_axes(sig, axis) for name, sig in plan.choices.items()}
+                if searched.get(axis) == fixed:
+                    continue  # the same search again finds the same plan
+                searched[axis] = fixed
 
                 def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
-                    return fixed is None or _other_axes(sig, axis) == fixed.get(node.name)
+                    return _other_axes(sig, axis) == fixed.get(node.name)
 
                 try:
                     found = _search(graph, profile, replace(opts, restrict=within(keep)), progress)
@@ -397,18 +394,18 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
     if budget is None or free is None or _fits(free, budget):
         plan = rounds(free)
     else:
-        starts = [p for p in (seed(lean(axis), budgeted=True) for axis in range(len(graph.mesh))) if p is not None]
         start = None
-        for candidate in starts:
-            if _better(candidate, start, budget):
+        for axis in range(len(graph.mesh)):
+            candidate = seed(lean(axis), budgeted=True)
+            if candidate is not None and _better(candidate, start, budget):
                 start = candidate
         plan = rounds(start if start is not None else free)
     if budget is not None and (plan is None or not _fits(plan, budget)):
         again = rounds(seed(outer, budgeted=True))
         if again is not None and _better(again, plan, budget):
             plan = again
-    if plan is None:
-        return _search(graph, profile, opts, progress)  # raises the search's own message
+    if plan is None:  # no seed: the search of the whole product space (or its own message)
+        return _search(graph, profile, opts, progress)
     if budget is not None and not _fits(plan, budget):
         raise SearchError(
             f"no plan the mesh search found fits the memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} "
@@ -557,7 +554,7 @@ def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
             return True
         if node.op == "param":
             if style == "data":
-                return all(x.kind in ("replicate", "full") for f in sig.outputs for x in getattr(f, "forms", (f,)))
+                return all(x.kind in ("replicate", "full") for f in sig.outputs for x in axis_forms(f))
             if style == "fsdp":  # stored split wherever the parameter can be
                 return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
             return True

@@ -396,10 +396,10 @@ class _DP:
     def infeasible(self, i: int) -> SearchError:
         """The error of running out of states at position ``i``; under a budget its message (which
         solves an ILP for the least memory) is worked out only when read, and holds no DP state."""
-        p, budget, states, points = self.p, self.budget, self.max_states, self.max_points
+        p, budget, max_states, max_points = self.p, self.budget, self.max_states, self.max_points
         if self.has_mem:
             p.drop_caches()
-            return LazySearchError(lambda: _budget_message(p, budget, i, states, points))
+            return LazySearchError(lambda: _budget_message(p, budget, i, max_states, max_points))
         node = p.order[i]
         return SearchError(
             f"no feasible signature combination reaches node {node.name} ({node.target}); every "

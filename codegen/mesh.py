@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.codegen import compiled
+from hidup.ir import mesh_text
 
 __all__ = ["MeshGroups", "mesh_groups", "coordinates", "current_group", "using_group"]
 
@@ -74,9 +75,7 @@ def mesh_groups(mesh: tuple[int, ...], rank: int, group=None, device_type: str =
         return hit  # made in this process group's lifetime (a test may destroy it and start another)
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     if len(ranks) != math.prod(mesh):
-        raise ValueError(
-            f"mesh {'x'.join(map(str, mesh))} holds {math.prod(mesh)} ranks; the process group has {len(ranks)}"
-        )
+        raise ValueError(f"mesh {mesh_text(mesh)} holds {math.prod(mesh)} ranks; the process group has {len(ranks)}")
     from torch.distributed.device_mesh import DeviceMesh
 
     device_mesh = DeviceMesh(device_type, torch.tensor(ranks, dtype=torch.int64).view(mesh))

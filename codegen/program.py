@@ -54,7 +54,7 @@ from hidup.codegen.mesh import MeshGroups, coordinates, current_group, using_gro
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.fxvalues import map_value, value_leaves
-from hidup.ir import FULL, REDUCE, Form, Layout, Signature, block_label, layout_conversions
+from hidup.ir import FULL, REDUCE, Form, Layout, Signature, axis_forms, block_label, layout_conversions
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
 
@@ -384,7 +384,7 @@ class _Builder:
             if node.target == "parameter"
             else operator.attrgetter(logical)(self.traced.gm)
         )
-        if any(f.kind == "reduce" for f in (form.forms if isinstance(form, Layout) else (form,))):
+        if any(f.kind == "reduce" for f in axis_forms(form)):
             raise CompileError(
                 f"plan stores parameter {logical} in form {form}; parameters are stored "
                 f"replicate or gather_d. Fix: search again"

@@ -92,6 +92,7 @@ __all__ = [
     "MeshConversion",
     "layout_conversions",
     "parse_form",
+    "axis_forms",
     "held_fraction",
     "mesh_text",
     "parse_mesh",
@@ -333,10 +334,15 @@ def parse_form(text: str) -> "Form | Layout":
     return Form.parse(text)
 
 
+def axis_forms(form: "Form | Layout") -> tuple[Form, ...]:
+    """``form``'s form on each mesh axis, outer first (one axis: the form itself)."""
+    return form.forms if isinstance(form, Layout) else (form,)
+
+
 def held_fraction(form: "Form | Layout", mesh: "int | tuple[int, ...]") -> float:
     """The share of a tensor's elements one rank holds under ``form`` (1 unless something is split)."""
     sizes = (mesh,) if isinstance(mesh, int) else mesh
-    forms = form.forms if isinstance(form, Layout) else (form,)
+    forms = axis_forms(form)
     return 1.0 / math.prod(n for f, n in zip(forms, sizes) if f.is_gather)
 
 

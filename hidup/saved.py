@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hidup import rules
 from hidup.fxvalues import dtype_name, map_value, value_leaves
-from hidup.ir import DTYPE_BYTES, FULL, Graph, Layout, Node, Signature
+from hidup.ir import DTYPE_BYTES, FULL, Graph, Layout, Node, Signature, axis_forms
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
 
@@ -125,7 +125,7 @@ def _aligned(graph: Graph, tid: int, form, shape: tuple) -> float:
     """The product of 1/n over the axes (of n ranks) whose form splits a dim of ``tid`` that the saved
     ``shape`` has at the same place and size."""
     whole = graph.tensors[tid].shape
-    forms = form.forms if isinstance(form, Layout) else (form,)
+    forms = axis_forms(form)
     out = 1.0
     for f, n in zip(forms, graph.mesh):
         if f.is_gather and f.dim < len(shape) and shape[f.dim] == whole[f.dim]:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from hidup.fxvalues import map_value
-from hidup.ir import FULL, Form, Layout, Signature, gather
+from hidup.ir import FULL, Form, Layout, Signature, axis_forms, gather
 from hidup.rules.base import LocalCall, RuleContext, TensorMeta
 
 __all__ = [
@@ -99,12 +99,8 @@ def _rule_target(target: Any) -> Any:
 def is_all_full(sig: Signature) -> bool:
     """Whether ``sig`` runs the whole op on every rank (every axis's form ``full``; a parameter's
     ``replicate`` input counts as whole), on one axis or a mesh."""
-
-    def forms(f):
-        return f.forms if isinstance(f, Layout) else (f,)
-
-    return all(x.kind in ("full", "replicate") for f in sig.inputs for x in forms(f)) and all(
-        x.kind == "full" for f in sig.outputs for x in forms(f)
+    return all(x.kind in ("full", "replicate") for f in sig.inputs for x in axis_forms(f)) and all(
+        x.kind == "full" for f in sig.outputs for x in axis_forms(f)
     )
 
 

@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
-from hidup.ir import Layout
+from hidup.ir import axis_forms, mesh_text
 
 __all__ = ["save", "load", "info", "exists", "FORMAT_VERSION"]
 
@@ -194,11 +194,11 @@ class _Layout:
         shape = torch.Size(shard.logical_shape)
         stride = torch.empty(shape, device="meta").stride()  # the logical tensor is contiguous
         placements = _placements(shard, self.sizes)
-        if tuple(local.shape) != _local_shape(shard, self.sizes):
+        piece = shard.form.local_shape(shard.logical_shape, self.sizes)
+        if tuple(local.shape) != piece:
             raise ValueError(
                 f"checkpoint: {shard.logical_name} is stored with shape {tuple(local.shape)}, but {shard.form} "
-                f"cuts {tuple(shape)} into pieces of {_local_shape(shard, self.sizes)} on "
-                f"{'x'.join(map(str, self.sizes))} ranks"
+                f"cuts {tuple(shape)} into pieces of {piece} on {mesh_text(self.sizes)} ranks"
             )
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
 
@@ -216,7 +216,7 @@ def _placements(shard, sizes: tuple[int, ...]) -> list:
     before it left -- hidup's order (rank ``(i, j)`` of ``gather_0|gather_0`` holds chunk
     ``i * n_1 + j``) -- but cuts an uneven size ``torch.chunk``-wise where hidup never splits one,
     so an uneven split is refused here rather than mapped to other offsets."""
-    forms = shard.form.forms if isinstance(shard.form, Layout) else (shard.form,)
+    forms = axis_forms(shard.form)
     size = list(shard.logical_shape)
     out = []
     for axis, (form, n) in enumerate(zip(forms, sizes)):
@@ -239,13 +239,6 @@ def _placements(shard, sizes: tuple[int, ...]) -> list:
                 f"{axis}; only split (gather) and whole (full, replicate) tensors are checkpointed"
             )
     return out
-
-
-def _local_shape(shard, sizes: tuple[int, ...]) -> tuple[int, ...]:
-    form = shard.form
-    if isinstance(form, Layout):
-        return form.local_shape(shard.logical_shape, tuple(sizes))
-    return form.local_shape(shard.logical_shape, sizes[0])
 
 
 def _first_failure(e: CheckpointException, rank: int) -> BaseException:

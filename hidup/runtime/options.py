@@ -95,6 +95,11 @@ def add_model_args(p: argparse.ArgumentParser, *, world_default: int | None = DE
     p.set_defaults(world_default=world_default)
 
 
+def mesh_phrase(mesh) -> str:
+    """`` as a 2x2 mesh`` for a device mesh of several axes (a tuple or a plan's list), else ``""``."""
+    return f" as a {mesh_text(tuple(mesh))} mesh" if mesh and len(mesh) > 1 else ""
+
+
 def _mesh_arg(text: str) -> tuple[int, ...]:
     try:
         return parse_mesh(text)

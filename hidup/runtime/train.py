@@ -57,7 +57,7 @@ from hidup.profiler.profile import DTYPES
 from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus
 from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
-from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, settle_model
+from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import search
 from hidup.trace import trace
 
@@ -174,11 +174,6 @@ def batch_at(example_inputs, step: int, seed: int, cfg, data) -> tuple:
 def _to(values, device) -> tuple:
     """``values`` with every tensor moved to ``device``."""
     return tuple(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in values)
-
-
-def _mesh_text(plan) -> str:
-    mesh = getattr(plan, "mesh", None) or []
-    return f" as a {'x'.join(map(str, mesh))} mesh" if len(mesh) > 1 else ""
 
 
 def _recompute_text(plan) -> str:
@@ -303,8 +298,9 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             if use_graph
             else "eager"
         )
+        on_mesh = mesh_phrase(getattr(plan, "mesh", None))
         print(
-            f"train {args.model}: world {world}{_mesh_text(plan)} ({ctx.backend}), plan {args.plan or 'searched now'}, "
+            f"train {args.model}: world {world}{on_mesh} ({ctx.backend}), plan {args.plan or 'searched now'}, "
             "duplication "
             f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
             f"{_recompute_text(plan)}",

@@ -35,7 +35,7 @@ from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
 from hidup.plan import Plan
 from hidup.runtime.launch import Distributed, launch
-from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, settle_model
+from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import STYLES, forced, search
 from hidup.trace import trace
 
@@ -98,12 +98,6 @@ def make_plan(
     result = forced(graph, prof, style)
     result.duplication = duplication
     return result
-
-
-def _mesh_text(args) -> str:
-    """`` as a 2x2 mesh`` for a plan on a device mesh of several axes, else ``""``."""
-    mesh = getattr(args, "mesh", None)
-    return f" as a {'x'.join(map(str, mesh))} mesh" if mesh and len(mesh) > 1 else ""
 
 
 def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
@@ -268,8 +262,9 @@ def run(args: argparse.Namespace) -> int:
     report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
     plan_text = str(args.plan) if args.plan is not None else args.style
     dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
+    on_mesh = mesh_phrase(getattr(args, "mesh", None))
     print(
-        f"model {args.model}, world {args.world}{_mesh_text(args)} ({backend}), plan: {plan_text}, "
+        f"model {args.model}, world {args.world}{on_mesh} ({backend}), plan: {plan_text}, "
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"

@@ -35,6 +35,27 @@ Pipeline
    Every signature whose ``gather_d`` does not divide its tensor's ``shape[d]`` by N is dropped.
 
 Device-valued constants (``x.device``) are folded to ``meta``, the device of propagation.
+
+Repeated blocks
+---------------
+Export costs O(L) in the number of layers (most of the trace of a deep model: 18 of 20 s for an
+80-layer Llama-3-70B shape).  When the model holds an ``nn.ModuleList`` of ``L`` structurally
+identical blocks (same class, parameter and buffer names, shapes, dtypes and ``requires_grad``, equal
+attributes except a layer index; no hooks; a block may be a repeating group of members, a dense and
+an MoE layer in turn), step 1 exports the step twice with the list cut to blocks
+``[0, 1, L-1]`` and ``[0, 1, 2, L-1]`` and :mod:`hidup.stamp` writes the ``L``-block GraphModule from
+the two: block 2's nodes repeated for blocks ``3 .. L-2``, reading the block before, with the
+parameter paths (``layers.2.`` -> ``layers.k.``), fx names and counters the whole export gives
+(extrapolated linearly in ``L`` from the two exports, after checking that block ``L-1`` repeats block
+2 and that nothing else changes with ``L``).  Steps 2 and 3 then run on that graph as on any other,
+except that a stamped op whose inputs have its template's metadata (shape, stride, dtype,
+requires_grad, device; its other arguments equal) takes the template's meta value and signatures:
+on meta tensors an op's result is a function of exactly those, and a rule's signatures of its
+context.  The graph holds the model's own parameters, so search, code generation and the ranks use
+it as they use a whole export.  After step 2 every stamped op must have its template's output
+shapes, dtypes and ``requires_grad``.  Any failed check, or a short export that fails, exports the
+whole step instead: the result is the same graph either way.  ``stamp_layers``: None (default)
+stamps stacks of 8 or more blocks, True of 5 or more, False never.
 """
 
 from __future__ import annotations
@@ -69,6 +90,7 @@ from hidup.rules import localize as rules_localize
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.rules.mesh import is_all_full, leaf_layouts, mesh_signatures
 from hidup.saved import Recorder
+from hidup.stamp import AUTO_MIN_BLOCKS, MIN_BLOCKS, export_stamped, repeated_stack
 
 __all__ = [
     "Traced",
@@ -167,11 +189,21 @@ class _Builder:
     """Turns each fx node, with its propagated meta value, into IR nodes (see module docstring)."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, world: int, signatures_fn: Callable | None, mesh: tuple[int, ...] = ()
+        self,
+        gm: torch.fx.GraphModule,
+        world: int,
+        signatures_fn: Callable | None,
+        mesh: tuple[int, ...] = (),
+        templates: dict[str, str] | None = None,
     ):
         self.gm, self.world, self.signatures_fn = gm, world, signatures_fn
         self.mesh = tuple(mesh) or (world,)
         self.mesh_cache: dict[tuple, tuple] = {}  # op key -> product signatures (_mesh_signatures)
+        self.leaf_cache: dict[tuple, list] = {}  # (shape, is_param) -> a parameter's or buffer's layouts
+        # stamped op -> the op it copies (hidup.stamp); a copy whose context equals its template's
+        # takes the template's signatures instead of asking the rules again
+        self.templates = templates or {}
+        self.template_rules: dict[str, tuple] = {n: () for n in self.templates.values()}
         self.nodes: list[Node] = []
         self.tensors: dict[int, Tensor] = {}
         self.struct: dict[str, Any] = {}  # fx node name -> value with _Ref in place of tensors
@@ -208,14 +240,17 @@ class _Builder:
             return self.attr_refs[id(obj)]
         is_param = isinstance(obj, nn.Parameter)
         ref = self.new_ref(self.meta_of(obj), name, is_param)
-        if len(self.mesh) > 1:
-            sigs = leaf_layouts(
-                ref.meta.shape,
-                self.mesh,
-                REPLICATE if is_param else FULL,
-                "param" if is_param else "data",
-                "param" if is_param else "replicated",
-            )
+        if len(self.mesh) > 1:  # a function of the shape: the layers of a deep model repeat theirs
+            key = (ref.meta.shape, is_param)
+            if key not in self.leaf_cache:
+                self.leaf_cache[key] = leaf_layouts(
+                    ref.meta.shape,
+                    self.mesh,
+                    REPLICATE if is_param else FULL,
+                    "param" if is_param else "data",
+                    "param" if is_param else "replicated",
+                )
+            sigs = list(self.leaf_cache[key])
         else:
             first = Signature((), (REPLICATE,), 0.0, "param") if is_param else Signature((), (FULL,), 0.0, "replicated")
             sigs = [first] + [
@@ -322,10 +357,17 @@ class _Builder:
             world=self.world,
             node_name=n.name,
         )
-        if len(self.mesh) > 1:
+        key = (n.target, ctx.args, ctx.kwargs, ctx.inputs, ctx.outputs)
+        template = self.template_rules.get(self.templates.get(n.name, ""))
+        if template and template[0] == key:
+            sigs, reason = template[1], template[2]
+        elif len(self.mesh) > 1:
             sigs, reason = self._mesh_signatures(ctx)
         else:
             sigs, reason = self._signatures(ctx)
+        if n.name in self.template_rules:
+            self.template_rules[n.name] = (key, sigs, reason)
+        sigs = list(sigs) if sigs is not None else None
         fallback = sigs is None
         if fallback:
             est = float(sum(math.prod(r.meta.shape) for r in out_refs))
@@ -403,12 +445,29 @@ def filtered_signatures(signatures_fn: Callable | None, ctx: RuleContext) -> tup
 
 
 class _MetaProp(torch.fx.Interpreter):
-    """Runs the GraphModule on meta tensors, handing every node's value to the builder."""
+    """Runs the GraphModule on meta tensors, handing every node's value to the builder.
 
-    def __init__(self, gm: torch.fx.GraphModule, builder: _Builder, inputs: list):
+    A stamped op (``templates``: its name -> the name of the op it copies, :mod:`hidup.stamp`) whose
+    inputs have its template's metadata (shape, stride, dtype, requires_grad, device) and whose
+    other arguments are equal takes the template's value: on meta tensors an op's result is a
+    function of exactly those."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, builder: _Builder, inputs: list, templates: dict[str, str] | None = None
+    ):
         super().__init__(gm, garbage_collect_values=True)
         self.builder = builder
         self.inputs = iter(inputs)
+        self.templates = templates or {}
+        self.template_values: dict[str, tuple] = {n: () for n in self.templates.values()}
+
+    def _input_key(self, n: torch.fx.Node):
+        def meta(v):
+            if isinstance(v, torch.Tensor):
+                return (tuple(v.shape), v.stride(), v.dtype, v.requires_grad, v.device)
+            return (type(v), v)
+
+        return _map((n.args, n.kwargs), lambda a: _map(self.env[a], meta) if isinstance(a, torch.fx.Node) else meta(a))
 
     def placeholder(self, target, args, kwargs):
         return _map(next(self.inputs), lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
@@ -418,7 +477,12 @@ class _MetaProp(torch.fx.Interpreter):
         return self.builder.meta_of(value) if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op not in ("output",):
+        stamped = n.name in self.templates or n.name in self.template_values
+        key = self._input_key(n) if stamped and n.op == "call_function" else None
+        template = self.template_values.get(self.templates.get(n.name, ""))
+        if key is not None and template and template[0] == key:
+            value = template[1]
+        elif n.op not in ("output",):
             try:
                 value = super().run_node(n)
             except TraceFailure:
@@ -435,6 +499,8 @@ class _MetaProp(torch.fx.Interpreter):
             value = _map(value, lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v)
         else:
             value = None
+        if key is not None and n.name in self.template_values:
+            self.template_values[n.name] = (key, value)
         self.builder.add(n, value)
         return value
 
@@ -461,22 +527,58 @@ def forward_inputs(model: nn.Module, example_inputs: Any) -> list:
 
 
 def trace_module(
-    model: nn.Module, example_inputs: Any, world_size: int = 1, *, mesh: tuple[int, ...] | None = None
+    model: nn.Module,
+    example_inputs: Any,
+    world_size: int = 1,
+    *,
+    mesh: tuple[int, ...] | None = None,
+    stamp_layers: bool | None = None,
 ) -> Traced:
     """Trace ``model(*example_inputs)`` (a training step returning a scalar loss) for ``world_size`` ranks,
     or for a device ``mesh`` of several axes (outer first; ``world_size`` then defaults to its size).
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
     may live on any device including ``meta``.  The step is captured with ``torch.export``
-    (:mod:`hidup.export`); see the module docstring.  Returns a :class:`Traced`.
+    (:mod:`hidup.export`); see the module docstring.  ``stamp_layers``: export a stack of identical
+    blocks short and stamp out the rest (:mod:`hidup.stamp`; the same graph): None (default) for
+    stacks of 8 blocks or more, True for 5 or more, False never.  Returns a :class:`Traced`.
     """
     mesh = _checked_mesh(mesh, world_size)
     if not isinstance(model, nn.Module):
         raise TypeError(f"hidup.trace expects an nn.Module, got {type(model).__name__}")
+    if not (stamp_layers is None or isinstance(stamp_layers, bool)):
+        raise ValueError(f"stamp_layers must be None (automatic), True or False, got {stamp_layers!r}")
     signatures_fn, rules_missing = _rules_hook()
     values = forward_inputs(model, example_inputs)
+    traced = _stamped_trace(model, values, mesh, signatures_fn, rules_missing, stamp_layers)
+    if traced is not None:
+        return traced
     gm = _exported(model, values)
     return _build(model, gm, values, mesh, signatures_fn, rules_missing)
+
+
+def _stamped_trace(model, values, mesh, signatures_fn, rules_missing, stamp_layers) -> Traced | None:
+    """The trace of a step whose repeated blocks were exported short and stamped (:mod:`hidup.stamp`),
+    or None where that does not apply or its check fails (the whole step is then exported)."""
+    if stamp_layers is False:
+        return None
+    stack = repeated_stack(model, MIN_BLOCKS if stamp_layers else AUTO_MIN_BLOCKS)
+    if stack is None:
+        return None
+    stamped = export_stamped(lambda: _exported(model, values), model, stack)
+    if stamped is None:
+        return None
+    with warnings.catch_warnings(record=True) as caught:  # shown once the stamped graph is accepted
+        warnings.simplefilter("always")
+        try:
+            traced = _build(model, stamped.gm, values, mesh, signatures_fn, rules_missing, stamped.templates)
+        except Exception:  # noqa: BLE001 - the whole export runs next and reports any failure its own way
+            return None
+    if not stamped.agrees(traced.tensor_ids, traced.graph.tensors):
+        return None
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return traced
 
 
 def _checked_mesh(mesh, world_size) -> tuple[int, ...]:
@@ -510,13 +612,19 @@ def _forward_names(model: nn.Module, values: list) -> list[str]:
 
 
 def _build(
-    model: nn.Module, gm: torch.fx.GraphModule, values: list, mesh: tuple[int, ...], signatures_fn, rules_missing: str
+    model: nn.Module,
+    gm: torch.fx.GraphModule,
+    values: list,
+    mesh: tuple[int, ...],
+    signatures_fn,
+    rules_missing: str,
+    templates: dict[str, str] | None = None,
 ) -> Traced:
     explicit_normalizers(gm)
     world_size = math.prod(mesh)
-    builder = _Builder(gm, world_size, signatures_fn, mesh if len(mesh) > 1 else ())
+    builder = _Builder(gm, world_size, signatures_fn, mesh if len(mesh) > 1 else (), templates)
     with torch.enable_grad(), torch.device("meta"):  # factories without a device make meta tensors too
-        _MetaProp(gm, builder, values).run(enable_io_processing=False)
+        _MetaProp(gm, builder, values, templates).run(enable_io_processing=False)
 
     graph = Graph(
         builder.nodes,
@@ -564,6 +672,7 @@ def trace_copy(
     *,
     batch_dims: list | None = None,
     mesh: tuple[int, ...] | None = None,
+    stamp_layers: bool | None = None,
 ) -> Traced:
     """The program one duplicated copy runs (:mod:`hidup.codegen.duplicate`): ``model`` traced for
     ``world_size`` ranks at half the global batch (:func:`halve_example` of every forward input;
@@ -578,11 +687,16 @@ def trace_copy(
                 f"duplication splits dim {d} of an input of shape {tuple(v.shape)} in two, which "
                 f"does not divide {v.shape[d]}; use an even batch or turn duplication off"
             )
-    return trace_module(model, tuple(halve_example(values, dims)), world_size, mesh=mesh)
+    return trace_module(model, tuple(halve_example(values, dims)), world_size, mesh=mesh, stamp_layers=stamp_layers)
 
 
 def trace_half_batch(
-    model: nn.Module, example_inputs: Any, world_size: int = 1, *, mesh: tuple[int, ...] | None = None
+    model: nn.Module,
+    example_inputs: Any,
+    world_size: int = 1,
+    *,
+    mesh: tuple[int, ...] | None = None,
+    stamp_layers: bool | None = None,
 ) -> Traced | None:
     """The program one duplicated copy runs (:func:`trace_copy`), or None when the model cannot be
     traced at half the batch (an odd batch, shapes fixed by the model): the cost model then halves
@@ -590,7 +704,7 @@ def trace_half_batch(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full-batch trace already reported fallbacks
-            return trace_copy(model, example_inputs, world_size, mesh=mesh)
+            return trace_copy(model, example_inputs, world_size, mesh=mesh, stamp_layers=stamp_layers)
     except Exception:  # noqa: BLE001 - documented fallback: half-batch times are estimated
         return None
 
@@ -602,13 +716,15 @@ def trace(
     *,
     half_batch: bool = False,
     mesh: tuple[int, ...] | None = None,
+    stamp_layers: bool | None = None,
 ) -> Graph:
     """:func:`trace_module` returning only the IR graph; ``half_batch=True`` also traces the model at
     half the batch (:func:`trace_half_batch`) and keeps that graph as ``graph.half``, which lets the
-    search price duplication's half-batch copies with ops measured at their own shapes."""
-    graph = trace_module(model, example_inputs, world_size, mesh=mesh).graph
+    search price duplication's half-batch copies with ops measured at their own shapes.
+    ``stamp_layers`` as for :func:`trace_module`."""
+    graph = trace_module(model, example_inputs, world_size, mesh=mesh, stamp_layers=stamp_layers).graph
     if half_batch:
-        half = trace_half_batch(model, example_inputs, world_size, mesh=mesh)
+        half = trace_half_batch(model, example_inputs, world_size, mesh=mesh, stamp_layers=stamp_layers)
         graph.half = half.graph if half is not None else None
     return graph
 

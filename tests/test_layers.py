@@ -29,6 +29,7 @@ LAYER_OF = {
     "hidup.models": "rules",
     "hidup.trace": "trace",
     "hidup.export": "trace",
+    "hidup.stamp": "trace",
     "hidup.describe": "trace",
     "hidup.saved": "trace",
     "hidup.profiler": "profile data",

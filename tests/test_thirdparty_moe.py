@@ -28,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_util import run_distributed
 from spmd import check_op, has_sig
+from thirdparty import LMStep
 
 T = pytest.importorskip("transformers")
 
@@ -37,17 +38,6 @@ D64 = torch.float64
 VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3
 TOL = 4 * BATCH * SEQ * torch.finfo(torch.float32).eps
 OP = torch.ops.hidup.routed_experts.default
-
-
-class LMStep(nn.Module):
-    """``model(input_ids, labels=labels).loss`` (mean over the counted tokens)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def mixtral_config(experts: int = 4, hidden: int = 64, ffn: int = 96, layers: int = 2, act: str = "silu", **kw):

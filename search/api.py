@@ -62,10 +62,9 @@ from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.profiler import load
 from hidup.search import dp, ilp
-from hidup.search.memory import MemoryModel
 from hidup.search.modes import solve_modes
 from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
-from hidup.search.problem import Problem, SearchError
+from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
 __all__ = [
@@ -125,10 +124,12 @@ class SearchOptions(OptionSet):
     byte (Adam: 2); ``time_limit`` seconds for the ILP, its DP seed included (None: none); the
     ``explain`` heaviest nodes get a runner-up in the plan; ``cuda_graphs`` prices the fixed cost per
     op of a step captured as one CUDA graph (how ``hidup train`` runs on GPUs; the profile's
-    ``op_overhead_graph``) instead of eager dispatch.  ``recompute`` says which repeated layers run
-    their forward again in the backward instead of keeping activations (module docstring,
-    "Recomputation"): ``"off"``, ``"on"`` (every repeated layer), ``"auto"`` (the faster plan that
-    fits ``memory_budget``, with and without), or a list of block labels."""
+    ``op_overhead_graph``) instead of eager dispatch; ``compiled`` prices the program as inductor runs
+    it (views free, pointwise chains fused: :mod:`hidup.search.cost`, "Compiled programs").
+    ``recompute`` says which repeated layers run their forward again in the backward instead of keeping
+    activations (module docstring, "Recomputation"): ``"off"``, ``"on"`` (every repeated layer),
+    ``"auto"`` (the faster plan that fits ``memory_budget``, with and without), or a list of block
+    labels."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -142,6 +143,7 @@ class SearchOptions(OptionSet):
     time_limit: float | None = ilp.DEFAULT_TIME_LIMIT
     explain: int = 6
     cuda_graphs: bool = True
+    compiled: bool = False
     recompute: str | tuple | list | frozenset = "auto"
     WHAT = "search"
 
@@ -189,17 +191,19 @@ def search(
             "signatures only fit that world size. Fix: trace again with world_size="
             f"{world_size}, or omit world_size."
         )
-    profile = profile.launched(opts.cuda_graphs)
+    profile = profile.launched(opts.cuda_graphs, opts.compiled)
     if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
         opts = replace(opts, duplication=False)
+    models = Models(graph)  # the prices every problem of this search shares
     with dp.no_gc():
         plan = (
-            _search_mesh(graph, profile, opts, progress)
+            _search_mesh(graph, profile, opts, progress, models)
             if len(graph.mesh) > 1
-            else _search(graph, profile, opts, progress)
+            else _search(graph, profile, opts, progress, models)
         )
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
+    plan.options["compiled"] = bool(opts.compiled)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
     return plan
@@ -226,13 +230,13 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 
 
 def price(
-    graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True
+    graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True, compiled: bool = False
 ) -> dict[bool, Evaluation]:
     """``plan``'s choices, with its recomputed layers, priced by the search's cost model, ``{False:
-    without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` as in
-    :func:`search`."""
+    without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` and
+    ``compiled`` as in :func:`search`."""
     recompute = frozenset(getattr(plan, "recompute", None) or ())
-    problem = Problem(graph, _loaded(profile).launched(cuda_graphs), precision, recompute=recompute)
+    problem = Problem(graph, _loaded(profile).launched(cuda_graphs, compiled), precision, recompute=recompute)
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
 
@@ -274,7 +278,8 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
     return [frozenset()]
 
 
-def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
+def _search(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> Plan:
+    models = models or Models(graph)
     started = time.perf_counter()  # an ILP's time limit covers every search made here
     results = []
     errors = []
@@ -283,7 +288,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
             break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
         beat = min((r[1].total for r in results), default=None) if recompute else None
         try:
-            found = _search_with(graph, profile, opts, progress, recompute, beat, started)
+            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models)
         except SearchError as e:
             errors.append(e)
             continue
@@ -294,7 +299,7 @@ def _search(graph, profile, opts: SearchOptions, progress) -> Plan:
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
     if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
-        problem, best = _fewest_recomputed(graph, profile, opts, problem, best)
+        problem, best = _fewest_recomputed(graph, profile, opts, problem, best, models)
     plan = make_plan(problem, best, opts.algorithm, options, opts.explain)
     plan.recompute = sorted(problem.recompute, key=_layer_order)
     return plan
@@ -337,7 +342,7 @@ def _better(found: Plan, plan: Plan | None, budget: float | None) -> bool:
     return found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9)
 
 
-def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
+def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: Models) -> Plan:
     """The plan for a graph on a mesh of several axes, searched axis by axis (module docstring,
     "Meshes"); each step is :func:`_search` under an extra signature filter."""
     base = opts.restrict
@@ -355,7 +360,7 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
 
     def seed(restrict, budgeted: bool) -> Plan | None:
         try:
-            return _search(graph, profile, _seed_options(opts, within(restrict), budgeted), progress)
+            return _search(graph, profile, _seed_options(opts, within(restrict), budgeted), progress, models)
         except SearchError:
             return None
 
@@ -374,7 +379,7 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
                     return _other_axes(sig, axis) == fixed.get(node.name)
 
                 try:
-                    found = _search(graph, profile, replace(opts, restrict=within(keep)), progress)
+                    found = _search(graph, profile, replace(opts, restrict=within(keep)), progress, models)
                 except SearchError:
                     continue
                 if _better(found, plan, opts.memory_budget):
@@ -405,7 +410,7 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
         if again is not None and _better(again, plan, budget):
             plan = again
     if plan is None:  # no seed: the search of the whole product space (or its own message)
-        return _search(graph, profile, opts, progress)
+        return _search(graph, profile, opts, progress, models)
     if budget is not None and not _fits(plan, budget):
         raise SearchError(
             f"no plan the mesh search found fits the memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} "
@@ -420,7 +425,7 @@ def _layer_order(label: str) -> tuple:
     return (family, int(index)) if index.isdigit() else (family, -1, index)
 
 
-def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, best: Evaluation):
+def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
     """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
     fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
     least ``k`` found by bisection on the memory model (more recomputed layers keep less); then
@@ -429,7 +434,7 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
 
     def fits(k: int) -> bool:
-        memory = MemoryModel(graph, opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
+        memory = models.memory(opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
         return sum(memory.total(n, choices[n.name]) for n in graph.nodes if n.name in choices) <= opts.memory_budget
 
     lo, hi = 0, len(layers)  # fits(hi) holds (the plan was searched within the budget)
@@ -441,7 +446,9 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
             lo = mid + 1
     if hi == len(layers):
         return problem, best
-    fewer = Problem(graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers[:hi]))
+    fewer = Problem(
+        graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers[:hi]), models
+    )
     ev = evaluate(fewer, best.ks, best.duplication)
     if ev.total < best.total and ev.memory["total"] <= opts.memory_budget:
         return fewer, ev
@@ -449,7 +456,14 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
 
 
 def _search_with(
-    graph, profile, opts: SearchOptions, progress, recompute: frozenset[str], beat: float | None, started: float
+    graph,
+    profile,
+    opts: SearchOptions,
+    progress,
+    recompute: frozenset[str],
+    beat: float | None,
+    started: float,
+    models: Models,
 ):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
@@ -459,12 +473,12 @@ def _search_with(
     time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
     searched again."""
     precision, memory_budget = opts.precision, opts.memory_budget
-    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute)
+    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute, models)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
     local = not profile.corrections.identity
     explore = (
-        Problem(graph, profile.without_corrections(), precision, opts.restrict, opts.optimizer_factor, recompute)
+        Problem(graph, models.physical(profile), precision, opts.restrict, opts.optimizer_factor, recompute, models)
         if local
         else problem
     )
@@ -513,6 +527,12 @@ def _search_with(
             lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"),
             **beam,
         )
+    if opts.algorithm == "dp":
+        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
+        # that hides them can find the faster plan (data parallel): both are timed exactly below
+        hidden, _ = dp.solve(explore, False, None, hide_grad_sync=True, **beam)
+        if memory_budget is None or sum(explore.mem[i][k] for i, k in enumerate(hidden)) <= memory_budget:
+            candidates.append(hidden)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])

@@ -28,7 +28,12 @@ The answer is the point at the last position with the least ``time`` (``T_f + d_
 Speed
 -----
 * Transitions are cached per (position, signature, states of the node's inputs), and the list of
-  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes.
+  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes
+  and by the positions that transition alike (the same op of identical layers).
+* Under a memory budget the node step is generated too (one function per pass, the duplicated
+  recurrence inlined beside the memory entry and the budget test), and a ``(time, memory)`` Pareto
+  set is one pass over the points sorted by time, keeping each that uses less memory than every
+  point before it.
 * A front stores each point with its predicted time, so sorting and ranking use no Python key.
 * The cyclic garbage collector is paused while the DP runs (it allocates no cycles, and full
   collections over a large heap cost as much as the search).
@@ -147,13 +152,16 @@ _dup_apply_both = generate(
     ),
 )
 
-# node_step with duplication: every point of every state through every transition, into ``new``
-# (buckets of (estimate, point, trace)); the forward and backward items are unpacked once per
-# transition.
-_dup_node_step = generate(
-    "_dup_node_step",
-    (
-        "def _dup_node_step(states, trans, i, new):\n"
+
+def _dup_step_source(name: str, memory: bool) -> str:
+    """Source of node_step with duplication: every point of every state through every transition,
+    into ``new`` (buckets of (estimate, point, trace)); the forward and backward items are unpacked
+    once per transition.  With ``memory`` every point carries its memory as a seventh entry, and a
+    point is dropped once its memory plus ``mem_floor`` (the least the positions after it can use)
+    exceeds ``budget``."""
+    m = ", m" if memory else ""
+    return (
+        f"def {name}(states, trans, i, new" + (", mem_floor, budget" if memory else "") + "):\n"
         "    get = new.get\n"
         "    for key, front in states.items():\n"
         "        for k, step, nkey in trans(i, key):\n"
@@ -165,12 +173,41 @@ _dup_node_step = generate(
         "            bmA, bmB, bcA, bcB = step.bwd_item\n"
         "            fcomm = fmA > 0.0 or fmB > 0.0\n"
         "            bcomm = bmA > 0.0 or bmB > 0.0\n"
-        "            for _, (T, d, ns, T2, d2, ns2), tr in front:\n"
+        + ("            smem = step.mem\n" if memory else "")
+        + f"            for _, (T, d, ns, T2, d2, ns2{m}), tr in front:\n"
+        + (
+            "                m = m + smem\n                if m + mem_floor > budget:\n                    continue\n"
+            if memory
+            else ""
+        )
         + recurrence_source(16, item="fmA fmB fcA fcB", opens="fcomm")
         + recurrence_source(16, "T2", "d2", "ns2", item="bmA bmB bcA bcB", opens="bcomm")
-        + "                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2), (tr, i, k)))\n"
-    ),
-)
+        + f"                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2{m}), (tr, i, k)))\n"
+    )
+
+
+_dup_node_step = generate("_dup_node_step", _dup_step_source("_dup_node_step", memory=False))
+_dup_mem_node_step = generate("_dup_mem_node_step", _dup_step_source("_dup_mem_node_step", memory=True))
+
+
+def _mem_node_step(states: dict, trans, i: int, new: dict, mem_floor: float, budget: float, hide: float) -> None:
+    """node_step without duplication under a memory budget: points ``(time, memory)``, a point dropped
+    once its memory plus ``mem_floor`` exceeds ``budget``; ``hide`` (1 or 0) leaves out the gradient
+    all-reduces as :meth:`_DP.apply_step` does."""
+    get = new.get
+    for key, front in states.items():
+        for k, step, nkey in trans(i, key):
+            bucket = get(nkey)
+            if bucket is None:
+                bucket = new[nkey] = []
+            app = bucket.append
+            fwd, bwd, smem, hidden = step.fwd, step.bwd, step.mem, hide * step.bwd_async
+            for _, (t, m), tr in front:
+                m = m + smem
+                if m + mem_floor > budget:
+                    continue
+                t = t + fwd + bwd - hidden
+                app((t, (t, m), (tr, i, k)))
 
 
 def _budget_message(problem: Problem, budget: float, i: int, max_states, max_points) -> str:
@@ -210,8 +247,10 @@ class _DP:
         memory_budget: float | None,
         max_states: int | str | None,
         max_points: int | None,
+        hide_grad_sync: bool = False,
     ):
         self.p, self.dup, self.budget = problem, duplication, memory_budget
+        self.hide = 1.0 if hide_grad_sync and not duplication else 0.0
         self.max_states = beam_width(problem.n) if max_states == "auto" else max_states
         self.max_points = max_points
         self.has_mem = memory_budget is not None
@@ -231,7 +270,7 @@ class _DP:
         if self.dup:
             out = _dup_apply_both(v, step.fwd_item, step.bwd_item)
         else:
-            out = (v[0] + step.fwd + step.bwd,)
+            out = (v[0] + step.fwd + step.bwd - self.hide * step.bwd_async,)
         return out + (v[-1] + step.mem,) if self.has_mem else out
 
     def apply_cand(self, v: tuple, cand) -> tuple:
@@ -279,6 +318,16 @@ class _DP:
                     if gap <= 0.0:
                         break
                 else:
+                    kept.append(x)
+                    if len(kept) >= cap:
+                        break
+            return self._keep_leanest(bucket, kept, cap)
+        if len(bucket[0][1]) == 2:  # (time, memory), sorted by time: dominated iff a kept point uses no more memory
+            least = None
+            for x in bucket:
+                m = x[1][1]
+                if least is None or m < least:
+                    least = m
                     kept.append(x)
                     if len(kept) >= cap:
                         break
@@ -339,14 +388,17 @@ class _DP:
         n = len(ranked)
         total = None
         for j, column in enumerate(zip(*(key for key, _ in ranked))):
-            ids: dict = {}
-            idx = [ids.setdefault(st, len(ids)) for st in column]
-            if len(ids) == 1:
+            if column.count(column[0]) == n:  # every state holds tensor j alike
                 continue
-            pen = self.p.penalties(pos, j, list(ids))
-            idx = np.array(idx)
-            part = pen[idx[:, None], idx[None, :]]
-            total = part if total is None else total + part
+            distinct = list(dict.fromkeys(column))  # in order of first appearance
+            index = dict(zip(distinct, range(len(distinct))))
+            pen = self.p.penalties(pos, j, distinct)
+            idx = np.fromiter(map(index.__getitem__, column), np.intp, n)
+            part = pen[idx][:, idx]  # (rows, then columns: several times faster than one 2-d fancy index)
+            if total is None:
+                total = part  # a new array, added to in place below
+            else:
+                total += part
         if total is None:
             return states
         time = np.fromiter((front[0][0] for _, front in ranked), float, n)
@@ -361,20 +413,16 @@ class _DP:
         new: dict = {}
         get = new.get
         if self.has_mem:
-            budget, apply, est = self.budget, self.apply_step, self.est
-            for key, front in states.items():
-                for k, step, nkey in trans(i, key):
-                    bucket = new.setdefault(nkey, [])
-                    for _, v, tr in front:
-                        nv = apply(v, step)
-                        if nv[-1] + mem_floor > budget:
-                            continue
-                        bucket.append((est(nv), nv, (tr, i, k)))
+            if self.dup:
+                _dup_mem_node_step(states, trans, i, new, mem_floor, self.budget)
+            else:
+                _mem_node_step(states, trans, i, new, mem_floor, self.budget, self.hide)
         elif not self.dup:  # one point per state: keep the cheapest per new key (the first on ties)
+            hide = self.hide
             for key, front in states.items():
                 e, _, tr = front[0]
                 for k, step, nkey in trans(i, key):
-                    t = e + step.fwd + step.bwd
+                    t = e + step.fwd + step.bwd - hide * step.bwd_async
                     old = get(nkey)
                     if old is None or t < old[0][0]:
                         new[nkey] = [(t, (t,), (tr, i, k))]
@@ -524,25 +572,33 @@ def solve(
     max_points: int | None = DEFAULT_MAX_POINTS,
     reuse_blocks: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    hide_grad_sync: bool = False,
 ) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
+
+    Without duplication the DP adds up both passes; with ``hide_grad_sync`` it leaves out the
+    gradient all-reduces of replicated parameters, which overlap the backward (a lower bound of
+    the time where the serialized sum is an upper bound; :mod:`hidup.search.schedule` times both
+    exactly).
 
     With ``memory_budget`` the plan is first searched without it: memory is additive over the
     positions (``problem.mem``), so when the fastest plan fits the budget it is the fastest plan
     within it, and the search without a memory coordinate is much cheaper (six-entry points, and
     cross-state pruning stays on).  Only a budget that binds runs the memory-aware DP.  The answer
     without a budget is kept on ``problem`` (``free_solutions``) and returned when asked again."""
+    hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
-        ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress)
+        ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress, hide_grad_sync)
         if sum(problem.mem[i][k] for i, k in enumerate(ks)) <= memory_budget:
             return ks, v
     else:
-        known = problem.free_solutions.get((duplication, max_states, max_points, reuse_blocks))
+        known = problem.free_solutions.get((duplication, max_states, max_points, reuse_blocks, hide_grad_sync))
         if known is not None:
             return list(known[0]), known[1]
-    dp = _DP(problem, duplication, memory_budget, max_states, max_points)
+    dp = _DP(problem, duplication, memory_budget, max_states, max_points, hide_grad_sync)
     with no_gc():
         ks, v = dp.solve(reuse_blocks, progress)
     if memory_budget is None:
-        problem.free_solutions[(duplication, max_states, max_points, reuse_blocks)] = (tuple(ks), dp.est(v))
+        key = (duplication, max_states, max_points, reuse_blocks, hide_grad_sync)
+        problem.free_solutions[key] = (tuple(ks), dp.est(v))
     return ks, dp.est(v)

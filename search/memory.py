@@ -64,6 +64,7 @@ class MemoryModel:
         self.record = record_of(self.graph, self.precision)
         self.nbytes = {tid: tensor_nbytes(self.graph, tid, self.precision) for tid in self.graph.tensors}
         self.recompute = frozenset(self.recompute)
+        self._breakdown: dict[tuple, tuple] = {}  # (node name, id(signature)) -> (signature, breakdown)
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
         self.kept_inputs: set[int] = set()
@@ -138,7 +139,15 @@ class MemoryModel:
         return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
-        """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``."""
+        """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``
+        (kept per (node, signature): every search problem sharing this model reads the same)."""
+        key = (node.name, id(sig))
+        hit = self._breakdown.get(key)
+        if hit is None or hit[0] is not sig:
+            hit = self._breakdown[key] = (sig, self._breakdown_of(node, sig))
+        return hit[1]
+
+    def _breakdown_of(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         g = self.graph
         if node.op == "param":
             p = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))

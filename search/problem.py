@@ -54,7 +54,7 @@ from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature, block_label
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
-__all__ = ["Problem", "Step", "SearchError", "block_label"]
+__all__ = ["Problem", "Models", "Step", "SearchError", "block_label"]
 
 
 class SearchError(ValueError):
@@ -108,6 +108,46 @@ def _getter(idx: list[int]):
     return operator.itemgetter(*idx)
 
 
+class Models:
+    """The cost and memory models of one graph, shared by the problems of one search.
+
+    A search may build many problems of one graph: the axis-by-axis mesh search one per step
+    (:mod:`hidup.search.api`, "Meshes"), recomputation one per set of recomputed layers.  A node's
+    price under a signature and a form change's cost do not depend on the problem's signature filter
+    or on which layers it recomputes (recomputation is applied on top, by :class:`Problem`), and the
+    models keep them once computed (:meth:`CostModel.device_compute`, :meth:`CostModel.conversion`,
+    :meth:`MemoryModel.breakdown`): so each later problem reads the prices instead of working them out
+    again.  One :class:`CostModel` per (profile, precision), one :class:`MemoryModel` per (optimizer
+    factor, precision, recomputed layers)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._cost: dict[tuple, CostModel] = {}
+        self._memory: dict[tuple, MemoryModel] = {}
+        self._physical: dict[int, tuple] = {}
+
+    def physical(self, profile):
+        """``profile`` without its corrections, one copy per profile (so its cost model is shared too)."""
+        hit = self._physical.get(id(profile))
+        if hit is None or hit[0] is not profile:
+            hit = self._physical[id(profile)] = (profile, profile.without_corrections())
+        return hit[1]
+
+    def cost(self, profile, precision: str) -> CostModel:
+        key = (id(profile), precision)
+        hit = self._cost.get(key)
+        if hit is None or hit.profile is not profile:  # (the model holds its profile: an id is not reused)
+            hit = self._cost[key] = CostModel(self.graph, profile, precision)
+        return hit
+
+    def memory(self, optimizer_factor: float, precision: str, recompute=frozenset()) -> MemoryModel:
+        key = (optimizer_factor, precision, frozenset(recompute))
+        hit = self._memory.get(key)
+        if hit is None:
+            hit = self._memory[key] = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute))
+        return hit
+
+
 class Problem:
     """Positions, allowed signatures, per-signature costs and tensor liveness of one search."""
 
@@ -119,11 +159,16 @@ class Problem:
         restrict: Callable[[Node, Signature], bool] | None = None,
         optimizer_factor: float = 2.0,
         recompute: frozenset | set | tuple = frozenset(),
+        models: "Models | None" = None,
     ):
         graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
-        self.cost = CostModel(graph, profile, precision)
-        self.memory = MemoryModel(graph, optimizer_factor, precision, frozenset(recompute))
+        if models is None:
+            models = Models(graph)
+        elif models.graph is not graph:
+            raise ValueError("Problem: the shared models were built for another graph")
+        self.cost = models.cost(profile, precision)
+        self.memory = models.memory(optimizer_factor, precision, recompute)
         self.recompute = self.memory.recompute
         self.order = self._order(graph)
         self.n = len(self.order)
@@ -186,11 +231,13 @@ class Problem:
             self.carry.append(tuple(src))
         # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
         self._keep = []
+        kept_idx = []
         for i in range(self.n):
             keep = [a for kind, a in self.carry[i] if kind == 0]
             if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep) :]):
                 raise AssertionError("live order: kept tensors must precede new outputs")
             self._keep.append(_getter(keep))
+            kept_idx.append(tuple(keep))
         self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
         self._sub = [_getter(list(idx)) for idx in self.input_idx]
         # relevant[i][j]: forms that readers at positions >= i may still need of tensor live[i][j];
@@ -209,11 +256,15 @@ class Problem:
         for i in range(self.n - 1, -1, -1):
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
         self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
-        self._trans_cache: list[dict[tuple, tuple]] = [{} for _ in range(self.n)]
         # (conversion class, relevant forms, state) -> cost of making each relevant form available
         self._pen_cache: dict[tuple, np.ndarray] = {}
-        self._conv_class = {t: self.cost.conversion_class(t) for t in self.last_use}
-        self._conv_ids: dict[tuple[int, int, int], object] = {}
+        self._pen_matrices: dict[tuple, np.ndarray] = {}  # (class, relevant forms, states) -> penalties
+        # tensors of one conversion class convert alike (CostModel.conversion_class): numbered here, the
+        # class keys the conversion and penalty caches, so equal tensors of repeated layers share them
+        classes: dict[tuple, int] = {}
+        self._conv_class = {t: classes.setdefault(self.cost.conversion_class(t), len(classes)) for t in self.last_use}
+        self._conv_ids: dict[tuple[int, int, int], object] = {}  # (class number, src id, dst id) -> cost
+        self._trans_cache: list[dict[tuple, tuple]] = self._transition_caches(kept_idx)
         # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
         # a budgeted search asks for it again, first to see whether the budget binds
         self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
@@ -222,8 +273,10 @@ class Problem:
         """Forget the transition, step and penalty caches (they are rebuilt on demand): a search that
         failed keeps its problem only to explain the failure, if asked."""
         self._step_cache.clear()
-        self._trans_cache = [{} for _ in range(self.n)]
+        for cache in self._trans_cache:
+            cache.clear()
         self._pen_cache.clear()
+        self._pen_matrices.clear()
 
     # ------------------------------------------------------------------------------------ setup
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:
@@ -296,9 +349,41 @@ class Problem:
             new[j] = st
         return step, self._keep[i](new) + outs
 
+    def _transition_caches(self, kept_idx: list[tuple[int, ...]]) -> list[dict]:
+        """One transition cache per position, shared by the positions that transition alike: the same
+        signatures (forms, prices, memory), inputs of the same conversion classes at the same places
+        of the state, and the same liveness and relevant forms after them (the same layer's positions
+        in repeated layers).  From equal keys such positions reach equal new keys at equal cost."""
+        caches: dict[tuple, dict] = {}
+        out = []
+        for i, node in enumerate(self.order):
+            li, rel, live = self.live_index[i + 1], self.relevant[i + 1], self.live[i]
+            after = tuple(
+                (li[live[j]], rel[li[live[j]]]) if live[j] in li else None for j in dict.fromkeys(self.input_idx[i])
+            )
+            shape = (
+                len(live),
+                self.input_idx[i],
+                tuple(self._conv_class[t] for t in node.inputs),
+                tuple(self.in_forms[i]),
+                tuple(self.out_forms[i]),
+                tuple(self.compute[i]),
+                tuple(self.compute_copy[i]),
+                tuple(self.mem[i]),
+                self.recomputed[i],
+                kept_idx[i],
+                after,
+                tuple(t in li for t in node.outputs),
+            )
+            out.append(caches.setdefault(shape, {}))
+        return out
+
     def transitions(self, i: int, key: tuple) -> tuple[tuple[int, Step, tuple], ...]:
         """Every feasible ``(k, step, new key)`` of :meth:`step` at position ``i`` from ``key``, in
-        signature order; cached per (position, key), so the DP's passes share them."""
+        signature order, for the DP; cached per (position, key), so the DP's passes share them, and
+        shared by the positions that transition alike (:meth:`_transition_caches`): a step's costs are
+        then those of position ``i``, its ``convs`` name the tensors of the first such position that
+        met ``key`` (:meth:`step` names position ``i``'s own)."""
         cache = self._trans_cache[i]
         hit = cache.get(key)
         if hit is None:
@@ -379,9 +464,18 @@ class Problem:
         when tensor ``live[pos][j]`` is in state ``states[a]`` instead of ``states[b]``: the sum over
         forms ``f`` a later reader may need of ``max(0, cost_a(f) - cost_b(f))``, ``cost_x(f)`` being 0
         if ``f`` is available in ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)``
-        otherwise (infinite when there is none)."""
+        otherwise (infinite when there is none).  Kept per (conversion class, relevant forms, states):
+        the same tensor of each repeated layer meets the same states (read-only)."""
         t = self.live[pos][j]
         rel = self.relevant[pos][j]
+        mk = (self._conv_class[t], rel, tuple(states))
+        hit = self._pen_matrices.get(mk)
+        if hit is None:
+            hit = self._pen_matrices[mk] = self._penalty_matrix(t, rel, states)
+            hit.setflags(write=False)
+        return hit
+
+    def _penalty_matrix(self, t: int, rel: int, states: list[tuple[int, int]]) -> np.ndarray:
         forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
         rows = []
         for st in states:
@@ -409,8 +503,8 @@ class Problem:
 
     def conversion(self, tid: int, src: int, dst: int):
         """:meth:`CostModel.conversion` of tensor ``tid`` between form ids ``src`` and ``dst`` (cached by
-        ids: hashing layouts costs more than the lookup)."""
-        key = (tid, src, dst)
+        the tensor's conversion class and the form ids: hashing layouts costs more than the lookup)."""
+        key = (self._conv_class[tid], src, dst)
         hit = self._conv_ids.get(key, self._conv_ids)
         if hit is self._conv_ids:
             hit = self._conv_ids[key] = self.cost.conversion(tid, self.forms[src], self.forms[dst])

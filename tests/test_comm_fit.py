@@ -137,8 +137,8 @@ def test_duplicated_dp_finds_the_duplicated_optimum():
     problem = Problem(trace(model, inputs, world_size=4), P.load(SOCKETS), "fp32")
     ks_plain, _ = dp.solve(problem, False)
     ks_dup, est = dp.solve(problem, True)
-    assert evaluate(problem, ks_dup, True).total == pytest.approx(est)
-    assert est <= evaluate(problem, ks_plain, True).total * (1 + 1e-9)
+    assert evaluate(problem, ks_dup, True).objective == pytest.approx(est)
+    assert est <= evaluate(problem, ks_plain, True).objective * (1 + 1e-9)
 
 
 # ------------------------------------------------------------------------------------------ all-to-all

@@ -94,6 +94,12 @@ def _search_parser(sub) -> None:
         "step captured as one CUDA graph",
     )
     p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="price the program as inductor runs it (hidup train --compile on or auto on GPUs): views "
+        "free, pointwise chains fused (default: op by op)",
+    )
+    p.add_argument(
         "--noise",
         type=float,
         default=0.0,
@@ -179,6 +185,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             precision=args.precision,
             progress=not args.quiet,
             cuda_graphs=not args.no_cuda_graphs,
+            compiled=args.compiled,
             model_source=record,
             time_limit=args.time_limit,
             recompute=args.recompute,

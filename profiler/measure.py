@@ -355,6 +355,12 @@ def _measure(
     ]
     flops = dict(base.flops) if base is not None else {}
     flops.update(rates)
+    # each size's rate, the minimum over ranks as for the peak (every rank keeps the same curve)
+    per_size = {}
+    for d, r in sorted(matmul.items()):
+        if len(r.per_size) > 1 and d in rates:
+            agreed = _rates_agreed({str(n): v for n, v in r.per_size.items()}, device)
+            per_size[d] = {int(n): v for n, v in agreed.items()}
     missing = [d for d in profile_mod.DTYPES if d not in flops]
     if missing:
         fallback = rates.get("fp32") or max(rates.values())
@@ -407,6 +413,7 @@ def _measure(
         grad_copy_overhead_graph=grad_copy_graph,
         gpus_per_node=per_node,
         network=network,
+        matmul_sizes=per_size,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated

@@ -62,6 +62,11 @@ Memory-bound ops and launch overhead
 and ``op_overhead`` (seconds per op: kernel launch plus the host-side dispatch of one generated op)
 are optional; with them the cost model prices an unmeasured op as a roofline plus a fixed cost:
 ``overhead + max(flops / rate, bytes / memory_bandwidth)``.  Without them (0) it uses FLOPs alone.
+``matmul_sizes`` (optional) keeps the rate of each measured square matmul size per dtype,
+``{dtype: {n: FLOP/s}}``: a small matmul fills the device less, so :meth:`Profile.rate_at` prices an
+op of ``F`` FLOPs at the rate of the square matmul with as many, of size ``n = (F / 2)^(1/3)``,
+interpolated linearly in ``(log n, log rate)`` between measured sizes (the smallest's rate below
+them, the peak above them); without it every op runs at ``flops[dtype]``.
 ``op_overhead_graph`` is the fixed cost per op when the step runs as one captured CUDA graph (no
 host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
 (0 = not measured: the eager figure is used).
@@ -87,7 +92,8 @@ model uses them in preference to the roofline.  ``ops_timing`` says how they wer
 between them but no host dispatch; the cost model adds the dispatch cost of an eager step) or
 ``"eager"`` (wall time of eager calls, dispatch included; on CPUs).  The same measurement times the
 optimizer step (Adam) that follows a single-device step: ``optimizer_s_per_byte`` is its time per
-byte of trainable parameters, which the plan's evaluation charges on the parameters each rank keeps.
+byte of trainable parameters, which the plan's evaluation charges on the parameters each rank keeps
+(unmeasured: the roofline of a fused Adam step, :meth:`Profile.optimizer_time`).
 
 Physical terms and empirical corrections
 ----------------------------------------
@@ -239,6 +245,11 @@ class Profile:
     corrections: Corrections = field(default_factory=Corrections)
     gpus_per_node: int = 0  # GPUs per node; 0 = unknown / one node: every group is at the node level
     network: NetworkTables | None = None  # tables of groups across nodes (one rank per node); None = not measured
+    # dtype -> square matmul size -> FLOP/s (optional; "Memory-bound ops and launch overhead")
+    matmul_sizes: dict[str, dict[int, float]] = field(default_factory=dict)
+    # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
+    # pointwise chains fuse (hidup.search.cost, "Compiled programs")
+    compiled: bool = False
 
     # ----------------------------------------------------------------------------- queries
     def rate(self, dtype: str) -> float:
@@ -249,6 +260,22 @@ class Profile:
             raise KeyError(
                 f"profile {self.name!r} has no FLOP rate for {dtype!r}; it has {sorted(self.flops)}"
             ) from None
+
+    def rate_at(self, dtype: str, flops: float) -> float:
+        """FLOP/s of an op of ``flops`` FLOPs in ``dtype``: the measured square matmul of equal FLOPs
+        (``matmul_sizes``, module docstring), else :meth:`rate`."""
+        peak = self.rate(dtype)
+        points = sorted(self.matmul_sizes.get(dtype, {}).items())
+        if not points or flops <= 0:
+            return peak
+        n = (flops / 2.0) ** (1.0 / 3.0)
+        if n <= points[0][0]:
+            return points[0][1]
+        for (n0, r0), (n1, r1) in zip(points, points[1:]):
+            if n <= n1:
+                t = math.log(n / n0) / math.log(n1 / n0)
+                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+        return peak
 
     def op_time(self, target: str, shapes: Iterable[Iterable[int]], dtype: str) -> tuple[float, float] | None:
         """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""
@@ -352,17 +379,29 @@ class Profile:
             )
         return p
 
-    def launched(self, cuda_graphs: bool) -> "Profile":
+    def launched(self, cuda_graphs: bool, compiled: bool = False) -> "Profile":
         """The profile as seen by a step run eagerly (``cuda_graphs=False``: ``op_overhead``) or
-        captured as one CUDA graph (``op_overhead_graph`` when measured, else ``op_overhead``)."""
-        if not cuda_graphs or (self.op_overhead_graph <= 0 and self.grad_copy_overhead_graph <= 0):
+        captured as one CUDA graph (``op_overhead_graph`` when measured, else ``op_overhead``), and
+        op by op or ``compiled`` by inductor (:attr:`compiled`)."""
+        graphed = cuda_graphs and (self.op_overhead_graph > 0 or self.grad_copy_overhead_graph > 0)
+        if not graphed and compiled == self.compiled:
             return self
         p = copy.copy(self)
-        if self.op_overhead_graph > 0:
+        p.compiled = compiled
+        if graphed and self.op_overhead_graph > 0:
             p.op_overhead = self.op_overhead_graph
-        if self.grad_copy_overhead_graph > 0:
+        if graphed and self.grad_copy_overhead_graph > 0:
             p.grad_copy_overhead = self.grad_copy_overhead_graph
         return p
+
+    def optimizer_time(self, param_bytes: float) -> float:
+        """Seconds of the Adam step over ``param_bytes`` bytes of local trainable parameters: the
+        measured ``optimizer_s_per_byte``, else the roofline of a fused Adam step, which reads the
+        parameter, its gradient and both moments and writes the parameter and both moments back
+        (seven passes over ``param_bytes``) at ``memory_bandwidth``; 0 when neither is known."""
+        if self.optimizer_s_per_byte > 0:
+            return self.optimizer_s_per_byte * param_bytes
+        return 7.0 * param_bytes / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0
 
     def layout_rate(self) -> float:
         """Bytes/s (read + written) of a layout-changing copy: ``layout_bandwidth``, else
@@ -443,6 +482,9 @@ class Profile:
         if self.network is not None:  # after everything else: a one-node profile draws what it drew before
             out.network = NetworkTables(tables(self.network.collectives))
             speedups(self.network.concurrency, out.network.concurrency)
+        for d in sorted(self.matmul_sizes):  # one draw per dtype, as its rate: the curve keeps its shape
+            k = f()
+            out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -474,6 +516,11 @@ class Profile:
             "source": self.source,
             "notes": self.notes,
             "flops": dict(self.flops),
+            **(
+                {"matmul_sizes": {d: {str(n): r for n, r in v.items()} for d, v in self.matmul_sizes.items()}}
+                if self.matmul_sizes
+                else {}
+            ),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
@@ -548,6 +595,17 @@ class Profile:
         extra = set(fl) - set(DTYPES)
         if extra:
             raise bad("flops", f"unknown dtype(s) {sorted(extra)}; expected {DTYPES}")
+
+        sizes_in = d.get("matmul_sizes", {})
+        if not isinstance(sizes_in, dict) or set(sizes_in) - set(DTYPES):
+            raise bad("matmul_sizes", f"expected a mapping {{dtype of {DTYPES}: {{size: FLOP/s}}}}")
+        matmul_sizes = {}
+        for dt, per in sizes_in.items():
+            if not isinstance(per, dict):
+                raise bad(f"matmul_sizes.{dt}", "expected a mapping size -> FLOP/s")
+            if not all(str(n).isdigit() and int(n) > 0 for n in per):
+                raise bad(f"matmul_sizes.{dt}", f"sizes must be positive integers, got {sorted(per)}")
+            matmul_sizes[dt] = {int(n): number(r, f"matmul_sizes.{dt}.{n}") for n, r in per.items()}
 
         ops_in = d.get("ops", {})
         if not isinstance(ops_in, dict):
@@ -698,6 +756,7 @@ class Profile:
             corrections,
             gpus_per_node,
             network,
+            matmul_sizes,
         )
 
 

@@ -32,9 +32,11 @@ under s, op_dtype(dtype, precision))`` (plus, for times measured inside a CUDA g
 dispatch an eager step adds: ``op_overhead - op_overhead_graph`` per op, twice backward), else the
 roofline plus a fixed per-op cost::
 
-    t_fwd(n, s) = o + max(s.flops / rate(dtype), bytes(n, s) / memory_bandwidth)
+    t_fwd(n, s) = o + max(s.flops / rate(dtype, s.flops), bytes(n, s) / memory_bandwidth)
 
-where ``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
+where ``rate(dtype, F)`` is the rate of a matmul of ``F`` FLOPs (:meth:`~hidup.profiler.Profile.rate_at`:
+the measured square matmul of equal FLOPs where the profile has the sizes, else the dtype's peak),
+``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
 outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of the node's first
 output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
 matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32.  (A profile without a memory
@@ -46,6 +48,24 @@ The fixed part ``o`` (``2 o`` backward) does not shrink when a copy runs half th
 
 Inside the distributed program a node's compute is its corrected time (above):
 :meth:`CostModel.compute` is ``dist_scale`` times :meth:`CostModel.device_compute`.
+
+Compiled programs (``profile.compiled``, :meth:`~hidup.profiler.Profile.launched`)
+----------------------------------------------------------------------------------
+When inductor compiles the rank program, pointwise chains fuse and views cost nothing, so a node is
+priced by what the compiled program moves, by its kind (:func:`hidup.rules.fusion.fusion_kind`):
+
+* ``view``: 0 (forward and backward; no fixed cost either);
+* ``kernel`` (matmuls, attention, custom ops): as above (measured, else roofline), with the bytes of
+  its tensors at their dtype under the precision (:func:`hidup.saved.tensor_nbytes`);
+* ``fused``: ``t_fwd = (R + W) / memory_bandwidth + o [W > 0]``, ``t_bwd = 2 t_fwd`` (0 without a
+  gradient), where ``R`` are the local bytes of the inputs it reads from memory and ``W`` of the
+  outputs it writes to memory.  Looking through views, every tensor has a *source* (the node that
+  computed it, or a parameter/input) and every node a *level*: the number of ``kernel`` nodes on
+  its longest path from the inputs (``level(n) = max over inputs of level(src) + [src is a kernel]``).
+  Two fused nodes can share one generated kernel only when no kernel lies between them, i.e. at
+  equal levels.  So an input is read when its source is not a fused node or sits at a lower level,
+  and an output is written when some consumer (through views) is a kernel, the loss, or a fused node
+  at a higher level.  Measured per-op times are eager kernels and are not used for fused nodes.
 
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
@@ -151,6 +171,7 @@ from hidup.ir import (
     layout_conversions,
 )
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
+from hidup.rules.fusion import fusion_kind
 from hidup.saved import tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
@@ -252,9 +273,89 @@ class CostModel:
         launched, in_graph = profile.op_overhead, profile.op_overhead_graph
         self._dispatch_extra = max(0.0, launched - in_graph) if profile.ops_timing == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
+        # (node name, id(signature)) -> (signature, physical (forward, backward)): a node's price does
+        # not depend on the problem that asks for it, so every problem sharing this model reuses it
+        self._device: dict[tuple, tuple] = {}
+        # the layout changes of a mesh: (src, dst) -> ir.layout_conversions, and (conversion class, axis,
+        # layout before, form after) -> the priced parts of that one-axis step (paths share steps)
+        self._paths: dict[tuple, list] = {}
+        self._steps: dict[tuple, tuple] = {}
         # bytes each tensor sends: at its dtype under the precision (autocast's low dtype where it applies)
         self.nbytes = {tid: tensor_nbytes(graph, tid, precision) for tid in graph.tensors}
         self.corrections: Corrections = profile.corrections
+        self.compiled = bool(getattr(profile, "compiled", False))
+        self._fusion: dict[str, tuple[str, frozenset, frozenset]] = self._fused_traffic(graph) if self.compiled else {}
+
+    @staticmethod
+    def _fused_traffic(graph: Graph) -> dict[str, tuple[str, frozenset, frozenset]]:
+        """node name -> (fusion kind, positions of the inputs it reads from memory, positions of the
+        outputs it writes to memory) of every call node of a compiled program (module docstring,
+        "Compiled programs"; the positions only for ``fused`` nodes)."""
+        kind = {n.name: fusion_kind(n.target) for n in graph.nodes if n.op == "call"}
+        source: dict[int, tuple[str, int]] = {}  # tensor id -> (kind of its source, the source's level)
+        level: dict[str, int] = {}
+        consumers: dict[int, list[Node]] = {}
+        for n in graph.nodes:
+            for t in n.inputs:
+                consumers.setdefault(t, []).append(n)
+            k = kind.get(n.name, "leaf")
+            srcs = [source.get(t, ("leaf", 0)) for t in n.inputs]
+            if k == "view":
+                through = srcs[0] if srcs else ("leaf", 0)
+                for t in n.outputs:
+                    source[t] = through
+                continue
+            level[n.name] = max((lv + (sk == "kernel") for sk, lv in srcs), default=0)
+            for t in n.outputs:
+                source[t] = (k, level[n.name])
+
+        def written(tid: int, lv: int) -> bool:
+            for c in consumers.get(tid, ()):
+                ck = kind.get(c.name, "leaf")
+                if ck == "view":
+                    if any(written(t, lv) for t in c.outputs):
+                        return True
+                elif ck != "fused" or level[c.name] > lv:
+                    return True
+            return False
+
+        out = {}
+        for n in graph.nodes:
+            if n.op != "call":
+                continue
+            k = kind[n.name]
+            if k != "fused":
+                out[n.name] = (k, frozenset(), frozenset())
+                continue
+            lv = level[n.name]
+            sources = [source.get(t, ("leaf", 0)) for t in n.inputs]
+            reads = frozenset(i for i, (sk, slv) in enumerate(sources) if sk != "fused" or slv < lv)
+            writes = frozenset(i for i, t in enumerate(n.outputs) if written(t, lv))
+            out[n.name] = (k, reads, writes)
+        return out
+
+    def _local_bytes(self, tid: int, form: Form) -> float:
+        """Bytes of tensor ``tid``'s local piece under ``form`` at its dtype under the precision."""
+        t = self.graph.tensors[tid]
+        whole = math.prod(t.shape)
+        return self.nbytes[tid] * (math.prod(form.local_shape(t.shape, self.mesh)) / whole if whole else 1.0)
+
+    def _compiled_compute(self, node: Node, sig: Signature) -> tuple[float, float] | None:
+        """(forward, backward) of a ``view`` or ``fused`` node in a compiled program; None for a
+        ``kernel`` node (priced as an op of its own)."""
+        kind, reads, writes = self._fusion[node.name]
+        if kind == "view":
+            return 0.0, 0.0
+        if kind != "fused":
+            return None
+        try:
+            moved = sum(self._local_bytes(node.inputs[i], sig.inputs[i]) for i in reads)
+            moved += sum(self._local_bytes(node.outputs[i], sig.outputs[i]) for i in writes)
+        except ValueError:
+            return math.inf, math.inf
+        membw = self.profile.memory_bandwidth
+        fwd = (moved / membw if membw else 0.0) + (self.profile.op_overhead if writes else 0.0)
+        return fwd, (2.0 * fwd if self.requires_backward(node) else 0.0)
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -314,6 +415,17 @@ class CostModel:
         the measured time or the roofline (module docstring, "Compute")."""
         if node.op != "call":
             return 0.0, 0.0
+        key = (node.name, id(sig))
+        hit = self._device.get(key)
+        if hit is None or hit[0] is not sig:
+            hit = self._device[key] = (sig, self._device_compute(node, sig))
+        return hit[1]
+
+    def _device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
+        if self.compiled:
+            fused = self._compiled_compute(node, sig)
+            if fused is not None:
+                return fused
         g = self.graph
         measured = self.measured(g, node, sig)
         if measured is not None:
@@ -321,9 +433,13 @@ class CostModel:
         dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
-        fwd = sig.flops / self.profile.rate(profile_dtype(dtype, self.precision))
+        fwd = sig.flops / self.profile.rate_at(profile_dtype(dtype, self.precision), sig.flops)
         membw = self.profile.memory_bandwidth
-        if membw and shapes is not None:
+        if membw and shapes is not None and self.compiled:
+            moved = sum(self._local_bytes(t, f) for t, f in zip(node.inputs, sig.inputs))
+            moved += sum(self._local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
+            fwd = max(fwd, moved / membw)
+        elif membw and shapes is not None:
             moved = sum(math.prod(sh) * DTYPE_BYTES.get(g.tensors[t].dtype, 4) for t, sh in zip(node.inputs, shapes))
             for t, f in zip(node.outputs, sig.outputs):
                 tensor = g.tensors[t]
@@ -384,6 +500,10 @@ class CostModel:
         if node.op != "call":
             return 0.0, 0.0
         o = self.profile.op_overhead
+        if self.compiled:
+            kind, _, writes = self._fusion[node.name]
+            if kind == "view" or (kind == "fused" and not writes):
+                return 0.0, 0.0
         return o, (2.0 * o if self.requires_backward(node) else 0.0)
 
     def group(self, axis: int | None = None) -> tuple[int, str]:
@@ -529,8 +649,11 @@ class CostModel:
     def _cheapest_path(self, t: Tensor, tid: int, batch: bool, src: Layout, dst: Layout) -> ConvCost | None:
         """The cheapest (forward + backward, no duplication) of :func:`hidup.ir.layout_conversions`,
         each step priced as a one-axis form change over its axis's group (module docstring, "Meshes")."""
+        paths = self._paths.get((src, dst))
+        if paths is None:
+            paths = self._paths[(src, dst)] = layout_conversions(src, dst)
         best = None
-        for path in layout_conversions(src, dst):
+        for path in paths:
             cost = self._path_cost(t, tid, batch, path)
             if best is None or cost.fwd + cost.bwd < best.fwd + best.bwd:
                 best = cost
@@ -540,41 +663,15 @@ class CostModel:
         tot = dict.fromkeys(
             ("fwd", "bwd", "fA", "fB", "bA", "bB", "lf", "lb", "lfA", "lfB", "lbA", "lbB", "async", "block"), 0.0
         )
-        grad = t.requires_grad
+        cls = self.conversion_class(tid)
         for step in path.steps:
-            conv, k = step.conv, step.axis
-            n = self.mesh[k]
-            b = self.step_bytes(tid, step.before, k)
-            shape = step.before.with_axis(k, FULL).local_shape(t.shape, self.mesh)
-            frm, to = step.before.forms[k], step.after.forms[k]
-            cf, cb = conv.collectives
-            cb = cb if grad else ""
-            sync = conv.grad_sync and grad
-            bwd_op = conv.backward_local if grad else ""
-            fwd = self.comm(cf, b, k)
-            lf = self.local_copies(conv.forward, frm, to, shape, b, n)
-            lb = self.local_copies(bwd_op, to, frm, shape, b, n)
-            if sync:
-                bwd = self.grad_sync(b, k)
-                lb += self.grad_copies(b)
-            else:
-                bwd = self.comm(cb, b, k)
-            if batch:
-                fA = self.comm(cf, b / 2, k) / self.pair_speedup(cf, b / 2, k)
-                bA = self.comm(cb, b / 2, k) / self.pair_speedup(cb, b / 2, k)
-                parts = (fA, fA, bA, bA)
-                lfA = self.local_copies(conv.forward, frm, to, shape, b / 2, n)
-                lbA = self.local_copies(bwd_op, to, frm, shape, b / 2, n)
-                copies = (lfA, lfA, lbA, lbA)
-            elif sync:
-                parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)
-            else:
-                fA, bA = fwd / self.pair_speedup(cf, b, k), bwd / self.pair_speedup(cb, b, k)
-                parts, copies = (fA, fA, bA, bA), (lf, lf, lb, lb)
-            for name, v in zip(("fwd", "bwd", "lf", "lb", "async" if sync else "block"), (fwd, bwd, lf, lb, bwd)):
+            key = (cls, step.axis, step.before, step.after.forms[step.axis])
+            parts = self._steps.get(key)
+            if parts is None:
+                parts = self._steps[key] = self._step_cost(t, tid, batch, step)
+            for name, v in parts:
                 tot[name] += v
-            for name, v in zip(("fA", "fB", "bA", "bB", "lfA", "lfB", "lbA", "lbB"), parts + copies):
-                tot[name] += v
+        grad = t.requires_grad
         return ConvCost(
             path,
             tot["fwd"] + tot["lf"],
@@ -592,4 +689,41 @@ class CostModel:
             tot["lbB"],
             tot["async"],
             tot["block"],
+        )
+
+    def _step_cost(self, t: Tensor, tid: int, batch: bool, step) -> tuple[tuple[str, float], ...]:
+        """The (part, seconds) of one one-axis step of a layout change of tensor ``tid``, in the order
+        :meth:`_path_cost` adds them up (kept per conversion class and step: paths share steps)."""
+        grad = t.requires_grad
+        conv, k = step.conv, step.axis
+        n = self.mesh[k]
+        b = self.step_bytes(tid, step.before, k)
+        shape = step.before.with_axis(k, FULL).local_shape(t.shape, self.mesh)
+        frm, to = step.before.forms[k], step.after.forms[k]
+        cf, cb = conv.collectives
+        cb = cb if grad else ""
+        sync = conv.grad_sync and grad
+        bwd_op = conv.backward_local if grad else ""
+        fwd = self.comm(cf, b, k)
+        lf = self.local_copies(conv.forward, frm, to, shape, b, n)
+        lb = self.local_copies(bwd_op, to, frm, shape, b, n)
+        if sync:
+            bwd = self.grad_sync(b, k)
+            lb += self.grad_copies(b)
+        else:
+            bwd = self.comm(cb, b, k)
+        if batch:
+            fA = self.comm(cf, b / 2, k) / self.pair_speedup(cf, b / 2, k)
+            bA = self.comm(cb, b / 2, k) / self.pair_speedup(cb, b / 2, k)
+            parts = (fA, fA, bA, bA)
+            lfA = self.local_copies(conv.forward, frm, to, shape, b / 2, n)
+            lbA = self.local_copies(bwd_op, to, frm, shape, b / 2, n)
+            copies = (lfA, lfA, lbA, lbA)
+        elif sync:
+            parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)
+        else:
+            fA, bA = fwd / self.pair_speedup(cf, b, k), bwd / self.pair_speedup(cb, b, k)
+            parts, copies = (fA, fA, bA, bA), (lf, lf, lb, lb)
+        return tuple(zip(("fwd", "bwd", "lf", "lb", "async" if sync else "block"), (fwd, bwd, lf, lb, bwd))) + tuple(
+            zip(("fA", "fB", "bA", "bB", "lfA", "lfB", "lbA", "lbB"), parts + copies)
         )

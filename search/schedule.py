@@ -14,7 +14,11 @@ reverse order, with ``Tc`` the compute stream's time and ``Tn`` the network's::
 
 and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  The DP minimizes the
 serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
-(:attr:`Evaluation.objective`); candidate plans are compared on ``total = forward + backward``.
+(:attr:`Evaluation.objective`), and a second DP the same sum without the gradient all-reduces, a
+lower bound (``hide_grad_sync``, :func:`hidup.search.dp.solve`): the first undervalues plans whose
+gradient sync overlaps the backward (data parallelism), the second overvalues them; the search
+times both answers with this recurrence and compares candidate plans on ``total = forward +
+backward``.
 
 With duplication: stages and the (time, debt, slack) recurrence
 ----------------------------------------------------------------
@@ -58,8 +62,10 @@ Iteration time with duplication = forward ``T + d`` + backward ``T + d``.
 
 The optimizer step follows both passes and overlaps nothing: ``optimizer = optimizer_s_per_byte *
 local trainable parameter bytes`` (the profile's measured Adam step; sharded parameters update only
-their slice).  The DP does not see it (its objective covers the two passes); candidate plans are
-compared on ``total = forward + backward + optimizer``.
+their slice), or, where the profile has not measured it, a fused Adam step's roofline, ``7 * bytes /
+memory_bandwidth`` (:meth:`~hidup.profiler.Profile.optimizer_time`).  The DP does not see it (its
+objective covers the two passes); candidate plans are compared on ``total = forward + backward +
+optimizer``.
 
 Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
 the summed collective time (both copies); ``exposed_comm = max(0, forward + backward - compute)``
@@ -221,7 +227,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             stages.append([])
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
-    optimizer = problem.profile.optimizer_s_per_byte * memory["grads"]
+    optimizer = problem.profile.optimizer_time(memory["grads"])
     return Evaluation(
         list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages, objective, optimizer
     )

@@ -167,7 +167,9 @@ def test_the_optimizer_step_is_charged_on_the_parameters_each_rank_keeps():
     assert tensor.memory["grads"] < data.memory["grads"]
     assert tensor.predicted["optimizer"] == pytest.approx(1e-12 * tensor.memory["grads"])
     assert P.Profile.from_dict(prof.to_dict()).optimizer_s_per_byte == 1e-12
-    assert forced(g, P.load("h200x4-nvlink"), "data").predicted["optimizer"] == 0.0  # not measured
+    builtin = P.load("h200x4-nvlink")  # not measured: a fused Adam step's roofline, seven passes
+    unmeasured = forced(g, builtin, "data")
+    assert unmeasured.predicted["optimizer"] == pytest.approx(7 * unmeasured.memory["grads"] / builtin.memory_bandwidth)
 
 
 def test_the_per_copy_correction_scales_each_copys_compute_and_can_turn_duplication_on():

@@ -22,13 +22,21 @@ without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 
 ``recompute`` lists the repeated layers (block labels, :func:`hidup.ir.block_label`) whose forward the
 rank program runs again in the backward instead of keeping their activations
 (:mod:`hidup.codegen.recompute`); a file without it recomputes nothing.
+
+``versions`` records the torch (and, when imported, transformers) versions the graph was traced
+with: the same model can export to a different graph under other versions (``transformers`` has
+rewritten its rotary embeddings between releases), and ``check`` names the versions that moved when
+the fingerprints differ.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from hidup.files import atomic_write
 from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Layout, Signature, block_label, mesh_text, parse_form
@@ -185,6 +193,16 @@ def _communicates(op: str) -> bool:
     return bool(known.collective) if known is not None else op in COLLECTIVES
 
 
+def traced_versions() -> dict[str, str]:
+    """Versions of the libraries that decide what a model exports to: torch, and transformers when this
+    process has imported it."""
+    out = {"torch": torch.__version__}
+    tf = sys.modules.get("transformers")
+    if tf is not None and getattr(tf, "__version__", None):
+        out["transformers"] = tf.__version__
+    return out
+
+
 @dataclass
 class Plan:
     model: str
@@ -207,6 +225,9 @@ class Plan:
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
+    # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
+    # model can export to another graph under other versions
+    versions: dict[str, str] = field(default_factory=traced_versions)
     version: int = PLAN_VERSION
 
     @property
@@ -242,6 +263,17 @@ class Plan:
                 detail += f"; graph nodes without a choice: {', '.join(missing)}"
             if extra:
                 detail += f"; plan nodes not in the graph: {', '.join(extra)}"
+            now = traced_versions()
+            moved = [
+                f"{k} {self.versions[k]} -> {now.get(k, 'absent')}"
+                for k in sorted(self.versions)
+                if self.versions[k] != now.get(k)
+            ]
+            if moved:
+                detail += (
+                    f"; the plan was searched with other library versions ({', '.join(moved)} here), "
+                    "under which the same model can trace to another graph"
+                )
             problems.append(
                 f"graph fingerprint: plan {self.fingerprint}, graph {fp} (the model's structure, "
                 f"shapes or dtypes changed{detail})"
@@ -250,7 +282,8 @@ class Plan:
             raise PlanError(
                 "this plan was made for a different job -- "
                 + "; ".join(problems)
-                + ". Fix: run `hidup search` again for this model and world size."
+                + ". Fix: run `hidup search` again for this model and world size (with the library versions "
+                "the ranks run)."
             )
         for n in graph.nodes:
             sig = self.choices.get(n.name)
@@ -280,6 +313,7 @@ class Plan:
             "alternatives": self.alternatives,
             "recompute": self.recompute,
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
+            "versions": dict(self.versions),
         }
 
     @staticmethod
@@ -312,6 +346,7 @@ class Plan:
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
                 mesh=list(d.get("mesh") or []),
+                versions=dict(d.get("versions") or {}),
                 version=PLAN_VERSION,
             )
         except KeyError as e:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import hidup
 from hidup.ir import Graph
@@ -71,6 +72,20 @@ def test_refuses_other_structure(plan):
         plan.check(other)
     msg = str(e.value)
     assert "graph fingerprint" in msg and "graph nodes without a choice: layers_3" in msg and "hidup search" in msg
+
+
+def test_names_library_versions_that_moved(plan):
+    """A plan records the versions it was traced with; a graph that differs under other versions is
+    refused with the versions that moved; with the same versions the message does not blame them."""
+    assert plan.versions["torch"] == torch.__version__
+    old = Plan.from_dict({**plan.to_dict(), "versions": {"torch": "1.0.0", "transformers": "4.0.0"}})
+    other = layered_graph(layers=4, nodes_per_layer=6, seed=2, shape=(256, 256))
+    with pytest.raises(PlanError) as e:
+        old.check(other)
+    assert "torch 1.0.0 -> " + torch.__version__ in str(e.value) and "transformers 4.0.0 -> " in str(e.value)
+    with pytest.raises(PlanError) as e:
+        plan.check(other)
+    assert "other library versions" not in str(e.value)
 
 
 def test_refuses_changed_shapes(plan, graph):

@@ -4,7 +4,7 @@
 # fused Adam step, against the single-device share compiled and captured; for
 #   1. BERT-SGMoE at the paper defaults (8 layers, d 768, 32 sequences of 128 per GPU, 2 experts per GPU),
 #      the plan searched now with the built-in h200x4-nvlink profile, rank 0;
-#   2. a transformers Llama with Llama-2-7B's layer shapes (4 layers, hidden 4096, 32 heads / 8 KV
+#   2. a transformers Llama (exp/rank_models.py:llama) with Llama-2-7B's layer shapes (4 layers, hidden 4096, 32 heads / 8 KV
 #      heads, MLP 11008, vocab 32000; 8 sequences of 1024 per GPU): about 1.0 B parameters, whose
 #      single-device share (weights, gradients, Adam state and activations) takes roughly 40-50 GB;
 #      plan searched the same way, rank 0.
@@ -22,7 +22,7 @@
 # DEVICE=cpu runs the same sequence at toy sizes (eager and compile modes, aot_eager backend) to check it.
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
-mkdir -p "$OUT/factories"
+mkdir -p "$OUT"
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
 BERT_CAP=${BERT_CAP:-270}
@@ -32,34 +32,6 @@ DUPLICATION=${DUPLICATION:-plan}
 SUFFIX=${SUFFIX:-}
 LOG="$OUT/gpu_rank${SUFFIX}.log"
 
-# The Llama training step as a model factory (`package.module:function`, see the README).
-cat > "$OUT/factories/rank_llama.py" <<'PYEOF'
-import torch
-import transformers
-
-
-class Step(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
-def build_llama(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=1024, batch=8,
-                world_size=1, device=None):
-    """Llama with `batch` sequences of `seq` tokens per rank (the global batch is batch x world_size)."""
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                   num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
-                                   max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    with torch.device(device or "cpu"):
-        model = Step(transformers.LlamaForCausalLM(cfg))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (batch * world_size, seq), generator=g).to(device or "cpu")
-    return model, (ids, ids.clone())
-PYEOF
-export PYTHONPATH="$OUT/factories${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$DEVICE" = cpu ]; then
   COMMON=(--device cpu --precisions fp32 --modes eager,compile --share-modes compile --backend aot_eager
@@ -71,7 +43,8 @@ else
   COMMON=(--precisions tf32,bf16 --modes "${MODES:-eager,cuda-graph,compile+graph,compile}"
           --share-modes compile+graph --steps 20 --rounds 3 --warmup 3)
   BERT_ARGS=()
-  LLAMA_ARGS=()
+  LLAMA_ARGS=(--model-arg layers=4 --model-arg hidden=4096 --model-arg heads=32 --model-arg kv_heads=8
+              --model-arg ffn=11008 --model-arg vocab=32000 --model-arg seq=1024 --model-arg batch=8)
 fi
 
 {
@@ -81,7 +54,7 @@ fi
   for model in $MODELS; do
     case $model in
       bert) cap=$BERT_CAP; spec=bert-sgmoe; args=("${BERT_ARGS[@]}");;
-      llama) cap=$LLAMA_CAP; spec=rank_llama:build_llama; args=("${LLAMA_ARGS[@]}");;
+      llama) cap=$LLAMA_CAP; spec=exp.rank_models:llama; args=("${LLAMA_ARGS[@]}");;
       *) echo "unknown model $model (bert or llama)"; continue;;
     esac
     echo "== $spec, world-4 plan, rank 0, duplication $DUPLICATION (cap $cap s)"

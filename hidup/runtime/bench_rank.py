@@ -36,6 +36,11 @@ for the plan at the run's precision (:mod:`hidup.search.memory`; its activations
 changes, :func:`hidup.saved.plan_saved_bytes`): parameters, gradients, Adam's two moments, the bytes
 autograd keeps for the backward, and the inputs.
 
+With ``--kernels`` each CUDA run also records where its device time goes: the steps run once more
+without a CUDA graph under ``torch.profiler``, and the kernels' time per step is summed by kind
+(matmul libraries, attention, inductor's generated kernels, the optimizer, copies, other;
+:func:`kernel_kind`), with the heaviest kernels by name.
+
 Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
 rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
 error and the sweep goes on).  On the CPU only ``eager`` and ``compile`` run.
@@ -113,6 +118,13 @@ def add_parser(sub) -> None:
     g.add_argument("--warmup", type=int, default=3, help="untimed steps before a mode is timed (default 3)")
     g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
     g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default cuda when available)")
+    g.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also record each run's device time per step by kernel kind (matmul, attention, generated, "
+        "optimizer, copies, other) and its heaviest kernels, from torch.profiler over steps run without "
+        "a CUDA graph",
+    )
     g.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -243,6 +255,10 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
             rounds_ms=[s * 1e3 for s in samples],
             loss_finite=bool(torch.isfinite(loss).item()),
         )
+        if getattr(args, "kernels", False) and cuda:
+            step.release()
+            step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
+            record["kernels"] = kernel_breakdown(step, inputs, device)
     except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the sweep goes on
         record.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
     finally:
@@ -257,6 +273,53 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
             record["rank_peak_bytes"] = record["peak_memory_bytes"] - record["allocated_before_bytes"] + stored
             torch.cuda.empty_cache()
     return record
+
+
+# kernel kinds by name fragment, first match wins (cuBLAS names its kernels gemm / nvjet / sm90_xmma ...)
+KERNEL_KINDS = (
+    ("optimizer", ("adam", "multi_tensor")),
+    ("attention", ("flash", "fmha", "attention", "efficient")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")),
+    ("generated", ("triton",)),
+    ("copies", ("copy", "memcpy", "memset", "cat", "fill", "elementwise", "reduce_kernel", "index")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its name (:data:`KERNEL_KINDS`; ``other`` when none matches)."""
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
+def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: int = 15) -> dict:
+    """Device milliseconds per step of ``step(*inputs)`` by kernel kind (:func:`kernel_kind`) and its
+    ``top`` heaviest kernels, from ``torch.profiler`` over ``steps`` steps (after one untimed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(*inputs)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(*inputs)
+        torch.cuda.synchronize(device)
+    per_kernel: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / 1e3 / steps
+            counts[e.name] = counts.get(e.name, 0) + 1
+    kinds: dict[str, float] = {}
+    for name, ms in per_kernel.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "device_ms": sum(per_kernel.values()),
+        "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "kernels_per_step": sum(counts.values()) / steps,
+        "heaviest": [
+            {"name": n[:160], "ms": ms, "calls": counts[n] / steps, "kind": kernel_kind(n)} for n, ms in heaviest
+        ],
+    }
 
 
 def _predicted_peak(args, plan, duplication: bool | None, precision: str) -> dict | None:

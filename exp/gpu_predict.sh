@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Measured against predicted: one rank of world-4 plans on one GPU, for exp/rank_predict.py.
+#   1. (PROFILE=1) the GPU's own device profile: matmul rates (fp32, tf32, bf16), copy bandwidth, the
+#      fixed cost per op eagerly and inside a CUDA graph (`hidup profile`, one process; collectives
+#      from the built-in h200x4-nvlink profile, which no prediction here uses);
+#   2. `hidup bench-rank --plan` for every plan file in $PLANS matching $MATCH (default all), rank 0,
+#      duplication off, modes cuda-graph and compile+graph, tf32 and bf16, fused Adam, no share,
+#      kernel time by kind (--kernels); one JSON per plan: $OUT/rank-<plan>.json.
+# With QUIET=1 the timings are not printed (only which runs finished); they are in the JSON files.
+# Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
+set -u -o pipefail
+OUT=${OUT:?set OUT to an output directory}
+PLANS=${PLANS:-docs/bench/predict/rank-plans}
+MATCH=${MATCH:-*}
+PY=${PYTHON:-python}
+CAP=${CAP:-200}
+mkdir -p "$OUT"
+echo "== $(date -u +%FT%TZ) gpu_predict.sh"
+$PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+if [ "${PROFILE:-1}" = 1 ]; then
+  timeout 300 $PY -m hidup.cli profile --quick --dtypes fp32,tf32,bf16 --matmul-sizes 1024,2048,4096,8192 \
+    --merge h200x4-nvlink --name h100-measured --out "$OUT/h100.json" --no-progress > "$OUT/profile.log" 2>&1
+  echo "profile exit status $?"; grep -i -e "flop\|bandwidth\|overhead" "$OUT/profile.log" | head -12
+fi
+for plan in "$PLANS"/$MATCH.json; do
+  name=$(basename "$plan" .json)
+  timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
+    --duplication off --modes cuda-graph,compile+graph --precisions tf32,bf16 --share-modes none \
+    --steps 10 --rounds 3 --warmup 2 --kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
+  status=$?
+  if [ "${QUIET:-0}" = 1 ]; then echo "$name: exit status $status"; else echo "== $name: exit $status"; grep -e "^rank " -e "ms" "$OUT/rank-$name.log" | tail -6; fi
+done
+echo "== $(date -u +%FT%TZ) done"

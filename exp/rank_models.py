@@ -1,0 +1,50 @@
+"""`transformers` models as hidup model factories (``exp.rank_models:llama``, ``exp.rank_models:mixtral``):
+``f(world_size=1, device=None, **sizes) -> (step module, (input_ids, labels))`` with ``batch`` sequences
+of ``seq`` tokens per rank, for ``hidup search/bench-rank --model``."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+class CausalLMStep(torch.nn.Module):
+    """A causal LM's training step: the mean next-token loss of ``labels``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _step(config, model_cls, vocab: int, seq: int, batch: int, world_size: int, device):
+    with torch.device(device or "cpu"):
+        model = CausalLMStep(model_cls(config))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (batch * world_size, seq), generator=g).to(device or "cpu")
+    return model, (ids, ids.clone())
+
+
+def llama(
+    layers=4, hidden=2048, heads=16, kv_heads=4, ffn=5632, vocab=32000, seq=1024, batch=8, world_size=1, device=None
+):
+    """Llama (RMSNorm, rotary attention with grouped key/value heads, SwiGLU MLP)."""
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return _step(cfg, transformers.LlamaForCausalLM, vocab, seq, batch, world_size, device)
+
+
+def mixtral(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=2816, experts=8, vocab=32000, seq=1024, batch=4,
+            world_size=1, device=None):  # fmt: skip
+    """Mixtral (Llama attention, top-2 routed mixture of SwiGLU experts)."""
+    cfg = transformers.MixtralConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=ffn, num_local_experts=experts, num_experts_per_tok=2, vocab_size=vocab,
+        max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return _step(cfg, transformers.MixtralForCausalLM, vocab, seq, batch, world_size, device)

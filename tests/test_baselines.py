@@ -278,3 +278,19 @@ def test_loss_forms_are_declared_or_refused():
     with pytest.raises(ValueError, match="'sum' or 'mean'"):
         LossForm("median")
     assert not math.isnan(REL_TOL) and REL_TOL < 1e-12
+
+
+def test_fake_world_runs_rank_zero_alone():
+    """``--fake-world``: rank 0 of a world-4 baseline runs in this process on torch's fake process
+    group; DDP's rank computes exactly what the single-device share computes (its forward is local),
+    FSDP2's and the expert baseline's run with stand-in collectives."""
+    from exp.baselines.harness import RunSpec, run
+
+    spec = dict(world=4, overrides=TINY, warmup=1, iters=1)
+    single = run(RunSpec("single", **spec))
+    for baseline in ("ddp", "fsdp", "expert"):
+        r = run(RunSpec(baseline, fake_world=True, **spec))
+        assert r["backend"] == "fake" and r["world"] == 4 and "fake process group" in r["stand_ins"]
+        assert r["iter_time_s"] > 0 and all(math.isfinite(x) for x in r["losses"])
+        if baseline == "ddp":  # the share's loss, from the same ops in the same order
+            assert r["losses"][0] == pytest.approx(single["losses"][0], rel=8 * torch.finfo(torch.float32).eps)

@@ -12,6 +12,10 @@ Variants: ``compile`` compiles the DDP-wrapped model (``torch.compile(DDP(model)
 DDP notes direct: TorchDynamo's DDPOptimizer then splits the graph at bucket boundaries so that
 the all-reduces still overlap the backward).  For a captured step DDP is built on a side stream and
 runs 11 eager steps before the capture, as torch's CUDA-graph notes require.
+
+On torch's fake process group (one rank alone, ``harness.py --fake-world``) the all-reduce's future
+carries no tensor, which DDP refuses; there a communication hook does the rank's own part of DDP's
+default hook -- divide the bucket by the world size -- and hands the bucket back unreduced.
 """
 
 from __future__ import annotations
@@ -19,12 +23,20 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from exp.baselines.baseline_util import EAGER, Options, Prepared, compile_module
 
 DDP_CAPTURE_WARMUP = 11  # eager DDP iterations torch requires before a CUDA-graph capture
+
+
+def _local_average(world: int, bucket):  # no annotations: DDP compares them as objects
+    """DDP's default hook without its all-reduce: the bucket divided by the world size, in a done future."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer().div_(world))
+    return fut
 
 
 def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts: Options = EAGER) -> Prepared:
@@ -45,6 +57,8 @@ def prepare(model: nn.Module, rank: int, world: int, device: torch.device, opts:
         torch.cuda.current_stream(device).wait_stream(side)
     else:
         module = DDP(model, **kwargs)
+    if dist.get_backend() == "fake":
+        module.register_comm_hook(world, _local_average)
     return Prepared(
         compile_module(module, opts),
         grads_averaged=True,

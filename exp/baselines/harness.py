@@ -32,6 +32,14 @@ maximum over ranks of ``torch.cuda.max_memory_allocated`` (``None`` on a CPU).
 Command line (spawns the ranks on this host; or use torchrun / NODERANK+CPN)::
 
     python exp/baselines/harness.py --baseline ddp --model bert-sgmoe --world 2 --layers 2 --variant compile
+
+One rank on one device (``--fake-world``, as ``hidup bench-rank`` runs hidup's ranks): rank 0 of the
+world-``N`` baseline runs in this process on torch's fake process group, whose collectives return
+tensors of the right shape without communicating.  What is timed is the rank's compute (its share of
+the batch, its FSDP shards and expert slice, the buckets and copies around its collectives); the
+losses are not the model's (the collectives' values are not real)::
+
+    python exp/baselines/harness.py --baseline fsdp --world 4 --fake-world --precision bf16 --variant compile-graph
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class RunSpec:
     variant: str = "eager"
     best_of: int = 1
     compile_backend: str = "inductor"
+    fake_world: bool = False  # rank 0 alone, on torch's fake process group (module docstring)
 
     def __post_init__(self):
         if self.baseline not in BASELINES:
@@ -373,6 +382,22 @@ def _launched(ctx, spec: RunSpec) -> dict | None:
     return result if ctx.rank == 0 else None
 
 
+def _fake_rank(spec: RunSpec) -> dict:
+    """Rank 0 of ``spec`` in this process, on torch's fake process group of ``spec.world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ValueError("--fake-world: a process group is already initialized in this process")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.world)
+    try:
+        result = run_rank(0, spec.world, device, spec)
+    finally:
+        dist.destroy_process_group()
+    result["stand_ins"] = "torch fake process group (rank 0 alone; losses not the model's)"
+    return result
+
+
 def run(spec: RunSpec, **launch_kwargs) -> dict | None:
     """Start the ranks of ``spec`` and return global rank 0's result (``None`` on other hosts).
 
@@ -383,6 +408,8 @@ def run(spec: RunSpec, **launch_kwargs) -> dict | None:
     """
     if spec.baseline == "single":
         results = launch(_launched, spec, env={})
+    elif spec.fake_world:
+        results = [_fake_rank(spec)]
     else:
         kw = {k: v for k, v in launch_kwargs.items() if v is not None}
         layout = layout_from_env(
@@ -432,6 +459,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the model's)")
     p.add_argument("--aux-weight", type=float, default=None, help="MoE balance-loss weight")
     p.add_argument("--out", type=Path, default=None, help="append the result as one JSON line to this file")
+    p.add_argument(
+        "--fake-world",
+        action="store_true",
+        help="run rank 0 alone in this process, torch's fake process group standing in for the other "
+        "ranks (times one rank's compute on one device; the losses are not the model's)",
+    )
 
     add_launch_args(p)
     return p
@@ -459,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             args.variant,
             args.best_of,
             args.compile_backend,
+            args.fake_world,
         )
     except ValueError as e:
         p.error(str(e))

@@ -27,6 +27,15 @@ when even that plan is no faster than the one found -- and keeps the faster plan
 fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
 every repeated layer, ``"off"`` none.
 
+Duplication under a memory budget
+---------------------------------
+The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
+and is the dearest search there is (on an 8x8 Mixtral under 80 GB, most of the search's time).
+Under a budget the plain mode is searched first; the duplicated plan found without the
+budget (a cheap search, reused) is then a bound: within the budget the same DP finds no duplicated
+plan whose two passes take less, so the budgeted duplicated search runs only when those passes
+alone are faster than the best plan in hand that fits.
+
 Meshes
 ------
 On a graph traced for a device mesh of several axes (:mod:`hidup.ir`, "Meshes") every op offers the
@@ -520,13 +529,7 @@ def _search_with(
         solver = outcome.info()
         candidates.append(outcome.ks)
     elif modes_left:
-        candidates += solve_modes(
-            explore,
-            modes_left,
-            memory_budget,
-            lambda mode: _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}"),
-            **beam,
-        )
+        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam)
     if opts.algorithm == "dp":
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below
@@ -548,6 +551,39 @@ def _search_with(
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
     return problem, best, binds, options
+
+
+def _solve_modes_within(
+    problem: Problem, modes: tuple[bool, ...], budget: float | None, found: list[list[int]], progress, beam: dict
+) -> list[list[int]]:
+    """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Without a
+    budget both modes run side by side (:func:`solve_modes`).  Under one, the memory-aware DP with
+    duplication is the dearest search there is (its points carry debt, slack and memory for both
+    copies), so it runs last and only when it can win: the duplicated plan searched without the
+    budget is as fast as any the same DP finds within it, so when that plan is already no faster
+    than the best plan in hand that fits, the budgeted search is skipped (module docstring,
+    "Duplication under a memory budget")."""
+
+    def label(mode: bool):
+        return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
+
+    if budget is None or True not in modes:
+        return solve_modes(problem, modes, budget, label, **beam)
+    answers = [dp.solve(problem, False, budget, progress=label(False), **beam)[0]] if False in modes else []
+    free, _ = dp.solve(problem, True, None, **beam)
+    if sum(problem.mem[i][k] for i, k in enumerate(free)) <= budget:
+        return [*answers, free]
+    fitting = [
+        ev.total
+        for ks in found + answers
+        for ev in (evaluate(problem, ks, False), evaluate(problem, ks, True))
+        if ev.memory["total"] <= budget
+    ]
+    # the bound is the two passes alone: a plan within the budget may store less and so step its
+    # optimizer faster than the plan without it
+    if fitting and evaluate(problem, free, True).objective >= min(fitting):
+        return answers
+    return [*answers, dp.solve(problem, True, budget, progress=label(True), **beam)[0]]
 
 
 def _beam(opts: SearchOptions) -> dict:

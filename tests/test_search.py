@@ -534,3 +534,41 @@ def test_both_modes_in_two_processes_equal_one_after_the_other(monkeypatch):
     assert modes.solve_modes(pr, (False, True)) == sequential
     with pytest.raises(SearchError, match="memory budget"):
         modes.solve_modes(pr, (False, True), memory_budget=1.0)
+
+
+@pytest.mark.parametrize(
+    "profile,seed,skips",
+    [("nvlink", 431, True), ("nvlink", 441, True), ("nvlink", 458, True), ("socket", 457, True)]
+    + [("socket", seed, False) for seed in (430, 431, 433)],
+)
+def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, seed, skips, monkeypatch):
+    """The budgeted duplicated DP is skipped when the duplicated plan without the budget is no faster
+    in its two passes than a plan in hand that fits (these graphs and profiles have been seen to skip
+    it or not); either way the plan is the one the search without that shortcut finds."""
+    from hidup.search import api
+    from hidup.search.modes import solve_modes
+
+    prof = {"nvlink": NVLINK, "socket": SOCKET}[profile]
+    g = random_graph(seed, calls=5, max_sigs=3)
+    mems = _memories(Problem(g, prof))
+    budget = sorted(m for m, _ in mems)[len(mems) // 4]
+    assert hidup.search(g, prof, duplication=True, **EXACT).memory["total"] > budget  # it binds
+    calls = []
+    solve = dp.solve
+
+    def counted(problem, duplication=True, memory_budget=None, *args, **kwargs):
+        calls.append((duplication, memory_budget is not None))
+        return solve(problem, duplication, memory_budget, *args, **kwargs)
+
+    monkeypatch.setattr(dp, "solve", counted)
+    shortcut = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
+    assert ((True, True) not in calls) == skips
+    monkeypatch.setattr(
+        api,
+        "_solve_modes_within",
+        lambda pr, modes, budget, found, progress, beam: solve_modes(pr, modes, budget, **beam),
+    )
+    full = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
+    assert shortcut.memory["total"] <= budget
+    assert rel_eq(shortcut.predicted["total"], full.predicted["total"])
+    assert shortcut.duplication == full.duplication

@@ -4,7 +4,7 @@
 # ranks), BERT-SGMoE at the paper defaults, in every variant (eager, compile, graph, compile-graph),
 # beside the single-device share -- what `hidup bench-rank` measures of hidup's ranks.
 # Results: one JSON line per run in $OUT/baselines_rank.jsonl (a failed variant: its error in the log).
-# Usage (repository root): OUT=/some/dir [PRECISION=bf16] [CAP=70] bash exp/gpu_baselines_rank.sh
+# Usage (repository root): OUT=/some/dir [PRECISION=bf16] [CAP=70] [BASELINES="ddp expert"] bash exp/gpu_baselines_rank.sh
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
 PRECISION=${PRECISION:-bf16}
@@ -12,7 +12,7 @@ CAP=${CAP:-70}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 echo "== $(date -u +%FT%TZ) gpu_baselines_rank.sh, $PRECISION"
-for baseline in single ddp fsdp expert; do
+for baseline in ${BASELINES:-single ddp fsdp expert}; do
   for variant in eager compile graph compile-graph; do
     [ "$baseline" = single ] && [ "$variant" != compile-graph ] && continue
     fake=(); [ "$baseline" != single ] && fake=(--fake-world)

@@ -31,10 +31,13 @@ Duplication under a memory budget
 ---------------------------------
 The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
 and is the dearest search there is (on an 8x8 Mixtral under 80 GB, most of the search's time).
-Under a budget the plain mode is searched first; the duplicated plan found without the
-budget (a cheap search, reused) is then a bound: within the budget the same DP finds no duplicated
-plan whose two passes take less, so the budgeted duplicated search runs only when those passes
-alone are faster than the best plan in hand that fits.
+The duplicated plan found without the budget (a cheap search, made first) is a bound: within the
+budget the same DP finds no duplicated plan whose two passes take less.  So once the plain mode's
+budgeted answer is in, the duplicated mode's budgeted search, running beside it
+(:mod:`hidup.search.modes`), is waited for only when those passes alone are faster than the best
+plan in hand that fits; otherwise it is stopped.  Searched by price (:mod:`hidup.search.dp`, "A
+memory budget by its price"), it also stops itself once its Lagrangian bound reaches the best plan
+that fits among those in hand when it started.
 
 Meshes
 ------
@@ -556,34 +559,36 @@ def _search_with(
 def _solve_modes_within(
     problem: Problem, modes: tuple[bool, ...], budget: float | None, found: list[list[int]], progress, beam: dict
 ) -> list[list[int]]:
-    """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Without a
-    budget both modes run side by side (:func:`solve_modes`).  Under one, the memory-aware DP with
-    duplication is the dearest search there is (its points carry debt, slack and memory for both
-    copies), so it runs last and only when it can win: the duplicated plan searched without the
-    budget is as fast as any the same DP finds within it, so when that plan is already no faster
-    than the best plan in hand that fits, the budgeted search is skipped (module docstring,
-    "Duplication under a memory budget")."""
+    """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Under a
+    budget the duplicated mode's answer comes only when it can win (module docstring, "Duplication
+    under a memory budget"): its plan without the budget fits, or the two passes of that plan are
+    faster than the best plan in hand (``found`` and the plain mode's answer) that fits."""
 
     def label(mode: bool):
         return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
 
-    if budget is None or True not in modes:
+    if budget is None or tuple(modes) != (False, True):
         return solve_modes(problem, modes, budget, label, **beam)
-    answers = [dp.solve(problem, False, budget, progress=label(False), **beam)[0]] if False in modes else []
-    free, _ = dp.solve(problem, True, None, **beam)
-    if sum(problem.mem[i][k] for i, k in enumerate(free)) <= budget:
-        return [*answers, free]
-    fitting = [
-        ev.total
-        for ks in found + answers
-        for ev in (evaluate(problem, ks, False), evaluate(problem, ks, True))
-        if ev.memory["total"] <= budget
-    ]
-    # the bound is the two passes alone: a plan within the budget may store less and so step its
-    # optimizer faster than the plan without it
-    if fitting and evaluate(problem, free, True).objective >= min(fitting):
-        return answers
-    return [*answers, dp.solve(problem, True, budget, progress=label(True), **beam)[0]]
+
+    def fitting(plans: list[list[int]]) -> list[float]:
+        return [
+            ev.total
+            for ks in plans
+            for ev in (evaluate(problem, ks, False), evaluate(problem, ks, True))
+            if ev.memory["total"] <= budget
+        ]
+
+    def worth(plain: list[int], free: list[int]) -> bool:
+        if sum(problem.mem[i][k] for i, k in enumerate(free)) <= budget:
+            return True  # the budgeted search returns this plan at once
+        times = fitting([*found, plain])
+        # the bound is the two passes alone: a plan within the budget may store less and so step its
+        # optimizer faster than the plan without it
+        return not times or evaluate(problem, free, True).objective < min(times)
+
+    # the search by price bounds the two passes of any plan within the budget as it goes
+    beat = min(fitting(found), default=None)
+    return solve_modes(problem, modes, budget, label, worth, beat, **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

@@ -21,9 +21,30 @@ need, and maps every point ``p`` to ``apply(p, step)``:
 * with a memory budget every point also carries its memory (an additive coordinate), and a point is
   dropped once ``memory + (least memory the remaining positions can use) > budget``.  That DP runs
   only when the budget binds: :func:`solve` first searches without it and keeps the result when it
-  fits (the fastest plan that fits is then the fastest plan within the budget).
+  fits (the fastest plan that fits is then the fastest plan within the budget).  On large graphs the
+  budget is met by pricing memory instead ("A memory budget by its price", below).
 
 The answer is the point at the last position with the least ``time`` (``T_f + d_f + T_b + d_b``).
+
+A memory budget by its price
+----------------------------
+The memory-aware DP's points carry memory as one more coordinate, so every state keeps a Pareto set
+of (time, memory) points, and with duplication of seven-entry points: on the graphs of large models
+with a beam it is the dearest search there is (an 8x8 Mixtral under 80 GB: 26-35 s a pass, against
+1-5 s without the budget).  Memory is additive over the positions (``problem.mem``), so pricing it
+is the Lagrangian relaxation of the budget: the DP without a memory coordinate, every transition's
+time raised by ``price * memory``, finds the plan of least ``time + price * memory``; that plan is
+the fastest of all plans that use no more memory than it does, and ``value - price * budget`` is a
+lower bound of the fastest plan within the budget (exactly so without a beam and without
+duplication).  :func:`_solve_by_price` raises the price from ``PRICE_START`` of the plan's time per
+excess byte by ``PRICE_FACTOR`` until the plan fits, then bisects it (geometrically) between a price
+that misses and one that meets the budget, keeping the fastest plan that fits, until the prices are
+within ``PRICE_RATIO`` of each other, the plan is within ``PRICE_GAP`` of the bound, or
+``PRICE_STEPS`` bisections are done: about 4-8 passes, each with the transition caches already
+filled.  It finds only plans on the lower convex hull of (memory, time), so a plan below the hull
+that fits a budget between two of its corners is missed (the budget is met with memory to spare);
+the memory-aware DP finds it.  The price is used where the DP already is a beam search on a large
+graph (``PRICE_MIN_POSITIONS``); smaller graphs and exact searches keep the memory-aware DP.
 
 Speed
 -----
@@ -67,6 +88,7 @@ Speed
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from typing import Callable
 
@@ -77,7 +99,7 @@ from hidup.search.problem import LazySearchError, Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply_stages, generate, recurrence_source
 from hidup.search.segments import Occurrence, find_blocks
 
-__all__ = ["solve", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
+__all__ = ["solve", "Beaten", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
 
 DEFAULT_MAX_STATES = "auto"  # beam_width(positions)
 # with a beam, cross-state pruning compares at most this many times the beam's width of the fastest
@@ -89,6 +111,14 @@ BEAM_STATES = 128  # the beam on graphs of up to BEAM_WORK / BEAM_STATES positio
 BEAM_WORK = 131072  # states x positions above that size (an 8B-parameter ATen graph: 2455 positions, 53 states)
 BEAM_MIN_STATES = 32
 NEW_TABLES_PER_PASS = 2  # a repeated block is solved from this many new entry states for the cost of one pass
+# a budget by its price (module docstring): where, and how the price is searched
+PRICE_MIN_POSITIONS = 1024  # with a beam, graphs of this many positions or more
+PRICE_START = 0.05  # the first price: this share of the plan's time for its bytes over the budget
+PRICE_FACTOR = 4.0  # the price grows by this factor until the plan fits
+PRICE_RAISES = 12  # at most this many raises (4**12: from 5% to 800 000 times the time)
+PRICE_STEPS = 4  # then at most this many bisections of the price (geometric)
+PRICE_RATIO = 1.2  # ... until the price that fits is within this factor of the one that does not
+PRICE_GAP = 0.005  # ... or the plan is within this share of the Lagrangian bound
 
 
 def beam_width(positions: int) -> int:
@@ -153,15 +183,20 @@ _dup_apply_both = generate(
 )
 
 
-def _dup_step_source(name: str, memory: bool) -> str:
+def _dup_step_source(name: str, memory: bool, priced: bool = False) -> str:
     """Source of node_step with duplication: every point of every state through every transition,
     into ``new`` (buckets of (estimate, point, trace)); the forward and backward items are unpacked
     once per transition.  With ``memory`` every point carries its memory as a seventh entry, and a
     point is dropped once its memory plus ``mem_floor`` (the least the positions after it can use)
-    exceeds ``budget``."""
+    exceeds ``budget``.  With ``priced`` the transition's memory times ``price`` (seconds per byte,
+    module docstring, "A memory budget by its price") is added to the forward pass's time."""
     m = ", m" if memory else ""
+    T = "T + lm" if priced else "T"
     return (
-        f"def {name}(states, trans, i, new" + (", mem_floor, budget" if memory else "") + "):\n"
+        f"def {name}(states, trans, i, new"
+        + (", mem_floor, budget" if memory else "")
+        + (", price" if priced else "")
+        + "):\n"
         "    get = new.get\n"
         "    for key, front in states.items():\n"
         "        for k, step, nkey in trans(i, key):\n"
@@ -174,6 +209,7 @@ def _dup_step_source(name: str, memory: bool) -> str:
         "            fcomm = fmA > 0.0 or fmB > 0.0\n"
         "            bcomm = bmA > 0.0 or bmB > 0.0\n"
         + ("            smem = step.mem\n" if memory else "")
+        + ("            lm = price * step.mem\n" if priced else "")
         + f"            for _, (T, d, ns, T2, d2, ns2{m}), tr in front:\n"
         + (
             "                m = m + smem\n                if m + mem_floor > budget:\n                    continue\n"
@@ -182,12 +218,15 @@ def _dup_step_source(name: str, memory: bool) -> str:
         )
         + recurrence_source(16, item="fmA fmB fcA fcB", opens="fcomm")
         + recurrence_source(16, "T2", "d2", "ns2", item="bmA bmB bcA bcB", opens="bcomm")
-        + f"                app((T + d + T2 + d2, (T, d, ns, T2, d2, ns2{m}), (tr, i, k)))\n"
+        + f"                app(({T} + d + T2 + d2, ({T}, d, ns, T2, d2, ns2{m}), (tr, i, k)))\n"
     )
 
 
 _dup_node_step = generate("_dup_node_step", _dup_step_source("_dup_node_step", memory=False))
 _dup_mem_node_step = generate("_dup_mem_node_step", _dup_step_source("_dup_mem_node_step", memory=True))
+_dup_priced_node_step = generate(
+    "_dup_priced_node_step", _dup_step_source("_dup_priced_node_step", memory=False, priced=True)
+)
 
 
 def _mem_node_step(states: dict, trans, i: int, new: dict, mem_floor: float, budget: float, hide: float) -> None:
@@ -248,8 +287,12 @@ class _DP:
         max_states: int | str | None,
         max_points: int | None,
         hide_grad_sync: bool = False,
+        memory_price: float = 0.0,
     ):
         self.p, self.dup, self.budget = problem, duplication, memory_budget
+        self.price = memory_price  # seconds per byte added to every transition (module docstring)
+        if memory_price and memory_budget is not None:
+            raise ValueError("_DP: a memory price and a memory budget are two ways to the same end; pass one")
         self.hide = 1.0 if hide_grad_sync and not duplication else 0.0
         self.max_states = beam_width(problem.n) if max_states == "auto" else max_states
         self.max_points = max_points
@@ -269,14 +312,18 @@ class _DP:
     def apply_step(self, v: tuple, step) -> tuple:
         if self.dup:
             out = _dup_apply_both(v, step.fwd_item, step.bwd_item)
+            if self.price:
+                out = (out[0] + self.price * step.mem, *out[1:])
         else:
-            out = (v[0] + step.fwd + step.bwd - self.hide * step.bwd_async,)
+            out = (v[0] + step.fwd + step.bwd - self.hide * step.bwd_async + self.price * step.mem,)
         return out + (v[-1] + step.mem,) if self.has_mem else out
 
     def apply_cand(self, v: tuple, cand) -> tuple:
         if self.dup:
             sf, sb, mem = cand
             out = dup_apply_stages(v[0], v[1], v[2], sf) + dup_apply_stages(v[3], v[4], v[5], sb)
+            if self.price:  # the stages are the block's plain items: its memory's price comes on top
+                out = (out[0] + self.price * mem, *out[1:])
         else:
             cost, mem = cand
             out = (v[0] + cost,)
@@ -418,14 +465,16 @@ class _DP:
             else:
                 _mem_node_step(states, trans, i, new, mem_floor, self.budget, self.hide)
         elif not self.dup:  # one point per state: keep the cheapest per new key (the first on ties)
-            hide = self.hide
+            hide, price = self.hide, self.price
             for key, front in states.items():
                 e, _, tr = front[0]
                 for k, step, nkey in trans(i, key):
-                    t = e + step.fwd + step.bwd - hide * step.bwd_async
+                    t = e + step.fwd + step.bwd - hide * step.bwd_async + price * step.mem
                     old = get(nkey)
                     if old is None or t < old[0][0]:
                         new[nkey] = [(t, (t,), (tr, i, k))]
+        elif self.price:
+            _dup_priced_node_step(states, trans, i, new, self.price)
         else:
             _dup_node_step(states, trans, i, new)
         return new
@@ -573,6 +622,8 @@ def solve(
     reuse_blocks: bool = True,
     progress: Callable[[int, int], None] | None = None,
     hide_grad_sync: bool = False,
+    by_price: bool | None = None,
+    beat: float | None = None,
 ) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
 
@@ -584,13 +635,24 @@ def solve(
     With ``memory_budget`` the plan is first searched without it: memory is additive over the
     positions (``problem.mem``), so when the fastest plan fits the budget it is the fastest plan
     within it, and the search without a memory coordinate is much cheaper (six-entry points, and
-    cross-state pruning stays on).  Only a budget that binds runs the memory-aware DP.  The answer
-    without a budget is kept on ``problem`` (``free_solutions``) and returned when asked again."""
+    cross-state pruning stays on).  Only a budget that binds runs a second search: the memory-aware
+    DP, or with ``by_price`` the DP with memory priced (module docstring, "A memory budget by its
+    price"; ``None``: by price where the DP is a beam search on a graph of at least
+    ``PRICE_MIN_POSITIONS`` positions).  The answer without a budget is kept on ``problem``
+    (``free_solutions``) and returned when asked again.
+
+    ``beat`` (seconds; a plan in hand): the search by price raises :class:`Beaten` as soon as its
+    bound shows that no plan within the budget has a predicted time below it."""
     hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
         ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress, hide_grad_sync)
         if sum(problem.mem[i][k] for i, k in enumerate(ks)) <= memory_budget:
             return ks, v
+        if by_price is None:
+            by_price = max_states is not None and problem.n >= PRICE_MIN_POSITIONS
+        if by_price:
+            beam = (max_states, max_points, reuse_blocks, hide_grad_sync)
+            return _solve_by_price(problem, duplication, memory_budget, beam, (ks, v), beat)
     else:
         known = problem.free_solutions.get((duplication, max_states, max_points, reuse_blocks, hide_grad_sync))
         if known is not None:
@@ -602,3 +664,77 @@ def solve(
         key = (duplication, max_states, max_points, reuse_blocks, hide_grad_sync)
         problem.free_solutions[key] = (tuple(ks), dp.est(v))
     return ks, dp.est(v)
+
+
+class Beaten(SearchError):
+    """No plan within the budget is faster than the plan in hand (``beat`` seconds): the search by
+    price stopped at a bound of ``bound`` seconds."""
+
+    def __init__(self, beat: float, bound: float):
+        super().__init__(f"no plan within the memory budget beats {beat:.6g} s (bound {bound:.6g} s)")
+        self.beat, self.bound = beat, bound
+
+    def __reduce__(self):  # sent from a forked search to its parent
+        return Beaten, (self.beat, self.bound)
+
+
+def _priced(problem: Problem, duplication: bool, price: float, beam: tuple) -> tuple[list[int], float, float, float]:
+    """The DP's answer with every byte a rank keeps priced at ``price`` seconds: ``(signature
+    indices, predicted time without the price, memory, priced value)``."""
+    max_states, max_points, reuse_blocks, hide_grad_sync = beam
+    dp = _DP(problem, duplication, None, max_states, max_points, hide_grad_sync, memory_price=price)
+    with no_gc():
+        ks, v = dp.solve(reuse_blocks, None)
+    value = dp.est(v)
+    memory = sum(problem.mem[i][k] for i, k in enumerate(ks))
+    return ks, value - price * memory, memory, value
+
+
+def _solve_by_price(
+    problem: Problem,
+    duplication: bool,
+    budget: float,
+    beam: tuple,
+    free: tuple[list[int], float],
+    beat: float | None = None,
+) -> tuple[list[int], float]:
+    """The fastest plan found within ``budget`` by pricing memory (module docstring, "A memory budget
+    by its price"); ``free`` is the answer without the budget, which does not fit it; :class:`Beaten`
+    once the bound reaches ``beat``."""
+    max_states, max_points = beam[:2]
+    if problem.min_mem_suffix[0] > budget:  # even the leanest signature of every node needs more
+        p = problem
+        raise LazySearchError(lambda: _budget_message(p, budget, p.n - 1, max_states, max_points))
+    ks0, time0 = free
+    excess = sum(problem.mem[i][k] for i, k in enumerate(ks0)) - budget
+    best: tuple[list[int], float] | None = None
+    bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
+    low, high = 0.0, None  # prices known to miss and to meet the budget
+    price = PRICE_START * time0 / excess
+    for _ in range(PRICE_RAISES):
+        ks, time, memory, value = _priced(problem, duplication, price, beam)
+        bound = max(bound, value - price * budget)
+        if beat is not None and bound >= beat:
+            raise Beaten(beat, bound)
+        if memory <= budget:
+            high, best = price, (ks, time)
+            break
+        low, price = price, price * PRICE_FACTOR
+    if best is None:
+        p = problem
+        raise LazySearchError(lambda: _budget_message(p, budget, p.n - 1, max_states, max_points))
+    for _ in range(PRICE_STEPS):
+        if best[1] - bound <= PRICE_GAP * best[1] or (low and high / low <= PRICE_RATIO):
+            break
+        price = math.sqrt(low * high) if low else high / PRICE_FACTOR
+        ks, time, memory, value = _priced(problem, duplication, price, beam)
+        bound = max(bound, value - price * budget)
+        if beat is not None and bound >= beat:
+            raise Beaten(beat, bound)
+        if memory <= budget:
+            high = price
+            if time < best[1]:
+                best = (ks, time)
+        else:
+            low = price
+    return best

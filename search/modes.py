@@ -3,7 +3,12 @@
 :func:`hidup.search.dp.solve` searches one mode; a search with duplication runs it twice, once per
 mode, and the two runs are independent.  On a large graph the second runs in a forked child process
 beside the first: fork shares the compiled problem (its transition caches included) without copying
-or pickling it, and only the answer (a list of signature indices) travels back through a pipe.
+or pickling it, and only the answers (lists of signature indices) travel back through a pipe.
+
+Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
+"Duplication under a memory budget"): its plan without the budget comes first, and once the plain
+mode's answer is in, ``worth(plain answer, duplicated answer without the budget)`` says whether to
+wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import multiprocessing
 import os
 from typing import Callable
 
-from hidup.search.dp import solve
+from hidup.search.dp import Beaten, solve
 from hidup.search.problem import Problem, SearchError
 
 __all__ = ["solve_modes", "PARALLEL_MIN_POSITIONS"]
@@ -25,33 +30,42 @@ def solve_modes(
     modes: tuple[bool, ...],
     memory_budget: float | None = None,
     progress_of: Callable[[bool], Callable | None] = lambda mode: None,
+    worth: Callable[[list[int], list[int]], bool] | None = None,
+    beat: float | None = None,
     **beam,
 ) -> list[list[int]]:
     """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
     are independent, so on a graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the host
     has two cores and can fork, the duplicated one runs in a forked child process beside the plain
-    one (fork shares the problem without copying it; only the answer travels back).  Otherwise, or
-    if the child dies, they run one after the other."""
+    one (fork shares the problem without copying it; only the answers travel back).  Otherwise, or
+    if the child dies, they run one after the other.  With ``worth`` (modes ``(False, True)`` under
+    ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
+    (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`)."""
+    if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
+        raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
     if (
         len(modes) != 2
         or problem.n < PARALLEL_MIN_POSITIONS
         or (os.cpu_count() or 1) < 2
         or "fork" not in multiprocessing.get_all_start_methods()
     ):
-        return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
+        return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_solve_in_child, args=(send, problem, modes[1], memory_budget, beam), daemon=True)
+    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam)
+    child = ctx.Process(target=_solve_in_child, args=args, daemon=True)
     child.start()
     send.close()
     try:
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
         try:
-            ok, second = receive.recv()
+            if worth is not None and not worth(first, _received(receive)):
+                return [first]
+            second = _received(receive)
+        except Beaten:
+            return [first]
         except EOFError:  # the child died (killed, out of memory): search here instead
-            ok, second = True, solve(problem, modes[1], memory_budget, progress=progress_of(modes[1]), **beam)[0]
-        if not ok:
-            raise second
+            return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
         return [first, second]
     finally:
         receive.close()
@@ -60,10 +74,37 @@ def solve_modes(
         child.join()
 
 
-def _solve_in_child(send, problem: Problem, duplication: bool, memory_budget, beam: dict) -> None:
+def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: dict) -> list[list[int]]:
+    if worth is None:
+        return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
+    first = solve(problem, False, memory_budget, progress=progress_of(False), **beam)[0]
+    if not worth(first, solve(problem, True, None, **beam)[0]):
+        return [first]
     try:
-        send.send((True, solve(problem, duplication, memory_budget, **beam)[0]))
+        return [first, solve(problem, True, memory_budget, progress=progress_of(True), beat=beat, **beam)[0]]
+    except Beaten:
+        return [first]
+
+
+def _received(receive) -> list[int]:
+    ok, answer = receive.recv()
+    if not ok:
+        raise answer
+    return answer
+
+
+def _solve_in_child(
+    send, problem: Problem, duplication: bool, memory_budget, free_first: bool, beat: float | None, beam: dict
+) -> None:
+    """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
+    sent to the parent; with ``free_first`` its answer without the budget is sent before it."""
+    try:
+        if free_first:
+            send.send((True, solve(problem, duplication, None, **beam)[0]))
+        send.send((True, solve(problem, duplication, memory_budget, beat=beat, **beam)[0]))
     except SearchError as e:
         send.send((False, e))
+    except (BrokenPipeError, OSError):  # the parent stopped listening: its answer is not wanted
+        pass
     finally:
         send.close()

@@ -545,7 +545,7 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
     """The budgeted duplicated DP is skipped when the duplicated plan without the budget is no faster
     in its two passes than a plan in hand that fits (these graphs and profiles have been seen to skip
     it or not); either way the plan is the one the search without that shortcut finds."""
-    from hidup.search import api
+    from hidup.search import api, modes
     from hidup.search.modes import solve_modes
 
     prof = {"nvlink": NVLINK, "socket": SOCKET}[profile]
@@ -561,14 +561,18 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
         return solve(problem, duplication, memory_budget, *args, **kwargs)
 
     monkeypatch.setattr(dp, "solve", counted)
+    monkeypatch.setattr(modes, "solve", counted)
     shortcut = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
     assert ((True, True) not in calls) == skips
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)  # the same, the duplicated search forked
+    forked = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
     monkeypatch.setattr(
         api,
         "_solve_modes_within",
         lambda pr, modes, budget, found, progress, beam: solve_modes(pr, modes, budget, **beam),
     )
     full = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
-    assert shortcut.memory["total"] <= budget
-    assert rel_eq(shortcut.predicted["total"], full.predicted["total"])
-    assert shortcut.duplication == full.duplication
+    for plan in (shortcut, forked):
+        assert plan.memory["total"] <= budget
+        assert rel_eq(plan.predicted["total"], full.predicted["total"])
+        assert plan.duplication == full.duplication and plan.choices == full.choices

@@ -1,0 +1,150 @@
+"""A memory budget by its price (:mod:`hidup.search.dp`, "A memory budget by its price"): the DP
+with every byte priced is the Lagrangian relaxation of the budget, checked against enumeration."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+import hidup.profiler as P
+from hidup.search import dp
+from hidup.search.problem import Problem, SearchError
+from hidup.search.schedule import evaluate
+from hidup.search.synthetic import layered_graph, random_graph
+
+SOCKET = dataclasses.replace(P.load("h200x4-socket"), memory_bandwidth=0.0, op_overhead=0.0, op_overhead_graph=0.0)
+EXACT = (None, None, True, False)  # max_states, max_points, reuse_blocks, hide_grad_sync
+
+
+def _plans(pr: Problem, duplication: bool) -> list[tuple[float, float, list[int]]]:
+    """(objective, memory, signature indices) of every feasible assignment."""
+    out = []
+    for ks in itertools.product(*(range(len(s)) for s in pr.sigs)):
+        try:
+            ev = evaluate(pr, list(ks), duplication)
+        except SearchError:
+            continue
+        out.append((ev.objective, ev.memory["total"], list(ks)))
+    return out
+
+
+def _spread(pr: Problem, plans) -> float:
+    memories = [m for _, m, _ in plans]
+    if min(memories) == max(memories):
+        pytest.skip("every plan uses the same memory")
+    fastest = min(plans, key=lambda p: p[0])
+    return fastest[0] / (fastest[1] - min(memories))  # seconds per byte the fastest plan's memory is worth
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_priced_dp_finds_the_least_priced_plan(seed):
+    """Without duplication and without a beam the priced DP is exact: its value is the least ``time +
+    price * memory`` over every assignment, and what it returns is that plan's time and memory."""
+    g = random_graph(500 + seed, calls=4, world=(4, 2)[seed % 2], max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, False)
+    scale = _spread(pr, plans)
+    for price in (0.0, 0.1 * scale, scale, 10 * scale):
+        ks, time, memory, value = dp._priced(pr, False, price, EXACT)
+        best = min(t + price * m for t, m, _ in plans)
+        assert value == pytest.approx(best, rel=1e-9)
+        ev = evaluate(pr, ks, False)
+        assert time == pytest.approx(ev.objective, rel=1e-9) and memory == pytest.approx(ev.memory["total"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_priced_dp_with_duplication_prices_its_plan_consistently(seed):
+    """With duplication the price enters the forward pass's time (through single positions and through
+    a repeated layer's table alike): the value is the plan's duplicated time plus its priced memory."""
+    g = layered_graph(layers=3, nodes_per_layer=6, seed=600 + seed, shape=(256, 256))
+    pr = Problem(g, SOCKET)
+    for price in (1e-12, 1e-10, 1e-8):
+        for reuse in (True, False):
+            ks, time, memory, value = dp._priced(pr, True, price, (32, 16, reuse, False))
+            ev = evaluate(pr, ks, True)
+            assert time == pytest.approx(ev.objective, rel=1e-9)
+            assert value == pytest.approx(ev.objective + price * ev.memory["total"], rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_budget_met_by_price_fits_and_reaches_the_hull(seed, monkeypatch):
+    """``by_price``: the plan fits the budget and is no faster than the fastest plan that fits (found by
+    enumeration).  Bisecting the price to the end, it is the fastest corner of the lower convex hull of
+    (memory, time) that fits: what pricing can reach."""
+    g = random_graph(700 + seed, calls=4, world=(4, 2)[seed % 2], max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, False)
+    _spread(pr, plans)
+    lo, hi = min(m for _, m, _ in plans), min(plans, key=lambda p: p[0])[1]
+    if hi <= lo * (1 + 1e-9):
+        pytest.skip("the fastest plan is also the leanest")
+    budget = (lo + hi) / 2
+    monkeypatch.setattr(dp, "PRICE_STEPS", 200)
+    monkeypatch.setattr(dp, "PRICE_RATIO", 1 + 1e-12)
+    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    ks, time = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
+    ev = evaluate(pr, ks, False)
+    assert ev.memory["total"] <= budget and time == pytest.approx(ev.objective, rel=1e-9)
+    assert time >= min(t for t, m, _ in plans if m <= budget) * (1 - 1e-9)
+    assert time == pytest.approx(min(t for m, t in _lower_hull(plans) if m <= budget), rel=1e-9)
+
+
+def _lower_hull(plans) -> list[tuple[float, float]]:
+    """The corners (memory, time) of the lower convex hull of the plans, from the leanest to the
+    fastest: each is the least priced plan at some price >= 0."""
+    points = sorted({(m, t) for t, m, _ in plans})
+    hull: list[tuple[float, float]] = []
+    for m, t in points:
+        while len(hull) >= 2:
+            (m1, t1), (m2, t2) = hull[-2], hull[-1]
+            chord, here = (t - t1) * (m2 - m1), (t2 - t1) * (m - m1)
+            if here >= chord - 1e-9 * abs(chord):  # hull[-1] on (a tie at one price only) or above the chord
+                hull.pop()
+            else:
+                break
+        hull.append((m, t))
+    fastest = min(range(len(hull)), key=lambda j: hull[j][1])
+    return hull[: fastest + 1]
+
+
+def test_a_budget_no_plan_meets_says_so_by_price_too():
+    g = random_graph(7, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    least = min(m for _, m, _ in _plans(pr, False))
+    with pytest.raises(SearchError) as e:
+        dp.solve(pr, False, least * 0.9, max_states=None, max_points=None, by_price=True)
+    assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
+
+
+def test_large_beam_searches_use_the_price_and_small_ones_the_memory_aware_dp(monkeypatch):
+    """``by_price=None`` prices memory only with a beam on a graph of ``PRICE_MIN_POSITIONS`` or more."""
+    g = random_graph(701, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, False)
+    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
+    calls = []
+    monkeypatch.setattr(dp, "_solve_by_price", lambda *a: calls.append(a) or (list(a[4][0]), a[4][1]))
+    dp.solve(pr, False, budget, max_states=32)
+    assert not calls
+    monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 1)
+    dp.solve(pr, False, budget, max_states=None)
+    assert not calls
+    dp.solve(pr, False, budget, max_states=32)
+    assert len(calls) == 1
+
+
+def test_the_search_by_price_stops_once_its_bound_beats_the_plan_in_hand():
+    """``beat``: the bound is a lower bound of every plan within the budget (exact DP), so a plan in
+    hand slower than the answer never stops the search, and one faster than every plan stops it."""
+    g = random_graph(702, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, False)
+    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
+    ks, time = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
+    again = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True, beat=time * 1.001)
+    assert again == (ks, time)
+    with pytest.raises(dp.Beaten) as e:
+        dp.solve(
+            pr, False, budget, max_states=None, max_points=None, by_price=True, beat=0.5 * min(t for t, _, _ in plans)
+        )
+    assert e.value.bound >= e.value.beat

@@ -46,19 +46,15 @@ products of one signature per axis: 25-36 on two axes where one axis offers 5-6,
 sized for one axis, then keeps the wrong states.  :func:`_search_mesh` searches axis by axis instead:
 first with the outer axis (across nodes on a cluster) kept to :data:`OUTER_KINDS` -- data parallel,
 parameters replicated or stored split, ops replicated -- and the inner axes free: a seed, searched
-without duplication, without the memory budget and with a beam of at most :data:`MESH_SEED_STATES`
-states (its product space makes every state dear: on an 8x8 Mixtral the seed at the full beam, with
-the budget, was two thirds of a 687-second search); then, for up to :data:`MESH_ROUNDS` rounds, with
-one axis free and every other axis's forms fixed to the best plan's, keeping a plan only when it is
-better: it fits the budget where the current one does not, or it is faster (an axis whose fixed forms
-are those it was last searched with is not searched again).  When no plan so found fits the budget,
-the seed is searched again under the budget and the rounds run again from it.  And when the seed
-does not fit the budget, its inner axes hold what a plan with every weight replicated across axis 0
-wants, a poor start: the rounds start instead from the better of the *lean* seeds, one per axis,
-each searched under the budget with that axis FSDP-style (weights stored split, ops data parallel)
-and the others free (on an 8x8 Llama-3-70B under 80 GB the rounds from the first seed ended at 19.1 s
-per step, a forced FSDP x tensor plan at 6.0 s).  Each step is the one-axis search above under a
-signature filter that keeps the current plan, so among fitting plans the prediction never grows; the
+without duplication, under the memory budget (by price, :mod:`hidup.search.dp`) and with a beam of at
+most :data:`MESH_SEED_STATES` states (its product space makes every state dear); then, for up to
+:data:`MESH_ROUNDS` rounds, with one axis free and every other axis's forms fixed to the best plan's,
+keeping a plan only when it is better: it fits the budget where the current one does not, or it is
+faster (an axis whose fixed forms are those it was last searched with is not searched again).  When
+the seed finds no plan that fits the budget, the rounds start instead from the better of the *lean*
+seeds, one per axis, each searched under the budget with that axis FSDP-style (weights stored split,
+ops data parallel) and the others free.  Each step is the one-axis search above under a signature
+filter that keeps the current plan, so among fitting plans the prediction never grows; the
 result is a local optimum of the product space, not its global one.
 """
 
@@ -290,17 +286,63 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
     return [frozenset()]
 
 
+@dataclass(frozen=True)
+class _Found:
+    """A search's answer before it is packaged as a :class:`Plan` (:func:`make_plan` explains the
+    heaviest nodes by pricing their runner-ups, which a mesh search needs only for the plan it keeps)."""
+
+    problem: Problem
+    best: Evaluation
+    options: dict
+    algorithm: str
+
+    @property
+    def choices(self) -> dict[str, Signature]:
+        p = self.problem
+        return {p.order[i].name: p.sigs[i][k] for i, k in enumerate(self.best.ks)}
+
+    @property
+    def total(self) -> float:
+        return self.best.total
+
+    @property
+    def memory(self) -> dict[str, float]:
+        return self.best.memory
+
+    def plan(self, explain: int) -> Plan:
+        plan = make_plan(self.problem, self.best, self.algorithm, self.options, explain)
+        plan.recompute = sorted(self.problem.recompute, key=_layer_order)
+        return plan
+
+
 def _search(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> Plan:
+    return _search_found(graph, profile, opts, progress, models).plan(opts.explain)
+
+
+def _search_found(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> _Found:
     models = models or Models(graph)
     started = time.perf_counter()  # an ILP's time limit covers every search made here
     results = []
     errors = []
+    made: dict[int, Problem] = {}  # id(profile) -> the first problem made with it
+
+    def problem_for(prof, recompute: frozenset) -> Problem:
+        """The problem of ``opts`` under ``prof`` with the layers ``recompute`` recomputed; every
+        problem after the first shares its signatures and liveness (:meth:`Problem.derive`)."""
+        first = made.get(id(prof))
+        if first is None:
+            first = made[id(prof)] = Problem(
+                graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, models
+            )
+            return first
+        return first if first.recompute == recompute else first.derive(recompute)
+
     for recompute in _recompute_choices(graph, opts):
         if recompute and results and not results[-1][2]:
             break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
         beat = min((r[1].total for r in results), default=None) if recompute else None
         try:
-            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models)
+            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for)
         except SearchError as e:
             errors.append(e)
             continue
@@ -311,10 +353,8 @@ def _search(graph, profile, opts: SearchOptions, progress, models: Models | None
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
     if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
-        problem, best = _fewest_recomputed(graph, profile, opts, problem, best, models)
-    plan = make_plan(problem, best, opts.algorithm, options, opts.explain)
-    plan.recompute = sorted(problem.recompute, key=_layer_order)
-    return plan
+        problem, best = _fewest_recomputed(opts, problem, best, models)
+    return _Found(problem, best, options, opts.algorithm)
 
 
 # axis-0 factor kinds of the first mesh search: the outer axis spans the slowest links
@@ -324,15 +364,13 @@ MESH_ROUNDS = 2  # rounds of one search per axis after the first
 MESH_SEED_STATES = 32
 
 
-def _seed_options(opts: SearchOptions, restrict, budgeted: bool) -> SearchOptions:
-    """The first mesh search's options: ``restrict``, no duplication (the rounds choose the mode), a
-    beam of at most :data:`MESH_SEED_STATES` states (unless the search is exact), and the memory
-    budget only when ``budgeted``."""
+def _seed_options(opts: SearchOptions, restrict) -> SearchOptions:
+    """The first mesh search's options: ``restrict``, no duplication (the rounds choose the mode) and a
+    beam of at most :data:`MESH_SEED_STATES` states (unless the search is exact)."""
     states = opts.max_states
     if states is not None:
         states = min(MESH_SEED_STATES, states if states != "auto" else MESH_SEED_STATES)
-    budget = opts.memory_budget if budgeted else None
-    return replace(opts, restrict=restrict, duplication=False, max_states=states, memory_budget=budget)
+    return replace(opts, restrict=restrict, duplication=False, max_states=states)
 
 
 def _other_axes(sig: Signature, axis: int) -> tuple:
@@ -340,18 +378,18 @@ def _other_axes(sig: Signature, axis: int) -> tuple:
     return tuple(f.forms[:axis] + f.forms[axis + 1 :] for f in sig.inputs + sig.outputs)
 
 
-def _fits(plan: Plan, budget: float | None) -> bool:
-    return budget is None or plan.memory["total"] <= budget
+def _fits(found: _Found, budget: float | None) -> bool:
+    return budget is None or found.memory["total"] <= budget
 
 
-def _better(found: Plan, plan: Plan | None, budget: float | None) -> bool:
+def _better(found: _Found, plan: _Found | None, budget: float | None) -> bool:
     """Whether ``found`` replaces ``plan``: it fits the budget where ``plan`` does not, or both fit (or
     neither does) and it is faster."""
     if plan is None:
         return True
     if _fits(found, budget) != _fits(plan, budget):
         return _fits(found, budget)
-    return found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9)
+    return found.total < plan.total * (1 - 1e-9)
 
 
 def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: Models) -> Plan:
@@ -370,13 +408,13 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
         styles = restrict_per_axis(tuple("fsdp" if k == axis else None for k in range(len(graph.mesh))))
         return lambda node, sig: node.op in ("output", "input") or not sig.axes or styles(node, sig)
 
-    def seed(restrict, budgeted: bool) -> Plan | None:
+    def seed(restrict) -> _Found | None:
         try:
-            return _search(graph, profile, _seed_options(opts, within(restrict), budgeted), progress, models)
+            return _search_found(graph, profile, _seed_options(opts, within(restrict)), progress, models)
         except SearchError:
             return None
 
-    def rounds(plan: Plan | None) -> Plan | None:
+    def rounds(plan: _Found | None) -> _Found | None:
         """``plan`` improved axis by axis (None: no seed to improve)."""
         searched: dict[int, dict] = {}  # axis -> the other axes' forms it was last searched with
         for _ in range(MESH_ROUNDS if plan is not None else 0):
@@ -391,7 +429,7 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
                     return _other_axes(sig, axis) == fixed.get(node.name)
 
                 try:
-                    found = _search(graph, profile, replace(opts, restrict=within(keep)), progress, models)
+                    found = _search_found(graph, profile, replace(opts, restrict=within(keep)), progress, models)
                 except SearchError:
                     continue
                 if _better(found, plan, opts.memory_budget):
@@ -400,27 +438,17 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
                 break
         return plan
 
-    # the seed without the budget is cheap.  When it does not fit, its other axes hold what a plan
-    # with every weight replicated across axis 0 wants, a poor start under the budget: the rounds
-    # start instead from the better of the lean seeds, weights stored split across one axis
-    # (FSDP-style) and the other axes free, each searched under the budget.  Only when no plan found
-    # so fits is the first seed searched under the budget (its memory-aware DP in the product space is
-    # the dearest search)
+    # the seed is searched under the budget (by price on a large graph: :mod:`hidup.search.dp`).  When
+    # it finds no plan that fits, the rounds start instead from the better of the lean seeds, weights
+    # stored split across one axis (FSDP-style) and the other axes free, each under the budget
     budget = opts.memory_budget
-    free = seed(outer, budgeted=False)
-    if budget is None or free is None or _fits(free, budget):
-        plan = rounds(free)
-    else:
-        start = None
+    start = seed(outer)
+    if budget is not None and (start is None or not _fits(start, budget)):
         for axis in range(len(graph.mesh)):
-            candidate = seed(lean(axis), budgeted=True)
+            candidate = seed(lean(axis))
             if candidate is not None and _better(candidate, start, budget):
                 start = candidate
-        plan = rounds(start if start is not None else free)
-    if budget is not None and (plan is None or not _fits(plan, budget)):
-        again = rounds(seed(outer, budgeted=True))
-        if again is not None and _better(again, plan, budget):
-            plan = again
+    plan = rounds(start)
     if plan is None:  # no seed: the search of the whole product space (or its own message)
         return _search(graph, profile, opts, progress, models)
     if budget is not None and not _fits(plan, budget):
@@ -429,7 +457,7 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
             f"GiB) per rank on the {mesh_text(graph.mesh)} mesh; the plan it kept needs {plan.memory['total']:.6g} "
             f"bytes ({plan.memory['total'] / 2**30:.3f} GiB). Fix: raise the budget, or use more ranks"
         )
-    return plan
+    return plan.plan(opts.explain)
 
 
 def _layer_order(label: str) -> tuple:
@@ -437,7 +465,7 @@ def _layer_order(label: str) -> tuple:
     return (family, int(index)) if index.isdigit() else (family, -1, index)
 
 
-def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
+def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
     """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
     fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
     least ``k`` found by bisection on the memory model (more recomputed layers keep less); then
@@ -447,7 +475,7 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
 
     def fits(k: int) -> bool:
         memory = models.memory(opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
-        return sum(memory.total(n, choices[n.name]) for n in graph.nodes if n.name in choices) <= opts.memory_budget
+        return sum(memory.total(n, choices[n.name]) for n in problem.order) <= opts.memory_budget
 
     lo, hi = 0, len(layers)  # fits(hi) holds (the plan was searched within the budget)
     while lo < hi:
@@ -458,9 +486,7 @@ def _fewest_recomputed(graph, profile, opts: SearchOptions, problem: Problem, be
             lo = mid + 1
     if hi == len(layers):
         return problem, best
-    fewer = Problem(
-        graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers[:hi]), models
-    )
+    fewer = problem.derive(frozenset(layers[:hi]))
     ev = evaluate(fewer, best.ks, best.duplication)
     if ev.total < best.total and ev.memory["total"] <= opts.memory_budget:
         return fewer, ev
@@ -476,6 +502,7 @@ def _search_with(
     beat: float | None,
     started: float,
     models: Models,
+    problem_for: Callable[[object, frozenset], Problem],
 ):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
@@ -485,15 +512,11 @@ def _search_with(
     time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
     searched again."""
     precision, memory_budget = opts.precision, opts.memory_budget
-    problem = Problem(graph, profile, precision, opts.restrict, opts.optimizer_factor, recompute, models)
+    problem = problem_for(profile, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
     # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
     local = not profile.corrections.identity
-    explore = (
-        Problem(graph, models.physical(profile), precision, opts.restrict, opts.optimizer_factor, recompute, models)
-        if local
-        else problem
-    )
+    explore = problem_for(models.physical(profile), recompute) if local else problem
     beam = _beam(opts)
     binds = (
         memory_budget is not None

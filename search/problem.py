@@ -43,6 +43,7 @@ their forward collectives and copies again, blocking, in the backward (``bwd += 
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from dataclasses import dataclass
@@ -167,13 +168,10 @@ class Problem:
             models = Models(graph)
         elif models.graph is not graph:
             raise ValueError("Problem: the shared models were built for another graph")
+        self.models = models
         self.cost = models.cost(profile, precision)
-        self.memory = models.memory(optimizer_factor, precision, recompute)
-        self.recompute = self.memory.recompute
         self.order = self._order(graph)
         self.n = len(self.order)
-        # positions whose forward runs again in the backward (module docstring, "Recomputation")
-        self.recomputed = [bool(self.memory.layer_of(node)) for node in self.order]
         self.pos_of = {node.name: i for i, node in enumerate(self.order)}
 
         self.forms: list[Form] = []
@@ -181,36 +179,57 @@ class Problem:
         self.sigs: list[list[Signature]] = []
         self.in_forms: list[list[tuple[int, ...]]] = []
         self.out_forms: list[list[tuple[int, ...]]] = []
-        self.compute: list[list[tuple[float, float]]] = []
-        self.device_compute: list[list[tuple[float, float]]] = []  # on one device (before dist_scale)
-        self.mem: list[list[float]] = []
-        self.mem_parts: list[list[tuple]] = []  # MemoryModel.breakdown per signature; mem is their sum
-        plain_device = []  # device_compute without recomputation
+        self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
             self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
             self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
-            plain = [self.cost.device_compute(node, s) for s in sigs]
-            plain_device.append(plain)
-            device = [self._again(len(self.device_compute), d) for d in plain]
-            self.device_compute.append(device)
-            self.compute.append([self.cost.in_program(d) for d in device])
-            parts = [self.memory.breakdown(node, s) for s in sigs]
-            self.mem_parts.append(parts)
-            self.mem.append([sum(p) for p in parts])
+            self._plain_device.append([self.cost.device_compute(node, s) for s in sigs])
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
-        self.fixed = [self._again(i, self.cost.fixed(node)) for i, node in enumerate(self.order)]
+        self._plain_fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
-        self.compute_copy: list[list[tuple[float, float]]] = [
-            [
-                self._again(i, self.cost.copy_compute(node, s, plain_device[i][k], self.node_batch[i]))
-                for k, s in enumerate(self.sigs[i])
-            ]
-            for i, node in enumerate(self.order)
+        self._plain_copy = [
+            [self.cost.copy_compute(node, s, self._plain_device[i][k], self.node_batch[i]) for k, s in enumerate(sigs)]
+            for i, (node, sigs) in enumerate(zip(self.order, self.sigs))
         ]
+        self._liveness()
+        self._recomputing(models.memory(optimizer_factor, precision, recompute))
 
-        # liveness
+    def derive(self, recompute: frozenset | set | tuple) -> "Problem":
+        """This problem with the layers ``recompute`` recomputed instead: signatures, liveness and the
+        plain prices are shared, what recomputation changes (times, memory, transitions) is new."""
+        other = copy.copy(self)
+        other._recomputing(self.models.memory(self.memory.optimizer_factor, self.memory.precision, recompute))
+        return other
+
+    def _recomputing(self, memory: MemoryModel) -> None:
+        """What depends on the recomputed layers: times, memory and the caches of transitions."""
+        self.memory = memory
+        self.recompute = memory.recompute
+        # positions whose forward runs again in the backward (module docstring, "Recomputation")
+        self.recomputed = [bool(memory.layer_of(node)) for node in self.order]
+        self.device_compute = [[self._again(i, d) for d in row] for i, row in enumerate(self._plain_device)]
+        self.compute = [[self.cost.in_program(d) for d in row] for row in self.device_compute]
+        self.mem_parts = [[memory.breakdown(node, s) for s in sigs] for node, sigs in zip(self.order, self.sigs)]
+        self.mem = [[sum(p) for p in parts] for parts in self.mem_parts]
+        self.fixed = [self._again(i, f) for i, f in enumerate(self._plain_fixed)]
+        self.compute_copy = [[self._again(i, c) for c in row] for i, row in enumerate(self._plain_copy)]
+        self.min_mem_suffix = [0.0] * (self.n + 1)
+        for i in range(self.n - 1, -1, -1):
+            self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
+        self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
+        # (conversion class, relevant forms, state) -> cost of making each relevant form available
+        self._pen_cache: dict[tuple, np.ndarray] = {}
+        self._pen_matrices: dict[tuple, np.ndarray] = {}  # (class, relevant forms, states) -> penalties
+        self._trans_cache: list[dict[tuple, tuple]] = self._transition_caches(self._kept_idx)
+        # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
+        # a budgeted search asks for it again, first to see whether the budget binds
+        self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
+
+    def _liveness(self) -> None:
+        """Which tensors are live before each position, where each comes from, and the forms their
+        later readers may need (module docstring, "State of a tensor")."""
         self.last_use: dict[int, int] = {}
         for i, node in enumerate(self.order):
             for t in node.inputs:
@@ -231,13 +250,13 @@ class Problem:
             self.carry.append(tuple(src))
         # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
         self._keep = []
-        kept_idx = []
+        self._kept_idx = []
         for i in range(self.n):
             keep = [a for kind, a in self.carry[i] if kind == 0]
             if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep) :]):
                 raise AssertionError("live order: kept tensors must precede new outputs")
             self._keep.append(_getter(keep))
-            kept_idx.append(tuple(keep))
+            self._kept_idx.append(tuple(keep))
         self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
         self._sub = [_getter(list(idx)) for idx in self.input_idx]
         # relevant[i][j]: forms that readers at positions >= i may still need of tensor live[i][j];
@@ -252,22 +271,11 @@ class Problem:
                     m |= 1 << fs[inp]
                 need_from[t] = need_from.get(t, 0) | m
             self.relevant[i] = tuple(need_from[t] for t in self.live[i])
-        self.min_mem_suffix = [0.0] * (self.n + 1)
-        for i in range(self.n - 1, -1, -1):
-            self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
-        self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
-        # (conversion class, relevant forms, state) -> cost of making each relevant form available
-        self._pen_cache: dict[tuple, np.ndarray] = {}
-        self._pen_matrices: dict[tuple, np.ndarray] = {}  # (class, relevant forms, states) -> penalties
         # tensors of one conversion class convert alike (CostModel.conversion_class): numbered here, the
         # class keys the conversion and penalty caches, so equal tensors of repeated layers share them
         classes: dict[tuple, int] = {}
         self._conv_class = {t: classes.setdefault(self.cost.conversion_class(t), len(classes)) for t in self.last_use}
         self._conv_ids: dict[tuple[int, int, int], object] = {}  # (class number, src id, dst id) -> cost
-        self._trans_cache: list[dict[tuple, tuple]] = self._transition_caches(kept_idx)
-        # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
-        # a budgeted search asks for it again, first to see whether the budget binds
-        self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
     def drop_caches(self) -> None:
         """Forget the transition, step and penalty caches (they are rebuilt on demand): a search that

@@ -86,6 +86,24 @@ def test_problems_sharing_models_price_as_problems_of_their_own(mesh_graph):
         Problem(random_graph(1), SOCKET, models=models)
 
 
+def test_a_problem_derived_for_other_recomputed_layers_equals_one_built_anew(mesh_graph):
+    """:meth:`Problem.derive` shares signatures and liveness and prices recomputation again: its
+    prices, transitions and DP answer are those of a problem built from scratch, both ways."""
+    profile = P.load(CLUSTER)
+    layers = api.repeated_layers(mesh_graph)
+    some = frozenset(sorted(layers)[:1])
+    plain = Problem(mesh_graph, profile, "bf16", api.restrict_per_axis(("data", None)))
+    for base, recompute in ((plain, layers), (plain, some), (plain.derive(layers), frozenset())):
+        derived = base.derive(recompute)
+        fresh = Problem(mesh_graph, profile, "bf16", api.restrict_per_axis(("data", None)), recompute=recompute)
+        assert derived.recompute == fresh.recompute and derived.recomputed == fresh.recomputed
+        _same_prices(derived, fresh)
+        assert derived.min_mem_suffix == fresh.min_mem_suffix
+        for duplication in (False, True):
+            assert dp.solve(derived, duplication) == dp.solve(fresh, duplication)
+    assert plain.recompute == frozenset() and not any(plain.recomputed)  # the base is unchanged
+
+
 def test_conversions_are_shared_by_tensors_of_one_class():
     pr = Problem(layered_graph(4, 5, seed=3), SOCKET)
     classes = {}

@@ -177,5 +177,7 @@ class ReshardCall(nn.Module):
         ):
             return self.fn(*args, **kwargs)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, outer), functools.partial(_unpack, outer)):
+        with torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(_pack, outer), functools.partial(_unpack, outer)
+        ):
             return self.fn(*args, **kwargs)

@@ -161,14 +161,19 @@ def _as_used(form):
 
 
 def plan_saved_bytes(
-    graph: Graph, record: SavedRecord, choices: dict[str, Signature], savers: Callable[[Node], bool] | None = None
+    graph: Graph,
+    record: SavedRecord,
+    choices: dict[str, Signature],
+    savers: Callable[[Node], bool] | None = None,
+    remade: frozenset[int] | set[int] = frozenset(),
 ) -> float:
     """Bytes per rank the backward keeps under a whole plan (``choices``: node name -> signature),
     following form changes: a saved input that its consumer reads in another form than its producer
     made it is the converted copy, one per (tensor, form) as the rank program makes them, of
     ``numel(local) * itemsize`` bytes -- a stored-sharded weight all-gathered for a float32 backward
     included; every other saved storage once, as in :func:`saved_bytes`.  ``savers`` (node -> bool)
-    counts only what the nodes it accepts save."""
+    counts only what the nodes it accepts save.  The converted copies of the tensors in ``remade`` (those
+    of resharded parameters, :mod:`hidup.codegen.reshard`) are not kept: the backward makes them again."""
     produced: dict[int, object] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
@@ -185,6 +190,8 @@ def plan_saved_bytes(
             if it.slot == "in" and it.how == "input":
                 tid, form = n.inputs[it.index], _as_used(sig.inputs[it.index])
                 if produced.get(tid, form) != form:
+                    if tid in remade:
+                        continue
                     numel = math.prod(form.local_shape(graph.tensors[tid].shape, graph.mesh))
                     counted.setdefault(("copy", tid, form), numel * DTYPE_BYTES.get(it.dtype, 4))
                     continue

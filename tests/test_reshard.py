@@ -1,0 +1,415 @@
+"""Reshard after forward (FSDP2 style): exact results, the memory it saves, its price and the search's choice.
+
+* Parity: on two gloo ranks, FSDP-style plans (every weight stored split, gathered for its use) of the
+  zoo GPT and of a ``transformers`` Llama, with every stored-split parameter resharded, give exactly the
+  loss and gradients of the same plan without resharding, and those of one device (float64; the
+  Llama's loss is float32) -- duplication off and on (the copies in sequence and on the two-copy stage
+  schedule), with some layers recomputed too, and under ``torch.compile`` (``aot_eager``).  The
+  programs do reshard: their ops run in :class:`~hidup.codegen.reshard.ReshardCall`, no converted copy
+  is alive after the forward, and the backward makes copies again (unpacked handles).
+* On a 2x2 mesh (4 gloo ranks) an FSDP-on-axis-0 plan reshards and matches the plain plan exactly.
+* Memory: the bytes autograd keeps (``saved_tensors_hooks`` around rank 0's forward on torch's fake
+  process group) drop by the gathered weights' bytes and equal the memory model's count to the byte;
+  the fake-tensor peak (``hidup peak``) sees the drop.
+* Search: the gathered copies a backward keeps are in the search's memory; resharding drops them and
+  repeats the gathers in the backward; ``reshard="auto"`` reshards only under a budget that needs it;
+  ``hidup search --reshard`` works and a bad value fails clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import hidup.models as M
+import hidup.profiler
+import thirdparty
+from dist_util import run_distributed
+from hidup.codegen import CompileError
+from hidup.plan import Plan, summary
+from hidup.search import forced, price, search
+from hidup.search.memory import MemoryModel
+from hidup.search.problem import Problem
+from hidup.trace import trace
+from test_memory import _saved_bytes
+
+PROFILE = "h200x4-nvlink"
+SMALL = dict(layers=2, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
+# (model, duplication, streams, recomputed layers)
+JOBS = [
+    ("gpt", False, False, ()),
+    ("gpt", True, False, ()),
+    ("gpt", True, True, ()),
+    ("gpt", False, False, ("trunk.layers.1",)),
+    ("gpt", True, True, ("trunk.layers.0",)),
+    ("llama", False, False, ()),
+    ("llama", True, False, ()),
+]
+
+
+def _build(name: str, world: int):
+    if name in thirdparty.NAMES:
+        return thirdparty.build(name)
+    return M.build(name, world_size=world, dtype=torch.float64, **SMALL)
+
+
+def _stored_split(graph, plan) -> list[str]:
+    return [n.name for n in graph.nodes if n.op == "param" and plan.choices[n.name].outputs[0].is_gather]
+
+
+def _run(module, inputs, counter: list) -> tuple:
+    from hidup.codegen import reshard as R
+
+    loss = module(*inputs)
+    alive = R.registered()
+    before = len(counter)
+    loss.backward()
+    return loss, alive, len(counter) - before
+
+
+def _rank_parity(rank, world):
+    from hidup.codegen import compile as hidup_compile
+    from hidup.codegen import reshard as R
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    unpacked: list = []
+    unpack = R._Packed.unpack
+
+    def counted(self):
+        unpacked.append(1)
+        return unpack(self)
+
+    R._Packed.unpack = counted
+    graphs, out = {}, {}
+    for job in JOBS:
+        name, dup, streams, layers = job
+        if name not in graphs:
+            graphs[name] = trace(*_build(name, world), world_size=world)
+        graph = graphs[name]
+        plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=dup)
+        runs = {}
+        for reshard in (False, True):
+            model, inputs = _build(name, world)
+            module = hidup_compile(
+                model,
+                plan,
+                rank,
+                world,
+                inputs,
+                duplication=dup,
+                streams=streams,
+                recompute=list(layers),
+                reshard=reshard,
+            )
+            loss, alive, remade = _run(module, inputs, unpacked)
+            runs[reshard] = (
+                float(module.global_loss(loss)),
+                full_grad_dict(module),
+                sum(isinstance(m, R.ReshardCall) for m in module.modules()),
+                alive,
+                remade,
+                module.duplication,
+            )
+        ref, ref_inputs = _build(name, world)
+        ref_loss = ref(*ref_inputs)
+        ref_loss.backward()
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        plain, again = runs[False], runs[True]
+        out[job] = {
+            "loss": (plain[0], again[0], float(ref_loss)),
+            "grad_vs_plain": max(float((again[1][k] - plain[1][k]).abs().max()) for k in plain[1]),
+            "grad_vs_ref": max(
+                float((again[1][k] - dict(ref.named_parameters())[k].grad).abs().max())
+                / max(float(dict(ref.named_parameters())[k].grad.abs().max()), 1e-2 * scale)
+                for k in again[1]
+            ),
+            "calls": (plain[2], again[2]),
+            "alive": again[3],
+            "remade": (plain[4], again[4]),
+            "duplication": again[5],
+            "stored_split": len(_stored_split(graph, plan)),
+        }
+    # under torch.compile (aot_eager): the same values as the eager resharded program
+    import torch._dynamo
+
+    compiled = {}
+    for dup in (False, True):
+        torch._dynamo.reset()
+        plan = forced(graphs["gpt"], hidup.profiler.load(PROFILE), "fsdp", duplication=dup)
+        res = {}
+        for backend in (False, "aot_eager"):
+            model, inputs = _build("gpt", world)
+            module = hidup_compile(
+                model, plan, rank, world, inputs, duplication=dup, streams=dup, reshard=True, compile=backend
+            )
+            loss = module(*inputs)
+            loss.backward()
+            res[backend] = (float(module.global_loss(loss)), full_grad_dict(module))
+        eager, comp = res[False], res["aot_eager"]
+        compiled[dup] = (
+            abs(eager[0] - comp[0]),
+            max(float((eager[1][k] - comp[1][k]).abs().max()) for k in eager[1]),
+        )
+    R._Packed.unpack = unpack
+    return {"parity": out, "compiled": compiled}
+
+
+_RESULTS: dict = {}
+
+
+def _results() -> dict:
+    if not _RESULTS:
+        _RESULTS.update(run_distributed(_rank_parity, 2, timeout=900)[0])
+    return _RESULTS
+
+
+def _tol(name: str) -> float:
+    if name in thirdparty.NAMES:
+        return 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(thirdparty.LOSS_DTYPE[name]).eps
+    return 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize("job", JOBS, ids=["-".join(str(x) for x in j[:3]) + f"-rc{len(j[3])}" for j in JOBS])
+def test_resharded_program_is_exact(job):
+    r = _results()["parity"][job]
+    name, dup = job[0], job[1]
+    plain_loss, loss, ref = r["loss"]
+    assert r["duplication"] == dup
+    assert r["stored_split"] > 0
+    # the plain program has no resharded op; the resharded one does, and after its forward no
+    # converted copy is alive (each was freed after its use), while its backward made copies again
+    assert r["calls"][0] == 0 and r["calls"][1] > 0, r["calls"]
+    assert r["alive"] == 0, r["alive"]
+    assert r["remade"][0] == 0 and r["remade"][1] > 0, r["remade"]
+    # the same ops on the same values: exactly the plain plan's results
+    assert loss == plain_loss, r["loss"]
+    assert r["grad_vs_plain"] == 0.0, r["grad_vs_plain"]
+    assert abs(loss - ref) <= _tol(name) * abs(ref), r["loss"]
+    assert r["grad_vs_ref"] <= _tol(name), r["grad_vs_ref"]
+
+
+@pytest.mark.parametrize("dup", [False, True])
+def test_resharded_program_compiles(dup):
+    loss_diff, grad_diff = _results()["compiled"][dup]
+    assert loss_diff <= _tol("gpt") and grad_diff <= _tol("gpt"), (loss_diff, grad_diff)
+
+
+# ------------------------------------------------------------------------------------------------ mesh
+
+
+def _rank_mesh(rank, world):
+    from hidup.codegen import compile as hidup_compile
+    from hidup.codegen import reshard as R
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=world, dtype=torch.float64, **SMALL)
+    graph = trace(model, inputs, world_size=world, mesh=(2, 2))
+    out = {}
+    for dup in (False, True):
+        plan = forced(graph, hidup.profiler.load(PROFILE), ("fsdp", "data"), duplication=dup)
+        runs = {}
+        for reshard in (False, True):
+            model, inputs = M.build("gpt", world_size=world, dtype=torch.float64, **SMALL)
+            module = hidup_compile(model, plan, rank, world, inputs, duplication=dup, reshard=reshard)
+            loss = module(*inputs)
+            alive = R.registered()
+            loss.backward()
+            calls = sum(isinstance(m, R.ReshardCall) for m in module.modules())
+            runs[reshard] = (float(module.global_loss(loss)), full_grad_dict(module), calls, alive)
+        plain, again = runs[False], runs[True]
+        out[dup] = (
+            plain[0],
+            again[0],
+            max(float((again[1][k] - plain[1][k]).abs().max()) for k in plain[1]),
+            again[2],
+            again[3],
+        )
+    return out
+
+
+def test_mesh_plan_reshards_exactly():
+    """FSDP on axis 0 of a 2x2 mesh (weights stored split there, gathered on the axis-0 groups), data
+    parallel on axis 1: resharded, the same loss and gradients as the plain plan on every rank."""
+    for rank, res in enumerate(run_distributed(_rank_mesh, 4, timeout=600, pg_timeout=120)):
+        for dup, (plain, loss, grad_diff, calls, alive) in res.items():
+            assert calls > 0 and alive == 0, (rank, dup, calls, alive)
+            assert loss == plain and grad_diff == 0.0, (rank, dup, plain, loss, grad_diff)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layers", [(), ("trunk.layers.0",)])
+def test_memory_model_counts_what_is_kept(fake_group, layers):
+    """What autograd keeps with reshard on is what the memory model counts, to the byte; it is less than
+    without, by the gathered weights the backward kept (float64: every matmul and norm keeps its weight)."""
+    from hidup.codegen import compile as hidup_compile
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=2, dtype=torch.float64, **SMALL)
+    graph = trace(model, inputs, world_size=2)
+    plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=False)
+    split = _stored_split(graph, plan)
+    measured = {}
+    for reshard in (False, True):
+        model, inputs = M.build("gpt", world_size=2, dtype=torch.float64, **SMALL)
+        module = hidup_compile(model, plan, 0, 2, inputs, duplication=False, recompute=list(layers), reshard=reshard)
+        measured[reshard] = _saved_bytes(module, inputs, autocast=False)
+    plain = MemoryModel(graph, recompute=frozenset(layers)).plan_activation_parts(plan.choices)
+    resh = MemoryModel(graph, recompute=frozenset(layers), reshard=frozenset(split)).plan_activation_parts(plan.choices)
+    assert plain["kept"] + plain["layer_inputs"] == measured[False], (plain, measured)
+    assert resh["kept"] + resh["layer_inputs"] == measured[True], (resh, measured)
+    # the saving is the gathered weights the backward kept outside the recomputed layers: every linear's
+    # weight (the embeddings' gathered copies are not saved: a lookup and an add keep no weight) and every
+    # layer norm's weight and bias, whole (float64)
+    recomputed = tuple(label.replace(".", "_") + "_" for label in layers)
+
+    def kept(name: str, shape) -> bool:
+        if name.startswith(recomputed):
+            return False
+        return ("_ln" in name or "norm" in name) or (len(shape) == 2 and name not in ("tok_weight", "pos"))
+
+    weights = sum(
+        graph.tensors[n.outputs[0]].nbytes
+        for n in graph.nodes
+        if n.name in split and kept(n.name, graph.tensors[n.outputs[0]].shape)
+    )
+    assert measured[False] - measured[True] == weights, (measured, weights)
+
+
+def test_peak_sees_the_saving():
+    """The fake-tensor peak of ``hidup peak`` runs the real program, resharding included: lower."""
+    from hidup.runtime.peak import predict_peak
+    from hidup.trace import forward_inputs
+
+    warnings.simplefilter("ignore")
+    cfg = dict(SMALL, d_model=64, ffn=256, batch_per_gpu=1, seq_len=4)
+    model, inputs = M.build("gpt", world_size=2, **cfg)
+    graph = trace(model, inputs, world_size=2)
+    plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=False)
+    peaks = {}
+    for reshard in (False, True):
+        plan.reshard = _stored_split(graph, plan) if reshard else []
+        model, inputs = M.build("gpt", world_size=2, device="meta", **cfg)
+        peaks[reshard] = predict_peak(model, forward_inputs(model, inputs), plan, 0, "fp32", False)
+    gathered = sum(graph.tensors[n.outputs[0]].nbytes for n in graph.nodes if n.name in plan.reshard)
+    drop = peaks[False].total - peaks[True].total
+    assert drop > 0.25 * gathered, (peaks, gathered)
+
+
+# ------------------------------------------------------------------------------------------------ search
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    warnings.simplefilter("ignore")
+    model, inputs = M.build(
+        "gpt", world_size=4, layers=4, d_model=64, heads=4, ffn=256, seq_len=64, batch_per_gpu=8, vocab=64
+    )
+    return trace(model, inputs, world_size=4)
+
+
+def test_search_prices_resharding(gpt_graph):
+    """The FSDP-style plan's memory holds the gathered weights its backward keeps (the memory model's
+    whole-plan count of them); resharded, they are gone and each gather runs again in the backward."""
+    profile = hidup.profiler.load(PROFILE)
+    off = forced(gpt_graph, profile, "fsdp", duplication=False, reshard="off")
+    split = _stored_split(gpt_graph, off)
+    assert off.reshard == [] and split
+    plain = MemoryModel(gpt_graph).plan_activations(off.choices)
+    assert off.memory["activations"] == pytest.approx(plain, rel=1e-12)  # gathered copies included
+    on = Plan.from_dict(json.loads(json.dumps(off.to_dict())))
+    on.reshard = split
+    assert Plan.from_dict(on.to_dict()).reshard == split and "reshard" not in off.to_dict()
+    before, after = price(gpt_graph, profile, off)[False], price(gpt_graph, profile, on)[False]
+    assert before.total == pytest.approx(off.predicted["total"], rel=1e-12)
+    resh = MemoryModel(gpt_graph, reshard=frozenset(split)).plan_activations(off.choices)
+    assert resh < plain
+    assert after.memory["activations"] == pytest.approx(resh, rel=1e-12)
+    assert after.memory["total"] == pytest.approx(before.memory["total"] - (plain - resh), rel=1e-12)
+    # every gathered weight's forward collective runs again in its consumer's backward; the forward as it was
+    problem = Problem(gpt_graph, profile.launched(True, False))
+    tids = {t for n in gpt_graph.nodes if n.name in split for t in n.outputs}
+    for b, a in zip(before.steps, after.steps):
+        extra = sum(problem.conversion(t, src, dst).fwd for t, _, src, dst in b.convs if t in tids)
+        assert (a.fwd, a.bwd) == pytest.approx((b.fwd, b.bwd + extra), rel=1e-12, abs=1e-15)
+    assert after.forward == pytest.approx(before.forward, rel=1e-12)
+    assert after.backward > before.backward
+    searched = forced(gpt_graph, profile, "fsdp", duplication=False, reshard="on")
+    assert searched.reshard and set(searched.reshard) <= set(_stored_split(gpt_graph, searched))
+    assert price(gpt_graph, profile, searched)[False].total == pytest.approx(searched.predicted["total"], rel=1e-12)
+    assert "resharded after forward: %d parameters" % len(searched.reshard) in summary(searched, gpt_graph)
+
+
+def test_search_reshards_only_under_a_budget_that_needs_it(gpt_graph):
+    profile = hidup.profiler.load(PROFILE)
+    off = forced(gpt_graph, profile, "fsdp", duplication=False, reshard="off", recompute="off")
+    on = forced(gpt_graph, profile, "fsdp", duplication=False, reshard="on", recompute="off")
+    assert on.memory["total"] < off.memory["total"]
+    assert forced(gpt_graph, profile, "fsdp", duplication=False).reshard == []  # auto without a budget
+    roomy = forced(gpt_graph, profile, "fsdp", duplication=False, memory_budget=off.memory["total"])
+    assert roomy.reshard == [] and roomy.recompute == []
+    budget = (on.memory["total"] + off.memory["total"]) / 2
+    fit = forced(gpt_graph, profile, "fsdp", duplication=False, memory_budget=budget)
+    assert fit.reshard, fit.options
+    assert fit.memory["total"] <= budget
+    assert fit.options["reshard_requested"] == "on"
+    # resharding only repeats collectives: cheaper than recomputing layers to fit the same budget
+    assert fit.recompute == []
+    with pytest.raises(ValueError, match="reshard must be one of auto, on, off"):
+        search(gpt_graph, profile, reshard="always")
+
+
+def test_cli_reshard_flag(tmp_path, capsys):
+    """``hidup search --memory GB --reshard auto`` under a budget only a resharded plan meets writes a plan
+    that reshards (and ``show`` says so); a bad ``--reshard`` value is one argparse message, exit 2."""
+    from hidup.cli import DEFAULT_PROFILE
+    from test_cli_errors import TINY, one_message, run_main
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build(
+        "gpt", world_size=2, layers=1, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=2, vocab=64
+    )
+    graph = trace(model, inputs, world_size=2)
+    profile = hidup.profiler.load(DEFAULT_PROFILE)
+    lean = forced(graph, profile, "fsdp", reshard="on", recompute="off")
+    kept = forced(graph, profile, "fsdp", reshard="off", recompute="on")
+    assert lean.memory["total"] < kept.memory["total"]
+    out = tmp_path / "plan.json"
+    argv = ["search", *TINY, "--world", "2", "--memory", f"{lean.memory['total'] * 1.001 / 1e9:.9f}", "--out", str(out)]
+    code, stdout, err = run_main(argv, capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["reshard"] and plan["options"]["reshard_requested"] == "on", plan["options"]
+    assert "resharded after forward" in stdout
+    code, stdout, _ = run_main(["show", str(out)], capsys)
+    assert code == 0 and f"resharded after forward: {len(plan['reshard'])} parameters" in stdout
+    code, _, err = run_main(["search", *TINY, "--world", "2", "--reshard", "always", "--out", str(out)], capsys)
+    assert code == 2
+    one_message(err, "--reshard", "invalid choice: 'always'")
+
+
+def test_bad_parameter_names_fail_clearly():
+    from hidup.codegen import compile as hidup_compile
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=1, **dict(SMALL, batch_per_gpu=2))
+    plan = search(trace(model, inputs, world_size=1), hidup.profiler.load(PROFILE))
+    plan.reshard = ["no_such_weight"]
+    with pytest.raises(CompileError, match="reshard names parameters the model does not have: no_such_weight"):
+        hidup_compile(model, plan, 0, 1, inputs)

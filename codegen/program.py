@@ -53,7 +53,7 @@ from hidup.codegen import collectives, compiled
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
-from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, register
+from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import FULL, REDUCE, Form, Layout, Signature, axis_forms, block_label, layout_conversions
 from hidup.rules.base import TensorMeta
@@ -109,14 +109,18 @@ def hidup_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.
 def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
     made again there (:mod:`hidup.codegen.reshard`)."""
-    out = hidup_convert(x, src, dst)
-    return out if torch.compiler.is_compiling() else register(out, x, _form(src), _form(dst), current_group())
+    if torch.compiler.is_compiling():
+        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
+    out = collectives.convert(x, _form(src), _form(dst), current_group())
+    return register(out, x, _form(src), _form(dst), current_group())
 
 
 def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
     """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
-    out = hidup_convert_step(x, axis, src, dst)
-    return out if torch.compiler.is_compiling() else register(out, x, _form(src), _form(dst), _axis_group(axis))
+    if torch.compiler.is_compiling():
+        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis])
+    out = collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+    return register(out, x, _form(src), _form(dst), _axis_group(axis))
 
 
 def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:

@@ -31,11 +31,15 @@ gradients match it exactly.  The gradient of the parameter still flows through t
 conversion's own backward (a reduce-scatter for an all-gather), which saves nothing.  Collectives
 of the backward run in the order of the ops that unpack, the same on every rank.
 
+Under ``torch.compile`` the saved tensors are AOTAutograd's to choose, not autograd's, so there the
+conversion is a checkpoint region of its own (:func:`compiled_convert`) whose selective-checkpoint
+policy says ``MUST_RECOMPUTE``: the partitioner saves the shard (a parameter, held anyway) instead of
+the copy and puts the conversion again in the backward graph; the ops that read the copy are compiled as
+usual.
+
 What it does not cover: a copy read inside a recomputed layer (the layer's region frees and makes it
-again already), and programs under ``torch.compile`` (the compiled graph saves what AOTAutograd's
-partitioner chooses; the conversion and the ops run as in the plain program there).  Under autocast a
-matmul saves its low-precision cast of the weight rather than the gathered copy, so the copy is freed
-either way and the cast is kept (:mod:`hidup.saved` counts it).
+again already).  Under autocast a matmul saves its low-precision cast of the weight rather than the
+gathered copy, so the copy is freed either way and the cast is kept (:mod:`hidup.saved` counts it).
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ import weakref
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hidup.codegen import collectives
 from hidup.ir import Form, conversion
 
-__all__ = ["ReshardCall", "register", "registered", "VIEW_NAMES"]
+__all__ = ["ReshardCall", "register", "registered", "compiled_convert", "VIEW_NAMES"]
 
 # storage of a converted copy of a resharded parameter -> how to make it again
 _REGISTRY: dict[StorageWeakRef, "_Recipe"] = {}
@@ -150,6 +155,22 @@ def _unpack(outer, packed):
     if isinstance(packed, _Packed):
         return packed.unpack()
     return outer[1](packed[0]) if outer is not None else packed
+
+
+def _must_recompute(ctx, op, *args, **kwargs):
+    return torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+
+
+_RECOMPUTE_CONTEXT = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _must_recompute)
+
+
+def compiled_convert(x: torch.Tensor, src: str, dst: str, world: int, token: torch.Tensor) -> torch.Tensor:
+    """The conversion ``hidup::convert`` of a resharded parameter under ``torch.compile``: in a
+    checkpoint region of its own whose policy recomputes it, so AOTAutograd's partitioner makes the copy
+    again in the backward from the shard instead of saving it (module docstring)."""
+    return torch.utils.checkpoint.checkpoint(
+        torch.ops.hidup.convert, x, src, dst, world, token, use_reentrant=False, context_fn=_RECOMPUTE_CONTEXT
+    )
 
 
 def _method(name: str):

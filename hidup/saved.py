@@ -72,6 +72,7 @@ __all__ = [
     "tensor_nbytes",
     "saved_bytes",
     "plan_saved_bytes",
+    "as_used",
     "AUTOCAST_DTYPES",
 ]
 
@@ -153,10 +154,10 @@ def item_bytes(graph: Graph, node: Node, sig: Signature, it: SavedItem, local: b
     return float(it.nbytes)
 
 
-def _as_used(form):
+def as_used(form):
     """The form a consumer reads a tensor in: a ``replicate`` parameter is read as ``full``."""
     if isinstance(form, Layout):
-        return Layout(tuple(_as_used(f) for f in form.forms))
+        return Layout(tuple(as_used(f) for f in form.forms))
     return FULL if form.kind == "replicate" else form
 
 
@@ -179,7 +180,7 @@ def plan_saved_bytes(
         sig = choices.get(n.name)
         if sig is not None:
             for t, f in zip(n.outputs, sig.outputs):
-                produced[t] = _as_used(f)
+                produced[t] = as_used(f)
     counted: dict[tuple, float] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
@@ -188,7 +189,7 @@ def plan_saved_bytes(
         items, local = record.items(n, sig)
         for it in items:
             if it.slot == "in" and it.how == "input":
-                tid, form = n.inputs[it.index], _as_used(sig.inputs[it.index])
+                tid, form = n.inputs[it.index], as_used(sig.inputs[it.index])
                 if produced.get(tid, form) != form:
                     if tid in remade:
                         continue

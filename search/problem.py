@@ -62,8 +62,8 @@ from typing import Callable
 import numpy as np
 
 from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
+from hidup.saved import as_used
 from hidup.search.cost import CostModel
-from hidup.saved import _as_used
 from hidup.search.memory import MemoryModel
 
 __all__ = ["Problem", "Models", "Step", "SearchError", "block_label"]
@@ -479,7 +479,7 @@ class Problem:
             if self.resharded(t, prod):
                 rf, rlf, rfA, rfB = rf + c.fwd, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
                 rlfA, rlfB = rlfA + c.fwd_copies_a, rlfB + c.fwd_copies_b
-            elif inp in saved and _as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy
+            elif inp in saved and as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy
                 shape = self.graph.tensors[t].shape
                 copies += math.prod(self.forms[f].local_shape(shape, self.graph.mesh)) * saved[inp]
         if self.recomputed[i]:  # the forward conversions run again before the backward

@@ -311,18 +311,27 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
 
 def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Plan:
     """``run(opts)``, with ``reshard="auto"`` resolved (module docstring, "Resharding"): searched as
-    ``"off"``, and again as ``"on"`` when that plan misses the memory budget or recomputes to fit it."""
+    ``"off"``, and again as ``"on"`` when that plan misses the memory budget or recomputes to fit it; an
+    ILP's time limit covers both searches."""
     if opts.reshard != "auto":
         return run(opts)
     budget = opts.memory_budget
+    started = time.perf_counter()
     try:
         plan, error = run(replace(opts, reshard="off")), None
     except SearchError as e:
         plan, error = None, e
     if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
         return plan
+    limit = opts.time_limit
+    if opts.algorithm == "ilp" and limit is not None:
+        limit -= time.perf_counter() - started
+        if limit <= 0:  # spent: the plan in hand, or why there is none
+            if plan is None:
+                raise error
+            return plan
     try:
-        again = run(replace(opts, reshard="on"))
+        again = run(replace(opts, reshard="on", time_limit=limit))
     except SearchError:
         if plan is None:
             raise error from None

@@ -31,7 +31,7 @@ import thirdparty
 from dist_util import run_distributed
 from hidup.codegen import CompileError
 from hidup.plan import Plan, summary
-from hidup.search import forced, price, search
+from hidup.search import SearchError, forced, price, search
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Problem
 from hidup.trace import trace
@@ -425,3 +425,25 @@ def test_bad_parameter_names_fail_clearly():
     plan.reshard = ["no_such_weight"]
     with pytest.raises(CompileError, match="reshard names parameters the model does not have: no_such_weight"):
         hidup_compile(model, plan, 0, 1, inputs)
+
+
+def test_ilp_prices_resharding_and_shares_its_time_limit(gpt_graph, monkeypatch):
+    """The ILP optimizes with the resharded gathers repeated in its objective (its plan is priced like
+    the DP's); under a budget ``reshard="auto"`` may search a second time, within the one time limit."""
+    pytest.importorskip("mip")
+    from hidup.search import api
+
+    profile = hidup.profiler.load(PROFILE)
+    on = forced(gpt_graph, profile, "fsdp", algorithm="ilp", duplication=False, reshard="on", recompute="off")
+    dp_on = forced(gpt_graph, profile, "fsdp", duplication=False, reshard="on", recompute="off")
+    assert on.reshard and dp_on.reshard
+    assert abs(on.predicted["total"] - dp_on.predicted["total"]) <= 0.02 * dp_on.predicted["total"]
+    budget = 0.95 * search(gpt_graph, profile, reshard="off", recompute="off").memory["total"]
+    calls = []
+    real = api.ilp.optimize
+    monkeypatch.setattr(api.ilp, "optimize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    try:
+        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9)
+    except SearchError as e:
+        assert "time limit" in str(e)
+    assert len(calls) == 1  # the limit is spent: neither recomputation nor resharding searches again

@@ -319,6 +319,7 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
     started = time.perf_counter()
     try:
         plan, error = run(replace(opts, reshard="off")), None
+        plan.options["reshard_requested"] = "auto"
     except SearchError as e:
         plan, error = None, e
     if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
@@ -332,6 +333,7 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
             return plan
     try:
         again = run(replace(opts, reshard="on", time_limit=limit))
+        again.options["reshard_requested"] = "auto"
     except SearchError:
         if plan is None:
             raise error from None

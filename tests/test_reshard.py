@@ -463,7 +463,7 @@ def test_search_reshards_only_under_a_budget_that_needs_it(gpt_graph):
     fit = forced(gpt_graph, profile, "fsdp", duplication=False, memory_budget=budget)
     assert fit.reshard, fit.options
     assert fit.memory["total"] <= budget
-    assert fit.options["reshard_requested"] == "on"
+    assert fit.options["reshard_requested"] == "auto"
     # resharding only repeats collectives: cheaper than recomputing layers to fit the same budget
     assert fit.recompute == []
     with pytest.raises(ValueError, match="reshard must be one of auto, on, off"):
@@ -474,7 +474,7 @@ def test_cli_reshard_flag(tmp_path, capsys):
     """``hidup search --memory GB --reshard auto`` under a budget only a resharded plan meets writes a plan
     that reshards (and ``show`` says so); a bad ``--reshard`` value is one argparse message, exit 2."""
     from hidup.cli import DEFAULT_PROFILE
-    from test_cli_errors import TINY, one_message, run_main
+    from test_cli_errors import TINY, one_message, run_cli, run_main
 
     warnings.simplefilter("ignore")
     model, inputs = M.build(
@@ -490,10 +490,15 @@ def test_cli_reshard_flag(tmp_path, capsys):
     code, stdout, err = run_main(argv, capsys)
     assert code == 0, err
     plan = json.loads(out.read_text())
-    assert plan["reshard"] and plan["options"]["reshard_requested"] == "on", plan["options"]
+    assert plan["reshard"] and plan["options"]["reshard_requested"] == "auto", plan["options"]
     assert "resharded after forward" in stdout
     code, stdout, _ = run_main(["show", str(out)], capsys)
     assert code == 0 and f"resharded after forward: {len(plan['reshard'])} parameters" in stdout
+    # the saved plan runs on two gloo ranks and matches one device, and says that it reshards
+    done = run_cli(["verify", "--plan", str(out), "--world", "2", "--steps", "2"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "OK: the plan matches the single-device model" in done.stdout
+    assert f"{len(plan['reshard'])} parameters resharded" in done.stdout
     code, _, err = run_main(["search", *TINY, "--world", "2", "--reshard", "always", "--out", str(out)], capsys)
     assert code == 2
     one_message(err, "--reshard", "invalid choice: 'always'")

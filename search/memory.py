@@ -128,9 +128,9 @@ class MemoryModel:
         recomputed layer's activations}`` (module docstring)."""
         nodes = [n for n in self.graph.nodes if n.name in choices]
 
-        def saved(accept) -> float:
+        def saved(accept, remade=self.remade) -> float:
             if self.record is not None:
-                return plan_saved_bytes(self.graph, self.record, choices, accept, self.remade)
+                return plan_saved_bytes(self.graph, self.record, choices, accept, remade)
             return sum(self._saved(n, choices[n.name]) for n in nodes if accept(n))
 
         if not self.recompute:
@@ -143,7 +143,11 @@ class MemoryModel:
             if t in self.kept_inputs
         )
         layers = {self.layer_of(n) for n in nodes} - {""}
-        largest = max((saved(lambda n, label=label: self.layer_of(n) == label) for label in layers), default=0.0)
+        # a recomputed layer's region makes its gathered copies again, resharded or not, and its backward
+        # holds them while it runs
+        largest = max(
+            (saved(lambda n, label=label: self.layer_of(n) == label, frozenset()) for label in layers), default=0.0
+        )
         return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:

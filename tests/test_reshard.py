@@ -321,6 +321,8 @@ def test_memory_model_counts_what_is_kept(fake_group, layers):
     resh = MemoryModel(graph, recompute=frozenset(layers), reshard=frozenset(split)).plan_activation_parts(plan.choices)
     assert plain["kept"] + plain["layer_inputs"] == measured[False], (plain, measured)
     assert resh["kept"] + resh["layer_inputs"] == measured[True], (resh, measured)
+    # a recomputed layer's backward runs its region again, gathered copies included, resharded or not
+    assert resh["recomputed"] == plain["recomputed"], (resh, plain)
     # the saving is the gathered weights the backward kept outside the recomputed layers: every linear's
     # weight (the embeddings' gathered copies are not saved: a lookup and an add keep no weight) and every
     # layer norm's weight and bias, whole (float64)

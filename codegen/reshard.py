@@ -18,9 +18,9 @@ How the rank program does it:
   on (a duplicated copy's, a mesh axis's);
 * every op that reads such a copy (or a view the program makes of it) runs inside :class:`ReshardCall`,
   under ``torch.autograd.graph.saved_tensors_hooks``: a tensor the op saves for its backward whose
-  storage is registered is packed as a small handle (the recipe plus the view's size, strides and
-  offset) instead of the tensor; anything else goes to the hooks that were active around the op
-  (none, or a caller's), unchanged;
+  storage is registered (and was not written in place since) is packed as a small handle (the recipe
+  plus the view's size, strides and offset) instead of the tensor; anything else goes to the hooks
+  that were active around the op (none, or a caller's), unchanged;
 * after the forward nothing holds the converted copy any more, so it is freed when the program drops
   its last use; in the backward the first unpack of a handle converts the shard again -- the same
   collective on the same group, outside autograd -- and returns the saved view of it; later unpacks
@@ -72,7 +72,7 @@ class _Recipe:
     """How to make a registered converted copy again: convert ``source`` (a detached shard) or what
     ``parent`` makes, seen through the input geometry ``geometry``, from ``src`` to ``dst`` on ``group``."""
 
-    __slots__ = ("source", "parent", "geometry", "src", "dst", "group", "dtype", "layout", "cache")
+    __slots__ = ("source", "parent", "geometry", "src", "dst", "group", "dtype", "layout", "version", "cache")
 
     def __init__(self, x: torch.Tensor, parent: "_Recipe | None", src: Form, dst: Form, group, out: torch.Tensor):
         self.source = None if parent is not None else x.detach()
@@ -81,6 +81,7 @@ class _Recipe:
         self.src, self.dst, self.group = src, dst, group
         self.dtype = out.dtype
         self.layout = (tuple(out.shape), tuple(out.stride()), out.storage_offset())
+        self.version = out._version  # changed: the copy was written in place, and is kept as it is
         self.cache: weakref.ref | None = None
 
     def make(self) -> torch.Tensor:
@@ -146,7 +147,7 @@ def registered() -> int:
 
 def _pack(outer, t: torch.Tensor):
     recipe = _REGISTRY.get(_key(t)) if _REGISTRY else None
-    if recipe is not None and t.dtype == recipe.dtype:
+    if recipe is not None and t.dtype == recipe.dtype and t._version == recipe.version:
         return _Packed(recipe, t)
     return (outer[0](t),) if outer is not None else t
 

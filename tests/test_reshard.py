@@ -389,6 +389,34 @@ def test_a_copy_saved_through_a_view_is_not_kept(fake_group):
     assert resh == measured[True]
 
 
+def test_hooks_pack_only_registered_unmodified_copies(fake_group):
+    """A resharded op packs a handle for a saved view of a registered copy and hands everything else to
+    the hooks around it; a copy written in place since it was made is kept as it is."""
+    from hidup.codegen import collectives
+    from hidup.codegen.reshard import ReshardCall, register
+    from hidup.ir import FULL, gather
+
+    shard = torch.nn.Parameter(torch.randn(4, 8))
+    x = torch.randn(3, 8, requires_grad=True)
+    seen = []
+
+    def outer(t):
+        seen.append(tuple(t.shape))
+        return t
+
+    for written in (False, True):
+        full = register(collectives.all_gather(shard, 0), shard, gather(0), FULL, None)
+        if written:
+            full.mul_(1.0)
+        seen.clear()
+        with torch.autograd.graph.saved_tensors_hooks(outer, lambda t: t):
+            y = ReshardCall(torch.mm)(x, full.t())
+        # mm keeps both operands: x always reaches the outer hooks, the copy only once written in place
+        assert sorted(seen) == ([(3, 8), (8, 8)] if written else [(3, 8)]), (written, seen)
+        y.sum().backward()
+        assert shard.grad is not None and shard.grad.shape == (4, 8)
+
+
 def test_peak_sees_the_saving():
     """The fake-tensor peak of ``hidup peak`` runs the real program, resharding included: lower."""
     from hidup.runtime.peak import predict_peak

@@ -19,6 +19,9 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
   sum over ranks (:meth:`hidup.codegen.rewrite.HidupModule.global_loss`).
 * **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
   summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
+* **resharded parameters** (``plan.reshard``): their form changes are :func:`hidup_reshard_convert`
+  and the ops that read the converted copy run in :class:`hidup.codegen.reshard.ReshardCall`, so the
+  copy is freed after the forward and made again in the backward (:mod:`hidup.codegen.reshard`).
 
 On a device mesh of several axes (``traced.graph.mesh``, :mod:`hidup.codegen.mesh`) rank r sits at
 coordinates ``c = unravel_index(r, mesh)``: an input is sliced axis after axis (axis 0's split of the

@@ -1,19 +1,23 @@
 """Reshard after forward (FSDP2 style): exact results, the memory it saves, its price and the search's choice.
 
 * Parity: on two gloo ranks, FSDP-style plans (every weight stored split, gathered for its use) of the
-  zoo GPT and of a ``transformers`` Llama, with every stored-split parameter resharded, give exactly the
-  loss and gradients of the same plan without resharding, and those of one device (float64; the
-  Llama's loss is float32) -- duplication off and on (the copies in sequence and on the two-copy stage
-  schedule), with some layers recomputed too, and under ``torch.compile`` (``aot_eager``).  The
-  programs do reshard: their ops run in :class:`~hidup.codegen.reshard.ReshardCall`, no converted copy
-  is alive after the forward, and the backward makes copies again (unpacked handles).
-* On a 2x2 mesh (4 gloo ranks) an FSDP-on-axis-0 plan reshards and matches the plain plan exactly.
+  zoo GPT, of a ``transformers`` Llama and of a model reading a weight through a view op, with every
+  stored-split parameter resharded, give exactly the loss and gradients of the same plan without
+  resharding, and those of one device (float64; the Llama's loss is float32) -- duplication off and on
+  (the copies in sequence and on the two-copy stage schedule), with some layers recomputed too, and
+  under ``torch.compile`` (``aot_eager``).  The programs do reshard: their ops run in
+  :class:`~hidup.codegen.reshard.ReshardCall`, no converted copy is alive after the forward, and the
+  backward makes copies again (unpacked handles).
+* On a 2x2 mesh (4 gloo ranks) an FSDP-on-axis-0 plan reshards and matches the plain plan exactly,
+  eagerly (duplication off and on) and compiled.
 * Memory: the bytes autograd keeps (``saved_tensors_hooks`` around rank 0's forward on torch's fake
-  process group) drop by the gathered weights' bytes and equal the memory model's count to the byte;
-  the fake-tensor peak (``hidup peak``) sees the drop.
+  process group; compiled, the bytes AOTAutograd saves) drop by the gathered weights' bytes and equal
+  the memory model's count to the byte, in float64 and under bf16 autocast; the fake-tensor peak
+  (``hidup peak``) sees the drop; the hooks hand what they do not pack to the hooks around them.
 * Search: the gathered copies a backward keeps are in the search's memory; resharding drops them and
-  repeats the gathers in the backward; ``reshard="auto"`` reshards only under a budget that needs it;
-  ``hidup search --reshard`` works and a bad value fails clearly.
+  repeats the gathers in the backward (DP and ILP); ``reshard="auto"`` reshards only under a budget that
+  needs it, within the ILP's one time limit; ``hidup search --reshard`` works, a bad value fails
+  clearly, and ``hidup verify`` runs the plan it writes; ``show``/``train``/``verify`` say it reshards.
 """
 
 from __future__ import annotations
@@ -565,3 +569,20 @@ def test_ilp_prices_resharding_and_shares_its_time_limit(gpt_graph, monkeypatch)
     except SearchError as e:
         assert "time limit" in str(e)
     assert len(calls) == 1  # the limit is spent: neither recomputation nor resharding searches again
+
+
+def test_train_says_when_a_plan_reshards():
+    from hidup.runtime.train import _recompute_text
+
+    plan = Plan.from_dict(
+        {**json.loads(json.dumps(_tiny_plan().to_dict())), "reshard": ["a", "b"], "recompute": ["trunk.layers.0"]}
+    )
+    assert _recompute_text(plan) == ", 1 layers recomputed in the backward, 2 parameters resharded after forward"
+    plan.reshard = []
+    assert "resharded" not in _recompute_text(plan)
+
+
+def _tiny_plan() -> Plan:
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=1, **dict(SMALL, batch_per_gpu=2))
+    return search(trace(model, inputs, world_size=1), hidup.profiler.load(PROFILE))

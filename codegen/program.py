@@ -19,6 +19,9 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
   sum over ranks (:meth:`hidup.codegen.rewrite.HidupModule.global_loss`).
 * **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
   summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
+* **resharded parameters** (``plan.reshard``): their form changes are :func:`hidup_reshard_convert`
+  and the ops that read the converted copy run in :class:`hidup.codegen.reshard.ReshardCall`, so the
+  copy is freed after the forward and made again in the backward (:mod:`hidup.codegen.reshard`).
 
 On a device mesh of several axes (``traced.graph.mesh``, :mod:`hidup.codegen.mesh`) rank r sits at
 coordinates ``c = unravel_index(r, mesh)``: an input is sliced axis after axis (axis 0's split of the
@@ -53,6 +56,7 @@ from hidup.codegen import collectives, compiled
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
+from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import FULL, REDUCE, Form, Layout, Signature, axis_forms, block_label, layout_conversions
 from hidup.rules.base import TensorMeta
@@ -103,6 +107,23 @@ def hidup_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.
         world, token = compiled.ACTIVE.axes[axis]
         return torch.ops.hidup.convert(x, src, dst, world, token)
     return collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+
+
+def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
+    made again there (:mod:`hidup.codegen.reshard`)."""
+    if torch.compiler.is_compiling():
+        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
+    out = collectives.convert(x, _form(src), _form(dst), current_group())
+    return register(out, x, _form(src), _form(dst), current_group())
+
+
+def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
+    if torch.compiler.is_compiling():
+        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis])
+    out = collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+    return register(out, x, _form(src), _form(dst), _axis_group(axis))
 
 
 def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:
@@ -233,9 +254,22 @@ def _fix_devices(value, device: torch.device):
 
 class _Builder:
     def __init__(
-        self, traced, plan, rank: int, world: int, device: torch.device, local_batch: bool, copies=None, recompute=()
+        self,
+        traced,
+        plan,
+        rank: int,
+        world: int,
+        device: torch.device,
+        local_batch: bool,
+        copies=None,
+        recompute=(),
+        reshard=(),
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
+        self.reshard_tids: set[int] = set()
+        self.gathered: set[torch.fx.Node] = set()  # converted copies of resharded parameters, and views of them
+        self.n_reshard = 0
         self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
         self.region = None  # the recomputation region new nodes join (codegen.recompute)
         self.copies = copies  # hidup.copies.CopyAxis of a duplicated copy's program, else None
@@ -312,11 +346,15 @@ class _Builder:
         if src == dst:
             return self.value(tid)
         key = (tid, dst)
+        reshard = tid in self.reshard_tids and self.region is None  # a recomputed layer makes it again anyway
         if key not in self.converted and isinstance(dst, Layout):
             node = self.value(tid)
             for axis, a, b in self._mesh_steps(tid, src, dst):
                 if a != b:  # a replicated parameter's replicate -> full step is the identity here
-                    node = self.call(hidup_convert_step, (node, axis, str(a), str(b)))
+                    step = hidup_reshard_convert_step if reshard else hidup_convert_step
+                    node = self.call(step, (node, axis, str(a), str(b)))
+                    if reshard:
+                        self.gathered.add(node)
             self.converted[key] = node
         if key not in self.converted:
             if collectives.conversion(src, dst) is None:
@@ -324,7 +362,11 @@ class _Builder:
                     f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
                     f"but a consumer needs {dst}; no conversion exists"
                 )
-            self.converted[key] = self.call(hidup_convert, (self.value(tid), str(src), str(dst)))
+            self.converted[key] = self.call(
+                hidup_reshard_convert if reshard else hidup_convert, (self.value(tid), str(src), str(dst))
+            )
+            if reshard:
+                self.gathered.add(self.converted[key])
         return self.converted[key]
 
     def _mesh_steps(self, tid: int, src: Layout, dst: Layout) -> list[tuple[int, Form, Form]]:
@@ -407,6 +449,8 @@ class _Builder:
         self.shards[attr] = ParamShard(logical, tuple(original.shape), form, not isinstance(original, nn.Parameter))
         self.lazy_params[tid] = attr
         self.produced[tid] = _plain(form) if isinstance(form, Layout) else form if form.is_gather else FULL
+        if node.name in self.reshard and any(f.is_gather for f in axis_forms(form)):
+            self.reshard_tids.add(tid)
 
     def add_call(self, node, sig: Signature) -> None:
         ctx = self.traced.contexts[node.name]
@@ -421,12 +465,15 @@ class _Builder:
                 f"node {node.name}: the plan's signature {sig} has no per-axis factors for the mesh "
                 f"{self.mesh}. Fix: trace and search again for this mesh"
             )
-        out = self.call(
-            call.target,
-            _fix_devices(tuple(call.args), self.device),
-            _fix_devices(dict(call.kwargs), self.device),
-            name=node.name,
-        )
+        args, kwargs = _fix_devices(tuple(call.args), self.device), _fix_devices(dict(call.kwargs), self.device)
+        reads = set(value_leaves((args, kwargs), torch.fx.Node)) & self.gathered
+        if reads and self.region is None:  # it reads a resharded parameter's copy: keep a handle, not the copy
+            out = self._reshard_call(call.target, args, kwargs, node.name)
+            name = call.target if isinstance(call.target, str) else getattr(call.target, "__name__", "")
+            if name in VIEW_NAMES:
+                self.gathered.add(out)
+        else:
+            out = self.call(call.target, args, kwargs, name=node.name)
         if len(node.outputs) == 1 and not self._structured(node.name):
             self.local[node.outputs[0]] = out
         else:
@@ -443,6 +490,14 @@ class _Builder:
                     region, self.region = self.region, None
                     self.local[tid] = self.call(hidup_copy_sum, (self.local[tid], tid))
                     self.region = region
+
+    def _reshard_call(self, target, args, kwargs, name: str) -> torch.fx.Node:
+        path = f"reshard_{self.n_reshard}"
+        self.n_reshard += 1
+        self.root.add_module(path, ReshardCall(target))
+        node = self.graph.call_module(path, tuple(args), kwargs)
+        node.name = self.graph._graph_namespace.create_name(name, node)
+        return self._tag(node)
 
     def _structured(self, name: str) -> bool:
         """Whether the traced value of fx node ``name`` is a tuple/list the model indexes into."""
@@ -533,6 +588,7 @@ def build_rank_program(
     local_batch: bool = False,
     copies=None,
     recompute=None,
+    reshard=None,
 ) -> RankProgram:
     """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
     under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
@@ -540,7 +596,9 @@ def build_rank_program(
     is one of duplication's two copies: its means over the batch are halved and the tensors in
     ``copies.summed`` pass through :func:`hidup_copy_sum`.  The layers named in ``recompute`` (block
     labels; None: the plan's ``recompute``) run their forward again in the backward
-    (:mod:`hidup.codegen.recompute`)."""
+    (:mod:`hidup.codegen.recompute`).  The parameters named in ``reshard`` (``param`` node names; None:
+    the plan's ``reshard``; True: every parameter the plan stores split) have their converted copies
+    made again in the backward instead of kept (:mod:`hidup.codegen.reshard`)."""
     if traced.graph.world_size != world:
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:
@@ -562,4 +620,18 @@ def build_rank_program(
             f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
             "Fix: name repeated layers as the plan's `layers` report does, or search again"
         )
-    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels).build()
+    params = {n.name for n in traced.graph.nodes if n.op == "param"}
+    if reshard is None:
+        reshard = getattr(plan, "reshard", None) or ()
+    elif reshard is True:
+        reshard = params
+    elif reshard is False:
+        reshard = ()
+    unknown = sorted(set(reshard) - params)
+    if unknown:
+        raise CompileError(
+            f"reshard names parameters the model does not have: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''}. Fix: name param nodes of the trace (the plan's choices), "
+            "or search again"
+        )
+    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels, reshard).build()

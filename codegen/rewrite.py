@@ -268,7 +268,9 @@ class CompileOptions(OptionSet):
     through ``torch.compile``: ``True`` for inductor, a backend name (``"aot_eager"``), or ``False``
     for eager fx code (:mod:`hidup.codegen.compiled`; ``module.set_compile`` switches later).
     ``recompute`` lists the layers (block labels) whose forward runs again in the backward (None:
-    the plan's ``recompute``; :mod:`hidup.codegen.recompute`)."""
+    the plan's ``recompute``; :mod:`hidup.codegen.recompute`).  ``reshard`` lists the parameters (``param``
+    node names) whose converted copies are made again in the backward instead of kept (None: the plan's
+    ``reshard``; True: every parameter the plan stores split; :mod:`hidup.codegen.reshard`)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -279,6 +281,7 @@ class CompileOptions(OptionSet):
     copy_groups: tuple | None = None
     compile: bool | str = False
     recompute: list | tuple | None = None
+    reshard: list | tuple | bool | None = None
     WHAT = "compile"
 
 
@@ -342,7 +345,15 @@ def compile(  # noqa: A001
         if check is not None:
             check(traced.graph)
     program = build_rank_program(
-        traced, plan, rank, world_size, device=device, local_batch=local_batch, copies=copies, recompute=opts.recompute
+        traced,
+        plan,
+        rank,
+        world_size,
+        device=device,
+        local_batch=local_batch,
+        copies=copies,
+        recompute=opts.recompute,
+        reshard=opts.reshard,
     )
 
     staged = device.type == "cuda" if streams is None else streams

@@ -85,6 +85,14 @@ def _search_parser(sub) -> None:
         "the fewest layers recomputed), on (every repeated layer), off (default auto)",
     )
     p.add_argument(
+        "--reshard",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="free the all-gathered copy of every weight stored split after its forward use and gather it "
+        "again in the backward (FSDP2's reshard after forward): auto (when the plan found does not fit "
+        "--memory, or fits only by recomputing, keep the better plan with resharding), on, off (default auto)",
+    )
+    p.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
     )
     p.add_argument(
@@ -189,6 +197,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             model_source=record,
             time_limit=args.time_limit,
             recompute=args.recompute,
+            reshard=args.reshard,
         )
     _report_warnings(caught, "search")
     plan.save(out)

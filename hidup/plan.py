@@ -70,6 +70,10 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")
+    if getattr(plan, "reshard", None):
+        lines.append(
+            f"resharded after forward: {len(plan.reshard)} parameters stored split, gathered again in the backward"
+        )
     lines += [
         "",
     ]

@@ -72,6 +72,7 @@ __all__ = [
     "tensor_nbytes",
     "saved_bytes",
     "plan_saved_bytes",
+    "as_used",
     "AUTOCAST_DTYPES",
 ]
 
@@ -153,28 +154,33 @@ def item_bytes(graph: Graph, node: Node, sig: Signature, it: SavedItem, local: b
     return float(it.nbytes)
 
 
-def _as_used(form):
+def as_used(form):
     """The form a consumer reads a tensor in: a ``replicate`` parameter is read as ``full``."""
     if isinstance(form, Layout):
-        return Layout(tuple(_as_used(f) for f in form.forms))
+        return Layout(tuple(as_used(f) for f in form.forms))
     return FULL if form.kind == "replicate" else form
 
 
 def plan_saved_bytes(
-    graph: Graph, record: SavedRecord, choices: dict[str, Signature], savers: Callable[[Node], bool] | None = None
+    graph: Graph,
+    record: SavedRecord,
+    choices: dict[str, Signature],
+    savers: Callable[[Node], bool] | None = None,
+    remade: frozenset[int] | set[int] = frozenset(),
 ) -> float:
     """Bytes per rank the backward keeps under a whole plan (``choices``: node name -> signature),
     following form changes: a saved input that its consumer reads in another form than its producer
     made it is the converted copy, one per (tensor, form) as the rank program makes them, of
     ``numel(local) * itemsize`` bytes -- a stored-sharded weight all-gathered for a float32 backward
     included; every other saved storage once, as in :func:`saved_bytes`.  ``savers`` (node -> bool)
-    counts only what the nodes it accepts save."""
+    counts only what the nodes it accepts save.  The converted copies of the tensors in ``remade`` (those
+    of resharded parameters, :mod:`hidup.codegen.reshard`) are not kept: the backward makes them again."""
     produced: dict[int, object] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
         if sig is not None:
             for t, f in zip(n.outputs, sig.outputs):
-                produced[t] = _as_used(f)
+                produced[t] = as_used(f)
     counted: dict[tuple, float] = {}
     for n in graph.nodes:
         sig = choices.get(n.name)
@@ -183,8 +189,10 @@ def plan_saved_bytes(
         items, local = record.items(n, sig)
         for it in items:
             if it.slot == "in" and it.how == "input":
-                tid, form = n.inputs[it.index], _as_used(sig.inputs[it.index])
+                tid, form = n.inputs[it.index], as_used(sig.inputs[it.index])
                 if produced.get(tid, form) != form:
+                    if tid in remade:
+                        continue
                     numel = math.prod(form.local_shape(graph.tensors[tid].shape, graph.mesh))
                     counted.setdefault(("copy", tid, form), numel * DTYPE_BYTES.get(it.dtype, 4))
                     continue

@@ -27,6 +27,17 @@ when even that plan is no faster than the one found -- and keeps the faster plan
 fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
 every repeated layer, ``"off"`` none.
 
+Resharding
+----------
+A parameter stored split is converted (all-gathered) for the ops that read it, and the copy an op's
+backward keeps lives until that backward (the search counts it, :mod:`hidup.search.problem`).
+Resharding (:mod:`hidup.codegen.reshard`) frees it after the forward and gathers again in the backward:
+less memory for one more collective per such parameter.  ``reshard="on"`` reshards every parameter the
+plan stores split (``plan.reshard`` lists them); ``"auto"`` searches as ``"off"`` and, only when that
+plan misses the memory budget or needs recomputation to fit it, searches again with ``"on"`` and keeps
+the better plan (the one that fits; both fitting, the faster: resharding repeats a collective where
+recomputation repeats a layer's compute too).
+
 Duplication under a memory budget
 ---------------------------------
 The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
@@ -91,6 +102,7 @@ __all__ = [
 
 STYLES = ("data", "tensor", "expert", "fsdp")
 RECOMPUTE = ("auto", "on", "off")
+RESHARD = ("auto", "on", "off")
 # style -> (preferred kinds in order, kinds never used)
 _STYLE_RULES = {
     "data": (("data",), {"tensor", "expert"}),
@@ -137,7 +149,8 @@ class SearchOptions(OptionSet):
     ``recompute`` says which repeated layers run their forward again in the backward instead of keeping
     activations (module docstring, "Recomputation"): ``"off"``, ``"on"`` (every repeated layer),
     ``"auto"`` (the faster plan that fits ``memory_budget``, with and without), or a list of block
-    labels."""
+    labels.  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
+    their gathered copies made again in the backward instead of kept (module docstring, "Resharding")."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -153,6 +166,7 @@ class SearchOptions(OptionSet):
     cuda_graphs: bool = True
     compiled: bool = False
     recompute: str | tuple | list | frozenset = "auto"
+    reshard: str = "auto"
     WHAT = "search"
 
     def check(self) -> None:
@@ -162,6 +176,8 @@ class SearchOptions(OptionSet):
             raise ValueError(
                 f"recompute must be one of {', '.join(RECOMPUTE)} or a list of layers, got {self.recompute!r}"
             )
+        if self.reshard not in RESHARD:
+            raise ValueError(f"reshard must be one of {', '.join(RESHARD)}, got {self.reshard!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
 
@@ -205,10 +221,13 @@ def search(
         opts = replace(opts, duplication=False)
     models = Models(graph)  # the prices every problem of this search shares
     with dp.no_gc():
-        plan = (
-            _search_mesh(graph, profile, opts, progress, models)
-            if len(graph.mesh) > 1
-            else _search(graph, profile, opts, progress, models)
+        plan = _resharding(
+            lambda o: (
+                _search_mesh(graph, profile, o, progress, models)
+                if len(graph.mesh) > 1
+                else _search(graph, profile, o, progress, models)
+            ),
+            opts,
         )
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     plan.options["compiled"] = bool(opts.compiled)
@@ -240,11 +259,14 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 def price(
     graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True, compiled: bool = False
 ) -> dict[bool, Evaluation]:
-    """``plan``'s choices, with its recomputed layers, priced by the search's cost model, ``{False:
-    without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`); ``cuda_graphs`` and
-    ``compiled`` as in :func:`search`."""
+    """``plan``'s choices, with its recomputed layers and resharded parameters, priced by the search's cost
+    model, ``{False: without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`);
+    ``cuda_graphs`` and ``compiled`` as in :func:`search`."""
     recompute = frozenset(getattr(plan, "recompute", None) or ())
-    problem = Problem(graph, _loaded(profile).launched(cuda_graphs, compiled), precision, recompute=recompute)
+    reshard = frozenset(getattr(plan, "reshard", None) or ())
+    problem = Problem(
+        graph, _loaded(profile).launched(cuda_graphs, compiled), precision, recompute=recompute, reshard=reshard
+    )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
 
@@ -315,6 +337,38 @@ class _Found:
         return plan
 
 
+def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Plan:
+    """``run(opts)``, with ``reshard="auto"`` resolved (module docstring, "Resharding"): searched as
+    ``"off"``, and again as ``"on"`` when that plan misses the memory budget or recomputes to fit it; an
+    ILP's time limit covers both searches."""
+    if opts.reshard != "auto":
+        return run(opts)
+    budget = opts.memory_budget
+    started = time.perf_counter()
+    try:
+        plan, error = run(replace(opts, reshard="off")), None
+        plan.options["reshard_requested"] = "auto"
+    except SearchError as e:
+        plan, error = None, e
+    if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
+        return plan
+    limit = opts.time_limit
+    if opts.algorithm == "ilp" and limit is not None:
+        limit -= time.perf_counter() - started
+        if limit <= 0:  # spent: the plan in hand, or why there is none
+            if plan is None:
+                raise error
+            return plan
+    try:
+        again = run(replace(opts, reshard="on", time_limit=limit))
+        again.options["reshard_requested"] = "auto"
+    except SearchError:
+        if plan is None:
+            raise error from None
+        return plan
+    return again if plan is None or _better(again, plan, budget) else plan
+
+
 def _search(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> Plan:
     return _search_found(graph, profile, opts, progress, models).plan(opts.explain)
 
@@ -331,8 +385,9 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
         problem after the first shares its signatures and liveness (:meth:`Problem.derive`)."""
         first = made.get(id(prof))
         if first is None:
+            reshard = opts.reshard == "on"  # "auto" searches as "off" first (_resharding)
             first = made[id(prof)] = Problem(
-                graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, models
+                graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, models, reshard
             )
             return first
         return first if first.recompute == recompute else first.derive(recompute)
@@ -378,18 +433,22 @@ def _other_axes(sig: Signature, axis: int) -> tuple:
     return tuple(f.forms[:axis] + f.forms[axis + 1 :] for f in sig.inputs + sig.outputs)
 
 
-def _fits(found: _Found, budget: float | None) -> bool:
+def _fits(found: "_Found | Plan", budget: float | None) -> bool:
     return budget is None or found.memory["total"] <= budget
 
 
-def _better(found: _Found, plan: _Found | None, budget: float | None) -> bool:
-    """Whether ``found`` replaces ``plan``: it fits the budget where ``plan`` does not, or both fit (or
-    neither does) and it is faster."""
+def _better(found: "_Found | Plan", plan: "_Found | Plan | None", budget: float | None) -> bool:
+    """Whether ``found`` replaces ``plan`` (answers of a search, or plans): it fits the budget where
+    ``plan`` does not, or both fit (or neither does) and it is faster."""
     if plan is None:
         return True
     if _fits(found, budget) != _fits(plan, budget):
         return _fits(found, budget)
-    return found.total < plan.total * (1 - 1e-9)
+    return _time(found) < _time(plan) * (1 - 1e-9)
+
+
+def _time(found: "_Found | Plan") -> float:
+    return found.predicted["total"] if isinstance(found, Plan) else found.total
 
 
 def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: Models) -> Plan:
@@ -468,8 +527,9 @@ def _layer_order(label: str) -> tuple:
 def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
     """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
     fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
-    least ``k`` found by bisection on the memory model (more recomputed layers keep less); then
-    priced again, and kept only if faster."""
+    least ``k`` found by bisection on the memory model's per-node terms (more recomputed layers keep
+    less), then checked with the parameters' kept copies too (which the per-node terms leave out),
+    taking more layers until it fits; priced again, and kept only if faster."""
     layers = sorted(problem.recompute, key=_layer_order)
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
 
@@ -484,12 +544,12 @@ def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, 
             hi = mid
         else:
             lo = mid + 1
-    if hi == len(layers):
-        return problem, best
-    fewer = problem.derive(frozenset(layers[:hi]))
-    ev = evaluate(fewer, best.ks, best.duplication)
-    if ev.total < best.total and ev.memory["total"] <= opts.memory_budget:
-        return fewer, ev
+    while hi < len(layers):
+        fewer = problem.derive(frozenset(layers[:hi]))
+        ev = evaluate(fewer, best.ks, best.duplication)
+        if ev.memory["total"] <= opts.memory_budget:
+            return (fewer, ev) if ev.total < best.total else (problem, best)
+        hi += max(1, (len(layers) - hi) // 2)
     return problem, best
 
 
@@ -522,7 +582,7 @@ def _search_with(
         memory_budget is not None
         and not recompute
         and opts.recompute == "auto"
-        and sum(explore.mem[i][k] for i, k in enumerate(dp.solve(explore, False, None, **beam)[0])) > memory_budget
+        and _memory(explore, dp.solve(explore, False, None, **beam)[0]) > memory_budget
     )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []
@@ -531,9 +591,7 @@ def _search_with(
         if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
             return None
         # a mode whose plan without the budget fits it keeps that plan (the budgeted DP would return it)
-        fits = {
-            mode: sum(explore.mem[i][k] for i, k in enumerate(ks)) <= memory_budget for mode, ks in zip(modes, free)
-        }
+        fits = {mode: _memory(explore, ks) <= memory_budget for mode, ks in zip(modes, free)}
         candidates += [ks for mode, ks in zip(modes, free) if fits[mode]]
         modes_left = tuple(mode for mode in modes if not fits[mode])
     else:
@@ -560,7 +618,7 @@ def _search_with(
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below
         hidden, _ = dp.solve(explore, False, None, hide_grad_sync=True, **beam)
-        if memory_budget is None or sum(explore.mem[i][k] for i, k in enumerate(hidden)) <= memory_budget:
+        if memory_budget is None or _memory(explore, hidden) <= memory_budget:
             candidates.append(hidden)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
@@ -573,10 +631,17 @@ def _search_with(
         "max_states": opts.max_states,
         "max_points": opts.max_points,
         "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
+        "reshard_requested": opts.reshard,
     }
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
     return problem, best, binds, options
+
+
+def _memory(problem: Problem, ks) -> float:
+    """Bytes per rank of the choices ``ks``: the per-node terms and the parameters' copies kept for the
+    backward (:mod:`hidup.search.problem`)."""
+    return problem.plan_memory(ks)
 
 
 def _solve_modes_within(
@@ -602,7 +667,7 @@ def _solve_modes_within(
         ]
 
     def worth(plain: list[int], free: list[int]) -> bool:
-        if sum(problem.mem[i][k] for i, k in enumerate(free)) <= budget:
+        if _memory(problem, free) <= budget:
             return True  # the budgeted search returns this plan at once
         times = fitting([*found, plain])
         # the bound is the two passes alone: a plan within the budget may store less and so step its
@@ -779,6 +844,9 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         layers=layers,
     )
     plan.alternatives = _runner_ups(problem, ev, explain)
+    plan.reshard = sorted(
+        {producer[tid] for step in ev.steps for tid, _, a, _ in step.convs if problem.resharded(tid, a)}
+    )
     return plan
 
 

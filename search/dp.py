@@ -531,17 +531,17 @@ class _DP:
                     tr, _, k = tr
                     ks.append(k)
                 ks.reverse()
-                mem = v[-1] if self.has_mem else sum(p.mem[rep.start + r][k] for r, k in enumerate(ks))
                 if self.dup:
-                    fwd_items, bwd_items = [], []
+                    fwd_items, bwd_items, mem = [], [], 0.0
                     skey = tuple(key)
                     for r, k in enumerate(ks):
                         step, skey = p.step(rep.start + r, k, skey)
                         fwd_items.append(step.fwd_item)
                         bwd_items.append(step.bwd_item)
+                        mem += step.mem  # the kept copies of parameters included
                     cands.append(((compress_steps(fwd_items), compress_steps(bwd_items), mem), tuple(ks)))
-                else:
-                    cands.append(((v[0], mem), tuple(ks)))
+                else:  # the memory is read only with a memory coordinate (the price is in v[0] already)
+                    cands.append(((v[0], v[-1] if self.has_mem else 0.0), tuple(ks)))
             out.append((exit_sub, cands))
         self.tables[tkey] = out
         return out
@@ -646,7 +646,7 @@ def solve(
     hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
         ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress, hide_grad_sync)
-        if sum(problem.mem[i][k] for i, k in enumerate(ks)) <= memory_budget:
+        if problem.plan_memory(ks) <= memory_budget:
             return ks, v
         if by_price is None:
             by_price = max_states is not None and problem.n >= PRICE_MIN_POSITIONS
@@ -686,7 +686,7 @@ def _priced(problem: Problem, duplication: bool, price: float, beam: tuple) -> t
     with no_gc():
         ks, v = dp.solve(reuse_blocks, None)
     value = dp.est(v)
-    memory = sum(problem.mem[i][k] for i, k in enumerate(ks))
+    memory = problem.plan_memory(ks)
     return ks, value - price * memory, memory, value
 
 
@@ -706,7 +706,7 @@ def _solve_by_price(
         p = problem
         raise LazySearchError(lambda: _budget_message(p, budget, p.n - 1, max_states, max_points))
     ks0, time0 = free
-    excess = sum(problem.mem[i][k] for i, k in enumerate(ks0)) - budget
+    excess = problem.plan_memory(ks0) - budget
     best: tuple[list[int], float] | None = None
     bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
     low, high = 0.0, None  # prices known to miss and to meet the budget

@@ -127,8 +127,10 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
                         E[a, f] = m.add_var(lb=0.0, ub=0.0 if conv is None else 1.0)
                         if conv is None:
                             continue
-                        # a recomputed reader runs the forward conversion again in its backward
-                        cost = (conv.fwd * (1 + p.recomputed[c]) + conv.bwd) * _SCALE
+                        # a recomputed reader, or a resharded parameter's, runs the forward conversion again
+                        # in its backward
+                        again = p.recomputed[c] or p.resharded(t, a)
+                        cost = (conv.fwd * (1 + again) + conv.bwd) * _SCALE
                         if cost <= 0:
                             continue
                         if (a, f) not in z:

@@ -17,7 +17,9 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
   ``saved_tensors_hooks`` at the precision; a storage counted once, by the first node that saves it; a
   saved parameter, buffer or model input adds nothing, autocast's low-precision copy of a weight does).
   :meth:`MemoryModel.plan_activations` gives a whole plan's activations following its form changes too
-  (the converted copies a backward keeps, e.g. a gathered weight), which no per-node term can see.
+  (the converted copies a backward keeps, e.g. a gathered weight), which no per-node term can see;
+  the copies of the parameters in ``reshard`` are not kept (:mod:`hidup.codegen.reshard`: the
+  backward gathers them again) and are left out.
   A graph without that record (read from JSON, synthetic) counts, for a node with an input that
   requires a gradient, all its outputs ``sum_j local(out_j, s.outputs[j])`` instead;
 * other nodes: 0.
@@ -58,12 +60,18 @@ class MemoryModel:
     optimizer_factor: float = 2.0
     precision: str = "fp32"
     recompute: frozenset = frozenset()  # block labels of the recomputed layers
+    reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
     record: SavedRecord | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.record = record_of(self.graph, self.precision)
         self.nbytes = {tid: tensor_nbytes(self.graph, tid, self.precision) for tid in self.graph.tensors}
         self.recompute = frozenset(self.recompute)
+        self.reshard = frozenset(self.reshard)
+        # tensors of the resharded parameters: their converted copies are not kept (hidup.codegen.reshard)
+        self.remade = frozenset(
+            t for n in self.graph.nodes if n.op == "param" and n.name in self.reshard for t in n.outputs
+        )
         self._breakdown: dict[tuple, tuple] = {}  # (node name, id(signature)) -> (signature, breakdown)
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
@@ -120,9 +128,9 @@ class MemoryModel:
         recomputed layer's activations}`` (module docstring)."""
         nodes = [n for n in self.graph.nodes if n.name in choices]
 
-        def saved(accept) -> float:
+        def saved(accept, remade=self.remade) -> float:
             if self.record is not None:
-                return plan_saved_bytes(self.graph, self.record, choices, accept)
+                return plan_saved_bytes(self.graph, self.record, choices, accept, remade)
             return sum(self._saved(n, choices[n.name]) for n in nodes if accept(n))
 
         if not self.recompute:
@@ -135,7 +143,11 @@ class MemoryModel:
             if t in self.kept_inputs
         )
         layers = {self.layer_of(n) for n in nodes} - {""}
-        largest = max((saved(lambda n, label=label: self.layer_of(n) == label) for label in layers), default=0.0)
+        # a recomputed layer's region makes its gathered copies again, resharded or not, and its backward
+        # holds them while it runs
+        largest = max(
+            (saved(lambda n, label=label: self.layer_of(n) == label, frozenset()) for label in layers), default=0.0
+        )
         return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:

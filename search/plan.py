@@ -23,6 +23,11 @@ without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 
 rank program runs again in the backward instead of keeping their activations
 (:mod:`hidup.codegen.recompute`); a file without it recomputes nothing.
 
+``reshard`` lists the parameters (``param`` node names) stored split whose converted (all-gathered)
+copies the rank program frees after their forward use and makes again in the backward instead of
+keeping them (:mod:`hidup.codegen.reshard`, FSDP2's reshard after forward); a file without it
+reshards nothing.
+
 ``versions`` records the torch (and, when imported, transformers) versions the graph was traced
 with: the same model can export to a different graph under other versions (``transformers`` has
 rewritten its rotary embeddings between releases), and ``check`` names the versions that moved when
@@ -224,6 +229,7 @@ class Plan:
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
+    reshard: list[str] = field(default_factory=list)  # params whose gathered copies are made again in the backward
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
     # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
     # model can export to another graph under other versions
@@ -312,6 +318,7 @@ class Plan:
             "layers": self.layers,
             "alternatives": self.alternatives,
             "recompute": self.recompute,
+            **({"reshard": self.reshard} if self.reshard else {}),
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
             "versions": dict(self.versions),
         }
@@ -345,6 +352,7 @@ class Plan:
                 model_config=dict(d.get("model_config", {})),
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
+                reshard=list(d.get("reshard") or []),
                 mesh=list(d.get("mesh") or []),
                 versions=dict(d.get("versions") or {}),
                 version=PLAN_VERSION,

@@ -39,6 +39,17 @@ of a recomputed layer runs its forward again before its backward: its backward c
 their forward collectives and copies again, blocking, in the backward (``bwd += fwd``, per copy
 ``bA += fA``, ``bB += fB``).  Its memory is :class:`~hidup.search.memory.MemoryModel`'s with the same
 ``recompute``.
+
+Gathered copies of parameters, and resharding
+---------------------------------------------
+The converted copy of a parameter that its converting consumer saves for its backward (the
+all-gathered weight of a matmul, of a norm; :mod:`hidup.saved`, an input saved as itself) lives
+until that backward: the step adds its bytes per rank, ``numel(local shape in the form made) *
+itemsize``, to its memory (``Step.copies``, part of ``Step.mem`` and of the evaluation's
+activations), except inside a recomputed layer (its region makes the copy again).  With ``reshard``
+(True: every parameter stored split; or a set of ``param`` node names, :mod:`hidup.codegen.reshard`)
+the conversion of such a parameter from a form split on some axis keeps no copy and runs its forward
+collectives and copies again in the backward, blocking, as a recomputed node's conversions do.
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ from typing import Callable
 
 import numpy as np
 
-from hidup.ir import FULL, REDUCE, Form, Graph, Node, Signature, block_label
+from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
+from hidup.saved import as_used
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
@@ -97,6 +109,7 @@ class Step:
     bwd_compute: float = 0.0  # no duplication: backward compute (part of ``bwd``)
     bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
     bwd_block: float = 0.0  # no duplication: backward collectives the compute stream waits for (part of ``bwd``)
+    copies: float = 0.0  # bytes of the parameters' converted copies its backward keeps (part of ``mem``)
 
 
 def _getter(idx: list[int]):
@@ -161,6 +174,7 @@ class Problem:
         optimizer_factor: float = 2.0,
         recompute: frozenset | set | tuple = frozenset(),
         models: "Models | None" = None,
+        reshard: "bool | frozenset | set | tuple" = False,
     ):
         graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
@@ -173,6 +187,11 @@ class Problem:
         self.order = self._order(graph)
         self.n = len(self.order)
         self.pos_of = {node.name: i for i, node in enumerate(self.order)}
+        # parameters' tensors, and those whose converted copies are made again in the backward
+        self.reshard = reshard if reshard is True else frozenset(reshard or ())
+        params = [n for n in graph.nodes if n.op == "param"]
+        self.param_tids = frozenset(t for n in params for t in n.outputs)
+        self.reshardable = frozenset(t for n in params if reshard is True or n.name in self.reshard for t in n.outputs)
 
         self.forms: list[Form] = []
         self.form_id: dict[Form, int] = {}
@@ -180,12 +199,16 @@ class Problem:
         self.in_forms: list[list[tuple[int, ...]]] = []
         self.out_forms: list[list[tuple[int, ...]]] = []
         self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
+        # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
+        self.saved_in: list[tuple[tuple, ...]] = []
+        memory = self.memory = models.memory(optimizer_factor, precision, recompute)
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
             self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
             self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
             self._plain_device.append([self.cost.device_compute(node, s) for s in sigs])
+            self.saved_in.append(tuple(self._saved_inputs(node, s) for s in sigs))
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self._plain_fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
@@ -194,7 +217,7 @@ class Problem:
             for i, (node, sigs) in enumerate(zip(self.order, self.sigs))
         ]
         self._liveness()
-        self._recomputing(models.memory(optimizer_factor, precision, recompute))
+        self._recomputing(memory)
 
     def derive(self, recompute: frozenset | set | tuple) -> "Problem":
         """This problem with the layers ``recompute`` recomputed instead: signatures, liveness and the
@@ -287,6 +310,24 @@ class Problem:
         self._pen_matrices.clear()
 
     # ------------------------------------------------------------------------------------ setup
+    def _saved_inputs(self, node: Node, sig: Signature) -> tuple[tuple[int, int], ...]:
+        """``(input index, itemsize)`` of each parameter input that ``node``'s backward keeps as it is
+        under ``sig`` (:mod:`hidup.saved`); () without a record."""
+        record = self.memory.record
+        if record is None or node.op != "call":
+            return ()
+        items, _ = record.items(node, sig)
+        out = {}
+        for it in items:
+            if it.slot == "in" and it.how == "input" and node.inputs[it.index] in self.param_tids:
+                out.setdefault(it.index, DTYPE_BYTES.get(it.dtype, 4))
+        return tuple(sorted(out.items()))
+
+    def resharded(self, tid: int, src: int) -> bool:
+        """Whether a conversion of tensor ``tid`` from form id ``src`` keeps no copy and runs again in the
+        backward (module docstring, "Gathered copies of parameters, and resharding")."""
+        return tid in self.reshardable and any(f.is_gather for f in axis_forms(self.forms[src]))
+
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:
         """``(forward, backward)`` seconds of position ``i``, its forward repeated in the backward
         when it is recomputed."""
@@ -379,6 +420,9 @@ class Problem:
                 tuple(self.compute_copy[i]),
                 tuple(self.mem[i]),
                 self.recomputed[i],
+                self.saved_in[i],
+                tuple(t in self.param_tids for t in node.inputs),
+                tuple(t in self.reshardable for t in node.inputs),
                 kept_idx[i],
                 after,
                 tuple(t in li for t in node.outputs),
@@ -410,6 +454,8 @@ class Problem:
         ff = fb = fb_async = fb_block = lf = lb = 0.0
         fA = fB = bA = bB = 0.0
         lfA = lfB = lbA = lbB = 0.0
+        rf = rlf = rfA = rfB = rlfA = rlfB = copies = 0.0  # conversions made again in the backward; kept copies
+        saved = dict(self.saved_in[i][k]) if self.saved_in[i] else {}
         convs = []
         for inp, (j, f) in enumerate(zip(idx, need)):
             prod, mask = states[j]
@@ -436,11 +482,22 @@ class Problem:
             bB += c.bwd_comm_b
             states[j] = (prod, mask | (1 << f))
             convs.append((node.inputs[inp], inp, prod, f))
+            if self.recomputed[i]:
+                continue
+            t = node.inputs[inp]
+            if self.resharded(t, prod):
+                rf, rlf, rfA, rfB = rf + c.fwd, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
+                rlfA, rlfB = rlfA + c.fwd_copies_a, rlfB + c.fwd_copies_b
+            elif inp in saved and as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy
+                shape = self.graph.tensors[t].shape
+                copies += math.prod(self.forms[f].local_shape(shape, self.graph.mesh)) * saved[inp]
         if self.recomputed[i]:  # the forward conversions run again before the backward
-            fb += ff
-            fb_block += ff - lf
-            lb, lbA, lbB = lb + lf, lbA + lfA, lbB + lfB
-            bA, bB = bA + fA, bB + fB
+            rf, rlf, rfA, rfB, rlfA, rlfB = ff, lf, fA, fB, lfA, lfB
+        if rf or rlf:  # resharded or recomputed: those forward conversions run again, blocking, in the backward
+            fb += rf
+            fb_block += rf - rlf
+            lb, lbA, lbB = lb + rlf, lbA + rlfA, lbB + rlfB
+            bA, bB = bA + rfA, bB + rfB
         cf, cb = self.compute[i][k]
         hf, hb = self.compute_copy[i][k]
         fwd_item = (fA, fB, hf + lfA, hf + lfB)
@@ -450,12 +507,13 @@ class Problem:
             cb + fb,
             fwd_item,
             bwd_item,
-            self.mem[i][k],
+            self.mem[i][k] + copies,
             cf + cb + lf + lb,
             tuple(convs),
             cb + lb,
             fb_async,
             fb_block,
+            copies,
         )
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []
@@ -476,7 +534,7 @@ class Problem:
         the same tensor of each repeated layer meets the same states (read-only)."""
         t = self.live[pos][j]
         rel = self.relevant[pos][j]
-        mk = (self._conv_class[t], rel, tuple(states))
+        mk = (self._conv_class[t], t in self.reshardable, rel, tuple(states))
         hit = self._pen_matrices.get(mk)
         if hit is None:
             hit = self._pen_matrices[mk] = self._penalty_matrix(t, rel, states)
@@ -487,7 +545,7 @@ class Problem:
         forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
         rows = []
         for st in states:
-            ck = (self._conv_class[t], rel, st)
+            ck = (self._conv_class[t], t in self.reshardable, rel, st)
             row = self._pen_cache.get(ck)
             if row is None:
                 row = self._pen_cache[ck] = np.array([self._avail_cost(t, st, f) for f in forms], float)
@@ -507,7 +565,7 @@ class Problem:
         if f == prod or mask >> f & 1:
             return 0.0
         c = self.conversion(t, prod, f)
-        return math.inf if c is None else c.fwd + c.bwd
+        return math.inf if c is None else c.fwd * (1 + self.resharded(t, prod)) + c.bwd
 
     def conversion(self, tid: int, src: int, dst: int):
         """:meth:`CostModel.conversion` of tensor ``tid`` between form ids ``src`` and ``dst`` (cached by
@@ -517,6 +575,19 @@ class Problem:
         if hit is self._conv_ids:
             hit = self._conv_ids[key] = self.cost.conversion(tid, self.forms[src], self.forms[dst])
         return hit
+
+    def plan_memory(self, ks) -> float:
+        """Bytes per rank of the choices ``ks``: every step's memory, the parameters' kept copies
+        included (as :func:`hidup.search.schedule.evaluate` counts it); inf where a form change is
+        impossible."""
+        key, total = self.initial_key(), 0.0
+        for i, k in enumerate(ks):
+            res = self.step(i, k, key)
+            if res is None:
+                return math.inf
+            step, key = res
+            total += step.mem
+        return total
 
     def initial_key(self) -> tuple:
         return ()

@@ -219,6 +219,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     for i, k in enumerate(ks):
         for j, v in enumerate(problem.mem_parts[i][k]):
             parts[j] += v
+    parts[MEMORY_PARTS.index("activations")] += sum(s.copies for s in steps)  # parameters' kept copies
     memory = dict(zip(MEMORY_PARTS, parts))
     memory["total"] = sum(parts)
     stages: list[list[str]] = []

@@ -323,7 +323,8 @@ def test_recomputed_program_compiles(style, dup):
 
 def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypatch):
     """Under a budget the fastest plan misses, recompute="auto" would run the ILP a second time; one
-    time limit covers both, so once it is spent the second ILP does not start."""
+    time limit covers both, so once it is spent the second ILP does not start (resharding off: it would
+    search again, under the same limit, tests/test_reshard.py)."""
     pytest.importorskip("mip")
     from hidup.search import api
 
@@ -333,10 +334,10 @@ def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypa
     real = api.ilp.optimize
     monkeypatch.setattr(api.ilp, "optimize", lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
-        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9)
+        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9, reshard="off")
     except SearchError as e:
         assert "time limit" in str(e)
     assert len(calls) == 1
     calls.clear()
-    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60)
+    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60, reshard="off")
     assert len(calls) == 2 and fit.recompute and fit.memory["total"] <= budget

@@ -211,7 +211,13 @@ def predicted_memory(args, plan, precision: str) -> dict | None:
     except SystemExit:
         return None
     factor = (getattr(plan, "options", None) or {}).get("optimizer_factor", 2.0)
-    model = MemoryModel(graph, factor, "bf16" if precision == "bf16" else "fp32", frozenset(plan.recompute))
+    model = MemoryModel(
+        graph,
+        factor,
+        "bf16" if precision == "bf16" else "fp32",
+        frozenset(plan.recompute),
+        frozenset(getattr(plan, "reshard", None) or ()),
+    )
     parts = dict.fromkeys(MEMORY_PARTS, 0.0)
     for node in graph.nodes:
         sig = plan.choices.get(node.name)

@@ -178,7 +178,10 @@ def _to(values, device) -> tuple:
 
 def _recompute_text(plan) -> str:
     layers = getattr(plan, "recompute", None) or []
-    return f", {len(layers)} layers recomputed in the backward" if layers else ""
+    params = getattr(plan, "reshard", None) or []
+    return (f", {len(layers)} layers recomputed in the backward" if layers else "") + (
+        f", {len(params)} parameters resharded after forward" if params else ""
+    )
 
 
 def _plan_for(args, model, inputs, world: int):

@@ -203,6 +203,7 @@ def parity_report(
         "duplication": bool(module.duplication),
         "kinds": kinds,
         "recompute": len(getattr(the_plan, "recompute", None) or []),
+        "reshard": len(getattr(the_plan, "reshard", None) or []),
         "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
         "loss": float(total),
         "loss_ref": float(ref_loss.detach()),
@@ -268,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"
+        f"{', %d parameters resharded' % report['reshard'] if report.get('reshard') else ''}"
     )
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")

@@ -160,10 +160,7 @@ def _results() -> dict:
 
 
 def _tol(name: str) -> float:
-    """A sum over at most batch x sequence terms in any order: that many epsilons of its dtype, four times."""
-    if name in thirdparty.NAMES:
-        return 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(thirdparty.LOSS_DTYPE[name]).eps
-    return 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.float64).eps
+    return thirdparty.sum_tolerance(name, 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"])
 
 
 @pytest.mark.parametrize("job", JOBS, ids=["-".join(map(str, j)) for j in JOBS])

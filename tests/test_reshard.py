@@ -199,9 +199,7 @@ def _results() -> dict:
 
 
 def _tol(name: str) -> float:
-    if name in thirdparty.NAMES:
-        return 4 * thirdparty.BATCH * thirdparty.SEQ * torch.finfo(thirdparty.LOSS_DTYPE[name]).eps
-    return 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.float64).eps
+    return thirdparty.sum_tolerance(name, 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"])
 
 
 @pytest.mark.parametrize("job", JOBS, ids=["-".join(str(x) for x in j[:3]) + f"-rc{len(j[3])}" for j in JOBS])

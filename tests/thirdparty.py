@@ -160,3 +160,12 @@ LOSS_DTYPE = {
     "vit": torch.float64,
     "nn-transformer": torch.float64,
 }
+
+
+def sum_tolerance(name: str, zoo_terms: int) -> float:
+    """Relative tolerance of a loss or gradient computed as a sum in another order: four epsilons of
+    the loss's dtype per term; a third-party model sums over batch x sequence terms, a zoo model (in
+    float64) over ``zoo_terms``."""
+    if name in NAMES:
+        return 4 * BATCH * SEQ * torch.finfo(LOSS_DTYPE[name]).eps
+    return 4 * zoo_terms * torch.finfo(torch.float64).eps

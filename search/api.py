@@ -324,8 +324,8 @@ class _Found:
         return {p.order[i].name: p.sigs[i][k] for i, k in enumerate(self.best.ks)}
 
     @property
-    def total(self) -> float:
-        return self.best.total
+    def predicted(self) -> dict[str, float]:
+        return self.best.times()
 
     @property
     def memory(self) -> dict[str, float]:
@@ -444,11 +444,7 @@ def _better(found: "_Found | Plan", plan: "_Found | Plan | None", budget: float 
         return True
     if _fits(found, budget) != _fits(plan, budget):
         return _fits(found, budget)
-    return _time(found) < _time(plan) * (1 - 1e-9)
-
-
-def _time(found: "_Found | Plan") -> float:
-    return found.predicted["total"] if isinstance(found, Plan) else found.total
+    return found.predicted["total"] < plan.predicted["total"] * (1 - 1e-9)
 
 
 def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: Models) -> Plan:
@@ -582,7 +578,7 @@ def _search_with(
         memory_budget is not None
         and not recompute
         and opts.recompute == "auto"
-        and _memory(explore, dp.solve(explore, False, None, **beam)[0]) > memory_budget
+        and explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
     )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []
@@ -591,7 +587,7 @@ def _search_with(
         if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
             return None
         # a mode whose plan without the budget fits it keeps that plan (the budgeted DP would return it)
-        fits = {mode: _memory(explore, ks) <= memory_budget for mode, ks in zip(modes, free)}
+        fits = {mode: explore.plan_memory(ks) <= memory_budget for mode, ks in zip(modes, free)}
         candidates += [ks for mode, ks in zip(modes, free) if fits[mode]]
         modes_left = tuple(mode for mode in modes if not fits[mode])
     else:
@@ -618,7 +614,7 @@ def _search_with(
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below
         hidden, _ = dp.solve(explore, False, None, hide_grad_sync=True, **beam)
-        if memory_budget is None or _memory(explore, hidden) <= memory_budget:
+        if memory_budget is None or explore.plan_memory(hidden) <= memory_budget:
             candidates.append(hidden)
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
@@ -636,12 +632,6 @@ def _search_with(
     if solver is not None:
         options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
     return problem, best, binds, options
-
-
-def _memory(problem: Problem, ks) -> float:
-    """Bytes per rank of the choices ``ks``: the per-node terms and the parameters' copies kept for the
-    backward (:mod:`hidup.search.problem`)."""
-    return problem.plan_memory(ks)
 
 
 def _solve_modes_within(
@@ -666,17 +656,18 @@ def _solve_modes_within(
             if ev.memory["total"] <= budget
         ]
 
+    in_hand = fitting(found)
+
     def worth(plain: list[int], free: list[int]) -> bool:
-        if _memory(problem, free) <= budget:
+        if problem.plan_memory(free) <= budget:
             return True  # the budgeted search returns this plan at once
-        times = fitting([*found, plain])
+        times = in_hand + fitting([plain])
         # the bound is the two passes alone: a plan within the budget may store less and so step its
         # optimizer faster than the plan without it
         return not times or evaluate(problem, free, True).objective < min(times)
 
     # the search by price bounds the two passes of any plan within the budget as it goes
-    beat = min(fitting(found), default=None)
-    return solve_modes(problem, modes, budget, label, worth, beat, **beam)
+    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

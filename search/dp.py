@@ -702,39 +702,43 @@ def _solve_by_price(
     by its price"); ``free`` is the answer without the budget, which does not fit it; :class:`Beaten`
     once the bound reaches ``beat``."""
     max_states, max_points = beam[:2]
+
+    def no_plan() -> LazySearchError:
+        return LazySearchError(lambda: _budget_message(problem, budget, problem.n - 1, max_states, max_points))
+
     if problem.min_mem_suffix[0] > budget:  # even the leanest signature of every node needs more
-        p = problem
-        raise LazySearchError(lambda: _budget_message(p, budget, p.n - 1, max_states, max_points))
-    ks0, time0 = free
-    excess = problem.plan_memory(ks0) - budget
-    best: tuple[list[int], float] | None = None
+        raise no_plan()
     bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
-    low, high = 0.0, None  # prices known to miss and to meet the budget
-    price = PRICE_START * time0 / excess
-    for _ in range(PRICE_RAISES):
+
+    def probe(price: float) -> tuple[list[int], float, bool]:
+        """The plan of least priced time at ``price``: (signature indices, time, whether it fits)."""
+        nonlocal bound
         ks, time, memory, value = _priced(problem, duplication, price, beam)
         bound = max(bound, value - price * budget)
         if beat is not None and bound >= beat:
             raise Beaten(beat, bound)
-        if memory <= budget:
-            high, best = price, (ks, time)
+        return ks, time, memory <= budget
+
+    ks0, time0 = free
+    best: tuple[list[int], float] | None = None
+    low, high = 0.0, PRICE_START * time0 / (problem.plan_memory(ks0) - budget)  # prices that miss / to try
+    for _ in range(PRICE_RAISES):
+        ks, time, fits = probe(high)
+        if fits:
+            best = (ks, time)
             break
-        low, price = price, price * PRICE_FACTOR
+        low, high = high, high * PRICE_FACTOR
     if best is None:
-        p = problem
-        raise LazySearchError(lambda: _budget_message(p, budget, p.n - 1, max_states, max_points))
+        raise no_plan()
     for _ in range(PRICE_STEPS):
         if best[1] - bound <= PRICE_GAP * best[1] or (low and high / low <= PRICE_RATIO):
             break
         price = math.sqrt(low * high) if low else high / PRICE_FACTOR
-        ks, time, memory, value = _priced(problem, duplication, price, beam)
-        bound = max(bound, value - price * budget)
-        if beat is not None and bound >= beat:
-            raise Beaten(beat, bound)
-        if memory <= budget:
-            high = price
-            if time < best[1]:
-                best = (ks, time)
-        else:
+        ks, time, fits = probe(price)
+        if not fits:
             low = price
+            continue
+        high = price
+        if time < best[1]:
+            best = (ks, time)
     return best

@@ -201,14 +201,14 @@ class Problem:
         self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
         # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
         self.saved_in: list[tuple[tuple, ...]] = []
-        memory = self.memory = models.memory(optimizer_factor, precision, recompute)
+        memory = models.memory(optimizer_factor, precision, recompute)
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
             self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
             self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
             self._plain_device.append([self.cost.device_compute(node, s) for s in sigs])
-            self.saved_in.append(tuple(self._saved_inputs(node, s) for s in sigs))
+            self.saved_in.append(tuple(self._saved_inputs(node, s, memory.record) for s in sigs))
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self._plain_fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
@@ -310,10 +310,9 @@ class Problem:
         self._pen_matrices.clear()
 
     # ------------------------------------------------------------------------------------ setup
-    def _saved_inputs(self, node: Node, sig: Signature) -> tuple[tuple[int, int], ...]:
+    def _saved_inputs(self, node: Node, sig: Signature, record) -> tuple[tuple[int, int], ...]:
         """``(input index, itemsize)`` of each parameter input that ``node``'s backward keeps as it is
-        under ``sig`` (:mod:`hidup.saved`); () without a record."""
-        record = self.memory.record
+        under ``sig`` (:mod:`hidup.saved`, ``record``); () without a record."""
         if record is None or node.op != "call":
             return ()
         items, _ = record.items(node, sig)

@@ -18,7 +18,7 @@
 # caches are left on, so a second run compiles faster.
 # MODELS="bert llama" (default) picks the models; DUPLICATION=plan|on|off (default plan: as searched) and
 # MODES (comma-separated, default all four on CUDA) are handed to bench-rank; SUFFIX names the outputs
-# rank_<model>_w4<SUFFIX>.json.
+# rank_<model>_w4<SUFFIX>.json; KERNELS=1 also records each run's device time by kernel kind (--kernels).
 # DEVICE=cpu runs the same sequence at toy sizes (eager and compile modes, aot_eager backend) to check it.
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -51,6 +51,7 @@ fi
   echo "== $(date -u +%FT%TZ) gpu_rank.sh on $DEVICE"
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
   COMMON+=(--duplication "$DUPLICATION")
+  [ "${KERNELS:-0}" = 1 ] && COMMON+=(--kernels)
   for model in $MODELS; do
     case $model in
       bert) cap=$BERT_CAP; spec=bert-sgmoe; args=("${BERT_ARGS[@]}");;

@@ -1,10 +1,11 @@
-"""The plans docs/memory.md checks on one GPU: zoo GPT at world 8, data / FSDP-style / tensor, each with
-recomputation off and on.
+"""The plans docs/memory.md checks on one GPU: zoo GPT at world 8, data / FSDP-style / FSDP-style
+resharded after the forward / tensor, each with recomputation off and on.
 
-    python exp/memory_plans.py --out plans            # writes plans/{data,fsdp,tensor}{,-recompute}.json
+    python exp/memory_plans.py --out plans            # writes plans/{data,fsdp,fsdp-reshard,tensor}{,-recompute}.json
     hidup bench-rank --plan plans/data.json ...       # then each plan's rank 0 on one GPU (docs/memory.md)
 
-FSDP-style: every op data-parallel, every weight stored split 8 ways and gathered for use.  The
+FSDP-style: every op data-parallel, every weight stored split 8 ways and gathered for use; resharded, the
+gathered copy is freed after the forward and gathered again in the backward (``reshard="on"``).  The
 recomputed plans recompute every repeated layer (``recompute="on"``) with the same choices otherwise.
 """
 
@@ -40,13 +41,14 @@ def main(argv=None) -> int:
             plans = {
                 "data": forced(graph, prof, "data", **kw),
                 "fsdp": forced(graph, prof, "fsdp", **kw),
+                "fsdp-reshard": forced(graph, prof, "fsdp", reshard="on", **kw),
                 "tensor": forced(graph, prof, "tensor", **kw),
             }
             for name, plan in plans.items():
                 path = plan.save(args.out / f"{name}{suffix}.json")
                 print(
                     f"{path}: predicted {plan.memory['total'] / 2**30:.3f} GiB per rank, "
-                    f"{len(plan.recompute)} layers recomputed"
+                    f"{len(plan.recompute)} layers recomputed, {len(plan.reshard)} parameters resharded"
                 )
     return 0
 

@@ -139,19 +139,33 @@ def _rank_parity(rank, world, jobs):
 _RESULTS: dict[int, list] = {}
 
 
+# world 2 runs every style with duplication off and on; world 4 (four ranks on CI's two cores) the searched
+# plans both ways and the tensor plans, whose 4-way split of heads (and of Llama's grouped key-value
+# heads) world 2 does not reach; data parallelism splits only the batch, whatever the world
+JOBS = {
+    2: [(name, style, dup) for name in thirdparty.NAMES for style in STYLES for dup in (False, True)],
+    4: [
+        (name, style, dup)
+        for name in thirdparty.NAMES
+        for style, dup in (("searched", False), ("searched", True), ("tensor", False))
+    ],
+}
+
+
 def _results(world: int) -> dict:
     if world not in _RESULTS:
-        jobs = [(name, style, dup) for name in thirdparty.NAMES for style in STYLES for dup in (False, True)]
+        jobs = JOBS[world]
         # the ranks meet first when they share the plans, each having planned its own jobs: the
         # collective timeout covers the widest difference of planning times
         _RESULTS[world] = run_distributed(_rank_parity, world, jobs, timeout=900, pg_timeout=300)[0]
     return {r["job"]: r for r in _RESULTS[world]}
 
 
-@pytest.mark.parametrize("dup", [False, True], ids=["nodup", "dup"])
-@pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("name", thirdparty.NAMES)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    "world, name, style, dup",
+    [(w, *job) for w in JOBS for job in JOBS[w]],
+    ids=[f"{w}-{n}-{s}-{'dup' if d else 'nodup'}" for w in JOBS for n, s, d in JOBS[w]],
+)
 def test_parity(world, name, style, dup):
     r = _results(world)[(name, style, dup)]
     where = f"{name} world {world} {style} plan, duplication {dup}"

@@ -54,11 +54,13 @@ autotuning caches, on disk by default), so a second run of the same program comp
 from __future__ import annotations
 
 import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
 
 from hidup.codegen import collectives
 from hidup.ir import FORM_CHANGE_OPS, Form, conversion
 
-__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module"]
+__all__ = ["group_key", "group_of", "ACTIVE", "backend_of", "compile_module", "bucket_segments", "compile_segments"]
 
 # Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
 # CPU int64 scalar holding it (its *token*), which compiled graphs take as an input.
@@ -203,3 +205,58 @@ def compile_module(module: torch.nn.Module, backend: str):
     """``torch.compile`` of one program (or stage) module: static shapes, graph breaks allowed
     (only :func:`hidup.codegen.program.hidup_copy_sum` makes one)."""
     return torch.compile(module, backend=backend, dynamic=False)
+
+
+def bucket_segments(gm: torch.fx.GraphModule, replicated: list[str], bucket_mb: float) -> dict[str, int]:
+    """Segment of every call node of ``gm`` for :func:`compile_segments`: a new segment starts at the
+    node that first reads a replicated parameter (``replicated``: gm paths) once the replicated
+    parameters first read in the open segment hold ``bucket_mb`` MB or more.  Segments follow the
+    program order and each holds about one gradient bucket's parameters
+    (:class:`hidup.codegen.grads.GradBucketer` packs them by first use too)."""
+    limit = max(1, int(bucket_mb * 2**20))
+    attr_of = {n: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    wanted = set(replicated)
+    seen: set[str] = set()
+    segment, held, out = 0, 0, {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        new = [
+            attr_of[a] for a in node.all_input_nodes if a in attr_of and attr_of[a] in wanted and attr_of[a] not in seen
+        ]
+        if new and held >= limit:
+            segment, held = segment + 1, 0
+        for path in new:
+            seen.add(path)
+            p = gm.get_parameter(path)
+            held += p.numel() * p.element_size()
+        out[node.name] = segment
+    return out
+
+
+def compile_segments(gm: torch.fx.GraphModule, segment_of: dict[str, int], backend: str) -> torch.nn.Module:
+    """``gm`` split at the segments of ``segment_of`` (node name -> segment, in program order), each
+    segment compiled on its own; one compiled module when there is one segment.
+
+    Why: one compiled graph produces every parameter gradient at the end of its backward, so the
+    gradient buckets could only be all-reduced after the whole backward.  With a graph per segment
+    the backward of segment ``k`` ends, its parameters' gradients are accumulated and their buckets
+    launch, while segments ``k-1, ..., 0`` run their backward: the all-reduces overlap the backward
+    as they do eagerly, which is what the cost model prices (:mod:`hidup.search.schedule`), at the
+    price of no fusion across the segments' boundaries (DDP's compiled mode splits its graph the same
+    way)."""
+    segments = sorted(set(segment_of.values()))
+    if len(segments) <= 1:
+        return compile_module(gm, backend)
+
+    def partition(node: torch.fx.Node) -> int:
+        if node.name in segment_of:
+            return segment_of[node.name]
+        users = [segment_of[u.name] for u in node.users if u.name in segment_of]
+        return min(users, default=0)
+
+    split = split_module(gm, gm, partition, keep_original_order=True)
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            setattr(split, node.target, compile_module(split.get_submodule(node.target), backend))
+    return split

@@ -43,7 +43,7 @@ import torch.fx
 import torch.nn as nn
 
 from hidup.codegen import collectives
-from hidup.codegen.compiled import backend_of, compile_module
+from hidup.codegen.compiled import backend_of, bucket_segments, compile_segments
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.mesh import MeshGroups, mesh_groups
@@ -94,6 +94,7 @@ class HidupModule(nn.Module):
         self.param_shards = {f"gm.{path}": shard for path, shard in program.param_shards.items()}
         self.mesh_groups = mesh_groups  # the device mesh's groups (a plan on several axes), else None
         self.run_group = mesh_groups if mesh_groups is not None else group  # what the program runs on
+        self.bucket_mb = bucket_mb
         self.bucketers = _bucketers(self.gm, program, group, mesh_groups, bucket_mb) if world_size > 1 else []
         self.bucketer = self.bucketers[0] if self.bucketers else None
         self.batch_dims = batch_dims
@@ -123,8 +124,12 @@ class HidupModule(nn.Module):
         self.compile_backend = backend
         if self.duplication:
             self.runner.compile(backend)
+        elif backend is None:
+            self._run = (self.gm,)
         else:
-            self._run = (self.gm if backend is None else compile_module(self.gm, backend),)
+            # one graph per gradient bucket where buckets are synced, so that they overlap the backward
+            replicated = self.program.replicated if self.bucketers else []
+            self._run = (compile_segments(self.gm, bucket_segments(self.gm, replicated, self.bucket_mb), backend),)
 
     # -- running
     def _bind(self, args, kwargs) -> list:

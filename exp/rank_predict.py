@@ -53,7 +53,10 @@ SETS = {
     "held-out-2": {
         "bert-switch": ("bert-switch", {}),
         "vit-switch": ("vit-switch", {"batch_per_gpu": 64}),
-        "gpt-1024": ("gpt", {"layers": 6, "d_model": 1024, "heads": 16, "ffn": 4096, "seq_len": 512, "batch_per_gpu": 8}),
+        "gpt-1024": (
+            "gpt",
+            {"layers": 6, "d_model": 1024, "heads": 16, "ffn": 4096, "seq_len": 512, "batch_per_gpu": 8},
+        ),
     },
 }
 STYLES = ("searched", "data", "tensor", "fsdp")

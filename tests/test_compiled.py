@@ -323,3 +323,65 @@ def test_choose_compile_keeps_the_faster_mode_and_no_gradient():
     assert all(p.grad is None for p in module.parameters())
     module.set_compile("aot_eager")
     assert float(module(*inputs).detach()) == pytest.approx(eager_loss, rel=1e-6)
+
+
+def _rank_segmented(rank, world, plan):
+    """A data-parallel GPT compiled with a gradient bucket per few parameters: the program is compiled
+    in segments, and a bucket is launched while later parameters still wait for their gradients."""
+    import hidup
+    from hidup.codegen.params import full_grad_dict
+
+    torch.set_default_dtype(torch.float64)
+    model, inputs = hidup.models.build("gpt", world_size=world, **SMALL["gpt"])
+    ref = model(*inputs)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = hidup.compile(model, plan, rank, world, inputs, duplication=False, compile="aot_eager", bucket_mb=0.01)
+    bucketer = module.bucketer
+    waiting = []  # at each bucket's launch: how many replicated parameters had no gradient yet
+    launch = bucketer._launch
+
+    def spy(bucket):
+        waiting.append(sum(p.grad is None for b in bucketer.buckets for p in b.params))
+        launch(bucket)
+
+    bucketer._launch = spy
+    errs = []
+    for _ in range(2):
+        module.zero_grad(set_to_none=True)
+        loss = module(*inputs)
+        loss.backward()
+        total = float(module.global_loss(loss))
+        grads = full_grad_dict(module)
+        scale = max(float(g.abs().max()) for g in ref_grads.values())
+        grad_err = max(float((grads[n] - g).abs().max()) / scale for n, g in ref_grads.items())
+        errs.append((abs(total - float(ref)) / abs(float(ref)), grad_err))
+    run = module._run[0]
+    segments = sum(1 for n in getattr(run, "graph", torch.fx.Graph()).nodes if n.op == "call_module")
+    return {"errs": errs, "segments": segments, "buckets": len(bucketer.buckets), "waiting": waiting}
+
+
+def test_compiled_program_overlaps_gradient_buckets_with_the_backward():
+    """Without duplication the compiled program is one graph per gradient bucket: the buckets of the
+    last layers are all-reduced while the backward of the first layers still runs, and the loss and
+    gradients are those of one device."""
+    import hidup
+    from hidup.search import forced
+    from hidup.trace import trace_module
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, inputs = hidup.models.build("gpt", world_size=2, **SMALL["gpt"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = forced(trace_module(model, inputs, 2).graph, PROFILE, "data", duplication=False)
+    finally:
+        torch.set_default_dtype(before)
+    for rank, r in enumerate(run_distributed(_rank_segmented, 2, plan, timeout=600)):
+        assert r["segments"] > 1 and r["buckets"] > 1, f"rank {rank}: {r['segments']} segments, {r['buckets']} buckets"
+        assert r["waiting"][0] > 0, f"rank {rank}: the first bucket launched only after the whole backward"
+        for step, (loss_err, grad_err) in enumerate(r["errs"]):
+            assert loss_err < TOL and grad_err < TOL, f"rank {rank} step {step}: {loss_err:.2e} {grad_err:.2e}"

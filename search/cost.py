@@ -41,8 +41,11 @@ outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of 
 output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
 matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32 -- except attention
 (:data:`ATTENTION_OPS`) on float32 under ``tf32``, at the fp32 rate: torch's float32 attention
-kernels use no TF32 tensor cores.  (A profile without a memory bandwidth prices FLOPs alone:
-elementwise ops then look free, and replicating them looks harmless.)
+kernels use no TF32 tensor cores.  An attention kernel works on blocks of :data:`ATTENTION_BLOCK`
+queries and keys, so its ``s.flops`` count each sequence length rounded up to whole blocks
+(:meth:`CostModel.attention_blocks`: 65 patches and a class token compute as 128).  (A profile
+without a memory bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them
+looks harmless.)
 ``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)`` -- ``2.5 * t_fwd``
 for attention (:data:`ATTENTION_BACKWARD`: its backward recomputes the scores, five matmuls against
 the forward's two) -- plus, for a ``linear``/``addmm`` whose bias requires a gradient, the bias's
@@ -211,6 +214,8 @@ MATMUL_OPS = frozenset(
 ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
 # An attention kernel's backward recomputes the scores: 5 matmuls of the forward's 2 (flash attention)
 ATTENTION_BACKWARD = 2.5
+# queries and keys per block of torch's attention kernels (flash, memory-efficient, cuDNN: 64 x 64 tiles)
+ATTENTION_BLOCK = 64
 # autocast's low dtype per precision
 LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
 # inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
@@ -491,9 +496,12 @@ class CostModel:
         shapes = self._local_shapes(g, node, sig)
         kind = kernel_kind(node.target)
         rate_key = profile_dtype(dtype, self.precision)
-        if kind == "attention" and rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
-            rate_key = "fp32"
-        fwd = sig.flops / self.profile.rate_at(rate_key, sig.flops)
+        flops = sig.flops
+        if kind == "attention":
+            if rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
+                rate_key = "fp32"
+            flops *= self.attention_blocks(node)
+        fwd = flops / self.profile.rate_at(rate_key, flops)
         membw = self.profile.memory_bandwidth
         if membw and shapes is not None and self.compiled:
             moved = sum(self._local_bytes(t, f) for t, f in zip(node.inputs, sig.inputs))
@@ -510,6 +518,13 @@ class CostModel:
             return fwd + cast_fwd, 0.0
         bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd + self.bias_grad(node, sig)
         return fwd + cast_fwd, bwd + cast_bwd
+
+    def attention_blocks(self, node: Node) -> float:
+        """How many times its FLOPs an attention kernel computes: it works on blocks of
+        :data:`ATTENTION_BLOCK` queries and keys, so each sequence length counts rounded up to a
+        whole block (module docstring, "Compute")."""
+        q, k = (self.graph.tensors[t].shape for t in node.inputs[:2])
+        return math.prod(math.ceil(n / ATTENTION_BLOCK) * ATTENTION_BLOCK / n for n in (q[-2], k[-2]) if n)
 
     def bias_grad(self, node: Node, sig: Signature) -> float:
         """Seconds of the bias gradient of a ``linear``/``addmm`` whose bias requires a gradient: the

@@ -67,6 +67,19 @@ def test_float32_attention_runs_at_the_fp32_rate_and_its_backward_recomputes():
     assert bf16 == pytest.approx((fwd, 2.5 * fwd))
 
 
+def test_attention_counts_its_sequences_in_whole_blocks():
+    q = torch.randn(2, 4, 65, 32, requires_grad=True)  # 65 queries and keys: two blocks of 64 each
+    g = _trace(Attention(), q, torch.randn(2, 4, 65, 32), torch.randn(2, 4, 65, 32))
+    node = _node(g, "scaled_dot_product_attention")
+    sig = _whole(node)
+    cm = CostModel(g, _profile(memory_bandwidth=0.0), "bf16")
+    assert cm.attention_blocks(node) == pytest.approx((128 / 65) ** 2)
+    fwd = sig.flops * (128 / 65) ** 2 / RATES["bf16"] + OVERHEAD
+    assert cm.device_compute(node, sig) == pytest.approx((fwd, 2.5 * fwd))
+    whole = _attention_graph()  # 64 queries and keys: one block
+    assert CostModel(whole, _profile(), "bf16").attention_blocks(_node(whole, "scaled_dot_product_attention")) == 1.0
+
+
 class Linear(nn.Module):
     def __init__(self, d_in=64, d_out=32, bias=True):
         super().__init__()

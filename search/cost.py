@@ -154,7 +154,8 @@ computed only from them are not.  Per copy:
 * a batch-dependent node computes its measured time at the copy's own shapes when the graph carries
   its half-batch trace (``graph.half``, :func:`hidup.trace.trace_half_batch`) and the profile has
   both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
-  half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each); a
+  half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each), and
+  autocast's casts of its parameters whole in each (each copy casts the whole weight); a
   batch-independent one (an op on weights only) runs in both copies, since each copy
   runs the whole per-rank program (``cA = cB = t``) -- :meth:`CostModel.copy_device_compute`, the
   physical time; :meth:`CostModel.copy_compute` is it corrected, times ``dist_dup_scale``.  The
@@ -583,15 +584,16 @@ class CostModel:
                         padded.add(t)
         return frozenset(padded)
 
-    def padded_copies(self, tid: int, form: Form | Layout, op: str) -> float:
+    def padded_copies(self, tid: int, form: Form | Layout, op: str, share: float = 1.0) -> float:
         """Seconds of the copy a compiled program makes between a padded matmul output (see
         :meth:`_padded_matmul_outputs`) and a form-change op ``op`` on it: the conversion is a custom
         op that takes and gives dense tensors, so the padded rows are copied to a dense tensor of
-        the local piece under ``form`` (forward) and its gradient back to padded rows (backward);
-        0 for any other tensor, op ``identity`` or an uncompiled program."""
+        the local piece under ``form`` (forward) and its gradient back to padded rows (backward), for
+        ``share`` of it (a duplicated copy's half: 0.5); 0 for any other tensor, op ``identity`` or an
+        uncompiled program."""
         if tid not in self._padded or not op or op == "identity":
             return 0.0
-        local = float(self.nbytes[tid]) * held_fraction(form, self.mesh)
+        local = float(self.nbytes[tid]) * held_fraction(form, self.mesh) * share
         return self._copy(local, self.profile.memory_bandwidth)
 
     @staticmethod
@@ -637,17 +639,19 @@ class CostModel:
     ) -> tuple[float, float]:
         """(forward, backward) physical seconds of ``node`` under ``sig`` in one duplicated copy
         (module docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half
-        of its whole-batch time above the fixed per-op cost; the whole of it for a node on weights
+        of its whole-batch time above the fixed per-op cost and autocast's casts of its parameters
+        (:meth:`autocast_casts`, which each copy makes whole); the whole of it for a node on weights
         only.  ``device`` is this node's :meth:`device_compute` when the caller has it."""
         if node.op != "call":
             return 0.0, 0.0
         cf, cb = device if device is not None else self.device_compute(node, sig)
         if batch if batch is not None else self.node_is_batch(node):
+            castf, castb = self.autocast_casts(node, sig)
             half = self.compute_half(node, sig)
             if half is None:
                 of, ob = self.fixed(node)
-                half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
-            cf, cb = half
+                half = ((cf - castf - of) / 2 + of, (cb - castb - ob) / 2 + ob)
+            cf, cb = half[0] + castf, half[1] + castb
         return cf, cb
 
     def fixed(self, node: Node) -> tuple[float, float]:
@@ -771,11 +775,12 @@ class CostModel:
             else:
                 bwd = self.comm(cb, b)
             if batch:
+                pad_half = self.padded_copies(tid, src, conv.forward, share=0.5)
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
-                lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b, share=0.5) + pad / 2
+                lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b, share=0.5) + pad_half
                 lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b, share=0.5) + (
-                    pad / 2 if t.requires_grad else 0.0
+                    pad_half if t.requires_grad else 0.0
                 )
             elif grad_sync:  # each copy runs the local forward op; the gradient is summed once, after both
                 fA, fB, bA, bB = fwd, fwd, bwd, 0.0
@@ -838,10 +843,11 @@ class CostModel:
                 tot[name] += v
         grad = t.requires_grad
         if path.steps:  # the first step's custom op takes the padded rows (one copy per layout change)
-            pad = self.padded_copies(tid, path.src, path.steps[0].conv.forward)
-            copies = (("lf", pad), ("lb", pad if grad else 0.0))
-            for name, v in copies + tuple((f"{name}{c}", v / 2 if batch else v) for name, v in copies for c in "AB"):
-                tot[name] += v
+            first = path.steps[0].conv.forward
+            pad = self.padded_copies(tid, path.src, first)
+            half = self.padded_copies(tid, path.src, first, share=0.5) if batch else pad
+            for name, v in (("lf", pad), ("lb", pad), ("lfA", half), ("lfB", half), ("lbA", half), ("lbB", half)):
+                tot[name] += v if name.startswith("lf") or grad else 0.0
         return ConvCost(
             path,
             tot["fwd"] + tot["lf"],

@@ -122,6 +122,18 @@ def test_autocast_casts_each_float32_parameter_of_a_matmul_and_its_gradient_back
     assert low.autocast_casts(node, split) == pytest.approx(((4 + 2) * weight / 2 / BW + OVERHEAD,) * 2)
 
 
+def test_each_duplicated_copy_casts_the_whole_weight():
+    g = _trace(Linear(bias=False), torch.randn(128, 64))
+    node = _node(g, "linear")
+    sig = _whole(node)
+    cm = CostModel(g, _profile(), "bf16")
+    cast = (4 + 2) * 32 * 64 / BW + OVERHEAD
+    cf, cb = cm.device_compute(node, sig)
+    # half of the rest above the fixed cost, plus the fixed cost and the whole casts, in each copy
+    want = ((cf - cast - OVERHEAD) / 2 + OVERHEAD + cast, (cb - cast - 2 * OVERHEAD) / 2 + 2 * OVERHEAD + cast)
+    assert cm.copy_device_compute(node, sig, batch=True) == pytest.approx(want)
+
+
 class Head(nn.Module):
     """A matmul whose output rows are ``d_out`` floats."""
 
@@ -148,6 +160,9 @@ def test_a_padded_matmul_output_is_copied_to_and_from_its_conversion():
         c, e = cm.conversion(out, src, dst), base.conversion(out, src, dst)
         assert c.fwd_copies == pytest.approx(e.fwd_copies + copy)
         assert c.bwd_copies == pytest.approx(e.bwd_copies + copy)
+        half = OVERHEAD + local / BW  # each duplicated copy converts half the rows, one kernel each
+        assert c.fwd_copies_a == pytest.approx(e.fwd_copies_a + half)
+        assert c.bwd_copies_b == pytest.approx(e.bwd_copies_b + half)
     # rows of 1024 floats are aligned, and rows under 1024 elements are never padded
     for d_out in (1024, 1000):
         g = _trace(Head(d_out), x)

@@ -9,16 +9,22 @@ recording its model, so that ``hidup bench-rank --plan FILE`` rebuilds the same 
 
 ``predict``: for each bench-rank JSON (a run of one plan file, ``compile+graph`` and/or
 ``cuda-graph`` modes), the cost model's prediction of the rank's step without communication --
-``compute + optimizer`` of :func:`hidup.search.price` without duplication, under ``--profile``, priced
-as the mode runs (``compiled`` for the compile modes) -- against the measured median, per precision.
+``compute + optimizer`` of the plan without duplication (:func:`hidup.search.price`), under
+``--profile``, priced as the mode runs (``compiled`` for the compile modes), plus the copies the
+fake process group makes in place of the collectives (:func:`stand_in_copies`) -- against the
+measured median, per precision, and the same split by kernel kind (:func:`priced`) against the
+run's profiler trace (``--kernels``), so that a wrong prediction shows which kind it misses.
 Models named by ``--calibration`` are in-sample for any factor fitted on them (``--fit``: the
 geometric mean of measured / predicted over their runs, one for all runs or one per mode and
 precision, applied to every prediction, and checked by leaving each calibration model out in
-turn); the others are held out.  With ``--fit`` off the prediction is physical (nothing fitted on any run).
+turn); models named by ``--seen`` were looked at while the cost model was built (their errors known,
+nothing fitted on them); the others are held out.  With ``--fit`` off the prediction is physical
+(nothing fitted on any run).
 
     python exp/rank_predict.py plans --set calibration --out docs/bench/predict/rank-plans
-    python exp/rank_predict.py predict docs/bench/predict/*.json --profile docs/bench/predict/h100.json \\
-        --calibration bert-sgmoe,gpt --fit per-setting --out docs/bench/predict/predictions.json
+    python exp/rank_predict.py predict docs/bench/predict/rank-*.json --profile docs/bench/predict/h100.json \\
+        --calibration bert-sgmoe,gpt --seen vit-sgmoe,llama --fit per-setting \\
+        --out docs/bench/predict/predictions.json
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ import hidup
 import hidup.models
 import hidup.profiler
 from hidup.plan import Plan
-from hidup.search import forced, price, search
+from hidup.search import forced, search
+from hidup.search.api import plan_indices
+from hidup.search.cost import KERNEL_KINDS, kernel_kind
+from hidup.search.problem import Problem
+from hidup.search.schedule import evaluate
 
 FACTORY = "exp.rank_models"
 
@@ -96,6 +106,84 @@ def make_plans(args) -> int:
     return 0
 
 
+# What torch's fake process group copies in place of each collective (FakeProcessGroup: an all-gather
+# copies the input into each of the N chunks of its output, a reduce-scatter and an all-to-all copy
+# one rank's share, an all-reduce leaves its buffer as it is): (bytes read and written as a multiple
+# of the logical size B, kernels) for B over N ranks.
+STAND_IN_COPIES = {
+    "all_gather": lambda n: (2.0, n),
+    "reduce_scatter": lambda n: (2.0 / n, 1),
+    "all_to_all": lambda n: (2.0 / n, 1),
+    "all_reduce": lambda n: (0.0, 0),
+}
+
+
+def stand_in_copies(problem: Problem, steps) -> float:
+    """Seconds of the copies the fake process group makes on the compute stream in place of the
+    plan's collectives (:data:`STAND_IN_COPIES`), forward and backward: part of what ``hidup
+    bench-rank`` measures, though no rank of a real run makes them (its collectives are priced as
+    communication)."""
+    cost, profile = problem.cost, problem.cost.profile
+    total = 0.0
+    for step in steps:
+        for tid, _, src, dst in step.convs:
+            conv = problem.conversion(tid, src, dst).conv
+            parts = getattr(conv, "steps", None)
+            if parts is None:
+                parts = [(conv, cost.world, float(cost.nbytes[tid]))]
+            else:
+                parts = [(p.conv, cost.mesh[p.axis], cost.step_bytes(tid, p.before, p.axis)) for p in parts]
+            grad = problem.graph.tensors[tid].requires_grad
+            for c, n, nbytes in parts:
+                fwd, bwd = c.collectives
+                for collective in (fwd, bwd if grad else ""):
+                    if collective:
+                        passes, kernels = STAND_IN_COPIES[collective](n)
+                        total += passes * nbytes / profile.memory_bandwidth + kernels * profile.op_overhead
+    return total
+
+
+def priced(graph, profile, plan: Plan, precision: str, mode: str) -> tuple[float, float, dict[str, float]]:
+    """The cost model's physical seconds of a rank's step without communication (``compute +
+    optimizer`` of the plan without duplication, priced as ``mode`` runs), the fake process group's
+    copies (:func:`stand_in_copies`), and the two together by kernel kind
+    (:data:`hidup.search.cost.KERNEL_KINDS`): each call node's compute under its kind
+    (:func:`hidup.search.cost.kernel_kind`), the memory copies of the form changes and gradient
+    buckets charged to it and the stand-in copies under ``copies`` (autocast's casts, a bias's
+    gradient and the copies of padded matmul outputs under ``generated``: inductor generates them),
+    the Adam step under ``optimizer``."""
+    problem = Problem(
+        graph,
+        profile.launched(mode.endswith("graph"), mode.startswith("compile")),
+        precision,
+        recompute=frozenset(getattr(plan, "recompute", None) or ()),
+        reshard=frozenset(getattr(plan, "reshard", None) or ()),
+    )
+    ks = plan_indices(problem, plan)
+    ev = evaluate(problem, ks, False)
+    kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for i, (node, k, step) in enumerate(zip(problem.order, ks, ev.steps)):
+        own = sum(problem.compute[i][k])
+        kind = kernel_kind(node.target) if node.op == "call" else None
+        if kind is not None:
+            sig = problem.sigs[i][k]  # autocast's casts and a bias's gradient run as generated kernels
+            generated = sum(problem.cost.autocast_casts(node, sig)) + problem.cost.bias_grad(node, sig)
+            kinds[kind] += own - generated
+            kinds["generated"] += generated
+        padded = 0.0  # a padded matmul output's copies around its conversion run as generated kernels
+        for tid, _, src, dst in step.convs:
+            conv = problem.conversion(tid, src, dst).conv
+            first = conv.steps[0].conv.forward if getattr(conv, "steps", None) else conv.forward
+            pad = problem.cost.padded_copies(tid, problem.forms[src], first)
+            padded += pad * (2 if problem.graph.tensors[tid].requires_grad else 1)
+        kinds["generated"] += padded
+        kinds["copies"] += step.compute - own - padded
+    kinds["optimizer"] = ev.optimizer
+    stand_in = stand_in_copies(problem, ev.steps)
+    kinds["copies"] += stand_in
+    return ev.compute + ev.optimizer, stand_in, kinds
+
+
 def _setting(row: dict, scheme: str) -> str:
     """The key a fitted factor is shared by: all runs (``one``) or one per mode and precision."""
     return "all" if scheme == "one" else f"{row['mode']}/{row['precision']}"
@@ -123,6 +211,7 @@ def cross_validated(rows: list[dict], scheme: str) -> list[float]:
 def predict(args) -> int:
     profile = hidup.profiler.load(args.profile)
     calibration = set(filter(None, args.calibration.split(",")))
+    seen = set(filter(None, args.seen.split(","))) - calibration
     rows = []
     graphs: dict = {}
     for path in args.runs:
@@ -141,21 +230,21 @@ def predict(args) -> int:
         for run in data["runs"]:
             if run["what"] != "rank" or run["status"] != "ok":
                 continue
-            compiled = run["mode"].startswith("compile")
-            ev = price(
-                graph, profile, plan, run["precision"], cuda_graphs=run["mode"].endswith("graph"), compiled=compiled
-            )
-            ev = ev[False]
+            compute, stand_in, kinds = priced(graph, profile, plan, run["precision"], run["mode"])
+            measured_kinds = (run.get("kernels") or {}).get("kinds_ms", {})
             rows.append(
                 {
                     "plan": name,
                     "model": model,
                     "in_sample": model in calibration,
+                    "sample": "calibration" if model in calibration else "seen" if model in seen else "held out",
                     "mode": run["mode"],
                     "precision": run["precision"],
                     "measured_ms": run["step_ms_median"],
-                    "physical_ms": (ev.compute + ev.optimizer) * 1e3,
-                    "optimizer_ms": ev.optimizer * 1e3,
+                    "physical_ms": (compute + stand_in) * 1e3,
+                    "stand_in_ms": stand_in * 1e3,
+                    "physical_kinds_ms": {k: v * 1e3 for k, v in kinds.items()},
+                    "measured_kinds_ms": {k: measured_kinds.get(k, 0.0) for k in KERNEL_KINDS},
                     "kernels": run.get("kernels"),
                 }
             )
@@ -175,21 +264,37 @@ def predict(args) -> int:
         r["predicted_ms"] = r["physical_ms"] * (fit[_setting(r, args.fit)] if fit else 1.0)
         r["ratio"] = r["measured_ms"] / r["predicted_ms"]
     print(f"profile {profile.name}; factors fitted on {sorted(calibration)}: {fit}")
-    print(f"{'plan':24s} {'sample':9s} {'mode':14s} {'prec':5s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}")
+    print(f"{'plan':24s} {'sample':11s} {'mode':14s} {'prec':5s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}")
     for r in rows:
         print(
-            f"{r['plan']:24s} {'in' if r['in_sample'] else 'held-out':9s} {r['mode']:14s} {r['precision']:5s} "
+            f"{r['plan']:24s} {r['sample']:11s} {r['mode']:14s} {r['precision']:5s} "
             f"{r['measured_ms']:9.2f} {r['predicted_ms']:9.2f} {r['ratio']:6.3f}"
         )
-    held = [r for r in rows if not r["in_sample"]]
-    if held:
-        worst = max(abs(r["ratio"] - 1) for r in held)
-        within = sum(abs(r["ratio"] - 1) <= 0.10 for r in held)
-        print(f"held out: {within} of {len(held)} within 10%, worst {worst:.1%}")
+    print("by kernel kind, measured / physical ms (eager programs count their elementwise kernels as copies or other):")
+    print(f"{'plan':24s} {'mode':14s} {'prec':5s} " + " ".join(f"{k:>13s}" for k in KERNEL_KINDS))
+    for r in rows:
+        if r["measured_kinds_ms"] and any(r["measured_kinds_ms"].values()):
+            cells = (f"{r['measured_kinds_ms'][k]:6.2f}/{r['physical_kinds_ms'][k]:<6.2f}" for k in KERNEL_KINDS)
+            print(f"{r['plan']:24s} {r['mode']:14s} {r['precision']:5s} " + " ".join(f"{c:>13s}" for c in cells))
+    for sample in ("calibration", "seen", "held out"):
+        for mode in ("compile+graph", None):
+            some = [r for r in rows if r["sample"] == sample and mode in (None, r["mode"])]
+            if some:
+                worst = max(abs(r["ratio"] - 1) for r in some)
+                within = sum(abs(r["ratio"] - 1) <= 0.10 for r in some)
+                what = f"{sample} ({mode or 'all modes'})"
+                print(f"{what:28s}: {within} of {len(some)} within 10%, worst {worst:.1%}")
     if args.out:
         Path(args.out).write_text(
             json.dumps(
-                {"profile": profile.name, "fit": fit, "calibration": sorted(calibration), "rows": rows}, indent=1
+                {
+                    "profile": profile.name,
+                    "fit": fit,
+                    "calibration": sorted(calibration),
+                    "seen": sorted(seen),
+                    "rows": rows,
+                },
+                indent=1,
             )
         )
     return 0
@@ -211,6 +316,7 @@ def main(argv=None) -> int:
     b.add_argument("runs", nargs="+", help="bench-rank JSON files")
     b.add_argument("--profile", required=True, help="the GPU's profile (builtin name or JSON)")
     b.add_argument("--calibration", default="", help="comma-separated models in-sample for --fit")
+    b.add_argument("--seen", default="", help="comma-separated models whose runs the cost model was built looking at")
     b.add_argument(
         "--fit",
         choices=("one", "per-setting"),

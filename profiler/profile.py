@@ -78,9 +78,13 @@ other than the first moves that dim to the front and back (``_to_front`` / ``_fr
 :mod:`hidup.codegen.collectives`), an all-to-all concatenates what it received, and the gradients of
 replicated parameters are packed into flat buckets and copied back (:mod:`hidup.codegen.grads`).
 ``layout_bandwidth`` (bytes/s, read plus written) prices the layout-changing copies (0 = not
-measured: ``memory_bandwidth``); ``grad_copy_overhead`` is the fixed cost per parameter of the bucket
-copies, eagerly, and ``grad_copy_overhead_graph`` inside a CUDA graph (0 = not measured: two op
-overheads, one kernel each way); their bytes are priced at ``memory_bandwidth``.
+measured: ``memory_bandwidth``); a copy that moves the *innermost* dim is a transpose, one side of
+it strided element by element, so each element costs a memory sector and its time follows the
+element count, not the bytes: ``transpose_bandwidth`` is such a copy's rate on float32 (0 = not
+measured: ``layout_bandwidth``), and a tensor of ``s``-byte elements copies at ``s / 4`` of it;
+``grad_copy_overhead`` is the fixed cost per parameter of the bucket copies, eagerly, and
+``grad_copy_overhead_graph`` inside a CUDA graph (0 = not measured: two op overheads, one kernel
+each way); their bytes are priced at ``memory_bandwidth``.
 
 Per-op times
 ------------
@@ -247,6 +251,8 @@ class Profile:
     network: NetworkTables | None = None  # tables of groups across nodes (one rank per node); None = not measured
     # dtype -> square matmul size -> FLOP/s (optional; "Memory-bound ops and launch overhead")
     matmul_sizes: dict[str, dict[int, float]] = field(default_factory=dict)
+    # bytes/s (read + written) of a float32 copy that moves the innermost dim; 0 = layout_rate()
+    transpose_bandwidth: float = 0.0
     # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
     # pointwise chains fuse (hidup.search.cost, "Compiled programs")
     compiled: bool = False
@@ -408,6 +414,12 @@ class Profile:
         ``memory_bandwidth`` (0 when neither is known)."""
         return self.layout_bandwidth if self.layout_bandwidth > 0 else self.memory_bandwidth
 
+    def transpose_rate(self, itemsize: float) -> float:
+        """Bytes/s (read + written) of a copy that moves the innermost dim of a tensor of ``itemsize``-byte
+        elements (module docstring): ``transpose_bandwidth`` per float32 element, so ``itemsize / 4`` of
+        it; :meth:`layout_rate` when not measured."""
+        return self.transpose_bandwidth * itemsize / 4.0 if self.transpose_bandwidth > 0 else self.layout_rate()
+
     def grad_copy_fixed(self) -> float:
         """Seconds per parameter of the gradient bucket copies: ``grad_copy_overhead``, else two op
         overheads (one kernel into the bucket, one out)."""
@@ -485,6 +497,8 @@ class Profile:
         for d in sorted(self.matmul_sizes):  # one draw per dtype, as its rate: the curve keeps its shape
             k = f()
             out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
+        if self.transpose_bandwidth:  # last: a profile without it draws what it drew before
+            out.transpose_bandwidth = self.transpose_bandwidth * f()
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -527,6 +541,7 @@ class Profile:
             "ops_timing": self.ops_timing,
             "optimizer_s_per_byte": self.optimizer_s_per_byte,
             "layout_bandwidth": self.layout_bandwidth,
+            "transpose_bandwidth": self.transpose_bandwidth,
             "grad_copy_overhead": self.grad_copy_overhead,
             "grad_copy_overhead_graph": self.grad_copy_overhead_graph,
             "corrections": self.corrections.to_dict(),
@@ -757,6 +772,7 @@ class Profile:
             gpus_per_node,
             network,
             matmul_sizes,
+            transpose_bandwidth=number(d.get("transpose_bandwidth", 0.0), "transpose_bandwidth", positive=False),
         )
 
 

@@ -39,10 +39,25 @@ the measured square matmul of equal FLOPs where the profile has the sizes, else 
 ``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
 outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of the node's first
 output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
-matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32.  (A profile without a memory
-bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them looks harmless.)
-``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)``; it is 0 when no
-input of ``n`` requires a gradient (nothing to differentiate).  Only ``call`` nodes compute.
+matmuls), bfloat16 -> bf16, float16 -> fp16, anything else -> fp32 -- except attention
+(:data:`ATTENTION_OPS`) on float32 under ``tf32``, at the fp32 rate: torch's float32 attention
+kernels use no TF32 tensor cores.  An attention kernel works on blocks of :data:`ATTENTION_BLOCK`
+queries and keys, so its ``s.flops`` count each sequence length rounded up to whole blocks
+(:meth:`CostModel.attention_blocks`: 65 patches and a class token compute as 128).  (A profile
+without a memory bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them
+looks harmless.)
+``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)`` -- ``2.5 * t_fwd``
+for attention (:data:`ATTENTION_BACKWARD`: its backward recomputes the scores, five matmuls against
+the forward's two) -- plus, for a ``linear``/``addmm`` whose bias requires a gradient, the bias's
+gradient ``o + bytes(output under s) / memory_bandwidth`` (the sum of the output gradient over its
+rows, one more read of it; :meth:`CostModel.bias_grad`); ``t_bwd`` is 0 when no input of ``n``
+requires a gradient (nothing to differentiate).  Only ``call`` nodes compute.
+
+Under ``bf16``/``fp16`` autocast a matmul (:func:`kernel_kind` ``matmul``) reads its float32
+parameters (directly or through views) in the low dtype: each is cast in the forward and its
+gradient cast back to float32 in the backward, each a kernel of ``o + (4 + 2) p / memory_bandwidth``
+for ``p`` local elements (:meth:`CostModel.autocast_casts`), added to ``t_fwd`` and ``t_bwd``
+(measured times included: they time the op at its own dtype).
 The fixed part ``o`` (``2 o`` backward) does not shrink when a copy runs half the batch:
 :meth:`CostModel.fixed` reports it so that duplication pays it once per copy.
 
@@ -67,6 +82,15 @@ priced by what the compiled program moves, by its kind (:func:`hidup.rules.fusio
   and an output is written when some consumer (through views) is a kernel, the loss, or a fused node
   at a higher level.  Measured per-op times are eager kernels and are not used for fused nodes.
 
+Inductor pads the rows of the tensors it lays out (``padding_alignment_bytes``: a stride of at least
+:data:`PAD_MIN_STRIDE` elements becomes a multiple of :data:`PAD_ALIGN_BYTES`), and pads a
+matmul's misaligned dims for its tensor cores, so a matmul output whose innermost dim is at least
+1024 elements and not a multiple of 128 bytes (a vocabulary of 30522) lives in padded rows.  A
+form change is a custom op that takes and gives dense tensors: converting such an output copies it
+to a dense tensor first (forward) and the dense gradient back into padded rows (backward), each
+``M(b)`` for the ``b`` local bytes of the converted form (:meth:`CostModel.padded_copies`, part of
+the conversion's copies below).  A fused consumer reads the padded rows in place: no copy.
+
 Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``)
 -------------------------------------------------------------------------------
 ``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0, where
@@ -84,7 +108,9 @@ Memory copies around a form change (compute stream)
 ---------------------------------------------------
 The runtime (:mod:`hidup.codegen.collectives`) copies memory around its collectives, and those
 copies run on the compute stream: ``L(b) = o + 2 b / layout_rate`` for a layout-changing copy of
-``b`` bytes (``layout_rate`` the profile's :meth:`~hidup.profiler.Profile.layout_rate`),
+``b`` bytes (``layout_rate`` the profile's :meth:`~hidup.profiler.Profile.layout_rate`; for a copy
+that moves the innermost dim, a transpose bound by its element count, the profile's
+:meth:`~hidup.profiler.Profile.transpose_rate` at the tensor's element size),
 ``M(b) = o + 2 b / memory_bandwidth`` for a plain one, ``Z(b) = o + b / memory_bandwidth`` to zero
 ``b`` bytes.  With ``B = bytes(t)``, ``n`` ranks, and a dim ``d`` *moved* when the dims before it (of
 the tensor the op reads) are not all of size 1:
@@ -128,7 +154,8 @@ computed only from them are not.  Per copy:
 * a batch-dependent node computes its measured time at the copy's own shapes when the graph carries
   its half-batch trace (``graph.half``, :func:`hidup.trace.trace_half_batch`) and the profile has
   both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
-  half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each); a
+  half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each), and
+  autocast's casts of its parameters whole in each (each copy casts the whole weight); a
   batch-independent one (an op on weights only) runs in both copies, since each copy
   runs the whole per-rank program (``cA = cB = t``) -- :meth:`CostModel.copy_device_compute`, the
   physical time; :meth:`CostModel.copy_compute` is it corrected, times ``dist_dup_scale``.  The
@@ -174,9 +201,41 @@ from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.fusion import fusion_kind
 from hidup.saved import tensor_nbytes
 
-__all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS"]
+__all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]
 
 PRECISIONS = DTYPES  # the profile's FLOP-rate keys are the precisions a search can price
+
+# What a node's compute is reported as, by the kind of GPU kernel it runs (the kinds a profiler
+# trace is split into: :data:`hidup.runtime.bench_rank.KERNEL_KINDS`): ``copies`` are the memory
+# copies around form changes and the gradient buckets, ``optimizer`` the Adam step.
+KERNEL_KINDS = ("matmul", "attention", "generated", "copies", "optimizer", "other")
+MATMUL_OPS = frozenset(
+    {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "conv1d", "conv2d", "routed_experts"}
+)
+ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
+# An attention kernel's backward recomputes the scores: 5 matmuls of the forward's 2 (flash attention)
+ATTENTION_BACKWARD = 2.5
+# queries and keys per block of torch's attention kernels (flash, memory-efficient, cuDNN: 64 x 64 tiles)
+ATTENTION_BLOCK = 64
+# autocast's low dtype per precision
+LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
+# inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
+# stride is at least PAD_MIN_STRIDE elements (torch._inductor.config.padding_alignment_bytes,
+# padding_stride_threshold)
+PAD_ALIGN_BYTES = 128
+PAD_MIN_STRIDE = 1024
+
+
+def kernel_kind(target: str) -> str | None:
+    """The :data:`KERNEL_KINDS` entry a call node of op ``target`` runs as in a compiled program:
+    ``matmul``/``attention`` for library kernels of those ops, ``generated`` for fused ops
+    (:func:`hidup.rules.fusion.fusion_kind`), ``other`` for any other kernel; None for a view."""
+    base = target.split(".", 1)[0]
+    if base in MATMUL_OPS:
+        return "matmul"
+    if base in ATTENTION_OPS:
+        return "attention"
+    return {"view": None, "fused": "generated"}.get(fusion_kind(target), "other")
 
 
 def profile_dtype(torch_dtype: str, precision: str = "fp32") -> str:
@@ -216,24 +275,24 @@ def _copies_keep_rank0(copy, moved, frm, to, whole, part, membw, layout):
 
 
 def _copies_slice(copy, moved, frm, to, whole, part, membw, layout):
-    return copy(part, layout) if moved(frm, to.dim) else 0.0
+    return copy(part, layout(to.dim)) if moved(frm, to.dim) else 0.0
 
 
 def _copies_zero_pad(copy, moved, frm, to, whole, part, membw, layout):
-    return copy(whole, membw, 1.0) + copy(part, layout if moved(to, frm.dim) else membw)
+    return copy(whole, membw, 1.0) + copy(part, layout(frm.dim) if moved(to, frm.dim) else membw)
 
 
 def _copies_all_gather(copy, moved, frm, to, whole, part, membw, layout):
-    return copy(part, layout) + copy(whole, layout) if moved(frm, frm.dim) else 0.0
+    return copy(part, layout(frm.dim)) + copy(whole, layout(frm.dim)) if moved(frm, frm.dim) else 0.0
 
 
 def _copies_reduce_scatter(copy, moved, frm, to, whole, part, membw, layout):
-    return copy(whole, layout) + copy(part, layout) if moved(frm, to.dim) else 0.0
+    return copy(whole, layout(to.dim)) + copy(part, layout(to.dim)) if moved(frm, to.dim) else 0.0
 
 
 def _copies_all_to_all(copy, moved, frm, to, whole, part, membw, layout):
-    front = copy(part, layout) if moved(frm, to.dim) else 0.0
-    return front + copy(part, layout if to.dim != 0 else membw)
+    front = copy(part, layout(to.dim)) if moved(frm, to.dim) else 0.0
+    return front + copy(part, layout(to.dim) if to.dim != 0 else membw)
 
 
 # The memory copies of every local or collective op of hidup.ir.FORM_CHANGE_OPS (module docstring,
@@ -285,6 +344,8 @@ class CostModel:
         self.corrections: Corrections = profile.corrections
         self.compiled = bool(getattr(profile, "compiled", False))
         self._fusion: dict[str, tuple[str, frozenset, frozenset]] = self._fused_traffic(graph) if self.compiled else {}
+        self._param_of = self._params_through_views(graph)
+        self._padded = self._padded_matmul_outputs(graph) if self.compiled else frozenset()
 
     @staticmethod
     def _fused_traffic(graph: Graph) -> dict[str, tuple[str, frozenset, frozenset]]:
@@ -426,14 +487,22 @@ class CostModel:
             fused = self._compiled_compute(node, sig)
             if fused is not None:
                 return fused
+        cast_fwd, cast_bwd = self.autocast_casts(node, sig)
         g = self.graph
         measured = self.measured(g, node, sig)
         if measured is not None:
-            return measured
+            return measured[0] + cast_fwd, measured[1] + cast_bwd
         dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
-        fwd = sig.flops / self.profile.rate_at(profile_dtype(dtype, self.precision), sig.flops)
+        kind = kernel_kind(node.target)
+        rate_key = profile_dtype(dtype, self.precision)
+        flops = sig.flops
+        if kind == "attention":
+            if rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
+                rate_key = "fp32"
+            flops *= self.attention_blocks(node)
+        fwd = flops / self.profile.rate_at(rate_key, flops)
         membw = self.profile.memory_bandwidth
         if membw and shapes is not None and self.compiled:
             moved = sum(self._local_bytes(t, f) for t, f in zip(node.inputs, sig.inputs))
@@ -446,7 +515,96 @@ class CostModel:
                 moved += math.prod(f.local_shape(tensor.shape, self.mesh)) * DTYPE_BYTES.get(tensor.dtype, 4)
             fwd = max(fwd, moved / membw)
         fwd += self.profile.op_overhead
-        return fwd, (2.0 * fwd if needs_bwd else 0.0)
+        if not needs_bwd:
+            return fwd + cast_fwd, 0.0
+        bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd + self.bias_grad(node, sig)
+        return fwd + cast_fwd, bwd + cast_bwd
+
+    def attention_blocks(self, node: Node) -> float:
+        """How many times its FLOPs an attention kernel computes: it works on blocks of
+        :data:`ATTENTION_BLOCK` queries and keys, so each sequence length counts rounded up to a
+        whole block (module docstring, "Compute")."""
+        q, k = (self.graph.tensors[t].shape for t in node.inputs[:2])
+        return math.prod(math.ceil(n / ATTENTION_BLOCK) * ATTENTION_BLOCK / n for n in (q[-2], k[-2]) if n)
+
+    def bias_grad(self, node: Node, sig: Signature) -> float:
+        """Seconds of the bias gradient of a ``linear``/``addmm`` whose bias requires a gradient: the
+        sum of the output gradient over its rows, one read of the output's local bytes plus a kernel
+        (module docstring, "Compute"); 0 for any other node."""
+        base = node.target.split(".", 1)[0]
+        position = {"linear": 2, "addmm": 0}.get(base)
+        if position is None or len(node.inputs) <= position or not node.outputs:
+            return 0.0
+        if not self.graph.tensors[node.inputs[position]].requires_grad or not self.profile.memory_bandwidth:
+            return 0.0
+        out = self._local_bytes(node.outputs[0], sig.outputs[0])
+        return out / self.profile.memory_bandwidth + self.profile.op_overhead
+
+    def autocast_casts(self, node: Node, sig: Signature) -> tuple[float, float]:
+        """(forward, backward) seconds of the casts autocast adds around a matmul under a low
+        precision: each float32 parameter it reads (directly or through views) is cast to the low
+        dtype in the forward (4 bytes read, 2 written per element) and its gradient cast back to
+        float32 in the backward (2 read, 4 written), each a kernel of its own (module docstring,
+        "Compute"); (0, 0) under fp32/tf32 and for any node that is not a matmul."""
+        if self.precision not in LOW_PRECISIONS or kernel_kind(node.target) != "matmul":
+            return 0.0, 0.0
+        membw, o = self.profile.memory_bandwidth, self.profile.op_overhead
+        fwd = bwd = 0.0
+        for t, f in zip(node.inputs, sig.inputs):
+            param = self._param_of.get(t)
+            if param is None or self.graph.tensors[param].dtype != "float32":
+                continue
+            try:
+                elements = math.prod(f.local_shape(self.graph.tensors[t].shape, self.mesh))
+            except ValueError:
+                return math.inf, math.inf
+            moved = (4 + DTYPE_BYTES[LOW_PRECISIONS[self.precision]]) * elements / membw if membw else 0.0
+            fwd += moved + o
+            if self.graph.tensors[param].requires_grad:
+                bwd += moved + o
+        return fwd, bwd
+
+    def _padded_matmul_outputs(self, graph: Graph) -> frozenset[int]:
+        """Tensor ids of matmul outputs (and views of them keeping the innermost dim) whose rows
+        inductor pads: an innermost dim of at least ``PAD_MIN_STRIDE`` elements whose bytes are not a
+        multiple of ``PAD_ALIGN_BYTES`` (module docstring, "Compiled programs")."""
+        padded: set[int] = set()
+        for n in graph.nodes:
+            if n.op != "call":
+                continue
+            kind = kernel_kind(n.target)
+            for t in n.outputs:
+                shape = graph.tensors[t].shape
+                if kind is None and n.inputs and n.inputs[0] in padded:
+                    if shape[-1:] == graph.tensors[n.inputs[0]].shape[-1:]:
+                        padded.add(t)
+                elif kind == "matmul" and shape and shape[-1] >= PAD_MIN_STRIDE:
+                    itemsize = self.nbytes[t] / max(1, math.prod(shape))
+                    if (shape[-1] * itemsize) % PAD_ALIGN_BYTES:
+                        padded.add(t)
+        return frozenset(padded)
+
+    def padded_copies(self, tid: int, form: Form | Layout, op: str, share: float = 1.0) -> float:
+        """Seconds of the copy a compiled program makes between a padded matmul output (see
+        :meth:`_padded_matmul_outputs`) and a form-change op ``op`` on it: the conversion is a custom
+        op that takes and gives dense tensors, so the padded rows are copied to a dense tensor of
+        the local piece under ``form`` (forward) and its gradient back to padded rows (backward), for
+        ``share`` of it (a duplicated copy's half: 0.5); 0 for any other tensor, op ``identity`` or an
+        uncompiled program."""
+        if tid not in self._padded or not op or op == "identity":
+            return 0.0
+        local = float(self.nbytes[tid]) * held_fraction(form, self.mesh) * share
+        return self._copy(local, self.profile.memory_bandwidth)
+
+    @staticmethod
+    def _params_through_views(graph: Graph) -> dict[int, int]:
+        """tensor id -> the parameter it is (or a view of, through ``view`` nodes only)."""
+        param_of = {t: t for t, tensor in graph.tensors.items() if tensor.is_param}
+        for n in graph.nodes:
+            if n.op == "call" and fusion_kind(n.target) == "view" and n.inputs and n.inputs[0] in param_of:
+                for t in n.outputs:
+                    param_of[t] = param_of[n.inputs[0]]
+        return param_of
 
     def compute_half(self, node: Node, sig: Signature) -> tuple[float, float] | None:
         """(forward, backward) seconds of one duplicated copy of ``node`` under ``sig``, measured at the
@@ -481,17 +639,19 @@ class CostModel:
     ) -> tuple[float, float]:
         """(forward, backward) physical seconds of ``node`` under ``sig`` in one duplicated copy
         (module docstring, "Duplication"): :meth:`compute_half` for a batch-dependent node, else half
-        of its whole-batch time above the fixed per-op cost; the whole of it for a node on weights
+        of its whole-batch time above the fixed per-op cost and autocast's casts of its parameters
+        (:meth:`autocast_casts`, which each copy makes whole); the whole of it for a node on weights
         only.  ``device`` is this node's :meth:`device_compute` when the caller has it."""
         if node.op != "call":
             return 0.0, 0.0
         cf, cb = device if device is not None else self.device_compute(node, sig)
         if batch if batch is not None else self.node_is_batch(node):
+            castf, castb = self.autocast_casts(node, sig)
             half = self.compute_half(node, sig)
             if half is None:
                 of, ob = self.fixed(node)
-                half = ((cf - of) / 2 + of, (cb - ob) / 2 + ob)
-            cf, cb = half
+                half = ((cf - castf - of) / 2 + of, (cb - castb - ob) / 2 + ob)
+            cf, cb = half[0] + castf, half[1] + castb
         return cf, cb
 
     def fixed(self, node: Node) -> tuple[float, float]:
@@ -544,24 +704,30 @@ class CostModel:
         moved = passes * nbytes / rate if rate > 0 else 0.0
         return self.profile.op_overhead + moved
 
-    def local_copies(self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float, n: int | None = None) -> float:
+    def local_copies(
+        self, op: str, frm: Form, to: Form, shape: tuple, nbytes: float, n: int | None = None, share: float = 1.0
+    ) -> float:
         """Seconds of the memory copies form-change op ``op`` (:data:`hidup.ir.FORM_CHANGE_OPS`)
-        makes on the compute stream turning a tensor of global ``shape`` and ``nbytes`` from form
-        ``frm`` into ``to`` over ``n`` ranks (default the world) (module docstring, "Memory copies
-        around a form change")."""
+        makes on the compute stream turning ``share`` of a tensor of global ``shape`` and ``nbytes``
+        (a duplicated copy's half: 0.5) from form ``frm`` into ``to`` over ``n`` ranks (default the
+        world) (module docstring, "Memory copies around a form change")."""
         if not op:
             return 0.0
         model = _COPY_MODELS.get(op)
         if model is None:
             raise ValueError(f"no copy model for conversion op {op!r}")
         n = self.world if n is None else n
-        membw, layout = self.profile.memory_bandwidth, self.profile.layout_rate()
+        membw = self.profile.memory_bandwidth
+        itemsize = nbytes / max(1, math.prod(shape))
+
+        def layout(dim: int) -> float:  # the rate of a copy moving `dim` to or from the front
+            return self.profile.transpose_rate(itemsize) if dim == len(shape) - 1 else self.profile.layout_rate()
 
         def moved(form: Form, dim: int) -> bool:  # the dims before `dim` of the local tensor are not all 1
             local = form.local_shape(shape, n)
             return dim > 0 and math.prod(local[:dim]) > 1
 
-        return model(self._copy, moved, frm, to, nbytes, nbytes / n, membw, layout)
+        return model(self._copy, moved, frm, to, nbytes * share, nbytes * share / n, membw, layout)
 
     def grad_copies(self, nbytes: float) -> float:
         """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket
@@ -572,7 +738,7 @@ class CostModel:
     def conversion_class(self, tid: int) -> tuple:
         """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
         t: Tensor = self.graph.tensors[tid]
-        return (t.shape, self.nbytes[tid], t.requires_grad, self.batch.get(tid, False))
+        return (t.shape, self.nbytes[tid], t.requires_grad, self.batch.get(tid, False), tid in self._padded)
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
@@ -600,18 +766,22 @@ class CostModel:
             grad_sync = conv.grad_sync and t.requires_grad
             bwd_op = conv.backward_local if t.requires_grad else ""
             fwd = self.comm(cf, b)
-            lf = self.local_copies(conv.forward, src, dst, t.shape, b)
-            lb = self.local_copies(bwd_op, dst, src, t.shape, b)
+            pad = self.padded_copies(tid, src, conv.forward)
+            lf = self.local_copies(conv.forward, src, dst, t.shape, b) + pad
+            lb = self.local_copies(bwd_op, dst, src, t.shape, b) + (pad if t.requires_grad else 0.0)
             if grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
                 bwd = self.grad_sync(b)
                 lb += self.grad_copies(b)
             else:
                 bwd = self.comm(cb, b)
             if batch:
+                pad_half = self.padded_copies(tid, src, conv.forward, share=0.5)
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
                 bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
-                lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b / 2)
-                lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b / 2)
+                lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b, share=0.5) + pad_half
+                lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b, share=0.5) + (
+                    pad_half if t.requires_grad else 0.0
+                )
             elif grad_sync:  # each copy runs the local forward op; the gradient is summed once, after both
                 fA, fB, bA, bB = fwd, fwd, bwd, 0.0
                 lfA, lfB, lbA, lbB = lf, lf, lb, 0.0
@@ -672,6 +842,12 @@ class CostModel:
             for name, v in parts:
                 tot[name] += v
         grad = t.requires_grad
+        if path.steps:  # the first step's custom op takes the padded rows (one copy per layout change)
+            first = path.steps[0].conv.forward
+            pad = self.padded_copies(tid, path.src, first)
+            half = self.padded_copies(tid, path.src, first, share=0.5) if batch else pad
+            for name, v in (("lf", pad), ("lb", pad), ("lfA", half), ("lfB", half), ("lbA", half), ("lbB", half)):
+                tot[name] += v if name.startswith("lf") or grad else 0.0
         return ConvCost(
             path,
             tot["fwd"] + tot["lf"],
@@ -716,8 +892,8 @@ class CostModel:
             fA = self.comm(cf, b / 2, k) / self.pair_speedup(cf, b / 2, k)
             bA = self.comm(cb, b / 2, k) / self.pair_speedup(cb, b / 2, k)
             parts = (fA, fA, bA, bA)
-            lfA = self.local_copies(conv.forward, frm, to, shape, b / 2, n)
-            lbA = self.local_copies(bwd_op, to, frm, shape, b / 2, n)
+            lfA = self.local_copies(conv.forward, frm, to, shape, b, n, share=0.5)
+            lbA = self.local_copies(bwd_op, to, frm, shape, b, n, share=0.5)
             copies = (lfA, lfA, lbA, lbA)
         elif sync:
             parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)

@@ -20,12 +20,12 @@ def _profile(**changes):
     return dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), **base)
 
 
-def _graph(shape=(8, 16, 32, 64), world=4, grad=True):
+def _graph(shape=(8, 16, 32, 64), world=4, grad=True, dtype="float32"):
     """One activation ``a`` (from input ``x``) read by ``f``; every gather form is allowed."""
     forms = [FULL] + [gather(d) for d in range(len(shape))]
-    x = Tensor(0, shape, "float32", "x")
-    a = Tensor(1, shape, "float32", "e", requires_grad=grad)
-    y = Tensor(2, shape, "float32", "f", requires_grad=grad)
+    x = Tensor(0, shape, dtype, "x")
+    a = Tensor(1, shape, dtype, "e", requires_grad=grad)
+    y = Tensor(2, shape, dtype, "f", requires_grad=grad)
     nodes = [
         Node("x", "input", "input", [], [0], [Signature((), (f,)) for f in forms]),
         Node("e", "call", "exp", [0], [1], [Signature((f,), (f,), 1.0) for f in forms]),
@@ -173,3 +173,28 @@ def test_device_measures_layout_bandwidth_and_bucket_copy_cost():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             grad_copy_overhead("cpu", graphed=True)
+
+
+def test_moving_the_innermost_dim_is_a_transpose_bound_by_elements():
+    transpose = 1e12
+    nb = 8 * 16 * 32 * 64 * 4
+    cm = CostModel(_graph(), _profile(transpose_bandwidth=transpose))
+    # gather_3 -> full: the innermost dim goes to the front and back, at the float32 transpose rate
+    assert cm.conversion(1, gather(3), FULL).fwd_copies == pytest.approx(
+        _copy(nb / 4, transpose) + _copy(nb, transpose)
+    )
+    # a middle dim keeps the innermost rows whole: the layout rate
+    assert cm.conversion(1, gather(2), FULL).fwd_copies == pytest.approx(_copy(nb / 4, LAYOUT) + _copy(nb, LAYOUT))
+    # bfloat16 elements: half the bytes in as long a time (the rate is per element)
+    low = CostModel(_graph(dtype="bfloat16"), _profile(transpose_bandwidth=transpose))
+    assert low.conversion(1, gather(3), FULL).fwd_copies == pytest.approx(
+        _copy(nb / 8, transpose / 2) + _copy(nb / 2, transpose / 2)
+    )
+    # a duplicated copy's half moves half the elements at the same per-element rate
+    c = CostModel(_graph(), _profile(transpose_bandwidth=transpose)).conversion(1, gather(3), FULL)
+    assert c.fwd_copies_a == pytest.approx(_copy(nb / 8, transpose) + _copy(nb / 2, transpose))
+    # not measured: the layout rate, as before
+    plain = CostModel(_graph(), _profile()).conversion(1, gather(3), FULL)
+    assert plain.fwd_copies == pytest.approx(_copy(nb / 4, LAYOUT) + _copy(nb, LAYOUT))
+    p = _profile(transpose_bandwidth=transpose)
+    assert hidup.profiler.Profile.from_dict(p.to_dict()).transpose_bandwidth == transpose

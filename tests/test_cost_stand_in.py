@@ -1,0 +1,55 @@
+"""The fake process group's copies that ``exp/rank_predict.py`` adds to the cost model's compute to
+predict what ``hidup bench-rank`` measures (:func:`exp.rank_predict.stand_in_copies`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+import hidup.profiler
+from exp.rank_predict import stand_in_copies
+from hidup.ir import FULL, REDUCE, Graph, Node, Signature, Tensor, gather
+from hidup.search.problem import Problem
+
+BW, OVERHEAD = 1e12, 1e-6
+
+
+def _profile():
+    return dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), memory_bandwidth=BW, op_overhead=OVERHEAD)
+
+
+def _activation_graph(shape=(8, 16), world=4):
+    """Input ``x``, its exp ``a`` (requires a gradient) read by a neg; every form allowed."""
+    forms = [FULL, REDUCE] + [gather(d) for d in range(len(shape))]
+    tensors = {
+        0: Tensor(0, shape, "float32", "x"),
+        1: Tensor(1, shape, "float32", "e", requires_grad=True),
+        2: Tensor(2, shape, "float32", "f", requires_grad=True),
+    }
+    nodes = [
+        Node("x", "input", "input", [], [0], [Signature((), (f,)) for f in forms]),
+        Node("e", "call", "exp", [0], [1], [Signature((f,), (f,), 1.0) for f in forms]),
+        Node("f", "call", "neg", [1], [2], [Signature((f,), (f,), 1.0) for f in forms]),
+    ]
+    return Graph(nodes, tensors, world)
+
+
+def test_stand_in_copies_are_what_the_fake_process_group_copies():
+    """An all-gather's stand-in copies the input into each of the N chunks of its output (2B bytes,
+    N kernels), a reduce-scatter one rank's share (2B/N, one kernel), an all-reduce nothing."""
+    world, nbytes = 4, 8 * 16 * 4
+    problem = Problem(_activation_graph(world=world), _profile(), "fp32")
+
+    def copies(src, dst):
+        step = SimpleNamespace(convs=((1, 0, problem.forms.index(src), problem.forms.index(dst)),))
+        return stand_in_copies(problem, [step])
+
+    all_gather = 2 * nbytes / BW + world * OVERHEAD
+    reduce_scatter = 2 * nbytes / world / BW + OVERHEAD
+    assert copies(gather(0), FULL) == pytest.approx(all_gather + reduce_scatter)  # backward reduce-scatters
+    assert copies(REDUCE, gather(1)) == pytest.approx(reduce_scatter + all_gather)  # backward all-gathers
+    assert copies(gather(0), gather(1)) == pytest.approx(2 * reduce_scatter)  # all-to-all both ways
+    assert copies(REDUCE, FULL) == 0.0  # all-reduce in place
+    assert copies(FULL, gather(0)) == 0.0  # a slice: no collective

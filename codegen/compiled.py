@@ -39,11 +39,14 @@ graph per stage.
 
 Duplication keeps its structure: :class:`hidup.codegen.duplicate.StagedCopies` compiles each stage
 submodule on its own, so stage ``s`` of copy 0 and of copy 1 still run on their two streams in
-lockstep, each launching its own compiled kernels and collectives; without duplication the whole
-program is one graph.  One consequence: within one compiled graph the gradients of all its
-parameters are produced together at the end of its backward, so the gradient buckets of replicated
-parameters (:mod:`hidup.codegen.grads`) launch after the graph's backward rather than during it
-(per stage with duplication).  ``hidup train --compile auto`` times both and keeps the faster.
+lockstep, each launching its own compiled kernels and collectives.  Within one compiled graph the
+gradients of all its parameters are produced together at the end of its backward, so the gradient
+buckets of replicated parameters (:mod:`hidup.codegen.grads`) could launch only after that graph's
+backward.  Without duplication the program is therefore compiled as one graph per gradient bucket
+(:func:`bucket_segments`, :func:`compile_segments`): a segment's backward ends, its bucket is
+all-reduced while the earlier segments' backward runs.  With duplication the stages play that
+part.  ``hidup train --compile auto`` times the compiled program against the eager one and keeps
+the faster.
 
 The values :func:`hidup.codegen.program.hidup_copy_sum` adds across the two copies come from a
 side pass at run time, so that call is left to eager Python (a graph break in the one stage that

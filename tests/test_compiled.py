@@ -49,10 +49,20 @@ def _plans(name: str, world: int) -> dict:
         torch.set_default_dtype(before)
 
 
+def _errors(module, loss, ref, ref_grads) -> tuple[float, float]:
+    """The relative error of the step's global loss, and of its gradients (relative to the largest)."""
+    from hidup.codegen.params import full_grad_dict
+
+    total = float(module.global_loss(loss))
+    grads = full_grad_dict(module)
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    grad_err = max(float((grads[n] - g).abs().max()) / scale for n, g in ref_grads.items())
+    return abs(total - float(ref)) / abs(float(ref)), grad_err
+
+
 def _rank(rank, world, jobs, backend, dups=("nodup", "dup")):
     import hidup
     from hidup.codegen import compiled
-    from hidup.codegen.params import full_grad_dict
 
     torch.set_default_dtype(torch.float64)
     out = {}
@@ -85,11 +95,7 @@ def _rank(rank, world, jobs, backend, dups=("nodup", "dup")):
                 loss = module(*inputs)
                 phase[0] = "backward"
                 loss.backward()
-                total = float(module.global_loss(loss))
-                grads = full_grad_dict(module)
-                scale = max(float(g.abs().max()) for g in ref_grads.values())
-                grad_err = max(float((grads[n] - g).abs().max()) / scale for n, g in ref_grads.items())
-                errs.append((abs(total - float(ref)) / abs(float(ref)), grad_err))
+                errs.append(_errors(module, loss, ref, ref_grads))
             compiled.group_of = lookup
             groups = module.copy_groups if module.copy_groups else (module.group,)
             expected = {compiled.group_key(g) for g in groups}
@@ -329,7 +335,6 @@ def _rank_segmented(rank, world, plan):
     """A data-parallel GPT compiled with a gradient bucket per few parameters: the program is compiled
     in segments, and a bucket is launched while later parameters still wait for their gradients."""
     import hidup
-    from hidup.codegen.params import full_grad_dict
 
     torch.set_default_dtype(torch.float64)
     model, inputs = hidup.models.build("gpt", world_size=world, **SMALL["gpt"])
@@ -353,11 +358,7 @@ def _rank_segmented(rank, world, plan):
         module.zero_grad(set_to_none=True)
         loss = module(*inputs)
         loss.backward()
-        total = float(module.global_loss(loss))
-        grads = full_grad_dict(module)
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        grad_err = max(float((grads[n] - g).abs().max()) / scale for n, g in ref_grads.items())
-        errs.append((abs(total - float(ref)) / abs(float(ref)), grad_err))
+        errs.append(_errors(module, loss, ref, ref_grads))
     run = module._run[0]
     segments = sum(1 for n in getattr(run, "graph", torch.fx.Graph()).nodes if n.op == "call_module")
     return {"errs": errs, "segments": segments, "buckets": len(bucketer.buckets), "waiting": waiting}

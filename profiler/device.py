@@ -19,7 +19,11 @@ Memory bandwidth
 A device-to-device copy of ``b`` bytes reads ``b`` and writes ``b`` bytes, so
 ``bandwidth = 2 b / t_copy`` [bytes/s].  A copy that changes the layout (``x.movedim(1, 0)
 .contiguous()``, what a collective on a dim other than the first needs around it) reads and writes as
-much but strides through one side: :func:`layout_bandwidth` times it the same way.
+much but strides through one side: :func:`layout_bandwidth` times it the same way.  A copy that moves
+the innermost dim (``x.movedim(-1, 0).contiguous()``, a collective on a tensor's last dim) reads
+rows and writes columns element by element, so its rate follows the element count rather than the
+bytes: :func:`transpose_bandwidth` times it on float32 (the cost model scales it by ``itemsize / 4``
+for other dtypes).
 
 Gradient bucket copies
 ----------------------
@@ -56,6 +60,7 @@ __all__ = [
     "device_rates",
     "memory_bandwidth",
     "layout_bandwidth",
+    "transpose_bandwidth",
     "grad_copy_overhead",
     "default_matmul_sizes",
     "torch_dtype",
@@ -210,6 +215,23 @@ def layout_bandwidth(device: torch.device | str, nbytes: int | None = None, *, b
     rows = max(1, nbytes // (8 * 64 * 256 * 4))
     x = torch.ones((8, 64, rows, 256), device=device, dtype=torch.float32)
     seconds = time_call(lambda: x.movedim(1, 0).contiguous(), device, budget_s=budget_s)
+    moved = 2.0 * x.numel() * 4
+    x = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return moved / seconds
+
+
+def transpose_bandwidth(device: torch.device | str, nbytes: int | None = None, *, budget_s: float = 0.2) -> float:
+    """Bandwidth in bytes/s (read + written) of a copy that moves the innermost dim to the front:
+    ``x.movedim(-1, 0).contiguous()`` of a 3-d float32 tensor of about ``nbytes`` (default 32 MiB on a
+    GPU, 64 MiB on a CPU), as a collective on a tensor's last dim copies around it."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (32 << 20) if device.type == "cuda" else (64 << 20)
+    rows = max(1, nbytes // (64 * 1024 * 4))
+    x = torch.ones((rows, 64, 1024), device=device, dtype=torch.float32)
+    seconds = time_call(lambda: x.movedim(-1, 0).contiguous(), device, budget_s=budget_s)
     moved = 2.0 * x.numel() * 4
     x = None
     if device.type == "cuda":

@@ -67,6 +67,7 @@ from .device import (
     layout_bandwidth,
     memory_bandwidth,
     op_overhead,
+    transpose_bandwidth,
 )
 
 __all__ = [
@@ -309,6 +310,7 @@ def _measure(
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
         layout_bw = _rates_agreed({"layout": layout_bandwidth(device, budget_s=budget)}, device)["layout"]
+        transpose_bw = _rates_agreed({"transpose": transpose_bandwidth(device, budget_s=budget)}, device)["transpose"]
         grad_copy = 1.0 / _rates_agreed({"params": 1.0 / grad_copy_overhead(device, budget_s=budget)}, device)["params"]
         overhead_graph = grad_copy_graph = 0.0
         if device.type == "cuda":
@@ -409,6 +411,7 @@ def _measure(
         op_overhead_graph=overhead_graph,
         concurrency=concurrency,
         layout_bandwidth=layout_bw,
+        transpose_bandwidth=transpose_bw,
         grad_copy_overhead=grad_copy,
         grad_copy_overhead_graph=grad_copy_graph,
         gpus_per_node=per_node,
@@ -432,6 +435,7 @@ def _measure(
         "elapsed_s": elapsed,
         "copy_bandwidth": mem_bw,
         "layout_bandwidth": layout_bw,
+        "transpose_bandwidth": transpose_bw,
         "grad_copy_overhead": grad_copy,
         "grad_copy_overhead_graph": grad_copy_graph,
         "op_overhead": overhead,

@@ -116,6 +116,9 @@ def test_comm_profile_validates_and_loads(world2):
         assert 1.0 <= prof.pair_speedup(c, 2, SIZES[1]) <= 2.0 and len(prof.concurrency[c][2][1]) == len(SIZES)
     assert all(prof.rate(d) > 0 for d in ("fp32", "tf32", "bf16", "fp16"))
     raw = json.loads(out.with_name("prof.raw.json").read_text())
+    # the copies around collectives: a layout change, and a transpose of the innermost dim
+    assert prof.layout_bandwidth == raw["layout_bandwidth"] > 0
+    assert prof.transpose_bandwidth == raw["transpose_bandwidth"] > 0
     curves = {(c["op"], c["group_size"]): c for c in raw["collectives"]}
     for c in hidup.profiler.COLLECTIVES:
         tab = prof.collectives[c][2]

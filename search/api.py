@@ -479,9 +479,15 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
                 if searched.get(axis) == fixed:
                     continue  # the same search again finds the same plan
                 searched[axis] = fixed
+                # id(signature) -> (signature, its forms on the other axes): the ops of identical layers
+                # share their signatures
+                others: dict[int, tuple] = {}
 
-                def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
-                    return _other_axes(sig, axis) == fixed.get(node.name)
+                def keep(node: Node, sig: Signature, axis=axis, fixed=fixed, others=others) -> bool:
+                    hit = others.get(id(sig))
+                    if hit is None or hit[0] is not sig:
+                        hit = others[id(sig)] = (sig, _other_axes(sig, axis))
+                    return hit[1] == fixed.get(node.name)
 
                 try:
                     found = _search_found(graph, profile, replace(opts, restrict=within(keep)), progress, models)
@@ -578,7 +584,11 @@ def _search_with(
         memory_budget is not None
         and not recompute
         and opts.recompute == "auto"
-        and explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
+        # every plan needs at least each node's leanest signature: past the budget, no DP is needed to tell
+        and (
+            explore.min_mem_suffix[0] > memory_budget
+            or explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
+        )
     )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []

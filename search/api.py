@@ -592,6 +592,15 @@ def _search_with(
     )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []
+    hidden: list[list[int]] = []
+
+    def hide() -> None:
+        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
+        # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
+        # runs while the duplicated mode's search, forked, still runs (hidup.search.modes)
+        if opts.algorithm == "dp" and not hidden:
+            hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
         if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
@@ -619,13 +628,9 @@ def _search_with(
         solver = outcome.info()
         candidates.append(outcome.ks)
     elif modes_left:
-        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam)
-    if opts.algorithm == "dp":
-        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
-        # that hides them can find the faster plan (data parallel): both are timed exactly below
-        hidden, _ = dp.solve(explore, False, None, hide_grad_sync=True, **beam)
-        if memory_budget is None or explore.plan_memory(hidden) <= memory_budget:
-            candidates.append(hidden)
+        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, hide)
+    hide()
+    candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
@@ -645,18 +650,25 @@ def _search_with(
 
 
 def _solve_modes_within(
-    problem: Problem, modes: tuple[bool, ...], budget: float | None, found: list[list[int]], progress, beam: dict
+    problem: Problem,
+    modes: tuple[bool, ...],
+    budget: float | None,
+    found: list[list[int]],
+    progress,
+    beam: dict,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Under a
     budget the duplicated mode's answer comes only when it can win (module docstring, "Duplication
     under a memory budget"): its plan without the budget fits, or the two passes of that plan are
-    faster than the best plan in hand (``found`` and the plain mode's answer) that fits."""
+    faster than the best plan in hand (``found`` and the plain mode's answer) that fits.
+    ``meanwhile`` as :func:`hidup.search.modes.solve_modes` takes it."""
 
     def label(mode: bool):
         return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
 
     if budget is None or tuple(modes) != (False, True):
-        return solve_modes(problem, modes, budget, label, **beam)
+        return solve_modes(problem, modes, budget, label, meanwhile=meanwhile, **beam)
 
     def fitting(plans: list[list[int]]) -> list[float]:
         return [
@@ -677,7 +689,7 @@ def _solve_modes_within(
         return not times or evaluate(problem, free, True).objective < min(times)
 
     # the search by price bounds the two passes of any plan within the budget as it goes
-    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), **beam)
+    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), meanwhile, **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

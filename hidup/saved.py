@@ -432,6 +432,9 @@ class _LocalOps:
     def __init__(self, recorder: Recorder, record: SavedRecord, interp: "_SavingInterpreter"):
         self.rec, self.record, self.interp = recorder, record, interp
         self.cache: dict = {}
+        # (what the node's runs depend on besides the signature, id(signature)) -> (signature, what its
+        # local op saves): the ops of identical layers share both, so each is looked up once
+        self.of_node: dict[tuple, tuple] = {}
         self.fresh = 0
 
     def measure(self) -> None:
@@ -441,8 +444,9 @@ class _LocalOps:
             if node.op != "call" or node.name not in self.record.saved or node.name not in self.rec.contexts:
                 continue
             per_sig = {}
+            arguments = self._arguments(node)
             for sig in node.signatures:
-                items = self._items(node, sig)
+                items = self._items(node, sig, arguments)
                 if items is not None:
                     per_sig[sig] = items
             for items in per_sig.values():
@@ -466,31 +470,24 @@ class _LocalOps:
                 for sig, items in per_sig.items()
             }
 
-    def _items(self, node: Node, sig: Signature) -> list[SavedItem] | None:
+    def _arguments(self, node: Node) -> tuple:
+        """What the runs of ``node``'s local ops depend on besides the signature: the op, its literal
+        arguments, and per input its global shape, dtype, ``requires_grad`` and first place among the
+        inputs (the shapes of all inputs: a signature that cannot split one is not run)."""
         g, dtypes = self.rec.graph, self.record.dtypes
         ctx = self.rec.contexts[node.name]
         n_arg = len(value_leaves((ctx.args, ctx.kwargs), TensorMeta))
-        try:
-            shapes = [f.local_shape(g.tensors[t].shape, g.mesh) for t, f in zip(node.inputs, sig.inputs)]
-        except ValueError:
-            return None
-        specs = tuple(
-            (t, sh, dtypes.get(t, g.tensors[t].dtype), g.tensors[t].requires_grad)
-            for t, sh in zip(node.inputs[:n_arg], shapes)
+        inputs = tuple(
+            (g.tensors[t].shape, dtypes.get(t, g.tensors[t].dtype), g.tensors[t].requires_grad, node.inputs.index(t))
+            for t in node.inputs
         )
-        key = (
-            node.target,
-            sig.inputs,
-            sig.outputs,
-            sig.impl,
-            repr(sig.params),
-            repr(ctx.args),
-            repr(ctx.kwargs),
-            tuple((sh, dt, rg, node.inputs.index(t)) for t, sh, dt, rg in specs),
-        )
-        if key not in self.cache:
-            self.cache[key] = self._run(ctx, sig, specs, g.mesh)
-        measured = self.cache[key]
+        return node.target, repr(ctx.args), repr(ctx.kwargs), n_arg, inputs
+
+    def _items(self, node: Node, sig: Signature, arguments: tuple) -> list[SavedItem] | None:
+        hit = self.of_node.get((arguments, id(sig)))
+        if hit is None or hit[0] is not sig:
+            hit = self.of_node[arguments, id(sig)] = (sig, self._measured(node, sig, arguments))
+        measured = hit[1]
         if measured is None:
             return None
         items = []
@@ -509,6 +506,30 @@ class _LocalOps:
                 held = gkey in self.interp.held
             items.append(SavedItem(slot, index, nbytes, dtype, how, shape, storage, True, held))
         return items
+
+    def _measured(self, node: Node, sig: Signature, arguments: tuple) -> list | None:
+        """What ``node``'s local op under ``sig`` saves (:meth:`_run`), once per distinct op, signature,
+        local shapes and arguments; None where it cannot run here."""
+        g = self.rec.graph
+        target, args, kwargs, n_arg, inputs = arguments
+        try:
+            shapes = [f.local_shape(shape, g.mesh) for (shape, *_), f in zip(inputs, sig.inputs)]
+        except ValueError:
+            return None
+        specs = tuple((t, sh, dt, rg) for t, sh, (_, dt, rg, _) in zip(node.inputs[:n_arg], shapes, inputs))
+        key = (
+            target,
+            sig.inputs,
+            sig.outputs,
+            sig.impl,
+            repr(sig.params),
+            args,
+            kwargs,
+            tuple((sh, dt, rg, at) for sh, (_, dt, rg, at) in zip(shapes, inputs[:n_arg])),
+        )
+        if key not in self.cache:
+            self.cache[key] = self._run(self.rec.contexts[node.name], sig, specs, g.mesh)
+        return self.cache[key]
 
     def _run(self, ctx, sig: Signature, specs, mesh: tuple[int, ...]) -> list | None:
         """(slot, index, bytes, dtype, how, shape) per storage the local op's backward keeps; None when

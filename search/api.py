@@ -479,9 +479,15 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
                 if searched.get(axis) == fixed:
                     continue  # the same search again finds the same plan
                 searched[axis] = fixed
+                # id(signature) -> (signature, its forms on the other axes): the ops of identical layers
+                # share their signatures
+                others: dict[int, tuple] = {}
 
-                def keep(node: Node, sig: Signature, axis=axis, fixed=fixed) -> bool:
-                    return _other_axes(sig, axis) == fixed.get(node.name)
+                def keep(node: Node, sig: Signature, axis=axis, fixed=fixed, others=others) -> bool:
+                    hit = others.get(id(sig))
+                    if hit is None or hit[0] is not sig:
+                        hit = others[id(sig)] = (sig, _other_axes(sig, axis))
+                    return hit[1] == fixed.get(node.name)
 
                 try:
                     found = _search_found(graph, profile, replace(opts, restrict=within(keep)), progress, models)
@@ -578,10 +584,23 @@ def _search_with(
         memory_budget is not None
         and not recompute
         and opts.recompute == "auto"
-        and explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
+        # every plan needs at least each node's leanest signature: past the budget, no DP is needed to tell
+        and (
+            explore.min_mem_suffix[0] > memory_budget
+            or explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
+        )
     )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []
+    hidden: list[list[int]] = []
+
+    def hide() -> None:
+        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
+        # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
+        # runs while the duplicated mode's search, forked, still runs (hidup.search.modes)
+        if opts.algorithm == "dp" and not hidden:
+            hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
         if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
@@ -609,13 +628,9 @@ def _search_with(
         solver = outcome.info()
         candidates.append(outcome.ks)
     elif modes_left:
-        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam)
-    if opts.algorithm == "dp":
-        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
-        # that hides them can find the faster plan (data parallel): both are timed exactly below
-        hidden, _ = dp.solve(explore, False, None, hide_grad_sync=True, **beam)
-        if memory_budget is None or explore.plan_memory(hidden) <= memory_budget:
-            candidates.append(hidden)
+        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, hide)
+    hide()
+    candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
     if local:
         best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
@@ -635,18 +650,25 @@ def _search_with(
 
 
 def _solve_modes_within(
-    problem: Problem, modes: tuple[bool, ...], budget: float | None, found: list[list[int]], progress, beam: dict
+    problem: Problem,
+    modes: tuple[bool, ...],
+    budget: float | None,
+    found: list[list[int]],
+    progress,
+    beam: dict,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Under a
     budget the duplicated mode's answer comes only when it can win (module docstring, "Duplication
     under a memory budget"): its plan without the budget fits, or the two passes of that plan are
-    faster than the best plan in hand (``found`` and the plain mode's answer) that fits."""
+    faster than the best plan in hand (``found`` and the plain mode's answer) that fits.
+    ``meanwhile`` as :func:`hidup.search.modes.solve_modes` takes it."""
 
     def label(mode: bool):
         return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
 
     if budget is None or tuple(modes) != (False, True):
-        return solve_modes(problem, modes, budget, label, **beam)
+        return solve_modes(problem, modes, budget, label, meanwhile=meanwhile, **beam)
 
     def fitting(plans: list[list[int]]) -> list[float]:
         return [
@@ -667,7 +689,7 @@ def _solve_modes_within(
         return not times or evaluate(problem, free, True).objective < min(times)
 
     # the search by price bounds the two passes of any plan within the budget as it goes
-    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), **beam)
+    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), meanwhile, **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

@@ -577,7 +577,9 @@ class _DP:
     # ---------------------------------------------------------------------------- driver
     def solve(self, reuse: bool, progress) -> tuple[list[int], tuple]:
         p = self.p
-        occs = find_blocks(p) if reuse else []
+        if reuse and p.occurrences is None:
+            p.occurrences = find_blocks(p)
+        occs = p.occurrences if reuse else []
         for o in occs:
             self.reps.setdefault(o.type, o)
         starts = {o.start: (n, o) for n, o in enumerate(occs)}
@@ -645,11 +647,15 @@ def solve(
     bound shows that no plan within the budget has a predicted time below it."""
     hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
+        if by_price is None:
+            by_price = max_states is not None and problem.n >= PRICE_MIN_POSITIONS
+        if problem.min_mem_suffix[0] > memory_budget:  # even the leanest signature of every node needs more
+            # where the search would have run out of plans: by price at the end, the memory-aware DP at once
+            at = problem.n - 1 if by_price else 0
+            raise LazySearchError(lambda: _budget_message(problem, memory_budget, at, max_states, max_points))
         ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress, hide_grad_sync)
         if problem.plan_memory(ks) <= memory_budget:
             return ks, v
-        if by_price is None:
-            by_price = max_states is not None and problem.n >= PRICE_MIN_POSITIONS
         if by_price:
             beam = (max_states, max_points, reuse_blocks, hide_grad_sync)
             return _solve_by_price(problem, duplication, memory_budget, beam, (ks, v), beat)
@@ -706,8 +712,6 @@ def _solve_by_price(
     def no_plan() -> LazySearchError:
         return LazySearchError(lambda: _budget_message(problem, budget, problem.n - 1, max_states, max_points))
 
-    if problem.min_mem_suffix[0] > budget:  # even the leanest signature of every node needs more
-        raise no_plan()
     bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
 
     def probe(price: float) -> tuple[list[int], float, bool]:

@@ -32,6 +32,7 @@ def solve_modes(
     progress_of: Callable[[bool], Callable | None] = lambda mode: None,
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
+    meanwhile: Callable[[], None] | None = None,
     **beam,
 ) -> list[list[int]]:
     """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
@@ -40,7 +41,9 @@ def solve_modes(
     one (fork shares the problem without copying it; only the answers travel back).  Otherwise, or
     if the child dies, they run one after the other.  With ``worth`` (modes ``(False, True)`` under
     ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
-    (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`)."""
+    (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
+    ``meanwhile`` (the caller's own work) runs in this process once the plain search is done, while
+    the child still searches; it is not run where the searches run one after the other."""
     if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
     if (
@@ -58,6 +61,8 @@ def solve_modes(
     send.close()
     try:
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
+        if meanwhile is not None:
+            meanwhile()
         try:
             if worth is not None and not worth(first, _received(receive)):
                 return [first]

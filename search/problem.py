@@ -58,7 +58,7 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -139,6 +139,7 @@ class Models:
         self._cost: dict[tuple, CostModel] = {}
         self._memory: dict[tuple, MemoryModel] = {}
         self._physical: dict[int, tuple] = {}
+        self._kept: dict[tuple, dict] = {}  # table -> (node name, id(signature)) -> (signature, value)
 
     def physical(self, profile):
         """``profile`` without its corrections, one copy per profile (so its cost model is shared too)."""
@@ -153,6 +154,16 @@ class Models:
         if hit is None or hit.profile is not profile:  # (the model holds its profile: an id is not reused)
             hit = self._cost[key] = CostModel(self.graph, profile, precision)
         return hit
+
+    def kept(self, table: tuple, node: Node, sig: Signature, make: Callable[[Node, Signature], Any]) -> Any:
+        """``make(node, sig)``, kept in the table ``table`` per (node, signature): what depends only on
+        the node, the signature and what names the table (a precision, a cost model)."""
+        entries = self._kept.setdefault(table, {})
+        key = (node.name, id(sig))
+        hit = entries.get(key)
+        if hit is None or hit[0] is not sig:
+            hit = entries[key] = (sig, make(node, sig))
+        return hit[1]
 
     def memory(self, optimizer_factor: float, precision: str, recompute=frozenset()) -> MemoryModel:
         key = (optimizer_factor, precision, frozenset(recompute))
@@ -202,19 +213,27 @@ class Problem:
         # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
         self.saved_in: list[tuple[tuple, ...]] = []
         memory = models.memory(optimizer_factor, precision, recompute)
+        # id(signature) -> (signature, form ids of its inputs / outputs): the ops of identical layers share
+        # their signatures, so each is numbered once (in the order it would be, form by form)
+        in_ids: dict[int, tuple] = {}
+        out_ids: dict[int, tuple] = {}
+
+        def saved_inputs(node: Node, sig: Signature) -> tuple[tuple[int, int], ...]:
+            return self._saved_inputs(node, sig, memory.record)
+
         for node in self.order:
             sigs = self._allowed(node, restrict)
             self.sigs.append(sigs)
-            self.in_forms.append([tuple(self._fid(f) for f in s.inputs) for s in sigs])
-            self.out_forms.append([tuple(self._fid(f) for f in s.outputs) for s in sigs])
+            self.in_forms.append([self._fids(s, s.inputs, in_ids) for s in sigs])
+            self.out_forms.append([self._fids(s, s.outputs, out_ids) for s in sigs])
             self._plain_device.append([self.cost.device_compute(node, s) for s in sigs])
-            self.saved_in.append(tuple(self._saved_inputs(node, s, memory.record) for s in sigs))
+            self.saved_in.append(tuple(models.kept(("saved in", precision), node, s, saved_inputs) for s in sigs))
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self._plain_fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
         self._plain_copy = [
-            [self.cost.copy_compute(node, s, self._plain_device[i][k], self.node_batch[i]) for k, s in enumerate(sigs)]
-            for i, (node, sigs) in enumerate(zip(self.order, self.sigs))
+            [models.kept(("copy", id(self.cost)), node, s, self._copy_compute) for s in sigs]
+            for node, sigs in zip(self.order, self.sigs)
         ]
         self._liveness()
         self._recomputing(memory)
@@ -249,6 +268,8 @@ class Problem:
         # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
         # a budgeted search asks for it again, first to see whether the budget binds
         self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
+        # the repeated layers' occurrences (hidup.search.segments.find_blocks), found by the first DP
+        self.occurrences: list | None = None
 
     def _liveness(self) -> None:
         """Which tensors are live before each position, where each comes from, and the forms their
@@ -351,6 +372,17 @@ class Problem:
             order.append(n)
             done.add(n.name)
         return order
+
+    def _copy_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
+        """:meth:`CostModel.copy_compute` of ``node`` under ``sig`` (its device time read from the cost model)."""
+        return self.cost.copy_compute(node, sig, self.cost.device_compute(node, sig), self.cost.node_is_batch(node))
+
+    def _fids(self, sig: Signature, forms: tuple[Form, ...], memo: dict[int, tuple]) -> tuple[int, ...]:
+        """The form ids of ``forms`` (``sig``'s inputs or outputs), kept in ``memo`` per signature."""
+        hit = memo.get(id(sig))
+        if hit is None or hit[0] is not sig:
+            hit = memo[id(sig)] = (sig, tuple(self._fid(f) for f in forms))
+        return hit[1]
 
     def _fid(self, f: Form) -> int:
         if f not in self.form_id:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hidup
+import hidup.saved
 import hidup.stamp
 import hidup.trace
 from hidup.trace import trace_module
@@ -232,6 +233,27 @@ def test_stamped_trace_searches_the_same_plan(name, mesh, traces):
     plan_stamped = _quiet(hidup.search, stamped.graph, PROFILE, duplication=False)
     assert plan_full.to_dict() == plan_stamped.to_dict()
     assert hidup.show(plan_full, full.graph) == hidup.show(plan_stamped, stamped.graph)
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_saved_record_looks_up_identical_layers_once(name, traces, monkeypatch):
+    """What autograd saves (:mod:`hidup.saved`), each local op's record looked up once for the ops of
+    identical layers, equals the record looked up node by node, item for item and in order; and the
+    stamped trace's record is the whole trace's."""
+    _, by_mesh = traces(name)
+    full, stamped, _ = by_mesh[(2, 2)]
+    shared = stamped.graph.autograd_saved._run("bf16")
+    real = hidup.saved._LocalOps._items
+
+    def node_by_node(self, node, sig, arguments):
+        self.of_node.clear()
+        return real(self, node, sig, arguments)
+
+    monkeypatch.setattr(hidup.saved._LocalOps, "_items", node_by_node)
+    alone = stamped.graph.autograd_saved._run("bf16")
+    assert sum(len(per_sig) for per_sig in alone.local.values()) > 10 * LAYERS
+    assert repr(shared) == repr(alone)
+    assert repr(full.graph.autograd_saved._run("bf16")) == repr(alone)
 
 
 def test_default_stamps_deep_stacks_only(monkeypatch):

@@ -11,13 +11,23 @@ DDP does):
   the forward (the order in which backward finishes them), one dtype/device per bucket;
 * a ``post_accumulate_grad_hook`` marks a parameter ready once autograd has summed all of its
   uses (the hook runs once per backward, however often the parameter is used); when a bucket is
-  complete and all earlier buckets are launched, its gradients are copied into a flat buffer and
-  ``all_reduce(async_op=True)`` is started;
+  complete and all earlier buckets are launched, its all-reduce is started (``async_op``) as one
+  coalesced call (``torch.distributed._coalescing_manager``: NCCL runs the tensors' all-reduces as
+  one grouped launch) over
+
+  - the gradients of at least :data:`hidup.ir.GRAD_PACK_BYTES` bytes, summed where they lie: no copy
+    at all (DDP instead copies every gradient into its flat bucket and back, or views it there);
+  - one flat buffer holding the smaller gradients and any gradient that is not contiguous (a
+    collective needs dense memory), copied in with one ``torch.cat``: many tiny tensors (biases,
+    norms) would each cost a collective op more than their copy;
 * a callback queued on the autograd engine waits for every bucket at the end of the backward,
   launches buckets that were left incomplete (parameters that received no gradient are skipped
-  consistently on every rank), and makes each parameter's ``.grad`` the view of its sum in the
-  flat buffer (as DDP's ``gradient_as_bucket_view``: no copy back; a gradient with a strided
+  consistently on every rank), and makes each packed parameter's ``.grad`` the view of its sum in
+  the flat buffer (as DDP's ``gradient_as_bucket_view``: no copy back; a gradient with a strided
   layout is copied instead).
+
+Every rank holds the same parameters with gradients in the same order and applies the same size
+rule, so the coalesced calls match across ranks tensor by tensor.
 
 On a device mesh (:mod:`hidup.codegen.mesh`) a parameter whose layout is ``replicate`` on axes ``K``
 holds a gradient that is partial over exactly those axes, so it is summed over the ranks that
@@ -41,11 +51,12 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from hidup.codegen.collectives import world_of
 from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.params import iter_shards
-from hidup.ir import GRAD_BUCKET_MB
+from hidup.ir import GRAD_BUCKET_MB, GRAD_PACK_BYTES
 
 __all__ = ["GradBucketer", "clip_grad_norm_"]
 
@@ -55,8 +66,9 @@ class _Bucket:
         self.params = params
         self.ready: set[int] = set()
         self.work = None
-        self.buffer: torch.Tensor | None = None
-        self.members: list[torch.nn.Parameter] = []
+        self.buffer: torch.Tensor | None = None  # the packed gradients, flat
+        self.packed: list[torch.nn.Parameter] = []  # parameters whose gradient is in ``buffer``
+        self.summed: list[torch.Tensor] = []  # every tensor the all-reduce sums in place
 
 
 class GradBucketer:
@@ -123,11 +135,15 @@ class GradBucketer:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
-        if not bucket.members:
+        members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
+        if not members:
             return
-        bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.members])
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.groups[0], async_op=True)
+        in_place = [p.grad for p in members if _in_place(p.grad)]
+        bucket.packed = [p for p in members if not _in_place(p.grad)]
+        if bucket.packed:
+            bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.packed])
+        bucket.summed = ([bucket.buffer] if bucket.packed else []) + in_place
+        bucket.work = _all_reduce(bucket.summed, self.groups[0], async_op=True)
 
     def _finish(self) -> None:
         try:
@@ -139,9 +155,9 @@ class GradBucketer:
                     continue
                 bucket.work.wait()
                 for g in self.groups[1:]:
-                    dist.all_reduce(bucket.buffer, group=g)
+                    _all_reduce(bucket.summed, g, async_op=False)
                 offset = 0
-                for p in bucket.members:
+                for p in bucket.packed:
                     n = p.numel()
                     summed = bucket.buffer[offset : offset + n].view(p.grad.shape)
                     if p.grad.is_contiguous():  # the sum becomes the gradient, a view of the bucket: no copy back
@@ -153,9 +169,26 @@ class GradBucketer:
             for bucket in self.buckets:
                 bucket.ready.clear()
                 bucket.work = bucket.buffer = None
-                bucket.members = []
+                bucket.packed = []
+                bucket.summed = []
             self._next = 0
             self._pending = False
+
+
+def _in_place(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is summed where it lies (module docstring), not packed into the flat buffer."""
+    return grad.is_contiguous() and grad.numel() * grad.element_size() >= GRAD_PACK_BYTES
+
+
+def _all_reduce(tensors: list[torch.Tensor], group, async_op: bool):
+    """Sum each of ``tensors`` (one dtype and device) over ``group`` in place, as one coalesced call;
+    returns the call's handle when ``async_op`` (its ``wait()`` waits for all of them)."""
+    if len(tensors) == 1:
+        return dist.all_reduce(tensors[0], group=group, async_op=async_op)
+    with _coalescing_manager(group, async_ops=async_op) as calls:
+        for t in tensors:
+            dist.all_reduce(t, group=group, async_op=async_op)
+    return calls if async_op else None
 
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:

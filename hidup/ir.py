@@ -85,6 +85,7 @@ __all__ = [
     "Graph",
     "DTYPE_BYTES",
     "GRAD_BUCKET_MB",
+    "GRAD_PACK_BYTES",
     "block_label",
     "block_family",
     "Layout",
@@ -101,6 +102,12 @@ __all__ = [
 # Size of the buckets in which the runtime all-reduces the gradients of replicated parameters
 # (hidup.codegen.grads); the search prices that all-reduce per bucket (hidup.search.cost).
 GRAD_BUCKET_MB = 25.0
+
+# A gradient of fewer bytes is copied into its bucket's flat buffer and summed there; a larger one is
+# summed where it lies, as its own tensor of the bucket's coalesced all-reduce (hidup.codegen.grads).
+# Copying 1 MiB in and out of a buffer costs about a microsecond of device memory traffic, what one
+# more tensor in a coalesced NCCL call costs; below it the copy is the cheaper, above it the in-place sum.
+GRAD_PACK_BYTES = 1 << 20
 
 # Collective operations that cost communication; every other conversion op is local.
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")

@@ -141,10 +141,11 @@ parameter of ``b`` bytes is charged its share of one bucket::
 so the step pays one latency ``alpha`` per bucket, not per parameter, at the bandwidth of a
 bucket-sized message (a parameter larger than a bucket gets a bucket of its own: ``G(b) = T(b)``;
 a model smaller than one bucket syncs in one message).  The share is node-local, so the DP sums it
-like any other cost; only the last, partly filled bucket is priced as if it were full.  Packing
-the gradient into its bucket costs the compute stream ``g + 2 b / memory_bandwidth`` (``g`` the
-profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`; the sum is not copied back: the gradient
-becomes a view of the bucket), once per step (with duplication: in copy A's item).
+like any other cost; only the last, partly filled bucket is priced as if it were full.  A gradient
+of ``b >= GRAD_PACK_BYTES`` bytes is summed where it lies and costs the compute stream nothing; a
+smaller one is packed into its bucket's flat buffer, which costs ``g + 2 b / memory_bandwidth`` (``g``
+the profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`; the sum is not copied back: the
+gradient becomes a view of the buffer), once per step (with duplication: in copy A's item).
 
 Duplication (two half-batch copies A and B)
 -------------------------------------------
@@ -185,6 +186,7 @@ from hidup.ir import (
     FORM_CHANGE_OPS,
     FULL,
     GRAD_BUCKET_MB,
+    GRAD_PACK_BYTES,
     Conversion,
     Form,
     Graph,
@@ -730,8 +732,10 @@ class CostModel:
         return model(self._copy, moved, frm, to, nbytes * share, nbytes * share / n, membw, layout)
 
     def grad_copies(self, nbytes: float) -> float:
-        """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket
-        (module docstring)."""
+        """Seconds of packing a replicated parameter's gradient of ``nbytes`` into its bucket's flat
+        buffer; 0 for one summed in place (module docstring)."""
+        if nbytes >= GRAD_PACK_BYTES:
+            return 0.0
         membw = self.profile.memory_bandwidth
         return self.profile.grad_copy_fixed() + (2.0 * nbytes / membw if membw > 0 else 0.0)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hidup.profiler
-from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
+from hidup.ir import FULL, GRAD_PACK_BYTES, REDUCE, REPLICATE, Graph, Node, Signature, Tensor, gather
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
 
@@ -118,11 +118,12 @@ def _param_graph(n=1 << 18, world=4):
 
 
 def test_gradient_bucket_copies_run_on_the_compute_stream():
-    g = _param_graph()
+    n = GRAD_PACK_BYTES // 4 - 1  # just below the size summed in place: packed into the bucket's buffer
+    g = _param_graph(n)
     prof = _profile()
     cm = CostModel(g, prof)
     c = cm.conversion(0, REPLICATE, FULL)
-    nb = (1 << 18) * 4
+    nb = n * 4
     assert c.bwd_copies == pytest.approx(3e-6 + 2 * nb / MEM)  # packed into the bucket; the sum stays there (a view)
     assert c.bwd == pytest.approx(cm.grad_sync(nb) + c.bwd_copies)
     assert (c.bwd_copies_a, c.bwd_copies_b) == (c.bwd_copies, 0.0)  # once per step, after both copies
@@ -133,6 +134,9 @@ def test_gradient_bucket_copies_run_on_the_compute_stream():
     assert step.bwd_async == pytest.approx(cm.grad_sync(nb))
     assert step.bwd_compute == pytest.approx(p.compute[i][0][1] + c.bwd_copies)
     assert step.compute == pytest.approx(sum(p.compute[i][0]) + c.bwd_copies)
+    # a gradient of GRAD_PACK_BYTES or more is summed where it lies: no copy on the compute stream
+    big = CostModel(_param_graph(GRAD_PACK_BYTES // 4), prof).conversion(0, REPLICATE, FULL)
+    assert big.bwd_copies == 0.0 and big.bwd == pytest.approx(cm.grad_sync(GRAD_PACK_BYTES))
     # unmeasured: two op overheads per parameter; in a CUDA graph the graph figure
     assert CostModel(g, _profile(grad_copy_overhead=0.0)).grad_copies(0.0) == pytest.approx(2 * OVERHEAD)
     graphed = _profile(grad_copy_overhead_graph=5e-7, op_overhead_graph=2e-7).launched(True)

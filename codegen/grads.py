@@ -51,6 +51,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from hidup.codegen.collectives import world_of
@@ -180,11 +181,27 @@ def _in_place(grad: torch.Tensor) -> bool:
     return grad.is_contiguous() and grad.numel() * grad.element_size() >= GRAD_PACK_BYTES
 
 
+class _Calls:
+    """The handles of several collectives, waited for together."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 def _all_reduce(tensors: list[torch.Tensor], group, async_op: bool):
     """Sum each of ``tensors`` (one dtype and device) over ``group`` in place, as one coalesced call;
-    returns the call's handle when ``async_op`` (its ``wait()`` waits for all of them)."""
+    returns the call's handle when ``async_op`` (its ``wait()`` waits for all of them).  Fake tensors
+    (the peak-memory replay, :mod:`hidup.runtime.peak`) take one call each: torch has no fake kernel
+    for the coalesced one, and the sums allocate nothing either way."""
     if len(tensors) == 1:
         return dist.all_reduce(tensors[0], group=group, async_op=async_op)
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        works = [dist.all_reduce(t, group=group, async_op=async_op) for t in tensors]
+        return _Calls(works) if async_op else None
     with _coalescing_manager(group, async_ops=async_op) as calls:
         for t in tensors:
             dist.all_reduce(t, group=group, async_op=async_op)

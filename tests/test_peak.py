@@ -34,6 +34,7 @@ from hidup.trace import forward_inputs
 
 SMALL = dict(layers=2, d_model=64, heads=4, ffn=128, seq_len=16, batch_per_gpu=4, vocab=256)
 LONG = dict(SMALL, seq_len=64, vocab=64)  # activations above the weights: the peak is in the step's backward
+WIDE_VOCAB = dict(SMALL, vocab=4200)  # an embedding above GRAD_PACK_BYTES: summed in place, beside a packed buffer
 
 
 def _plan(style, world=2, mesh=None, config=SMALL):
@@ -50,9 +51,9 @@ def _nbytes(tensors) -> int:
     return sum(storages.values())
 
 
-def _real_peak(plan, rank, world, steps=2) -> dict:
+def _real_peak(plan, rank, world, steps=2, config=SMALL) -> dict:
     """The same steps on real CPU tensors (random weights), tracked the same way."""
-    model, inputs = hidup.models.build("gpt", world_size=world, seed=0, **SMALL)
+    model, inputs = hidup.models.build("gpt", world_size=world, seed=0, **config)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with warnings.catch_warnings():
@@ -83,11 +84,11 @@ def _predicted(plan, rank, world, config=SMALL, **kw):
     return predict_peak(model, forward_inputs(model, inputs), plan, rank, **kw)
 
 
-@pytest.mark.parametrize("style", ["data", "tensor"])
-def test_fake_run_allocates_what_a_real_run_allocates(style):
-    plan = _plan(style)
-    real = _real_peak(plan, 1, 2)
-    fake = _predicted(plan, 1, 2)
+@pytest.mark.parametrize("style,config", [("data", SMALL), ("tensor", SMALL), ("data", WIDE_VOCAB)])
+def test_fake_run_allocates_what_a_real_run_allocates(style, config):
+    plan = _plan(style, config=config)
+    real = _real_peak(plan, 1, 2, config=config)
+    fake = _predicted(plan, 1, 2, config=config)
     assert fake.total == real["total"] > 0
     assert {k: fake.parts[k] for k in PEAK_PARTS} == {k: float(real[k]) for k in PEAK_PARTS}
     # the parameters at the peak are the rank's own pieces

@@ -272,6 +272,7 @@ class _Builder:
         self.n_reshard = 0
         self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
         self.region = None  # the recomputation region new nodes join (codegen.recompute)
+        self.layer = ""  # the repeated layer (ir.block_label) of the plan node being generated; "" outside one
         self.copies = copies  # hidup.copies.CopyAxis of a duplicated copy's program, else None
         self.device, self.local_batch = device, local_batch
         self.graph = torch.fx.Graph()
@@ -301,6 +302,7 @@ class _Builder:
     def _tag(self, node: torch.fx.Node) -> torch.fx.Node:
         node.meta["stage"] = self.stage
         node.meta[REGION] = self.region
+        node.meta[compiled.LAYER] = self.layer
         return node
 
     def call(self, target, args, kwargs=None, name=None) -> torch.fx.Node:
@@ -533,8 +535,9 @@ class _Builder:
                 label = block_label(node.module)
                 # duplication interleaves its copies stage by stage: a region must not span stages
                 self.region = (label, self.stage if self.copies is not None else 0) if label in self.recompute else None
+                self.layer = label
                 self.add_call(node, sig)
-                self.region = None
+                self.region, self.layer = None, ""
             elif node.op == "output":
                 self.add_output(node)
             else:

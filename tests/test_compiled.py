@@ -386,3 +386,37 @@ def test_compiled_program_overlaps_gradient_buckets_with_the_backward():
         assert r["waiting"][0] > 0, f"rank {rank}: the first bucket launched only after the whole backward"
         for step, (loss_err, grad_err) in enumerate(r["errs"]):
             assert loss_err < TOL and grad_err < TOL, f"rank {rank} step {step}: {loss_err:.2e} {grad_err:.2e}"
+
+
+def test_segments_are_cut_at_layer_boundaries():
+    """The compiled segments of a layered program start where a repeated layer starts, never inside
+    one, and hold at least a bucket's parameters; without layers every parameter read may cut."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import hidup
+    from hidup.codegen.compiled import LAYER, bucket_segments
+    from hidup.search import forced
+    from hidup.trace import trace_module
+
+    model, inputs = hidup.models.build("gpt", world_size=2, **dict(SMALL["gpt"], layers=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = forced(trace_module(model, inputs, 2).graph, PROFILE, "data", duplication=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        gm = hidup.compile(model, plan, 0, 2, inputs, duplication=False).gm
+    finally:
+        dist.destroy_process_group()
+    replicated = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    seg = bucket_segments(gm, replicated, 1e-6)  # a bucket per parameter: cut wherever allowed
+    starts = [(prev, n) for prev, n in zip(calls, calls[1:]) if seg[n.name] != seg[prev.name]]
+    layers = sorted({n.meta[LAYER] for n in calls if n.meta[LAYER]})
+    assert len(layers) == 3 and len(starts) == 3, [n.name for _, n in starts]
+    for prev, n in starts:
+        assert n.meta[LAYER] and n.meta[LAYER] != prev.meta[LAYER], (prev.name, n.name)
+    assert set(bucket_segments(gm, replicated, 1e6).values()) == {0}  # one bucket: one graph
+    for n in gm.graph.nodes:  # a program without layers: any first read of a parameter may start a segment
+        n.meta[LAYER] = ""
+    assert len(set(bucket_segments(gm, replicated, 1e-6).values())) > 3

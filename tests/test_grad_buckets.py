@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dist_util import run_distributed
 from hidup.codegen import GradBucketer
 from hidup.ir import GRAD_PACK_BYTES
-from tests.dist_util import run_distributed
 
 
 def _params():

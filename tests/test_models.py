@@ -159,11 +159,11 @@ def test_bad_overrides():
 
 
 def test_large_meta_build():
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the bound holds on a loaded machine too
     model, inputs = M.build(
         "bert-sgmoe", world_size=8, device="meta", layers=48, d_model=4096, heads=32, ffn=16384, experts_per_gpu=2
     )
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     n = M.count_parameters(model)
     assert n == model.config.num_parameters() and n > 1e10
     assert elapsed < 10.0, f"meta build took {elapsed:.1f}s"

@@ -409,13 +409,13 @@ def test_ten_billion_parameter_moe_traces_fast_and_small():
             # carries the parent's (pytest's) peak across exec
             with open("/proc/self/status") as status:
                 return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU seconds: the bound holds on a loaded machine too
         model, inputs = hidup.models.build("bert-sgmoe", world_size=8, device="meta", layers=32,
                                            d_model=2048, heads=16, ffn=8192, experts_per_gpu=2)
         params = sum(p.numel() for p in model.parameters())
         warnings.simplefilter("ignore")
         g = hidup.trace(model, inputs, 8)
-        print(json.dumps({"params": params, "seconds": time.perf_counter() - t0, "nodes": len(g.nodes),
+        print(json.dumps({"params": params, "seconds": time.process_time() - t0, "nodes": len(g.nodes),
                           "rss_kib": peak_rss_kib(),
                           "traced_params": sum(t.numel for t in g.tensors.values() if t.is_param)}))
     """)

@@ -349,7 +349,7 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
         plan, error = run(replace(opts, reshard="off")), None
         plan.options["reshard_requested"] = "auto"
     except SearchError as e:
-        plan, error = None, e
+        plan, error = None, e.with_traceback(None)  # (its traceback would hold this frame: a cycle)
     if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
         return plan
     limit = opts.time_limit
@@ -399,12 +399,18 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
         try:
             found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for)
         except SearchError as e:
-            errors.append(e)
+            # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
+            # a cycle that would keep every problem made here (and its caches) alive until a full
+            # collection, which then walks them all (seconds on a large graph)
+            errors.append(e.with_traceback(None))
             continue
         if found is not None:
             results.append(found)
     if not results:
-        raise errors[-1]
+        try:
+            raise errors.pop()
+        finally:
+            errors.clear()  # (the raised error's traceback holds this frame: no cycle through `errors`)
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
     if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:

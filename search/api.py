@@ -219,21 +219,27 @@ def search(
     if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
         opts = replace(opts, duplication=False)
-    models = Models(graph)  # the prices every problem of this search shares
     with dp.no_gc():
-        plan = _resharding(
-            lambda o: (
-                _search_mesh(graph, profile, o, progress, models)
-                if len(graph.mesh) > 1
-                else _search(graph, profile, o, progress, models)
-            ),
-            opts,
-        )
+        plan = _search_all(graph, profile, opts, progress)
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     plan.options["compiled"] = bool(opts.compiled)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
     return plan
+
+
+def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
+    """The plan of :func:`search`; the models its problems share (and the states they cached) are freed
+    on return, before the cyclic collector runs again (it would otherwise walk them all once more)."""
+    models = Models(graph)  # the prices every problem of this search shares
+    return _resharding(
+        lambda o: (
+            _search_mesh(graph, profile, o, progress, models)
+            if len(graph.mesh) > 1
+            else _search(graph, profile, o, progress, models)
+        ),
+        opts,
+    )
 
 
 def _loaded(profile):

@@ -49,8 +49,10 @@ graph (``PRICE_MIN_POSITIONS``); smaller graphs and exact searches keep the memo
 Speed
 -----
 * Transitions are cached per (position, signature, states of the node's inputs), and the list of
-  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes
-  and by the positions that transition alike (the same op of identical layers).
+  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes,
+  by the positions that transition alike (the same op of identical layers) and by the problems of
+  one search priced by one cost model (:meth:`hidup.search.problem.Models.caches`: the mesh search's
+  steps, the sets of recomputed layers, resharding on and off).
 * Under a memory budget the node step is generated too (one function per pass, the duplicated
   recurrence inlined beside the memory entry and the budget test), and a ``(time, memory)`` Pareto
   set is one pass over the points sorted by time, keeping each that uses less memory than every

@@ -50,6 +50,18 @@ activations), except inside a recomputed layer (its region makes the copy again)
 (True: every parameter stored split; or a set of ``param`` node names, :mod:`hidup.codegen.reshard`)
 the conversion of such a parameter from a form split on some axis keeps no copy and runs its forward
 collectives and copies again in the backward, blocking, as a recomputed node's conversions do.
+
+Caches shared by the problems of one search
+-------------------------------------------
+The problems built from one :class:`Models` (a search's) number forms alike (one id per form, in
+the order the search meets them), so a state key means the same in each.  A transition from a key
+depends only on the key and on the position's *shape* (:meth:`Problem._transition_caches`: its
+signatures' form ids, prices and memory, the conversion classes of its inputs, which of them are
+parameters and resharded, its liveness and the forms later readers may need), so positions of one
+shape share one cache, across the problems of one cost model too.  A penalty matrix
+(:meth:`Problem.penalties`) is a sum over the forms later readers may need, added up in the order
+the problem met those forms (the order ids of its own would give), and is shared under that order:
+every value is the one a problem built alone computes, bit for bit.
 """
 
 from __future__ import annotations

@@ -135,3 +135,47 @@ def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, m
     finally:
         if was:
             gc.enable()
+
+
+def _prune_before(self, states: dict, pos: int) -> dict:
+    """:meth:`dp._DP.prune` as it was, sorting the states by estimate for each cut."""
+    if self.dup or self.has_mem:
+        states = {k: self.finalize(b) for k, b in states.items() if b}
+    elif any(len(b) != 1 for b in states.values()):
+        states = {k: [min(b, key=dp._first)] for k, b in states.items() if b}
+    beam_cuts = bool(self.max_states) and len(states) > self.max_states
+    if not self.has_mem and (len(states) > 8 if not self.dup else beam_cuts):
+        if self.max_states and len(states) > dp.CROSS_PRUNE_SPAN * self.max_states:
+            ranked = sorted(states.items(), key=dp._first_est)[: dp.CROSS_PRUNE_SPAN * self.max_states]
+            keep = {k for k, _ in ranked}
+            states = {k: f for k, f in states.items() if k in keep}
+        states = self.cross_prune(states, pos)[0]
+    if self.max_states and len(states) > self.max_states:
+        keep = {k for k, _ in sorted(states.items(), key=dp._first_est)[: self.max_states]}
+        states = {k: f for k, f in states.items() if k in keep}
+    return states
+
+
+@pytest.mark.parametrize("max_states", [4, 32])
+def test_pruning_ranks_the_states_once_and_keeps_what_ranking_them_for_each_cut_kept(
+    mesh_graph, monkeypatch, max_states
+):
+    """The states a position keeps, and their order (which settles ties later), are those of sorting
+    them again for each cut, with every pass of the DP: plain, duplicated, budgeted, priced."""
+    pruned = dp._DP.prune
+    calls = []
+
+    def both(self, states, pos, single=False):
+        want = _prune_before(self, {k: list(b) for k, b in states.items()}, pos)
+        got = pruned(self, states, pos, single)
+        assert list(got.items()) == list(want.items())
+        calls.append(len(states) > max_states)
+        return got
+
+    monkeypatch.setattr(dp._DP, "prune", both)
+    pr = Problem(mesh_graph, P.load(CLUSTER), "bf16")
+    budget = (pr.min_mem_suffix[0] + pr.plan_memory(dp.solve(pr, False, max_states=max_states)[0])) / 2
+    for duplication in (False, True):
+        dp.solve(pr, duplication, budget, max_states=max_states)
+        dp.solve(pr, duplication, budget, max_states=max_states, by_price=True)
+    assert any(calls)  # the beam did cut

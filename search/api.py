@@ -219,21 +219,27 @@ def search(
     if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
         opts = replace(opts, duplication=False)
-    models = Models(graph)  # the prices every problem of this search shares
     with dp.no_gc():
-        plan = _resharding(
-            lambda o: (
-                _search_mesh(graph, profile, o, progress, models)
-                if len(graph.mesh) > 1
-                else _search(graph, profile, o, progress, models)
-            ),
-            opts,
-        )
+        plan = _search_all(graph, profile, opts, progress)
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     plan.options["compiled"] = bool(opts.compiled)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
     return plan
+
+
+def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
+    """The plan of :func:`search`; the models its problems share (and the states they cached) are freed
+    on return, before the cyclic collector runs again (it would otherwise walk them all once more)."""
+    models = Models(graph)  # the prices every problem of this search shares
+    return _resharding(
+        lambda o: (
+            _search_mesh(graph, profile, o, progress, models)
+            if len(graph.mesh) > 1
+            else _search(graph, profile, o, progress, models)
+        ),
+        opts,
+    )
 
 
 def _loaded(profile):
@@ -349,7 +355,7 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
         plan, error = run(replace(opts, reshard="off")), None
         plan.options["reshard_requested"] = "auto"
     except SearchError as e:
-        plan, error = None, e
+        plan, error = None, e.with_traceback(None)  # (its traceback would hold this frame: a cycle)
     if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
         return plan
     limit = opts.time_limit
@@ -399,12 +405,18 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
         try:
             found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for)
         except SearchError as e:
-            errors.append(e)
+            # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
+            # a cycle that would keep every problem made here (and its caches) alive until a full
+            # collection, which then walks them all (seconds on a large graph)
+            errors.append(e.with_traceback(None))
             continue
         if found is not None:
             results.append(found)
     if not results:
-        raise errors[-1]
+        try:
+            raise errors.pop()
+        finally:
+            errors.clear()  # (the raised error's traceback holds this frame: no cycle through `errors`)
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
     if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:

@@ -49,8 +49,10 @@ graph (``PRICE_MIN_POSITIONS``); smaller graphs and exact searches keep the memo
 Speed
 -----
 * Transitions are cached per (position, signature, states of the node's inputs), and the list of
-  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes
-  and by the positions that transition alike (the same op of identical layers).
+  feasible transitions per (position, state) (:meth:`Problem.transitions`), shared by both passes,
+  by the positions that transition alike (the same op of identical layers) and by the problems of
+  one search priced by one cost model (:meth:`hidup.search.problem.Models.caches`: the mesh search's
+  steps, the sets of recomputed layers, resharding on and off).
 * Under a memory budget the node step is generated too (one function per pass, the duplicated
   recurrence inlined beside the memory entry and the budget test), and a ``(time, memory)`` Pareto
   set is one pass over the points sorted by time, keeping each that uses less memory than every
@@ -297,6 +299,7 @@ class _DP:
         self.max_states = beam_width(problem.n) if max_states == "auto" else max_states
         self.max_points = max_points
         self.has_mem = memory_budget is not None
+        self.single = not duplication and not self.has_mem  # node_step keeps one point per state
         self.zero = (0.0,) * ((6 if duplication else 1) + (1 if self.has_mem else 0))
         self.dominates = _dominator(len(self.zero), duplication)
         self.tables: dict[tuple, list] = {}
@@ -400,26 +403,36 @@ class _DP:
                 kept[-1] = lean
         return kept
 
-    def prune(self, states: dict, pos: int) -> dict:
+    def prune(self, states: dict, pos: int, single: bool = False) -> dict:
+        """The states after position ``pos``: Pareto sets finalized, cross-state pruning, the beam.
+        ``single``: every bucket holds one point already (node_step without duplication or memory).
+
+        The states are ranked by estimate (a stable sort) at most once: the span cut keeps a prefix of
+        the ranking, which is then the ranking of what it kept, and a dict cross_prune returns in ranked
+        order is its own ranking; each cut keeps the order the states had before it."""
         if self.dup or self.has_mem:
             fin = self.finalize
             states = {k: fin(b) for k, b in states.items() if b}
         # else: node_step keeps one point per state already; block_step's buckets still need it
-        elif any(len(b) != 1 for b in states.values()):
+        elif not single and any(len(b) != 1 for b in states.values()):
             states = {k: [min(b, key=_first)] for k, b in states.items() if b}
         beam_cuts = bool(self.max_states) and len(states) > self.max_states
+        ranked = None  # states.items() sorted by estimate, when known
         if not self.has_mem and (len(states) > 8 if not self.dup else beam_cuts):
             if self.max_states and len(states) > CROSS_PRUNE_SPAN * self.max_states:
                 # the comparison is quadratic: with a beam, only the fastest states take part
-                keep = {k for k, _ in sorted(states.items(), key=_first_est)[: CROSS_PRUNE_SPAN * self.max_states]}
+                ranked = sorted(states.items(), key=_first_est)[: CROSS_PRUNE_SPAN * self.max_states]
+                keep = {k for k, _ in ranked}
                 states = {k: f for k, f in states.items() if k in keep}
-            states = self.cross_prune(states, pos)
+            states, ranked = self.cross_prune(states, pos, ranked)
         if self.max_states and len(states) > self.max_states:
-            keep = {k for k, _ in sorted(states.items(), key=_first_est)[: self.max_states]}
+            if ranked is None:
+                ranked = sorted(states.items(), key=_first_est)
+            keep = {k for k, _ in ranked[: self.max_states]}
             states = {k: f for k, f in states.items() if k in keep}
         return states
 
-    def cross_prune(self, states: dict, pos: int) -> dict:
+    def cross_prune(self, states: dict, pos: int, ranked: list | None = None) -> tuple[dict, list]:
         """Drop state B when a cheaper state A reaches every future of B for less:
         ``time(A) + sum_j penalty_j(A_j, B_j) <= time(B)``, the sum over the tensors whose states
         differ, ``penalty_j`` bounding the extra conversions tensor ``j`` in A's state may cost the
@@ -430,8 +443,12 @@ class _DP:
         dropped A needs no exception: the penalty obeys the triangle inequality (each form's
         ``max(0, cost_C - cost_B) <= max(0, cost_C - cost_A) + max(0, cost_A - cost_B)``), so the
         kept state that dropped A also drops B.  The penalty sums are one matrix per position,
-        assembled from one small matrix per tensor (its distinct states squared)."""
-        ranked = sorted(states.items(), key=_first_est)
+        assembled from one small matrix per tensor (its distinct states squared).
+
+        ``ranked``: ``states.items()`` sorted by estimate (stable), if known.  Returns the states kept
+        (in the order of ``states`` when none is dropped, else in ranked order) and their ranking."""
+        if ranked is None:
+            ranked = sorted(states.items(), key=_first_est)
         n = len(ranked)
         total = None
         for j, column in enumerate(zip(*(key for key, _ in ranked))):
@@ -447,12 +464,13 @@ class _DP:
             else:
                 total += part
         if total is None:
-            return states
+            return states, ranked
         time = np.fromiter((front[0][0] for _, front in ranked), float, n)
         beaten = np.triu((time[:, None] + total) <= time[None, :], 1).any(axis=0)
         if not beaten.any():
-            return states
-        return {key: front for (key, front), dead in zip(ranked, beaten.tolist()) if not dead}
+            return states, ranked
+        ranked = [item for item, dead in zip(ranked, beaten.tolist()) if not dead]
+        return dict(ranked), ranked
 
     # ---------------------------------------------------------------------------- transitions
     def node_step(self, states: dict, i: int, mem_floor: float) -> dict:
@@ -483,7 +501,7 @@ class _DP:
         self, states: dict, start: int, end: int, mem_floor_of: Callable[[int], float], progress=None
     ) -> dict:
         for i in range(start, end):
-            states = self.prune(self.node_step(states, i, mem_floor_of(i + 1)), i + 1)
+            states = self.prune(self.node_step(states, i, mem_floor_of(i + 1)), i + 1, self.single)
             if not states:
                 raise self.infeasible(i)
             if progress:
@@ -594,7 +612,7 @@ class _DP:
                     raise self.infeasible(occ.end - 1)
                 i = occ.end
             else:
-                states = self.prune(self.node_step(states, i, p.min_mem_suffix[i + 1]), i + 1)
+                states = self.prune(self.node_step(states, i, p.min_mem_suffix[i + 1]), i + 1, self.single)
                 if not states:
                     raise self.infeasible(i)
                 i += 1

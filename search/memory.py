@@ -62,6 +62,9 @@ class MemoryModel:
     recompute: frozenset = frozenset()  # block labels of the recomputed layers
     reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
     record: SavedRecord | None = field(init=False, default=None)
+    # (node name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
+    # the recomputed layers, shared by the models of one graph and precision (hidup.search.problem.Models)
+    saved_memo: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.record = record_of(self.graph, self.precision)
@@ -111,7 +114,14 @@ class MemoryModel:
 
     def _saved(self, node: Node, sig: Signature) -> float:
         if self.record is not None:
-            return saved_bytes(self.graph, self.record, node, sig)
+            memo = self.saved_memo
+            if memo is None:
+                return saved_bytes(self.graph, self.record, node, sig)
+            key = (node.name, id(sig))
+            hit = memo.get(key)
+            if hit is None or hit[0] is not sig:
+                hit = memo[key] = (sig, saved_bytes(self.graph, self.record, node, sig))
+            return hit[1]
         if any(self.graph.tensors[t].requires_grad for t in node.inputs):
             return sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
         return 0.0

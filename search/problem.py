@@ -50,6 +50,18 @@ activations), except inside a recomputed layer (its region makes the copy again)
 (True: every parameter stored split; or a set of ``param`` node names, :mod:`hidup.codegen.reshard`)
 the conversion of such a parameter from a form split on some axis keeps no copy and runs its forward
 collectives and copies again in the backward, blocking, as a recomputed node's conversions do.
+
+Caches shared by the problems of one search
+-------------------------------------------
+The problems built from one :class:`Models` (a search's) number forms alike (one id per form, in
+the order the search meets them), so a state key means the same in each.  A transition from a key
+depends only on the key and on the position's *shape* (:meth:`Problem._transition_caches`: its
+signatures' form ids, prices and memory, the conversion classes of its inputs, which of them are
+parameters and resharded, its liveness and the forms later readers may need), so positions of one
+shape share one cache, across the problems of one cost model too.  A penalty matrix
+(:meth:`Problem.penalties`) is a sum over the forms later readers may need, added up in the order
+the problem met those forms (the order ids of its own would give), and is shared under that order:
+every value is the one a problem built alone computes, bit for bit.
 """
 
 from __future__ import annotations
@@ -138,8 +150,14 @@ class Models:
         self.graph = graph
         self._cost: dict[tuple, CostModel] = {}
         self._memory: dict[tuple, MemoryModel] = {}
+        self._saved: dict[str, dict] = {}  # precision -> MemoryModel.saved_memo
         self._physical: dict[int, tuple] = {}
         self._kept: dict[tuple, dict] = {}  # table -> (node name, id(signature)) -> (signature, value)
+        # form ids, one numbering for every problem of the search, so that what one problem works out
+        # of its states holds in another: the caches of :meth:`caches`
+        self.forms: list[Form] = []
+        self.form_id: dict[Form, int] = {}
+        self._caches: dict[int, tuple] = {}  # id(cost model) -> (cost model, its caches)
 
     def physical(self, profile):
         """``profile`` without its corrections, one copy per profile (so its cost model is shared too)."""
@@ -165,11 +183,24 @@ class Models:
             hit = entries[key] = (sig, make(node, sig))
         return hit[1]
 
+    def caches(self, cost: CostModel) -> dict:
+        """The caches of states that the problems priced by ``cost`` share (:meth:`Problem.transitions`,
+        :meth:`Problem.penalties`, :meth:`Problem.conversion`): their keys say everything the cached
+        value depends on besides the cost model and the form numbering, which these problems share."""
+        hit = self._caches.get(id(cost))
+        if hit is None or hit[0] is not cost:
+            caches = {"transitions": {}, "inputs": {}, "penalty rows": {}, "penalties": {}, "conversions": {}}
+            caches["classes"] = None
+            hit = self._caches[id(cost)] = (cost, caches)
+        return hit[1]
+
     def memory(self, optimizer_factor: float, precision: str, recompute=frozenset()) -> MemoryModel:
         key = (optimizer_factor, precision, frozenset(recompute))
         hit = self._memory.get(key)
         if hit is None:
-            hit = self._memory[key] = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute))
+            memo = self._saved.setdefault(precision, {})  # what a node saves: the same whatever is recomputed
+            hit = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute), saved_memo=memo)
+            self._memory[key] = hit
         return hit
 
 
@@ -204,8 +235,13 @@ class Problem:
         self.param_tids = frozenset(t for n in params for t in n.outputs)
         self.reshardable = frozenset(t for n in params if reshard is True or n.name in self.reshard for t in n.outputs)
 
-        self.forms: list[Form] = []
-        self.form_id: dict[Form, int] = {}
+        self.forms: list[Form] = models.forms  # shared: one numbering per search (Models)
+        self.form_id: dict[Form, int] = models.form_id
+        self._shared = models.caches(self.cost)
+        # form id -> the order in which this problem meets it (the ids a numbering of its own would give):
+        # the penalties add up their forms in this order, so they are those of a problem of its own to the bit
+        self._rank: dict[int, int] = {}
+        self._rel_forms: dict[int, tuple[int, ...]] = {}  # relevant forms' mask -> its form ids in that order
         self.sigs: list[list[Signature]] = []
         self.in_forms: list[list[tuple[int, ...]]] = []
         self.out_forms: list[list[tuple[int, ...]]] = []
@@ -261,10 +297,20 @@ class Problem:
         for i in range(self.n - 1, -1, -1):
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
         self._step_cache: dict[tuple, tuple[Step, tuple] | None] = {}
-        # (conversion class, relevant forms, state) -> cost of making each relevant form available
-        self._pen_cache: dict[tuple, np.ndarray] = {}
-        self._pen_matrices: dict[tuple, np.ndarray] = {}  # (class, relevant forms, states) -> penalties
+        # (conversion class, relevant forms, state) -> cost of making each relevant form available; and
+        # (class, relevant forms, states) -> penalties: shared by the problems of one cost model (Models.caches)
+        self._pen_cache: dict[tuple, np.ndarray] = self._shared["penalty rows"]
+        self._pen_matrices: dict[tuple, np.ndarray] = self._shared["penalties"]
         self._trans_cache: list[dict[tuple, tuple]] = self._transition_caches(self._kept_idx)
+        # beside each transition cache, what its positions' signatures make of the states of the node's
+        # inputs alone (transitions): ``sub -> ((k, step, updates, outputs), ...)``; many keys share one
+        self._by_inputs: list[dict[tuple, tuple]] = []
+        beside = self._shared["inputs"]
+        for cache in self._trans_cache:
+            hit = beside.get(id(cache))
+            if hit is None or hit[0] is not cache:
+                hit = beside[id(cache)] = (cache, {})
+            self._by_inputs.append(hit[1])
         # (duplication, beam) -> the DP's answer without a memory budget (hidup.search.dp.solve):
         # a budgeted search asks for it again, first to see whether the budget binds
         self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
@@ -317,18 +363,24 @@ class Problem:
             self.relevant[i] = tuple(need_from[t] for t in self.live[i])
         # tensors of one conversion class convert alike (CostModel.conversion_class): numbered here, the
         # class keys the conversion and penalty caches, so equal tensors of repeated layers share them
-        classes: dict[tuple, int] = {}
-        self._conv_class = {t: classes.setdefault(self.cost.conversion_class(t), len(classes)) for t in self.last_use}
-        self._conv_ids: dict[tuple[int, int, int], object] = {}  # (class number, src id, dst id) -> cost
+        # (the same numbers in every problem of the graph and cost model: the order is the graph's)
+        if self._shared["classes"] is None:
+            classes: dict[tuple, int] = {}
+            self._shared["classes"] = {
+                t: classes.setdefault(self.cost.conversion_class(t), len(classes)) for t in self.last_use
+            }
+        self._conv_class = self._shared["classes"]
+        # (class number, src id, dst id) -> cost, shared by the problems of one cost model
+        self._conv_ids: dict[tuple[int, int, int], object] = self._shared["conversions"]
 
     def drop_caches(self) -> None:
-        """Forget the transition, step and penalty caches (they are rebuilt on demand): a search that
-        failed keeps its problem only to explain the failure, if asked."""
+        """Let go of the transition, step and penalty caches (they are rebuilt on demand): a search that
+        failed keeps its problem only to explain the failure, if asked.  The caches other problems share
+        (:meth:`Models.caches`) are left to them."""
         self._step_cache.clear()
-        for cache in self._trans_cache:
-            cache.clear()
-        self._pen_cache.clear()
-        self._pen_matrices.clear()
+        self._trans_cache = [{} for _ in self._trans_cache]
+        self._by_inputs = [{} for _ in self._trans_cache]
+        self._pen_cache, self._pen_matrices = {}, {}
 
     # ------------------------------------------------------------------------------------ setup
     def _saved_inputs(self, node: Node, sig: Signature, record) -> tuple[tuple[int, int], ...]:
@@ -388,6 +440,8 @@ class Problem:
         if f not in self.form_id:
             self.form_id[f] = len(self.forms)
             self.forms.append(f)
+        fid = self.form_id[f]
+        self._rank.setdefault(fid, len(self._rank))
         return self.form_id[f]
 
     def _allowed(self, node: Node, restrict) -> list[Signature]:
@@ -434,7 +488,7 @@ class Problem:
         signatures (forms, prices, memory), inputs of the same conversion classes at the same places
         of the state, and the same liveness and relevant forms after them (the same layer's positions
         in repeated layers).  From equal keys such positions reach equal new keys at equal cost."""
-        caches: dict[tuple, dict] = {}
+        caches: dict[tuple, dict] = self._shared["transitions"]  # and by the problems of this cost model
         out = []
         for i, node in enumerate(self.order):
             li, rel, live = self.live_index[i + 1], self.relevant[i + 1], self.live[i]
@@ -470,11 +524,29 @@ class Problem:
         cache = self._trans_cache[i]
         hit = cache.get(key)
         if hit is None:
+            sub = self._sub[i](key)
+            rows = self._by_inputs[i].get(sub)
+            if rows is None:  # as step() makes them, per signature
+                rows = []
+                steps = self._step_cache
+                for k in range(len(self.sigs[i])):
+                    ck = (i, k, sub)
+                    made = steps.get(ck, ck)
+                    if made is ck:
+                        made = steps[ck] = self._make_step(i, k, self.input_idx[i], sub)
+                    if made is not None:
+                        rows.append((k, *made))
+                rows = self._by_inputs[i][sub] = tuple(rows)
+            keep = self._keep[i]
             out = []
-            for k in range(len(self.sigs[i])):
-                res = self.step(i, k, key)
-                if res is not None:
-                    out.append((k, res[0], res[1]))
+            for k, step, updates, outs in rows:
+                if not updates:
+                    out.append((k, step, keep(key) + outs))
+                    continue
+                new = list(key)
+                for j, st in updates:
+                    new[j] = st
+                out.append((k, step, keep(new) + outs))
             hit = cache[key] = tuple(out)
         return hit
 
@@ -562,21 +634,25 @@ class Problem:
         forms ``f`` a later reader may need of ``max(0, cost_a(f) - cost_b(f))``, ``cost_x(f)`` being 0
         if ``f`` is available in ``x`` and the fwd+bwd time of ``conversion(x's produced form, f)``
         otherwise (infinite when there is none).  Kept per (conversion class, relevant forms, states):
-        the same tensor of each repeated layer meets the same states (read-only)."""
+        the same tensor of each repeated layer meets the same states (read-only), and so does each
+        problem of the cost model that adds up the forms in the same order (:meth:`Models.caches`)."""
         t = self.live[pos][j]
         rel = self.relevant[pos][j]
-        mk = (self._conv_class[t], t in self.reshardable, rel, tuple(states))
+        forms = self._rel_forms.get(rel)
+        if forms is None:  # in the order this problem met them (the order its own form ids would give)
+            forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
+            forms = self._rel_forms[rel] = tuple(sorted(forms, key=self._rank.__getitem__))
+        mk = (self._conv_class[t], t in self.reshardable, forms, tuple(states))
         hit = self._pen_matrices.get(mk)
         if hit is None:
-            hit = self._pen_matrices[mk] = self._penalty_matrix(t, rel, states)
+            hit = self._pen_matrices[mk] = self._penalty_matrix(t, forms, states)
             hit.setflags(write=False)
         return hit
 
-    def _penalty_matrix(self, t: int, rel: int, states: list[tuple[int, int]]) -> np.ndarray:
-        forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
+    def _penalty_matrix(self, t: int, forms: tuple[int, ...], states: list[tuple[int, int]]) -> np.ndarray:
         rows = []
         for st in states:
-            ck = (self._conv_class[t], t in self.reshardable, rel, st)
+            ck = (self._conv_class[t], t in self.reshardable, forms, st)
             row = self._pen_cache.get(ck)
             if row is None:
                 row = self._pen_cache[ck] = np.array([self._avail_cost(t, st, f) for f in forms], float)

@@ -55,8 +55,8 @@ def _same_prices(a: Problem, b: Problem) -> None:
     assert a.sigs == b.sigs
     assert a.compute == b.compute and a.compute_copy == b.compute_copy and a.device_compute == b.device_compute
     assert a.mem == b.mem and a.mem_parts == b.mem_parts and a.fixed == b.fixed
-    for t, src, dst in _form_changes(a):
-        assert a.conversion(t, src, dst) == b.conversion(t, src, dst)
+    for t, src, dst in _form_changes(a):  # (form ids are numbered per search: the same forms in b)
+        assert a.conversion(t, src, dst) == b.conversion(t, b.form_id[a.forms[src]], b.form_id[a.forms[dst]])
 
 
 def _form_changes(pr: Problem) -> set:

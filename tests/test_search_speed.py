@@ -1,0 +1,181 @@
+"""What makes the search of large graphs faster changes no answer: the caches of states shared by the
+problems of one cost model (one form numbering per search), what a node saves kept once for every set
+of recomputed layers, and a search that frees what it made as it goes."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import warnings
+import weakref
+
+import pytest
+
+import hidup
+import hidup.profiler as P
+from hidup.search import api, dp
+from hidup.search.memory import MemoryModel
+from hidup.search.problem import Models, Problem
+from hidup.search.schedule import evaluate
+from hidup.trace import trace
+
+CLUSTER = "h100x64-ib400"
+
+
+@pytest.fixture(scope="module")
+def mesh_graph():
+    model, inputs = hidup.models.build(
+        "gpt", world_size=16, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
+        batch_per_gpu=4, vocab=2048,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace(model, inputs, mesh=(2, 8))
+
+
+@pytest.fixture(scope="module")
+def line_graph():
+    model, inputs = hidup.models.build(
+        "gpt", world_size=4, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
+        batch_per_gpu=4, vocab=2048,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace(model, inputs)
+
+
+def _key_in(a: Problem, b: Problem, key: tuple) -> tuple:
+    """State ``key`` of problem ``a`` in problem ``b``'s form numbering."""
+
+    def fid(f: int) -> int:
+        return b.form_id[a.forms[f]]
+
+    def mask(m: int) -> int:
+        return sum(1 << fid(f) for f in range(m.bit_length()) if m >> f & 1)
+
+    return tuple((fid(prod) if prod >= 0 else prod, mask(m)) for prod, m in key)
+
+
+@pytest.mark.parametrize("reshard, recomputed", [(False, False), (True, True)])
+def test_problems_of_one_cost_model_share_their_transitions_and_answer_as_problems_of_their_own(
+    mesh_graph, reshard, recomputed
+):
+    """A problem built after others of the same cost model (another signature filter, resharding on or
+    off, other recomputed layers) reads their transitions and penalties; its transitions, penalties and
+    DP answers are those of a problem with models of its own (and so its own form numbering)."""
+    profile = P.load(CLUSTER)
+    models = Models(mesh_graph)
+    first = Problem(mesh_graph, profile, "bf16", api.restrict_per_axis(("data", None)), models=models)
+    for duplication in (False, True):
+        dp.solve(first, duplication, max_states=32)
+    recompute = api.repeated_layers(mesh_graph) if recomputed else frozenset()
+    shared = Problem(mesh_graph, profile, "bf16", recompute=recompute, reshard=reshard, models=models)
+    alone = Problem(mesh_graph, profile, "bf16", recompute=recompute, reshard=reshard)
+    assert any(c is d for c, d in zip(shared._trans_cache, first._trans_cache))  # shared, not copied
+    asked = {}  # (position, live index, states) -> penalties, as the DP asks them of `shared`
+
+    def penalties(pos, j, states, own=shared.penalties, asked=asked):
+        asked[(pos, j, tuple(states))] = out = own(pos, j, states)
+        return out
+
+    shared.penalties = penalties
+    budget = (alone.min_mem_suffix[0] + alone.plan_memory(dp.solve(alone, False)[0])) / 2  # binds
+    for duplication, limit in ((False, None), (True, None), (False, budget)):
+        ks, v = dp.solve(shared, duplication, limit, max_states=32)
+        assert (ks, v) == dp.solve(alone, duplication, limit, max_states=32)
+        assert evaluate(shared, ks, duplication).total == evaluate(alone, ks, duplication).total
+    met = 0
+    for i in range(shared.n):
+        for key, got in list(shared._trans_cache[i].items())[:4]:
+            own = alone.transitions(i, _key_in(shared, alone, key))
+            assert [(k, dataclasses.replace(st, convs=()), _key_in(shared, alone, nk)) for k, st, nk in got] == [
+                (k, dataclasses.replace(st, convs=()), nk) for k, st, nk in own
+            ]
+            met += 1
+    assert met > shared.n
+    assert asked
+    for (pos, j, states), pen in asked.items():
+        assert (pen == alone.penalties(pos, j, [_key_in(shared, alone, (s,))[0] for s in states])).all()
+
+
+def test_memory_models_sharing_what_nodes_save_price_as_models_of_their_own(mesh_graph):
+    models = Models(mesh_graph)
+    layers = sorted(api.repeated_layers(mesh_graph))
+    for recompute in (frozenset(), frozenset(layers[:1]), frozenset(layers)):
+        shared = models.memory(2.0, "bf16", recompute)
+        alone = MemoryModel(mesh_graph, 2.0, "bf16", recompute)
+        assert shared.saved_memo is not None and alone.saved_memo is None
+        for node in mesh_graph.nodes:
+            for sig in node.signatures:
+                assert shared.breakdown(node, sig) == alone.breakdown(node, sig)
+    assert models.memory(2.0, "bf16").saved_memo is models.memory(2.0, "bf16", frozenset(layers)).saved_memo
+
+
+def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, monkeypatch):
+    """A search whose first try fails (no plan without recomputation fits the budget) keeps that error
+    without the frames it was raised through: every problem the search made is freed by reference
+    counting once it returns, so no collection has to walk their caches."""
+    alive: list[weakref.ref] = []
+    init = Problem.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(Problem, "__init__", tracked)
+    profile = P.load("h200x4-nvlink")
+    budget = 0.999 * Problem(line_graph, profile, "bf16").min_mem_suffix[0]  # no plan without recomputation
+    alive.clear()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        plan = hidup.search(line_graph, profile, memory_budget=budget, precision="bf16")
+        assert plan.recompute and plan.memory["total"] <= budget
+        assert alive and all(ref() is None for ref in alive)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _prune_before(self, states: dict, pos: int) -> dict:
+    """:meth:`dp._DP.prune` as it was, sorting the states by estimate for each cut."""
+    if self.dup or self.has_mem:
+        states = {k: self.finalize(b) for k, b in states.items() if b}
+    elif any(len(b) != 1 for b in states.values()):
+        states = {k: [min(b, key=dp._first)] for k, b in states.items() if b}
+    beam_cuts = bool(self.max_states) and len(states) > self.max_states
+    if not self.has_mem and (len(states) > 8 if not self.dup else beam_cuts):
+        if self.max_states and len(states) > dp.CROSS_PRUNE_SPAN * self.max_states:
+            ranked = sorted(states.items(), key=dp._first_est)[: dp.CROSS_PRUNE_SPAN * self.max_states]
+            keep = {k for k, _ in ranked}
+            states = {k: f for k, f in states.items() if k in keep}
+        states = self.cross_prune(states, pos)[0]
+    if self.max_states and len(states) > self.max_states:
+        keep = {k for k, _ in sorted(states.items(), key=dp._first_est)[: self.max_states]}
+        states = {k: f for k, f in states.items() if k in keep}
+    return states
+
+
+@pytest.mark.parametrize("max_states", [4, 32])
+def test_pruning_ranks_the_states_once_and_keeps_what_ranking_them_for_each_cut_kept(
+    mesh_graph, monkeypatch, max_states
+):
+    """The states a position keeps, and their order (which settles ties later), are those of sorting
+    them again for each cut, with every pass of the DP: plain, duplicated, budgeted, priced."""
+    pruned = dp._DP.prune
+    calls = []
+
+    def both(self, states, pos, single=False):
+        want = _prune_before(self, {k: list(b) for k, b in states.items()}, pos)
+        got = pruned(self, states, pos, single)
+        assert list(got.items()) == list(want.items())
+        calls.append(len(states) > max_states)
+        return got
+
+    monkeypatch.setattr(dp._DP, "prune", both)
+    pr = Problem(mesh_graph, P.load(CLUSTER), "bf16")
+    budget = (pr.min_mem_suffix[0] + pr.plan_memory(dp.solve(pr, False, max_states=max_states)[0])) / 2
+    for duplication in (False, True):
+        dp.solve(pr, duplication, budget, max_states=max_states)
+        dp.solve(pr, duplication, budget, max_states=max_states, by_price=True)
+    assert any(calls)  # the beam did cut

@@ -1,0 +1,26 @@
+"""Suite-wide fixtures.
+
+The suite runs in two pytest-xdist workers (pyproject.toml), so two tests may launch ranks at the
+same time. A launch that names no port takes the default rendezvous port (29500, as torchrun), and
+two such launches at once collide; every test therefore runs with ``MASTER_PORT`` set to a port
+that was free when it started, unless the environment already sets one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _own_rendezvous_port(monkeypatch):
+    if "MASTER_PORT" not in os.environ:
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 
 import pytest
 
@@ -19,7 +18,7 @@ from hidup.search.memory import MemoryModel
 from hidup.search.problem import Models, Problem
 from hidup.search.schedule import evaluate
 from hidup.search.synthetic import layered_graph, random_graph
-from hidup.trace import trace
+from test_search_speed import meta_gpt_graph
 
 SOCKET = dataclasses.replace(P.load("h200x4-socket"), memory_bandwidth=0.0, op_overhead=0.0, op_overhead_graph=0.0)
 CLUSTER = "h100x64-ib400"
@@ -37,13 +36,7 @@ class FreshModels(Models):
 
 
 def _mesh_graph():
-    model, inputs = hidup.models.build(
-        "gpt", world_size=16, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
-        batch_per_gpu=4, vocab=2048,
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace(model, inputs, mesh=(2, 8))
+    return meta_gpt_graph(16, (2, 8))
 
 
 @pytest.fixture(scope="module")

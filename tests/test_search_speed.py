@@ -22,26 +22,25 @@ from hidup.trace import trace
 CLUSTER = "h100x64-ib400"
 
 
-@pytest.fixture(scope="module")
-def mesh_graph():
+def meta_gpt_graph(world: int, mesh: tuple | None = None):
+    """A small GPT built on the meta device and traced for ``world`` ranks (on ``mesh`` if given)."""
     model, inputs = hidup.models.build(
-        "gpt", world_size=16, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
+        "gpt", world_size=world, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
         batch_per_gpu=4, vocab=2048,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trace(model, inputs, mesh=(2, 8))
+        return trace(model, inputs, mesh=mesh) if mesh else trace(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def mesh_graph():
+    return meta_gpt_graph(16, (2, 8))
 
 
 @pytest.fixture(scope="module")
 def line_graph():
-    model, inputs = hidup.models.build(
-        "gpt", world_size=4, device="meta", layers=2, d_model=256, heads=8, ffn=1024, seq_len=256,
-        batch_per_gpu=4, vocab=2048,
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace(model, inputs)
+    return meta_gpt_graph(4)
 
 
 def _key_in(a: Problem, b: Problem, key: tuple) -> tuple:

@@ -15,7 +15,7 @@ DDP does):
   coalesced call (``torch.distributed._coalescing_manager``: NCCL runs the tensors' all-reduces as
   one grouped launch) over
 
-  - the gradients of at least :data:`hidup.ir.GRAD_PACK_BYTES` bytes, summed where they lie: no copy
+  - the gradients of at least ``pack_bytes`` (:data:`hidup.ir.GRAD_PACK_BYTES`) bytes, summed where they lie: no copy
     at all (DDP instead copies every gradient into its flat bucket and back, or views it there);
   - one flat buffer holding the smaller gradients and any gradient that is not contiguous (a
     collective needs dense memory), copied in with one ``torch.cat``: many tiny tensors (biases,
@@ -76,8 +76,15 @@ class GradBucketer:
     """Bucketed, overlapped all-reduce of the gradients of ``params`` (in forward first-use order)
     over ``group``, or over each group of a tuple in turn (module docstring)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = GRAD_BUCKET_MB):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        group=None,
+        bucket_mb: float = GRAD_BUCKET_MB,
+        pack_bytes: float = GRAD_PACK_BYTES,
+    ):
         self.group = group
+        self.pack_bytes = pack_bytes  # a contiguous gradient of this many bytes or more is summed in place
         self.groups = tuple(group) if isinstance(group, tuple) else (group,)
         self.enabled = True
         self.buckets: list[_Bucket] = []
@@ -139,8 +146,13 @@ class GradBucketer:
         members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
         if not members:
             return
-        in_place = [p.grad for p in members if _in_place(p.grad)]
-        bucket.packed = [p for p in members if not _in_place(p.grad)]
+        in_place, bucket.packed = [], []
+        for p in members:
+            g = p.grad
+            if g.is_contiguous() and g.numel() * g.element_size() >= self.pack_bytes:
+                in_place.append(g)
+            else:
+                bucket.packed.append(p)
         if bucket.packed:
             bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.packed])
         bucket.summed = ([bucket.buffer] if bucket.packed else []) + in_place
@@ -174,11 +186,6 @@ class GradBucketer:
                 bucket.summed = []
             self._next = 0
             self._pending = False
-
-
-def _in_place(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is summed where it lies (module docstring), not packed into the flat buffer."""
-    return grad.is_contiguous() and grad.numel() * grad.element_size() >= GRAD_PACK_BYTES
 
 
 class _Calls:

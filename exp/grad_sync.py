@@ -4,7 +4,7 @@ the ranks of a process group, two ways, alternating:
 * ``in-place``: the runtime's rule, gradients of at least ``hidup.ir.GRAD_PACK_BYTES`` summed where
   they lie in one coalesced all-reduce per bucket, the smaller ones packed into a flat buffer;
 * ``packed``: every gradient copied into its bucket's flat buffer (as DDP does) and the sum viewed
-  back.
+  back (``GradBucketer(..., pack_bytes=inf)``).
 
 Each timed sync launches every bucket and waits for all of them (no backward to overlap), so the
 figure is the sync's own cost: the copies on the compute stream plus the all-reduces. Best of
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import hidup.codegen.grads as grads
 import hidup.models
+from hidup.codegen import GradBucketer
 from hidup.ir import GRAD_BUCKET_MB
 
 
@@ -37,7 +37,7 @@ def _sync(bucketer) -> None:
     bucketer._finish()
 
 
-def _time(bucketer, params, device, steps: int, rounds: int, warmup: int) -> float:
+def _time(bucketer, device, steps: int, rounds: int, warmup: int) -> float:
     def fence():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -76,16 +76,17 @@ def main() -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
-    bucketer = grads.GradBucketer(params, None, args.bucket_mb)
-    rule = grads.GRAD_PACK_BYTES
-    big = sum(p.numel() * p.element_size() for p in params if p.numel() * p.element_size() >= rule)
+    bucketers = {
+        "in-place": GradBucketer(params, None, args.bucket_mb),
+        "packed": GradBucketer(params, None, args.bucket_mb, pack_bytes=float("inf")),
+    }
+    bucketer = bucketers["in-place"]
+    big = sum(p.numel() * p.element_size() for p in params if p.numel() * p.element_size() >= bucketer.pack_bytes)
     total = sum(p.numel() * p.element_size() for p in params)
     results = {"in-place": [], "packed": []}
     for _ in range(2):  # alternate, twice each
-        for name, threshold in (("in-place", rule), ("packed", float("inf"))):
-            grads.GRAD_PACK_BYTES = threshold
-            results[name].append(_time(bucketer, params, device, args.steps, args.rounds, args.warmup))
-    grads.GRAD_PACK_BYTES = rule
+        for name, b in bucketers.items():
+            results[name].append(_time(b, device, args.steps, args.rounds, args.warmup))
     record = {
         "config": {
             **vars(args),

@@ -18,7 +18,10 @@
 # caches are left on, so a second run compiles faster.
 # MODELS="bert llama" (default) picks the models; DUPLICATION=plan|on|off (default plan: as searched) and
 # MODES (comma-separated, default all four on CUDA) are handed to bench-rank; SUFFIX names the outputs
-# rank_<model>_w4<SUFFIX>.json; KERNELS=1 also records each run's device time by kernel kind (--kernels).
+# rank_<model>_w4<SUFFIX>.json; KERNELS=1 also records each run's device time by kernel kind (--kernels);
+# TORCH_MODES (default none) times the rank's eager module under plain torch.compile too (--torch-modes);
+# LLAMA_LAYERS (default 4) sets the Llama's depth; PRECISIONS (default tf32,bf16) the precisions, the first
+# of which the plan is searched for.
 # DEVICE=cpu runs the same sequence at toy sizes (eager and compile modes, aot_eager backend) to check it.
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -40,17 +43,17 @@ if [ "$DEVICE" = cpu ]; then
   LLAMA_ARGS=(--model-arg layers=2 --model-arg hidden=64 --model-arg heads=4 --model-arg kv_heads=2
               --model-arg ffn=128 --model-arg vocab=128 --model-arg seq=16 --model-arg batch=2)
 else
-  COMMON=(--precisions tf32,bf16 --modes "${MODES:-eager,cuda-graph,compile+graph,compile}"
+  COMMON=(--precisions "${PRECISIONS:-tf32,bf16}" --modes "${MODES:-eager,cuda-graph,compile+graph,compile}"
           --share-modes compile+graph --steps 20 --rounds 3 --warmup 3)
   BERT_ARGS=()
-  LLAMA_ARGS=(--model-arg layers=4 --model-arg hidden=4096 --model-arg heads=32 --model-arg kv_heads=8
+  LLAMA_ARGS=(--model-arg layers="${LLAMA_LAYERS:-4}" --model-arg hidden=4096 --model-arg heads=32 --model-arg kv_heads=8
               --model-arg ffn=11008 --model-arg vocab=32000 --model-arg seq=1024 --model-arg batch=8)
 fi
 
 {
   echo "== $(date -u +%FT%TZ) gpu_rank.sh on $DEVICE"
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
-  COMMON+=(--duplication "$DUPLICATION")
+  COMMON+=(--duplication "$DUPLICATION" --torch-modes "${TORCH_MODES:-none}")
   [ "${KERNELS:-0}" = 1 ] && COMMON+=(--kernels)
   for model in $MODELS; do
     case $model in

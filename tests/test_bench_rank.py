@@ -52,20 +52,22 @@ def test_bench_rank_cpu_writes_json(tmp_path, capsys):
         == 0
     )
     out = tmp_path / "rank.json"
-    assert main(["bench-rank", "--plan", str(plan), "--rank", "1", *FAST, "--out", str(out)]) == 0
+    argv = ["bench-rank", "--plan", str(plan), "--rank", "1", "--torch-modes", "compile", *FAST, "--out", str(out)]
+    assert main(argv) == 0
     data = json.loads(out.read_text())
     cfg, runs = data["config"], data["runs"]
     assert (cfg["model"], cfg["world"], cfg["rank"], cfg["backend"]) == ("bert-sgmoe", 2, 1, "aot_eager")
     assert 0 < cfg["rank_params"] <= cfg["model_params"], "the rank stores at most the whole model"
     got = {(r["what"], r["mode"], r["precision"]) for r in runs}
-    assert got == {("rank", "eager", "fp32"), ("rank", "compile", "fp32"), ("share", "compile", "fp32")}
+    want = {("rank", "eager"), ("rank", "compile"), ("torch", "compile"), ("share", "compile")}
+    assert got == {(what, mode, "fp32") for what, mode in want}
     for r in runs:
         assert r["status"] == "ok", r
         assert len(r["rounds_ms"]) == 2 and all(t > 0 for t in r["rounds_ms"])
         assert r["step_ms_best"] == min(r["rounds_ms"]) and r["step_ms_best"] <= r["step_ms_median"]
         assert (r["compile_s"] is not None) == r["mode"].startswith("compile")
     text = capsys.readouterr().out
-    assert "rank eager" in text and "share compile" in text  # the table's header
+    assert "rank eager" in text and "torch compile" in text and "share compile" in text  # the table's header
 
 
 @pytest.mark.parametrize(
@@ -75,6 +77,7 @@ def test_bench_rank_cpu_writes_json(tmp_path, capsys):
         (["--plan", "no/such/plan.json"], "no plan file at no/such/plan.json"),
         (["--model", "mlp", "--world", "2", "--modes", "cuda-graph"], "capture CUDA graphs"),
         (["--model", "mlp", "--world", "2", "--modes", "fast"], "--modes 'fast': choose from"),
+        (["--model", "mlp", "--world", "2", "--torch-modes", "compile+graph"], "capture CUDA graphs"),
     ],
 )
 def test_bench_rank_refuses_bad_input(argv, message):

@@ -25,6 +25,11 @@ divided by its steps is one sample, and the median and the best sample are repor
 *share* (``--share-modes``, default compile+graph on CUDA and compile on the CPU) is the whole model
 at ``1/N`` of the global batch (the first rows of every input), on the same device, timed the same
 way: the floor that a rank doing its part of an N-way step without communication should approach.
+``--torch-modes`` (default none) also times the rank's module as plain ``torch.compile`` sees it: its
+eager program (hidup's compilation off) handed whole to ``torch.compile``, so dynamo traces the
+collectives' Python itself (graph breaks or its own functional collectives) where hidup's compiled
+path makes them opaque custom ops and cuts segments at layers; rows ``torch``.  ``compile`` and
+``compile+graph`` are its meaningful modes (``eager`` and ``cuda-graph`` equal the rank's own).
 
 Memory (CUDA): each run records ``peak_memory_bytes`` (``torch.cuda.max_memory_allocated`` over the
 run) and ``rank_peak_bytes``, the part of it that is the rank's program: the peak less what was
@@ -111,6 +116,12 @@ def add_parser(sub) -> None:
         help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; 'none' skips it)",
     )
     g.add_argument(
+        "--torch-modes",
+        default="none",
+        help="modes of the rank's eager module under plain torch.compile, rows 'torch' (default none; "
+        "e.g. compile+graph)",
+    )
+    g.add_argument(
         "--backend", default="inductor", help="torch.compile backend of the compile modes (default inductor)"
     )
     g.add_argument("--steps", type=int, default=20, help="steps per timed round (default 20)")
@@ -140,7 +151,7 @@ def _list(text: str | None, default: tuple, valid: tuple, flag: str) -> list[str
     return items
 
 
-def _settings(args, device: torch.device) -> tuple[list, list, list]:
+def _settings(args, device: torch.device) -> tuple[list, list, list, list]:
     cuda = device.type == "cuda"
     modes = _list(args.modes, MODES if cuda else ("eager", "compile"), MODES, "--modes")
     precisions = _list(args.precisions, ("tf32", "bf16") if cuda else ("fp32",), PRECISIONS, "--precisions")
@@ -148,18 +159,19 @@ def _settings(args, device: torch.device) -> tuple[list, list, list]:
         share = []
     else:
         share = _list(args.share_modes, ("compile+graph",) if cuda else ("compile",), MODES, "--share-modes")
-    graphs = [m for m in modes + share if m.endswith("graph")]
+    plain = [] if args.torch_modes == "none" else _list(args.torch_modes, (), MODES, "--torch-modes")
+    graphs = [m for m in modes + share + plain if m.endswith("graph")]
     if graphs and not cuda:
         _fail(
             f"modes {', '.join(sorted(set(graphs)))} capture CUDA graphs, and this run is on {device}; "
-            "use --modes eager,compile (and --share-modes compile) on the CPU"
+            "use --modes eager,compile (and --share-modes, --torch-modes compile) on the CPU"
         )
     for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
         if value < 1:
             _fail(f"{flag} {value}: must be at least 1")
     if args.warmup < 1:
         _fail(f"--warmup {args.warmup}: must be at least 1 (the first step compiles)")
-    return modes, precisions, share
+    return modes, precisions, share, plain
 
 
 def _plan(args, device: torch.device, precision: str):
@@ -342,8 +354,9 @@ def _share_inputs(values: list, world: int) -> list:
     return out
 
 
-class _Share(torch.nn.Module):
-    """The whole model at the share's batch, optionally through ``torch.compile``."""
+class _PlainCompile(torch.nn.Module):
+    """A module run as is or through plain ``torch.compile`` (the share's whole model; the rank's
+    module with hidup's own compilation off, for ``--torch-modes``)."""
 
     def __init__(self, model, backend: str):
         super().__init__()
@@ -402,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    modes, precisions, share_modes = _settings(args, device)
+    modes, precisions, share_modes, torch_modes = _settings(args, device)
     try:
         backend_of(args.backend)
     except ValueError as e:
@@ -457,26 +470,35 @@ def run(args: argparse.Namespace) -> int:
             f"duplication {'on' if module.duplication else 'off'}, on {config['device']}",
             flush=True,
         )
-        share = _Share(model.to(device), args.backend)
+        share = _PlainCompile(model.to(device), args.backend)
+        plain = _PlainCompile(module, args.backend)
+
+        def plain_switch(on: bool) -> None:
+            module.set_compile(None)
+            plain.set_compile(on)
+
         share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
         predicted = {p: predicted_memory(args, plan, p) for p in precisions} if device.type == "cuda" else {}
         peaks = {p: _predicted_peak(args, plan, duplication, p) for p in precisions} if device.type == "cuda" else {}
-        for precision in precisions:  # the share right after the rank, so a cut-short sweep keeps pairs
-            for what, target, inputs_of, mode_list, switch in (
-                ("rank", module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
-                ("share", share, share_inputs, share_modes, share.set_compile),
-            ):
-                for mode in mode_list:
-                    r = dict(
-                        what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch)
-                    )
-                    if what == "rank" and predicted.get(precision) is not None:
-                        r["predicted_memory"] = predicted[precision]
-                    if what == "rank" and peaks.get(precision) is not None and mode in ("eager", "compile"):
-                        r["predicted_peak"] = peaks[precision]  # an eager program's peak (graphs keep their pool)
-                    runs.append(r)
-                    _print_row(what, r)
-                    save()
+        targets = {
+            "rank": (module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
+            "share": (share, share_inputs, share_modes, share.set_compile),
+            "torch": (plain, rank_inputs, torch_modes, plain_switch),
+        }
+        # the share right after the rank, so a cut-short sweep keeps pairs; plain torch.compile last, since
+        # a CUDA graph capture that it breaks can leave the device unusable for the rest of the process
+        order = [(p, w) for p in precisions for w in ("rank", "share")] + [(p, "torch") for p in precisions]
+        for precision, what in order:
+            target, inputs_of, mode_list, switch = targets[what]
+            for mode in mode_list:
+                r = dict(what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                if what == "rank" and predicted.get(precision) is not None:
+                    r["predicted_memory"] = predicted[precision]
+                if what == "rank" and peaks.get(precision) is not None and mode in ("eager", "compile"):
+                    r["predicted_peak"] = peaks[precision]  # an eager program's peak (graphs keep their pool)
+                runs.append(r)
+                _print_row(what, r)
+                save()
     finally:
         dist.destroy_process_group()
     _precision("fp32", device)

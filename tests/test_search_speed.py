@@ -1,6 +1,7 @@
 """What makes the search of large graphs faster changes no answer: the caches of states shared by the
 problems of one cost model (one form numbering per search), what a node saves kept once for every set
-of recomputed layers, and a search that frees what it made as it goes."""
+of recomputed layers, the nodes of identical layers priced once, and a search that frees what it made
+as it goes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 
 import hidup
 import hidup.profiler as P
+from hidup.saved import saved_bytes
 from hidup.search import api, dp
+from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Models, Problem
 from hidup.search.schedule import evaluate
@@ -108,6 +111,35 @@ def test_memory_models_sharing_what_nodes_save_price_as_models_of_their_own(mesh
             for sig in node.signatures:
                 assert shared.breakdown(node, sig) == alone.breakdown(node, sig)
     assert models.memory(2.0, "bf16").saved_memo is models.memory(2.0, "bf16", frozenset(layers)).saved_memo
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_nodes_of_identical_layers_are_priced_once_and_as_each_alone(mesh_graph, monkeypatch, precision):
+    """A problem prices each class of twins once (:meth:`CostModel.twin`, :meth:`SavedRecord.twin`), and
+    every node's compute, per-copy compute, saved bytes and kept parameter inputs are what the node
+    prices alone."""
+    priced = []
+    device_compute = CostModel._device_compute
+
+    def counted(self, node, sig):
+        priced.append((node.name, id(sig)))
+        return device_compute(self, node, sig)
+
+    monkeypatch.setattr(CostModel, "_device_compute", counted)
+    profile = P.load(CLUSTER)
+    problem = Problem(mesh_graph, profile, precision)
+    alone, memory, record = CostModel(mesh_graph, profile, precision), problem.memory, problem.memory.record
+    pairs = [(node, sig) for node, sigs in zip(problem.order, problem.sigs) if node.op == "call" for sig in sigs]
+    assert len(priced) == len(set(priced)) < len(pairs) / 1.5  # two layers: most ops have a twin
+    assert len({memory.twin(node).name for node, _ in pairs}) < len({node.name for node, _ in pairs})
+    for i, node in enumerate(problem.order):
+        for k, sig in enumerate(problem.sigs[i]):
+            device = alone._device_compute(node, sig) if node.op == "call" else (0.0, 0.0)
+            assert problem._plain_device[i][k] == device
+            assert problem._plain_copy[i][k] == alone.copy_compute(node, sig, device, alone.node_is_batch(node))
+            assert problem.saved_in[i][k] == problem._saved_inputs(node, sig, record)
+            if node.op == "call":
+                assert memory._saved(node, sig) == saved_bytes(mesh_graph, record, node, sig)
 
 
 def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, monkeypatch):

@@ -81,7 +81,7 @@ from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.profiler import load
 from hidup.search import dp, ilp
-from hidup.search.modes import solve_modes
+from hidup.search.modes import solve_beside, solve_modes
 from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -606,12 +606,16 @@ def _search_with(
     candidates: list[list[int]] = []
     hidden: list[list[int]] = []
 
+    def hidden_search() -> list[int]:
+        return dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0]
+
     def hide() -> None:
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
-        # runs while the duplicated mode's search, forked, still runs (hidup.search.modes)
+        # runs while the duplicated mode's search, forked, still runs, and without duplication forked
+        # beside the plain search (hidup.search.modes)
         if opts.algorithm == "dp" and not hidden:
-            hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+            hidden.append(hidden_search())
 
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
@@ -639,6 +643,14 @@ def _search_with(
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
         candidates.append(outcome.ks)
+    elif modes_left == (False,):
+        found, answer = solve_beside(
+            explore,
+            lambda: _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam),
+            hidden_search,
+        )
+        candidates += found
+        hidden.append(answer)
     elif modes_left:
         candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, hide)
     hide()

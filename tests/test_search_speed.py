@@ -1,7 +1,7 @@
 """What makes the search of large graphs faster changes no answer: the caches of states shared by the
 problems of one cost model (one form numbering per search), what a node saves kept once for every set
-of recomputed layers, the nodes of identical layers priced once, and a search that frees what it made
-as it goes."""
+of recomputed layers, the nodes of identical layers priced once, the search that hides the gradient
+all-reduces forked beside the plain one, and a search that frees what it made as it goes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import hidup
 import hidup.profiler as P
 from hidup.saved import saved_bytes
-from hidup.search import api, dp
+from hidup.search import api, dp, modes
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Models, Problem
@@ -140,6 +140,34 @@ def test_the_nodes_of_identical_layers_are_priced_once_and_as_each_alone(mesh_gr
             assert problem.saved_in[i][k] == problem._saved_inputs(node, sig, record)
             if node.op == "call":
                 assert memory._saved(node, sig) == saved_bytes(mesh_graph, record, node, sig)
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_the_hidden_search_forked_beside_the_plain_one_finds_the_plan_of_one_after_the_other(
+    mesh_graph, monkeypatch, budgeted
+):
+    """Without duplication (a mesh search's seed) the DP hiding the gradient all-reduces runs in a forked
+    child beside the plain DP; the plan is the one of running them one after the other."""
+    budget = None
+    if budgeted:
+        budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
+    forked = []
+    beside = modes.solve_beside
+
+    def counted(problem, here, there):
+        forked.append(modes._forks(problem))
+        return beside(problem, here, there)
+
+    monkeypatch.setattr(api, "solve_beside", counted)
+    plans = {}
+    for forks in (False, True):
+        monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0 if forks else 10**9)
+        forked.clear()
+        plans[forks] = hidup.search(mesh_graph, CLUSTER, memory_budget=budget)
+        assert forked and all(f == forks for f in forked)
+    a, b = plans[False], plans[True]
+    assert a.choices == b.choices and a.predicted == b.predicted and a.memory == b.memory
+    assert a.duplication == b.duplication and a.recompute == b.recompute and a.conversions == b.conversions
 
 
 def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, monkeypatch):

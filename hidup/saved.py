@@ -490,22 +490,9 @@ class _LocalOps:
                     per_sig[sig] = items
             for items in per_sig.values():
                 for it in items:
-                    owners.setdefault(it.storage, node.name)
+                    owners.setdefault(it[6], node.name)
             self.record.local[node.name] = {
-                sig: [
-                    SavedItem(
-                        it.slot,
-                        it.index,
-                        it.nbytes,
-                        it.dtype,
-                        it.how,
-                        it.shape,
-                        it.storage,
-                        owners[it.storage] == node.name,
-                        it.held,
-                    )
-                    for it in items
-                ]
+                sig: [SavedItem(*it[:7], owners[it[6]] == node.name, it[7]) for it in items]
                 for sig, items in per_sig.items()
             }
 
@@ -522,7 +509,9 @@ class _LocalOps:
         )
         return node.target, repr(ctx.args), repr(ctx.kwargs), n_arg, inputs
 
-    def _items(self, node: Node, sig: Signature, arguments: tuple) -> list[SavedItem] | None:
+    def _items(self, node: Node, sig: Signature, arguments: tuple) -> list[tuple] | None:
+        """``(slot, index, nbytes, dtype, how, shape, storage, held)`` per storage that ``node``'s local op
+        under ``sig`` saves (a :class:`SavedItem` but for its owner, known once every signature is in)."""
         hit = self.of_node.get((arguments, id(sig)))
         if hit is None or hit[0] is not sig:
             hit = self.of_node[arguments, id(sig)] = (sig, self._measured(node, sig, arguments))
@@ -543,7 +532,7 @@ class _LocalOps:
             else:
                 storage = self.interp.storage_ids.setdefault(gkey, len(self.interp.storage_ids))
                 held = gkey in self.interp.held
-            items.append(SavedItem(slot, index, nbytes, dtype, how, shape, storage, True, held))
+            items.append((slot, index, nbytes, dtype, how, shape, storage, held))
         return items
 
     def _measured(self, node: Node, sig: Signature, arguments: tuple) -> list | None:

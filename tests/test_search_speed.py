@@ -170,6 +170,27 @@ def test_the_hidden_search_forked_beside_the_plain_one_finds_the_plan_of_one_aft
     assert a.duplication == b.duplication and a.recompute == b.recompute and a.conversions == b.conversions
 
 
+def test_a_budgeted_search_runs_each_dp_pass_without_the_budget_once(mesh_graph, monkeypatch):
+    """The recomputing search's plans without the budget, made ahead while the search before it waits,
+    are kept on its problem and not searched again: no DP pass without a budget or a price runs twice
+    for one problem's signatures and recomputed layers."""
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 10**9)  # every pass in this process, to count them
+    budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
+    passes = []
+    solve = dp._DP.solve
+
+    def counted(self, reuse, progress):
+        if not self.has_mem and not self.price:
+            passes.append((id(self.p.sigs), self.p.recompute, self.dup, self.hide, self.max_states))
+        return solve(self, reuse, progress)
+
+    monkeypatch.setattr(dp._DP, "solve", counted)
+    plan = hidup.search(mesh_graph, CLUSTER, memory_budget=budget)
+    assert plan.memory["total"] <= budget
+    assert any(recompute for _, recompute, *_ in passes)  # the recomputing searches ran
+    assert len(passes) == len(set(passes))
+
+
 def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, monkeypatch):
     """A search whose first try fails (no plan without recomputation fits the budget) keeps that error
     without the frames it was raised through: every problem the search made is freed by reference

@@ -630,25 +630,29 @@ def _search_with(
         """The next search's problem (``after`` recomputed), as that search explores it."""
         return problem_for(models.physical(profile), after) if local else problem_for(profile, after)
 
-    def ahead() -> Problem | None:
-        """The next search's problem, its DP's plans without the budget found (each problem keeps them,
-        :func:`hidup.search.dp.solve`); None where there is none to search."""
-        if after is None or not binds or opts.algorithm != "dp":
-            return None
+    ahead_due = after is not None and binds and opts.algorithm == "dp"
+
+    def ahead() -> dict:
+        """The next search's DP's plans without the budget (where ``ahead_due``), as its problem keeps
+        them (:func:`hidup.search.dp.solve`)."""
         upcoming = upcoming_problem()
         try:
             for mode in modes:
                 dp.solve(upcoming, mode, None, **beam)
         except SearchError:
             pass  # the next search meets the error again, and raises it there
-        return upcoming
+        return upcoming.free_solutions
 
-    def beside_plain() -> tuple[dict, dict | None]:
-        """The searches without the budget made beside the plain DP (hide, ahead): the answers the
-        problems keep (:func:`hidup.search.dp.solve`), for the problems of this process to keep too."""
+    def meanwhile() -> None:
+        """What this process searches while the duplicated mode's search, forked, still runs."""
         hide()
-        upcoming = ahead()
-        return explore.free_solutions, None if upcoming is None else upcoming.free_solutions
+        if ahead_due:
+            ahead()
+
+    def hidden_free() -> dict:
+        """The hidden DP's answer, as ``explore`` keeps it (:func:`hidup.search.dp.solve`)."""
+        hide()
+        return explore.free_solutions
 
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
@@ -676,20 +680,19 @@ def _search_with(
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
         candidates.append(outcome.ks)
-    elif modes_left == (False,):
-        found, (free, upcoming_free) = solve_beside(
+    elif modes_left == (False,):  # the searches without the budget run beside (children keep their answers)
+        found, free, *upcoming_free = solve_beside(
             explore,
             lambda: _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam),
-            beside_plain,
+            hidden_free,
+            *([ahead] if ahead_due else []),
         )
         candidates += found
         explore.free_solutions.update(free)
-        if upcoming_free is not None:
-            upcoming_problem().free_solutions.update(upcoming_free)
+        for answers in upcoming_free:
+            upcoming_problem().free_solutions.update(answers)
     elif modes_left:
-        candidates += _solve_modes_within(
-            explore, modes_left, memory_budget, candidates, progress, beam, lambda: (hide(), ahead())
-        )
+        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, meanwhile)
     hide()
     candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])

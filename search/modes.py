@@ -78,30 +78,36 @@ def solve_modes(
         child.join()
 
 
-def solve_beside(problem: Problem, here: Callable[[], Any], there: Callable[[], list[int]]) -> tuple[Any, list[int]]:
-    """``(here(), there())``, where ``there`` is a DP search of ``problem`` independent of ``here``: on a
-    graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the host has two cores and can fork,
-    ``there`` runs in a forked child process while ``here`` runs in this one (only its answer travels
-    back); otherwise, or if the child dies, one after the other.  An error of either is raised as the
-    two run one after the other would raise it (``here``'s first)."""
+def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[], Any]) -> tuple:
+    """``(here(), *(search() for search in there))``, where each of ``there`` is a DP search of ``problem``
+    independent of the others: on a graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the
+    host has two cores and can fork, each runs in a forked child process of its own while ``here`` runs
+    in this one (only its answer travels back); otherwise, or for a child that dies, one after the
+    other.  An error is raised as they would raise it run one after the other (``here``'s first)."""
     if not _forks(problem):
-        return here(), there()
+        return here(), *(search() for search in there)
     ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_answer_in_child, args=(send, there), daemon=True)
-    child.start()
-    send.close()
+    children = []
     try:
-        first = here()
-        try:
-            return first, _received(receive)
-        except EOFError:  # the child died (killed, out of memory): search here instead
-            return first, there()
+        for search in there:
+            receive, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_answer_in_child, args=(send, search), daemon=True)
+            children.append((child, receive))
+            child.start()
+            send.close()
+        answers = [here()]
+        for (_, receive), search in zip(children, there):
+            try:
+                answers.append(_received(receive))
+            except EOFError:  # the child died (killed, out of memory): search here instead
+                answers.append(search())
+        return tuple(answers)
     finally:
-        receive.close()
-        if child.is_alive():
-            child.terminate()
-        child.join()
+        for child, receive in children:
+            receive.close()
+            if child.is_alive():
+                child.terminate()
+            child.join()
 
 
 def _forks(problem: Problem) -> bool:
@@ -132,7 +138,7 @@ def _received(receive) -> list[int]:
     return answer
 
 
-def _answer_in_child(send, search: Callable[[], list[int]]) -> None:
+def _answer_in_child(send, search: Callable[[], Any]) -> None:
     """``search()``'s answer (or its error) sent to the parent (:func:`solve_beside`)."""
     try:
         send.send((True, search()))

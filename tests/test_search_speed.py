@@ -147,16 +147,17 @@ def test_the_hidden_search_forked_beside_the_plain_one_finds_the_plan_of_one_aft
     mesh_graph, monkeypatch, budgeted
 ):
     """Without duplication (a mesh search's seed) the DP hiding the gradient all-reduces runs in a forked
-    child beside the plain DP; the plan is the one of running them one after the other."""
+    child beside the plain DP, and under a budget that binds the recomputing search's DP without the
+    budget in another; the plan is the one of running them one after the other."""
     budget = None
     if budgeted:
         budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
     forked = []
     beside = modes.solve_beside
 
-    def counted(problem, here, there):
+    def counted(problem, here, *there):
         forked.append(modes._forks(problem))
-        return beside(problem, here, there)
+        return beside(problem, here, *there)
 
     monkeypatch.setattr(api, "solve_beside", counted)
     plans = {}

@@ -5,9 +5,10 @@ mode, and the two runs are independent.  On a large graph the second runs in a f
 beside the first: fork shares the compiled problem (its transition caches included) without copying
 or pickling it, and only the answers (lists of signature indices) travel back through a pipe.
 
-A search without duplication has no second mode to run beside it, but it has a second search: the
-DP that hides the gradient all-reduces (:mod:`hidup.search.api`), independent of the plain one.
-:func:`solve_beside` runs such a search in the forked child while this process runs its own.
+A search without duplication has no second mode to run beside it, but it has other searches
+independent of the plain one: the DP that hides the gradient all-reduces and, under a budget that
+binds, the next search's DP without the budget (:mod:`hidup.search.api`).  :func:`solve_beside` runs
+each in a forked child of its own while this process runs the plain one.
 
 Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
 "Duplication under a memory budget"): its plan without the budget comes first, and once the plain

@@ -20,6 +20,16 @@ shapes, arguments): the layers of a model repeat, so a Llama-3-8B-shaped step ne
 What it saves is known per storage: an alias of its input ``j``, of its output ``k``, or a storage it
 made (a cast, a norm's statistics, a vocabulary-parallel embedding's mask), each of its local bytes.
 
+Nodes of one record
+-------------------
+A node's per-node terms (:func:`saved_bytes`, and which parameter inputs its backward keeps as they
+are) read of its record only its items per signature, the shapes of its inputs and outputs and
+which inputs are parameters or buffers, not which storages the items are.  The ops of identical
+layers record alike, so :meth:`SavedRecord.twin` names for every node the first node that reads as
+it does, and the search works those terms out once per such class (:mod:`hidup.search.memory`).
+A key of a locally measured signature is the signature object itself (the ops of identical layers
+share theirs), so nodes whose signatures are equal but distinct objects are not twins.
+
 Counting (a storage once, so that views are not new memory)
 -----------------------------------------------------------
 A saved tensor is identified by its storage; a view shares its base's.  A storage of a parameter, a
@@ -106,12 +116,41 @@ class SavedRecord:
     # are the op's own storages); a node or signature missing here falls back to ``saved``
     local: dict[str, dict[Signature, list[SavedItem]]] = field(default_factory=dict)
 
+    # node name -> its twin (:meth:`twin`), worked out when first asked
+    _twins: dict[str, Node] | None = field(default=None, repr=False, compare=False)
+
     def items(self, node: Node, sig: Signature) -> tuple[list[SavedItem], bool]:
         """(items, measured locally) of ``node`` under ``sig``."""
         per_sig = self.local.get(node.name)
         if per_sig is not None and sig in per_sig:
             return per_sig[sig], True
         return self.saved.get(node.name, []), False
+
+    def twin(self, graph: Graph, node: Node) -> Node:
+        """The first node of ``graph`` (``node`` itself or an earlier one) whose record reads as ``node``'s
+        does (module docstring, "Nodes of one record")."""
+        if self._twins is None:
+            held = {t for n in graph.nodes if n.op == "param" for t in n.outputs}
+            first: dict[tuple, Node] = {}
+            self._twins = {n.name: first.setdefault(self._twin_key(graph, n, held), n) for n in graph.nodes}
+        return self._twins[node.name]
+
+    def _twin_key(self, graph: Graph, node: Node, held: set[int]) -> tuple:
+        """What the per-node sums read of ``node``'s record: its items (all but which storage each is) per
+        signature measured locally, keyed by the signature object, and those of the whole op, on input
+        and output tensors of these shapes, inputs made by ``param`` nodes (``held``) where these are."""
+
+        def items(found: list[SavedItem]) -> tuple:
+            return tuple((i.slot, i.index, i.nbytes, i.dtype, i.how, i.shape, i.owner, i.held) for i in found)
+
+        local = self.local.get(node.name)
+        return (
+            node.op,
+            tuple((graph.tensors[t].shape, t in held) for t in node.inputs),
+            tuple(graph.tensors[t].shape for t in node.outputs),
+            items(self.saved.get(node.name, [])),
+            None if local is None else tuple((id(sig), items(found)) for sig, found in local.items()),
+        )
 
 
 def _fraction(graph: Graph, tid: int, form) -> float:
@@ -451,22 +490,9 @@ class _LocalOps:
                     per_sig[sig] = items
             for items in per_sig.values():
                 for it in items:
-                    owners.setdefault(it.storage, node.name)
+                    owners.setdefault(it[6], node.name)
             self.record.local[node.name] = {
-                sig: [
-                    SavedItem(
-                        it.slot,
-                        it.index,
-                        it.nbytes,
-                        it.dtype,
-                        it.how,
-                        it.shape,
-                        it.storage,
-                        owners[it.storage] == node.name,
-                        it.held,
-                    )
-                    for it in items
-                ]
+                sig: [SavedItem(*it[:7], owners[it[6]] == node.name, it[7]) for it in items]
                 for sig, items in per_sig.items()
             }
 
@@ -483,7 +509,9 @@ class _LocalOps:
         )
         return node.target, repr(ctx.args), repr(ctx.kwargs), n_arg, inputs
 
-    def _items(self, node: Node, sig: Signature, arguments: tuple) -> list[SavedItem] | None:
+    def _items(self, node: Node, sig: Signature, arguments: tuple) -> list[tuple] | None:
+        """``(slot, index, nbytes, dtype, how, shape, storage, held)`` per storage that ``node``'s local op
+        under ``sig`` saves (a :class:`SavedItem` but for its owner, known once every signature is in)."""
         hit = self.of_node.get((arguments, id(sig)))
         if hit is None or hit[0] is not sig:
             hit = self.of_node[arguments, id(sig)] = (sig, self._measured(node, sig, arguments))
@@ -504,7 +532,7 @@ class _LocalOps:
             else:
                 storage = self.interp.storage_ids.setdefault(gkey, len(self.interp.storage_ids))
                 held = gkey in self.interp.held
-            items.append(SavedItem(slot, index, nbytes, dtype, how, shape, storage, True, held))
+            items.append((slot, index, nbytes, dtype, how, shape, storage, held))
         return items
 
     def _measured(self, node: Node, sig: Signature, arguments: tuple) -> list | None:

@@ -81,7 +81,7 @@ from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.profiler import load
 from hidup.search import dp, ilp
-from hidup.search.modes import solve_modes
+from hidup.search.modes import solve_beside, solve_modes
 from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -385,10 +385,12 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
     results = []
     errors = []
     made: dict[int, Problem] = {}  # id(profile) -> the first problem made with it
+    derived: dict[tuple, Problem] = {}  # (id(profile), recomputed layers) -> the problem derived from it
 
     def problem_for(prof, recompute: frozenset) -> Problem:
-        """The problem of ``opts`` under ``prof`` with the layers ``recompute`` recomputed; every
-        problem after the first shares its signatures and liveness (:meth:`Problem.derive`)."""
+        """The problem of ``opts`` under ``prof`` with the layers ``recompute`` recomputed, one per
+        (profile, layers); every problem after the first shares its signatures and liveness
+        (:meth:`Problem.derive`)."""
         first = made.get(id(prof))
         if first is None:
             reshard = opts.reshard == "on"  # "auto" searches as "off" first (_resharding)
@@ -396,14 +398,21 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
                 graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, models, reshard
             )
             return first
-        return first if first.recompute == recompute else first.derive(recompute)
+        if first.recompute == recompute:
+            return first
+        key = (id(prof), recompute)
+        if key not in derived:
+            derived[key] = first.derive(recompute)
+        return derived[key]
 
-    for recompute in _recompute_choices(graph, opts):
+    choices = _recompute_choices(graph, opts)
+    for n, recompute in enumerate(choices):
         if recompute and results and not results[-1][2]:
             break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
         beat = min((r[1].total for r in results), default=None) if recompute else None
+        after = choices[n + 1] if n + 1 < len(choices) else None
         try:
-            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for)
+            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for, after)
         except SearchError as e:
             # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
             # a cycle that would keep every problem made here (and its caches) alive until a full
@@ -577,6 +586,7 @@ def _search_with(
     started: float,
     models: Models,
     problem_for: Callable[[object, frozenset], Problem],
+    after: frozenset[str] | None = None,
 ):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
@@ -584,7 +594,9 @@ def _search_with(
     found) the DP first searches without the budget, and None is returned when even that plan is no
     faster than ``beat`` (a plan within the budget could not be either), or, for the ILP, when the
     time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
-    searched again."""
+    searched again.  ``after``: the layers the next search recomputes, when the budget binds; that
+    search starts with the DP's plans without the budget, which are searched here beside this
+    search's own DP where a process would otherwise wait (:func:`_search_found`)."""
     precision, memory_budget = opts.precision, opts.memory_budget
     problem = problem_for(profile, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
@@ -609,9 +621,38 @@ def _search_with(
     def hide() -> None:
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
-        # runs while the duplicated mode's search, forked, still runs (hidup.search.modes)
+        # runs while the duplicated mode's search, forked, still runs, and without duplication forked
+        # beside the plain search (hidup.search.modes)
         if opts.algorithm == "dp" and not hidden:
             hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+
+    def upcoming_problem() -> Problem:
+        """The next search's problem (``after`` recomputed), as that search explores it."""
+        return problem_for(models.physical(profile), after) if local else problem_for(profile, after)
+
+    ahead_due = after is not None and binds and opts.algorithm == "dp"
+
+    def ahead() -> dict:
+        """The next search's DP's plans without the budget (where ``ahead_due``), as its problem keeps
+        them (:func:`hidup.search.dp.solve`)."""
+        upcoming = upcoming_problem()
+        try:
+            for mode in modes:
+                dp.solve(upcoming, mode, None, **beam)
+        except SearchError:
+            pass  # the next search meets the error again, and raises it there
+        return upcoming.free_solutions
+
+    def meanwhile() -> None:
+        """What this process searches while the duplicated mode's search, forked, still runs."""
+        hide()
+        if ahead_due:
+            ahead()
+
+    def hidden_free() -> dict:
+        """The hidden DP's answer, as ``explore`` keeps it (:func:`hidup.search.dp.solve`)."""
+        hide()
+        return explore.free_solutions
 
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
@@ -639,8 +680,19 @@ def _search_with(
             warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
         solver = outcome.info()
         candidates.append(outcome.ks)
+    elif modes_left == (False,):  # the searches without the budget run beside (children keep their answers)
+        found, free, *upcoming_free = solve_beside(
+            explore,
+            lambda: _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam),
+            hidden_free,
+            *([ahead] if ahead_due else []),
+        )
+        candidates += found
+        explore.free_solutions.update(free)
+        for answers in upcoming_free:
+            upcoming_problem().free_solutions.update(answers)
     elif modes_left:
-        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, hide)
+        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, meanwhile)
     hide()
     candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
     best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])

@@ -147,6 +147,16 @@ smaller one is packed into its bucket's flat buffer, which costs ``g + 2 b / mem
 the profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`; the sum is not copied back: the
 gradient becomes a view of the buffer), once per step (with duplication: in copy A's item).
 
+Nodes of one price
+------------------
+A node's compute reads of the node only its op and target, its fusion (compiled), its half-batch
+twin (``graph.half``, found by name) and its input and output tensors: shapes, dtypes,
+``requires_grad``, bytes under the precision, batch dependence, which of them are one tensor and
+the parameter each is a view of.  Nodes equal in all of that (the same op of identical layers) are
+priced alike under every signature, so :meth:`CostModel.device_compute` works each price out once,
+for the first of them in graph order (:meth:`CostModel.twin`), and the others read it: the same
+numbers, computed once instead of once per layer.
+
 Duplication (two half-batch copies A and B)
 -------------------------------------------
 A tensor is *batch-dependent* when it derives from a model input; parameters, buffers and tensors
@@ -334,8 +344,9 @@ class CostModel:
         launched, in_graph = profile.op_overhead, profile.op_overhead_graph
         self._dispatch_extra = max(0.0, launched - in_graph) if profile.ops_timing == "graph" and in_graph > 0 else 0.0
         self._half_sigs: dict[str, dict] = {}
-        # (node name, id(signature)) -> (signature, physical (forward, backward)): a node's price does
-        # not depend on the problem that asks for it, so every problem sharing this model reuses it
+        # (twin's name, id(signature)) -> (signature, physical (forward, backward)): a node's price does
+        # not depend on the problem that asks for it, so every problem sharing this model reuses it, and
+        # the nodes of one price share it (module docstring, "Nodes of one price")
         self._device: dict[tuple, tuple] = {}
         # the layout changes of a mesh: (src, dst) -> ir.layout_conversions, and (conversion class, axis,
         # layout before, form after) -> the priced parts of that one-axis step (paths share steps)
@@ -348,6 +359,41 @@ class CostModel:
         self._fusion: dict[str, tuple[str, frozenset, frozenset]] = self._fused_traffic(graph) if self.compiled else {}
         self._param_of = self._params_through_views(graph)
         self._padded = self._padded_matmul_outputs(graph) if self.compiled else frozenset()
+        self._twin = self._price_twins(graph)
+
+    def _price_twins(self, graph: Graph) -> dict[str, Node]:
+        """node name -> the first node (in graph order) priced as it is under every signature (module
+        docstring, "Nodes of one price")."""
+        first: dict[tuple, Node] = {}
+        return {n.name: first.setdefault(self._price_key(n), n) for n in graph.nodes}
+
+    def _price_key(self, node: Node) -> tuple:
+        """Everything :meth:`device_compute` and :meth:`copy_device_compute` read of ``node`` besides the
+        signature: its op and target, its fusion in a compiled program, its name where a half-batch graph
+        is looked up by it, which inputs are one tensor, and per input and output tensor the shape, the
+        dtype, ``requires_grad``, the bytes under the precision, the batch dependence and the dtype and
+        ``requires_grad`` of the parameter it is a view of."""
+        g = self.graph
+
+        def tensor(t: int) -> tuple:
+            x, param = g.tensors[t], self._param_of.get(t)
+            of_param = None if param is None else (g.tensors[param].dtype, g.tensors[param].requires_grad)
+            return x.shape, x.dtype, x.requires_grad, self.nbytes[t], self.batch.get(t, False), of_param
+
+        return (
+            node.op,
+            node.target,
+            self._fusion.get(node.name),
+            node.name if g.half is not None else None,
+            tuple(node.inputs.index(t) for t in node.inputs),
+            tuple(map(tensor, node.inputs)),
+            tuple(map(tensor, node.outputs)),
+        )
+
+    def twin(self, node: Node) -> Node:
+        """The node whose prices ``node`` shares (module docstring, "Nodes of one price"): ``node`` itself
+        or an earlier node of the graph equal to it in all they read."""
+        return self._twin[node.name]
 
     @staticmethod
     def _fused_traffic(graph: Graph) -> dict[str, tuple[str, frozenset, frozenset]]:
@@ -478,10 +524,11 @@ class CostModel:
         the measured time or the roofline (module docstring, "Compute")."""
         if node.op != "call":
             return 0.0, 0.0
-        key = (node.name, id(sig))
+        twin = self._twin[node.name]
+        key = (twin.name, id(sig))
         hit = self._device.get(key)
         if hit is None or hit[0] is not sig:
-            hit = self._device[key] = (sig, self._device_compute(node, sig))
+            hit = self._device[key] = (sig, self._device_compute(twin, sig))
         return hit[1]
 
     def _device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:

@@ -62,8 +62,9 @@ class MemoryModel:
     recompute: frozenset = frozenset()  # block labels of the recomputed layers
     reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
     record: SavedRecord | None = field(init=False, default=None)
-    # (node name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
-    # the recomputed layers, shared by the models of one graph and precision (hidup.search.problem.Models)
+    # (twin's name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
+    # the recomputed layers, shared by the models of one graph and precision (hidup.search.problem.Models),
+    # and by the nodes of one record (:meth:`twin`)
     saved_memo: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -112,15 +113,21 @@ class MemoryModel:
         kept = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if t in self.kept_inputs)
         return self._saved(node, sig) / self.share.get(node.name, 1) + kept
 
+    def twin(self, node: Node) -> Node:
+        """The node whose record ``node``'s per-node terms read as their own (:meth:`SavedRecord.twin`:
+        the same op of identical layers); ``node`` itself without a record."""
+        return node if self.record is None else self.record.twin(self.graph, node)
+
     def _saved(self, node: Node, sig: Signature) -> float:
         if self.record is not None:
             memo = self.saved_memo
             if memo is None:
                 return saved_bytes(self.graph, self.record, node, sig)
-            key = (node.name, id(sig))
+            twin = self.record.twin(self.graph, node)
+            key = (twin.name, id(sig))
             hit = memo.get(key)
             if hit is None or hit[0] is not sig:
-                hit = memo[key] = (sig, saved_bytes(self.graph, self.record, node, sig))
+                hit = memo[key] = (sig, saved_bytes(self.graph, self.record, twin, sig))
             return hit[1]
         if any(self.graph.tensors[t].requires_grad for t in node.inputs):
             return sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))

@@ -5,6 +5,11 @@ mode, and the two runs are independent.  On a large graph the second runs in a f
 beside the first: fork shares the compiled problem (its transition caches included) without copying
 or pickling it, and only the answers (lists of signature indices) travel back through a pipe.
 
+A search without duplication has no second mode to run beside it, but it has other searches
+independent of the plain one: the DP that hides the gradient all-reduces and, under a budget that
+binds, the next search's DP without the budget (:mod:`hidup.search.api`).  :func:`solve_beside` runs
+each in a forked child of its own while this process runs the plain one.
+
 Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
 "Duplication under a memory budget"): its plan without the budget comes first, and once the plain
 mode's answer is in, ``worth(plain answer, duplicated answer without the budget)`` says whether to
@@ -15,12 +20,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from hidup.search.dp import Beaten, solve
 from hidup.search.problem import Problem, SearchError
 
-__all__ = ["solve_modes", "PARALLEL_MIN_POSITIONS"]
+__all__ = ["solve_modes", "solve_beside", "PARALLEL_MIN_POSITIONS"]
 
 PARALLEL_MIN_POSITIONS = 1024  # below this a search takes about a second; a second process is not worth it
 
@@ -46,12 +51,7 @@ def solve_modes(
     the child still searches; it is not run where the searches run one after the other."""
     if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
-    if (
-        len(modes) != 2
-        or problem.n < PARALLEL_MIN_POSITIONS
-        or (os.cpu_count() or 1) < 2
-        or "fork" not in multiprocessing.get_all_start_methods()
-    ):
+    if len(modes) != 2 or not _forks(problem):
         return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
@@ -79,6 +79,47 @@ def solve_modes(
         child.join()
 
 
+def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[], Any]) -> tuple:
+    """``(here(), *(search() for search in there))``, where each of ``there`` is a DP search of ``problem``
+    independent of the others: on a graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the
+    host has two cores and can fork, each runs in a forked child process of its own while ``here`` runs
+    in this one (only its answer travels back); otherwise, or for a child that dies, one after the
+    other.  An error is raised as they would raise it run one after the other (``here``'s first)."""
+    if not _forks(problem):
+        return here(), *(search() for search in there)
+    ctx = multiprocessing.get_context("fork")
+    children = []
+    try:
+        for search in there:
+            receive, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_answer_in_child, args=(send, search), daemon=True)
+            children.append((child, receive))
+            child.start()
+            send.close()
+        answers = [here()]
+        for (_, receive), search in zip(children, there):
+            try:
+                answers.append(_received(receive))
+            except EOFError:  # the child died (killed, out of memory): search here instead
+                answers.append(search())
+        return tuple(answers)
+    finally:
+        for child, receive in children:
+            receive.close()
+            if child.is_alive():
+                child.terminate()
+            child.join()
+
+
+def _forks(problem: Problem) -> bool:
+    """Whether a second search of ``problem`` runs in a forked child process (:func:`solve_modes`)."""
+    return (
+        problem.n >= PARALLEL_MIN_POSITIONS
+        and (os.cpu_count() or 1) >= 2
+        and "fork" in multiprocessing.get_all_start_methods()
+    )
+
+
 def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: dict) -> list[list[int]]:
     if worth is None:
         return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
@@ -96,6 +137,18 @@ def _received(receive) -> list[int]:
     if not ok:
         raise answer
     return answer
+
+
+def _answer_in_child(send, search: Callable[[], Any]) -> None:
+    """``search()``'s answer (or its error) sent to the parent (:func:`solve_beside`)."""
+    try:
+        send.send((True, search()))
+    except SearchError as e:
+        send.send((False, e))
+    except (BrokenPipeError, OSError):  # the parent stopped listening: its answer is not wanted
+        pass
+    finally:
+        send.close()
 
 
 def _solve_in_child(

@@ -263,13 +263,14 @@ class Problem:
             self.in_forms.append([self._fids(s, s.inputs, in_ids) for s in sigs])
             self.out_forms.append([self._fids(s, s.outputs, out_ids) for s in sigs])
             self._plain_device.append([self.cost.device_compute(node, s) for s in sigs])
-            self.saved_in.append(tuple(models.kept(("saved in", precision), node, s, saved_inputs) for s in sigs))
+            twin = memory.twin(node)  # the nodes of one record keep the same inputs
+            self.saved_in.append(tuple(models.kept(("saved in", precision), twin, s, saved_inputs) for s in sigs))
         self.node_batch = [self.cost.node_is_batch(node) for node in self.order]
         self._plain_fixed = [self.cost.fixed(node) for node in self.order]
         # per copy compute (CostModel.copy_compute): half-batch times of batch nodes, whole otherwise
         self._plain_copy = [
-            [models.kept(("copy", id(self.cost)), node, s, self._copy_compute) for s in sigs]
-            for node, sigs in zip(self.order, self.sigs)
+            [models.kept(("copy", id(self.cost)), twin, s, self._copy_compute) for s in sigs]
+            for twin, sigs in zip(map(self.cost.twin, self.order), self.sigs)
         ]
         self._liveness()
         self._recomputing(memory)

@@ -1,6 +1,7 @@
 """What makes the search of large graphs faster changes no answer: the caches of states shared by the
 problems of one cost model (one form numbering per search), what a node saves kept once for every set
-of recomputed layers, and a search that frees what it made as it goes."""
+of recomputed layers, the nodes of identical layers priced once, the search that hides the gradient
+all-reduces forked beside the plain one, and a search that frees what it made as it goes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 
 import hidup
 import hidup.profiler as P
-from hidup.search import api, dp
+from hidup.saved import saved_bytes
+from hidup.search import api, dp, modes
+from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Models, Problem
 from hidup.search.schedule import evaluate
@@ -108,6 +111,85 @@ def test_memory_models_sharing_what_nodes_save_price_as_models_of_their_own(mesh
             for sig in node.signatures:
                 assert shared.breakdown(node, sig) == alone.breakdown(node, sig)
     assert models.memory(2.0, "bf16").saved_memo is models.memory(2.0, "bf16", frozenset(layers)).saved_memo
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_nodes_of_identical_layers_are_priced_once_and_as_each_alone(mesh_graph, monkeypatch, precision):
+    """A problem prices each class of twins once (:meth:`CostModel.twin`, :meth:`SavedRecord.twin`), and
+    every node's compute, per-copy compute, saved bytes and kept parameter inputs are what the node
+    prices alone."""
+    priced = []
+    device_compute = CostModel._device_compute
+
+    def counted(self, node, sig):
+        priced.append((node.name, id(sig)))
+        return device_compute(self, node, sig)
+
+    monkeypatch.setattr(CostModel, "_device_compute", counted)
+    profile = P.load(CLUSTER)
+    problem = Problem(mesh_graph, profile, precision)
+    alone, memory, record = CostModel(mesh_graph, profile, precision), problem.memory, problem.memory.record
+    pairs = [(node, sig) for node, sigs in zip(problem.order, problem.sigs) if node.op == "call" for sig in sigs]
+    assert len(priced) == len(set(priced)) < len(pairs) / 1.5  # two layers: most ops have a twin
+    assert len({memory.twin(node).name for node, _ in pairs}) < len({node.name for node, _ in pairs})
+    for i, node in enumerate(problem.order):
+        for k, sig in enumerate(problem.sigs[i]):
+            device = alone._device_compute(node, sig) if node.op == "call" else (0.0, 0.0)
+            assert problem._plain_device[i][k] == device
+            assert problem._plain_copy[i][k] == alone.copy_compute(node, sig, device, alone.node_is_batch(node))
+            assert problem.saved_in[i][k] == problem._saved_inputs(node, sig, record)
+            if node.op == "call":
+                assert memory._saved(node, sig) == saved_bytes(mesh_graph, record, node, sig)
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_the_hidden_search_forked_beside_the_plain_one_finds_the_plan_of_one_after_the_other(
+    mesh_graph, monkeypatch, budgeted
+):
+    """Without duplication (a mesh search's seed) the DP hiding the gradient all-reduces runs in a forked
+    child beside the plain DP, and under a budget that binds the recomputing search's DP without the
+    budget in another; the plan is the one of running them one after the other."""
+    budget = None
+    if budgeted:
+        budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
+    forked = []
+    beside = modes.solve_beside
+
+    def counted(problem, here, *there):
+        forked.append(modes._forks(problem))
+        return beside(problem, here, *there)
+
+    monkeypatch.setattr(api, "solve_beside", counted)
+    plans = {}
+    for forks in (False, True):
+        monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0 if forks else 10**9)
+        forked.clear()
+        plans[forks] = hidup.search(mesh_graph, CLUSTER, memory_budget=budget)
+        assert forked and all(f == forks for f in forked)
+    a, b = plans[False], plans[True]
+    assert a.choices == b.choices and a.predicted == b.predicted and a.memory == b.memory
+    assert a.duplication == b.duplication and a.recompute == b.recompute and a.conversions == b.conversions
+
+
+def test_a_budgeted_search_runs_each_dp_pass_without_the_budget_once(mesh_graph, monkeypatch):
+    """The recomputing search's plans without the budget, made ahead while the search before it waits,
+    are kept on its problem and not searched again: no DP pass without a budget or a price runs twice
+    for one problem's signatures and recomputed layers."""
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 10**9)  # every pass in this process, to count them
+    budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
+    passes = []
+    solve = dp._DP.solve
+
+    def counted(self, reuse, progress):
+        if not self.has_mem and not self.price:
+            passes.append((id(self.p.sigs), self.p.recompute, self.dup, self.hide, self.max_states))
+        return solve(self, reuse, progress)
+
+    monkeypatch.setattr(dp._DP, "solve", counted)
+    plan = hidup.search(mesh_graph, CLUSTER, memory_budget=budget)
+    assert plan.memory["total"] <= budget
+    assert any(recompute for _, recompute, *_ in passes)  # the recomputing searches ran
+    assert len(passes) == len(set(passes))
 
 
 def test_a_search_frees_the_problems_it_made_without_the_collector(line_graph, monkeypatch):

@@ -139,10 +139,12 @@ def _received(receive) -> list[int]:
     return answer
 
 
-def _answer_in_child(send, search: Callable[[], Any]) -> None:
-    """``search()``'s answer (or its error) sent to the parent (:func:`solve_beside`)."""
+def _answer_in_child(send, *searches: Callable[[], Any]) -> None:
+    """Each of ``searches``' answers in turn (or the first error) sent to the parent
+    (:func:`solve_beside`)."""
     try:
-        send.send((True, search()))
+        for search in searches:
+            send.send((True, search()))
     except SearchError as e:
         send.send((False, e))
     except (BrokenPipeError, OSError):  # the parent stopped listening: its answer is not wanted
@@ -156,13 +158,5 @@ def _solve_in_child(
 ) -> None:
     """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
     sent to the parent; with ``free_first`` its answer without the budget is sent before it."""
-    try:
-        if free_first:
-            send.send((True, solve(problem, duplication, None, **beam)[0]))
-        send.send((True, solve(problem, duplication, memory_budget, beat=beat, **beam)[0]))
-    except SearchError as e:
-        send.send((False, e))
-    except (BrokenPipeError, OSError):  # the parent stopped listening: its answer is not wanted
-        pass
-    finally:
-        send.close()
+    free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
+    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])

@@ -44,7 +44,7 @@ autograd keeps for the backward, and the inputs.
 With ``--kernels`` each CUDA run also records where its device time goes: the steps run once more
 without a CUDA graph under ``torch.profiler``, and the kernels' time per step is summed by kind
 (matmul libraries, attention, inductor's generated kernels, the optimizer, copies, other;
-:func:`kernel_kind`), with the heaviest kernels by name.
+:func:`hidup.runtime.kernel_profile.kernel_kind`), with the heaviest kernels by name.
 
 Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
 rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
@@ -72,6 +72,7 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
+from hidup.runtime.kernel_profile import kernel_breakdown
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
 from hidup.search import search
@@ -285,53 +286,6 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
             record["rank_peak_bytes"] = record["peak_memory_bytes"] - record["allocated_before_bytes"] + stored
             torch.cuda.empty_cache()
     return record
-
-
-# kernel kinds by name fragment, first match wins (cuBLAS names its kernels gemm / nvjet / sm90_xmma ...)
-KERNEL_KINDS = (
-    ("optimizer", ("adam", "multi_tensor")),
-    ("attention", ("flash", "fmha", "attention", "efficient")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")),
-    ("generated", ("triton",)),
-    ("copies", ("copy", "memcpy", "memset", "cat", "fill", "elementwise", "reduce_kernel", "index")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a CUDA kernel by its name (:data:`KERNEL_KINDS`; ``other`` when none matches)."""
-    low = name.lower()
-    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
-
-
-def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: int = 15) -> dict:
-    """Device milliseconds per step of ``step(*inputs)`` by kernel kind (:func:`kernel_kind`) and its
-    ``top`` heaviest kernels, from ``torch.profiler`` over ``steps`` steps (after one untimed)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step(*inputs)
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step(*inputs)
-        torch.cuda.synchronize(device)
-    per_kernel: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / 1e3 / steps
-            counts[e.name] = counts.get(e.name, 0) + 1
-    kinds: dict[str, float] = {}
-    for name, ms in per_kernel.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
-    return {
-        "device_ms": sum(per_kernel.values()),
-        "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "kernels_per_step": sum(counts.values()) / steps,
-        "heaviest": [
-            {"name": n[:160], "ms": ms, "calls": counts[n] / steps, "kind": kernel_kind(n)} for n, ms in heaviest
-        ],
-    }
 
 
 def _predicted_peak(args, plan, duplication: bool | None, precision: str) -> dict | None:

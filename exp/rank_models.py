@@ -1,4 +1,4 @@
-"""`transformers` models as hidup model factories (``exp.rank_models:llama``, ``exp.rank_models:mixtral``):
+"""`transformers` models as hidup model factories (``exp.rank_models:llama``, ``:mixtral``, ``:qwen2``, ``:gpt2``):
 ``f(world_size=1, device=None, **sizes) -> (step module, (input_ids, labels))`` with ``batch`` sequences
 of ``seq`` tokens per rank, for ``hidup search/bench-rank --model``."""
 
@@ -48,3 +48,25 @@ def mixtral(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=2816, experts=8, vo
         max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return _step(cfg, transformers.MixtralForCausalLM, vocab, seq, batch, world_size, device)
+
+
+def qwen2(
+    layers=4, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=32000, seq=1024, batch=4, world_size=1, device=None
+):
+    """Qwen2 (Llama-like, with biases on the query/key/value projections)."""
+    cfg = transformers.Qwen2Config(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    return _step(cfg, transformers.Qwen2ForCausalLM, vocab, seq, batch, world_size, device)
+
+
+def gpt2(layers=6, hidden=1280, heads=20, vocab=50257, seq=512, batch=8, world_size=1, device=None):
+    """GPT-2 (learned positions, LayerNorm, GELU MLP; its projections are ``Conv1D``: addmm on a
+    transposed weight), dropout off."""
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return _step(cfg, transformers.GPT2LMHeadModel, vocab, seq, batch, world_size, device)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Measured against predicted: one rank of world-4 plans on one GPU, for exp/rank_predict.py.
-#   1. (PROFILE=1) the GPU's own device profile: matmul rates (fp32, tf32, bf16), copy bandwidth, the
+#   1. (PROFILE=1) the GPU's own device profile: matmul rates (fp32, tf32, bf16) by square size and by
+#      GEMM shape (the (m, n, k) grid), copy bandwidth, the
 #      fixed cost per op eagerly and inside a CUDA graph (`hidup profile`, one process; collectives
 #      from the built-in h200x4-nvlink profile, which no prediction here uses);
 #   2. `hidup bench-rank --plan` for every plan file in $PLANS matching $MATCH (default all), rank 0,

@@ -14,6 +14,12 @@ For each size ``n`` we time ``k`` back-to-back matmuls per sample and take the m
 the tensor cores round the inputs to 10-bit mantissas).  On a CPU the flag has no effect and the
 measured rate equals ``fp32``'s.
 
+GEMM shapes
+-----------
+:func:`gemm_grid` times ``C[m, n] = A[m, k] @ B[n, k]^T`` (a linear's forward layout) at every
+``(m, n, k)`` of ``sizes x sizes x sizes`` the same way, ``rate = 2 m n k / t``: the rate of a
+matmul by its shape (:mod:`hidup.profiler.gemm`).
+
 Memory bandwidth
 ----------------
 A device-to-device copy of ``b`` bytes reads ``b`` and writes ``b`` bytes, so
@@ -52,6 +58,7 @@ import torch.fx
 
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import graph_time, time_call
+from hidup.profiler.gemm import GemmGrid
 from hidup.profiler.profile import DTYPES
 
 __all__ = [
@@ -63,6 +70,8 @@ __all__ = [
     "transpose_bandwidth",
     "grad_copy_overhead",
     "default_matmul_sizes",
+    "default_gemm_sizes",
+    "gemm_grid",
     "torch_dtype",
 ]
 
@@ -121,6 +130,52 @@ class MatmulRate:
 def default_matmul_sizes(device: torch.device | str) -> tuple[int, ...]:
     """Square sizes that reach peak on the device in well under a second each."""
     return (2048, 4096, 8192) if torch.device(device).type == "cuda" else (128, 256, 512)
+
+
+def default_gemm_sizes(device: torch.device | str) -> tuple[int, ...]:
+    """Grid sizes of :func:`gemm_grid`: from a tensor-parallel shard of a small model's features
+    to a large model's tokens per GPU (a GPU); a few small ones on a CPU."""
+    if torch.device(device).type == "cuda":
+        return (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    return (16, 64)
+
+
+def gemm_grid(
+    device: torch.device | str,
+    dtype: str,
+    sizes: tuple[int, ...] | None = None,
+    *,
+    budget_s: float = 10.0,
+    warmup: int = 1,
+) -> GemmGrid:
+    """Rates of ``A[m, k] @ B[n, k]^T`` in ``dtype`` at every ``(m, n, k)`` of ``sizes^3`` (module
+    docstring, "GEMM shapes"); ``budget_s`` of timing in all, shared evenly by the points."""
+    device = torch.device(device)
+    dtype = canonical_dtype(dtype)
+    sizes = tuple(sorted(set(int(n) for n in (sizes or default_gemm_sizes(device)))))
+    if not sizes or sizes[0] <= 0:
+        raise ValueError(f"GEMM grid sizes must be positive integers, got {sizes}")
+    storage = torch_dtype(dtype)
+    biggest = sizes[-1] ** 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    a_flat = torch.randn(biggest, generator=gen, device=device).to(storage)
+    b_flat = torch.randn(biggest, generator=gen, device=device).to(storage)
+    c_flat = torch.empty(biggest, device=device, dtype=storage)
+    per_point = budget_s / len(sizes) ** 3
+    rates = []
+    with tf32(dtype == "tf32"):
+        for m in sizes:
+            for n in sizes:
+                for k in sizes:
+                    a, b = a_flat[: m * k].view(m, k), b_flat[: n * k].view(n, k)
+                    out = c_flat[: m * n].view(m, n)
+                    call = functools.partial(torch.mm, a, b.t(), out=out)
+                    seconds = time_call(call, device, warmup=warmup, sample_s=0.002, budget_s=per_point)
+                    rates.append(2.0 * m * n * k / seconds)
+    del a_flat, b_flat, c_flat
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return GemmGrid(sizes, tuple(rates))
 
 
 def dtype_supported(device: torch.device | str, dtype: str) -> bool:

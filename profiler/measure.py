@@ -54,6 +54,7 @@ from hidup.codegen.timing import max_over_ranks
 from hidup.files import atomic_write
 from hidup.models.source import ModelSourceError, load_factory
 from hidup.profiler import profile as profile_mod
+from hidup.profiler.gemm import GemmGrid
 from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
 from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
 
@@ -61,8 +62,10 @@ from .calibrate import measure_model_ops, program_scales
 from .comm import default_comm_sizes, default_group_sizes, network_groups, node_groups, profile_collectives
 from .device import (
     canonical_dtype,
+    default_gemm_sizes,
     default_matmul_sizes,
     device_rates,
+    gemm_grid,
     grad_copy_overhead,
     layout_bandwidth,
     memory_bandwidth,
@@ -154,6 +157,7 @@ def profile_machine(
     quick: bool = False,
     merge=None,
     matmul_sizes: tuple[int, ...] | None = None,
+    gemm_sizes: tuple[int, ...] | None = None,
     group_sizes: list[int] | None = None,
     budget_s: float | None = None,
     ops_models: list[tuple[str, dict]] | None = None,
@@ -195,6 +199,7 @@ def profile_machine(
         quick=quick,
         merge=merge,
         matmul_sizes=matmul_sizes,
+        gemm_sizes=gemm_sizes,
         group_sizes=group_sizes,
         budget_s=budget_s,
         comm_rounds=comm_rounds,
@@ -269,6 +274,7 @@ def _measure(
     matmul_sizes,
     group_sizes,
     budget_s,
+    gemm_sizes=None,
     comm_rounds: int = 1,
     gpus_per_node: int | None = None,
 ):
@@ -294,6 +300,8 @@ def _measure(
     dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))
     sizes = sorted(set(sizes or default_comm_sizes(device, quick)))
     matmul_sizes = tuple(matmul_sizes or default_matmul_sizes(device))
+    if gemm_sizes is None:  # a GPU's grid by default; a CPU's only when asked (its profile prices no GPU)
+        gemm_sizes = default_gemm_sizes(device) if device.type == "cuda" else ()
     per_node = _gpus_per_node(world, gpus_per_node)
     nnodes = world // per_node if per_node else 1
     group_sizes = default_group_sizes(per_node or world) if group_sizes is None else list(group_sizes)
@@ -301,12 +309,19 @@ def _measure(
     budget = budget_s if budget_s is not None else (0.1 if quick else 0.3)
     ops = profile_mod.COLLECTIVES
     n_groups = len(group_sizes) + len(network_sizes)
-    n_points = len(dtypes) + (n_groups * len(ops) * len(sizes) * comm_rounds if world > 1 else 0)
+    n_points = len(dtypes) * (2 if gemm_sizes else 1)
+    n_points += n_groups * len(ops) * len(sizes) * comm_rounds if world > 1 else 0
     bar = _Progress(progress and rank == 0, n_points)
     t_start = time.perf_counter()
     try:
         matmul = device_rates(device, dtypes, matmul_sizes, budget_s=budget, on_dtype=lambda d: bar.step(f"matmul {d}"))
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
+        gemm = {}
+        for d in sorted(matmul) if gemm_sizes else ():  # each point's rate, the minimum over ranks
+            grid = gemm_grid(device, d, gemm_sizes, budget_s=40 * budget)
+            agreed = _rates_agreed({str(i): r for i, r in enumerate(grid.rates)}, device)
+            gemm[d] = GemmGrid(grid.sizes, tuple(agreed[str(i)] for i in range(len(grid.rates))))
+            bar.step(f"GEMM grid {d}")
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
         layout_bw = _rates_agreed({"layout": layout_bandwidth(device, budget_s=budget)}, device)["layout"]
@@ -349,7 +364,9 @@ def _measure(
     elapsed = 1.0 / _rates_agreed({"t": 1.0 / max(time.perf_counter() - t_start, 1e-9)}, device)["t"]
 
     notes = [
-        f"matmul sizes {list(matmul_sizes)}; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
+        f"matmul sizes {list(matmul_sizes)}"
+        + (f"; GEMM grid {list(gemm_sizes)}^3" if gemm else "")
+        + f"; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
         f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us"
         + (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")
         + f"; gradient bucket copies {grad_copy * 1e6:.2f} us per parameter"
@@ -417,6 +434,7 @@ def _measure(
         gpus_per_node=per_node,
         network=network,
         matmul_sizes=per_size,
+        gemm=gemm,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
@@ -551,6 +569,12 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing (about 4x faster)")
     p.add_argument("--dtypes", default="fp32,tf32,bf16,fp16", help="compute dtypes to time (default all four)")
     p.add_argument("--matmul-sizes", default=None, help="square matmul sizes, e.g. 2048,4096,8192")
+    p.add_argument(
+        "--gemm-sizes",
+        default=None,
+        help="sizes of the (m, n, k) GEMM grid that prices a matmul by its shape, e.g. 256,1024,4096, or "
+        "'none' (default 128..16384 by powers of two on a GPU, none on a CPU)",
+    )
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
     p.add_argument(
         "--comm-rounds",
@@ -689,6 +713,23 @@ def _names(text: str, flag: str) -> list[str]:
     return items
 
 
+def _gemm_sizes(text: str | None) -> tuple[int, ...] | None:
+    """``--gemm-sizes``: None (the device's default), () for ``none``, else the sizes."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) <= 0:
+        raise SystemExit(
+            f"--gemm-sizes {text!r}: give positive integers separated by commas (e.g. 256,1024,4096) or 'none'"
+        )
+    return sizes
+
+
 def run_profile(args: argparse.Namespace) -> int:
     """Launch the ranks per ``args`` (NODERANK/CPN, torchrun or one process) and profile."""
     precisions = tuple(p.strip() for p in args.ops_precisions.split(",") if p.strip())
@@ -702,6 +743,7 @@ def run_profile(args: argparse.Namespace) -> int:
         name=args.name,
         merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
+        gemm_sizes=_gemm_sizes(args.gemm_sizes),
         budget_s=args.budget,
         group_sizes=None,
         comm_rounds=args.comm_rounds,

@@ -66,7 +66,9 @@ are optional; with them the cost model prices an unmeasured op as a roofline plu
 ``{dtype: {n: FLOP/s}}``: a small matmul fills the device less, so :meth:`Profile.rate_at` prices an
 op of ``F`` FLOPs at the rate of the square matmul with as many, of size ``n = (F / 2)^(1/3)``,
 interpolated linearly in ``(log n, log rate)`` between measured sizes (the smallest's rate below
-them, the peak above them); without it every op runs at ``flops[dtype]``.
+them, the peak above them); without it every op runs at ``flops[dtype]``.  ``gemm`` (optional) keeps,
+per dtype, the rates of a grid of ``(m, n, k)`` GEMMs (:class:`hidup.profiler.gemm.GemmGrid`), and
+:meth:`Profile.gemm_rate` prices a matmul by its shape where the grid has its dtype.
 ``op_overhead_graph`` is the fixed cost per op when the step runs as one captured CUDA graph (no
 host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
 (0 = not measured: the eager figure is used).
@@ -141,6 +143,7 @@ from typing import Iterable
 from hidup.files import atomic_write
 
 from .corrections import CorrectionError, Corrections
+from .gemm import GemmGrid
 from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
 
 __all__ = [
@@ -253,6 +256,8 @@ class Profile:
     matmul_sizes: dict[str, dict[int, float]] = field(default_factory=dict)
     # bytes/s (read + written) of a float32 copy that moves the innermost dim; 0 = layout_rate()
     transpose_bandwidth: float = 0.0
+    # dtype -> rates of a grid of (m, n, k) GEMMs (optional; hidup.profiler.gemm)
+    gemm: dict[str, GemmGrid] = field(default_factory=dict)
     # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
     # pointwise chains fuse (hidup.search.cost, "Compiled programs")
     compiled: bool = False
@@ -282,6 +287,12 @@ class Profile:
                 t = math.log(n / n0) / math.log(n1 / n0)
                 return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
         return peak
+
+    def gemm_rate(self, dtype: str, m: float, n: float, k: float) -> float | None:
+        """FLOP/s of the GEMM ``C[m, n] = A[m, k] @ B[k, n]`` in ``dtype`` from the profile's grid
+        (:class:`~hidup.profiler.gemm.GemmGrid`), or None where the grid lacks the dtype."""
+        grid = self.gemm.get(dtype)
+        return grid.rate(m, n, k) if grid is not None else None
 
     def op_time(self, target: str, shapes: Iterable[Iterable[int]], dtype: str) -> tuple[float, float] | None:
         """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""
@@ -497,8 +508,10 @@ class Profile:
         for d in sorted(self.matmul_sizes):  # one draw per dtype, as its rate: the curve keeps its shape
             k = f()
             out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
-        if self.transpose_bandwidth:  # last: a profile without it draws what it drew before
+        if self.transpose_bandwidth:  # a profile without it draws what it drew before
             out.transpose_bandwidth = self.transpose_bandwidth * f()
+        for d in sorted(self.gemm):  # last; one draw per dtype, as for matmul_sizes
+            out.gemm[d] = self.gemm[d].scaled(f())
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -535,6 +548,7 @@ class Profile:
                 if self.matmul_sizes
                 else {}
             ),
+            **({"gemm": {d: g.to_dict() for d, g in sorted(self.gemm.items())}} if self.gemm else {}),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
@@ -621,6 +635,16 @@ class Profile:
             if not all(str(n).isdigit() and int(n) > 0 for n in per):
                 raise bad(f"matmul_sizes.{dt}", f"sizes must be positive integers, got {sorted(per)}")
             matmul_sizes[dt] = {int(n): number(r, f"matmul_sizes.{dt}.{n}") for n, r in per.items()}
+
+        gemm_in = d.get("gemm", {})
+        if not isinstance(gemm_in, dict) or set(gemm_in) - set(DTYPES):
+            raise bad("gemm", f"expected a mapping {{dtype of {DTYPES}: {{sizes, rates}}}}")
+        gemm = {}
+        for dt, grid in gemm_in.items():
+            try:
+                gemm[dt] = GemmGrid.from_dict(grid)
+            except ValueError as e:
+                raise bad(f"gemm.{dt}", str(e)) from None
 
         ops_in = d.get("ops", {})
         if not isinstance(ops_in, dict):
@@ -773,6 +797,7 @@ class Profile:
             network,
             matmul_sizes,
             transpose_bandwidth=number(d.get("transpose_bandwidth", 0.0), "transpose_bandwidth", positive=False),
+            gemm=gemm,
         )
 
 

@@ -35,7 +35,15 @@ roofline plus a fixed per-op cost::
     t_fwd(n, s) = o + max(s.flops / rate(dtype, s.flops), bytes(n, s) / memory_bandwidth)
 
 where ``rate(dtype, F)`` is the rate of a matmul of ``F`` FLOPs (:meth:`~hidup.profiler.Profile.rate_at`:
-the measured square matmul of equal FLOPs where the profile has the sizes, else the dtype's peak),
+the measured square matmul of equal FLOPs where the profile has the sizes, else the dtype's peak) --
+for a matmul with a 2-D right operand (:meth:`CostModel.gemm_shape`: rows ``m``, columns ``n``, inner
+``k``) where the profile has a GEMM grid for the dtype, the rate of its own shape instead,
+``rate(dtype, m, n, k)`` (:meth:`~hidup.profiler.Profile.gemm_rate`), and its backward is the two
+GEMMs of the same FLOPs at their shapes, each counted when its operand requires a gradient::
+
+    t_bwd(n, s) = sum over {x: (m, k, n), w: (n, k, m)} requiring a gradient of
+                  o + max(s.flops / rate(dtype, shape), bytes(n, s) / memory_bandwidth)
+
 ``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
 outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of the node's first
 output: float32 uses the ``precision`` rate (fp32 by default; ``precision="tf32"`` models TF32
@@ -46,7 +54,8 @@ queries and keys, so its ``s.flops`` count each sequence length rounded up to wh
 (:meth:`CostModel.attention_blocks`: 65 patches and a class token compute as 128).  (A profile
 without a memory bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them
 looks harmless.)
-``t_bwd(n, s) = measured backward time`` if measured, else ``2 * t_fwd(n, s)`` -- ``2.5 * t_fwd``
+``t_bwd(n, s) = measured backward time`` if measured, else (other than a GEMM priced by its shape)
+``2 * t_fwd(n, s)`` -- ``2.5 * t_fwd``
 for attention (:data:`ATTENTION_BACKWARD`: its backward recomputes the scores, five matmuls against
 the forward's two) -- plus, for a ``linear``/``addmm`` whose bias requires a gradient, the bias's
 gradient ``o + bytes(output under s) / memory_bandwidth`` (the sum of the output gradient over its
@@ -188,6 +197,7 @@ computed only from them are not.  Per copy:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -551,23 +561,60 @@ class CostModel:
             if rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
                 rate_key = "fp32"
             flops *= self.attention_blocks(node)
-        fwd = flops / self.profile.rate_at(rate_key, flops)
+        gemm = self.gemm_shape(node, shapes) if kind == "matmul" else None
+        grads = None  # seconds of each gradient GEMM at its own shape, where the profile has the grid
+        if gemm is not None and rate_key in self.profile.gemm:
+            (m, n, k), (x, w) = gemm
+            rate = functools.partial(self.profile.gemm_rate, rate_key)
+            fwd = flops / rate(m, n, k)
+            grads = [flops / rate(*dims) for t, dims in ((x, (m, k, n)), (w, (n, k, m))) if g.tensors[t].requires_grad]
+        else:
+            fwd = flops / self.profile.rate_at(rate_key, flops)
+        floor = 0.0  # seconds to move the kernel's bytes
         membw = self.profile.memory_bandwidth
         if membw and shapes is not None and self.compiled:
             moved = sum(self._local_bytes(t, f) for t, f in zip(node.inputs, sig.inputs))
             moved += sum(self._local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
-            fwd = max(fwd, moved / membw)
+            floor = moved / membw
         elif membw and shapes is not None:
             moved = sum(math.prod(sh) * DTYPE_BYTES.get(g.tensors[t].dtype, 4) for t, sh in zip(node.inputs, shapes))
             for t, f in zip(node.outputs, sig.outputs):
                 tensor = g.tensors[t]
                 moved += math.prod(f.local_shape(tensor.shape, self.mesh)) * DTYPE_BYTES.get(tensor.dtype, 4)
-            fwd = max(fwd, moved / membw)
-        fwd += self.profile.op_overhead
+            floor = moved / membw
+        o = self.profile.op_overhead
+        fwd = max(fwd, floor) + o
         if not needs_bwd:
             return fwd + cast_fwd, 0.0
-        bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd + self.bias_grad(node, sig)
-        return fwd + cast_fwd, bwd + cast_bwd
+        if grads is not None:
+            bwd = sum(max(t, floor) + o for t in grads)
+        else:
+            bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd
+        return fwd + cast_fwd, bwd + self.bias_grad(node, sig) + cast_bwd
+
+    @staticmethod
+    def gemm_shape(node: Node, shapes: list | None) -> tuple[tuple[int, int, int], tuple[int, int]] | None:
+        """``((m, n, k), (x, w))`` of a matmul with a 2-D right operand -- ``linear(x[..., k], w[n, k])``,
+        ``mm(x[m, k], w[k, n])``, ``addmm(b, x, w)``, ``matmul(x[..., k], w[k, n])`` at the local
+        ``shapes`` of its inputs, ``m`` the rows of ``x`` over its leading dims, ``x``/``w`` the
+        tensor ids whose gradients are the ``(m, k, n)`` and ``(n, k, m)`` GEMMs of its backward
+        (:mod:`hidup.profiler.gemm`); None for any other op (batched, einsum, convolutions, experts)."""
+        if shapes is None:
+            return None
+        base = node.target.split(".", 1)[0]
+        first = {"linear": 0, "mm": 0, "matmul": 0, "addmm": 1}.get(base)
+        if first is None or len(shapes) < first + 2:
+            return None
+        xs, ws = shapes[first], shapes[first + 1]
+        if len(ws) != 2 or len(xs) < (1 if base in ("linear", "matmul") else 2):
+            return None
+        if base == "linear":
+            n, k = ws
+        else:
+            k, n = ws
+        if xs[-1] != k:
+            return None
+        return (math.prod(xs[:-1]), n, k), (node.inputs[first], node.inputs[first + 1])
 
     def attention_blocks(self, node: Node) -> float:
         """How many times its FLOPs an attention kernel computes: it works on blocks of

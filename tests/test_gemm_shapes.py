@@ -1,0 +1,129 @@
+"""A matmul priced by its shape: the profile's GEMM grid (profiler/gemm.py), its measurement and the
+cost model's use of it (search/cost.py, "Compute")."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import hidup.profiler
+from hidup.ir import FULL, Graph, Node, Signature, Tensor
+from hidup.profiler.device import gemm_grid
+from hidup.profiler.gemm import GemmGrid
+from hidup.profiler.profile import Profile
+from hidup.search.cost import CostModel
+
+SIZES = (128, 512, 2048)
+
+
+def _grid(rate=lambda m, n, k: 1e12 * (m * n * k) ** 0.1):
+    return GemmGrid(SIZES, tuple(rate(m, n, k) for m in SIZES for n in SIZES for k in SIZES))
+
+
+def test_grid_is_exact_at_its_points_and_log_linear_between():
+    grid = _grid()
+    for m in SIZES:
+        for n in SIZES:
+            for k in SIZES:
+                assert grid.rate(m, n, k) == pytest.approx(1e12 * (m * n * k) ** 0.1)
+    # halfway in log between 128 and 512 on one dim: the geometric mean of the two rates
+    r0, r1 = grid.rate(128, 512, 512), grid.rate(512, 512, 512)
+    assert grid.rate(256, 512, 512) == pytest.approx(math.sqrt(r0 * r1))
+    # a power law in the dims is reproduced exactly anywhere inside the grid (trilinear in logs)
+    assert grid.rate(300, 1000, 1500) == pytest.approx(1e12 * (300 * 1000 * 1500) ** 0.1)
+    # clamped outside: the nearest measured size's rate
+    assert grid.rate(64, 50000, 2048) == pytest.approx(grid.rate(128, 2048, 2048))
+
+
+def test_grid_round_trips_scales_and_rejects_bad_input():
+    grid = _grid()
+    assert GemmGrid.from_dict(json.loads(json.dumps(grid.to_dict()))) == grid
+    assert grid.scaled(0.5).rate(300, 700, 900) == pytest.approx(0.5 * grid.rate(300, 700, 900))
+    with pytest.raises(ValueError, match="needs 27 rates"):
+        GemmGrid(SIZES, (1.0,) * 26)
+    with pytest.raises(ValueError, match="increasing"):
+        GemmGrid((512, 128, 2048), (1.0,) * 27)
+    with pytest.raises(ValueError, match="positive"):
+        GemmGrid(SIZES, (1.0,) * 26 + (0.0,))
+
+
+def test_profile_keeps_the_grid_and_names_a_bad_one(tmp_path):
+    p = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), gemm={"bf16": _grid()})
+    q = hidup.profiler.load(hidup.profiler.save(p, tmp_path / "p.json"))
+    assert q.gemm == p.gemm and q.gemm_rate("bf16", 128, 128, 128) == p.gemm_rate("bf16", 128, 128, 128)
+    assert q.gemm_rate("tf32", 128, 128, 128) is None
+    # a perturbed profile scales the grid by one draw per dtype
+    noisy = p.perturb(0.2, seed=3)
+    ratio = noisy.gemm_rate("bf16", 128, 128, 128) / p.gemm_rate("bf16", 128, 128, 128)
+    assert 0.8 <= ratio <= 1.2
+    assert noisy.gemm_rate("bf16", 2048, 512, 128) / p.gemm_rate("bf16", 2048, 512, 128) == pytest.approx(ratio)
+    d = p.to_dict()
+    d["gemm"]["bf16"]["rates"] = d["gemm"]["bf16"]["rates"][:-1]
+    with pytest.raises(hidup.profiler.ProfileError, match="gemm.bf16"):
+        Profile.from_dict(d)
+
+
+def _linear_graph(m=4096, n=3072, k=768, x_grad=True):
+    x = Tensor(0, (m, k), "float32", "x", requires_grad=x_grad)
+    w = Tensor(1, (n, k), "float32", "w", requires_grad=True)
+    y = Tensor(2, (m, n), "float32", "y", requires_grad=True)
+    sig = Signature((FULL, FULL), (FULL,), 2.0 * m * n * k)
+    nodes = [
+        Node("x", "input", "input", [], [0], [Signature((), (FULL,))]),
+        Node("w", "param", "w", [], [1], [Signature((), (FULL,))]),
+        Node("lin", "call", "linear", [0, 1], [2], [sig]),
+    ]
+    return Graph(nodes, {0: x, 1: w, 2: y}, 1)
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_linear_forward_and_both_gradients_are_priced_at_their_own_shapes(x_grad):
+    m, n, k = 4096, 3072, 768
+    g = _linear_graph(m, n, k, x_grad)
+    grid = GemmGrid(SIZES, tuple(1e12 * m_ / 128 + 1e11 * n_ / 128 + 1e10 * k_ / 128 for m_ in SIZES for n_ in SIZES
+                                 for k_ in SIZES))  # fmt: skip
+    base = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), memory_bandwidth=0.0, op_overhead=1e-5)
+    cm = CostModel(g, dataclasses.replace(base, gemm={"tf32": grid}), precision="tf32")
+    node = g.node("lin")
+    fwd, bwd = cm.device_compute(node, node.signatures[0])
+    flops = 2.0 * m * n * k
+    assert fwd == pytest.approx(1e-5 + flops / grid.rate(m, n, k))
+    wgrad = 1e-5 + flops / grid.rate(n, k, m)
+    dgrad = 1e-5 + flops / grid.rate(m, k, n)
+    assert bwd == pytest.approx(wgrad + dgrad if x_grad else wgrad)
+    # the grid's dtype only: under fp32 the square-matmul pricing applies as before
+    fp32 = CostModel(g, dataclasses.replace(base, gemm={"tf32": grid}), precision="fp32")
+    plain = CostModel(g, base, precision="fp32")
+    assert fp32.device_compute(node, node.signatures[0]) == plain.device_compute(node, node.signatures[0])
+
+
+def test_gemm_shape_reads_each_matmul_form():
+    def node(target, n_inputs):
+        return Node("n", "call", target, list(range(n_inputs)), [9], [])
+
+    assert CostModel.gemm_shape(node("linear", 2), [(8, 16, 64), (32, 64)]) == ((128, 32, 64), (0, 1))
+    assert CostModel.gemm_shape(node("mm", 2), [(128, 64), (64, 32)]) == ((128, 32, 64), (0, 1))
+    assert CostModel.gemm_shape(node("addmm", 3), [(32,), (128, 64), (64, 32)]) == ((128, 32, 64), (1, 2))
+    assert CostModel.gemm_shape(node("matmul", 2), [(4, 8, 64), (64, 32)]) == ((32, 32, 64), (0, 1))
+    assert CostModel.gemm_shape(node("bmm", 2), [(4, 8, 64), (4, 64, 32)]) is None  # batched: by FLOPs
+    assert CostModel.gemm_shape(node("matmul", 2), [(4, 8, 64), (4, 64, 32)]) is None
+    assert CostModel.gemm_shape(node("linear", 2), [(8, 64), (32, 48)]) is None  # inconsistent inner dims
+
+
+def test_grid_measurement_on_the_cpu():
+    grid = gemm_grid("cpu", "fp32", (8, 32), budget_s=0.2)
+    assert grid.sizes == (8, 32) and len(grid.rates) == 8
+    assert all(r > 0 for r in grid.rates)
+
+
+def test_profile_command_rejects_bad_gemm_sizes(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "hidup.cli", "profile", "--gemm-sizes", "12,x", "--merge", "h200x4-nvlink",
+         "--out", str(tmp_path / "p.json"), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "--gemm-sizes '12,x'" in r.stderr and "Traceback" not in r.stderr

@@ -8,7 +8,8 @@
 #      duplication off, modes cuda-graph and compile+graph, tf32 and bf16, fused Adam, no share,
 #      kernel time by kind (--kernels); one JSON per plan: $OUT/rank-<plan>.json.
 # With QUIET=1 the timings are not printed (only which runs finished); they are in the JSON files.
-# MODES (default cuda-graph,compile+graph) picks the bench-rank modes; PROFILE=0 skips step 1.
+# MODES (default cuda-graph,compile+graph) picks the bench-rank modes; PROFILE=0 skips step 1;
+# KERNELS=0 leaves out the kernel-time breakdown (one profiled run per precision less).
 # Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -17,6 +18,7 @@ MATCH=${MATCH:-*}
 PY=${PYTHON:-python}
 CAP=${CAP:-200}
 mkdir -p "$OUT"
+kernels=--kernels; [ "${KERNELS:-1}" = 1 ] || kernels=
 echo "== $(date -u +%FT%TZ) gpu_predict.sh"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 if [ "${PROFILE:-1}" = 1 ]; then
@@ -28,7 +30,7 @@ for plan in "$PLANS"/$MATCH.json; do
   name=$(basename "$plan" .json)
   timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
     --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions tf32,bf16 --share-modes none \
-    --steps 10 --rounds 3 --warmup 2 --kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
+    --steps 10 --rounds 3 --warmup 2 $kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
   status=$?
   if [ "${QUIET:-0}" = 1 ]; then echo "$name: exit status $status"; else echo "== $name: exit $status"; grep -e "^rank " -e "ms" "$OUT/rank-$name.log" | tail -6; fi
 done

@@ -22,8 +22,8 @@ nothing fitted on them); the others are held out.  With ``--fit`` off the predic
 (nothing fitted on any run).
 
     python exp/rank_predict.py plans --set calibration --out docs/bench/predict/rank-plans
-    python exp/rank_predict.py predict docs/bench/predict/rank-*.json --profile docs/bench/predict/h100.json \\
-        --calibration bert-sgmoe,gpt --seen vit-sgmoe,llama --fit per-setting \\
+    python exp/rank_predict.py predict docs/bench/predict/runs/rank-*.json --profile docs/bench/predict/h100.json \\
+        --calibration bert-sgmoe,gpt --fit per-setting \\
         --out docs/bench/predict/predictions.json
 """
 

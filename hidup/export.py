@@ -160,6 +160,23 @@ def _rebuild(
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
+    # A tensor reached by several names (tied weights) keeps the first name the model lists it under:
+    # which one export lifts differs between devices and versions, and a plan names its tensors.
+    first_name: dict[int, str] = {}
+    for path, tensor in model_state.items():
+        first_name.setdefault(id(tensor), path)
+
+    def canonical(path: str) -> str:
+        tensor = model_state.get(path)
+        return path if tensor is None else first_name[id(tensor)]
+
+    attr_nodes: dict[str, torch.fx.Node] = {}
+
+    def get_attr(path: str) -> torch.fx.Node:
+        """One get_attr node per tensor path (tied weights lifted twice read one node)."""
+        if path not in attr_nodes:
+            attr_nodes[path] = graph.get_attr(path)
+        return attr_nodes[path]
 
     def load(a):
         return env[a]
@@ -177,17 +194,17 @@ def _rebuild(
                     raise ExportFailure(
                         f"the exported step takes a {spec.kind.name} input ({spec.target}), which hidup cannot hold"
                     )
-                path = _strip(spec.target)
+                path = canonical(_strip(spec.target))
                 attrs[path] = model_state.get(path, lifted_values.get(spec.target))
-                env[n] = graph.get_attr(path)
+                env[n] = get_attr(path)
             elif n.op == "get_attr":
                 obj = operator.attrgetter(n.target)(source)
                 if isinstance(obj, torch.fx.GraphModule):
                     env[n] = obj
                     continue
-                path = _strip(n.target) if source is unlifted else f"{n.target}"
+                path = canonical(_strip(n.target)) if source is unlifted else f"{n.target}"
                 attrs[path] = model_state.get(path, obj)
-                env[n] = graph.get_attr(path)
+                env[n] = get_attr(path)
                 env[n].meta.update(n.meta)
             elif n.op == "call_module":
                 continue  # export's input guard

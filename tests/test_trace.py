@@ -205,6 +205,9 @@ def test_shapes_dtypes_and_stock_attention_inlined():
     assert not any(isinstance(c.target, type) for c in t.contexts.values())
     tied = [n for n in g.params() if t.param_names[n.name] in ("emb.weight", "head.weight")]
     assert len(tied) == 1  # tied -> one node
+    # named by the first name the model lists it under, whichever name export lifts (a plan made from
+    # the model built on one device must name the same tensor as the model built on another)
+    assert [n.name for n in tied] == ["emb_weight"] and t.param_names["emb_weight"] == "emb.weight"
     scale = g.node("scale")
     assert scale.target == "buffer" and [str(s.outputs[0]) for s in scale.signatures] == ["full", "gather_0"]
     assert not g.tensors[scale.outputs[0]].is_param

@@ -147,8 +147,16 @@ def describe_plan(plan, graph) -> dict:
 
 
 def run_job(
-    name: str, mesh: tuple[int, ...], profile: str, memory_gb: float, precision: str, layers: int | None, seq: int
+    name: str,
+    mesh: tuple[int, ...],
+    profile: str,
+    memory_gb: float,
+    precision: str,
+    layers: int | None,
+    seq: int,
+    plans: Path | None = None,
 ) -> dict:
+    """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``."""
     world = math.prod(mesh)
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0 = time.perf_counter()
@@ -180,6 +188,9 @@ def run_job(
         print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
         return row
     search_s = time.perf_counter() - t0
+    if plans is not None:
+        plans.mkdir(parents=True, exist_ok=True)
+        plan.save(plans / f"{name}@{'x'.join(map(str, mesh))}:{memory_gb:g}.json")
     row.update(
         {
             "search_s": round(search_s, 2),
@@ -279,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", type=float, default=141.0, help="default GB per GPU (H200: 141; 0: no budget)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--plans", type=Path, help="also save each run's plan as JSON in this folder")
     p.add_argument(
         "--render",
         type=Path,
@@ -299,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, mesh, memory in (parse_run(r, args.memory) for r in args.runs):
             profile = args.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
-            rows.append(run_job(name, mesh, profile, memory, args.precision, args.layers, args.seq))
+            rows.append(run_job(name, mesh, profile, memory, args.precision, args.layers, args.seq, args.plans))
             rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])
             (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later run is cut
     write_markdown(rows, args, args.out / "scale_plans.md")

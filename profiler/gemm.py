@@ -56,7 +56,7 @@ class GemmGrid:
     def _bracket(self, x: float) -> tuple[int, int, float]:
         """(lower index, upper index, weight of the upper) of size ``x`` on the grid, clamped."""
         logs = self._logs
-        if x <= self.sizes[0] or len(logs) == 1:
+        if x <= self.sizes[0]:
             return 0, 0, 0.0
         if x >= self.sizes[-1]:
             return len(logs) - 1, len(logs) - 1, 0.0

@@ -67,8 +67,8 @@ are optional; with them the cost model prices an unmeasured op as a roofline plu
 op of ``F`` FLOPs at the rate of the square matmul with as many, of size ``n = (F / 2)^(1/3)``,
 interpolated linearly in ``(log n, log rate)`` between measured sizes (the smallest's rate below
 them, the peak above them); without it every op runs at ``flops[dtype]``.  ``gemm`` (optional) keeps,
-per dtype, the rates of a grid of ``(m, n, k)`` GEMMs (:class:`hidup.profiler.gemm.GemmGrid`), and
-:meth:`Profile.gemm_rate` prices a matmul by its shape where the grid has its dtype.
+per dtype, the rates of a grid of ``(m, n, k)`` GEMMs (:class:`hidup.profiler.gemm.GemmGrid`): the cost
+model prices a matmul by its shape where the grid has its dtype.
 ``op_overhead_graph`` is the fixed cost per op when the step runs as one captured CUDA graph (no
 host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
 (0 = not measured: the eager figure is used).
@@ -287,12 +287,6 @@ class Profile:
                 t = math.log(n / n0) / math.log(n1 / n0)
                 return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
         return peak
-
-    def gemm_rate(self, dtype: str, m: float, n: float, k: float) -> float | None:
-        """FLOP/s of the GEMM ``C[m, n] = A[m, k] @ B[k, n]`` in ``dtype`` from the profile's grid
-        (:class:`~hidup.profiler.gemm.GemmGrid`), or None where the grid lacks the dtype."""
-        grid = self.gemm.get(dtype)
-        return grid.rate(m, n, k) if grid is not None else None
 
     def op_time(self, target: str, shapes: Iterable[Iterable[int]], dtype: str) -> tuple[float, float] | None:
         """Measured (forward, backward) seconds of an op at local ``shapes``, or None."""

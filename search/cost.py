@@ -38,8 +38,9 @@ where ``rate(dtype, F)`` is the rate of a matmul of ``F`` FLOPs (:meth:`~hidup.p
 the measured square matmul of equal FLOPs where the profile has the sizes, else the dtype's peak) --
 for a matmul with a 2-D right operand (:meth:`CostModel.gemm_shape`: rows ``m``, columns ``n``, inner
 ``k``) where the profile has a GEMM grid for the dtype, the rate of its own shape instead,
-``rate(dtype, m, n, k)`` (:meth:`~hidup.profiler.Profile.gemm_rate`), and its backward is the two
-GEMMs of the same FLOPs at their shapes, each counted when its operand requires a gradient::
+``rate(dtype, m, n, k)`` (the profile's ``gemm[dtype]``, :class:`~hidup.profiler.gemm.GemmGrid`), and
+its backward is the two GEMMs of the same FLOPs at their shapes, each counted when its operand
+requires a gradient::
 
     t_bwd(n, s) = sum over {x: (m, k, n), w: (n, k, m)} requiring a gradient of
                   o + max(s.flops / rate(dtype, shape), bytes(n, s) / memory_bandwidth)
@@ -197,7 +198,6 @@ computed only from them are not.  Per copy:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -563,11 +563,12 @@ class CostModel:
             flops *= self.attention_blocks(node)
         gemm = self.gemm_shape(node, shapes) if kind == "matmul" else None
         grads = None  # seconds of each gradient GEMM at its own shape, where the profile has the grid
-        if gemm is not None and rate_key in self.profile.gemm:
+        grid = self.profile.gemm.get(rate_key) if gemm is not None else None
+        if grid is not None:
             (m, n, k), (x, w) = gemm
-            rate = functools.partial(self.profile.gemm_rate, rate_key)
-            fwd = flops / rate(m, n, k)
-            grads = [flops / rate(*dims) for t, dims in ((x, (m, k, n)), (w, (n, k, m))) if g.tensors[t].requires_grad]
+            fwd = flops / grid.rate(m, n, k)
+            backward = ((x, (m, k, n)), (w, (n, k, m)))  # the input's and the weight's gradient GEMMs
+            grads = [flops / grid.rate(*dims) for t, dims in backward if g.tensors[t].requires_grad]
         else:
             fwd = flops / self.profile.rate_at(rate_key, flops)
         floor = 0.0  # seconds to move the kernel's bytes

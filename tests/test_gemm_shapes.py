@@ -53,13 +53,13 @@ def test_grid_round_trips_scales_and_rejects_bad_input():
 def test_profile_keeps_the_grid_and_names_a_bad_one(tmp_path):
     p = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), gemm={"bf16": _grid()})
     q = hidup.profiler.load(hidup.profiler.save(p, tmp_path / "p.json"))
-    assert q.gemm == p.gemm and q.gemm_rate("bf16", 128, 128, 128) == p.gemm_rate("bf16", 128, 128, 128)
-    assert q.gemm_rate("tf32", 128, 128, 128) is None
+    assert q.gemm == p.gemm and q.gemm["bf16"].rate(128, 128, 128) == p.gemm["bf16"].rate(128, 128, 128)
+    assert "tf32" not in q.gemm
     # a perturbed profile scales the grid by one draw per dtype
     noisy = p.perturb(0.2, seed=3)
-    ratio = noisy.gemm_rate("bf16", 128, 128, 128) / p.gemm_rate("bf16", 128, 128, 128)
+    ratio = noisy.gemm["bf16"].rate(128, 128, 128) / p.gemm["bf16"].rate(128, 128, 128)
     assert 0.8 <= ratio <= 1.2
-    assert noisy.gemm_rate("bf16", 2048, 512, 128) / p.gemm_rate("bf16", 2048, 512, 128) == pytest.approx(ratio)
+    assert noisy.gemm["bf16"].rate(2048, 512, 128) / p.gemm["bf16"].rate(2048, 512, 128) == pytest.approx(ratio)
     d = p.to_dict()
     d["gemm"]["bf16"]["rates"] = d["gemm"]["bf16"]["rates"][:-1]
     with pytest.raises(hidup.profiler.ProfileError, match="gemm.bf16"):

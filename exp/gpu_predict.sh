@@ -8,7 +8,8 @@
 #      duplication off, modes cuda-graph and compile+graph, tf32 and bf16, fused Adam, no share,
 #      kernel time by kind (--kernels); one JSON per plan: $OUT/rank-<plan>.json.
 # With QUIET=1 the timings are not printed (only which runs finished); they are in the JSON files.
-# MODES (default cuda-graph,compile+graph) picks the bench-rank modes; PROFILE=0 skips step 1;
+# MODES (default cuda-graph,compile+graph) picks the bench-rank modes, PRECISIONS (default tf32,bf16) the
+# precisions; PROFILE=0 skips step 1;
 # KERNELS=0 leaves out the kernel-time breakdown (one profiled run per precision less).
 # Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
 set -u -o pipefail
@@ -29,7 +30,7 @@ fi
 for plan in "$PLANS"/$MATCH.json; do
   name=$(basename "$plan" .json)
   timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
-    --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions tf32,bf16 --share-modes none \
+    --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions "${PRECISIONS:-tf32,bf16}" --share-modes none \
     --steps 10 --rounds 3 --warmup 2 $kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
   status=$?
   if [ "${QUIET:-0}" = 1 ]; then echo "$name: exit status $status"; else echo "== $name: exit $status"; grep -e "^rank " -e "ms" "$OUT/rank-$name.log" | tail -6; fi

@@ -1,0 +1,145 @@
+"""The GEMMs of rank plans, each timed alone on a GPU against the rate the cost model prices it at.
+
+For every matmul the cost model prices by its shape (:meth:`hidup.search.cost.CostModel.gemm_shape`)
+in a plan's rank program, the three GEMMs of a linear layer -- the forward ``Y = X W^T``
+(``(m, n, k)``, layout ``nt``: the weight read transposed), the input's gradient ``dX = dY W``
+(``(m, k, n)``, ``nn``) and the weight's gradient ``dW = dY^T X`` (``(n, k, m)``, ``tn``) -- are timed
+alone on the GPU, each twice:
+
+* ``warm``: the same operands every call, so that operands which fit the L2 cache stay there (as
+  ``hidup profile``'s GEMM grid times them);
+* ``cold``: the operands taken in turn from enough copies to exceed the L2 cache several times, so
+  that every call reads them from memory, as a GEMM inside a training step mostly does.
+
+Each is compared with the profile's price, ``2 m n k / rate(dtype, m, n, k)``; totals are weighted by
+how often each GEMM runs in the step.  This tells whether the GEMMs of a compiled rank program run
+below the grid because of their layout, because of a cold cache, or for another reason (the program
+then runs its GEMMs slower than all three timings).
+
+    python exp/gemm_check.py docs/bench/predict/rank-plans/*-data.json --profile h100.json \\
+        --precisions tf32,bf16 --out gemms.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import hidup.profiler
+from exp.rank_predict import _graph
+from hidup.codegen.timing import time_call
+from hidup.plan import Plan
+from hidup.search.api import plan_indices
+from hidup.search.cost import profile_dtype
+from hidup.search.problem import Problem
+
+L2_SPAN = 4 * 64 * 2**20  # bytes of operand copies cycled through for a cold-cache timing: 4x a 64 MB L2
+ROLES = ("forward", "input-grad", "weight-grad")
+
+
+def plan_gemms(path: str, profile, precision: str, device: str | None) -> Counter:
+    """``{(role, m, n, k, rate dtype): calls per step}`` of the plan's shape-priced matmuls."""
+    plan = Plan.load(path)
+    source = plan.model_source or {}
+    graph = _graph(source["model"], source.get("args", {}), plan.world_size, device)
+    problem = Problem(graph, profile.launched(True, True), precision)
+    ks = plan_indices(problem, plan)
+    cost, found = problem.cost, Counter()
+    for i, (node, k) in enumerate(zip(problem.order, ks)):
+        if node.op != "call":
+            continue
+        sig = problem.sigs[i][k]
+        gemm = cost.gemm_shape(node, cost._local_shapes(graph, node, sig))
+        if gemm is None:
+            continue
+        dtype = profile_dtype(graph.tensors[node.outputs[0]].dtype, precision)
+        (m, n, k_), (x, w) = gemm
+        found[("forward", m, n, k_, dtype)] += 1
+        if graph.tensors[x].requires_grad:
+            found[("input-grad", m, k_, n, dtype)] += 1
+        if graph.tensors[w].requires_grad:
+            found[("weight-grad", n, k_, m, dtype)] += 1
+    return found
+
+
+def timed(role: str, m: int, n: int, k: int, dtype: str, cold: bool) -> float:
+    """Seconds per call of the GEMM ``(m, n, k)`` in the layout of ``role`` (module docstring)."""
+    storage = torch.float32 if dtype in ("fp32", "tf32") else torch.bfloat16
+    # operand shapes as the linear layer holds them: X[m', k'], W[n', k'], dY[m', n']
+    if role == "forward":
+        shapes = ((m, k), (n, k))  # X, W -> X @ W^T
+
+        def op(a, b, out):
+            return torch.mm(a, b.t(), out=out)
+    elif role == "input-grad":
+        shapes = ((m, k), (k, n))  # dY[m, n'=k], W[n'=k, k'=n] -> dY @ W
+
+        def op(a, b, out):
+            return torch.mm(a, b, out=out)
+    else:
+        shapes = ((k, m), (k, n))  # dY[m'=k, n'=m], X[m'=k, k'=n] -> dY^T @ X
+
+        def op(a, b, out):
+            return torch.mm(a.t(), b, out=out)
+
+    size = (sum(r * c for r, c in shapes) + m * n) * storage.itemsize
+    copies = max(1, -(-L2_SPAN // size)) if cold else 1
+    operands = [[torch.randn(s, device="cuda").to(storage) for s in shapes] for _ in range(copies)]
+    outs = [torch.empty(m, n, device="cuda", dtype=storage) for _ in range(copies)]
+    turn = [0]
+
+    def call():
+        i = turn[0] = (turn[0] + 1) % copies
+        op(*operands[i], outs[i])
+
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    return time_call(call, "cuda", warmup=3, sample_s=0.005, budget_s=0.05)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("plans", nargs="+", help="plan files recording their model (exp/rank_predict.py plans)")
+    p.add_argument("--profile", required=True, help="the GPU's profile, with a GEMM grid")
+    p.add_argument("--precisions", default="tf32,bf16")
+    p.add_argument("--device", default=None, help="where factories build their model (default the CPU)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_check: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    profile = hidup.profiler.load(args.profile)
+    results = []
+    for path in args.plans:
+        for precision in args.precisions.split(","):
+            gemms = plan_gemms(path, profile, precision, args.device)
+            totals = Counter()
+            for (role, m, n, k, dtype), calls in sorted(gemms.items()):
+                grid = profile.gemm.get(dtype)
+                priced = 2.0 * m * n * k / grid.rate(m, n, k) if grid else float("nan")
+                warm, cold = (timed(role, m, n, k, dtype, c) for c in (False, True))
+                row = dict(plan=Path(path).stem, precision=precision, role=role, m=m, n=n, k=k, dtype=dtype)
+                row.update(calls=calls, priced_ms=priced * 1e3, warm_ms=warm * 1e3, cold_ms=cold * 1e3)
+                results.append(row)
+                totals.update({"priced": calls * priced, "warm": calls * warm, "cold": calls * cold})
+                totals.update({f"{role}-priced": calls * priced, f"{role}-cold": calls * cold})
+                print(
+                    f"{row['plan']:24s} {precision:5s} {role:12s} {m:6d} {n:6d} {k:6d} x{calls:<3d} "
+                    f"priced {priced * 1e3:7.3f} warm {warm * 1e3:7.3f} cold {cold * 1e3:7.3f} ms",
+                    flush=True,
+                )
+            line = " ".join(f"{key} {v * 1e3:.2f}" for key, v in sorted(totals.items()))
+            print(f"== {Path(path).stem} {precision} total ms: {line}", flush=True)
+            totals_ms = {key: v * 1e3 for key, v in totals.items()}
+            results.append(dict(plan=Path(path).stem, precision=precision, totals_ms=totals_ms))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"profile": profile.name, "gemms": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,8 @@ alone on the GPU, each twice:
 * ``cold``: the operands taken in turn from enough copies to exceed the L2 cache several times, so
   that every call reads them from memory, as a GEMM inside a training step mostly does.
 
-Each is compared with the profile's price, ``2 m n k / rate(dtype, m, n, k)``; totals are weighted by
+Each is compared with the profile's price, ``2 m n k / rate(dtype, m, n, k, layout)`` (a linear's
+layouts; a ``Conv1D``'s ``addmm`` runs its forward ``nn`` instead); totals are weighted by
 how often each GEMM runs in the step.  This tells whether the GEMMs of a compiled rank program run
 below the grid because of their layout, because of a cold cache, or for another reason (the program
 then runs its GEMMs slower than all three timings).
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
             totals = Counter()
             for (role, m, n, k, dtype), calls in sorted(gemms.items()):
                 grid = profile.gemm.get(dtype)
-                priced = 2.0 * m * n * k / grid.rate(m, n, k) if grid else float("nan")
+                layout = {"forward": "nt", "input-grad": "nn", "weight-grad": "tn"}[role]  # a linear's
+                priced = 2.0 * m * n * k / grid.rate(m, n, k, layout) if grid else float("nan")
                 warm, cold = (timed(role, m, n, k, dtype, c) for c in (False, True))
                 row = dict(plan=Path(path).stem, precision=precision, role=role, m=m, n=n, k=k, dtype=dtype)
                 row.update(calls=calls, priced_ms=priced * 1e3, warm_ms=warm * 1e3, cold_ms=cold * 1e3)

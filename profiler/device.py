@@ -16,9 +16,10 @@ measured rate equals ``fp32``'s.
 
 GEMM shapes
 -----------
-:func:`gemm_grid` times ``C[m, n] = A[m, k] @ B[n, k]^T`` (a linear's forward layout) at every
-``(m, n, k)`` of ``sizes x sizes x sizes`` the same way, ``rate = 2 m n k / t``: the rate of a
-matmul by its shape (:mod:`hidup.profiler.gemm`).
+:func:`gemm_grid` times ``C[m, n] = A[m, k] @ B[n, k]^T`` (a linear's forward layout, ``nt``),
+``A[m, k] @ B[k, n]`` (``nn``) and ``A[k, m]^T @ B[k, n]`` (``tn``) at every ``(m, n, k)`` of
+``sizes x sizes x sizes`` the same way, ``rate = 2 m n k / t``: the rate of a matmul by its shape and
+layout (:mod:`hidup.profiler.gemm`).
 
 Memory bandwidth
 ----------------
@@ -58,7 +59,7 @@ import torch.fx
 
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import graph_time, time_call
-from hidup.profiler.gemm import GemmGrid
+from hidup.profiler.gemm import LAYOUTS, GemmGrid
 from hidup.profiler.profile import DTYPES
 
 __all__ = [
@@ -147,35 +148,45 @@ def gemm_grid(
     *,
     budget_s: float = 10.0,
     warmup: int = 1,
+    layouts: tuple[str, ...] = LAYOUTS,
 ) -> GemmGrid:
-    """Rates of ``A[m, k] @ B[n, k]^T`` in ``dtype`` at every ``(m, n, k)`` of ``sizes^3`` (module
-    docstring, "GEMM shapes"); ``budget_s`` of timing in all, shared evenly by the points."""
+    """Rates of the GEMMs ``(m, n, k)`` in ``dtype`` at every point of ``sizes^3``, in each of
+    ``layouts`` (``nt`` first; module docstring, "GEMM shapes"); ``budget_s`` of timing in all, shared
+    evenly by the points."""
     device = torch.device(device)
     dtype = canonical_dtype(dtype)
     sizes = tuple(sorted(set(int(n) for n in (sizes or default_gemm_sizes(device)))))
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"GEMM grid sizes must be positive integers, got {sizes}")
+    if not layouts or layouts[0] != "nt" or set(layouts) - set(LAYOUTS):
+        raise ValueError(f"GEMM grid layouts must start with 'nt' and be of {LAYOUTS}, got {layouts}")
     storage = torch_dtype(dtype)
     biggest = sizes[-1] ** 2
     gen = torch.Generator(device=device).manual_seed(0)
     a_flat = torch.randn(biggest, generator=gen, device=device).to(storage)
     b_flat = torch.randn(biggest, generator=gen, device=device).to(storage)
     c_flat = torch.empty(biggest, device=device, dtype=storage)
-    per_point = budget_s / len(sizes) ** 3
-    rates = []
+    per_point = budget_s / (len(sizes) ** 3 * len(layouts))
+    rates: dict[str, list[float]] = {layout: [] for layout in layouts}
     with tf32(dtype == "tf32"):
-        for m in sizes:
-            for n in sizes:
-                for k in sizes:
-                    a, b = a_flat[: m * k].view(m, k), b_flat[: n * k].view(n, k)
-                    out = c_flat[: m * n].view(m, n)
-                    call = functools.partial(torch.mm, a, b.t(), out=out)
-                    seconds = time_call(call, device, warmup=warmup, sample_s=0.002, budget_s=per_point)
-                    rates.append(2.0 * m * n * k / seconds)
+        for layout in layouts:
+            for m in sizes:
+                for n in sizes:
+                    for k in sizes:
+                        out = c_flat[: m * n].view(m, n)
+                        if layout == "nt":
+                            a, b = a_flat[: m * k].view(m, k), b_flat[: n * k].view(n, k).t()
+                        elif layout == "nn":
+                            a, b = a_flat[: m * k].view(m, k), b_flat[: k * n].view(k, n)
+                        else:
+                            a, b = a_flat[: k * m].view(k, m).t(), b_flat[: k * n].view(k, n)
+                        call = functools.partial(torch.mm, a, b, out=out)
+                        seconds = time_call(call, device, warmup=warmup, sample_s=0.002, budget_s=per_point)
+                        rates[layout].append(2.0 * m * n * k / seconds)
     del a_flat, b_flat, c_flat
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return GemmGrid(sizes, tuple(rates))
+    return GemmGrid(sizes, tuple(rates["nt"]), tuple((name, tuple(r)) for name, r in rates.items() if name != "nt"))
 
 
 def dtype_supported(device: torch.device | str, dtype: str) -> bool:

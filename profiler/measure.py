@@ -318,9 +318,11 @@ def _measure(
         rates = _rates_agreed({d: r.rate for d, r in matmul.items()}, device)
         gemm = {}
         for d in sorted(matmul) if gemm_sizes else ():  # each point's rate, the minimum over ranks
-            grid = gemm_grid(device, d, gemm_sizes, budget_s=40 * budget)
-            agreed = _rates_agreed({str(i): r for i, r in enumerate(grid.rates)}, device)
-            gemm[d] = GemmGrid(grid.sizes, tuple(agreed[str(i)] for i in range(len(grid.rates))))
+            grid = gemm_grid(device, d, gemm_sizes, budget_s=120 * budget)
+            layouts = (("nt", grid.rates), *grid.layouts)
+            agreed = _rates_agreed({f"{name}{i}": r for name, rates in layouts for i, r in enumerate(rates)}, device)
+            nt, *others = (tuple(agreed[f"{name}{i}"] for i in range(len(rates))) for name, rates in layouts)
+            gemm[d] = GemmGrid(grid.sizes, nt, tuple((name, r) for (name, _), r in zip(layouts[1:], others)))
             bar.step(f"GEMM grid {d}")
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]

@@ -37,13 +37,18 @@ roofline plus a fixed per-op cost::
 where ``rate(dtype, F)`` is the rate of a matmul of ``F`` FLOPs (:meth:`~hidup.profiler.Profile.rate_at`:
 the measured square matmul of equal FLOPs where the profile has the sizes, else the dtype's peak) --
 for a matmul with a 2-D right operand (:meth:`CostModel.gemm_shape`: rows ``m``, columns ``n``, inner
-``k``) where the profile has a GEMM grid for the dtype, the rate of its own shape instead,
-``rate(dtype, m, n, k)`` (the profile's ``gemm[dtype]``, :class:`~hidup.profiler.gemm.GemmGrid`), and
-its backward is the two GEMMs of the same FLOPs at their shapes, each counted when its operand
-requires a gradient::
+``k``) where the profile has a GEMM grid for the dtype, the rate of its own shape and layout
+instead, ``rate(dtype, m, n, k, layout)`` (the profile's ``gemm[dtype]``,
+:class:`~hidup.profiler.gemm.GemmGrid`), and its backward is the two GEMMs of the same FLOPs at their
+shapes and layouts, each counted when its operand requires a gradient::
 
     t_bwd(n, s) = sum over {x: (m, k, n), w: (n, k, m)} requiring a gradient of
-                  o + max(s.flops / rate(dtype, shape), bytes(n, s) / memory_bandwidth)
+                  o + max(s.flops / rate(dtype, shape, layout), bytes(n, s) / memory_bandwidth)
+
+The layouts (:meth:`CostModel.gemm_layouts`): a weight stored ``[n, k]`` (``linear``, or a right
+operand made by a transpose) runs its forward ``nt``, the input's gradient ``nn``; a weight stored
+``[k, n]`` (``mm``, ``addmm``, ``matmul`` of a plain tensor: GPT-2's ``Conv1D``) the forward ``nn``,
+the input's gradient ``nt`` and its own gradient as ``(k, n, m)``; a weight's gradient is ``tn``.
 
 ``bytes(n, s)`` is what one rank reads and writes (the local sizes of the node's inputs and
 outputs under ``s``), ``o`` the profile's ``op_overhead`` and ``dtype`` that of the node's first
@@ -566,9 +571,11 @@ class CostModel:
         grid = self.profile.gemm.get(rate_key) if gemm is not None else None
         if grid is not None:
             (m, n, k), (x, w) = gemm
-            fwd = flops / grid.rate(m, n, k)
-            backward = ((x, (m, k, n)), (w, (n, k, m)))  # the input's and the weight's gradient GEMMs
-            grads = [flops / grid.rate(*dims) for t, dims in backward if g.tensors[t].requires_grad]
+            fwd_layout, dx_layout = self.gemm_layouts(node)
+            fwd = flops / grid.rate(m, n, k, fwd_layout)
+            dw = (n, k, m) if fwd_layout == "nt" else (k, n, m)  # the weight's gradient, as it is stored
+            backward = ((x, (m, k, n), dx_layout), (w, dw, "tn"))  # the input's and the weight's gradient GEMMs
+            grads = [flops / grid.rate(*dims, lay) for t, dims, lay in backward if g.tensors[t].requires_grad]
         else:
             fwd = flops / self.profile.rate_at(rate_key, flops)
         floor = 0.0  # seconds to move the kernel's bytes
@@ -616,6 +623,18 @@ class CostModel:
         if xs[-1] != k:
             return None
         return (math.prod(xs[:-1]), n, k), (node.inputs[first], node.inputs[first + 1])
+
+    def gemm_layouts(self, node: Node) -> tuple[str, str]:
+        """(forward, input's gradient) layouts of a matmul :meth:`gemm_shape` reads (module docstring):
+        ``("nt", "nn")`` for a weight stored ``[n, k]`` -- ``linear``'s, or one a transpose made --
+        else ``("nn", "nt")``."""
+        base = node.target.split(".", 1)[0]
+        if base == "linear":
+            return "nt", "nn"
+        w = node.inputs[2 if base == "addmm" else 1]
+        producer = self.graph.node(self.graph.tensors[w].producer)
+        transposed = producer.op == "call" and producer.target.split(".", 1)[0] in ("t", "transpose", "permute")
+        return ("nt", "nn") if transposed else ("nn", "nt")
 
     def attention_blocks(self, node: Node) -> float:
         """How many times its FLOPs an attention kernel computes: it works on blocks of

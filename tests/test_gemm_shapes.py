@@ -1,4 +1,4 @@
-"""A matmul priced by its shape: the profile's GEMM grid (profiler/gemm.py), its measurement and the
+"""A matmul priced by its shape and layout: the profile's GEMM grid (profiler/gemm.py), its measurement and the
 cost model's use of it (search/cost.py, "Compute")."""
 
 import dataclasses
@@ -113,10 +113,91 @@ def test_gemm_shape_reads_each_matmul_form():
     assert CostModel.gemm_shape(node("linear", 2), [(8, 64), (32, 48)]) is None  # inconsistent inner dims
 
 
+def _layout_grid():
+    """nt at the power law of :func:`_grid`, nn 1.25x and tn 2x slower at every point."""
+    nt = _grid()
+    slower = {"nn": 1.25, "tn": 2.0}
+    return GemmGrid(SIZES, nt.rates, tuple((name, tuple(r / f for r in nt.rates)) for name, f in slower.items()))
+
+
+def test_grid_prices_each_layout_at_its_own_rates():
+    grid = _layout_grid()
+    for dims in ((128, 512, 2048), (300, 1000, 1500), (64, 50000, 4096)):
+        assert grid.rate(*dims, "nn") == pytest.approx(grid.rate(*dims) / 1.25)
+        assert grid.rate(*dims, "tn") == pytest.approx(grid.rate(*dims, "nt") / 2)
+    assert GemmGrid.from_dict(json.loads(json.dumps(grid.to_dict()))) == grid
+    assert grid.scaled(0.5).rate(300, 700, 900, "tn") == pytest.approx(0.5 * grid.rate(300, 700, 900, "tn"))
+    # a grid measured in the nt layout only prices every layout at its nt rates
+    assert _grid().rate(300, 700, 900, "tn") == _grid().rate(300, 700, 900)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        grid.rate(128, 128, 128, "tt")
+    with pytest.raises(ValueError, match="needs 27 rates \\(tn\\)"):
+        GemmGrid(SIZES, grid.rates, (("tn", (1.0,) * 26),))
+    with pytest.raises(ValueError, match="distinct ones of"):
+        GemmGrid(SIZES, grid.rates, (("nt", grid.rates),))
+    bad = grid.to_dict() | {"tn": ["x"]}
+    with pytest.raises(ValueError, match="tn must be a list of numbers"):
+        GemmGrid.from_dict(bad)
+
+
+def _matmul_graph(target, w_producer="param", m=4096, n=3072, k=768):
+    """``target`` of x[m, k] and a weight giving an [m, n] output: linear's weight [n, k]; mm/addmm's
+    [k, n], a parameter or (``w_producer="t"``) the transpose of a parameter [n, k]."""
+    x = Tensor(0, (m, k), "float32", "x", requires_grad=True)
+    w_shape = (n, k) if target == "linear" or w_producer == "t" else (k, n)
+    tensors = {0: x, 1: Tensor(1, w_shape, "float32", "w", requires_grad=True)}
+    nodes = [Node("x", "input", "input", [], [0], [Signature((), (FULL,))]),
+             Node("w", "param", "w", [], [1], [Signature((), (FULL,))])]  # fmt: skip
+    w = 1
+    if w_producer == "t":
+        tensors[3] = Tensor(3, (k, n), "float32", "wt", requires_grad=True)
+        nodes.append(Node("wt", "call", "t.default", [1], [3], [Signature((FULL,), (FULL,))]))
+        w = 3
+    tensors[2] = Tensor(2, (m, n), "float32", "y", requires_grad=True)
+    if target == "addmm":
+        tensors[4] = Tensor(4, (n,), "float32", "b", requires_grad=False)
+        nodes.append(Node("b", "input", "input", [], [4], [Signature((), (FULL,))]))
+        inputs, in_forms = [4, 0, w], (FULL, FULL, FULL)
+    else:
+        inputs, in_forms = [0, w], (FULL, FULL)
+    nodes.append(Node("mm", "call", target, inputs, [2], [Signature(in_forms, (FULL,), 2.0 * m * n * k)]))
+    return Graph(nodes, tensors, 1)
+
+
+@pytest.mark.parametrize(
+    "target, w_producer, fwd, dx, dw",
+    [
+        ("linear", "param", "nt", "nn", ((3072, 768, 4096), "tn")),
+        ("addmm", "param", "nn", "nt", ((768, 3072, 4096), "tn")),  # GPT-2's Conv1D: the weight is [k, n]
+        ("mm", "param", "nn", "nt", ((768, 3072, 4096), "tn")),
+        ("mm", "t", "nt", "nn", ((3072, 768, 4096), "tn")),  # x @ w.t(): stored as a linear's weight
+    ],
+)
+def test_each_gemm_of_a_matmul_is_priced_in_its_layout(target, w_producer, fwd, dx, dw):
+    m, n, k = 4096, 3072, 768
+    g = _matmul_graph(target, w_producer, m, n, k)
+    grid = _layout_grid()
+    base = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), memory_bandwidth=0.0, op_overhead=1e-5)
+    cm = CostModel(g, dataclasses.replace(base, gemm={"tf32": grid}), precision="tf32")
+    node = g.node("mm")
+    assert cm.gemm_layouts(node) == (fwd, dx)
+    got_fwd, got_bwd = cm.device_compute(node, node.signatures[0])
+    flops = 2.0 * m * n * k
+    assert got_fwd == pytest.approx(1e-5 + flops / grid.rate(m, n, k, fwd))
+    dims, layout = dw
+    expected = 2e-5 + flops / grid.rate(m, k, n, dx) + flops / grid.rate(*dims, layout)
+    assert got_bwd == pytest.approx(expected)
+    if dx != fwd:  # the layouts differ in price, so a swapped layout would fail the checks above
+        assert grid.rate(m, n, k, fwd) != pytest.approx(grid.rate(m, n, k, dx))
+
+
 def test_grid_measurement_on_the_cpu():
     grid = gemm_grid("cpu", "fp32", (8, 32), budget_s=0.2)
     assert grid.sizes == (8, 32) and len(grid.rates) == 8
-    assert all(r > 0 for r in grid.rates)
+    assert [name for name, _ in grid.layouts] == ["nn", "tn"]
+    assert all(r > 0 for rates in (grid.rates, *(r for _, r in grid.layouts)) for r in rates)
+    only_nt = gemm_grid("cpu", "fp32", (8,), budget_s=0.05, layouts=("nt",))
+    assert only_nt.layouts == () and len(only_nt.rates) == 1
 
 
 def test_profile_command_rejects_bad_gemm_sizes(tmp_path):

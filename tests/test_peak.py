@@ -151,3 +151,21 @@ def test_cli_prints_both_figures_and_checks_a_budget(tmp_path, capsys):
         main(["peak", "--plan", str(tmp_path / "none.json")])
     with pytest.raises(SystemExit, match="--rank 5 is outside the plan's 2 ranks"):
         main([*args, "--rank", "5"])
+
+
+def test_tied_weights_stay_one_tensor_in_the_fake_run():
+    """GPT-2's head and embedding are one tensor: the fake run keeps them one, so the plan (which
+    names the tensor once) fits the program traced from the faked model."""
+    from tests.thirdparty import build
+
+    model, inputs = build("gpt2")
+    head = model.model.lm_head.weight
+    assert head is model.model.transformer.wte.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = hidup.trace(model, inputs, world_size=2)
+        plan = forced(graph, "h200x4-nvlink", "data", duplication=False)
+    fresh, fresh_inputs = build("gpt2")
+    peak = predict_peak(fresh, forward_inputs(fresh, fresh_inputs), plan, 1)
+    assert fresh.model.lm_head.weight is fresh.model.transformer.wte.weight  # faked, still tied
+    assert peak.total > 0 and peak.parts["params"] > 0

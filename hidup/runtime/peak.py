@@ -128,14 +128,21 @@ def _fake_like(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 
 def _make_fake(module: nn.Module, fake_mode: FakeTensorMode) -> None:
-    """Replace every parameter and buffer of ``module`` (on any device) by a fake CPU tensor."""
+    """Replace every parameter and buffer of ``module`` (on any device) by a fake CPU tensor; a tensor
+    held by several modules (tied weights) becomes one fake tensor held by all of them, as the program
+    traces it."""
+    fakes: dict[int, torch.Tensor] = {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = nn.Parameter(_fake_like(fake_mode, p), requires_grad=p.requires_grad)
+                if id(p) not in fakes:
+                    fakes[id(p)] = nn.Parameter(_fake_like(fake_mode, p), requires_grad=p.requires_grad)
+                mod._parameters[name] = fakes[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is not None:
-                mod._buffers[name] = _fake_like(fake_mode, b)
+                if id(b) not in fakes:
+                    fakes[id(b)] = _fake_like(fake_mode, b)
+                mod._buffers[name] = fakes[id(b)]
 
 
 def predict_peak(

@@ -4,12 +4,13 @@ predict what ``hidup bench-rank`` measures (:func:`exp.rank_predict.stand_in_cop
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
 
 import hidup.profiler
-from exp.rank_predict import stand_in_copies
+from exp.rank_predict import cross_validated, fit_factors, scaled, stand_in_copies
 from hidup.ir import FULL, REDUCE, Graph, Node, Signature, Tensor, gather
 from hidup.search.problem import Problem
 
@@ -53,3 +54,24 @@ def test_stand_in_copies_are_what_the_fake_process_group_copies():
     assert copies(gather(0), gather(1)) == pytest.approx(2 * reduce_scatter)  # all-to-all both ways
     assert copies(REDUCE, FULL) == 0.0  # all-reduce in place
     assert copies(FULL, gather(0)) == 0.0  # a slice: no collective
+
+
+def test_fit_schemes_scale_what_they_say():
+    """``per-setting`` scales the whole physical prediction; ``compute`` leaves the memory copies as
+    priced and scales the rest, so that a run whose excess lies outside its copies is fitted exactly."""
+
+    def row(model, physical, copies, measured):
+        kinds = {"copies": copies}
+        return dict(model=model, mode="compile+graph", precision="tf32", physical_ms=physical,
+                    physical_kinds_ms=kinds, measured_ms=measured)  # fmt: skip
+
+    # compute 10 ms runs 1.2x slower than priced; copies 0 and 5 ms run as priced
+    rows = [row("a", 10.0, 0.0, 12.0), row("b", 15.0, 5.0, 17.0)]
+    compute = fit_factors(rows, "compute")["compile+graph/tf32"]
+    assert compute == pytest.approx(1.2)
+    assert [scaled(r, compute, "compute") for r in rows] == pytest.approx([12.0, 17.0])
+    assert max(cross_validated(rows, "compute")) == pytest.approx(0.0, abs=1e-12)
+    whole = fit_factors(rows, "per-setting")["compile+graph/tf32"]
+    assert whole == pytest.approx(math.sqrt(1.2 * 17.0 / 15.0))
+    assert scaled(rows[1], whole, "per-setting") == pytest.approx(15.0 * whole)
+    assert max(cross_validated(rows, "per-setting")) > 0.05

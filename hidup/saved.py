@@ -12,6 +12,11 @@ CPU policy matches CUDA's for the matmul-like ops that hold most of the saved by
 differ (CUDA also runs softmax in float32), the dtypes are the CPU policy's.  ``fp32`` and ``tf32``
 store the traced dtypes.
 
+A trace whose repeated blocks were stamped (:mod:`hidup.stamp`) runs only blocks 2, 3 and 4 of the
+stack this way: the record of blocks ``5 .. L-2`` is block 4's with its storages renamed
+(:mod:`hidup.saved_blocks`, checked, the same record to the item), so the run costs what a few blocks
+do whatever the depth.
+
 Per signature, at local shapes
 ------------------------------
 Then every signature's *local* op (:func:`hidup.rules.localize`, what rank 0 runs) is run the same way
@@ -72,6 +77,7 @@ from hidup.fxvalues import dtype_name, map_value, value_leaves
 from hidup.ir import DTYPE_BYTES, FULL, Graph, Layout, Node, Signature, axis_forms
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
+from hidup.saved_blocks import BlockStamper
 
 __all__ = [
     "SavedItem",
@@ -273,7 +279,9 @@ class Recorder:
     """Re-runs an exported step to record :class:`SavedRecord` per precision (module docstring).
 
     ``tensor_ids`` maps each fx node name to the graph tensor ids of its tensor leaves, in order
-    (:attr:`hidup.trace.Traced.tensor_ids`); ``values`` are the forward's argument values."""
+    (:attr:`hidup.trace.Traced.tensor_ids`); ``values`` are the forward's argument values; ``blocks``
+    names the copies of a stamped stack's block 2 (:attr:`hidup.stamp.Stamped.blocks`), whose record
+    is stamped (:mod:`hidup.saved_blocks`)."""
 
     def __init__(
         self,
@@ -282,8 +290,10 @@ class Recorder:
         tensor_ids: dict[str, list[int]],
         graph: Graph,
         contexts: dict | None = None,
+        blocks: list[dict[str, str]] | None = None,
     ):
         self.gm, self.tensor_ids, self.graph, self.contexts = gm, tensor_ids, graph, contexts or {}
+        self.blocks = blocks or []  # a stamped stack's copies of block 2 (hidup.stamp.Stamped.blocks)
         # only shapes, dtypes and requires_grad of the inputs are kept (no data)
         self.specs = [map_value(v, lambda x: _Spec.of(x) if isinstance(x, torch.Tensor) else x) for v in values]
         self.graph_nodes = {n.name: n for n in graph.nodes}
@@ -373,6 +383,9 @@ class _SavingInterpreter(torch.fx.Interpreter):
         self.storage_ids: dict[int, int] = {}  # storage key -> dense id
         self.attrs: dict[str, torch.Tensor] = {}
         self.derived: dict[int, int] = {}  # storage key -> storage it was computed from, element for element
+        # a storage of the stamped blocks' stand-in values -> the storage it stands for (hidup.saved_blocks)
+        self.alias: dict[int, Any] = {}
+        self.stamper = BlockStamper(self, recorder.blocks) if recorder.blocks else None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed.append(t)
@@ -400,66 +413,87 @@ class _SavingInterpreter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op == "output":
             return None
+        if self.stamper is not None and self.stamper.stamps(n.name):
+            return self.stamper.stamp(n)
         self.packed = []
         value = super().run_node(n)
-        tids = self.rec.tensor_ids.get(n.name, [])
         leaves = value_leaves(value, torch.Tensor)
-        for leaf, tid in zip(leaves, tids):
-            key = _storage_key(leaf)
-            self.tid_key.setdefault(tid, key)
-            self.record.dtypes.setdefault(tid, dtype_name(leaf.dtype))
-            if tid in self.rec.buffer_tids or tid in self.rec.input_tids:
-                self.held.add(key)  # a parameter, buffer or model input: not an activation
+        keys = [self.key(leaf) for leaf in leaves]
+        self.outputs(self.rec.tensor_ids.get(n.name, []), keys, [dtype_name(leaf.dtype) for leaf in leaves])
         node = self.rec.graph_nodes.get(n.name)
+        facts = []
         if self.packed and node is not None and node.op == "call":
-            self._attribute(node, self.packed)
+            facts = self._facts(node, self.packed)
+            self.own(node, facts)
         self.packed = []
+        if self.stamper is not None:
+            self.stamper.ran(n, leaves, keys, facts)
         return value
 
-    def _attribute(self, node: Node, packed: list[torch.Tensor]) -> None:
+    def key(self, t: torch.Tensor):
+        """The storage ``t`` stands for: its own, or that of the stamped block its value stands in for."""
+        key = _storage_key(t)
+        return self.alias.get(key, key)
+
+    def outputs(self, tids: list[int], keys: list, dtypes: list[str]) -> None:
+        """Record a node's tensors ``tids``: their storages ``keys`` and dtypes (the first node to make one
+        names it); a parameter's, buffer's or model input's storage is held, not an activation."""
+        for key, dtype, tid in zip(keys, dtypes, tids):
+            self.tid_key.setdefault(tid, key)
+            self.record.dtypes.setdefault(tid, dtype)
+            if tid in self.rec.buffer_tids or tid in self.rec.input_tids:
+                self.held.add(key)
+
+    def _facts(self, node: Node, packed: list[torch.Tensor]) -> list[tuple]:
+        """``(storage, slot, index, nbytes, dtype, how, shape)`` per storage ``node``'s backward keeps, in the
+        order they were packed (a storage once): what :class:`SavedItem` says but for its storage id, owner
+        and held."""
         in_keys = [self.tid_key.get(t) for t in node.inputs]
         out_keys = [self.tid_key.get(t) for t in node.outputs]
-        items = self.record.saved.setdefault(node.name, [])
-        here: set[int] = set()
+        facts, here = [], set()
         for t in packed:
-            key = _storage_key(t)
+            key = self.key(t)
             if key in here:
                 continue
             here.add(key)
-            facts = dict(
-                storage=self.storage_ids.setdefault(key, len(self.storage_ids)),
-                owner=key not in self.saved_keys,
-                held=key in self.held,
-            )
-            self.saved_keys.add(key)
-            nbytes = int(t.untyped_storage().nbytes())
-            dtype = dtype_name(t.dtype)
+            nbytes, dtype = int(t.untyped_storage().nbytes()), dtype_name(t.dtype)
             if key in in_keys:
-                items.append(SavedItem("in", in_keys.index(key), nbytes, dtype, "input", **facts))
+                facts.append((key, "in", in_keys.index(key), nbytes, dtype, "input", ()))
             elif key in out_keys:
-                items.append(SavedItem("out", out_keys.index(key), nbytes, dtype, "output", **facts))
+                facts.append((key, "out", out_keys.index(key), nbytes, dtype, "output", ()))
             else:
-                item = self._internal(node, key, in_keys, out_keys, nbytes, dtype, tuple(t.shape))
-                items.append(SavedItem(item.slot, item.index, nbytes, dtype, item.how, item.shape, **facts))
+                slot, index, how, shape = self._internal(node, _storage_key(t), in_keys, out_keys, tuple(t.shape))
+                facts.append((key, slot, index, nbytes, dtype, how, shape))
+        return facts
 
-    def _internal(
-        self, node: Node, key: int, in_keys: list, out_keys: list, nbytes: int, dtype: str, shape: tuple
-    ) -> SavedItem:
-        """A storage the node created: sized by the input or output it was computed from element for
-        element (followed through casts and copies), else split as the node's first input that is not a
-        parameter is where their dims line up (a norm's statistics follow the rows it normalizes)."""
-        seen = set()
+    def own(self, node: Node, facts: list[tuple]) -> None:
+        """``node``'s saved items from its :meth:`_facts`: each storage numbered in the order the step first
+        saves it, owned by the first node that saves it."""
+        items = self.record.saved.setdefault(node.name, [])
+        for key, slot, index, nbytes, dtype, how, shape in facts:
+            storage = self.storage_ids.setdefault(key, len(self.storage_ids))
+            owner, held = key not in self.saved_keys, key in self.held
+            items.append(SavedItem(slot, index, nbytes, dtype, how, shape, storage, owner, held))
+            self.saved_keys.add(key)
+
+    def _internal(self, node: Node, made: int, in_keys: list, out_keys: list, shape: tuple) -> tuple:
+        """(slot, index, how, shape) of a storage the node created (``made``): sized by the input or output
+        it was computed from element for element (followed through casts and copies), else split as the
+        node's first input that is not a parameter is where their dims line up (a norm's statistics
+        follow the rows it normalizes)."""
+        seen, key = set(), made
         while key in self.derived and key not in seen:
             seen.add(key)
             key = self.derived[key]
-            if key in in_keys:
-                return SavedItem("in", in_keys.index(key), nbytes, dtype, "internal")
-            if key in out_keys:
-                return SavedItem("out", out_keys.index(key), nbytes, dtype, "internal")
+            stands_for = self.alias.get(key, key)
+            if stands_for in in_keys:
+                return "in", in_keys.index(stands_for), "internal", ()
+            if stands_for in out_keys:
+                return "out", out_keys.index(stands_for), "internal", ()
         for j, tid in enumerate(node.inputs):
             if tid not in self.rec.param_tids:
-                return SavedItem("in", j, nbytes, dtype, "aligned", shape)
-        return SavedItem("", -1, nbytes, dtype, "internal")
+                return "in", j, "aligned", shape
+        return "", -1, "internal", ()
 
 
 class _LocalOps:

@@ -130,6 +130,10 @@ class Stamped:
     gm: torch.fx.GraphModule
     stack: Stack
     templates: dict[str, str] = field(default_factory=dict)  # stamped fx op name -> name of the op it copies
+    # per copy ``j = 0 .. L-4`` of block 2 (blocks 2 .. L-2; copy 0 is block 2 as exported), the name of
+    # its node per node of block 2 (its ``get_attr`` runs and ops, by their names in the 4-block export),
+    # in the order of the 4-block export
+    blocks: list[dict[str, str]] = field(default_factory=list)
 
     def agrees(self, tensor_ids: dict[str, list[int]], tensors: dict) -> bool:
         """Whether every stamped op's outputs have its template's shapes, dtypes and requires_grad
@@ -544,7 +548,9 @@ class _Stamper:
                     else:
                         own[y] = call(y, ref, _renumber(y.name, _split(y.name)[1] + j * self.delta[y]), 2, 2 + j)
                         templates[own[y].name] = y.name
-        return Stamped(torch.fx.GraphModule(attrs, graph, self.g4.__class__.__name__), self.stack, templates)
+        in_p = [x for x in self.nodes4 if x in self.in_p]
+        blocks = [{y.name: copy[y].name for y in in_p} for copy in copies]
+        return Stamped(torch.fx.GraphModule(attrs, graph, self.g4.__class__.__name__), self.stack, templates, blocks)
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -571,7 +571,9 @@ def _stamped_trace(model, values, mesh, signatures_fn, rules_missing, stamp_laye
     with warnings.catch_warnings(record=True) as caught:  # shown once the stamped graph is accepted
         warnings.simplefilter("always")
         try:
-            traced = _build(model, stamped.gm, values, mesh, signatures_fn, rules_missing, stamped.templates)
+            traced = _build(
+                model, stamped.gm, values, mesh, signatures_fn, rules_missing, stamped.templates, stamped.blocks
+            )
         except Exception:  # noqa: BLE001 - the whole export runs next and reports any failure its own way
             return None
     if not stamped.agrees(traced.tensor_ids, traced.graph.tensors):
@@ -619,6 +621,7 @@ def _build(
     signatures_fn,
     rules_missing: str,
     templates: dict[str, str] | None = None,
+    blocks: list[dict[str, str]] | None = None,
 ) -> Traced:
     explicit_normalizers(gm)
     world_size = math.prod(mesh)
@@ -636,8 +639,9 @@ def _build(
     )
     graph.validate()
     graph.copy_reason = copy_axis(graph).reason
-    # what autograd saves per node, measured on demand per precision (hidup.saved)
-    graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts)
+    # what autograd saves per node, measured on demand per precision (hidup.saved), the stamped blocks'
+    # record stamped out too
+    graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts, blocks)
     if builder.fallbacks:
         listing = "; ".join(
             f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"

@@ -32,6 +32,7 @@ LAYER_OF = {
     "hidup.stamp": "trace",
     "hidup.describe": "trace",
     "hidup.saved": "trace",
+    "hidup.saved_blocks": "trace",
     "hidup.profiler": "profile data",
     "hidup.profiler.profile": "profile data",
     "hidup.profiler.tables": "profile data",

@@ -534,6 +534,16 @@ class Signature:
     # one holding the forms of the op as axes ``< k`` left it (module docstring, "Meshes")
     axes: tuple["Signature", ...] = ()
 
+    def __hash__(self) -> int:  # signatures key the record's and the search's tables: hash once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.inputs, self.outputs, self.flops, self.kind, self.impl, self.params, self.axes))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # a hash is per process (strings hash by a per-process seed)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
         outs = ", ".join(map(str, self.outputs))

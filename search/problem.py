@@ -53,6 +53,8 @@ collectives and copies again in the backward, blocking, as a recomputed node's c
 
 Caches shared by the problems of one search
 -------------------------------------------
+The order and the liveness it fixes depend on the graph alone: one :class:`Positions` per search,
+the graph validated once.
 The problems built from one :class:`Models` (a search's) number forms alike (one id per form, in
 the order the search meets them), so a state key means the same in each.  A transition from a key
 depends only on the key and on the position's *shape* (:meth:`Problem._transition_caches`: its
@@ -79,7 +81,7 @@ from hidup.saved import as_used
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
-__all__ = ["Problem", "Models", "Step", "SearchError", "block_label"]
+__all__ = ["Problem", "Models", "Positions", "Step", "SearchError", "block_label"]
 
 
 class SearchError(ValueError):
@@ -134,6 +136,69 @@ def _getter(idx: list[int]):
     return operator.itemgetter(*idx)
 
 
+def _order(graph: Graph) -> list[Node]:
+    producer = {t: n for n in graph.nodes for t in n.outputs}
+    first_use: dict[str, str] = {}
+    for n in graph.nodes:
+        for t in n.inputs:
+            first_use.setdefault(producer[t].name, n.name)
+    order, done = [], set()
+    for n in graph.nodes:
+        if not n.inputs and n.name in first_use:
+            continue  # placed before its first consumer
+        for t in n.inputs:
+            p = producer[t]
+            if p.name not in done and not p.inputs:
+                order.append(p)
+                done.add(p.name)
+        order.append(n)
+        done.add(n.name)
+    return order
+
+
+class Positions:
+    """A graph's nodes in the problems' order (module docstring, "Order") and what that order alone fixes:
+    which tensors are live before each position (``live``, ``live_index``), where each entry of the next
+    position's live tensors comes from (``carry``: ``(1, output index)`` or ``(0, index in live[i])``),
+    the kept entries' getter (``keep``, ``kept_idx``) and the places of a node's inputs in the state
+    (``input_idx``, ``sub``).  The same for every problem of the graph (:meth:`Models.positions`)."""
+
+    def __init__(self, graph: Graph):
+        graph.validate()
+        self.order = _order(graph)
+        self.n = len(self.order)
+        self.pos_of = {node.name: i for i, node in enumerate(self.order)}
+        self.last_use: dict[int, int] = {}
+        for i, node in enumerate(self.order):
+            for t in node.inputs:
+                self.last_use[t] = i
+        last_use = self.last_use
+        self.live: list[tuple[int, ...]] = [()]
+        for i, node in enumerate(self.order):
+            keep = [t for t in self.live[-1] if last_use[t] > i]
+            keep += [t for t in node.outputs if last_use.get(t, -1) > i]
+            self.live.append(tuple(keep))
+        self.live_index = [{t: j for j, t in enumerate(lv)} for lv in self.live]
+        self.carry: list[tuple[tuple[int, int], ...]] = []
+        for i, node in enumerate(self.order):
+            src = []
+            outs = {t: j for j, t in enumerate(node.outputs)}
+            for t in self.live[i + 1]:
+                src.append((1, outs[t]) if t in outs else (0, self.live_index[i][t]))
+            self.carry.append(tuple(src))
+        # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
+        self.keep = []
+        self.kept_idx = []
+        for i in range(self.n):
+            keep = [a for kind, a in self.carry[i] if kind == 0]
+            if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep) :]):
+                raise AssertionError("live order: kept tensors must precede new outputs")
+            self.keep.append(_getter(keep))
+            self.kept_idx.append(tuple(keep))
+        self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
+        self.sub = [_getter(list(idx)) for idx in self.input_idx]
+
+
 class Models:
     """The cost and memory models of one graph, shared by the problems of one search.
 
@@ -158,6 +223,14 @@ class Models:
         self.forms: list[Form] = []
         self.form_id: dict[Form, int] = {}
         self._caches: dict[int, tuple] = {}  # id(cost model) -> (cost model, its caches)
+        self._positions: Positions | None = None
+
+    def positions(self) -> "Positions":
+        """The graph validated, its nodes in the problems' order and the liveness that order fixes: one
+        per search (the graph does not change while it runs)."""
+        if self._positions is None:
+            self._positions = Positions(self.graph)
+        return self._positions
 
     def physical(self, profile):
         """``profile`` without its corrections, one copy per profile (so its cost model is shared too)."""
@@ -218,17 +291,15 @@ class Problem:
         models: "Models | None" = None,
         reshard: "bool | frozenset | set | tuple" = False,
     ):
-        graph.validate()
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         if models is None:
             models = Models(graph)
         elif models.graph is not graph:
             raise ValueError("Problem: the shared models were built for another graph")
         self.models = models
+        positions = models.positions()  # the graph validated, ordered, and the liveness of that order
         self.cost = models.cost(profile, precision)
-        self.order = self._order(graph)
-        self.n = len(self.order)
-        self.pos_of = {node.name: i for i, node in enumerate(self.order)}
+        self.order, self.n, self.pos_of = positions.order, positions.n, positions.pos_of
         # parameters' tensors, and those whose converted copies are made again in the backward
         self.reshard = reshard if reshard is True else frozenset(reshard or ())
         params = [n for n in graph.nodes if n.op == "param"]
@@ -272,7 +343,7 @@ class Problem:
             [models.kept(("copy", id(self.cost)), twin, s, self._copy_compute) for s in sigs]
             for twin, sigs in zip(map(self.cost.twin, self.order), self.sigs)
         ]
-        self._liveness()
+        self._liveness(positions)
         self._recomputing(memory)
 
     def derive(self, recompute: frozenset | set | tuple) -> "Problem":
@@ -318,38 +389,13 @@ class Problem:
         # the repeated layers' occurrences (hidup.search.segments.find_blocks), found by the first DP
         self.occurrences: list | None = None
 
-    def _liveness(self) -> None:
-        """Which tensors are live before each position, where each comes from, and the forms their
-        later readers may need (module docstring, "State of a tensor")."""
-        self.last_use: dict[int, int] = {}
-        for i, node in enumerate(self.order):
-            for t in node.inputs:
-                self.last_use[t] = i
-        self.live: list[tuple[int, ...]] = [()]
-        for i, node in enumerate(self.order):
-            keep = [t for t in self.live[-1] if self.last_use[t] > i]
-            keep += [t for t in node.outputs if self.last_use.get(t, -1) > i]
-            self.live.append(tuple(keep))
-        self.live_index = [{t: j for j, t in enumerate(lv)} for lv in self.live]
-        # per position: where each entry of live[i+1] comes from: ("old", index in live[i]) or ("out", j)
-        self.carry: list[tuple[tuple[int, int], ...]] = []
-        for i, node in enumerate(self.order):
-            src = []
-            outs = {t: j for j, t in enumerate(node.outputs)}
-            for t in self.live[i + 1]:
-                src.append((1, outs[t]) if t in outs else (0, self.live_index[i][t]))
-            self.carry.append(tuple(src))
-        # live[i+1] = the entries of live[i] still read later, in order, then the node's live outputs
-        self._keep = []
-        self._kept_idx = []
-        for i in range(self.n):
-            keep = [a for kind, a in self.carry[i] if kind == 0]
-            if len(keep) != len(self.carry[i]) and any(kind == 0 for kind, _ in self.carry[i][len(keep) :]):
-                raise AssertionError("live order: kept tensors must precede new outputs")
-            self._keep.append(_getter(keep))
-            self._kept_idx.append(tuple(keep))
-        self.input_idx = [tuple(self.live_index[i][t] for t in node.inputs) for i, node in enumerate(self.order)]
-        self._sub = [_getter(list(idx)) for idx in self.input_idx]
+    def _liveness(self, positions: "Positions") -> None:
+        """Which tensors are live before each position and where each comes from (``positions``, the
+        same for every problem of the graph), and the forms their later readers may need (module
+        docstring, "State of a tensor")."""
+        self.last_use, self.live, self.live_index = positions.last_use, positions.live, positions.live_index
+        self.carry, self._keep, self._kept_idx = positions.carry, positions.keep, positions.kept_idx
+        self.input_idx, self._sub = positions.input_idx, positions.sub
         # relevant[i][j]: forms that readers at positions >= i may still need of tensor live[i][j];
         # converted forms outside it are forgotten, so equal futures get equal keys.
         need_from: dict[int, int] = {}
@@ -405,26 +451,6 @@ class Problem:
         """``(forward, backward)`` seconds of position ``i``, its forward repeated in the backward
         when it is recomputed."""
         return (times[0], times[1] + times[0]) if self.recomputed[i] else times
-
-    @staticmethod
-    def _order(graph: Graph) -> list[Node]:
-        producer = {t: n for n in graph.nodes for t in n.outputs}
-        first_use: dict[str, str] = {}
-        for n in graph.nodes:
-            for t in n.inputs:
-                first_use.setdefault(producer[t].name, n.name)
-        order, done = [], set()
-        for n in graph.nodes:
-            if not n.inputs and n.name in first_use:
-                continue  # placed before its first consumer
-            for t in n.inputs:
-                p = producer[t]
-                if p.name not in done and not p.inputs:
-                    order.append(p)
-                    done.add(p.name)
-            order.append(n)
-            done.add(n.name)
-        return order
 
     def _copy_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """:meth:`CostModel.copy_compute` of ``node`` under ``sig`` (its device time read from the cost model)."""

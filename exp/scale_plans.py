@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import re
+import resource
 import sys
 import time
 import warnings
@@ -146,6 +147,12 @@ def describe_plan(plan, graph) -> dict:
     return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}}
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it waited for (the searches it forks)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def run_job(
     name: str,
     mesh: tuple[int, ...],
@@ -159,11 +166,11 @@ def run_job(
     """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``."""
     world = math.prod(mesh)
     model, inputs = build(name, layers, batch=world, seq=seq)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = hidup.trace(model, inputs, world_size=world, mesh=mesh if len(mesh) > 1 else None)
-    trace_s = time.perf_counter() - t0
+    trace_s, trace_cpu_s = time.perf_counter() - t0, cpu_seconds() - c0
     row = {
         "job": name,
         "world": world,
@@ -179,21 +186,23 @@ def run_job(
         "precision": precision,
         "memory_budget_gb": memory_gb or None,
         "trace_s": round(trace_s, 2),
+        "trace_cpu_s": round(trace_cpu_s, 2),
     }
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     try:
         plan = hidup.search(graph, profile, memory_budget=memory_gb * 1e9 if memory_gb else None, precision=precision)
     except SearchError as e:  # recorded: the budget or the mesh admits no plan
         row.update(search_s=round(time.perf_counter() - t0, 2), error=str(e))
         print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
         return row
-    search_s = time.perf_counter() - t0
+    search_s, search_cpu_s = time.perf_counter() - t0, cpu_seconds() - c0
     if plans is not None:
         plans.mkdir(parents=True, exist_ok=True)
         plan.save(plans / f"{name}@{'x'.join(map(str, mesh))}:{memory_gb:g}.json")
     row.update(
         {
             "search_s": round(search_s, 2),
+            "search_cpu_s": round(search_cpu_s, 2),
             "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
             "duplication": plan.duplication,
@@ -202,7 +211,7 @@ def run_job(
         }
     )
     print(
-        f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s, "
+        f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s ({search_cpu_s:.1f} s CPU), "
         f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, kinds {row['kinds']}, "
         f"stored {row['stored']}",
         flush=True,
@@ -220,19 +229,22 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         f"sequence {rows[0]['seq']}, one sequence per GPU.",
         "",
         "Models are built on the meta device from `transformers` configs with the published shapes and "
-        "traced with torch.export; times are wall seconds on this host. Memory is the memory model's "
+        "traced with torch.export; times are wall seconds on this host (search CPU s: CPU seconds of the "
+        "process and of the searches it forks, which another job's load on the host inflates less). Memory is "
+        "the memory model's "
         "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
         "NVLink domain by the ring factor, which a real two-node cluster is not.",
         "",
-        "| job | GPUs | budget GB | nodes | trace s | search s | predicted ms | memory GiB | ops by kind "
-        "| weights stored |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | memory GiB "
+        "| ops by kind | weights stored |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                f"| {r['trace_s']} | {r['search_s']} | no plan | - | {r['error'].split('. Fix')[0]} | - |"
+                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - "
+                f"| {r['error'].split('. Fix')[0]} | - |"
             )
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
@@ -241,7 +253,8 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         ).replace("|", "\\|")  # a layout's axes are joined by "|", a table cell's delimiter
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-            f"| {r['trace_s']} | {r['search_s']} | {r['predicted_ms']} | {r['memory_gib']} | {kinds} "
+            f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
+            f"| {r['memory_gib']} | {kinds} "
             f"| {stored} |"
         )
     for r in rows:

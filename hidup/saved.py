@@ -12,8 +12,8 @@ CPU policy matches CUDA's for the matmul-like ops that hold most of the saved by
 differ (CUDA also runs softmax in float32), the dtypes are the CPU policy's.  ``fp32`` and ``tf32``
 store the traced dtypes.
 
-A trace whose repeated blocks were stamped (:mod:`hidup.stamp`) runs only blocks 2, 3 and 4 of the
-stack this way: the record of blocks ``5 .. L-2`` is block 4's with its storages renamed
+A trace whose repeated blocks were stamped (:mod:`hidup.stamp`) runs only blocks ``0 .. 4`` and ``L-1``
+of the stack this way: the record of blocks ``5 .. L-2`` is block 4's with its storages renamed
 (:mod:`hidup.saved_blocks`, checked, the same record to the item), so the run costs what a few blocks
 do whatever the depth.
 

@@ -308,6 +308,9 @@ class Layout:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self) -> dict:  # a hash is per process (strings hash by a per-process seed)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self):
         if len(self.forms) < 2 or not all(isinstance(f, Form) for f in self.forms):
             raise ValueError(f"a layout holds one Form per axis of a mesh of 2 or more axes, got {self.forms!r}")

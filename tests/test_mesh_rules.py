@@ -793,3 +793,28 @@ def test_aten_overloads(data):
                 check_mesh_signature(ctx, s, values, MESH, no_grad=call.no_grad)
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+def test_a_pickled_layout_or_signature_hashes_as_the_receiving_process_does():
+    """Layouts and signatures cache their hash, which strings make per process: a pickled one must not
+    carry the sender's hash, or a spawned worker would miss it in every table it keys."""
+    import pickle
+    import subprocess
+
+    from hidup.ir import FULL, Layout, Signature, gather
+
+    layout = Layout((gather(0), FULL))
+    sig = Signature((layout, FULL), (gather(1),), 8.0)
+    hash(layout), hash(sig)  # cached here
+    check = (
+        "import pickle, sys\n"
+        "from hidup.ir import FULL, Layout, Signature, gather\n"
+        "layout, sig = pickle.loads(sys.stdin.buffer.read())\n"
+        "fresh = Layout((gather(0), FULL))\n"
+        "assert hash(layout) == hash(fresh) and {fresh: 1}[layout] == 1\n"
+        "assert hash(sig) == hash(Signature((fresh, FULL), (gather(1),), 8.0))\n"
+    )
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", check], input=pickle.dumps((layout, sig)),
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}, capture_output=True)  # fmt: skip
+        assert r.returncode == 0, r.stderr.decode()[-2000:]

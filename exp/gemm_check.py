@@ -1,21 +1,20 @@
 """The GEMMs of rank plans, each timed alone on a GPU against the rate the cost model prices it at.
 
-For every matmul the cost model prices by its shape (:meth:`hidup.search.cost.CostModel.gemm_shape`)
-in a plan's rank program, the three GEMMs of a linear layer -- the forward ``Y = X W^T``
-(``(m, n, k)``, layout ``nt``: the weight read transposed), the input's gradient ``dX = dY W``
-(``(m, k, n)``, ``nn``) and the weight's gradient ``dW = dY^T X`` (``(n, k, m)``, ``tn``) -- are timed
-alone on the GPU, each twice:
+For every matmul the cost model prices by its shape in a plan's rank program, its three GEMMs as the
+cost model prices them (:meth:`hidup.search.cost.CostModel.gemms`) -- for a linear layer the forward
+``Y = X W^T`` (``(m, n, k)``, layout ``nt``: the weight read transposed), the input's gradient
+``dX = dY W`` (``(m, k, n)``, ``nn``) and the weight's gradient ``dW = dY^T X`` (``(n, k, m)``,
+``tn``) -- are timed alone on the GPU, each twice:
 
 * ``warm``: the same operands every call, so that operands which fit the L2 cache stay there (as
   ``hidup profile``'s GEMM grid times them);
 * ``cold``: the operands taken in turn from enough copies to exceed the L2 cache several times, so
   that every call reads them from memory, as a GEMM inside a training step mostly does.
 
-Each is compared with the profile's price, ``2 m n k / rate(dtype, m, n, k, layout)`` (a linear's
-layouts; a ``Conv1D``'s ``addmm`` runs its forward ``nn`` instead); totals are weighted by
-how often each GEMM runs in the step.  This tells whether the GEMMs of a compiled rank program run
-below the grid because of their layout, because of a cold cache, or for another reason (the program
-then runs its GEMMs slower than all three timings).
+Each is compared with the profile's price, ``2 m n k / rate(dtype, m, n, k, layout)``; totals are
+weighted by how often each GEMM runs in the step.  This tells whether the GEMMs of a compiled rank
+program run below the grid because of their layout, because of a cold cache, or for another reason
+(the program then runs its GEMMs slower than all three timings).
 
     python exp/gemm_check.py docs/bench/predict/rank-plans/*-data.json --profile h100.json \\
         --precisions tf32,bf16 --out gemms.json
@@ -44,7 +43,8 @@ ROLES = ("forward", "input-grad", "weight-grad")
 
 
 def plan_gemms(path: str, profile, precision: str, device: str | None) -> Counter:
-    """``{(role, m, n, k, rate dtype): calls per step}`` of the plan's shape-priced matmuls."""
+    """``{(role, m, n, k, layout, rate dtype): calls per step}`` of the GEMMs of the plan's shape-priced
+    matmuls, as the cost model prices them (:meth:`hidup.search.cost.CostModel.gemms`)."""
     plan = Plan.load(path)
     source = plan.model_source or {}
     graph = _graph(source["model"], source.get("args", {}), plan.world_size, device)
@@ -54,36 +54,30 @@ def plan_gemms(path: str, profile, precision: str, device: str | None) -> Counte
     for i, (node, k) in enumerate(zip(problem.order, ks)):
         if node.op != "call":
             continue
-        sig = problem.sigs[i][k]
-        gemm = cost.gemm_shape(node, cost._local_shapes(graph, node, sig))
-        if gemm is None:
-            continue
+        gemms = cost.gemms(node, cost._local_shapes(graph, node, problem.sigs[i][k]))
         dtype = profile_dtype(graph.tensors[node.outputs[0]].dtype, precision)
-        (m, n, k_), (x, w) = gemm
-        found[("forward", m, n, k_, dtype)] += 1
-        if graph.tensors[x].requires_grad:
-            found[("input-grad", m, k_, n, dtype)] += 1
-        if graph.tensors[w].requires_grad:
-            found[("weight-grad", n, k_, m, dtype)] += 1
+        for role, dims, layout, grad_of in gemms or ():
+            if grad_of is None or graph.tensors[grad_of].requires_grad:
+                found[(role, *dims, layout, dtype)] += 1
     return found
 
 
-def timed(role: str, m: int, n: int, k: int, dtype: str, cold: bool) -> float:
-    """Seconds per call of the GEMM ``(m, n, k)`` in the layout of ``role`` (module docstring)."""
+def timed(layout: str, m: int, n: int, k: int, dtype: str, cold: bool) -> float:
+    """Seconds per call of the GEMM ``(m, n, k)`` in ``layout`` (module docstring), its operands stored
+    as :func:`hidup.profiler.device.gemm_grid` stores them."""
     storage = torch.float32 if dtype in ("fp32", "tf32") else torch.bfloat16
-    # operand shapes as the linear layer holds them: X[m', k'], W[n', k'], dY[m', n']
-    if role == "forward":
-        shapes = ((m, k), (n, k))  # X, W -> X @ W^T
+    if layout == "nt":
+        shapes = ((m, k), (n, k))
 
         def op(a, b, out):
             return torch.mm(a, b.t(), out=out)
-    elif role == "input-grad":
-        shapes = ((m, k), (k, n))  # dY[m, n'=k], W[n'=k, k'=n] -> dY @ W
+    elif layout == "nn":
+        shapes = ((m, k), (k, n))
 
         def op(a, b, out):
             return torch.mm(a, b, out=out)
     else:
-        shapes = ((k, m), (k, n))  # dY[m'=k, n'=m], X[m'=k, k'=n] -> dY^T @ X
+        shapes = ((k, m), (k, n))
 
         def op(a, b, out):
             return torch.mm(a.t(), b, out=out)
@@ -119,18 +113,19 @@ def main(argv=None) -> int:
         for precision in args.precisions.split(","):
             gemms = plan_gemms(path, profile, precision, args.device)
             totals = Counter()
-            for (role, m, n, k, dtype), calls in sorted(gemms.items()):
+            for (role, m, n, k, layout, dtype), calls in sorted(gemms.items()):
                 grid = profile.gemm.get(dtype)
-                layout = {"forward": "nt", "input-grad": "nn", "weight-grad": "tn"}[role]  # a linear's
                 priced = 2.0 * m * n * k / grid.rate(m, n, k, layout) if grid else float("nan")
-                warm, cold = (timed(role, m, n, k, dtype, c) for c in (False, True))
-                row = dict(plan=Path(path).stem, precision=precision, role=role, m=m, n=n, k=k, dtype=dtype)
+                warm, cold = (timed(layout, m, n, k, dtype, c) for c in (False, True))
+                row = dict(
+                    plan=Path(path).stem, precision=precision, role=role, layout=layout, m=m, n=n, k=k, dtype=dtype
+                )
                 row.update(calls=calls, priced_ms=priced * 1e3, warm_ms=warm * 1e3, cold_ms=cold * 1e3)
                 results.append(row)
                 totals.update({"priced": calls * priced, "warm": calls * warm, "cold": calls * cold})
                 totals.update({f"{role}-priced": calls * priced, f"{role}-cold": calls * cold})
                 print(
-                    f"{row['plan']:24s} {precision:5s} {role:12s} {m:6d} {n:6d} {k:6d} x{calls:<3d} "
+                    f"{row['plan']:24s} {precision:5s} {role:12s} {layout} {m:6d} {n:6d} {k:6d} x{calls:<3d} "
                     f"priced {priced * 1e3:7.3f} warm {warm * 1e3:7.3f} cold {cold * 1e3:7.3f} ms",
                     flush=True,
                 )

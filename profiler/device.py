@@ -186,7 +186,7 @@ def gemm_grid(
     del a_flat, b_flat, c_flat
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return GemmGrid(sizes, tuple(rates["nt"]), tuple((name, tuple(r)) for name, r in rates.items() if name != "nt"))
+    return GemmGrid.of(sizes, rates)
 
 
 def dtype_supported(device: torch.device | str, dtype: str) -> bool:

@@ -10,7 +10,7 @@ also depends on the layout, how the operands lie in memory (row-major storage):
 * ``tn``: ``A[k, m]^T @ B[k, n]`` -- a linear's weight gradient ``dY^T X``, the reduction over the
   rows of both operands.
 
-(In tf32 on an H100 the ``tn`` GEMMs of a small model's linears run up to about 1.8x slower than the
+(In tf32 on an H100 the ``tn`` GEMMs of a small model's linears run up to about 1.9x slower than the
 ``nt`` GEMMs of the same shape, the ``nn`` ones up to about 1.4x; in bf16 the three agree.)
 
 A profile's :class:`GemmGrid` holds, for one dtype, the rate measured at every point of a grid
@@ -58,15 +58,26 @@ class GemmGrid:
         extra = dict(self.layouts)
         if len(extra) != len(self.layouts) or set(extra) - set(LAYOUTS[1:]):
             raise ValueError(f"GEMM grid layouts must be distinct ones of {LAYOUTS[1:]}, got {list(extra)}")
-        for name, rates in (("nt", self.rates), *self.layouts):
+        for name, rates in self.by_layout.items():
             if len(rates) != len(self.sizes) ** 3:
                 want = len(self.sizes) ** 3
                 raise ValueError(f"GEMM grid of {len(self.sizes)} sizes needs {want} rates ({name}), got {len(rates)}")
             if not all(r > 0 and math.isfinite(r) for r in rates):
                 raise ValueError(f"GEMM grid {name} rates must be positive and finite")
         object.__setattr__(self, "_logs", tuple(math.log(s) for s in self.sizes))
-        logs = {name: tuple(math.log(r) for r in rates) for name, rates in (("nt", self.rates), *self.layouts)}
+        logs = {name: tuple(math.log(r) for r in rates) for name, rates in self.by_layout.items()}
         object.__setattr__(self, "_log_rates", logs)
+
+    @staticmethod
+    def of(sizes, by_layout: dict) -> "GemmGrid":
+        """The grid of ``by_layout`` (layout -> its rates; ``nt`` required, ``nn`` and ``tn`` optional)."""
+        others = tuple((name, tuple(r)) for name, r in by_layout.items() if name != "nt")
+        return GemmGrid(tuple(sizes), tuple(by_layout["nt"]), others)
+
+    @property
+    def by_layout(self) -> dict[str, tuple[float, ...]]:
+        """Layout -> its rates, for the layouts measured (``nt`` first)."""
+        return {"nt": self.rates, **dict(self.layouts)}
 
     def _at(self, logs: tuple[float, ...], i: int, j: int, h: int) -> float:
         n = len(self.sizes)
@@ -100,8 +111,7 @@ class GemmGrid:
 
     def scaled(self, factor: float) -> "GemmGrid":
         """Every rate times ``factor`` (a perturbed profile keeps the grid's shape)."""
-        scale = lambda rates: tuple(r * factor for r in rates)  # noqa: E731
-        return GemmGrid(self.sizes, scale(self.rates), tuple((name, scale(r)) for name, r in self.layouts))
+        return GemmGrid.of(self.sizes, {name: [r * factor for r in rates] for name, rates in self.by_layout.items()})
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "rates": list(self.rates), **{n: list(r) for n, r in self.layouts}}
@@ -114,12 +124,11 @@ class GemmGrid:
         sizes = d["sizes"]
         if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
             raise ValueError(f"sizes must be a list of integers, got {sizes!r}")
-        lists = {}
+        by_layout = {}
         for key in ("rates", *(n for n in LAYOUTS[1:] if n in d)):
             rates = d[key]
             numbers = all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates or ())
             if not isinstance(rates, list) or not numbers:
                 raise ValueError(f"{key} must be a list of numbers")
-            lists[key] = tuple(float(r) for r in rates)
-        rates = lists.pop("rates")
-        return GemmGrid(tuple(sizes), rates, tuple(lists.items()))
+            by_layout["nt" if key == "rates" else key] = [float(r) for r in rates]
+        return GemmGrid.of(sizes, by_layout)

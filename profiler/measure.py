@@ -319,10 +319,14 @@ def _measure(
         gemm = {}
         for d in sorted(matmul) if gemm_sizes else ():  # each point's rate, the minimum over ranks
             grid = gemm_grid(device, d, gemm_sizes, budget_s=120 * budget)
-            layouts = (("nt", grid.rates), *grid.layouts)
-            agreed = _rates_agreed({f"{name}{i}": r for name, rates in layouts for i, r in enumerate(rates)}, device)
-            nt, *others = (tuple(agreed[f"{name}{i}"] for i in range(len(rates))) for name, rates in layouts)
-            gemm[d] = GemmGrid(grid.sizes, nt, tuple((name, r) for (name, _), r in zip(layouts[1:], others)))
+            measured = grid.by_layout
+            agreed = _rates_agreed(
+                {f"{name}{i}": r for name, rates in measured.items() for i, r in enumerate(rates)}, device
+            )
+            gemm[d] = GemmGrid.of(
+                grid.sizes,
+                {name: [agreed[f"{name}{i}"] for i in range(len(rates))] for name, rates in measured.items()},
+            )
             bar.step(f"GEMM grid {d}")
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]

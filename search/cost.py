@@ -566,16 +566,13 @@ class CostModel:
             if rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
                 rate_key = "fp32"
             flops *= self.attention_blocks(node)
-        gemm = self.gemm_shape(node, shapes) if kind == "matmul" else None
+        gemms = self.gemms(node, shapes) if kind == "matmul" else None
         grads = None  # seconds of each gradient GEMM at its own shape, where the profile has the grid
-        grid = self.profile.gemm.get(rate_key) if gemm is not None else None
+        grid = self.profile.gemm.get(rate_key) if gemms is not None else None
         if grid is not None:
-            (m, n, k), (x, w) = gemm
-            fwd_layout, dx_layout = self.gemm_layouts(node)
-            fwd = flops / grid.rate(m, n, k, fwd_layout)
-            dw = (n, k, m) if fwd_layout == "nt" else (k, n, m)  # the weight's gradient, as it is stored
-            backward = ((x, (m, k, n), dx_layout), (w, dw, "tn"))  # the input's and the weight's gradient GEMMs
-            grads = [flops / grid.rate(*dims, lay) for t, dims, lay in backward if g.tensors[t].requires_grad]
+            (_, dims, layout, _), *backward = gemms
+            fwd = flops / grid.rate(*dims, layout)
+            grads = [flops / grid.rate(*dims, lay) for _, dims, lay, t in backward if g.tensors[t].requires_grad]
         else:
             fwd = flops / self.profile.rate_at(rate_key, flops)
         floor = 0.0  # seconds to move the kernel's bytes
@@ -623,6 +620,19 @@ class CostModel:
         if xs[-1] != k:
             return None
         return (math.prod(xs[:-1]), n, k), (node.inputs[first], node.inputs[first + 1])
+
+    def gemms(self, node: Node, shapes: list | None) -> list[tuple[str, tuple[int, int, int], str, int | None]] | None:
+        """``(role, (m, n, k), layout, tensor)`` of each GEMM of a matmul :meth:`gemm_shape` reads: the
+        ``forward`` (tensor None), the ``input-grad`` and the ``weight-grad``, each with the tensor whose
+        gradient it computes (module docstring, "Compute"); None for any other op."""
+        gemm = self.gemm_shape(node, shapes)
+        if gemm is None:
+            return None
+        (m, n, k), (x, w) = gemm
+        fwd_layout, dx_layout = self.gemm_layouts(node)
+        dw = (n, k, m) if fwd_layout == "nt" else (k, n, m)  # the weight's gradient, as the weight is stored
+        return [("forward", (m, n, k), fwd_layout, None), ("input-grad", (m, k, n), dx_layout, x),
+                ("weight-grad", dw, "tn", w)]  # fmt: skip
 
     def gemm_layouts(self, node: Node) -> tuple[str, str]:
         """(forward, input's gradient) layouts of a matmul :meth:`gemm_shape` reads (module docstring):

@@ -19,6 +19,13 @@ forwards SIGTERM/SIGUSR1 to them, and kills them (after dumping their stacks) wh
 they stalled.  :func:`launch` (``hidup train``, ``hidup verify``) and the tests' ``run_distributed``
 both run on it.
 
+How ranks start: on Linux from a fork server (``multiprocessing``'s ``forkserver``) that imported
+torch and hidup once (:data:`PRELOAD`): a rank forked from it starts at once, where a spawned rank
+spends seconds importing them.  The server lives as long as the launching process and keeps the
+standard output and error it started with: ranks print where that process printed when it first
+launched.  Each rank runs its ``atexit`` handlers as it ends, as a spawned one would.
+``HIDUP_START_METHOD=spawn`` spawns every rank afresh instead (the default on other platforms).
+
 When spawned ranks fail, the report names the cause, not its echoes: a rank that died without
 reporting (killed by a signal, ``os._exit``, a crash in native code) is named with its global rank,
 node, pid and signal or exit code -- the "connection reset" its peers then raise is left out -- and
@@ -34,6 +41,7 @@ rank's traceback.  ``HIDUP_DEBUG=1`` (``hidup --debug``) reports user errors wit
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import errno
@@ -270,6 +278,11 @@ def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_
         raise
     finally:
         shutdown()
+        # a rank forked by the fork server ends in os._exit, which runs no atexit handler (a spawned
+        # rank's interpreter runs them as it exits): run them here, once the report is in the pipe
+        results.close()
+        results.join_thread()
+        atexit._run_exitfuncs()
 
 
 _PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
@@ -400,6 +413,26 @@ def launch(
     return run_ranks(fn, args, layout, backend=backend, timeout_s=timeout_s, stalled=stalled)
 
 
+# what the fork server imports once for every rank it starts (module docstring, "How ranks start")
+PRELOAD = ("torch", "torch.distributed", "hidup.codegen", "hidup.runtime.train")
+# imported too when the launching process has them: a rank of a model built from them imports them again
+PRELOAD_IF_LOADED = ("transformers",)
+
+
+def start_method() -> str:
+    """How :func:`run_ranks` starts ranks: ``"forkserver"`` where the platform has it, with
+    :data:`PRELOAD` (and those of :data:`PRELOAD_IF_LOADED` this process has imported) imported by
+    the server before its first fork; ``"spawn"`` elsewhere, or with ``HIDUP_START_METHOD=spawn``."""
+    wanted = os.environ.get("HIDUP_START_METHOD", "forkserver")
+    if wanted not in ("forkserver", "spawn"):
+        raise LaunchError(f"HIDUP_START_METHOD={wanted!r}: expected forkserver or spawn")
+    if wanted == "spawn" or sys.platform != "linux":
+        return "spawn"
+    preload = [*PRELOAD, *(m for m in PRELOAD_IF_LOADED if m in sys.modules)]
+    mp.get_context("forkserver").set_forkserver_preload(preload)  # no effect once the server runs
+    return "forkserver"
+
+
 def run_ranks(
     fn: Callable,
     args: tuple,
@@ -431,13 +464,14 @@ def run_ranks(
             wait_for_workers=False,
         )
         layout = replace(layout, master_port=hosted.port)
-    results = mp.get_context("spawn").Queue()
+    method = start_method()
+    results = mp.get_context(method).Queue()
     procs = mp.start_processes(
         _child,
         args=(layout, fn, args, results, backend, timeout_s, hosted is not None, dict(env or {}), user_errors),
         nprocs=layout.cpn,
         join=False,
-        start_method="spawn",
+        start_method=method,
     )
     out: dict[int, object] = {}
     forwarded = _forward_signals(procs)

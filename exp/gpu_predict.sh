@@ -11,6 +11,7 @@
 # MODES (default cuda-graph,compile+graph) picks the bench-rank modes, PRECISIONS (default tf32,bf16) the
 # precisions; PROFILE=0 skips step 1;
 # KERNELS=0 leaves out the kernel-time breakdown (one profiled run per precision less).
+# GPU (default h100) names the profile: $OUT/$GPU.json, profile name $GPU-measured.
 # Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -18,13 +19,14 @@ PLANS=${PLANS:-docs/bench/predict/rank-plans}
 MATCH=${MATCH:-*}
 PY=${PYTHON:-python}
 CAP=${CAP:-200}
+GPU=${GPU:-h100}
 mkdir -p "$OUT"
 kernels=--kernels; [ "${KERNELS:-1}" = 1 ] || kernels=
 echo "== $(date -u +%FT%TZ) gpu_predict.sh"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout 300 $PY -m hidup.cli profile --quick --dtypes fp32,tf32,bf16 --matmul-sizes 1024,2048,4096,8192 \
-    --merge h200x4-nvlink --name h100-measured --out "$OUT/h100.json" --no-progress > "$OUT/profile.log" 2>&1
+    --merge h200x4-nvlink --name "$GPU-measured" --out "$OUT/$GPU.json" --no-progress > "$OUT/profile.log" 2>&1
   echo "profile exit status $?"; grep -i -e "flop\|bandwidth\|overhead" "$OUT/profile.log" | head -12
 fi
 for plan in "$PLANS"/$MATCH.json; do

@@ -604,16 +604,6 @@ def _search_with(
     local = not profile.corrections.identity
     explore = problem_for(models.physical(profile), recompute) if local else problem
     beam = _beam(opts)
-    binds = (
-        memory_budget is not None
-        and not recompute
-        and opts.recompute == "auto"
-        # every plan needs at least each node's leanest signature: past the budget, no DP is needed to tell
-        and (
-            explore.min_mem_suffix[0] > memory_budget
-            or explore.plan_memory(dp.solve(explore, False, None, **beam)[0]) > memory_budget
-        )
-    )
     modes = (False, True) if opts.duplication else (False,)
     candidates: list[list[int]] = []
     hidden: list[list[int]] = []
@@ -622,9 +612,29 @@ def _search_with(
         # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
         # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
         # runs while the duplicated mode's search, forked, still runs, and without duplication forked
-        # beside the plain search (hidup.search.modes)
+        # beside the plain search, or beside the DP that tells whether the budget binds (hidup.search.modes)
         if opts.algorithm == "dp" and not hidden:
             hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+
+    def hidden_free() -> dict:
+        """The hidden DP's answer, as ``explore`` keeps it (:func:`hidup.search.dp.solve`)."""
+        hide()
+        return explore.free_solutions
+
+    def free_plan() -> list[int]:
+        return dp.solve(explore, False, None, **beam)[0]
+
+    binds = False
+    if memory_budget is not None and not recompute and opts.recompute == "auto":
+        # every plan needs at least each node's leanest signature: past the budget, no DP is needed to tell
+        if explore.min_mem_suffix[0] > memory_budget:
+            binds = True
+        elif opts.algorithm == "dp":  # the hidden DP, run below in any case, runs beside this one
+            ks, answers = solve_beside(explore, free_plan, hidden_free)
+            explore.free_solutions.update(answers)
+            binds = explore.plan_memory(ks) > memory_budget
+        else:
+            binds = explore.plan_memory(free_plan()) > memory_budget
 
     def upcoming_problem() -> Problem:
         """The next search's problem (``after`` recomputed), as that search explores it."""
@@ -648,11 +658,6 @@ def _search_with(
         hide()
         if ahead_due:
             ahead()
-
-    def hidden_free() -> dict:
-        """The hidden DP's answer, as ``explore`` keeps it (:func:`hidup.search.dp.solve`)."""
-        hide()
-        return explore.free_solutions
 
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)

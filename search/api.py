@@ -632,6 +632,7 @@ def _search_with(
         elif opts.algorithm == "dp":  # the hidden DP, run below in any case, runs beside this one
             ks, answers = solve_beside(explore, free_plan, hidden_free)
             explore.free_solutions.update(answers)
+            hide()  # the child's answer, from explore's cache: no search below runs it again
             binds = explore.plan_memory(ks) > memory_budget
         else:
             binds = explore.plan_memory(free_plan()) > memory_budget
@@ -686,16 +687,18 @@ def _search_with(
         solver = outcome.info()
         candidates.append(outcome.ks)
     elif modes_left == (False,):  # the searches without the budget run beside (children keep their answers)
-        found, free, *upcoming_free = solve_beside(
+        hiding = not hidden and opts.algorithm == "dp"  # not yet run beside the budget's check
+        found, *answers = solve_beside(
             explore,
             lambda: _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam),
-            hidden_free,
+            *([hidden_free] if hiding else []),
             *([ahead] if ahead_due else []),
         )
         candidates += found
-        explore.free_solutions.update(free)
-        for answers in upcoming_free:
-            upcoming_problem().free_solutions.update(answers)
+        if hiding:
+            explore.free_solutions.update(answers.pop(0))
+        for upcoming_free in answers:
+            upcoming_problem().free_solutions.update(upcoming_free)
     elif modes_left:
         candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, meanwhile)
     hide()

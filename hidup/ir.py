@@ -599,7 +599,9 @@ class Node:
     operation) or ``output`` (consumes the loss).  ``name`` equals the torch.fx node name.
     ``target`` is a readable op name (``linear``, ``layer_norm``, ``moe_gating``, ``add.Tensor``: the
     ATen overload, ``.default`` dropped).  ``module`` is the qualified name of the ``nn.Module`` that issued the op
-    (``layers.3.attn``), ``source`` the user's file:line.
+    (``layers.3.attn``), ``source`` the user's file:line.  ``variant`` names the kernel an op with a
+    non-tensor argument that changes its cost runs (:func:`hidup.rules.variant`: ``causal`` or
+    ``masked`` for attention); empty for every other op.
     """
 
     name: str
@@ -612,6 +614,7 @@ class Node:
     module: str = ""
     source: str = ""
     fallback: bool = False
+    variant: str = ""
 
     def to_dict(self) -> dict:
         return {
@@ -625,6 +628,7 @@ class Node:
             "module": self.module,
             "source": self.source,
             "fallback": self.fallback,
+            **({"variant": self.variant} if self.variant else {}),
         }
 
     @staticmethod
@@ -640,6 +644,7 @@ class Node:
             d.get("module", ""),
             d.get("source", ""),
             d.get("fallback", False),
+            d.get("variant", ""),
         )
 
 

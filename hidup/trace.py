@@ -87,6 +87,7 @@ from hidup.fxvalues import value_leaves as _leaves
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, Layout, Node, Signature, Tensor, gather
 from hidup.losses import explicit_normalizers
 from hidup.rules import localize as rules_localize
+from hidup.rules import variant
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.rules.mesh import is_all_full, leaf_layouts, mesh_signatures
 from hidup.saved import Recorder
@@ -388,6 +389,7 @@ class _Builder:
                 _module_of(n),
                 _source_of(n),
                 fallback,
+                variant(ctx),
             )
         )
         self.struct[n.name] = out_struct

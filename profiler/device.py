@@ -21,6 +21,13 @@ GEMM shapes
 ``sizes x sizes x sizes`` the same way, ``rate = 2 m n k / t``: the rate of a matmul by its shape and
 layout (:mod:`hidup.profiler.gemm`).
 
+Attention
+---------
+:func:`attention_table` times ``F.scaled_dot_product_attention`` in each variant (no mask;
+``is_causal``; a causal boolean mask ``[B, 1, S, S]`` given as ``attn_mask``) at every point of
+``head_dims x seqs x rows``: the forward under ``no_grad`` and the forward with the backward of
+``q, k, v``, the backward's time being their difference (:mod:`hidup.profiler.attention`).
+
 Memory bandwidth
 ----------------
 A device-to-device copy of ``b`` bytes reads ``b`` and writes ``b`` bytes, so
@@ -59,6 +66,7 @@ import torch.fx
 
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import graph_time, time_call
+from hidup.profiler.attention import VARIANTS, AttentionTable
 from hidup.profiler.gemm import LAYOUTS, GemmGrid
 from hidup.profiler.profile import DTYPES
 
@@ -187,6 +195,75 @@ def gemm_grid(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return GemmGrid.of(sizes, rates)
+
+
+ATTENTION_HEADS = 8  # the heads of a timed attention; its batch is rows / ATTENTION_HEADS
+
+
+def default_attention_grid(device: torch.device | str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(head_dims, seqs, rows)`` of :func:`attention_table`: the head dims of most models, sequences
+    from a short one to a long one (longer ones are priced from the longest: the work is quadratic),
+    and rows from an under-filled device to a full one; nothing on a CPU."""
+    if torch.device(device).type == "cuda":
+        return (64, 128), (128, 256, 512, 1024, 2048), (16, 64, 256)
+    return (), (), ()
+
+
+def _attention_seconds(tensors: tuple, kwargs: dict, device: torch.device, budget_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention on ``tensors`` = ``(q, k, v, output gradient)``."""
+    import torch.nn.functional as F
+
+    q, k, v, grad = tensors
+
+    def forward():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    def both():
+        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v), grad)
+
+    fwd = time_call(forward, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
+    total = time_call(both, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
+    return fwd, max(total - fwd, 0.05 * fwd)  # the floor: timing noise on a backward far shorter than its forward
+
+
+def attention_table(
+    device: torch.device | str,
+    dtype: str,
+    head_dims: tuple[int, ...],
+    seqs: tuple[int, ...],
+    rows: tuple[int, ...],
+    variants: tuple[str, ...] = VARIANTS,
+    *,
+    budget_s: float = 20.0,
+) -> AttentionTable:
+    """Forward and backward seconds of ``F.scaled_dot_product_attention`` on ``dtype`` tensors (a
+    storage dtype: ``tf32`` times float32, whose attention uses no TF32) in each of ``variants`` at
+    every point of ``head_dims x seqs x rows`` (module docstring, "Attention"); ``budget_s`` of timing
+    in all, shared evenly by the points."""
+    device = torch.device(device)
+    storage = torch_dtype(dtype)
+    per_point = budget_s / (len(head_dims) * len(seqs) * len(rows) * len(variants))
+    gen = torch.Generator(device=device).manual_seed(0)
+    by_variant: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
+    for d in head_dims:
+        for s in seqs:
+            for r in rows:
+                batch = max(1, r // ATTENTION_HEADS)
+                shape = (batch, ATTENTION_HEADS, s, d)
+                tensors = tuple(torch.randn(shape, generator=gen, device=device).to(storage) for _ in range(4))
+                for t in tensors[:3]:
+                    t.requires_grad_()
+                mask = torch.ones(s, s, device=device, dtype=torch.bool).tril().expand(batch, 1, s, s).contiguous()
+                for name in variants:
+                    kwargs = {"causal": {"is_causal": True}, "masked": {"attn_mask": mask}}.get(name, {})
+                    fwd, bwd = _attention_seconds(tensors, kwargs, device, per_point)
+                    by_variant[name][0].append(fwd)
+                    by_variant[name][1].append(bwd)
+                del tensors, mask
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return AttentionTable.of(head_dims, seqs, rows, by_variant)
 
 
 def dtype_supported(device: torch.device | str, dtype: str) -> bool:

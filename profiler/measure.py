@@ -54,6 +54,7 @@ from hidup.codegen.timing import max_over_ranks
 from hidup.files import atomic_write
 from hidup.models.source import ModelSourceError, load_factory
 from hidup.profiler import profile as profile_mod
+from hidup.profiler.attention import AttentionTable
 from hidup.profiler.gemm import GemmGrid
 from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
 from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
@@ -61,15 +62,19 @@ from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_
 from .calibrate import measure_model_ops, program_scales
 from .comm import default_comm_sizes, default_group_sizes, network_groups, node_groups, profile_collectives
 from .device import (
+    attention_table,
     canonical_dtype,
+    default_attention_grid,
     default_gemm_sizes,
     default_matmul_sizes,
     device_rates,
+    dtype_supported,
     gemm_grid,
     grad_copy_overhead,
     layout_bandwidth,
     memory_bandwidth,
     op_overhead,
+    torch_dtype,
     transpose_bandwidth,
 )
 
@@ -90,6 +95,12 @@ def _rates_agreed(rates: dict[str, float], device: torch.device) -> dict[str, fl
     maximum of the negated rates, which is exact."""
     keys = sorted(rates)
     return dict(zip(keys, (-r for r in max_over_ranks([-rates[k] for k in keys], None, device))))
+
+
+def _stored_as(storage: str, dtypes: tuple[str, ...], device: torch.device) -> bool:
+    """Whether a compute dtype of ``dtypes`` stores its tensors as ``storage`` on ``device`` (float32 for
+    ``fp32`` and ``tf32``): the attention tables measured for those dtypes."""
+    return dtype_supported(device, storage) and any(torch_dtype(d) == torch_dtype(storage) for d in dtypes)
 
 
 def _device_name(device: torch.device) -> str:
@@ -158,6 +169,7 @@ def profile_machine(
     merge=None,
     matmul_sizes: tuple[int, ...] | None = None,
     gemm_sizes: tuple[int, ...] | None = None,
+    attention: bool | None = None,
     group_sizes: list[int] | None = None,
     budget_s: float | None = None,
     ops_models: list[tuple[str, dict]] | None = None,
@@ -200,6 +212,7 @@ def profile_machine(
         merge=merge,
         matmul_sizes=matmul_sizes,
         gemm_sizes=gemm_sizes,
+        attention=attention,
         group_sizes=group_sizes,
         budget_s=budget_s,
         comm_rounds=comm_rounds,
@@ -277,6 +290,7 @@ def _measure(
     gemm_sizes=None,
     comm_rounds: int = 1,
     gpus_per_node: int | None = None,
+    attention: bool | None = None,
 ):
     """The measurements of :func:`profile_machine`: ``(profile, raw dict)``."""
     initialized = dist.is_available() and dist.is_initialized()
@@ -302,6 +316,11 @@ def _measure(
     matmul_sizes = tuple(matmul_sizes or default_matmul_sizes(device))
     if gemm_sizes is None:  # a GPU's grid by default; a CPU's only when asked (its profile prices no GPU)
         gemm_sizes = default_gemm_sizes(device) if device.type == "cuda" else ()
+    # the attention table per storage dtype (float32 serves tf32), on a GPU unless turned off
+    attention_grid = default_attention_grid(device) if attention is not False else ((), (), ())
+    if attention and not attention_grid[0]:
+        raise ValueError(f"the attention table is measured on a GPU only; {device} has none (turn it off)")
+    attention_dtypes = [s for s in profile_mod.ATTENTION_DTYPES if attention_grid[0] and _stored_as(s, dtypes, device)]
     per_node = _gpus_per_node(world, gpus_per_node)
     nnodes = world // per_node if per_node else 1
     group_sizes = default_group_sizes(per_node or world) if group_sizes is None else list(group_sizes)
@@ -309,7 +328,7 @@ def _measure(
     budget = budget_s if budget_s is not None else (0.1 if quick else 0.3)
     ops = profile_mod.COLLECTIVES
     n_groups = len(group_sizes) + len(network_sizes)
-    n_points = len(dtypes) * (2 if gemm_sizes else 1)
+    n_points = len(dtypes) * (2 if gemm_sizes else 1) + len(attention_dtypes)
     n_points += n_groups * len(ops) * len(sizes) * comm_rounds if world > 1 else 0
     bar = _Progress(progress and rank == 0, n_points)
     t_start = time.perf_counter()
@@ -328,6 +347,24 @@ def _measure(
                 {name: [agreed[f"{name}{i}"] for i in range(len(rates))] for name, rates in measured.items()},
             )
             bar.step(f"GEMM grid {d}")
+        tables = {}
+        for d in attention_dtypes:  # each point's time, the maximum over ranks
+            table = attention_table(device, d, *attention_grid, budget_s=60 * budget)
+            agreed = _rates_agreed(
+                {
+                    f"{v}{j}{i}": 1.0 / t
+                    for v, pair in table.times
+                    for j, ts in enumerate(pair)
+                    for i, t in enumerate(ts)
+                },
+                device,
+            )
+            slowest = {
+                v: tuple([1.0 / agreed[f"{v}{j}{i}"] for i in range(len(ts))] for j, ts in enumerate(pair))
+                for v, pair in table.times
+            }
+            tables[d] = AttentionTable.of(table.head_dims, table.seqs, table.rows, slowest)
+            bar.step(f"attention {d}")
         mem_bw = _rates_agreed({"copy": memory_bandwidth(device, budget_s=budget)}, device)["copy"]
         overhead = 1.0 / _rates_agreed({"ops": 1.0 / op_overhead(device, budget_s=budget)}, device)["ops"]
         layout_bw = _rates_agreed({"layout": layout_bandwidth(device, budget_s=budget)}, device)["layout"]
@@ -372,6 +409,11 @@ def _measure(
     notes = [
         f"matmul sizes {list(matmul_sizes)}"
         + (f"; GEMM grid {list(gemm_sizes)}^3" if gemm else "")
+        + (
+            f"; attention {', '.join(tables)} at head dims x seqs x rows {list(map(list, attention_grid))}"
+            if tables
+            else ""
+        )
         + f"; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
         f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us"
         + (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")
@@ -441,6 +483,7 @@ def _measure(
         network=network,
         matmul_sizes=per_size,
         gemm=gemm,
+        attention=tables or (dict(base.attention) if base is not None else {}),
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
@@ -580,6 +623,12 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sizes of the (m, n, k) GEMM grid that prices a matmul by its shape, e.g. 256,1024,4096, or "
         "'none' (default 128..16384 by powers of two on a GPU, none on a CPU)",
+    )
+    p.add_argument(
+        "--no-attention",
+        action="store_true",
+        help="leave out the table of attention times by variant, head dim, sequence and rows (measured by "
+        "default on a GPU, in each storage dtype of --dtypes; the cost model prices attention from it)",
     )
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per point (default 0.3; quick 0.1)")
     p.add_argument(
@@ -750,6 +799,7 @@ def run_profile(args: argparse.Namespace) -> int:
         merge=args.merge,
         matmul_sizes=tuple(int(n) for n in args.matmul_sizes.split(",")) if args.matmul_sizes else None,
         gemm_sizes=_gemm_sizes(args.gemm_sizes),
+        attention=False if args.no_attention else None,
         budget_s=args.budget,
         group_sizes=None,
         comm_rounds=args.comm_rounds,

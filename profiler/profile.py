@@ -68,7 +68,10 @@ op of ``F`` FLOPs at the rate of the square matmul with as many, of size ``n = (
 interpolated linearly in ``(log n, log rate)`` between measured sizes (the smallest's rate below
 them, the peak above them); without it every op runs at ``flops[dtype]``.  ``gemm`` (optional) keeps,
 per dtype, the rates of a grid of ``(m, n, k)`` GEMMs (:class:`hidup.profiler.gemm.GemmGrid`): the cost
-model prices a matmul by its shape where the grid has its dtype.
+model prices a matmul by its shape where the grid has its dtype.  ``attention`` (optional) keeps, per
+storage dtype (``fp32``, ``bf16``, ``fp16``), measured times of attention by variant, head dim,
+sequence length and rows (:class:`hidup.profiler.attention.AttentionTable`): the cost model prices
+an attention from them where the table has its dtype and variant.
 ``op_overhead_graph`` is the fixed cost per op when the step runs as one captured CUDA graph (no
 host dispatch: the GPU's gap between kernels); :meth:`Profile.launched` picks the one that applies
 (0 = not measured: the eager figure is used).
@@ -142,6 +145,7 @@ from typing import Iterable
 
 from hidup.files import atomic_write
 
+from .attention import AttentionTable
 from .corrections import CorrectionError, Corrections
 from .gemm import GemmGrid
 from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
@@ -171,6 +175,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
+ATTENTION_DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes: float32 attention uses no TF32
 SOURCES = ("measured", "builtin", "perturbed")
 LEVELS = ("node", "network")
 CLUSTER_PROFILE = "h100x64-ib400"  # the built-in profile with network tables
@@ -258,6 +263,8 @@ class Profile:
     transpose_bandwidth: float = 0.0
     # dtype -> rates of a grid of (m, n, k) GEMMs (optional; hidup.profiler.gemm)
     gemm: dict[str, GemmGrid] = field(default_factory=dict)
+    # storage dtype -> measured attention times (optional; hidup.profiler.attention)
+    attention: dict[str, AttentionTable] = field(default_factory=dict)
     # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
     # pointwise chains fuse (hidup.search.cost, "Compiled programs")
     compiled: bool = False
@@ -504,8 +511,10 @@ class Profile:
             out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
         if self.transpose_bandwidth:  # a profile without it draws what it drew before
             out.transpose_bandwidth = self.transpose_bandwidth * f()
-        for d in sorted(self.gemm):  # last; one draw per dtype, as for matmul_sizes
+        for d in sorted(self.gemm):  # one draw per dtype, as for matmul_sizes
             out.gemm[d] = self.gemm[d].scaled(f())
+        for d in sorted(self.attention):  # last: a profile without it draws what it drew before
+            out.attention[d] = self.attention[d].scaled(f())
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -543,6 +552,7 @@ class Profile:
                 else {}
             ),
             **({"gemm": {d: g.to_dict() for d, g in sorted(self.gemm.items())}} if self.gemm else {}),
+            **({"attention": {d: t.to_dict() for d, t in sorted(self.attention.items())}} if self.attention else {}),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
@@ -639,6 +649,16 @@ class Profile:
                 gemm[dt] = GemmGrid.from_dict(grid)
             except ValueError as e:
                 raise bad(f"gemm.{dt}", str(e)) from None
+
+        attention_in = d.get("attention", {})
+        if not isinstance(attention_in, dict) or set(attention_in) - set(ATTENTION_DTYPES):
+            raise bad("attention", f"expected a mapping {{storage dtype of {ATTENTION_DTYPES}: {{head_dims, ...}}}}")
+        attention = {}
+        for dt, table in attention_in.items():
+            try:
+                attention[dt] = AttentionTable.from_dict(table)
+            except ValueError as e:
+                raise bad(f"attention.{dt}", str(e)) from None
 
         ops_in = d.get("ops", {})
         if not isinstance(ops_in, dict):
@@ -792,6 +812,7 @@ class Profile:
             matmul_sizes,
             transpose_bandwidth=number(d.get("transpose_bandwidth", 0.0), "transpose_bandwidth", positive=False),
             gemm=gemm,
+            attention=attention,
         )
 
 

@@ -60,6 +60,11 @@ queries and keys, so its ``s.flops`` count each sequence length rounded up to wh
 (:meth:`CostModel.attention_blocks`: 65 patches and a class token compute as 128).  (A profile
 without a memory bandwidth prices FLOPs alone: elementwise ops then look free, and replicating them
 looks harmless.)
+An attention (:data:`ATTENTION_OPS`) whose storage dtype (float32 under ``tf32``) and variant
+(:attr:`hidup.ir.Node.variant`: ``dense``, ``causal``, ``masked``) the profile's ``attention`` table
+has is priced from that table instead (:class:`hidup.profiler.attention.AttentionTable`, at its local
+head dim, sequence lengths and rows ``batch x heads``): ``t_fwd = o + table forward``, ``t_bwd =
+o + table backward``.
 ``t_bwd(n, s) = measured backward time`` if measured, else (other than a GEMM priced by its shape)
 ``2 * t_fwd(n, s)`` -- ``2.5 * t_fwd``
 for attention (:data:`ATTENTION_BACKWARD`: its backward recomputes the scores, five matmuls against
@@ -384,7 +389,7 @@ class CostModel:
 
     def _price_key(self, node: Node) -> tuple:
         """Everything :meth:`device_compute` and :meth:`copy_device_compute` read of ``node`` besides the
-        signature: its op and target, its fusion in a compiled program, its name where a half-batch graph
+        signature: its op, target and variant, its fusion in a compiled program, its name where a half-batch graph
         is looked up by it, which inputs are one tensor, and per input and output tensor the shape, the
         dtype, ``requires_grad``, the bytes under the precision, the batch dependence and the dtype and
         ``requires_grad`` of the parameter it is a view of."""
@@ -398,6 +403,7 @@ class CostModel:
         return (
             node.op,
             node.target,
+            node.variant,
             self._fusion.get(node.name),
             node.name if g.half is not None else None,
             tuple(node.inputs.index(t) for t in node.inputs),
@@ -565,6 +571,10 @@ class CostModel:
         if kind == "attention":
             if rate_key == "tf32":  # float32 attention kernels use no TF32 tensor cores
                 rate_key = "fp32"
+            timed = self.attention_time(node, shapes, rate_key)
+            if timed is not None:
+                o = self.profile.op_overhead
+                return timed[0] + o + cast_fwd, (timed[1] + o + cast_bwd if needs_bwd else 0.0)
             flops *= self.attention_blocks(node)
         gemms = self.gemms(node, shapes) if kind == "matmul" else None
         grads = None  # seconds of each gradient GEMM at its own shape, where the profile has the grid
@@ -645,6 +655,16 @@ class CostModel:
         producer = self.graph.node(self.graph.tensors[w].producer)
         transposed = producer.op == "call" and producer.target.split(".", 1)[0] in ("t", "transpose", "permute")
         return ("nt", "nn") if transposed else ("nn", "nt")
+
+    def attention_time(self, node: Node, shapes: list | None, dtype: str) -> tuple[float, float] | None:
+        """(forward, backward) kernel seconds of attention ``node`` at its local ``shapes`` from the
+        profile's measured table of ``dtype`` (module docstring, "Compute"), None where the profile
+        has no table of that dtype and the node's variant (then it is priced by its FLOPs)."""
+        table = self.profile.attention.get(dtype)
+        if table is None or shapes is None:
+            return None
+        q, k = shapes[0], shapes[1]
+        return table.time(node.variant or "dense", q[-1], q[-2], k[-2], math.prod(q[:-2]))
 
     def attention_blocks(self, node: Node) -> float:
         """How many times its FLOPs an attention kernel computes: it works on blocks of

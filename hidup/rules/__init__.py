@@ -50,6 +50,7 @@ from hidup.rules.registry import Unsupported, default_localize, lookup
 __all__ = [
     "find_rule",
     "signatures",
+    "variant",
     "localize",
     "declare_batch_op",
     "dims",
@@ -90,6 +91,19 @@ def signatures(ctx: RuleContext) -> list[Signature] | None:
         return None
     _validate(ctx, rule, sigs)
     return sigs
+
+
+def variant(ctx: RuleContext) -> str:
+    """The kernel variant the node described by ``ctx`` runs, where a non-tensor argument changes its
+    cost (``causal``/``masked`` attention: :mod:`hidup.rules.attention`); empty when its rule names
+    none or it has no rule."""
+    rule = find_rule(ctx.target)
+    if rule is None or rule.variant is None:
+        return ""
+    try:
+        return rule.variant(ctx)
+    except Unsupported:
+        return ""
 
 
 def localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:

@@ -350,6 +350,11 @@ def _localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     return rule.localize(torch_ctx, torch_sig, rank)
 
 
+def _variant(ctx: RuleContext) -> str:
+    torch_ctx, _, rule = _rebound(ctx, lambda v: isinstance(v, TensorMeta))
+    return rule.variant(torch_ctx) if rule.variant is not None else ""
+
+
 ATEN_RULES: dict[Any, Rule] = {}
 for _op in _TABLE:
-    ATEN_RULES[_op] = _RULES[_op] = Rule(f"aten:{_op}", _signatures, _localize)
+    ATEN_RULES[_op] = _RULES[_op] = Rule(f"aten:{_op}", _signatures, _localize, _variant)

@@ -9,6 +9,12 @@ numpy operand: a mask with a size-1 (or missing) batch/head dim stays ``full``. 
 attention (``enable_gqa`` and fewer key/value heads) only batch dims are sharded.
 
 FLOPs: ``2 * B * H * S * L * (E + F)`` (the two matmuls; the softmax is lower order).
+
+Variant (:func:`hidup.rules.variant`): ``masked`` when a mask tensor is given (torch's attention then
+runs a kernel that reads it, and ``transformers`` models pass their causal mask this way when
+exported), ``causal`` for ``is_causal=True`` without one (the kernel skips the key blocks above the
+diagonal), else ``dense``: the kernels differ in speed by more than a FLOP count shows, so the cost
+model prices each from its own measured times (:mod:`hidup.profiler.attention`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ __all__ = []
 _NAMES = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
 
 
-@register(F.scaled_dot_product_attention, name="scaled_dot_product_attention")
+def _variant(ctx: RuleContext) -> str:
+    bound = bind(ctx.args, ctx.kwargs, _NAMES, where="scaled_dot_product_attention")
+    if any(n == "attn_mask" for n, _ in tensor_slots(ctx.args, ctx.kwargs, _NAMES)):
+        return "masked"
+    return "causal" if bound.get("is_causal") is True else "dense"
+
+
+@register(F.scaled_dot_product_attention, name="scaled_dot_product_attention", variant=_variant)
 def _sdpa(ctx: RuleContext) -> list[Signature]:
     bind(ctx.args, ctx.kwargs, _NAMES, where="scaled_dot_product_attention")
     slots = [n for n, _ in tensor_slots(ctx.args, ctx.kwargs, _NAMES)]

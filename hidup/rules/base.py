@@ -88,8 +88,11 @@ class LocalCall:
 
 @dataclass
 class Rule:
-    """A registered rule.  ``localize`` defaults to running the original op unchanged."""
+    """A registered rule.  ``localize`` defaults to running the original op unchanged; ``variant``
+    (optional) names the kernel a call runs where a non-tensor argument changes its cost
+    (:func:`hidup.rules.variant`)."""
 
     name: str
     signatures: Callable[[RuleContext], list[Signature]]
     localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None
+    variant: Callable[[RuleContext], str] | None = None

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Measured against predicted: one rank of world-4 plans on one GPU, for exp/rank_predict.py.
 #   1. (PROFILE=1) the GPU's own device profile: matmul rates (fp32, tf32, bf16) by square size and by
-#      GEMM shape (the (m, n, k) grid), copy bandwidth, the
+#      GEMM shape (the (m, n, k) grid), attention times by variant (float32 and bf16), copy bandwidth, the
 #      fixed cost per op eagerly and inside a CUDA graph (`hidup profile`, one process; collectives
 #      from the built-in h200x4-nvlink profile, which no prediction here uses);
-#   2. `hidup bench-rank --plan` for every plan file in $PLANS matching $MATCH (default all), rank 0,
+#   2. `hidup bench-rank --plan` for every plan file in $PLANS matching $MATCH (default all), or for the
+#      space-separated plan files of $PLAN_FILES when set, rank 0,
 #      duplication off, modes cuda-graph and compile+graph, tf32 and bf16, fused Adam, no share,
 #      kernel time by kind (--kernels); one JSON per plan: $OUT/rank-<plan>.json.
 # With QUIET=1 the timings are not printed (only which runs finished); they are in the JSON files.
@@ -29,7 +30,8 @@ if [ "${PROFILE:-1}" = 1 ]; then
     --merge h200x4-nvlink --name "$GPU-measured" --out "$OUT/$GPU.json" --no-progress > "$OUT/profile.log" 2>&1
   echo "profile exit status $?"; grep -i -e "flop\|bandwidth\|overhead" "$OUT/profile.log" | head -12
 fi
-for plan in "$PLANS"/$MATCH.json; do
+if [ -n "${PLAN_FILES:-}" ]; then read -r -a plans <<< "$PLAN_FILES"; else plans=("$PLANS"/$MATCH.json); fi
+for plan in "${plans[@]}"; do
   name=$(basename "$plan" .json)
   timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
     --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions "${PRECISIONS:-tf32,bf16}" --share-modes none \

@@ -100,6 +100,17 @@ SETS = {
             {"layers": 4, "d_model": 1536, "heads": 12, "ffn": 6144, "seq_len": 512, "batch_per_gpu": 8},
         ),
     },
+    # chosen with the measured attention table and the per-kind factors (--fit kinds), before either was
+    # checked on any run: a dense attention below the table's shortest sequence, a masked one at head dim 96
+    # (between the table's), a masked one at sequence 2048
+    "held-out-6": {
+        "vit-1024": ("vit-sgmoe", {"layers": 6, "d_model": 1024, "heads": 8, "ffn": 4096, "batch_per_gpu": 64}),
+        "gpt2-1536": (f"{FACTORY}:gpt2", {"layers": 4, "hidden": 1536, "heads": 16, "seq": 512, "batch": 8}),
+        "llama-s2048": (
+            f"{FACTORY}:llama",
+            {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 2, "ffn": 2816, "seq": 2048, "batch": 4},
+        ),
+    },
 }
 STYLES = ("searched", "data", "tensor", "fsdp")
 
@@ -228,31 +239,72 @@ def _fixed_ms(row: dict, scheme: str) -> float:
     return row["physical_kinds_ms"]["copies"] if scheme == "compute" else 0.0
 
 
-def scaled(row: dict, factor: float, scheme: str) -> float:
-    """The prediction of ``row`` under ``factor``: ``fixed + factor * (physical - fixed)``."""
-    fixed = _fixed_ms(row, scheme)
-    return fixed + factor * (row["physical_ms"] - fixed)
+def _traced(row: dict) -> bool:
+    """Whether the run has its kernel times by kind (bench-rank ``--kernels``)."""
+    return any(row["measured_kinds_ms"].values())
 
 
-def fit_factors(rows: list[dict], scheme: str) -> dict[str, float]:
-    """Geometric mean of (measured - fixed) / (physical - fixed) over ``rows``, per :func:`_setting`
-    (``fixed``: :func:`_fixed_ms`)."""
+def _log_mean(logs: dict[str, list[float]]) -> dict[str, float]:
+    return {k: math.exp(sum(v) / len(v)) for k, v in logs.items() if v}
+
+
+def fit_factors(rows: list[dict], scheme: str, physical_kinds: frozenset = frozenset()) -> dict[str, float]:
+    """The factors of ``scheme`` fitted on ``rows``: under ``one``, ``per-setting`` and ``compute``
+    the geometric mean of (measured - fixed) / (physical - fixed) per :func:`_setting` (``fixed``:
+    :func:`_fixed_ms`); under ``kinds``, per setting and kernel kind the geometric mean of the measured
+    / physical kernel time of that kind over the runs with kernel times (``<setting>/<kind>``), and
+    per setting the geometric mean of the measured step over the sum of the kinds so corrected
+    (``<setting>/gaps``: the time between kernels); the kinds of ``physical_kinds`` keep factor 1."""
     logs: dict[str, list[float]] = {}
-    for r in rows:
-        fixed = _fixed_ms(r, scheme)
-        ratio = (r["measured_ms"] - fixed) / (r["physical_ms"] - fixed)
-        logs.setdefault(_setting(r, scheme), []).append(math.log(ratio))
-    return {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+    if scheme != "kinds":
+        for r in rows:
+            fixed = _fixed_ms(r, scheme)
+            ratio = (r["measured_ms"] - fixed) / (r["physical_ms"] - fixed)
+            logs.setdefault(_setting(r, scheme), []).append(math.log(ratio))
+        return _log_mean(logs)
+    traced = [r for r in rows if _traced(r)]
+    for r in traced:
+        for kind in (k for k in KERNEL_KINDS if k not in physical_kinds):
+            measured, physical = r["measured_kinds_ms"][kind], r["physical_kinds_ms"][kind]
+            if measured > 0 and physical > 0:
+                logs.setdefault(f"{_setting(r, scheme)}/{kind}", []).append(math.log(measured / physical))
+    factors = _log_mean(logs)
+    gaps: dict[str, list[float]] = {}
+    for r in traced:
+        kernels = _by_kinds(r, factors)
+        gaps.setdefault(f"{_setting(r, scheme)}/gaps", []).append(math.log(r["measured_ms"] / kernels))
+    return {**factors, **_log_mean(gaps)}
 
 
-def cross_validated(rows: list[dict], scheme: str) -> list[float]:
+def _by_kinds(row: dict, factors: dict[str, float]) -> float:
+    """Sum over kernel kinds of the physical time times its factor (1 where none was fitted)."""
+    setting = _setting(row, "kinds")
+    return sum(factors.get(f"{setting}/{k}", 1.0) * row["physical_kinds_ms"][k] for k in KERNEL_KINDS)
+
+
+def scaled(row: dict, factors: dict[str, float], scheme: str) -> float | None:
+    """The prediction of ``row`` under the fitted ``factors`` of ``scheme`` (:func:`fit_factors`):
+    ``fixed + factor * (physical - fixed)``, or under ``kinds`` ``gaps * sum over kinds of factor *
+    physical``; None when no factor was fitted for the run's setting."""
+    setting = _setting(row, scheme)
+    if scheme == "kinds":
+        gaps = factors.get(f"{setting}/gaps")
+        return None if gaps is None else gaps * _by_kinds(row, factors)
+    if setting not in factors:
+        return None
+    fixed = _fixed_ms(row, scheme)
+    return fixed + factors[setting] * (row["physical_ms"] - fixed)
+
+
+def cross_validated(rows: list[dict], scheme: str, physical_kinds: frozenset = frozenset()) -> list[float]:
     """|measured / predicted - 1| of each calibration run, its factors fitted on the other models."""
     errors = []
     for model in sorted({r["model"] for r in rows}):
-        factors = fit_factors([r for r in rows if r["model"] != model], scheme)
+        factors = fit_factors([r for r in rows if r["model"] != model], scheme, physical_kinds)
         for r in rows:
-            if r["model"] == model and _setting(r, scheme) in factors:
-                errors.append(abs(r["measured_ms"] / scaled(r, factors[_setting(r, scheme)], scheme) - 1))
+            predicted = scaled(r, factors, scheme) if r["model"] == model else None
+            if predicted is not None:
+                errors.append(abs(r["measured_ms"] / predicted - 1))
     return errors or [float("nan")]
 
 
@@ -302,15 +354,23 @@ def predict(args) -> int:
         if not cal:
             print("--fit: no run of a --calibration model", file=sys.stderr)
             return 2
-        fit = fit_factors(cal, args.fit)
-        cv = cross_validated(cal, args.fit)
+        physical_kinds = frozenset(filter(None, args.physical_kinds.split(",")))
+        if physical_kinds - set(KERNEL_KINDS):
+            print(f"--physical-kinds: not kernel kinds: {sorted(physical_kinds - set(KERNEL_KINDS))}", file=sys.stderr)
+            return 2
+        fit = fit_factors(cal, args.fit, physical_kinds)
+        cv = cross_validated(cal, args.fit, physical_kinds)
         print(
             f"--fit {args.fit}: leave-one-calibration-model-out error (worst, mean): "
             f"{max(cv):.1%}, {sum(cv) / len(cv):.1%}"
         )
     for r in rows:
-        r["predicted_ms"] = scaled(r, fit[_setting(r, args.fit)], args.fit) if fit else r["physical_ms"]
-        r["ratio"] = r["measured_ms"] / r["predicted_ms"]
+        predicted = scaled(r, fit, args.fit) if fit else r["physical_ms"]
+        if predicted is None:
+            print(f"--fit {args.fit}: no factor fitted for {_setting(r, args.fit)} (plan {r['plan']})", file=sys.stderr)
+            return 2
+        r["predicted_ms"] = predicted
+        r["ratio"] = r["measured_ms"] / predicted
     print(f"profile {profile.name}; factors fitted on {sorted(calibration)}: {fit}")
     print(f"{'plan':24s} {'sample':11s} {'mode':14s} {'prec':5s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}")
     for r in rows:
@@ -339,6 +399,7 @@ def predict(args) -> int:
                     "profile": profile.name,
                     "fit": fit,
                     "fit_scheme": args.fit,
+                    "physical_kinds": sorted(filter(None, args.physical_kinds.split(","))),
                     "calibration": sorted(calibration),
                     "seen": sorted(seen),
                     "rows": rows,
@@ -368,10 +429,17 @@ def main(argv=None) -> int:
     b.add_argument("--seen", default="", help="comma-separated models whose runs the cost model was built looking at")
     b.add_argument(
         "--fit",
-        choices=("one", "per-setting", "compute"),
+        choices=("one", "per-setting", "compute", "kinds"),
         default=None,
-        help="fit factors on the calibration models' runs: one for all, one per mode and precision, or one "
-        "per mode and precision applied to all but the memory copies (default: none, the physical prediction)",
+        help="fit factors on the calibration models' runs: one for all, one per mode and precision, one "
+        "per mode and precision applied to all but the memory copies, or one per mode, precision and kernel "
+        "kind from the runs' kernel times (--kernels) with one for the gaps between kernels (default: none, "
+        "the physical prediction)",
+    )
+    b.add_argument(
+        "--physical-kinds",
+        default="",
+        help=f"with --fit kinds: comma-separated kernel kinds of {KERNEL_KINDS} priced as measured, no factor fitted",
     )
     b.add_argument("--out", default=None)
     args = p.parse_args(argv)

@@ -751,17 +751,29 @@ def _solve_modes_within(
         ]
 
     in_hand = fitting(found)
+    plain_times: dict[tuple, list[float]] = {}
+
+    def times_with(plain: list[int]) -> list[float]:
+        """The times of the plans in hand that fit, the plain mode's answer ``plain`` among them."""
+        key = tuple(plain)
+        if key not in plain_times:
+            plain_times[key] = in_hand + fitting([plain])
+        return plain_times[key]
 
     def worth(plain: list[int], free: list[int]) -> bool:
         if problem.plan_memory(free) <= budget:
             return True  # the budgeted search returns this plan at once
-        times = in_hand + fitting([plain])
+        times = times_with(plain)
         # the bound is the two passes alone: a plan within the budget may store less and so step its
         # optimizer faster than the plan without it
         return not times or evaluate(problem, free, True).objective < min(times)
 
-    # the search by price bounds the two passes of any plan within the budget as it goes
-    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), meanwhile, **beam)
+    def beat_after(plain: list[int]) -> float | None:
+        return min(times_with(plain), default=None)
+
+    # the search by price bounds the two passes of any plan within the budget as it goes: it stops once
+    # that bound reaches the fastest plan in hand that fits, the plain mode's answer among them
+    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), meanwhile, beat_after, **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

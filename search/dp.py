@@ -643,7 +643,7 @@ def solve(
     progress: Callable[[int, int], None] | None = None,
     hide_grad_sync: bool = False,
     by_price: bool | None = None,
-    beat: float | None = None,
+    beat: "float | Callable[[], float | None] | None" = None,
 ) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
 
@@ -662,7 +662,8 @@ def solve(
     (``free_solutions``) and returned when asked again.
 
     ``beat`` (seconds; a plan in hand): the search by price raises :class:`Beaten` as soon as its
-    bound shows that no plan within the budget has a predicted time below it."""
+    bound shows that no plan within the budget has a predicted time below it; a callable is asked
+    after each pass (the plan in hand may come while the search runs: :mod:`hidup.search.modes`)."""
     hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
         if by_price is None:
@@ -720,47 +721,107 @@ def _solve_by_price(
     budget: float,
     beam: tuple,
     free: tuple[list[int], float],
-    beat: float | None = None,
+    beat: "float | Callable[[], float | None] | None" = None,
 ) -> tuple[list[int], float]:
     """The fastest plan found within ``budget`` by pricing memory (module docstring, "A memory budget
     by its price"); ``free`` is the answer without the budget, which does not fit it; :class:`Beaten`
-    once the bound reaches ``beat``."""
-    max_states, max_points = beam[:2]
+    once the bound reaches ``beat`` (a callable: its value after each pass).
 
-    def no_plan() -> LazySearchError:
-        return LazySearchError(lambda: _budget_message(problem, budget, problem.n - 1, max_states, max_points))
-
-    bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
-
-    def probe(price: float) -> tuple[list[int], float, bool]:
-        """The plan of least priced time at ``price``: (signature indices, time, whether it fits)."""
-        nonlocal bound
-        ks, time, memory, value = _priced(problem, duplication, price, beam)
-        bound = max(bound, value - price * budget)
-        if beat is not None and bound >= beat:
-            raise Beaten(beat, bound)
-        return ks, time, memory <= budget
+    Each price depends on whether the plan at the one before fits.  Where a core is spare
+    (:func:`hidup.search.modes.spare_core`), the pass at the price that would come next runs in a forked
+    child beside the pass at this one, on a guess of this one's outcome (its answer is used only where
+    the guess was right, which the sequence of prices then shows: the prices and plans are those of
+    one pass after the other)."""
+    from hidup.search.modes import solve_beside, spare_core  # (modes imports this module)
 
     ks0, time0 = free
-    best: tuple[list[int], float] | None = None
-    low, high = 0.0, PRICE_START * time0 / (problem.plan_memory(ks0) - budget)  # prices that miss / to try
-    for _ in range(PRICE_RAISES):
-        ks, time, fits = probe(high)
-        if fits:
-            best = (ks, time)
-            break
-        low, high = high, high * PRICE_FACTOR
-    if best is None:
-        raise no_plan()
-    for _ in range(PRICE_STEPS):
-        if best[1] - bound <= PRICE_GAP * best[1] or (low and high / low <= PRICE_RATIO):
-            break
-        price = math.sqrt(low * high) if low else high / PRICE_FACTOR
-        ks, time, fits = probe(price)
+    search = _PriceSearch(budget, PRICE_START * time0 / (problem.plan_memory(ks0) - budget))
+    price = search.next_price()
+    while price is not None:
+        guess = search.guess_after(price) if spare_core(problem) else None
+        if guess is None:
+            results = [(price, _priced(problem, duplication, price, beam))]
+        else:
+            here, there = solve_beside(
+                problem,
+                lambda price=price: _priced(problem, duplication, price, beam),
+                lambda guess=guess: _priced(problem, duplication, guess, beam),
+            )
+            results = [(price, here), (guess, there)]
+        for n, (at, result) in enumerate(results):
+            if n and at != price:
+                break  # a wrong guess: its pass is not one the sequence makes
+            search.update(at, result)
+            bar = beat() if callable(beat) else beat
+            if bar is not None and search.bound >= bar:
+                raise Beaten(bar, search.bound)
+            price = search.next_price()
+    if search.best is None:
+        max_states, max_points = beam[:2]
+        raise LazySearchError(lambda: _budget_message(problem, budget, problem.n - 1, max_states, max_points))
+    return search.best
+
+
+class _PriceSearch:
+    """The sequence of prices of :func:`_solve_by_price`: raised by ``PRICE_FACTOR`` from ``start`` until
+    the plan fits, then bisected geometrically between a price that misses (``low``, 0 for none) and one
+    that fits (``high``) at most ``PRICE_STEPS`` times, until the prices are within ``PRICE_RATIO`` or
+    the fastest plan that fits is within ``PRICE_GAP`` of the bound; the fastest plan that fits."""
+
+    def __init__(self, budget: float, start: float):
+        self.budget = budget
+        self.low, self.high = 0.0, start
+        self.raises = self.steps = 0
+        self.best: tuple[list[int], float] | None = None
+        self.bound = -math.inf  # the greatest Lagrangian lower bound seen: value - price * budget
+        self.last_fits: bool | None = None
+
+    def next_price(self) -> float | None:
+        """The price of the next pass, or None: done."""
+        if self.best is None:
+            return self.high if self.raises < PRICE_RAISES else None
+        best = self.best[1]
+        if self.steps >= PRICE_STEPS or best - self.bound <= PRICE_GAP * best:
+            return None
+        if self.low and self.high / self.low <= PRICE_RATIO:
+            return None
+        return math.sqrt(self.low * self.high) if self.low else self.high / PRICE_FACTOR
+
+    def update(self, price: float, result: tuple[list[int], float, float, float]) -> None:
+        """Take the pass at ``price``: ``(signature indices, time, memory, priced value)``."""
+        ks, time, memory, value = result
+        self.bound = max(self.bound, value - price * self.budget)
+        fits = self.last_fits = memory <= self.budget
+        if self.best is None:  # raising the price until the plan fits
+            if fits:
+                self.best = (ks, time)
+            else:
+                self.low, self.high = price, price * PRICE_FACTOR
+                self.raises += 1
+            return
+        self.steps += 1
         if not fits:
-            low = price
-            continue
-        high = price
-        if time < best[1]:
-            best = (ks, time)
-    return best
+            self.low = price
+            return
+        self.high = price
+        if time < self.best[1]:
+            self.best = (ks, time)
+
+    def guess_after(self, price: float) -> float | None:
+        """The price after the pass at ``price`` (the next one) on a guess of its outcome, ignoring the
+        stops that depend on the plans it finds; None where no pass follows either way.  The guess: the
+        first pass fits (the price starts high, ``PRICE_START``), and a bisection's outcomes alternate
+        (bisecting towards the budget, the plans tend to fall on either side of it in turn)."""
+        if self.best is None:
+            if self.raises == 0:  # guess that it fits: the bisection starts
+                return math.sqrt(self.low * price) if self.low else price / PRICE_FACTOR
+            return price * PRICE_FACTOR if self.raises + 1 < PRICE_RAISES else None
+        if self.steps + 1 >= PRICE_STEPS:
+            return None
+        if self.last_fits:  # guess that this one misses
+            low, high = price, self.high
+        else:
+            low, high = self.low, price
+        if low and high / low <= PRICE_RATIO:
+            return None
+        return math.sqrt(low * high) if low else high / PRICE_FACTOR

@@ -13,7 +13,10 @@ each in a forked child of its own while this process runs the plain one.
 Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
 "Duplication under a memory budget"): its plan without the budget comes first, and once the plain
 mode's answer is in, ``worth(plain answer, duplicated answer without the budget)`` says whether to
-wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).
+wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  That answer
+also sets the bar of the duplicated search by price (``beat_after(plain answer)``, the time of the
+fastest plan in hand that fits): the child waits for it before its first comparison with its bound,
+so it stops where the searches run one after the other would, whichever process finishes first.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from typing import Any, Callable
 from hidup.search.dp import Beaten, solve
 from hidup.search.problem import Problem, SearchError
 
-__all__ = ["solve_modes", "solve_beside", "PARALLEL_MIN_POSITIONS"]
+__all__ = ["solve_modes", "solve_beside", "spare_core", "PARALLEL_MIN_POSITIONS"]
 
 PARALLEL_MIN_POSITIONS = 1024  # below this a search takes about a second; a second process is not worth it
+_live: set = set()  # the children this process has forked and not yet joined
+_in_child = False  # whether this process is such a child (its parent searches beside it)
 
 
 def solve_modes(
@@ -38,6 +43,7 @@ def solve_modes(
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
     meanwhile: Callable[[], None] | None = None,
+    beat_after: Callable[[list[int]], float | None] | None = None,
     **beam,
 ) -> list[list[int]]:
     """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
@@ -48,19 +54,31 @@ def solve_modes(
     ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
     (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
     ``meanwhile`` (the caller's own work) runs in this process once the plain search is done, while
-    the child still searches; it is not run where the searches run one after the other."""
-    if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
+    the child still searches; it is not run where the searches run one after the other.
+    ``beat_after(plain answer)``: a bar for the duplicated search by price besides ``beat`` (the lesser
+    holds), known once the plain answer is in (module docstring)."""
+    barred = worth is not None or beat is not None or beat_after is not None
+    if barred and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
     if len(modes) != 2 or not _forks(problem):
-        return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
+        return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam, beat_after)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam)
+    told, tell = ctx.Pipe(duplex=False) if beat_after is not None else (None, None)
+    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam, told)
     child = ctx.Process(target=_solve_in_child, args=args, daemon=True)
     child.start()
+    _live.add(child)
     send.close()
+    if told is not None:
+        told.close()
     try:
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
+        if tell is not None:
+            try:
+                tell.send(beat_after(first))
+            except (BrokenPipeError, OSError):
+                pass  # the child is done (or died): its answer, or the search here, follows
         if meanwhile is not None:
             meanwhile()
         try:
@@ -70,13 +88,16 @@ def solve_modes(
         except Beaten:
             return [first]
         except EOFError:  # the child died (killed, out of memory): search here instead
-            return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
+            return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam, beat_after)
         return [first, second]
     finally:
         receive.close()
+        if tell is not None:
+            tell.close()
         if child.is_alive():
             child.terminate()
         child.join()
+        _live.discard(child)
 
 
 def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[], Any]) -> tuple:
@@ -95,6 +116,7 @@ def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[],
             child = ctx.Process(target=_answer_in_child, args=(send, search), daemon=True)
             children.append((child, receive))
             child.start()
+            _live.add(child)
             send.close()
         answers = [here()]
         for (_, receive), search in zip(children, there):
@@ -109,6 +131,16 @@ def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[],
             if child.is_alive():
                 child.terminate()
             child.join()
+            _live.discard(child)
+
+
+def spare_core(problem: Problem) -> bool:
+    """Whether a search of ``problem`` may fork a child beside this process now: it would fork one
+    (:func:`solve_beside`), this process is no such child, and a core is free of the children it has
+    forked (a child that has sent its answer may still be running its last instructions: busy)."""
+    if _in_child or not _forks(problem):
+        return False
+    return (os.cpu_count() or 1) - 1 - sum(child.is_alive() for child in _live) >= 1
 
 
 def _forks(problem: Problem) -> bool:
@@ -120,16 +152,24 @@ def _forks(problem: Problem) -> bool:
     )
 
 
-def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: dict) -> list[list[int]]:
-    if worth is None:
+def _one_after_the_other(
+    problem, modes, memory_budget, progress_of, worth, beat, beam: dict, beat_after=None
+) -> list[list[int]]:
+    if worth is None and beat_after is None:
         return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
     first = solve(problem, False, memory_budget, progress=progress_of(False), **beam)[0]
-    if not worth(first, solve(problem, True, None, **beam)[0]):
+    if beat_after is not None:
+        beat = _lesser(beat, beat_after(first))
+    if worth is not None and not worth(first, solve(problem, True, None, **beam)[0]):
         return [first]
     try:
         return [first, solve(problem, True, memory_budget, progress=progress_of(True), beat=beat, **beam)[0]]
     except Beaten:
         return [first]
+
+
+def _lesser(a: float | None, b: float | None) -> float | None:
+    return a if b is None else b if a is None else min(a, b)
 
 
 def _received(receive) -> list[int]:
@@ -142,6 +182,8 @@ def _received(receive) -> list[int]:
 def _answer_in_child(send, *searches: Callable[[], Any]) -> None:
     """Each of ``searches``' answers in turn (or the first error) sent to the parent
     (:func:`solve_beside`)."""
+    global _in_child
+    _in_child = True
     try:
         for search in searches:
             send.send((True, search()))
@@ -154,9 +196,30 @@ def _answer_in_child(send, *searches: Callable[[], Any]) -> None:
 
 
 def _solve_in_child(
-    send, problem: Problem, duplication: bool, memory_budget, free_first: bool, beat: float | None, beam: dict
+    send,
+    problem: Problem,
+    duplication: bool,
+    memory_budget,
+    free_first: bool,
+    beat: float | None,
+    beam: dict,
+    told=None,
 ) -> None:
     """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
-    sent to the parent; with ``free_first`` its answer without the budget is sent before it."""
+    sent to the parent; with ``free_first`` its answer without the budget is sent before it.  With
+    ``told``, the bar the parent sends once its plain answer is in (:func:`solve_modes`) lowers
+    ``beat``: waited for at the search's first comparison with its bound."""
+    bar = beat
+    if told is not None:
+        heard: list = []
+
+        def bar() -> float | None:
+            if not heard:
+                try:
+                    heard.append(told.recv())
+                except (EOFError, OSError):  # the parent's plain search failed: no bar from it
+                    heard.append(None)
+            return _lesser(beat, heard[0])
+
     free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
-    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])
+    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=bar, **beam)[0])

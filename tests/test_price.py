@@ -148,3 +148,66 @@ def test_the_search_by_price_stops_once_its_bound_beats_the_plan_in_hand():
             pr, False, budget, max_states=None, max_points=None, by_price=True, beat=0.5 * min(t for t, _, _ in plans)
         )
     assert e.value.bound >= e.value.beat
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_guessed_price_is_the_next_one_of_the_outcome_it_guesses(seed):
+    """:class:`dp._PriceSearch`: the price guessed after a pass (to run beside it) is the next price of
+    the sequence after one of that pass's two outcomes, the one the guess names, or None only where
+    no pass follows either outcome; so where the guess is right the sequence is that of one pass after
+    the other."""
+    import copy
+    import random
+
+    rng = random.Random(seed)
+    threshold = 10 ** rng.uniform(-4, 4)  # plans fit at prices from here up
+    search = dp._PriceSearch(1.0, 10 ** rng.uniform(-2, 2))
+    price = search.next_price()
+    passes = 0
+    while price is not None:
+        guess = search.guess_after(price)
+        after = {}
+        for fits in (True, False):
+            other = copy.deepcopy(search)
+            # a bound far below every time: no stop on the gap, only on the steps and the ratio
+            other.update(price, ([0], 1.0 + rng.random(), 0.5 if fits else 2.0, -1e9))
+            after[fits] = other.next_price()
+        if guess is None:
+            assert after[True] is None or after[False] is None
+        else:
+            guessed = search.best is None and search.raises == 0 or (search.best is not None and not search.last_fits)
+            assert guess == after[guessed]
+        search.update(price, ([0], 1.0 + rng.random(), 0.5 if price >= threshold else 2.0, -1e9))
+        price = search.next_price()
+        passes += 1
+    assert passes <= dp.PRICE_RAISES + dp.PRICE_STEPS
+    assert (search.best is None) == (search.high < threshold)
+
+
+def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_pass_after_the_other(monkeypatch):
+    """Where a core is spare the search by price runs the pass at the price it guesses comes next in a
+    forked child beside the pass at this one: the answer (and the bound that stops it) is that of the
+    passes one after the other."""
+    import os
+
+    from hidup.search import modes
+
+    g = random_graph(703, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, False)
+    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
+    monkeypatch.setattr(dp, "PRICE_STEPS", 8)
+    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    alone = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
+    forked = []
+    beside = modes.solve_beside
+
+    def counted(problem, here, *there):
+        forked.append(len(there))
+        return beside(problem, here, *there)
+
+    monkeypatch.setattr(modes, "solve_beside", counted)
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)
+    pr = Problem(g, SOCKET)
+    assert dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True) == alone
+    assert bool(forked) == ((os.cpu_count() or 1) >= 2)

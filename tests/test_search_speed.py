@@ -142,14 +142,18 @@ def test_the_nodes_of_identical_layers_are_priced_once_and_as_each_alone(mesh_gr
                 assert memory._saved(node, sig) == saved_bytes(mesh_graph, record, node, sig)
 
 
-@pytest.mark.parametrize("budgeted", [False, True])
+@pytest.mark.parametrize("budgeted", [False, True, "by price"])
 def test_the_hidden_search_forked_beside_the_plain_one_finds_the_plan_of_one_after_the_other(
     mesh_graph, monkeypatch, budgeted
 ):
     """Without duplication (a mesh search's seed) the DP hiding the gradient all-reduces runs in a forked
     child beside the plain DP, and under a budget that binds the recomputing search's DP without the
-    budget in another; the plan is the one of running them one after the other."""
+    budget in another; the plan is the one of running them one after the other.  Met by its price, the
+    budget's passes run beside each other too (the next price guessed), and the duplicated search by
+    price, forked, stops on the plain mode's answer as the searches one after the other would."""
     budget = None
+    if budgeted == "by price":
+        monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 1)
     if budgeted:
         budget = 0.6 * hidup.search(mesh_graph, CLUSTER, duplication=False).memory["total"]
     forked = []

@@ -38,6 +38,16 @@ plan misses the memory budget or needs recomputation to fit it, searches again w
 the better plan (the one that fits; both fitting, the faster: resharding repeats a collective where
 recomputation repeats a layer's compute too).
 
+Where the budget is met by its price (a DP beam search on a graph of ``PRICE_MIN_POSITIONS`` positions
+or more, :mod:`hidup.search.dp`), a plan that fits by recomputing is not searched again: resharding
+changes nothing inside a recomputed layer (its region gathers the weights again anyway) and adds a
+gather outside, so it can only make that plan faster by letting fewer layers be recomputed.  Its
+choices are priced with resharding and the fewest recomputed layers that then fit, and that plan is
+kept when faster; where the memory model's per-node terms, which count no kept copy, show that no
+fewer layers fit, nothing is priced.  This is a heuristic: a search with resharding on could find other
+choices.  On Llama-3-70B's 8x8 mesh under 80 GB that second search took 35 of the search's 69 s and
+found a plan 7% slower than the first one (``docs/scale.md``).
+
 Duplication under a memory budget
 ---------------------------------
 The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
@@ -239,6 +249,7 @@ def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
             else _search(graph, profile, o, progress, models)
         ),
         opts,
+        lambda plan: _resharded(graph, profile, opts, models, plan),
     )
 
 
@@ -343,10 +354,17 @@ class _Found:
         return plan
 
 
-def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Plan:
+def _resharding(
+    run: Callable[[SearchOptions], Plan],
+    opts: SearchOptions,
+    resharded: Callable[[Plan], Plan | None] | None = None,
+) -> Plan:
     """``run(opts)``, with ``reshard="auto"`` resolved (module docstring, "Resharding"): searched as
     ``"off"``, and again as ``"on"`` when that plan misses the memory budget or recomputes to fit it; an
-    ILP's time limit covers both searches."""
+    ILP's time limit covers both searches.  Where the budget is met by its price (a beam search on a
+    large graph: :func:`_reprices_resharding`), a plan that fits by recomputing is not searched again:
+    ``resharded(plan)``, its choices with resharding and the fewest recomputed layers that then fit, is
+    kept instead when it is faster (module docstring, "Resharding")."""
     if opts.reshard != "auto":
         return run(opts)
     budget = opts.memory_budget
@@ -358,6 +376,10 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
         plan, error = None, e.with_traceback(None)  # (its traceback would hold this frame: a cycle)
     if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
         return plan
+    again = resharded(plan) if plan is not None and _fits(plan, budget) and resharded is not None else None
+    if again is not None:  # (``plan`` itself where resharding does not make it faster)
+        again.options["reshard_requested"] = "auto"
+        return again if _better(again, plan, budget) else plan
     limit = opts.time_limit
     if opts.algorithm == "ilp" and limit is not None:
         limit -= time.perf_counter() - started
@@ -373,6 +395,47 @@ def _resharding(run: Callable[[SearchOptions], Plan], opts: SearchOptions) -> Pl
             raise error from None
         return plan
     return again if plan is None or _better(again, plan, budget) else plan
+
+
+def _reprices_resharding(opts: SearchOptions, models: Models) -> bool:
+    """Whether ``reshard="auto"`` prices a plan that fits by recomputing again with resharding instead of
+    searching again (:func:`_resharding`): where the budget is met by its price, a DP beam search on a
+    graph of at least :data:`hidup.search.dp.PRICE_MIN_POSITIONS` positions."""
+    return opts.algorithm == "dp" and opts.max_states is not None and models.positions().n >= dp.PRICE_MIN_POSITIONS
+
+
+def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan: Plan) -> Plan | None:
+    """``plan`` (searched with resharding off; it fits the budget by recomputing layers) with every
+    parameter it stores split resharded and the fewest of its recomputed layers that then fit
+    (:func:`_fewest_recomputed`) when that is faster, else ``plan``; None where the search does not
+    price resharding so (:func:`_reprices_resharding`).  Resharding changes nothing inside a
+    recomputed layer (its region gathers the weights again anyway) and adds a gather elsewhere: it can
+    only make the plan faster by letting fewer layers be recomputed, so where the memory model's
+    per-node terms, which leave out every kept copy, show that no fewer layers fit, nothing is priced."""
+    if not _reprices_resharding(opts, models):
+        return None
+    layers = sorted(plan.recompute, key=_layer_order)
+    if _least_recomputed(opts, models, plan.choices, layers) >= len(layers):
+        return plan
+    problem = Problem(
+        graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers), models, reshard=True
+    )
+    ks = plan_indices(problem, plan)
+    modes = (False, True) if opts.duplication else (False,)
+    budget = opts.memory_budget
+
+    def fastest(problem: Problem) -> Evaluation | None:
+        fitting = [ev for mode in modes for ev in [evaluate(problem, ks, mode)] if ev.memory["total"] <= budget]
+        return _fastest(fitting) if fitting else None
+
+    best = fastest(problem)
+    if best is None:
+        return plan
+    fewer, _ = _fewest_recomputed(opts, problem, best, models)
+    best = fastest(fewer) if fewer is not problem else None
+    if best is None or best.total >= plan.predicted["total"]:
+        return plan
+    return _Found(fewer, best, dict(plan.options), plan.algorithm).plan(opts.explain)
 
 
 def _search(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> Plan:
@@ -547,26 +610,36 @@ def _layer_order(label: str) -> tuple:
     return (family, int(index)) if index.isdigit() else (family, -1, index)
 
 
-def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
-    """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
-    fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
-    least ``k`` found by bisection on the memory model's per-node terms (more recomputed layers keep
-    less), then checked with the parameters' kept copies too (which the per-node terms leave out),
-    taking more layers until it fits; priced again, and kept only if faster."""
-    layers = sorted(problem.recompute, key=_layer_order)
-    choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
+def _least_recomputed(opts: SearchOptions, models: Models, choices: dict[str, Signature], layers: list[str]) -> int:
+    """The least ``k`` for which the plan of ``choices`` with the first ``k`` of ``layers`` recomputed
+    fits the memory budget by the memory model's per-node terms (more recomputed layers keep less;
+    the per-node terms leave out the parameters' kept copies, so no fewer layers fit with them either);
+    found by bisection, ``len(layers)`` assumed to fit."""
+    order = models.positions().order
 
     def fits(k: int) -> bool:
         memory = models.memory(opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
-        return sum(memory.total(n, choices[n.name]) for n in problem.order) <= opts.memory_budget
+        return sum(memory.total(n, choices[n.name]) for n in order) <= opts.memory_budget
 
-    lo, hi = 0, len(layers)  # fits(hi) holds (the plan was searched within the budget)
+    lo, hi = 0, len(layers)
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(mid):
             hi = mid
         else:
             lo = mid + 1
+    return hi
+
+
+def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
+    """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
+    fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
+    least ``k`` found by bisection on the memory model's per-node terms (:func:`_least_recomputed`),
+    then checked with the parameters' kept copies too, taking more layers until it fits; priced again,
+    and kept only if faster."""
+    layers = sorted(problem.recompute, key=_layer_order)
+    choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
+    hi = _least_recomputed(opts, models, choices, layers)  # (the plan was searched within the budget)
     while hi < len(layers):
         fewer = problem.derive(frozenset(layers[:hi]))
         ev = evaluate(fewer, best.ks, best.duplication)

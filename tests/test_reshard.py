@@ -505,6 +505,51 @@ def test_search_reshards_only_under_a_budget_that_needs_it(gpt_graph):
         search(gpt_graph, profile, reshard="always")
 
 
+def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_again_with_resharding(
+    gpt_graph, monkeypatch
+):
+    """``reshard="auto"`` where the budget is met by its price (a beam search on a large graph): a plan
+    that fits by recomputing is not searched again with resharding on; its choices are priced with
+    resharding and fewer recomputed layers, and the faster plan that fits is kept.  Resharding changes
+    nothing inside a recomputed layer, so the per-node memory terms (no kept copy counted) that say how
+    few layers may be recomputed are a bound: with fewer, the resharded plan does not fit."""
+    from hidup.search import api, dp
+    from hidup.search.api import _layer_order, _least_recomputed, plan_indices
+    from hidup.search.schedule import evaluate
+
+    profile = hidup.profiler.load(PROFILE)
+    monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 1)
+    free = search(gpt_graph, profile, duplication=False)
+    searched = []
+    run = api._search
+
+    def counted(graph, profile, opts, *args):
+        searched.append(opts.reshard)
+        return run(graph, profile, opts, *args)
+
+    monkeypatch.setattr(api, "_search", counted)
+    checked = 0
+    for share in (0.6, 0.75, 0.9):
+        budget = share * free.memory["total"]
+        searched.clear()
+        plan = search(gpt_graph, profile, duplication=False, memory_budget=budget)
+        assert searched == ["off"]
+        off = search(gpt_graph, profile, duplication=False, memory_budget=budget, reshard="off")
+        assert plan.memory["total"] <= budget and plan.predicted["total"] <= off.predicted["total"]
+        assert plan.options["reshard_requested"] == "auto"
+        if not off.recompute:
+            continue
+        layers = sorted(off.recompute, key=_layer_order)
+        opts = api.SearchOptions(duplication=False, memory_budget=budget, precision="fp32")
+        least = _least_recomputed(opts, api.Models(gpt_graph), off.choices, layers)
+        for k in range(least):
+            problem = Problem(gpt_graph, profile.launched(True, False), recompute=frozenset(layers[:k]), reshard=True)
+            ev = evaluate(problem, plan_indices(problem, off), False)
+            assert ev.memory["total"] > budget
+            checked += 1
+    assert checked
+
+
 def test_cli_reshard_flag(tmp_path, capsys):
     """``hidup search --memory GB --reshard auto`` under a budget only a resharded plan meets writes a plan
     that reshards (and ``show`` says so); a bad ``--reshard`` value is one argparse message, exit 2."""

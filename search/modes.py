@@ -174,9 +174,12 @@ def _lesser(a: float | None, b: float | None) -> float | None:
 
 def _received(receive) -> list[int]:
     ok, answer = receive.recv()
-    if not ok:
+    if ok:
+        return answer
+    try:
         raise answer
-    return answer
+    finally:  # the error's traceback holds this frame: a reference from it back to the error is a cycle,
+        del answer  # which would keep every frame the error passed through (and their problems) alive
 
 
 def _answer_in_child(send, *searches: Callable[[], Any]) -> None:

@@ -264,3 +264,35 @@ def test_pruning_ranks_the_states_once_and_keeps_what_ranking_them_for_each_cut_
         dp.solve(pr, duplication, budget, max_states=max_states)
         dp.solve(pr, duplication, budget, max_states=max_states, by_price=True)
     assert any(calls)  # the beam did cut
+
+
+def test_an_error_a_forked_search_sends_back_keeps_no_frame_alive():
+    """A child's error (:class:`hidup.search.dp.Beaten`: its search by price stopped) is raised again in
+    the parent; caught there, it is freed by reference counting with the frames it passed through, so
+    the problems they hold do not wait for the collector (which, after a large search, walks millions
+    of objects)."""
+    import multiprocessing
+
+    class Held:
+        pass
+
+    receive, send = multiprocessing.Pipe(duplex=False)
+
+    def searched() -> weakref.ref:
+        held = Held()  # what a frame the error passes through holds (a search's problem)
+        send.send((False, dp.Beaten(1.0, 2.0)))
+        try:
+            modes._received(receive)
+        except dp.Beaten:
+            pass
+        return weakref.ref(held)
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        assert searched()() is None
+    finally:
+        if was:
+            gc.enable()
+        receive.close()
+        send.close()

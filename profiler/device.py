@@ -26,7 +26,11 @@ Attention
 :func:`attention_table` times ``F.scaled_dot_product_attention`` in each variant (no mask;
 ``is_causal``; a causal boolean mask ``[B, 1, S, S]`` given as ``attn_mask``) at every point of
 ``head_dims x seqs x rows``: the forward under ``no_grad`` and the forward with the backward of
-``q, k, v``, the backward's time being their difference (:mod:`hidup.profiler.attention`).
+``q, k, v``, the backward's time being their difference (:mod:`hidup.profiler.attention`).  On a GPU
+each is timed as :data:`ATTENTION_REPS` calls captured in one CUDA graph and replayed
+(:func:`hidup.codegen.timing.graph_time`): timed eagerly, a short attention's backward measures the
+host's dispatch (about 0.2 ms on an H200 host) rather than its kernels, which a compiled and graphed
+step does not pay.
 
 Memory bandwidth
 ----------------
@@ -198,6 +202,7 @@ def gemm_grid(
 
 
 ATTENTION_HEADS = 8  # the heads of a timed attention; its batch is rows / ATTENTION_HEADS
+ATTENTION_REPS = 8  # attention calls per captured CUDA graph when timing one
 
 
 def default_attention_grid(device: torch.device | str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -222,8 +227,13 @@ def _attention_seconds(tensors: tuple, kwargs: dict, device: torch.device, budge
     def both():
         return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v), grad)
 
-    fwd = time_call(forward, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
-    total = time_call(both, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
+    def timed(fn) -> float:  # inside a CUDA graph where it captures: a compiled, graphed step has no host gaps
+        seconds = graph_time(fn, device, budget_s / 2, ATTENTION_REPS) if device.type == "cuda" else None
+        if seconds is None:
+            seconds = time_call(fn, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
+        return seconds
+
+    fwd, total = timed(forward), timed(both)
     return fwd, max(total - fwd, 0.05 * fwd)  # the floor: timing noise on a backward far shorter than its forward
 
 

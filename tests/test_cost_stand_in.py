@@ -11,6 +11,7 @@ import pytest
 
 import hidup.profiler
 from exp.rank_predict import cross_validated, fit_factors, scaled, stand_in_copies
+from hidup.search.cost import KERNEL_KINDS
 from hidup.ir import FULL, REDUCE, Graph, Node, Signature, Tensor, gather
 from hidup.search.problem import Problem
 
@@ -67,11 +68,37 @@ def test_fit_schemes_scale_what_they_say():
 
     # compute 10 ms runs 1.2x slower than priced; copies 0 and 5 ms run as priced
     rows = [row("a", 10.0, 0.0, 12.0), row("b", 15.0, 5.0, 17.0)]
-    compute = fit_factors(rows, "compute")["compile+graph/tf32"]
-    assert compute == pytest.approx(1.2)
-    assert [scaled(r, compute, "compute") for r in rows] == pytest.approx([12.0, 17.0])
+    factors = fit_factors(rows, "compute")
+    assert factors["compile+graph/tf32"] == pytest.approx(1.2)
+    assert [scaled(r, factors, "compute") for r in rows] == pytest.approx([12.0, 17.0])
     assert max(cross_validated(rows, "compute")) == pytest.approx(0.0, abs=1e-12)
-    whole = fit_factors(rows, "per-setting")["compile+graph/tf32"]
-    assert whole == pytest.approx(math.sqrt(1.2 * 17.0 / 15.0))
-    assert scaled(rows[1], whole, "per-setting") == pytest.approx(15.0 * whole)
+    whole = fit_factors(rows, "per-setting")
+    assert whole["compile+graph/tf32"] == pytest.approx(math.sqrt(1.2 * 17.0 / 15.0))
+    assert scaled(rows[1], whole, "per-setting") == pytest.approx(15.0 * whole["compile+graph/tf32"])
+    assert scaled(dict(rows[1], precision="bf16"), whole, "per-setting") is None  # no factor for that setting
     assert max(cross_validated(rows, "per-setting")) > 0.05
+
+
+def test_kind_factors_scale_each_kernel_kind_and_leave_the_physical_kinds_as_priced():
+    """``kinds``: one factor per kernel kind, from the runs with kernel times, one for the gaps between
+    kernels; a kind named physical keeps factor 1, and a run without kernel times fits nothing."""
+
+    def row(model, physical, measured, step):
+        return dict(model=model, mode="compile+graph", precision="bf16", physical_kinds_ms=physical,
+                    measured_kinds_ms=measured, measured_ms=step, physical_ms=sum(physical.values()))  # fmt: skip
+
+    zero = dict.fromkeys(KERNEL_KINDS, 0.0)
+    # matmuls as priced, Adam 1.25x; the step 0.5 ms longer than its kernels (10%)
+    a = row("a", {**zero, "matmul": 3.0, "optimizer": 2.0}, {**zero, "matmul": 3.0, "optimizer": 2.5}, 6.05)
+    b = row("b", {**zero, "matmul": 6.0, "optimizer": 4.0}, {**zero, "matmul": 6.0, "optimizer": 5.0}, 12.1)
+    untraced = row("c", {**zero, "matmul": 1.0}, dict(zero), 5.0)
+    factors = fit_factors([a, b, untraced], "kinds")
+    assert factors["compile+graph/bf16/optimizer"] == pytest.approx(1.25)
+    assert factors["compile+graph/bf16/matmul"] == pytest.approx(1.0)
+    assert factors["compile+graph/bf16/gaps"] == pytest.approx(1.1)
+    assert scaled(a, factors, "kinds") == pytest.approx(6.05)
+    assert max(cross_validated([a, b], "kinds")) == pytest.approx(0.0, abs=1e-12)
+    kept = fit_factors([a, b], "kinds", frozenset({"optimizer"}))
+    assert "compile+graph/bf16/optimizer" not in kept  # priced as measured: factor 1
+    assert scaled(a, kept, "kinds") == pytest.approx(kept["compile+graph/bf16/gaps"] * 5.0)
+    assert kept["compile+graph/bf16/gaps"] == pytest.approx(1.21)

@@ -640,25 +640,21 @@ class Profile:
                 raise bad(f"matmul_sizes.{dt}", f"sizes must be positive integers, got {sorted(per)}")
             matmul_sizes[dt] = {int(n): number(r, f"matmul_sizes.{dt}.{n}") for n, r in per.items()}
 
-        gemm_in = d.get("gemm", {})
-        if not isinstance(gemm_in, dict) or set(gemm_in) - set(DTYPES):
-            raise bad("gemm", f"expected a mapping {{dtype of {DTYPES}: {{sizes, rates}}}}")
-        gemm = {}
-        for dt, grid in gemm_in.items():
-            try:
-                gemm[dt] = GemmGrid.from_dict(grid)
-            except ValueError as e:
-                raise bad(f"gemm.{dt}", str(e)) from None
+        def per_dtype(key: str, dtypes: tuple[str, ...], parse, shape: str) -> dict:
+            """The mapping ``dtype -> parse(value)`` of field ``key``; a ProfileError naming the entry."""
+            given = d.get(key, {})
+            if not isinstance(given, dict) or set(given) - set(dtypes):
+                raise bad(key, f"expected a mapping {{dtype of {dtypes}: {shape}}}")
+            out = {}
+            for dt, value in given.items():
+                try:
+                    out[dt] = parse(value)
+                except ValueError as e:
+                    raise bad(f"{key}.{dt}", str(e)) from None
+            return out
 
-        attention_in = d.get("attention", {})
-        if not isinstance(attention_in, dict) or set(attention_in) - set(ATTENTION_DTYPES):
-            raise bad("attention", f"expected a mapping {{storage dtype of {ATTENTION_DTYPES}: {{head_dims, ...}}}}")
-        attention = {}
-        for dt, table in attention_in.items():
-            try:
-                attention[dt] = AttentionTable.from_dict(table)
-            except ValueError as e:
-                raise bad(f"attention.{dt}", str(e)) from None
+        gemm = per_dtype("gemm", DTYPES, GemmGrid.from_dict, "{sizes, rates}")
+        attention = per_dtype("attention", ATTENTION_DTYPES, AttentionTable.from_dict, "{head_dims, seqs, ...}")
 
         ops_in = d.get("ops", {})
         if not isinstance(ops_in, dict):

@@ -468,6 +468,15 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
             derived[key] = first.derive(recompute)
         return derived[key]
 
+    fewest_of: dict[tuple, tuple] = {}  # (id(problem), signature indices, duplication) -> its fewest recomputed
+
+    def fewest(problem: Problem, best: Evaluation) -> tuple[Problem, Evaluation]:
+        """:func:`_fewest_recomputed`, once per plan (a search may work it out ahead, while it waits)."""
+        key = (id(problem), tuple(best.ks), best.duplication)
+        if key not in fewest_of:
+            fewest_of[key] = _fewest_recomputed(opts, problem, best, models)
+        return fewest_of[key]
+
     choices = _recompute_choices(graph, opts)
     for n, recompute in enumerate(choices):
         if recompute and results and not results[-1][2]:
@@ -475,7 +484,9 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
         beat = min((r[1].total for r in results), default=None) if recompute else None
         after = choices[n + 1] if n + 1 < len(choices) else None
         try:
-            found = _search_with(graph, profile, opts, progress, recompute, beat, started, models, problem_for, after)
+            found = _search_with(
+                graph, profile, opts, progress, recompute, beat, started, models, problem_for, after, fewest
+            )
         except SearchError as e:
             # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
             # a cycle that would keep every problem made here (and its caches) alive until a full
@@ -492,7 +503,7 @@ def _search_found(graph, profile, opts: SearchOptions, progress, models: Models 
     fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
     problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
     if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
-        problem, best = _fewest_recomputed(opts, problem, best, models)
+        problem, best = fewest(problem, best)
     return _Found(problem, best, options, opts.algorithm)
 
 
@@ -660,6 +671,7 @@ def _search_with(
     models: Models,
     problem_for: Callable[[object, frozenset], Problem],
     after: frozenset[str] | None = None,
+    fewest: Callable[[Problem, Evaluation], tuple] | None = None,
 ):
     """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
     ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
@@ -669,7 +681,10 @@ def _search_with(
     time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
     searched again.  ``after``: the layers the next search recomputes, when the budget binds; that
     search starts with the DP's plans without the budget, which are searched here beside this
-    search's own DP where a process would otherwise wait (:func:`_search_found`)."""
+    search's own DP where a process would otherwise wait (:func:`_search_found`).  ``fewest(problem,
+    best)``: the plan ``best`` with the fewest recomputed layers that fit (kept per plan by the caller),
+    worked out here for the plan this search keeps unless the duplicated search, forked, beats it,
+    while that search still runs."""
     precision, memory_budget = opts.precision, opts.memory_budget
     problem = problem_for(profile, recompute)
     # the factors inside the distributed program settle the mode of the plan a search without them
@@ -727,11 +742,33 @@ def _search_with(
             pass  # the next search meets the error again, and raises it there
         return upcoming.free_solutions
 
-    def meanwhile() -> None:
+    evaluated: dict[tuple, Evaluation] = {}
+
+    def evaluation(p: Problem, ks: list[int], mode: bool) -> Evaluation:
+        key = (id(p), tuple(ks), mode)
+        if key not in evaluated:
+            evaluated[key] = evaluate(p, ks, mode)
+        return evaluated[key]
+
+    def kept(plans: list[list[int]]) -> Evaluation:
+        """The evaluation of the fastest of ``plans`` (in either mode), as this search keeps it."""
+        best = _fastest([evaluation(explore, ks, mode) for ks in plans for mode in modes])
+        return _fastest([evaluation(problem, best.ks, mode) for mode in modes]) if local else best
+
+    def meanwhile(plain: list[int]) -> None:
         """What this process searches while the duplicated mode's search, forked, still runs."""
         hide()
         if ahead_due:
             ahead()
+
+    def idle(plain: list[int]) -> None:
+        """While the duplicated mode's budgeted answer is still to come: the plan this search keeps
+        unless that answer beats the plain mode's answer ``plain``, with its fewest recomputed layers
+        (``fewest``; kept per plan, so that nothing is worked out again once the answer is in)."""
+        hide()
+        if fewest is not None and recompute and memory_budget is not None and opts.recompute == "auto":
+            fitting = [ks for ks in hidden if explore.plan_memory(ks) <= memory_budget]
+            fewest(problem, kept(candidates + [plain] + fitting))
 
     if beat is not None and memory_budget is not None:
         free = solve_modes(explore, modes, None, lambda mode: None, **beam)
@@ -773,12 +810,12 @@ def _search_with(
         for upcoming_free in answers:
             upcoming_problem().free_solutions.update(upcoming_free)
     elif modes_left:
-        candidates += _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam, meanwhile)
+        candidates += _solve_modes_within(
+            explore, modes_left, memory_budget, candidates, progress, beam, meanwhile, idle
+        )
     hide()
     candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
-    best = _fastest([evaluate(explore, ks, mode) for ks in candidates for mode in modes])
-    if local:
-        best = _fastest([evaluate(problem, best.ks, mode) for mode in modes])
+    best = kept(candidates)
     options = {
         "precision": precision,
         "memory_budget": memory_budget,
@@ -801,19 +838,20 @@ def _solve_modes_within(
     found: list[list[int]],
     progress,
     beam: dict,
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[list[int]], None] | None = None,
+    idle: Callable[[list[int]], None] | None = None,
 ) -> list[list[int]]:
     """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Under a
     budget the duplicated mode's answer comes only when it can win (module docstring, "Duplication
     under a memory budget"): its plan without the budget fits, or the two passes of that plan are
     faster than the best plan in hand (``found`` and the plain mode's answer) that fits.
-    ``meanwhile`` as :func:`hidup.search.modes.solve_modes` takes it."""
+    ``meanwhile`` and ``idle`` as :func:`hidup.search.modes.solve_modes` takes them."""
 
     def label(mode: bool):
         return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
 
     if budget is None or tuple(modes) != (False, True):
-        return solve_modes(problem, modes, budget, label, meanwhile=meanwhile, **beam)
+        return solve_modes(problem, modes, budget, label, meanwhile=meanwhile, idle=idle, **beam)
 
     def fitting(plans: list[list[int]]) -> list[float]:
         return [
@@ -846,7 +884,8 @@ def _solve_modes_within(
 
     # the search by price bounds the two passes of any plan within the budget as it goes: it stops once
     # that bound reaches the fastest plan in hand that fits, the plain mode's answer among them
-    return solve_modes(problem, modes, budget, label, worth, min(in_hand, default=None), meanwhile, beat_after, **beam)
+    bar = min(in_hand, default=None)
+    return solve_modes(problem, modes, budget, label, worth, bar, meanwhile, beat_after, idle, **beam)
 
 
 def _beam(opts: SearchOptions) -> dict:

@@ -121,6 +121,9 @@ PRICE_RAISES = 12  # at most this many raises (4**12: from 5% to 800 000 times t
 PRICE_STEPS = 4  # then at most this many bisections of the price (geometric)
 PRICE_RATIO = 1.2  # ... until the price that fits is within this factor of the one that does not
 PRICE_GAP = 0.005  # ... or the plan is within this share of the Lagrangian bound
+# ``(problem, here, there) -> (here(), there())`` with ``there`` run in a forked child, or None where no core
+# is spare (then nothing has run): set by :mod:`hidup.search.modes`, which forks (and imports this module)
+PASSES_BESIDE: Callable[[Problem, Callable, Callable], tuple | None] | None = None
 
 
 def beam_width(positions: int) -> int:
@@ -728,26 +731,26 @@ def _solve_by_price(
     once the bound reaches ``beat`` (a callable: its value after each pass).
 
     Each price depends on whether the plan at the one before fits.  Where a core is spare
-    (:func:`hidup.search.modes.spare_core`), the pass at the price that would come next runs in a forked
-    child beside the pass at this one, on a guess of this one's outcome (its answer is used only where
-    the guess was right, which the sequence of prices then shows: the prices and plans are those of
-    one pass after the other)."""
-    from hidup.search.modes import solve_beside, spare_core  # (modes imports this module)
-
+    (:data:`PASSES_BESIDE`), the pass at the price that would come next runs in a forked child beside
+    the pass at this one, on a guess of this one's outcome (its answer is used only where the guess
+    was right, which the sequence of prices then shows: the prices and plans are those of one pass
+    after the other)."""
     ks0, time0 = free
     search = _PriceSearch(budget, PRICE_START * time0 / (problem.plan_memory(ks0) - budget))
     price = search.next_price()
     while price is not None:
-        guess = search.guess_after(price) if spare_core(problem) else None
-        if guess is None:
-            results = [(price, _priced(problem, duplication, price, beam))]
-        else:
-            here, there = solve_beside(
+        guess = search.guess_after(price) if PASSES_BESIDE is not None else None
+        pair = None
+        if guess is not None:
+            pair = PASSES_BESIDE(
                 problem,
                 lambda price=price: _priced(problem, duplication, price, beam),
                 lambda guess=guess: _priced(problem, duplication, guess, beam),
             )
-            results = [(price, here), (guess, there)]
+        if pair is None:
+            results = [(price, _priced(problem, duplication, price, beam))]
+        else:
+            results = [(price, pair[0]), (guess, pair[1])]
         for n, (at, result) in enumerate(results):
             if n and at != price:
                 break  # a wrong guess: its pass is not one the sequence makes

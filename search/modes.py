@@ -25,6 +25,7 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
+from hidup.search import dp
 from hidup.search.dp import Beaten, solve
 from hidup.search.problem import Problem, SearchError
 
@@ -42,8 +43,9 @@ def solve_modes(
     progress_of: Callable[[bool], Callable | None] = lambda mode: None,
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[list[int]], None] | None = None,
     beat_after: Callable[[list[int]], float | None] | None = None,
+    idle: Callable[[list[int]], None] | None = None,
     **beam,
 ) -> list[list[int]]:
     """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
@@ -53,10 +55,12 @@ def solve_modes(
     if the child dies, they run one after the other.  With ``worth`` (modes ``(False, True)`` under
     ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
     (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
-    ``meanwhile`` (the caller's own work) runs in this process once the plain search is done, while
-    the child still searches; it is not run where the searches run one after the other.
+    ``meanwhile(plain answer)`` (the caller's own work) runs in this process once the plain search is
+    done, while the child still searches; it is not run where the searches run one after the other.
     ``beat_after(plain answer)``: a bar for the duplicated search by price besides ``beat`` (the lesser
-    holds), known once the plain answer is in (module docstring)."""
+    holds), known once the plain answer is in (module docstring).  ``idle(plain answer)``: more of the
+    caller's work, run only while the duplicated mode's answer is still to come (so never on the way
+    to an answer already in)."""
     barred = worth is not None or beat is not None or beat_after is not None
     if barred and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
@@ -80,10 +84,12 @@ def solve_modes(
             except (BrokenPipeError, OSError):
                 pass  # the child is done (or died): its answer, or the search here, follows
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(first)
         try:
             if worth is not None and not worth(first, _received(receive)):
                 return [first]
+            if idle is not None and not receive.poll():
+                idle(first)
             second = _received(receive)
         except Beaten:
             return [first]
@@ -132,6 +138,12 @@ def solve_beside(problem: Problem, here: Callable[[], Any], *there: Callable[[],
                 child.terminate()
             child.join()
             _live.discard(child)
+
+
+def _passes_beside(problem: Problem, here: Callable[[], Any], there: Callable[[], Any]) -> tuple | None:
+    """``solve_beside(problem, here, there)`` where a core is spare (:func:`spare_core`), else None (nothing
+    run): the passes of a search by price (:data:`hidup.search.dp.PASSES_BESIDE`)."""
+    return solve_beside(problem, here, there) if spare_core(problem) else None
 
 
 def spare_core(problem: Problem) -> bool:
@@ -226,3 +238,6 @@ def _solve_in_child(
 
     free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
     _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=bar, **beam)[0])
+
+
+dp.PASSES_BESIDE = _passes_beside  # (dp cannot import this module: it imports dp)

@@ -575,7 +575,7 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
     monkeypatch.setattr(
         api,
         "_solve_modes_within",
-        lambda pr, modes, budget, found, progress, beam, meanwhile: solve_modes(pr, modes, budget, **beam),
+        lambda pr, modes, budget, found, progress, beam, meanwhile, idle: solve_modes(pr, modes, budget, **beam),
     )
     full = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
     for plan in (shortcut, forked):

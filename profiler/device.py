@@ -210,7 +210,7 @@ def default_attention_grid(device: torch.device | str) -> tuple[tuple[int, ...],
     from a short one to a long one (longer ones are priced from the longest: the work is quadratic),
     and rows from an under-filled device to a full one; nothing on a CPU."""
     if torch.device(device).type == "cuda":
-        return (64, 128), (128, 256, 512, 1024, 2048), (16, 64, 256)
+        return (64, 128), (128, 256, 512, 1024, 2048), (16, 64, 256, 1024)
     return (), (), ()
 
 

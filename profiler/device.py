@@ -55,7 +55,12 @@ Timing
 ------
 :func:`hidup.codegen.timing.time_call`: CUDA events on a GPU (kernels are asynchronous; the events
 bracket ``k`` launches and we synchronize once), ``time.perf_counter`` on a CPU, after ``warmup``
-untimed calls; the median over samples bounded by ``budget_s`` per size.
+untimed calls; the median over samples bounded by ``budget_s`` per size.  Matmuls (square sizes and
+the GEMM grid) are timed on a GPU by :func:`kernel_seconds`: ``reps`` calls captured in one CUDA graph
+and replayed, ``reps`` chosen so that the graph spans about :data:`KERNEL_SPAN_S` at a rate of
+:data:`FAST_FLOPS` (more than any GPU's): launched one by one, a short GEMM (a 128-row bf16 GEMM runs
+for a few microseconds) measures the host's dispatch rather than its kernel, which a compiled,
+captured step does not pay.
 """
 
 from __future__ import annotations
@@ -193,12 +198,31 @@ def gemm_grid(
                         else:
                             a, b = a_flat[: k * m].view(k, m).t(), b_flat[: k * n].view(k, n)
                         call = functools.partial(torch.mm, a, b, out=out)
-                        seconds = time_call(call, device, warmup=warmup, sample_s=0.002, budget_s=per_point)
+                        seconds = kernel_seconds(call, device, per_point, 2.0 * m * n * k, warmup)
                         rates[layout].append(2.0 * m * n * k / seconds)
     del a_flat, b_flat, c_flat
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return GemmGrid.of(sizes, rates)
+
+
+KERNEL_SPAN_S = 2e-4  # the span of the CUDA graph kernel_seconds replays, at FAST_FLOPS
+FAST_FLOPS = 1e15  # FLOP/s above any GPU's dense rate: reps estimated at it are never too few
+
+
+def kernel_seconds(
+    fn: Callable[[], object], device: torch.device, budget_s: float, flops: float, warmup: int = 1
+) -> float:
+    """Seconds per call of ``fn``'s kernels (``flops`` FLOPs a call): on a GPU, as many calls as span
+    :data:`KERNEL_SPAN_S` at :data:`FAST_FLOPS` (1 to 64) captured in one CUDA graph and replayed
+    (:func:`hidup.codegen.timing.graph_time`, module docstring "Timing"); on a CPU, or where ``fn``
+    does not capture, :func:`hidup.codegen.timing.time_call`."""
+    if device.type == "cuda":
+        reps = max(1, min(64, int(KERNEL_SPAN_S * FAST_FLOPS / max(flops, 1.0))))
+        seconds = graph_time(fn, device, budget_s, reps)
+        if seconds is not None:
+            return seconds
+    return time_call(fn, device, warmup=warmup, sample_s=0.002, budget_s=budget_s)
 
 
 ATTENTION_HEADS = 8  # the heads of a timed attention; its batch is rows / ATTENTION_HEADS
@@ -312,9 +336,8 @@ def matmul_rate(
             a = torch.randn(n, n, generator=gen, device=device).to(storage)
             b = torch.randn(n, n, generator=gen, device=device).to(storage)
             out = torch.empty(n, n, device=device, dtype=storage)
-            seconds = time_call(
-                functools.partial(torch.mm, a, b, out=out), device, warmup=warmup, budget_s=budget_s / len(sizes)
-            )
+            call = functools.partial(torch.mm, a, b, out=out)
+            seconds = kernel_seconds(call, device, budget_s / len(sizes), 2.0 * n**3, warmup)
             per_size[int(n)] = 2.0 * n**3 / seconds
     if device.type == "cuda":
         torch.cuda.empty_cache()

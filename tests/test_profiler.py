@@ -46,6 +46,28 @@ def test_dtype_names_and_tf32_flag_restored():
     assert memory_bandwidth("cpu", 1 << 20, budget_s=0.02) > 0
 
 
+def test_kernel_seconds_replays_short_kernels_many_to_a_graph_and_falls_back_where_none_captures(monkeypatch):
+    """On a GPU a matmul is timed as reps calls in one CUDA graph, reps spanning KERNEL_SPAN_S at
+    FAST_FLOPS (1 to 64); where the graph does not capture, and on a CPU, it is timed call by call."""
+    import hidup.profiler.device as device
+
+    asked = []
+
+    def graph_time(fn, dev, budget_s, reps):
+        asked.append(reps)
+        return None if reps == 1 else 1e-6  # the largest "does not capture": timed eagerly instead
+
+    monkeypatch.setattr(device, "graph_time", graph_time)
+    monkeypatch.setattr(device, "time_call", lambda fn, dev, **kw: 2e-3)
+    cuda = torch.device("cuda")
+    tiny, mid, huge = 2.0 * 128**3, device.KERNEL_SPAN_S * device.FAST_FLOPS / 10, 2.0 * 16384**3
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, tiny) == 1e-6
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, mid) == 1e-6
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, huge) == 2e-3
+    assert asked == [64, 10, 1]
+    assert device.kernel_seconds(lambda: None, torch.device("cpu"), 0.01, tiny) == 2e-3 and len(asked) == 3
+
+
 # ---------------------------------------------------------------------------------------- fitting
 
 

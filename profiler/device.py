@@ -43,6 +43,13 @@ rows and writes columns element by element, so its rate follows the element coun
 bytes: :func:`transpose_bandwidth` times it on float32 (the cost model scales it by ``itemsize / 4``
 for other dtypes).
 
+Adam
+----
+:func:`adam_seconds_per_byte` times torch's fused Adam step over float32 parameters (on a GPU
+captured in a CUDA graph) and divides by their bytes: the optimizer's price per byte of local
+trainable parameters (``optimizer_s_per_byte``), where the roofline of seven passes over the
+parameters at the copy bandwidth leaves out the step's arithmetic and its per-tensor work.
+
 Gradient bucket copies
 ----------------------
 The runtime packs the gradients of replicated parameters into flat buckets before each all-reduce
@@ -413,6 +420,34 @@ def transpose_bandwidth(device: torch.device | str, nbytes: int | None = None, *
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return moved / seconds
+
+
+def adam_seconds_per_byte(device: torch.device | str, nbytes: int | None = None, *, budget_s: float = 0.2) -> float:
+    """Seconds per byte of float32 parameters of torch's fused Adam step (``fused=True``; on a GPU
+    ``capturable=True``, captured in a CUDA graph as a compiled, captured step runs it), over
+    parameters of about ``nbytes`` (default 128 MiB on a GPU, 8 MiB on a CPU) shaped like a model's:
+    square weights and a vector for each (module docstring, "Adam")."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (128 << 20) if device.type == "cuda" else (8 << 20)
+    side = 2048 if device.type == "cuda" else 512
+    count = max(1, nbytes // (side * side * 4))
+    params = [
+        torch.zeros(shape, device=device, requires_grad=True) for _ in range(count) for shape in ((side, side), (side,))
+    ]
+    for param in params:
+        param.grad = torch.full_like(param, 1e-3)
+    cuda = device.type == "cuda"
+    adam = torch.optim.Adam(params, lr=1e-4, fused=True, **({"capturable": True} if cuda else {}))
+    step = adam.step
+    seconds = graph_time(step, device, budget_s, reps=1) if cuda else None
+    if seconds is None:
+        seconds = time_call(step, device, budget_s=budget_s)
+    total = sum(p.numel() * 4 for p in params)
+    del adam, params
+    if cuda:
+        torch.cuda.empty_cache()
+    return seconds / total
 
 
 def grad_copy_overhead(

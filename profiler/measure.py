@@ -62,6 +62,7 @@ from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_
 from .calibrate import measure_model_ops, program_scales
 from .comm import default_comm_sizes, default_group_sizes, network_groups, node_groups, profile_collectives
 from .device import (
+    adam_seconds_per_byte,
     attention_table,
     canonical_dtype,
     default_attention_grid,
@@ -370,6 +371,7 @@ def _measure(
         layout_bw = _rates_agreed({"layout": layout_bandwidth(device, budget_s=budget)}, device)["layout"]
         transpose_bw = _rates_agreed({"transpose": transpose_bandwidth(device, budget_s=budget)}, device)["transpose"]
         grad_copy = 1.0 / _rates_agreed({"params": 1.0 / grad_copy_overhead(device, budget_s=budget)}, device)["params"]
+        adam = 1.0 / _rates_agreed({"adam": 1.0 / adam_seconds_per_byte(device, budget_s=budget)}, device)["adam"]
         overhead_graph = grad_copy_graph = 0.0
         if device.type == "cuda":
             per_op = op_overhead(device, budget_s=budget, graphed=True)
@@ -417,6 +419,7 @@ def _measure(
         + f"; copy bandwidth {mem_bw / 1e9:.1f} GB/s "
         f"(layout-changing copy {layout_bw / 1e9:.1f} GB/s); op overhead {overhead * 1e6:.1f} us"
         + (f" ({overhead_graph * 1e6:.2f} us in a CUDA graph)" if overhead_graph else "")
+        + f"; fused Adam {adam * 1e12:.1f} ps per parameter byte"
         + f"; gradient bucket copies {grad_copy * 1e6:.2f} us per parameter"
         + (f" ({grad_copy_graph * 1e6:.2f} us in a CUDA graph)" if grad_copy_graph else "")
     ]
@@ -486,10 +489,10 @@ def _measure(
         attention=tables or (dict(base.attention) if base is not None else {}),
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
+    prof.optimizer_s_per_byte = adam
     if base is not None and base.ops:  # the merged per-op times keep how they were timed and calibrated
         prof.ops_timing = base.ops_timing
-        prof.optimizer_s_per_byte = base.optimizer_s_per_byte
-        prof.notes += f"; per-op times and the Adam rate from profile {base.name!r}"
+        prof.notes += f"; per-op times from profile {base.name!r}"
         if not curves:  # the same network: its corrections inside the distributed program hold too
             prof.corrections = base.corrections
             if not base.corrections.identity:

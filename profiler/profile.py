@@ -102,7 +102,9 @@ between them but no host dispatch; the cost model adds the dispatch cost of an e
 ``"eager"`` (wall time of eager calls, dispatch included; on CPUs).  The same measurement times the
 optimizer step (Adam) that follows a single-device step: ``optimizer_s_per_byte`` is its time per
 byte of trainable parameters, which the plan's evaluation charges on the parameters each rank keeps
-(unmeasured: the roofline of a fused Adam step, :meth:`Profile.optimizer_time`).
+(``hidup profile`` also measures it alone, torch's fused Adam over float32 parameters:
+:func:`hidup.profiler.device.adam_seconds_per_byte`; unmeasured: the roofline of a fused Adam step,
+:meth:`Profile.optimizer_time`).
 
 Physical terms and empirical corrections
 ----------------------------------------

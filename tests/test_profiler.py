@@ -68,6 +68,17 @@ def test_kernel_seconds_replays_short_kernels_many_to_a_graph_and_falls_back_whe
     assert device.kernel_seconds(lambda: None, torch.device("cpu"), 0.01, tiny) == 2e-3 and len(asked) == 3
 
 
+def test_the_fused_adam_step_is_timed_per_parameter_byte_and_kept_by_the_profile(tmp_path):
+    from hidup.profiler.device import adam_seconds_per_byte
+
+    small, large = (adam_seconds_per_byte("cpu", n, budget_s=0.05) for n in (1 << 20, 8 << 20))
+    assert 0 < small and 0 < large < 1e-8  # far above 100 MB/s on any CPU
+    prof = profile_machine(None, dtypes=("fp32",), progress=False, quick=True, merge="h200x4-nvlink",
+                           matmul_sizes=(32,), budget_s=0.01, out=tmp_path / "p.json")  # fmt: skip
+    assert prof.optimizer_s_per_byte > 0 and "fused Adam" in prof.notes
+    assert prof.optimizer_time(4e6) == prof.optimizer_s_per_byte * 4e6
+
+
 # ---------------------------------------------------------------------------------------- fitting
 
 

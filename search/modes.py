@@ -13,10 +13,11 @@ each in a forked child of its own while this process runs the plain one.
 Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
 "Duplication under a memory budget"): its plan without the budget comes first, and once the plain
 mode's answer is in, ``worth(plain answer, duplicated answer without the budget)`` says whether to
-wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  That answer
-also sets the bar of the duplicated search by price (``beat_after(plain answer)``, the time of the
-fastest plan in hand that fits): the child waits for it before its first comparison with its bound,
-so it stops where the searches run one after the other would, whichever process finishes first.
+wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  A caller
+may also let that answer set the bar of the duplicated search by price (``beat_after(plain
+answer)``): the child waits for it before its first comparison with its bound, so it stops where the
+searches run one after the other would, whichever process finishes first.  (The search does not: that
+bound is on duplicated times, and the duplicated search's plan may win run without duplication.)
 """
 
 from __future__ import annotations

@@ -506,9 +506,9 @@ def test_search_reshards_only_under_a_budget_that_needs_it(gpt_graph):
 
 
 def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_again_with_resharding(
-    gpt_graph, monkeypatch
+    monkeypatch,
 ):
-    """``reshard="auto"`` where the budget is met by its price (a beam search on a large graph): a plan
+    """``reshard="auto"`` on a mesh where the budget is met by its price (a beam search on a large graph): a plan
     that fits by recomputing is not searched again with resharding on; its choices are priced with
     resharding and fewer recomputed layers, and the faster plan that fits is kept.  Resharding changes
     nothing inside a recomputed layer, so the per-node memory terms (no kept copy counted) that say how
@@ -517,17 +517,22 @@ def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_a
     from hidup.search.api import _layer_order, _least_recomputed, plan_indices
     from hidup.search.schedule import evaluate
 
+    warnings.simplefilter("ignore")
+    model, inputs = M.build(
+        "gpt", world_size=4, layers=4, d_model=64, heads=4, ffn=256, seq_len=64, batch_per_gpu=8, vocab=64
+    )
+    gpt_graph = trace(model, inputs, mesh=(2, 2))
     profile = hidup.profiler.load(PROFILE)
     monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 1)
     free = search(gpt_graph, profile, duplication=False)
     searched = []
-    run = api._search
+    run = api._search_mesh
 
     def counted(graph, profile, opts, *args):
         searched.append(opts.reshard)
         return run(graph, profile, opts, *args)
 
-    monkeypatch.setattr(api, "_search", counted)
+    monkeypatch.setattr(api, "_search_mesh", counted)
     checked = 0
     for share in (0.6, 0.75, 0.9):
         budget = share * free.memory["total"]

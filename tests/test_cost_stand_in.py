@@ -11,8 +11,8 @@ import pytest
 
 import hidup.profiler
 from exp.rank_predict import cross_validated, fit_factors, scaled, stand_in_copies
-from hidup.search.cost import KERNEL_KINDS
 from hidup.ir import FULL, REDUCE, Graph, Node, Signature, Tensor, gather
+from hidup.search.cost import KERNEL_KINDS
 from hidup.search.problem import Problem
 
 BW, OVERHEAD = 1e12, 1e-6

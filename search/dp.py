@@ -646,7 +646,7 @@ def solve(
     progress: Callable[[int, int], None] | None = None,
     hide_grad_sync: bool = False,
     by_price: bool | None = None,
-    beat: "float | Callable[[], float | None] | None" = None,
+    beat: float | None = None,
 ) -> tuple[list[int], float]:
     """Best signature index per position and its predicted iteration time (see the module docstring).
 
@@ -665,8 +665,7 @@ def solve(
     (``free_solutions``) and returned when asked again.
 
     ``beat`` (seconds; a plan in hand): the search by price raises :class:`Beaten` as soon as its
-    bound shows that no plan within the budget has a predicted time below it; a callable is asked
-    after each pass (the plan in hand may come while the search runs: :mod:`hidup.search.modes`)."""
+    bound shows that no plan within the budget has a predicted time below it."""
     hide_grad_sync = hide_grad_sync and not duplication
     if memory_budget is not None:
         if by_price is None:
@@ -724,11 +723,11 @@ def _solve_by_price(
     budget: float,
     beam: tuple,
     free: tuple[list[int], float],
-    beat: "float | Callable[[], float | None] | None" = None,
+    beat: float | None = None,
 ) -> tuple[list[int], float]:
     """The fastest plan found within ``budget`` by pricing memory (module docstring, "A memory budget
     by its price"); ``free`` is the answer without the budget, which does not fit it; :class:`Beaten`
-    once the bound reaches ``beat`` (a callable: its value after each pass).
+    once the bound reaches ``beat``.
 
     Each price depends on whether the plan at the one before fits.  Where a core is spare
     (:data:`PASSES_BESIDE`), the pass at the price that would come next runs in a forked child beside
@@ -755,9 +754,8 @@ def _solve_by_price(
             if n and at != price:
                 break  # a wrong guess: its pass is not one the sequence makes
             search.update(at, result)
-            bar = beat() if callable(beat) else beat
-            if bar is not None and search.bound >= bar:
-                raise Beaten(bar, search.bound)
+            if beat is not None and search.bound >= beat:
+                raise Beaten(beat, search.bound)
             price = search.next_price()
     if search.best is None:
         max_states, max_points = beam[:2]

@@ -13,11 +13,9 @@ each in a forked child of its own while this process runs the plain one.
 Under a memory budget the duplicated search may not be worth finishing (:mod:`hidup.search.api`,
 "Duplication under a memory budget"): its plan without the budget comes first, and once the plain
 mode's answer is in, ``worth(plain answer, duplicated answer without the budget)`` says whether to
-wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  A caller
-may also let that answer set the bar of the duplicated search by price (``beat_after(plain
-answer)``): the child waits for it before its first comparison with its bound, so it stops where the
-searches run one after the other would, whichever process finishes first.  (The search does not: that
-bound is on duplicated times, and the duplicated search's plan may win run without duplication.)
+wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  (The
+plain answer does not bar the duplicated search by price: that search's bound is on duplicated times,
+and its plan may win run without duplication.)
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ def solve_modes(
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
     meanwhile: Callable[[list[int]], None] | None = None,
-    beat_after: Callable[[list[int]], float | None] | None = None,
     idle: Callable[[list[int]], None] | None = None,
     **beam,
 ) -> list[list[int]]:
@@ -58,32 +55,22 @@ def solve_modes(
     (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
     ``meanwhile(plain answer)`` (the caller's own work) runs in this process once the plain search is
     done, while the child still searches; it is not run where the searches run one after the other.
-    ``beat_after(plain answer)``: a bar for the duplicated search by price besides ``beat`` (the lesser
-    holds), known once the plain answer is in (module docstring).  ``idle(plain answer)``: more of the
+    ``idle(plain answer)``: more of the
     caller's work, run only while the duplicated mode's answer is still to come (so never on the way
     to an answer already in)."""
-    barred = worth is not None or beat is not None or beat_after is not None
-    if barred and (tuple(modes) != (False, True) or memory_budget is None):
+    if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
     if len(modes) != 2 or not _forks(problem):
-        return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam, beat_after)
+        return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    told, tell = ctx.Pipe(duplex=False) if beat_after is not None else (None, None)
-    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam, told)
+    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam)
     child = ctx.Process(target=_solve_in_child, args=args, daemon=True)
     child.start()
     _live.add(child)
     send.close()
-    if told is not None:
-        told.close()
     try:
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
-        if tell is not None:
-            try:
-                tell.send(beat_after(first))
-            except (BrokenPipeError, OSError):
-                pass  # the child is done (or died): its answer, or the search here, follows
         if meanwhile is not None:
             meanwhile(first)
         try:
@@ -95,12 +82,10 @@ def solve_modes(
         except Beaten:
             return [first]
         except EOFError:  # the child died (killed, out of memory): search here instead
-            return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam, beat_after)
+            return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
         return [first, second]
     finally:
         receive.close()
-        if tell is not None:
-            tell.close()
         if child.is_alive():
             child.terminate()
         child.join()
@@ -165,24 +150,16 @@ def _forks(problem: Problem) -> bool:
     )
 
 
-def _one_after_the_other(
-    problem, modes, memory_budget, progress_of, worth, beat, beam: dict, beat_after=None
-) -> list[list[int]]:
-    if worth is None and beat_after is None:
+def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: dict) -> list[list[int]]:
+    if worth is None:
         return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
     first = solve(problem, False, memory_budget, progress=progress_of(False), **beam)[0]
-    if beat_after is not None:
-        beat = _lesser(beat, beat_after(first))
-    if worth is not None and not worth(first, solve(problem, True, None, **beam)[0]):
+    if not worth(first, solve(problem, True, None, **beam)[0]):
         return [first]
     try:
         return [first, solve(problem, True, memory_budget, progress=progress_of(True), beat=beat, **beam)[0]]
     except Beaten:
         return [first]
-
-
-def _lesser(a: float | None, b: float | None) -> float | None:
-    return a if b is None else b if a is None else min(a, b)
 
 
 def _received(receive) -> list[int]:
@@ -219,26 +196,11 @@ def _solve_in_child(
     free_first: bool,
     beat: float | None,
     beam: dict,
-    told=None,
 ) -> None:
     """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
-    sent to the parent; with ``free_first`` its answer without the budget is sent before it.  With
-    ``told``, the bar the parent sends once its plain answer is in (:func:`solve_modes`) lowers
-    ``beat``: waited for at the search's first comparison with its bound."""
-    bar = beat
-    if told is not None:
-        heard: list = []
-
-        def bar() -> float | None:
-            if not heard:
-                try:
-                    heard.append(told.recv())
-                except (EOFError, OSError):  # the parent's plain search failed: no bar from it
-                    heard.append(None)
-            return _lesser(beat, heard[0])
-
+    sent to the parent; with ``free_first`` its answer without the budget is sent before it."""
     free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
-    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=bar, **beam)[0])
+    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])
 
 
 dp.PASSES_BESIDE = _passes_beside  # (dp cannot import this module: it imports dp)

@@ -63,9 +63,10 @@ Timing
 :func:`hidup.codegen.timing.time_call`: CUDA events on a GPU (kernels are asynchronous; the events
 bracket ``k`` launches and we synchronize once), ``time.perf_counter`` on a CPU, after ``warmup``
 untimed calls; the median over samples bounded by ``budget_s`` per size.  Matmuls (square sizes and
-the GEMM grid) are timed on a GPU by :func:`kernel_seconds`: ``reps`` calls captured in one CUDA graph
-and replayed, ``reps`` chosen so that the graph spans about :data:`KERNEL_SPAN_S` at a rate of
-:data:`FAST_FLOPS` (more than any GPU's): launched one by one, a short GEMM (a 128-row bf16 GEMM runs
+the GEMM grid), attention and the Adam step are timed on a GPU by :func:`kernel_seconds`: ``reps``
+calls captured in one CUDA graph and replayed, for a matmul as many as span about
+:data:`KERNEL_SPAN_S` at a rate of :data:`FAST_FLOPS` (more than any GPU's, :func:`matmul_reps`):
+launched one by one, a short GEMM (a 128-row bf16 GEMM runs
 for a few microseconds) measures the host's dispatch rather than its kernel, which a compiled,
 captured step does not pay.
 """
@@ -205,7 +206,7 @@ def gemm_grid(
                         else:
                             a, b = a_flat[: k * m].view(k, m).t(), b_flat[: k * n].view(k, n)
                         call = functools.partial(torch.mm, a, b, out=out)
-                        seconds = kernel_seconds(call, device, per_point, 2.0 * m * n * k, warmup)
+                        seconds = kernel_seconds(call, device, per_point, matmul_reps(2.0 * m * n * k), warmup)
                         rates[layout].append(2.0 * m * n * k / seconds)
     del a_flat, b_flat, c_flat
     if device.type == "cuda":
@@ -218,18 +219,22 @@ FAST_FLOPS = 1e15  # FLOP/s above any GPU's dense rate: reps estimated at it are
 
 
 def kernel_seconds(
-    fn: Callable[[], object], device: torch.device, budget_s: float, flops: float, warmup: int = 1
+    fn: Callable[[], object], device: torch.device, budget_s: float, reps: int, warmup: int = 1
 ) -> float:
-    """Seconds per call of ``fn``'s kernels (``flops`` FLOPs a call): on a GPU, as many calls as span
-    :data:`KERNEL_SPAN_S` at :data:`FAST_FLOPS` (1 to 64) captured in one CUDA graph and replayed
-    (:func:`hidup.codegen.timing.graph_time`, module docstring "Timing"); on a CPU, or where ``fn``
-    does not capture, :func:`hidup.codegen.timing.time_call`."""
+    """Seconds per call of ``fn``'s kernels: on a GPU, ``reps`` calls captured in one CUDA graph and
+    replayed (:func:`hidup.codegen.timing.graph_time`, module docstring "Timing"); on a CPU, or where
+    ``fn`` does not capture, :func:`hidup.codegen.timing.time_call`."""
     if device.type == "cuda":
-        reps = max(1, min(64, int(KERNEL_SPAN_S * FAST_FLOPS / max(flops, 1.0))))
         seconds = graph_time(fn, device, budget_s, reps)
         if seconds is not None:
             return seconds
     return time_call(fn, device, warmup=warmup, sample_s=0.002, budget_s=budget_s)
+
+
+def matmul_reps(flops: float) -> int:
+    """Calls of a matmul of ``flops`` FLOPs that :func:`kernel_seconds` captures: as many as span
+    :data:`KERNEL_SPAN_S` at :data:`FAST_FLOPS`, 1 to 64."""
+    return max(1, min(64, int(KERNEL_SPAN_S * FAST_FLOPS / max(flops, 1.0))))
 
 
 ATTENTION_HEADS = 8  # the heads of a timed attention; its batch is rows / ATTENTION_HEADS
@@ -258,13 +263,7 @@ def _attention_seconds(tensors: tuple, kwargs: dict, device: torch.device, budge
     def both():
         return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v), grad)
 
-    def timed(fn) -> float:  # inside a CUDA graph where it captures: a compiled, graphed step has no host gaps
-        seconds = graph_time(fn, device, budget_s / 2, ATTENTION_REPS) if device.type == "cuda" else None
-        if seconds is None:
-            seconds = time_call(fn, device, warmup=1, sample_s=0.002, budget_s=budget_s / 2)
-        return seconds
-
-    fwd, total = timed(forward), timed(both)
+    fwd, total = (kernel_seconds(fn, device, budget_s / 2, ATTENTION_REPS) for fn in (forward, both))
     return fwd, max(total - fwd, 0.05 * fwd)  # the floor: timing noise on a backward far shorter than its forward
 
 
@@ -344,7 +343,7 @@ def matmul_rate(
             b = torch.randn(n, n, generator=gen, device=device).to(storage)
             out = torch.empty(n, n, device=device, dtype=storage)
             call = functools.partial(torch.mm, a, b, out=out)
-            seconds = kernel_seconds(call, device, budget_s / len(sizes), 2.0 * n**3, warmup)
+            seconds = kernel_seconds(call, device, budget_s / len(sizes), matmul_reps(2.0 * n**3), warmup)
             per_size[int(n)] = 2.0 * n**3 / seconds
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -439,10 +438,7 @@ def adam_seconds_per_byte(device: torch.device | str, nbytes: int | None = None,
         param.grad = torch.full_like(param, 1e-3)
     cuda = device.type == "cuda"
     adam = torch.optim.Adam(params, lr=1e-4, fused=True, **({"capturable": True} if cuda else {}))
-    step = adam.step
-    seconds = graph_time(step, device, budget_s, reps=1) if cuda else None
-    if seconds is None:
-        seconds = time_call(step, device, budget_s=budget_s)
+    seconds = kernel_seconds(adam.step, device, budget_s, reps=1)
     total = sum(p.numel() * 4 for p in params)
     del adam, params
     if cuda:

@@ -762,7 +762,7 @@ def _search_with(
         best = _fastest([evaluation(explore, ks, mode) for ks in plans for mode in modes])
         return _fastest([evaluation(problem, best.ks, mode) for mode in modes]) if local else best
 
-    def meanwhile(plain: list[int]) -> None:
+    def meanwhile() -> None:
         """What this process searches while the duplicated mode's search, forked, still runs."""
         hide()
         if ahead_due:
@@ -845,7 +845,7 @@ def _solve_modes_within(
     found: list[list[int]],
     progress,
     beam: dict,
-    meanwhile: Callable[[list[int]], None] | None = None,
+    meanwhile: Callable[[], None] | None = None,
     idle: Callable[[list[int]], None] | None = None,
 ) -> list[list[int]]:
     """The DP's answers in ``modes`` under ``budget``, beside the plans already ``found``.  Under a
@@ -869,19 +869,11 @@ def _solve_modes_within(
         ]
 
     in_hand = fitting(found)
-    plain_times: dict[tuple, list[float]] = {}
-
-    def times_with(plain: list[int]) -> list[float]:
-        """The times of the plans in hand that fit, the plain mode's answer ``plain`` among them."""
-        key = tuple(plain)
-        if key not in plain_times:
-            plain_times[key] = in_hand + fitting([plain])
-        return plain_times[key]
 
     def worth(plain: list[int], free: list[int]) -> bool:
         if problem.plan_memory(free) <= budget:
             return True  # the budgeted search returns this plan at once
-        times = times_with(plain)
+        times = in_hand + fitting([plain])
         # the bound is the two passes alone: a plan within the budget may store less and so step its
         # optimizer faster than the plan without it
         return not times or evaluate(problem, free, True).objective < min(times)

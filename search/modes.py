@@ -42,7 +42,7 @@ def solve_modes(
     progress_of: Callable[[bool], Callable | None] = lambda mode: None,
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
-    meanwhile: Callable[[list[int]], None] | None = None,
+    meanwhile: Callable[[], None] | None = None,
     idle: Callable[[list[int]], None] | None = None,
     **beam,
 ) -> list[list[int]]:
@@ -53,7 +53,7 @@ def solve_modes(
     if the child dies, they run one after the other.  With ``worth`` (modes ``(False, True)`` under
     ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
     (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
-    ``meanwhile(plain answer)`` (the caller's own work) runs in this process once the plain search is
+    ``meanwhile()`` (the caller's own work) runs in this process once the plain search is
     done, while the child still searches; it is not run where the searches run one after the other.
     ``idle(plain answer)``: more of the
     caller's work, run only while the duplicated mode's answer is still to come (so never on the way
@@ -72,7 +72,7 @@ def solve_modes(
     try:
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
         if meanwhile is not None:
-            meanwhile(first)
+            meanwhile()
         try:
             if worth is not None and not worth(first, _received(receive)):
                 return [first]

@@ -61,11 +61,12 @@ def test_kernel_seconds_replays_short_kernels_many_to_a_graph_and_falls_back_whe
     monkeypatch.setattr(device, "time_call", lambda fn, dev, **kw: 2e-3)
     cuda = torch.device("cuda")
     tiny, mid, huge = 2.0 * 128**3, device.KERNEL_SPAN_S * device.FAST_FLOPS / 10, 2.0 * 16384**3
-    assert device.kernel_seconds(lambda: None, cuda, 0.01, tiny) == 1e-6
-    assert device.kernel_seconds(lambda: None, cuda, 0.01, mid) == 1e-6
-    assert device.kernel_seconds(lambda: None, cuda, 0.01, huge) == 2e-3
+    assert [device.matmul_reps(f) for f in (tiny, mid, huge)] == [64, 10, 1]
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, device.matmul_reps(tiny)) == 1e-6
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, device.matmul_reps(mid)) == 1e-6
+    assert device.kernel_seconds(lambda: None, cuda, 0.01, device.matmul_reps(huge)) == 2e-3
     assert asked == [64, 10, 1]
-    assert device.kernel_seconds(lambda: None, torch.device("cpu"), 0.01, tiny) == 2e-3 and len(asked) == 3
+    assert device.kernel_seconds(lambda: None, torch.device("cpu"), 0.01, 64) == 2e-3 and len(asked) == 3
 
 
 def test_the_fused_adam_step_is_timed_per_parameter_byte_and_kept_by_the_profile(tmp_path):

@@ -10,15 +10,13 @@ and writes ``--profile`` with it (replacing any table it had) to ``--out``:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from hidup.profiler.device import attention_table, default_attention_grid
-from hidup.profiler.profile import ATTENTION_DTYPES, Profile
+from hidup.profiler.profile import ATTENTION_DTYPES, load, save
 
 
 def main(argv=None) -> int:
@@ -35,21 +33,18 @@ def main(argv=None) -> int:
     if set(dtypes) - set(ATTENTION_DTYPES):
         print(f"--dtypes: not storage dtypes: {sorted(set(dtypes) - set(ATTENTION_DTYPES))}", file=sys.stderr)
         return 2
-    data = json.loads(Path(args.profile).read_text())
-    profile = Profile.from_dict(data)
+    profile = load(args.profile)
     device = torch.device("cuda", torch.cuda.current_device())
     grid = default_attention_grid(device)
     for d in dtypes:
         start = time.perf_counter()
         profile.attention[d] = attention_table(device, d, *grid, budget_s=args.budget)
         print(f"attention {d}: {time.perf_counter() - start:.0f} s", flush=True)
-    data["attention"] = {d: t.to_dict() for d, t in sorted(profile.attention.items())}
-    data["notes"] = data.get("notes", "") + (
+    profile.notes += (
         f"; attention {', '.join(dtypes)} re-measured on {torch.cuda.get_device_name(device)} with torch "
         f"{torch.__version__} on head dims x seqs x rows {[list(a) for a in grid]}, each in a CUDA graph"
     )
-    Profile.from_dict(data)  # what is written reads back
-    Path(args.out).write_text(json.dumps(data, indent=1))
+    save(profile, args.out)
     print(f"wrote {args.out}")
     return 0
 

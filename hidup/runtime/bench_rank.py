@@ -44,7 +44,7 @@ autograd keeps for the backward, and the inputs.
 With ``--kernels`` each CUDA run also records where its device time goes: the steps run once more
 without a CUDA graph under ``torch.profiler``, and the kernels' time per step is summed by kind
 (matmul libraries, attention, inductor's generated kernels, the optimizer, copies, other;
-:func:`hidup.runtime.kernel_profile.kernel_kind`), with the heaviest kernels by name.
+:func:`hidup.runtime.kernel_profile.kernel_kind`), and the time of every kernel by name.
 
 Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
 rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
@@ -134,7 +134,7 @@ def add_parser(sub) -> None:
         "--kernels",
         action="store_true",
         help="also record each run's device time per step by kernel kind (matmul, attention, generated, "
-        "optimizer, copies, other) and its heaviest kernels, from torch.profiler over steps run without "
+        "optimizer, copies, other) and of every kernel by name, from torch.profiler over steps run without "
         "a CUDA graph",
     )
     g.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

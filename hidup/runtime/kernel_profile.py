@@ -1,8 +1,10 @@
 """Where a training step's device time goes, by CUDA kernel: ``hidup bench-rank --kernels``.
 
-The steps run under ``torch.profiler``; each kernel's device time per step is summed, and kernels
-are grouped into kinds by name fragments (:data:`KERNEL_KINDS`: the optimizer, attention, matrix
-multiplies of the vendor libraries, inductor's generated kernels, copies, and ``other``)."""
+The steps run under ``torch.profiler``; each kernel's device time per step is summed (every kernel
+is kept, by name, so that inductor's generated kernels -- named after the ops they fuse -- can be
+matched to the ops the cost model prices), and kernels are grouped into kinds by name fragments
+(:data:`KERNEL_KINDS`: the optimizer, attention, matrix multiplies of the vendor libraries,
+inductor's generated kernels, copies, and ``other``)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
 
 
-def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: int = 15) -> dict:
-    """Device milliseconds per step of ``step(*inputs)`` by kernel kind (:func:`kernel_kind`) and its
-    ``top`` heaviest kernels, from ``torch.profiler`` over ``steps`` steps (after one untimed)."""
+def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: int | None = None) -> dict:
+    """Device milliseconds per step of ``step(*inputs)`` by kernel kind (:func:`kernel_kind`) and per
+    kernel, heaviest first (all of them, or the ``top`` heaviest), from ``torch.profiler`` over
+    ``steps`` steps (after one untimed)."""
     from torch.profiler import ProfilerActivity, profile
 
     step(*inputs)
@@ -46,12 +49,12 @@ def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: in
     kinds: dict[str, float] = {}
     for name, ms in per_kernel.items():
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]  # [:None] keeps all
     return {
         "device_ms": sum(per_kernel.values()),
         "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "kernels_per_step": sum(counts.values()) / steps,
-        "heaviest": [
+        "per_kernel": [
             {"name": n[:160], "ms": ms, "calls": counts[n] / steps, "kind": kernel_kind(n)} for n, ms in heaviest
         ],
     }

@@ -16,12 +16,19 @@ mode's answer is in, ``worth(plain answer, duplicated answer without the budget)
 wait for the duplicated mode's budgeted search or to drop it (the child is then stopped).  (The
 plain answer does not bar the duplicated search by price: that search's bound is on duplicated times,
 and its plan may win run without duplication.)
+
+Once the plain mode's answer is in and the caller's ``meanwhile`` work done, this process only waits for
+the duplicated answer (doing at most the caller's short ``idle`` work); the forked duplicated search then
+counts this process's core as spare, and its search by price runs its passes two at a time
+(:data:`hidup.search.dp.PASSES_BESIDE`: the same prices and plans as one pass after the other).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import sys
 from typing import Any, Callable
 
 from hidup.search import dp
@@ -33,6 +40,9 @@ __all__ = ["solve_modes", "solve_beside", "spare_core", "PARALLEL_MIN_POSITIONS"
 PARALLEL_MIN_POSITIONS = 1024  # below this a search takes about a second; a second process is not worth it
 _live: set = set()  # the children this process has forked and not yet joined
 _in_child = False  # whether this process is such a child (its parent searches beside it)
+# in the duplicated mode's child of solve_modes: the flag, shared with the parent, nonzero while the parent
+# still searches its own mode (None in every other process)
+_parent_searching = None
 
 
 def solve_modes(
@@ -64,8 +74,11 @@ def solve_modes(
         return _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam)
-    child = ctx.Process(target=_solve_in_child, args=args, daemon=True)
+    searching = ctx.RawValue("b", 1)  # this process still searches (spare_core)
+    args = (send, problem, modes[1], memory_budget, worth is not None, beat, beam, searching)
+    # (not daemonic: a daemonic process may not fork, and the child forks its passes beside; it is
+    # stopped and joined below in any case)
+    child = ctx.Process(target=_solve_in_child, args=args)
     child.start()
     _live.add(child)
     send.close()
@@ -73,6 +86,7 @@ def solve_modes(
         first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
         if meanwhile is not None:
             meanwhile()
+        searching.value = 0
         try:
             if worth is not None and not worth(first, _received(receive)):
                 return [first]
@@ -134,9 +148,12 @@ def _passes_beside(problem: Problem, here: Callable[[], Any], there: Callable[[]
 
 def spare_core(problem: Problem) -> bool:
     """Whether a search of ``problem`` may fork a child beside this process now: it would fork one
-    (:func:`solve_beside`), this process is no such child, and a core is free of the children it has
-    forked (a child that has sent its answer may still be running its last instructions: busy)."""
-    if _in_child or not _forks(problem):
+    (:func:`solve_beside`), a core is free of the children it has forked (a child that has sent its
+    answer may still be running its last instructions: busy), and this process is no forked child
+    whose parent still searches: a child of :func:`solve_beside` never forks, the duplicated mode's
+    child of :func:`solve_modes` once the parent has the plain mode's answer and has done its
+    ``meanwhile`` work (the parent then waits for this child's answer: module docstring)."""
+    if not _forks(problem) or (_in_child and (_parent_searching is None or _parent_searching.value)):
         return False
     return (os.cpu_count() or 1) - 1 - sum(child.is_alive() for child in _live) >= 1
 
@@ -172,11 +189,28 @@ def _received(receive) -> list[int]:
         del answer  # which would keep every frame the error passed through (and their problems) alive
 
 
+def _become_child(parent_searching=None) -> None:
+    """This forked process made a child of the search that forked it (:func:`spare_core`), with
+    ``parent_searching`` the flag of a duplicated mode's child.  Such a child may fork passes beside
+    it, so a stop (SIGTERM: the parent does not want its answer) unwinds it, stopping them too."""
+    global _in_child, _parent_searching
+    _in_child, _parent_searching = True, parent_searching
+    _live.clear()  # (the parent's children, not this process's)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if parent_searching is None else _unwind)
+
+
+def _unwind(signum, frame) -> None:
+    sys.exit(1)
+
+
 def _answer_in_child(send, *searches: Callable[[], Any]) -> None:
     """Each of ``searches``' answers in turn (or the first error) sent to the parent
     (:func:`solve_beside`)."""
-    global _in_child
-    _in_child = True
+    _become_child()
+    _send_answers(send, *searches)
+
+
+def _send_answers(send, *searches: Callable[[], Any]) -> None:
     try:
         for search in searches:
             send.send((True, search()))
@@ -196,11 +230,14 @@ def _solve_in_child(
     free_first: bool,
     beat: float | None,
     beam: dict,
+    parent_searching,
 ) -> None:
     """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
-    sent to the parent; with ``free_first`` its answer without the budget is sent before it."""
+    sent to the parent; with ``free_first`` its answer without the budget is sent before it.
+    ``parent_searching``: the flag of :func:`spare_core`."""
+    _become_child(parent_searching)
     free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
-    _answer_in_child(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])
+    _send_answers(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])
 
 
 dp.PASSES_BESIDE = _passes_beside  # (dp cannot import this module: it imports dp)

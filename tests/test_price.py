@@ -211,3 +211,45 @@ def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_
     pr = Problem(g, SOCKET)
     assert dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True) == alone
     assert bool(forked) == ((os.cpu_count() or 1) >= 2)
+
+
+def test_the_forked_duplicated_search_runs_its_passes_two_at_a_time_once_the_plain_answer_is_in(monkeypatch, tmp_path):
+    """Under a budget the duplicated mode's search, forked beside the plain one, counts the parent's
+    core as spare once the parent has the plain answer: its search by price then runs the pass it
+    guesses comes next beside each pass, and both answers are those of the searches one after the other."""
+    import os
+
+    from hidup.search import modes
+
+    g = random_graph(703, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, True)
+    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
+    monkeypatch.setattr(dp, "PRICE_STEPS", 8)
+    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 0)  # by price: a beam that never cuts
+    beam = dict(max_states=10**6, max_points=None)
+    alone = [dp.solve(pr, mode, budget, **beam)[0] for mode in (False, True)]
+    assert pr.plan_memory(dp.solve(pr, True, None, **beam)[0]) > budget  # the duplicated search is priced
+    log = tmp_path / "beside"
+    beside = dp.PASSES_BESIDE
+
+    def logged(problem, here, there):  # (in the forked child: written to a file)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}:{modes.spare_core(problem)}\n")
+        return beside(problem, here, there)
+
+    parent, solve = os.getpid(), modes.solve
+
+    def plain_at_once(problem, duplication, *args, **kwargs):  # the parent's answer is in at once
+        if not duplication and os.getpid() == parent:
+            return list(alone[0]), 0.0
+        return solve(problem, duplication, *args, **kwargs)
+
+    monkeypatch.setattr(dp, "PASSES_BESIDE", logged)
+    monkeypatch.setattr(modes, "solve", plain_at_once)
+    monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)
+    assert modes.solve_modes(Problem(g, SOCKET), (False, True), budget, **beam) == alone
+    calls = [line.split(":") for line in log.read_text().split()]
+    assert calls and all(pid != str(parent) for pid, _ in calls)
+    assert all(spare == str((os.cpu_count() or 1) >= 2) for _, spare in calls)

@@ -76,7 +76,10 @@ class MemoryModel:
         self.remade = frozenset(
             t for n in self.graph.nodes if n.op == "param" and n.name in self.reshard for t in n.outputs
         )
-        self._breakdown: dict[tuple, tuple] = {}  # (node name, id(signature)) -> (signature, breakdown)
+        # (what a node's terms depend on besides its signature, :meth:`_alike`; id(signature)) -> (signature,
+        # breakdown); and node name -> that first part
+        self._breakdown: dict[tuple, tuple] = {}
+        self._alike_key: dict[str, tuple] = {}
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
         self.kept_inputs: set[int] = set()
@@ -169,12 +172,25 @@ class MemoryModel:
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``
-        (kept per (node, signature): every search problem sharing this model reads the same)."""
-        key = (node.name, id(sig))
+        (kept per signature and :meth:`_alike` node: every search problem sharing this model reads the
+        same, and so do the nodes alike)."""
+        alike = self._alike_key.get(node.name)
+        if alike is None:
+            alike = self._alike_key[node.name] = self._alike(node)
+        key = (alike, id(sig))
         hit = self._breakdown.get(key)
         if hit is None or hit[0] is not sig:
             hit = self._breakdown[key] = (sig, self._breakdown_of(node, sig))
         return hit[1]
+
+    def _alike(self, node: Node) -> tuple:
+        """What ``node``'s terms depend on besides its signature: for a ``call`` node none of whose outputs
+        a recomputed layer keeps, its record's node (:meth:`twin`: the same op of identical layers) and its
+        share of a recomputed family (the terms are then ``saved / share``, the same for each such node);
+        for any other node, the node itself."""
+        if node.op == "call" and not any(t in self.kept_inputs for t in node.outputs):
+            return ("call", self.twin(node).name, self.share.get(node.name, 1))
+        return ("node", node.name)
 
     def _breakdown_of(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         g = self.graph

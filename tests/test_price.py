@@ -184,6 +184,18 @@ def test_a_guessed_price_is_the_next_one_of_the_outcome_it_guesses(seed):
     assert (search.best is None) == (search.high < threshold)
 
 
+def _priced_setup(monkeypatch, duplication: bool):
+    """A small random graph, its problem and a budget halfway between the least memory of any plan and
+    the memory of the fastest (so the search by price has passes to make), with eight price steps."""
+    g = random_graph(703, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    plans = _plans(pr, duplication)
+    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
+    monkeypatch.setattr(dp, "PRICE_STEPS", 8)
+    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    return g, pr, budget
+
+
 def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_pass_after_the_other(monkeypatch):
     """Where a core is spare the search by price runs the pass at the price it guesses comes next in a
     forked child beside the pass at this one: the answer (and the bound that stops it) is that of the
@@ -192,12 +204,7 @@ def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_
 
     from hidup.search import modes
 
-    g = random_graph(703, calls=4, max_sigs=3)
-    pr = Problem(g, SOCKET)
-    plans = _plans(pr, False)
-    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
-    monkeypatch.setattr(dp, "PRICE_STEPS", 8)
-    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    g, pr, budget = _priced_setup(monkeypatch, duplication=False)
     alone = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
     forked = []
     beside = modes.solve_beside
@@ -221,12 +228,7 @@ def test_the_forked_duplicated_search_runs_its_passes_two_at_a_time_once_the_pla
 
     from hidup.search import modes
 
-    g = random_graph(703, calls=4, max_sigs=3)
-    pr = Problem(g, SOCKET)
-    plans = _plans(pr, True)
-    budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
-    monkeypatch.setattr(dp, "PRICE_STEPS", 8)
-    monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
+    g, pr, budget = _priced_setup(monkeypatch, duplication=True)
     monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 0)  # by price: a beam that never cuts
     beam = dict(max_states=10**6, max_points=None)
     alone = [dp.solve(pr, mode, budget, **beam)[0] for mode in (False, True)]

@@ -28,10 +28,9 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
 
 
-def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: int | None = None) -> dict:
+def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3) -> dict:
     """Device milliseconds per step of ``step(*inputs)`` by kernel kind (:func:`kernel_kind`) and per
-    kernel, heaviest first (all of them, or the ``top`` heaviest), from ``torch.profiler`` over
-    ``steps`` steps (after one untimed)."""
+    kernel, heaviest first, from ``torch.profiler`` over ``steps`` steps (after one untimed)."""
     from torch.profiler import ProfilerActivity, profile
 
     step(*inputs)
@@ -49,12 +48,12 @@ def kernel_breakdown(step, inputs, device: torch.device, steps: int = 3, top: in
     kinds: dict[str, float] = {}
     for name, ms in per_kernel.items():
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]  # [:None] keeps all
     return {
         "device_ms": sum(per_kernel.values()),
         "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "kernels_per_step": sum(counts.values()) / steps,
         "per_kernel": [
-            {"name": n[:160], "ms": ms, "calls": counts[n] / steps, "kind": kernel_kind(n)} for n, ms in heaviest
+            {"name": n[:160], "ms": ms, "calls": counts[n] / steps, "kind": kernel_kind(n)}
+            for n, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])
         ],
     }

@@ -16,14 +16,23 @@ weighted by how often each GEMM runs in the step.  This tells whether the GEMMs 
 program run below the grid because of their layout, because of a cold cache, or for another reason
 (the program then runs its GEMMs slower than all three timings).
 
+With ``--points PROFILE`` every GEMM is also timed as the profile's GEMM grid times its points (its
+kernels replayed in a CUDA graph, :func:`hidup.profiler.device.gemm_point_seconds`; the timings
+above are eager, and a small GEMM's is then its launch), together with the padded shape of every
+GEMM whose dims are not multiples of 16 bytes (the GEMM inductor may run instead,
+:meth:`hidup.search.cost.CostModel.gemm_seconds`), and kept as the grid's measured points
+(:mod:`hidup.profiler.gemm`, "Measured shapes") in a copy of ``--profile`` written to ``PROFILE``, so
+that the cost model prices the plans' GEMMs at their measured times.
+
     python exp/gemm_check.py docs/bench/predict/rank-plans/*-data.json --profile h100.json \\
-        --precisions tf32,bf16 --out gemms.json
+        --precisions tf32,bf16 --out gemms.json [--points h100-points.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,8 +43,9 @@ import hidup.profiler
 from exp.rank_predict import _graph
 from hidup.codegen.timing import time_call
 from hidup.plan import Plan
+from hidup.profiler.device import gemm_point_seconds
 from hidup.search.api import plan_indices
-from hidup.search.cost import profile_dtype
+from hidup.search.cost import GEMM_ALIGN_BYTES, profile_dtype
 from hidup.search.problem import Problem
 
 L2_SPAN = 4 * 64 * 2**20  # bytes of operand copies cycled through for a cold-cache timing: 4x a 64 MB L2
@@ -103,12 +113,14 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", default="tf32,bf16")
     p.add_argument("--device", default=None, help="where factories build their model (default the CPU)")
     p.add_argument("--out", default=None)
+    p.add_argument("--points", default=None, help="write --profile with the cold timings as GEMM grid points here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemm_check: needs a CUDA GPU", file=sys.stderr)
         return 2
     profile = hidup.profiler.load(args.profile)
     results = []
+    points: dict[str, dict[tuple, float]] = {}  # dtype -> (layout, m, n, k) -> FLOP/s, cold
     for path in args.plans:
         for precision in args.precisions.split(","):
             gemms = plan_gemms(path, profile, precision, args.device)
@@ -122,6 +134,12 @@ def main(argv=None) -> int:
                 )
                 row.update(calls=calls, priced_ms=priced * 1e3, warm_ms=warm * 1e3, cold_ms=cold * 1e3)
                 results.append(row)
+                align = max(1, GEMM_ALIGN_BYTES // (4 if dtype in ("fp32", "tf32") else 2))
+                padded = tuple(-(-d // align) * align for d in (m, n, k))
+                for dims in {(m, n, k), padded}:
+                    if args.points and (layout, *dims) not in points.setdefault(dtype, {}):
+                        seconds = gemm_point_seconds("cuda", dtype, layout, *dims)
+                        points[dtype][(layout, *dims)] = 2.0 * math.prod(dims) / seconds
                 totals.update({"priced": calls * priced, "warm": calls * warm, "cold": calls * cold})
                 totals.update({f"{role}-priced": calls * priced, f"{role}-cold": calls * cold})
                 print(
@@ -135,6 +153,15 @@ def main(argv=None) -> int:
             results.append(dict(plan=Path(path).stem, precision=precision, totals_ms=totals_ms))
     if args.out:
         Path(args.out).write_text(json.dumps({"profile": profile.name, "gemms": results}, indent=1))
+    if args.points:
+        data = profile.to_dict()
+        for dtype, measured in points.items():
+            if dtype in profile.gemm:
+                grid = profile.gemm[dtype].with_points([(*key, rate) for key, rate in measured.items()])
+                data["gemm"][dtype] = grid.to_dict()
+        data["notes"] = (data.get("notes") or "") + f" GEMM points of {len(args.plans)} plans (exp/gemm_check.py)."
+        Path(args.points).write_text(json.dumps(hidup.profiler.Profile.from_dict(data).to_dict(), indent=1))
+        print(f"wrote {args.points}: {sum(len(v) for v in points.values())} GEMM points")
     return 0
 
 

@@ -12,6 +12,8 @@
 # MODES (default cuda-graph,compile+graph) picks the bench-rank modes, PRECISIONS (default tf32,bf16) the
 # precisions; PROFILE=0 skips step 1;
 # KERNELS=0 leaves out the kernel-time breakdown (one profiled run per precision less).
+# CODE=1 keeps inductor's generated code of each plan (every kernel with the bytes inductor counts it to
+# move, `kernel_num_gb`): $OUT/code-<plan>.tgz, the *.py files of that plan's own inductor cache.
 # GPU (default h100) names the profile: $OUT/$GPU.json, profile name $GPU-measured.
 # Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
 set -u -o pipefail
@@ -33,10 +35,18 @@ fi
 if [ -n "${PLAN_FILES:-}" ]; then read -r -a plans <<< "$PLAN_FILES"; else plans=("$PLANS"/$MATCH.json); fi
 for plan in "${plans[@]}"; do
   name=$(basename "$plan" .json)
+  code_dir=
+  if [ "${CODE:-0}" = 1 ]; then
+    code_dir=$(mktemp -d); export TORCHINDUCTOR_CACHE_DIR=$code_dir TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  fi
   timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
     --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions "${PRECISIONS:-tf32,bf16}" --share-modes none \
     --steps 10 --rounds 3 --warmup 2 $kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
   status=$?
+  if [ -n "$code_dir" ]; then
+    (cd "$code_dir" && find . -name '*.py' | tar czf "$OUT/code-$name.tgz" -T -); rm -rf "$code_dir"
+    unset TORCHINDUCTOR_CACHE_DIR TORCHINDUCTOR_BENCHMARK_KERNEL
+  fi
   if [ "${QUIET:-0}" = 1 ]; then echo "$name: exit status $status"; else echo "== $name: exit $status"; grep -e "^rank " -e "ms" "$OUT/rank-$name.log" | tail -6; fi
 done
 echo "== $(date -u +%FT%TZ) done"

@@ -198,20 +198,43 @@ def gemm_grid(
             for m in sizes:
                 for n in sizes:
                     for k in sizes:
-                        out = c_flat[: m * n].view(m, n)
-                        if layout == "nt":
-                            a, b = a_flat[: m * k].view(m, k), b_flat[: n * k].view(n, k).t()
-                        elif layout == "nn":
-                            a, b = a_flat[: m * k].view(m, k), b_flat[: k * n].view(k, n)
-                        else:
-                            a, b = a_flat[: k * m].view(k, m).t(), b_flat[: k * n].view(k, n)
-                        call = functools.partial(torch.mm, a, b, out=out)
+                        call = _gemm_call(layout, m, n, k, a_flat, b_flat, c_flat)
                         seconds = kernel_seconds(call, device, per_point, matmul_reps(2.0 * m * n * k), warmup)
                         rates[layout].append(2.0 * m * n * k / seconds)
     del a_flat, b_flat, c_flat
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return GemmGrid.of(sizes, rates)
+
+
+def _gemm_call(layout: str, m: int, n: int, k: int, a_flat, b_flat, c_flat) -> Callable[[], object]:
+    """``torch.mm`` of the GEMM ``(m, n, k)`` in ``layout`` on views of the flat buffers (each at least
+    as long as its operand), as the GEMM grid stores its operands."""
+    out = c_flat[: m * n].view(m, n)
+    if layout == "nt":
+        a, b = a_flat[: m * k].view(m, k), b_flat[: n * k].view(n, k).t()
+    elif layout == "nn":
+        a, b = a_flat[: m * k].view(m, k), b_flat[: k * n].view(k, n)
+    else:
+        a, b = a_flat[: k * m].view(k, m).t(), b_flat[: k * n].view(k, n)
+    return functools.partial(torch.mm, a, b, out=out)
+
+
+def gemm_point_seconds(
+    device: torch.device | str, dtype: str, layout: str, m: int, n: int, k: int, *, budget_s: float = 0.05
+) -> float:
+    """Seconds of the one GEMM ``(m, n, k)`` in ``dtype`` and ``layout``, timed as :func:`gemm_grid` times
+    its points (a measured point of :class:`hidup.profiler.gemm.GemmGrid`)."""
+    device = torch.device(device)
+    dtype = canonical_dtype(dtype)
+    storage = torch_dtype(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a_flat = torch.randn(m * k, generator=gen, device=device).to(storage)
+    b_flat = torch.randn(k * n, generator=gen, device=device).to(storage)
+    c_flat = torch.empty(m * n, device=device, dtype=storage)
+    with tf32(dtype == "tf32"):
+        call = _gemm_call(layout, m, n, k, a_flat, b_flat, c_flat)
+        return kernel_seconds(call, device, budget_s, matmul_reps(2.0 * m * n * k))
 
 
 KERNEL_SPAN_S = 2e-4  # the span of the CUDA graph kernel_seconds replays, at FAST_FLOPS

@@ -28,9 +28,21 @@ A linear's backward is two GEMMs of the same FLOPs with the dims permuted: the i
 ``n``), the weight's ``dW[n, k] = dY^T[n, m] @ X[m, k]`` is ``(n, k, m)``; the cost model prices each
 at its own shape and layout (:meth:`hidup.search.cost.CostModel.gemm_shape`).
 
+Measured shapes
+---------------
+Between grid points the interpolation can be far off: cuBLAS picks its kernel by the exact shape, and
+a dim of ``768`` (between ``512`` and ``1024``) or a leading dim that is not a multiple of 16 bytes (a
+vocabulary of 30522) can run on a slower kernel than either neighbour.  A grid may therefore also
+hold *points*: GEMMs timed at exact ``(layout, m, n, k)`` shapes (``exp/gemm_check.py --points``
+times the GEMMs of given plans, operands cold in memory as inside a training step).  A point is the
+rate of its shape in its layout and takes precedence over the interpolation; every other shape is
+interpolated from the grid alone:
+
+    rate(m, n, k, layout) = points[(layout, m, n, k)]   if measured, else the interpolation above
+
 Serialized in a profile's ``gemm`` field as ``{dtype: {"sizes": [s0, s1, ...], "rates": [...],
-"nn": [...], "tn": [...]}}`` with ``rates`` the ``nt`` layout's, each list in ``(m, n, k)`` order,
-``k`` fastest; ``nn`` and ``tn`` are optional.
+"nn": [...], "tn": [...], "points": [[layout, m, n, k, rate], ...]}}`` with ``rates`` the ``nt``
+layout's, each list in ``(m, n, k)`` order, ``k`` fastest; ``nn``, ``tn`` and ``points`` are optional.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ class GemmGrid:
     sizes: tuple[int, ...]
     rates: tuple[float, ...]  # the nt layout's; len(sizes) ** 3, (m, n, k) order, k fastest
     layouts: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (layout, rates) of the measured "nn", "tn"
+    points: tuple[tuple[str, int, int, int, float], ...] = ()  # (layout, m, n, k, rate) measured exactly
 
     def __post_init__(self) -> None:
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] <= 0:
@@ -64,15 +77,31 @@ class GemmGrid:
                 raise ValueError(f"GEMM grid of {len(self.sizes)} sizes needs {want} rates ({name}), got {len(rates)}")
             if not all(r > 0 and math.isfinite(r) for r in rates):
                 raise ValueError(f"GEMM grid {name} rates must be positive and finite")
+        exact = {}
+        for point in self.points:
+            layout, *dims, rate = point
+            if layout not in LAYOUTS or len(dims) != 3 or not all(isinstance(d, int) and d > 0 for d in dims):
+                raise ValueError(f"GEMM point must be [layout of {LAYOUTS}, m, n, k, rate], got {list(point)}")
+            if not (rate > 0 and math.isfinite(rate)):
+                raise ValueError(f"GEMM point {list(point)}: the rate must be positive and finite")
+            exact[(layout, *dims)] = float(rate)
+        object.__setattr__(self, "_points", exact)
         object.__setattr__(self, "_logs", tuple(math.log(s) for s in self.sizes))
         logs = {name: tuple(math.log(r) for r in rates) for name, rates in self.by_layout.items()}
         object.__setattr__(self, "_log_rates", logs)
 
     @staticmethod
-    def of(sizes, by_layout: dict) -> "GemmGrid":
-        """The grid of ``by_layout`` (layout -> its rates; ``nt`` required, ``nn`` and ``tn`` optional)."""
+    def of(sizes, by_layout: dict, points=()) -> "GemmGrid":
+        """The grid of ``by_layout`` (layout -> its rates; ``nt`` required, ``nn`` and ``tn`` optional) and
+        the exact ``points`` (``(layout, m, n, k, rate)``, module docstring)."""
         others = tuple((name, tuple(r)) for name, r in by_layout.items() if name != "nt")
-        return GemmGrid(tuple(sizes), tuple(by_layout["nt"]), others)
+        return GemmGrid(tuple(sizes), tuple(by_layout["nt"]), others, tuple(tuple(p) for p in points))
+
+    def with_points(self, points) -> "GemmGrid":
+        """This grid with ``points`` (``(layout, m, n, k, rate)``) added; a new point replaces an old one
+        of the same shape and layout."""
+        merged = {(p[0], *p[1:4]): p for p in (*self.points, *(tuple(p) for p in points))}
+        return GemmGrid.of(self.sizes, self.by_layout, sorted(merged.values()))
 
     @property
     def by_layout(self) -> dict[str, tuple[float, ...]]:
@@ -99,6 +128,9 @@ class GemmGrid:
         ``nt`` rates where the grid has no rates of ``layout``."""
         if layout not in LAYOUTS:
             raise ValueError(f"GEMM layout must be one of {LAYOUTS}, got {layout!r}")
+        exact = self._points.get((layout, m, n, k)) if self._points else None
+        if exact is not None:
+            return exact
         logs = self._log_rates.get(layout, self._log_rates["nt"])
         (i0, i1, wi), (j0, j1, wj), (l0, l1, wl) = self._bracket(m), self._bracket(n), self._bracket(k)
         total = 0.0
@@ -111,16 +143,20 @@ class GemmGrid:
 
     def scaled(self, factor: float) -> "GemmGrid":
         """Every rate times ``factor`` (a perturbed profile keeps the grid's shape)."""
-        return GemmGrid.of(self.sizes, {name: [r * factor for r in rates] for name, rates in self.by_layout.items()})
+        by_layout = {name: [r * factor for r in rates] for name, rates in self.by_layout.items()}
+        return GemmGrid.of(self.sizes, by_layout, [(*p[:4], p[4] * factor) for p in self.points])
 
     def to_dict(self) -> dict:
-        return {"sizes": list(self.sizes), "rates": list(self.rates), **{n: list(r) for n, r in self.layouts}}
+        points = {"points": [list(p) for p in self.points]} if self.points else {}
+        return {"sizes": list(self.sizes), "rates": list(self.rates), **{n: list(r) for n, r in self.layouts}, **points}
 
     @staticmethod
     def from_dict(d: object) -> "GemmGrid":
         """Build from :meth:`to_dict`'s form; ``ValueError`` naming what is wrong."""
-        if not isinstance(d, dict) or not {"sizes", "rates"} <= set(d) <= {"sizes", "rates", *LAYOUTS[1:]}:
-            raise ValueError('expected {"sizes": [...], "rates": [...]} and optionally "nn": [...], "tn": [...]')
+        if not isinstance(d, dict) or not {"sizes", "rates"} <= set(d) <= {"sizes", "rates", "points", *LAYOUTS[1:]}:
+            raise ValueError(
+                'expected {"sizes": [...], "rates": [...]} and optionally "nn": [...], "tn": [...], "points": [...]'
+            )
         sizes = d["sizes"]
         if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
             raise ValueError(f"sizes must be a list of integers, got {sizes!r}")
@@ -131,4 +167,7 @@ class GemmGrid:
             if not isinstance(rates, list) or not numbers:
                 raise ValueError(f"{key} must be a list of numbers")
             by_layout["nt" if key == "rates" else key] = [float(r) for r in rates]
-        return GemmGrid.of(sizes, by_layout)
+        points = d.get("points", [])
+        if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 5 for p in points):
+            raise ValueError("points must be a list of [layout, m, n, k, rate]")
+        return GemmGrid.of(sizes, by_layout, [tuple(p) for p in points])

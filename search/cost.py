@@ -102,6 +102,19 @@ priced by what the compiled program moves, by its kind (:func:`hidup.rules.fusio
   and an output is written when some consumer (through views) is a kernel, the loss, or a fused node
   at a higher level.  Measured per-op times are eager kernels and are not used for fused nodes.
 
+A GEMM whose dims are not all multiples of :data:`GEMM_ALIGN_BYTES` bytes (a vocabulary of 30522)
+runs on slower kernels; inductor then benchmarks the GEMM padded -- each dim rounded up to that
+alignment, each operand with a padded dim copied into a padded buffer first -- and keeps whichever
+is faster (its ``pad_mm`` pass).  The compiled price of each GEMM of a matmul is likewise
+(:meth:`CostModel.gemm_seconds`, ``b`` the operands' element size, ``A = m k`` and ``B = k n`` the
+operands' elements and ``A'``, ``B'`` the padded ones)::
+
+    t = min(2 m n k / rate(m, n, k),  2 m' n' k' / rate(m', n', k') + sum over padded operands X of
+                                      o + (X + X') b / memory_bandwidth)
+
+with the rates of the GEMM grid (its measured points where it has them: the misaligned shape runs on
+its own kernel, :mod:`hidup.profiler.gemm`).
+
 Inductor pads the rows of the tensors it lays out (``padding_alignment_bytes``: a stride of at least
 :data:`PAD_MIN_STRIDE` elements becomes a multiple of :data:`PAD_ALIGN_BYTES`), and pads a
 matmul's misaligned dims for its tensor cores, so a matmul output whose innermost dim is at least
@@ -254,6 +267,7 @@ LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
 # inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
 # stride is at least PAD_MIN_STRIDE elements (torch._inductor.config.padding_alignment_bytes,
 # padding_stride_threshold)
+GEMM_ALIGN_BYTES = 16  # inductor pads a GEMM's dims to multiples of 16 bytes (4 float32, 8 bfloat16 elements)
 PAD_ALIGN_BYTES = 128
 PAD_MIN_STRIDE = 1024
 
@@ -581,8 +595,11 @@ class CostModel:
         grid = self.profile.gemm.get(rate_key) if gemms is not None else None
         if grid is not None:
             (_, dims, layout, _), *backward = gemms
-            fwd = flops / grid.rate(*dims, layout)
-            grads = [flops / grid.rate(*dims, lay) for _, dims, lay, t in backward if g.tensors[t].requires_grad]
+            itemsize = 2 if rate_key in LOW_PRECISIONS else 4  # a matmul reads its operands at its rate's dtype
+            fwd = self.gemm_seconds(grid, dims, layout, itemsize)
+            grads = [
+                self.gemm_seconds(grid, d, lay, itemsize) for _, d, lay, t in backward if g.tensors[t].requires_grad
+            ]
         else:
             fwd = flops / self.profile.rate_at(rate_key, flops)
         floor = 0.0  # seconds to move the kernel's bytes
@@ -606,6 +623,24 @@ class CostModel:
         else:
             bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd
         return fwd + cast_fwd, bwd + self.bias_grad(node, sig) + cast_bwd
+
+    def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, itemsize: int) -> float:
+        """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` with operands of ``itemsize`` bytes, from
+        the profile's GEMM ``grid`` (module docstring, "Compute"); in a compiled program the cheaper of
+        the GEMM as it is and inductor's padded GEMM (module docstring, "Compiled programs")."""
+        m, n, k = dims
+        seconds = 2.0 * m * n * k / grid.rate(m, n, k, layout)
+        align = max(1, GEMM_ALIGN_BYTES // itemsize)
+        padded = tuple(-(-d // align) * align for d in dims)
+        membw = self.profile.memory_bandwidth
+        if not self.compiled or padded == dims or not membw:
+            return seconds
+        pm, pn, pk = padded
+        copies = 0.0  # each operand with a padded dim is copied into a padded buffer: read it, write that
+        for size, padded_size in ((m * k, pm * pk), (k * n, pk * pn)):
+            if size != padded_size:
+                copies += self.profile.op_overhead + (size + padded_size) * itemsize / membw
+        return min(seconds, 2.0 * pm * pn * pk / grid.rate(pm, pn, pk, layout) + copies)
 
     @staticmethod
     def gemm_shape(node: Node, shapes: list | None) -> tuple[tuple[int, int, int], tuple[int, int]] | None:

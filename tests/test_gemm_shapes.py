@@ -11,7 +11,7 @@ import pytest
 
 import hidup.profiler
 from hidup.ir import FULL, Graph, Node, Signature, Tensor
-from hidup.profiler.device import gemm_grid
+from hidup.profiler.device import gemm_grid, gemm_point_seconds
 from hidup.profiler.gemm import GemmGrid
 from hidup.profiler.profile import Profile
 from hidup.search.cost import CostModel
@@ -48,6 +48,54 @@ def test_grid_round_trips_scales_and_rejects_bad_input():
         GemmGrid((512, 128, 2048), (1.0,) * 27)
     with pytest.raises(ValueError, match="positive"):
         GemmGrid(SIZES, (1.0,) * 26 + (0.0,))
+
+
+def test_measured_points_take_precedence_and_travel_with_the_grid(tmp_path):
+    grid = _grid().with_points([("nt", 4096, 768, 768, 1.5e11), ("tn", 300, 700, 900, 2e11)])
+    assert grid.rate(4096, 768, 768, "nt") == 1.5e11
+    assert grid.rate(4096, 768, 768, "nn") == _grid().rate(4096, 768, 768, "nn")  # a point is of its layout only
+    assert grid.rate(4096, 768, 769, "nt") == _grid().rate(4096, 768, 769, "nt")  # and of its exact shape
+    assert grid.with_points([("nt", 4096, 768, 768, 3e11)]).rate(4096, 768, 768) == 3e11  # a new one replaces it
+    assert GemmGrid.from_dict(json.loads(json.dumps(grid.to_dict()))) == grid
+    assert grid.scaled(0.5).rate(300, 700, 900, "tn") == pytest.approx(1e11)
+    p = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), gemm={"tf32": grid})
+    assert hidup.profiler.load(hidup.profiler.save(p, tmp_path / "p.json")).gemm["tf32"] == grid
+    with pytest.raises(ValueError, match="GEMM point"):
+        grid.with_points([("xx", 1, 2, 3, 1.0)])
+    with pytest.raises(ValueError, match="positive and finite"):
+        grid.with_points([("nt", 1, 2, 3, 0.0)])
+    d = p.to_dict()
+    d["gemm"]["tf32"]["points"] = [["nt", 1, 2]]
+    with pytest.raises(hidup.profiler.ProfileError, match="gemm.tf32"):
+        Profile.from_dict(d)
+
+
+def test_gemm_point_measurement_on_the_cpu():
+    seconds = gemm_point_seconds("cpu", "fp32", "tn", 64, 48, 32, budget_s=0.02)
+    assert 0 < seconds < 1
+
+
+@pytest.mark.parametrize("itemsize", [4, 2])
+def test_compiled_gemm_with_a_misaligned_dim_costs_the_cheaper_of_as_is_and_padded(itemsize):
+    """A vocabulary of 30522 is not a multiple of 16 bytes: the compiled price is the GEMM as it is or the
+    padded GEMM plus copying the padded operand, whichever is cheaper (search/cost.py, "Compiled programs")."""
+    m, n, k = 4096, 30522, 768
+    align = 16 // itemsize
+    pn = -(-n // align) * align
+    base = dataclasses.replace(hidup.profiler.load("h200x4-nvlink"), memory_bandwidth=4e12, op_overhead=1e-5)
+    compiled = dataclasses.replace(base, compiled=True)
+    g = _linear_graph()
+    copy = 1e-5 + (n * k + pn * k) * itemsize / 4e12  # the weight [n, k] into [pn, k]
+    for slow, padded_wins in ((1e13, True), (5e14, False)):  # the misaligned shape measured slow, or fast
+        grid = _grid(lambda m_, n_, k_: 4e14).with_points([("nt", m, n, k, slow)])
+        cm = CostModel(g, dataclasses.replace(compiled, gemm={"tf32": grid}), precision="tf32")
+        as_is, padded = 2.0 * m * n * k / slow, 2.0 * m * pn * k / 4e14 + copy
+        assert cm.gemm_seconds(grid, (m, n, k), "nt", itemsize) == pytest.approx(min(as_is, padded))
+        assert (padded < as_is) == padded_wins
+        eager = CostModel(g, dataclasses.replace(base, gemm={"tf32": grid}), precision="tf32")
+        assert eager.gemm_seconds(grid, (m, n, k), "nt", itemsize) == pytest.approx(as_is)  # eager: as it is
+    aligned = CostModel(g, dataclasses.replace(compiled, gemm={"tf32": grid}), precision="tf32")
+    assert aligned.gemm_seconds(grid, (m, 30528, k), "nt", itemsize) == pytest.approx(2.0 * m * 30528 * k / 4e14)
 
 
 def test_profile_keeps_the_grid_and_names_a_bad_one(tmp_path):

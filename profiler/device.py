@@ -50,6 +50,15 @@ captured in a CUDA graph) and divides by their bytes: the optimizer's price per 
 trainable parameters (``optimizer_s_per_byte``), where the roofline of seven passes over the
 parameters at the copy bandwidth leaves out the step's arithmetic and its per-tensor work.
 
+Sums over rows
+--------------
+Inductor sums a gradient over its rows (a bias's, a norm weight's) in two kernels: a looped reduction
+over blocks of rows, then a small kernel adding the blocks' partial sums.
+:func:`reduction_bandwidth` compiles ``x.sum(0)`` with inductor for a ``[rows, 1024]`` tensor of
+about 64 MiB in the given dtype and times it inside a CUDA graph: ``bytes of x / t``, bytes read per
+second (the small second kernel is under 1% of it).  :func:`kernel_floor` times the compiled sum of
+a ``[64, 1024]`` float32 tensor the same way: one small generated kernel, whose time is its latency.
+
 Gradient bucket copies
 ----------------------
 The runtime packs the gradients of replicated parameters into flat buckets before each all-reduce
@@ -467,6 +476,38 @@ def adam_seconds_per_byte(device: torch.device | str, nbytes: int | None = None,
     if cuda:
         torch.cuda.empty_cache()
     return seconds / total
+
+
+def _compiled_sum_seconds(x: torch.Tensor, budget_s: float, backend: str) -> float:
+    """Seconds of ``x.sum(0)`` compiled by ``backend`` (inductor in a profile), timed by
+    :func:`kernel_seconds`."""
+    summed = torch.compile(lambda t: t.sum(0), backend=backend, dynamic=False, fullgraph=True)
+    return kernel_seconds(lambda: summed(x), x.device, budget_s, reps=8, warmup=2)
+
+
+def reduction_bandwidth(
+    device: torch.device | str, dtype: str = "fp32", nbytes: int = 64 << 20, *, budget_s: float = 0.2,
+    backend: str = "inductor",
+) -> float:  # fmt: skip
+    """Bytes per second read by the compiled sum over the rows of a ``[rows, 1024]`` tensor of about
+    ``nbytes`` in ``dtype`` (module docstring, "Sums over rows")."""
+    device = torch.device(device)
+    storage = torch_dtype(canonical_dtype(dtype))
+    rows = max(1, nbytes // (1024 * storage.itemsize))
+    x = torch.ones((rows, 1024), device=device, dtype=storage)
+    seconds = _compiled_sum_seconds(x, budget_s, backend)
+    read = x.numel() * storage.itemsize
+    del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return read / seconds
+
+
+def kernel_floor(device: torch.device | str, *, budget_s: float = 0.2, backend: str = "inductor") -> float:
+    """Seconds of one small generated kernel: the compiled sum over the rows of a ``[64, 1024]``
+    float32 tensor (module docstring, "Sums over rows")."""
+    x = torch.ones((64, 1024), device=torch.device(device))
+    return _compiled_sum_seconds(x, budget_s, backend)
 
 
 def grad_copy_overhead(

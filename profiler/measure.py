@@ -72,9 +72,11 @@ from .device import (
     dtype_supported,
     gemm_grid,
     grad_copy_overhead,
+    kernel_floor,
     layout_bandwidth,
     memory_bandwidth,
     op_overhead,
+    reduction_bandwidth,
     torch_dtype,
     transpose_bandwidth,
 )
@@ -378,6 +380,13 @@ def _measure(
             overhead_graph = 1.0 / _rates_agreed({"ops": 1.0 / per_op}, device)["ops"]
             per_param = grad_copy_overhead(device, budget_s=budget, graphed=True)
             grad_copy_graph = 1.0 / _rates_agreed({"params": 1.0 / per_param}, device)["params"]
+        reduction_bw, floor = {}, 0.0
+        if device.type == "cuda":  # inductor's kernels (profile.py, "Generated kernels"); a CPU has none
+            stored = [s for s in profile_mod.REDUCTION_DTYPES if _stored_as(s, dtypes, device)]
+            if stored:
+                measured = {s: reduction_bandwidth(device, s, budget_s=budget) for s in stored}
+                reduction_bw = _rates_agreed(measured, device)
+            floor = 1.0 / _rates_agreed({"kernel": 1.0 / kernel_floor(device, budget_s=budget)}, device)["kernel"]
         curves, net_curves = [], []
         if world > 1:
             curves = profile_collectives(
@@ -487,6 +496,8 @@ def _measure(
         matmul_sizes=per_size,
         gemm=gemm,
         attention=tables or (dict(base.attention) if base is not None else {}),
+        reduction_bandwidth=reduction_bw,
+        kernel_floor_graph=floor,
         notes=f"measured with torch {torch.__version__} in {elapsed:.0f} s; " + "; ".join(notes),
     )
     prof.optimizer_s_per_byte = adam
@@ -510,6 +521,8 @@ def _measure(
         "grad_copy_overhead_graph": grad_copy_graph,
         "op_overhead": overhead,
         "op_overhead_graph": overhead_graph,
+        "reduction_bandwidth": reduction_bw,
+        "kernel_floor_graph": floor,
         "matmul": {d: r.to_dict() for d, r in matmul.items()},
         "collectives": [c.to_dict() for c in curves],
     }

@@ -91,6 +91,20 @@ measured: ``layout_bandwidth``), and a tensor of ``s``-byte elements copies at `
 ``grad_copy_overhead_graph`` inside a CUDA graph (0 = not measured: two op overheads, one kernel
 each way); their bytes are priced at ``memory_bandwidth``.
 
+Generated kernels
+-----------------
+A compiled program's generated kernels mostly stream at ``memory_bandwidth``, with two exceptions
+the cost model prices from their own measurements (:mod:`hidup.search.cost`, "Compiled programs"):
+the sum of a gradient over its rows (a bias's or a norm weight's), which inductor runs as a looped
+reduction over row blocks and then a small kernel adding the blocks' partial sums --
+``reduction_bandwidth`` maps a storage dtype (``fp32``, ``bf16``, ``fp16``) to the first kernel's
+rate in bytes read per second (it runs below the copy bandwidth, and in bf16 about as long as in
+fp32: its time follows the elements) -- and the time of a small generated kernel inside a CUDA
+graph, ``kernel_floor_graph`` (seconds; the second kernel of such a sum, a few microseconds against
+``op_overhead_graph``'s launch).  Both are measured by compiling the sum with inductor
+(:func:`hidup.profiler.device.reduction_bandwidth`, :func:`hidup.profiler.device.kernel_floor`); empty
+or 0 = not measured, and the cost model prices the sum as one read at ``memory_bandwidth``.
+
 Per-op times
 ------------
 ``ops`` maps :func:`op_key` ``(target, local input shapes, dtype)`` to measured forward and backward
@@ -178,6 +192,7 @@ SCHEMA_VERSION = 1
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 ATTENTION_DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes: float32 attention uses no TF32
+REDUCTION_DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of reduction_bandwidth
 SOURCES = ("measured", "builtin", "perturbed")
 LEVELS = ("node", "network")
 CLUSTER_PROFILE = "h100x64-ib400"  # the built-in profile with network tables
@@ -267,6 +282,10 @@ class Profile:
     gemm: dict[str, GemmGrid] = field(default_factory=dict)
     # storage dtype -> measured attention times (optional; hidup.profiler.attention)
     attention: dict[str, AttentionTable] = field(default_factory=dict)
+    # storage dtype -> bytes/s read by inductor's sum over rows; seconds of a small generated kernel in a
+    # CUDA graph (optional; "Generated kernels")
+    reduction_bandwidth: dict[str, float] = field(default_factory=dict)
+    kernel_floor_graph: float = 0.0
     # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
     # pointwise chains fuse (hidup.search.cost, "Compiled programs")
     compiled: bool = False
@@ -515,8 +534,12 @@ class Profile:
             out.transpose_bandwidth = self.transpose_bandwidth * f()
         for d in sorted(self.gemm):  # one draw per dtype, as for matmul_sizes
             out.gemm[d] = self.gemm[d].scaled(f())
-        for d in sorted(self.attention):  # last: a profile without it draws what it drew before
+        for d in sorted(self.attention):  # a profile without it draws what it drew before
             out.attention[d] = self.attention[d].scaled(f())
+        for d in sorted(self.reduction_bandwidth):  # last, for the same reason
+            out.reduction_bandwidth[d] = self.reduction_bandwidth[d] * f()
+        if self.kernel_floor_graph:
+            out.kernel_floor_graph = self.kernel_floor_graph * f()
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -555,6 +578,12 @@ class Profile:
             ),
             **({"gemm": {d: g.to_dict() for d, g in sorted(self.gemm.items())}} if self.gemm else {}),
             **({"attention": {d: t.to_dict() for d, t in sorted(self.attention.items())}} if self.attention else {}),
+            **(
+                {"reduction_bandwidth": dict(sorted(self.reduction_bandwidth.items()))}
+                if self.reduction_bandwidth
+                else {}
+            ),
+            **({"kernel_floor_graph": self.kernel_floor_graph} if self.kernel_floor_graph else {}),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
@@ -657,6 +686,10 @@ class Profile:
 
         gemm = per_dtype("gemm", DTYPES, GemmGrid.from_dict, "{sizes, rates}")
         attention = per_dtype("attention", ATTENTION_DTYPES, AttentionTable.from_dict, "{head_dims, seqs, ...}")
+        reduction_bw = {
+            dt: number(v, f"reduction_bandwidth.{dt}")
+            for dt, v in per_dtype("reduction_bandwidth", REDUCTION_DTYPES, lambda v: v, "bytes/s").items()
+        }
 
         ops_in = d.get("ops", {})
         if not isinstance(ops_in, dict):
@@ -811,6 +844,8 @@ class Profile:
             transpose_bandwidth=number(d.get("transpose_bandwidth", 0.0), "transpose_bandwidth", positive=False),
             gemm=gemm,
             attention=attention,
+            reduction_bandwidth=reduction_bw,
+            kernel_floor_graph=number(d.get("kernel_floor_graph", 0.0), "kernel_floor_graph", positive=False),
         )
 
 

@@ -70,7 +70,7 @@ o + table backward``.
 for attention (:data:`ATTENTION_BACKWARD`: its backward recomputes the scores, five matmuls against
 the forward's two) -- plus, for a ``linear``/``addmm`` whose bias requires a gradient, the bias's
 gradient ``o + bytes(output under s) / memory_bandwidth`` (the sum of the output gradient over its
-rows, one more read of it; :meth:`CostModel.bias_grad`); ``t_bwd`` is 0 when no input of ``n``
+rows, one more read of it; :meth:`CostModel.bias_grad`, compiled as below); ``t_bwd`` is 0 when no input of ``n``
 requires a gradient (nothing to differentiate).  Only ``call`` nodes compute.
 
 Under ``bf16``/``fp16`` autocast a matmul (:func:`kernel_kind` ``matmul``) reads its float32
@@ -101,6 +101,19 @@ priced by what the compiled program moves, by its kind (:func:`hidup.rules.fusio
   equal levels.  So an input is read when its source is not a fused node or sits at a lower level,
   and an output is written when some consumer (through views) is a kernel, the loss, or a fused node
   at a higher level.  Measured per-op times are eager kernels and are not used for fused nodes.
+
+A gradient summed over its rows -- a bias's (:meth:`CostModel.bias_grad`), or, where the profile has
+measured inductor's sums (``reduction_bandwidth``, ``kernel_floor_graph``:
+:mod:`hidup.profiler.profile`, "Generated kernels"), that of each parameter a fused node broadcasts
+(fewer local elements than its output: a norm's weight and bias), added to the fused node's
+``t_bwd`` -- runs in a compiled program as a looped reduction over blocks of rows and a small kernel
+adding the partial sums (:meth:`CostModel.grad_row_sum`, ``b`` the local bytes of the output's
+gradient at its dtype)::
+
+    t_sum = o + b / reduction_bandwidth[dtype] + kernel_floor_graph
+
+each term falling back to ``memory_bandwidth`` and 0 where not measured; eagerly ``o + b /
+memory_bandwidth``.
 
 A GEMM whose dims are not all multiples of :data:`GEMM_ALIGN_BYTES` bytes (a vocabulary of 30522)
 runs on slower kernels; inductor then benchmarks the GEMM padded -- each dim rounded up to that
@@ -244,7 +257,7 @@ from hidup.ir import (
 )
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.fusion import fusion_kind
-from hidup.saved import tensor_nbytes
+from hidup.saved import tensor_dtype, tensor_nbytes
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]
 
@@ -264,6 +277,7 @@ ATTENTION_BACKWARD = 2.5
 ATTENTION_BLOCK = 64
 # autocast's low dtype per precision
 LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
+STORAGE_KEYS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the profile's key
 # inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
 # stride is at least PAD_MIN_STRIDE elements (torch._inductor.config.padding_alignment_bytes,
 # padding_stride_threshold)
@@ -499,7 +513,23 @@ class CostModel:
             return math.inf, math.inf
         membw = self.profile.memory_bandwidth
         fwd = (moved / membw if membw else 0.0) + (self.profile.op_overhead if writes else 0.0)
-        return fwd, (2.0 * fwd if self.requires_backward(node) else 0.0)
+        if not self.requires_backward(node):
+            return fwd, 0.0
+        bwd = 2.0 * fwd
+        if membw and (self.profile.reduction_bandwidth or self.profile.kernel_floor_graph) and node.outputs:
+            out = self.graph.tensors[node.outputs[0]]
+            try:
+                out_elems = math.prod(sig.outputs[0].local_shape(out.shape, self.mesh))
+                for t, form in zip(node.inputs, sig.inputs):
+                    param = self.graph.tensors[t]
+                    if param.is_param and param.requires_grad:
+                        if math.prod(form.local_shape(param.shape, self.mesh)) < out_elems:
+                            bwd += self.grad_row_sum(
+                                self._local_bytes(node.outputs[0], sig.outputs[0]), node.outputs[0]
+                            )
+            except ValueError:
+                return math.inf, math.inf
+        return fwd, bwd
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -718,8 +748,21 @@ class CostModel:
             return 0.0
         if not self.graph.tensors[node.inputs[position]].requires_grad or not self.profile.memory_bandwidth:
             return 0.0
-        out = self._local_bytes(node.outputs[0], sig.outputs[0])
-        return out / self.profile.memory_bandwidth + self.profile.op_overhead
+        return self.grad_row_sum(self._local_bytes(node.outputs[0], sig.outputs[0]), node.outputs[0])
+
+    def grad_row_sum(self, nbytes: float, tid: int) -> float:
+        """Seconds of summing the gradient of tensor ``tid``, ``nbytes`` local bytes, over its rows (a
+        bias's or a broadcast weight's gradient): one read at the memory bandwidth plus a kernel; in a
+        compiled program the read at the profile's ``reduction_bandwidth`` for its dtype where measured,
+        plus ``kernel_floor_graph`` for the kernel adding the partial sums (module docstring, "Compiled
+        programs")."""
+        rate = self.profile.memory_bandwidth
+        seconds = self.profile.op_overhead
+        if self.compiled:
+            dtype = STORAGE_KEYS.get(tensor_dtype(self.graph, tid, self.precision))
+            rate = self.profile.reduction_bandwidth.get(dtype, rate)
+            seconds += self.profile.kernel_floor_graph
+        return seconds + nbytes / rate
 
     def autocast_casts(self, node: Node, sig: Signature) -> tuple[float, float]:
         """(forward, backward) seconds of the casts autocast adds around a matmul under a low

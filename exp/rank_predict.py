@@ -141,6 +141,20 @@ SETS = {
             {"layers": 6, "d_model": 1280, "heads": 10, "ffn": 5120, "seq_len": 512, "batch_per_gpu": 8},
         ),
     },
+    # chosen after held-out-8 was read, before any run of it, with its scheme registered: the physical
+    # prediction, nothing fitted, under the profile of the session that measures it (hidup profile, with
+    # the sums over rows measured: reduction_bandwidth, kernel_floor_graph) plus the GEMM points of its
+    # plans and the calibration plans (exp/gemm_check.py --points); also reported, held-out-7's scheme
+    # (--fit kinds --physical-kinds matmul,copies, calibration bert-sgmoe, gpt, qwen2-1024) under the same
+    # profile without points.  A Qwen2 of hidden 1792, a GPT-2 at sequence 2048, a zoo BERT-Switch (MoE)
+    "held-out-9": {
+        "qwen2-1792": (
+            f"{FACTORY}:qwen2",
+            {"layers": 4, "hidden": 1792, "heads": 14, "kv_heads": 2, "ffn": 4864, "batch": 4},
+        ),
+        "gpt2-s2048": (f"{FACTORY}:gpt2", {"layers": 4, "hidden": 1024, "heads": 16, "seq": 2048, "batch": 2}),
+        "bert-switch-768": ("bert-switch", {"layers": 8, "seq_len": 256}),
+    },
 }
 STYLES = ("searched", "data", "tensor", "fsdp")
 

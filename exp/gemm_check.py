@@ -45,7 +45,7 @@ from hidup.codegen.timing import time_call
 from hidup.plan import Plan
 from hidup.profiler.device import gemm_point_seconds
 from hidup.search.api import plan_indices
-from hidup.search.cost import GEMM_ALIGN_BYTES, profile_dtype
+from hidup.search.cost import padded_gemm, profile_dtype
 from hidup.search.problem import Problem
 
 L2_SPAN = 4 * 64 * 2**20  # bytes of operand copies cycled through for a cold-cache timing: 4x a 64 MB L2
@@ -134,9 +134,7 @@ def main(argv=None) -> int:
                 )
                 row.update(calls=calls, priced_ms=priced * 1e3, warm_ms=warm * 1e3, cold_ms=cold * 1e3)
                 results.append(row)
-                align = max(1, GEMM_ALIGN_BYTES // (4 if dtype in ("fp32", "tf32") else 2))
-                padded = tuple(-(-d // align) * align for d in (m, n, k))
-                for dims in {(m, n, k), padded}:
+                for dims in {(m, n, k), padded_gemm((m, n, k), dtype)}:
                     if args.points and (layout, *dims) not in points.setdefault(dtype, {}):
                         seconds = gemm_point_seconds("cuda", dtype, layout, *dims)
                         points[dtype][(layout, *dims)] = 2.0 * math.prod(dims) / seconds

@@ -277,7 +277,6 @@ ATTENTION_BACKWARD = 2.5
 ATTENTION_BLOCK = 64
 # autocast's low dtype per precision
 LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
-STORAGE_KEYS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the profile's key
 # inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
 # stride is at least PAD_MIN_STRIDE elements (torch._inductor.config.padding_alignment_bytes,
 # padding_stride_threshold)
@@ -303,6 +302,18 @@ def profile_dtype(torch_dtype: str, precision: str = "fp32") -> str:
     if torch_dtype == "float32":
         return precision
     return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
+
+
+def gemm_itemsize(rate_key: str) -> int:
+    """Bytes of a matmul operand at the profile dtype ``rate_key`` (its operands are in that dtype)."""
+    return 2 if rate_key in LOW_PRECISIONS else 4
+
+
+def padded_gemm(dims: tuple[int, ...], rate_key: str) -> tuple[int, ...]:
+    """The GEMM ``dims`` as inductor pads it for operands at ``rate_key``: each rounded up to a multiple
+    of :data:`GEMM_ALIGN_BYTES` bytes (module docstring, "Compiled programs")."""
+    align = max(1, GEMM_ALIGN_BYTES // gemm_itemsize(rate_key))
+    return tuple(-(-d // align) * align for d in dims)
 
 
 @dataclass(frozen=True)
@@ -506,30 +517,35 @@ class CostModel:
             return 0.0, 0.0
         if kind != "fused":
             return None
+        measured_sums = self.profile.reduction_bandwidth or self.profile.kernel_floor_graph
         try:
             moved = sum(self._local_bytes(node.inputs[i], sig.inputs[i]) for i in reads)
             moved += sum(self._local_bytes(node.outputs[i], sig.outputs[i]) for i in writes)
+            sums = self._broadcast_params(node, sig) if measured_sums and self.requires_backward(node) else 0
         except ValueError:
             return math.inf, math.inf
         membw = self.profile.memory_bandwidth
         fwd = (moved / membw if membw else 0.0) + (self.profile.op_overhead if writes else 0.0)
         if not self.requires_backward(node):
             return fwd, 0.0
-        bwd = 2.0 * fwd
-        if membw and (self.profile.reduction_bandwidth or self.profile.kernel_floor_graph) and node.outputs:
-            out = self.graph.tensors[node.outputs[0]]
-            try:
-                out_elems = math.prod(sig.outputs[0].local_shape(out.shape, self.mesh))
-                for t, form in zip(node.inputs, sig.inputs):
-                    param = self.graph.tensors[t]
-                    if param.is_param and param.requires_grad:
-                        if math.prod(form.local_shape(param.shape, self.mesh)) < out_elems:
-                            bwd += self.grad_row_sum(
-                                self._local_bytes(node.outputs[0], sig.outputs[0]), node.outputs[0]
-                            )
-            except ValueError:
-                return math.inf, math.inf
-        return fwd, bwd
+        if sums and membw:
+            out = node.outputs[0]
+            return fwd, 2.0 * fwd + sums * self.grad_row_sum(self._local_bytes(out, sig.outputs[0]), out)
+        return fwd, 2.0 * fwd
+
+    def _broadcast_params(self, node: Node, sig: Signature) -> int:
+        """How many parameters requiring a gradient ``node`` broadcasts under ``sig``: fewer local elements
+        than its first output (a norm's weight and bias), each gradient a sum over rows."""
+        if not node.outputs:
+            return 0
+        g, mesh = self.graph, self.mesh
+        out = math.prod(sig.outputs[0].local_shape(g.tensors[node.outputs[0]].shape, mesh))
+        params = ((g.tensors[t], form) for t, form in zip(node.inputs, sig.inputs))
+        return sum(
+            1
+            for t, form in params
+            if t.is_param and t.requires_grad and math.prod(form.local_shape(t.shape, mesh)) < out
+        )
 
     @staticmethod
     def _batch_dependence(graph: Graph) -> dict[int, bool]:
@@ -625,10 +641,9 @@ class CostModel:
         grid = self.profile.gemm.get(rate_key) if gemms is not None else None
         if grid is not None:
             (_, dims, layout, _), *backward = gemms
-            itemsize = 2 if rate_key in LOW_PRECISIONS else 4  # a matmul reads its operands at its rate's dtype
-            fwd = self.gemm_seconds(grid, dims, layout, itemsize)
+            fwd = self.gemm_seconds(grid, dims, layout, rate_key)
             grads = [
-                self.gemm_seconds(grid, d, lay, itemsize) for _, d, lay, t in backward if g.tensors[t].requires_grad
+                self.gemm_seconds(grid, d, lay, rate_key) for _, d, lay, t in backward if g.tensors[t].requires_grad
             ]
         else:
             fwd = flops / self.profile.rate_at(rate_key, flops)
@@ -654,17 +669,17 @@ class CostModel:
             bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd
         return fwd + cast_fwd, bwd + self.bias_grad(node, sig) + cast_bwd
 
-    def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, itemsize: int) -> float:
-        """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` with operands of ``itemsize`` bytes, from
+    def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, rate_key: str) -> float:
+        """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` at the profile's ``rate_key`` dtype, from
         the profile's GEMM ``grid`` (module docstring, "Compute"); in a compiled program the cheaper of
         the GEMM as it is and inductor's padded GEMM (module docstring, "Compiled programs")."""
         m, n, k = dims
         seconds = 2.0 * m * n * k / grid.rate(m, n, k, layout)
-        align = max(1, GEMM_ALIGN_BYTES // itemsize)
-        padded = tuple(-(-d // align) * align for d in dims)
+        padded = padded_gemm(dims, rate_key)
         membw = self.profile.memory_bandwidth
         if not self.compiled or padded == dims or not membw:
             return seconds
+        itemsize = gemm_itemsize(rate_key)
         pm, pn, pk = padded
         copies = 0.0  # each operand with a padded dim is copied into a padded buffer: read it, write that
         for size, padded_size in ((m * k, pm * pk), (k * n, pk * pn)):
@@ -759,7 +774,7 @@ class CostModel:
         rate = self.profile.memory_bandwidth
         seconds = self.profile.op_overhead
         if self.compiled:
-            dtype = STORAGE_KEYS.get(tensor_dtype(self.graph, tid, self.precision))
+            dtype = profile_dtype(tensor_dtype(self.graph, tid, self.precision))  # its storage: fp32, not tf32
             rate = self.profile.reduction_bandwidth.get(dtype, rate)
             seconds += self.profile.kernel_floor_graph
         return seconds + nbytes / rate

@@ -75,8 +75,8 @@ def test_gemm_point_measurement_on_the_cpu():
     assert 0 < seconds < 1
 
 
-@pytest.mark.parametrize("itemsize", [4, 2])
-def test_compiled_gemm_with_a_misaligned_dim_costs_the_cheaper_of_as_is_and_padded(itemsize):
+@pytest.mark.parametrize("rate_key, itemsize", [("tf32", 4), ("bf16", 2)])
+def test_compiled_gemm_with_a_misaligned_dim_costs_the_cheaper_of_as_is_and_padded(rate_key, itemsize):
     """A vocabulary of 30522 is not a multiple of 16 bytes: the compiled price is the GEMM as it is or the
     padded GEMM plus copying the padded operand, whichever is cheaper (search/cost.py, "Compiled programs")."""
     m, n, k = 4096, 30522, 768
@@ -90,12 +90,12 @@ def test_compiled_gemm_with_a_misaligned_dim_costs_the_cheaper_of_as_is_and_padd
         grid = _grid(lambda m_, n_, k_: 4e14).with_points([("nt", m, n, k, slow)])
         cm = CostModel(g, dataclasses.replace(compiled, gemm={"tf32": grid}), precision="tf32")
         as_is, padded = 2.0 * m * n * k / slow, 2.0 * m * pn * k / 4e14 + copy
-        assert cm.gemm_seconds(grid, (m, n, k), "nt", itemsize) == pytest.approx(min(as_is, padded))
+        assert cm.gemm_seconds(grid, (m, n, k), "nt", rate_key) == pytest.approx(min(as_is, padded))
         assert (padded < as_is) == padded_wins
         eager = CostModel(g, dataclasses.replace(base, gemm={"tf32": grid}), precision="tf32")
-        assert eager.gemm_seconds(grid, (m, n, k), "nt", itemsize) == pytest.approx(as_is)  # eager: as it is
+        assert eager.gemm_seconds(grid, (m, n, k), "nt", rate_key) == pytest.approx(as_is)  # eager: as it is
     aligned = CostModel(g, dataclasses.replace(compiled, gemm={"tf32": grid}), precision="tf32")
-    assert aligned.gemm_seconds(grid, (m, 30528, k), "nt", itemsize) == pytest.approx(2.0 * m * 30528 * k / 4e14)
+    assert aligned.gemm_seconds(grid, (m, 30528, k), "nt", rate_key) == pytest.approx(2.0 * m * 30528 * k / 4e14)
 
 
 def test_profile_keeps_the_grid_and_names_a_bad_one(tmp_path):

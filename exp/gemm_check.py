@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import hidup.profiler
-from exp.rank_predict import _graph
+from exp.rank_predict import _graph, parsed_on_gpu, plan_file_arguments
 from hidup.codegen.timing import time_call
 from hidup.plan import Plan
 from hidup.profiler.device import gemm_point_seconds
@@ -108,15 +108,11 @@ def timed(layout: str, m: int, n: int, k: int, dtype: str, cold: bool) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("plans", nargs="+", help="plan files recording their model (exp/rank_predict.py plans)")
-    p.add_argument("--profile", required=True, help="the GPU's profile, with a GEMM grid")
-    p.add_argument("--precisions", default="tf32,bf16")
-    p.add_argument("--device", default=None, help="where factories build their model (default the CPU)")
+    plan_file_arguments(p, "the GPU's profile, with a GEMM grid")
     p.add_argument("--out", default=None)
     p.add_argument("--points", default=None, help="write --profile with the cold timings as GEMM grid points here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gemm_check: needs a CUDA GPU", file=sys.stderr)
+    args = parsed_on_gpu(p, argv, "gemm_check")
+    if args is None:
         return 2
     profile = hidup.profiler.load(args.profile)
     results = []

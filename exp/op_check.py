@@ -30,6 +30,7 @@ import torch
 
 import hidup.models
 import hidup.profiler
+from exp.rank_predict import parsed_on_gpu, plan_file_arguments
 from hidup.plan import Plan
 from hidup.profiler.ops import time_ops
 from hidup.profiler.profile import op_dtype, op_key
@@ -111,14 +112,10 @@ def with_ops(profile, timed: dict[str, tuple[float, float]], note: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("plans", nargs="+", help="plan files recording their model (exp/rank_predict.py plans)")
-    p.add_argument("--profile", required=True, help="the GPU's profile (builtin name or JSON)")
-    p.add_argument("--precisions", default="tf32,bf16")
-    p.add_argument("--device", default=None, help="where factories build their model (default the CPU)")
+    plan_file_arguments(p, "the GPU's profile (builtin name or JSON)")
     p.add_argument("--out", required=True, help="write --profile with the opaque ops' times here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("op_check: needs a CUDA GPU", file=sys.stderr)
+    args = parsed_on_gpu(p, argv, "op_check")
+    if args is None:
         return 2
     profile = hidup.profiler.load(args.profile)
     if profile.ops and profile.ops_timing != "graph":

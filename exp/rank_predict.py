@@ -39,6 +39,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+
 import hidup
 import hidup.models
 import hidup.profiler
@@ -183,6 +185,24 @@ def _graph(spec: str, model_args: dict, world: int, device: str | None = None):
         graph = hidup.trace(model, inputs, world_size=world, half_batch=True)
     graph.model = spec
     return graph
+
+
+def plan_file_arguments(parser: argparse.ArgumentParser, profile_help: str) -> None:
+    """The arguments of a GPU check over plan files (``exp/gemm_check.py``, ``exp/op_check.py``): the
+    plan files, the profile, the precisions and where factories build their model."""
+    parser.add_argument("plans", nargs="+", help="plan files recording their model (exp/rank_predict.py plans)")
+    parser.add_argument("--profile", required=True, help=profile_help)
+    parser.add_argument("--precisions", default="tf32,bf16")
+    parser.add_argument("--device", default=None, help="where factories build their model (default the CPU)")
+
+
+def parsed_on_gpu(parser: argparse.ArgumentParser, argv, tool: str) -> argparse.Namespace | None:
+    """``parser``'s arguments, or None after saying so when there is no CUDA GPU to time on."""
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{tool}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    return args
 
 
 def make_plans(args) -> int:

@@ -47,7 +47,7 @@ def test_the_plans_gating_is_timed_and_priced_at_its_measured_time(plan_file):
     (key,) = timed
     assert key == "moe_gating(8x16x4)fp32"  # 8 groups (sequences) a rank, 16 tokens, 2 experts a GPU
     forward, backward = timed[key]
-    assert forward > 0 and backward > 0
+    assert forward > 0 and backward >= 0  # backward: forward + backward less forward, 0 at worst under load
     # stand-in times far above the roofline price, so that the measured price is unmistakable
     stand_in = {key: (2e-3, 5e-3)}
     measured_profile = with_ops(profile, stand_in, " test")

@@ -8,7 +8,7 @@ backward -- each a kernel of a few microseconds in the step's CUDA graph.  The c
 rate for such an op (it prices it by its bytes, :meth:`hidup.search.cost.CostModel.device_compute`),
 but it prices a node at its measured time wherever the profile has one
 (:meth:`~hidup.search.cost.CostModel.measured`).  This script times every opaque op of each plan's
-rank 0 at its local shapes, as ``hidup profile --model`` times ops (:func:`hidup.profiler.ops.time_ops`:
+rank 0 at its local shapes, as ``hidup profile --ops-model`` times ops (:func:`hidup.profiler.ops.time_ops`:
 forward, and forward plus backward, each replayed in a CUDA graph, at each precision), and writes
 ``--profile`` with those times added to its ``ops`` (timed ``graph``) to ``--out``, so that the
 cost model prices the plans' opaque ops at their measured times; it prints each op's measured
@@ -28,12 +28,10 @@ from pathlib import Path
 
 import torch
 
-import hidup.models
 import hidup.profiler
-from exp.rank_predict import parsed_on_gpu, plan_file_arguments
+from exp.rank_predict import built, parsed_on_gpu, plan_file_arguments
 from hidup.plan import Plan
-from hidup.profiler.ops import time_ops
-from hidup.profiler.profile import op_dtype, op_key
+from hidup.profiler.ops import node_op_key, time_ops
 from hidup.search.api import plan_indices
 from hidup.search.problem import Problem
 from hidup.trace import trace_module
@@ -51,9 +49,7 @@ def opaque_choices(path: str, device: str | None):
     ``[(node name, signature)]`` of opaque ops."""
     plan = Plan.load(path)
     source = plan.model_source or {}
-    spec = source["model"]
-    build_on = (device or None) if hidup.models.is_factory(spec) else "meta"
-    model, inputs = hidup.models.build(spec, world_size=plan.world_size, device=build_on, **source.get("args", {}))
+    model, inputs = built(source["model"], source.get("args", {}), plan.world_size, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace_module(model, inputs, plan.world_size)
@@ -85,10 +81,7 @@ def time_opaque_ops(
             index = {n.name: i for i, n in enumerate(problem.order)}
             for name, sig in choices:
                 node = graph.node(name)
-                shapes = [
-                    f.local_shape(graph.tensors[t].shape, graph.world_size) for t, f in zip(node.inputs, sig.inputs)
-                ]
-                key = op_key(node.target, shapes, op_dtype(graph.tensors[node.outputs[0]].dtype, precision))
+                key = node_op_key(graph, node, sig, precision)
                 i = index[name]
                 priced = problem.cost.device_compute(node, problem.sigs[i][ks[i]])
                 got = timed.get(key)

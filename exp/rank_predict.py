@@ -175,11 +175,16 @@ SETS = {
 STYLES = ("searched", "data", "tensor", "fsdp")
 
 
-def _graph(spec: str, model_args: dict, world: int, device: str | None = None):
-    """The model's graph as the ranks trace it: a factory's model built on ``device`` (default the
-    CPU), a zoo model on ``meta``."""
+def built(spec: str, model_args: dict, world: int, device: str | None = None):
+    """``(model, inputs)`` of ``spec`` for ``world`` ranks: a factory's model built on ``device``
+    (default the CPU), a zoo model on ``meta``."""
     device = (device or None) if hidup.models.is_factory(spec) else "meta"
-    model, inputs = hidup.models.build(spec, world_size=world, device=device, **model_args)
+    return hidup.models.build(spec, world_size=world, device=device, **model_args)
+
+
+def _graph(spec: str, model_args: dict, world: int, device: str | None = None):
+    """The model's graph as the ranks trace it (:func:`built`), with its half-batch graph."""
+    model, inputs = built(spec, model_args, world, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = hidup.trace(model, inputs, world_size=world, half_batch=True)

@@ -51,7 +51,7 @@ from hidup.profiler.device import tf32
 from hidup.profiler.profile import DTYPES, op_dtype, op_key
 from hidup.trace import trace_half_batch, trace_module
 
-__all__ = ["time_ops", "model_op_times", "node_signatures"]
+__all__ = ["time_ops", "model_op_times", "node_signatures", "node_op_key"]
 
 
 def node_signatures(graph: Graph, plan: Any = None) -> list[tuple[str, Signature]]:
@@ -121,6 +121,20 @@ def _precision(precision: str, device: torch.device):
     return stack
 
 
+def local_input_shapes(graph: Graph, node, sig: Signature) -> list[tuple[int, ...]]:
+    """The shapes of ``node``'s inputs on one rank under ``sig``; ``ValueError`` where a form does not
+    divide its dim."""
+    return [f.local_shape(graph.tensors[t].shape, graph.world_size) for t, f in zip(node.inputs, sig.inputs)]
+
+
+def node_op_key(graph: Graph, node, sig: Signature, precision: str, shapes: list | None = None) -> str:
+    """The :func:`op_key` under which ``node``'s time under ``sig`` at ``precision`` is stored: its target,
+    its local input shapes (``shapes``, default :func:`local_input_shapes`) and the dtype it runs in."""
+    dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+    shapes = local_input_shapes(graph, node, sig) if shapes is None else shapes
+    return op_key(node.target, shapes, op_dtype(dtype, precision))
+
+
 def time_ops(
     traced,
     plan: Any = None,
@@ -151,7 +165,6 @@ def time_ops(
     if not 0 <= index < parts:
         raise ValueError(f"shard={shard}: need 0 <= index < parts")
     graph: Graph = traced.graph
-    world = graph.world_size
     cache = {} if cache is None else cache
     skipped: dict[str, str] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -162,11 +175,10 @@ def time_ops(
         if ctx is None:
             continue  # no context recorded
         try:
-            shapes = [f.local_shape(graph.tensors[t].shape, world) for t, f in zip(node.inputs, sig.inputs)]
+            shapes = local_input_shapes(graph, node, sig)
         except ValueError:
             continue
-        dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
-        key = op_key(node.target, shapes, op_dtype(dtype, precision))
+        key = node_op_key(graph, node, sig, precision, shapes)
         if key not in seen:
             seen.add(key)
             if zlib.crc32(key.encode()) % parts == index:

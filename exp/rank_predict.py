@@ -202,8 +202,13 @@ def plan_file_arguments(parser: argparse.ArgumentParser, profile_help: str) -> N
 
 
 def parsed_on_gpu(parser: argparse.ArgumentParser, argv, tool: str) -> argparse.Namespace | None:
-    """``parser``'s arguments, or None after saying so when there is no CUDA GPU to time on."""
+    """``parser``'s arguments, or None after saying so when a plan file is missing or there is no CUDA
+    GPU to time on."""
     args = parser.parse_args(argv)
+    missing = [p for p in args.plans if not Path(p).is_file()]
+    if missing:
+        print(f"{tool}: no plan file {', '.join(missing)} (write them with exp/rank_predict.py plans)", file=sys.stderr)
+        return None
     if not torch.cuda.is_available():
         print(f"{tool}: needs a CUDA GPU", file=sys.stderr)
         return None

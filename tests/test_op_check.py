@@ -72,6 +72,13 @@ def test_op_check_needs_a_gpu_and_says_so(plan_file, tmp_path):
         text=True,
     )
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+    missing = str(tmp_path / "none.json")
+    out = subprocess.run(
+        [sys.executable, "exp/op_check.py", missing, "--profile", "h200x4-nvlink", "--out", str(tmp_path / "p.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and f"no plan file {missing}" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_op_check_keeps_the_profile_otherwise_unchanged():

@@ -3,7 +3,8 @@
 For a ``call`` node ``n`` under signature ``s`` rank 0 runs ``hidup.rules.localize(ctx, s, 0)``
 on inputs of the local shapes ``f_i.local_shape(shape_i, N)`` (``f_i = s.inputs[i]``).  We build
 random inputs of those shapes (integer inputs are zeros: a valid index for embeddings, targets and
-gathers), then time
+gathers; a rule with ``typical`` values puts them in, e.g. routing spread evenly over the experts),
+then time
 
     t_f  = median time of the local forward
     t_fb = median time of forward + backward (``autograd.grad`` of every floating output against a
@@ -208,6 +209,9 @@ def time_ops(
 def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False):
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
+    rule = rules.find_rule(ctx.target)
+    if rule is not None and rule.typical is not None:
+        inputs = rule.typical(ctx, inputs)
     fn = _bind(rules, ctx, sig, inputs)
     with Stopwatch(device) as first:
         out = fn()

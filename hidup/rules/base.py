@@ -90,9 +90,12 @@ class LocalCall:
 class Rule:
     """A registered rule.  ``localize`` defaults to running the original op unchanged; ``variant``
     (optional) names the kernel a call runs where a non-tensor argument changes its cost
-    (:func:`hidup.rules.variant`)."""
+    (:func:`hidup.rules.variant`); ``typical`` (optional) replaces synthetic inputs of an op's local
+    shapes by values of the kind a run sees, where the op's cost depends on the values (routing indices
+    spread evenly over the experts, :mod:`hidup.profiler.ops`)."""
 
     name: str
     signatures: Callable[[RuleContext], list[Signature]]
     localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None
     variant: Callable[[RuleContext], str] | None = None
+    typical: Callable[[RuleContext, list], list] | None = None

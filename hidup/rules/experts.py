@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hidup.ir import FULL, REDUCE, Signature, gather
+from hidup.rules.grouped import compute_dtype, grouped_mm, masked_rows, route
 from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
@@ -92,18 +93,24 @@ def routed_experts_math(
     expert_offset: int,
     act: str,
 ) -> Tensor:
-    """The op in differentiable torch (see module docstring); the eager ``transformers`` loop."""
+    """The op in differentiable torch (see module docstring), as grouped matmuls.
+
+    The ``T k`` (token, slot) pairs are sorted by expert on the device (:func:`hidup.rules.grouped.route`),
+    each expert's rows run through ``[gate; up]`` and ``down`` as two grouped matmuls in the compute
+    dtype (autocast's, as ``F.linear``), are scaled by their routing weight and put back in pair order,
+    and each token sums its ``k`` slots.  Rows of other experts are zeroed before the first matmul and
+    after the second, so neither direction lets them reach a sum.  Autograd keeps what the matmuls need
+    (the gathered rows, ``[gate; up]``'s output, the activation's), so the backward is two grouped
+    matmuls per projection with no second forward."""
     fn = ACTIVATIONS[act]
-    out = torch.zeros_like(x)
-    for e in range(gate_up_proj.shape[0]):
-        token, slot = torch.where(top_k_index == expert_offset + e)
-        if token.numel() == 0:
-            continue
-        gate, up = F.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
-        h = F.linear(fn(gate) * up, down_proj[e])
-        h = h * top_k_weights[token, slot, None]
-        out = out.index_add(0, token, h.to(out.dtype))
-    return out
+    tokens, k = top_k_index.shape
+    rows = route(top_k_index, expert_offset, gate_up_proj.shape[0])
+    dtype = compute_dtype(x, gate_up_proj, down_proj)
+    xs = masked_rows(x[rows.token].to(dtype), rows.valid)
+    gate, up = grouped_mm(xs, gate_up_proj.to(dtype).transpose(-2, -1), rows.offsets).chunk(2, dim=-1)
+    h = grouped_mm(fn(gate) * up, down_proj.to(dtype).transpose(-2, -1), rows.offsets)
+    h = masked_rows(h * top_k_weights.reshape(-1)[rows.order].unsqueeze(-1), rows.valid)
+    return h[rows.inverse].view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
 @torch.library.custom_op("hidup::routed_experts", mutates_args=())
@@ -282,10 +289,27 @@ def _experts_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     offset = b["expert_offset"]
     if sig.inputs[3].is_gather:  # expert signature: rank r holds experts [r E/N, (r+1) E/N)
         offset += rank * (ctx.inputs[3].shape[0] // ctx.world)
-    return LocalCall(torch.ops.hidup.routed_experts.default, tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
+    # ranks run the differentiable grouped math, not the opaque op: inductor compiles it with the
+    # step and autograd keeps its activations instead of running the forward again
+    return LocalCall(routed_experts_math, tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
 
 
-@register(torch.ops.hidup.routed_experts.default, routed_experts, name="routed_experts", localize=_experts_localize)
+def _experts_typical(ctx: RuleContext, tensors: list) -> list:
+    """Balanced routing for timing: slot ``j`` of token ``t`` goes to expert ``(t k + j) mod E`` (all
+    ``E`` experts of the layer), so every expert gets ``T k / E`` rows and a token's slots differ."""
+    x, idx, w, gate_up, down = tensors
+    experts = ctx.inputs[3].shape[0]
+    flat = torch.arange(idx.numel(), device=idx.device, dtype=idx.dtype) % experts
+    return [x, flat.view(idx.shape), w, gate_up, down]
+
+
+@register(
+    torch.ops.hidup.routed_experts.default,
+    routed_experts,
+    name="routed_experts",
+    localize=_experts_localize,
+    typical=_experts_typical,
+)
 def _routed_experts_rule(ctx: RuleContext) -> list[Signature]:
     _bound(ctx)
     x, idx, _, gate_up, down = ctx.inputs

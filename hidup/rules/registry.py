@@ -52,16 +52,17 @@ def register(
     name: str | None = None,
     localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None,
     variant: Callable[[RuleContext], str] | None = None,
+    typical: Callable[[RuleContext, list], list] | None = None,
 ):
-    """Decorator: register ``fn(ctx) -> list[Signature]`` as the rule of every target (``localize``
-    and ``variant``: :class:`~hidup.rules.base.Rule`).
+    """Decorator: register ``fn(ctx) -> list[Signature]`` as the rule of every target (``localize``,
+    ``variant`` and ``typical``: :class:`~hidup.rules.base.Rule`).
 
     A string target ``"view"`` also registers ``torch.Tensor.view`` (a ``call_function`` on the
     unbound method behaves like the ``call_method``).
     """
 
     def deco(fn):
-        rule = Rule(name or fn.__name__, fn, localize, variant)
+        rule = Rule(name or fn.__name__, fn, localize, variant, typical)
         for t in targets:
             _RULES[t] = rule
             if isinstance(t, str) and hasattr(torch.Tensor, t):

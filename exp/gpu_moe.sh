@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# MoE ranks at full speed on one GPU: the routed-experts kernels, then one rank of each MoE plan file
+# against the single-device share that `transformers` builds with its grouped-GEMM experts.
+#   1. exp/moe_kernels.py: the grouped kernel against the masked form, and the op's time;
+#   2. exp/gemm_check.py --points and exp/op_check.py: the plans' GEMMs at their shapes and the
+#      routed-experts op at its local shapes (balanced routing), into a copy of $PROFILE_JSON, the
+#      profile the registered predictions use;
+#   3. `hidup bench-rank --plan` for every plan of $PLAN_FILES, rank 0, bf16, rank modes $MODES, the
+#      share (exp/rank_models.py: experts_implementation "grouped_mm") in $SHARE_MODES.
+# Usage (repository root): OUT=/some/dir PLAN_FILES="a.json b.json" bash exp/gpu_moe.sh
+# STEPS=1,2,3 picks the steps; CAP (seconds, default 240) bounds each bench-rank.
+set -u -o pipefail
+OUT=${OUT:?set OUT to an output directory}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-1,2,3}
+CAP=${CAP:-240}
+MODES=${MODES:-compile+graph,eager}
+SHARE_MODES=${SHARE_MODES:-compile,compile+graph}
+PROFILE_JSON=${PROFILE_JSON:-docs/bench/predict/h200-10/h200-ops.json}
+PLAN_FILES=${PLAN_FILES:?set PLAN_FILES to the plan files}
+{
+  echo "== $(date -u +%FT%TZ) gpu_moe.sh; commit $(git rev-parse --short HEAD 2>/dev/null)"
+  if [[ ,$STEPS, == *,1,* ]]; then
+    $PY exp/moe_kernels.py --out "$OUT/moe_kernels.json"; echo "moe_kernels exit status $?"
+  fi
+  if [[ ,$STEPS, == *,2,* ]]; then
+    # shellcheck disable=SC2086
+    $PY exp/gemm_check.py $PLAN_FILES --profile "$PROFILE_JSON" --precisions bf16 --out "$OUT/gemms.json" \
+      --points "$OUT/points.json" > "$OUT/gemm_check.log" 2>&1; echo "gemm_check exit status $?"
+    # shellcheck disable=SC2086
+    $PY exp/op_check.py $PLAN_FILES --profile "$OUT/points.json" --precisions bf16 --out "$OUT/profile.json"
+    echo "op_check exit status $?"
+  fi
+  if [[ ,$STEPS, == *,3,* ]]; then
+    for plan in $PLAN_FILES; do
+      name=$(basename "$plan" .json)
+      echo "== $name (cap $CAP s)"
+      timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
+        --precisions bf16 --modes "$MODES" --share-modes "$SHARE_MODES" --steps 10 --rounds 3 --warmup 2 \
+        --out "$OUT/rank-$name.json"
+      echo "bench-rank exit status $?"
+    done
+  fi
+} 2>&1 | tee "$OUT/gpu_moe.log"

@@ -114,7 +114,9 @@ def main(argv=None) -> int:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": results}, f, indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": results}, f, indent=1
+            )
     return 0 if ok else 1
 
 

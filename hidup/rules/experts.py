@@ -60,8 +60,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hidup.ir import FULL, REDUCE, Signature, gather
-from hidup.rules.grouped import compute_dtype, grouped_mm, masked_rows, route
 from hidup.rules.base import LocalCall, RuleContext
+from hidup.rules.grouped import compute_dtype, grouped_mm, masked_rows, route
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
 

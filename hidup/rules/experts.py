@@ -99,7 +99,8 @@ def routed_experts_math(
     each expert's rows run through ``[gate; up]`` and ``down`` as two grouped matmuls in the compute
     dtype (autocast's, as ``F.linear``), are scaled by their routing weight and put back in pair order,
     and each token sums its ``k`` slots.  Rows of other experts are zeroed before the first matmul and
-    after the second, so neither direction lets them reach a sum.  Autograd keeps what the matmuls need
+    after the second (before the routing weight, whose gradient reads that output), so neither
+    direction lets the grouped kernel's unwritten rows reach a sum.  Autograd keeps what the matmuls need
     (the gathered rows, ``[gate; up]``'s output, the activation's), so the backward is two grouped
     matmuls per projection with no second forward."""
     fn = ACTIVATIONS[act]
@@ -109,7 +110,7 @@ def routed_experts_math(
     xs = masked_rows(x[rows.token].to(dtype), rows.valid)
     gate, up = grouped_mm(xs, gate_up_proj.to(dtype).transpose(-2, -1), rows.offsets).chunk(2, dim=-1)
     h = grouped_mm(fn(gate) * up, down_proj.to(dtype).transpose(-2, -1), rows.offsets)
-    h = masked_rows(h * top_k_weights.reshape(-1)[rows.order].unsqueeze(-1), rows.valid)
+    h = masked_rows(h, rows.valid) * top_k_weights.reshape(-1)[rows.order].unsqueeze(-1)
     return h[rows.inverse].view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
 

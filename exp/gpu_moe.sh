@@ -5,7 +5,7 @@
 #   2. exp/gemm_check.py --points and exp/op_check.py: the plans' GEMMs at their shapes and the
 #      routed-experts op at its local shapes (balanced routing), into a copy of $PROFILE_JSON, the
 #      profile the registered predictions use;
-#   3. `hidup bench-rank --plan` for every plan of $PLAN_FILES, rank 0, bf16, rank modes $MODES, the
+#   3. `hidup bench-rank --plan` for every plan of $BENCH_FILES (default $PLAN_FILES), rank 0, bf16, rank modes $MODES, the
 #      share (exp/rank_models.py: experts_implementation "grouped_mm") in $SHARE_MODES.
 # Usage (repository root): OUT=/some/dir PLAN_FILES="a.json b.json" bash exp/gpu_moe.sh
 # STEPS=1,2,3 picks the steps; CAP (seconds, default 240) bounds each bench-rank.
@@ -19,6 +19,7 @@ MODES=${MODES:-compile+graph,eager}
 SHARE_MODES=${SHARE_MODES:-compile,compile+graph}
 PROFILE_JSON=${PROFILE_JSON:-docs/bench/predict/h200-10/h200-ops.json}
 PLAN_FILES=${PLAN_FILES:?set PLAN_FILES to the plan files}
+BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
 {
   echo "== $(date -u +%FT%TZ) gpu_moe.sh; commit $(git rev-parse --short HEAD 2>/dev/null)"
   if [[ ,$STEPS, == *,1,* ]]; then
@@ -33,7 +34,7 @@ PLAN_FILES=${PLAN_FILES:?set PLAN_FILES to the plan files}
     echo "op_check exit status $?"
   fi
   if [[ ,$STEPS, == *,3,* ]]; then
-    for plan in $PLAN_FILES; do
+    for plan in $BENCH_FILES; do
       name=$(basename "$plan" .json)
       echo "== $name (cap $CAP s)"
       timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \

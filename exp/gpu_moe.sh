@@ -7,7 +7,8 @@
 #   1. exp/moe_kernels.py: the grouped kernel against the masked form, and the op's time;
 #   2. exp/gemm_check.py --points and exp/op_check.py: the plans' GEMMs at their shapes and the
 #      routed-experts op at its local shapes (balanced routing), into a copy of $PROFILE_JSON, the
-#      profile the registered predictions use;
+#      profile the registered predictions use; POINTS_JSON (a profile with the points already) skips
+#      the GEMMs; OPS_FLAGS (e.g. --compiled) go to op_check, whose profile is $OUT/profile$OPS_SUFFIX.json;
 #   3. `hidup bench-rank --plan` for every plan of $BENCH_FILES (default $PLAN_FILES), rank 0, bf16, rank modes $MODES, the
 #      share (exp/rank_models.py: experts_implementation "grouped_mm") in $SHARE_MODES.
 # Usage (repository root): OUT=/some/dir PLAN_FILES="a.json b.json" bash exp/gpu_moe.sh
@@ -40,11 +41,15 @@ BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
     $PY exp/moe_kernels.py --out "$OUT/moe_kernels.json"; echo "moe_kernels exit status $?"
   fi
   if [[ ,$STEPS, == *,2,* ]]; then
+    points=${POINTS_JSON:-$OUT/points.json}
+    if [ -z "${POINTS_JSON:-}" ]; then
+      # shellcheck disable=SC2086
+      $PY exp/gemm_check.py $PLAN_FILES --profile "$PROFILE_JSON" --precisions bf16 --out "$OUT/gemms.json" \
+        --points "$points" > "$OUT/gemm_check.log" 2>&1; echo "gemm_check exit status $?"
+    fi
     # shellcheck disable=SC2086
-    $PY exp/gemm_check.py $PLAN_FILES --profile "$PROFILE_JSON" --precisions bf16 --out "$OUT/gemms.json" \
-      --points "$OUT/points.json" > "$OUT/gemm_check.log" 2>&1; echo "gemm_check exit status $?"
-    # shellcheck disable=SC2086
-    $PY exp/op_check.py $PLAN_FILES --profile "$OUT/points.json" --precisions bf16 --out "$OUT/profile.json"
+    $PY exp/op_check.py $PLAN_FILES --profile "$points" --precisions bf16 ${OPS_FLAGS:-} \
+      --out "$OUT/profile${OPS_SUFFIX:-}.json"
     echo "op_check exit status $?"
   fi
   if [[ ,$STEPS, == *,3,* ]]; then
@@ -52,7 +57,7 @@ BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
       name=$(basename "$plan" .json)
       echo "== $name (cap $CAP s)"
       timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
-        --precisions bf16 --modes "$MODES" --share-modes "$SHARE_MODES" --steps 10 --rounds 3 --warmup 2 \
+        --precisions bf16 --modes "$MODES" --share-modes "$SHARE_MODES" --steps 10 --rounds 3 --warmup 2 ${BENCH_FLAGS:-} \
         --out "$OUT/rank-$name.json"
       echo "bench-rank exit status $?"
     done

@@ -62,7 +62,12 @@ def opaque_choices(path: str, device: str | None):
 
 
 def time_opaque_ops(
-    paths: list[str], profile, precisions: list[str], device: str | None, timing_device: str = "cuda"
+    paths: list[str],
+    profile,
+    precisions: list[str],
+    device: str | None,
+    timing_device: str = "cuda",
+    compiled: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """``{op_key: (forward s, backward s)}`` of the opaque ops of the plan files ``paths`` at each of
     ``precisions``, timed on ``timing_device`` (:func:`hidup.profiler.ops.time_ops`); prints each
@@ -75,7 +80,7 @@ def time_opaque_ops(
             continue
         graph = traced.graph
         for precision in precisions:
-            time_ops(traced, choices, device=timing_device, precision=precision, cache=timed)
+            time_ops(traced, choices, device=timing_device, precision=precision, cache=timed, compiled=compiled)
             problem = Problem(graph, profile.launched(True, True), precision)
             ks = plan_indices(problem, plan)
             index = {n.name: i for i, n in enumerate(problem.order)}
@@ -107,6 +112,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     plan_file_arguments(p, "the GPU's profile (builtin name or JSON)")
     p.add_argument("--out", required=True, help="write --profile with the opaque ops' times here")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="time a local call that is Python math (the routed experts') compiled by inductor, as compiled "
+        "rank programs run it (a profile for predicting compile modes)",
+    )
     args = parsed_on_gpu(p, argv, "op_check")
     if args is None:
         return 2
@@ -114,7 +125,7 @@ def main(argv=None) -> int:
     if profile.ops and profile.ops_timing != "graph":
         print(f"op_check: {args.profile} holds ops timed {profile.ops_timing}, not in a CUDA graph", file=sys.stderr)
         return 2
-    timed = time_opaque_ops(args.plans, profile, args.precisions.split(","), args.device)
+    timed = time_opaque_ops(args.plans, profile, args.precisions.split(","), args.device, compiled=args.compiled)
     out = with_ops(profile, timed, f" Opaque ops of {len(args.plans)} plans (exp/op_check.py).")
     Path(args.out).write_text(json.dumps(out.to_dict(), indent=1))
     print(f"wrote {args.out}: {len(timed)} op times")

@@ -37,6 +37,7 @@ checks their sum against whole steps.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 import zlib
@@ -90,10 +91,13 @@ def _make_input(meta, shape: tuple[int, ...], device: torch.device, gen: torch.G
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _bind(rules, ctx, sig, tensors: list[torch.Tensor]):
-    """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``)."""
+def _bind(rules, ctx, sig, tensors: list[torch.Tensor], compiled: bool = False):
+    """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``);
+    ``compiled``: a local call that is a Python function goes through ``torch.compile`` (inductor)."""
     call = rules.localize(ctx.with_tensors(tensors), sig, 0)
     target, args, kwargs = call.target, tuple(call.args), dict(call.kwargs)
+    if compiled and inspect.isfunction(target):
+        target = torch.compile(target, dynamic=False)
     if isinstance(target, str):  # a method name: call it on the first argument
         return lambda: getattr(args[0], target)(*args[1:], **kwargs)
     return lambda: target(*args, **kwargs)
@@ -150,13 +154,16 @@ def time_ops(
     cache: dict | None = None,
     seed: int = 0,
     shard: tuple[int, int] = (0, 1),
+    compiled: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Measured ``{op_key: (forward s, backward s)}`` for the call nodes of ``traced``
     (a :class:`hidup.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
 
     ``cache`` (a dict) carries measurements across calls; keys already in it are not re-measured.
     ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
-    measures the distinct keys whose CRC-32 is ``i`` modulo ``n`` (see the module docstring).
+    measures the distinct keys whose CRC-32 is ``i`` modulo ``n`` (see the module docstring);
+    ``compiled`` times local calls that are Python functions (a rule's math, such as the routed
+    experts') as inductor compiles them, as a compiled rank program runs them.
     """
     device = torch.device(device)
     graphed = device.type == "cuda" if graphed is None else graphed
@@ -190,7 +197,9 @@ def time_ops(
             if time.perf_counter() > t_end:
                 break
             try:
-                measured = _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed)
+                measured = _time_one(
+                    rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed, compiled
+                )
             except Exception as e:  # noqa: BLE001 - an op that cannot run on synthetic inputs is priced from the roofline
                 measured = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if isinstance(measured, tuple):
@@ -206,13 +215,13 @@ def time_ops(
     return cache
 
 
-def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False):
+def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False, compiled=False):
     """``(forward s, backward s)``, or a string saying why the op was not timed."""
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
     rule = rules.find_rule(ctx.target)
     if rule is not None and rule.typical is not None:
         inputs = rule.typical(ctx, inputs)
-    fn = _bind(rules, ctx, sig, inputs)
+    fn = _bind(rules, ctx, sig, inputs, compiled)
     with Stopwatch(device) as first:
         out = fn()
     if first.seconds > max_op_s:

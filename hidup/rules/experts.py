@@ -70,6 +70,7 @@ __all__ = [
     "routed_experts",
     "routed_experts_math",
     "routed_experts_as_custom_op",
+    "set_experts_implementation",
     "experts_layout_activation",
 ]
 
@@ -224,19 +225,71 @@ _IMPLEMENTATION = "hidup"
 _PREVIOUS: dict[int, str | None] = {}  # id(config) -> its experts implementation before the export
 
 
+def _previous_forward(self: nn.Module):
+    """The experts implementation the model had before hidup switched it (its layout is not modelled)."""
+    moe = sys.modules["transformers.integrations.moe"]
+    eager = getattr(type(self).forward, "__wrapped__", None)
+    previous = _PREVIOUS.get(id(self.config))
+    return moe.ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager) if previous else eager
+
+
 def _hidup_experts_forward(
     self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
     act = experts_layout_activation(self)
-    if act is None:  # a layout the op does not model: the implementation the model had
-        moe = sys.modules["transformers.integrations.moe"]
-        eager = getattr(type(self).forward, "__wrapped__", None)
-        previous = _PREVIOUS.get(id(self.config))
-        fn = moe.ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager) if previous else eager
-        return fn(self, hidden_states, top_k_index, top_k_weights)
+    if act is None:
+        return _previous_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     return torch.ops.hidup.routed_experts(
         hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act
     )
+
+
+def _grouped_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    act = experts_layout_activation(self)
+    if act is None:
+        return _previous_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    return routed_experts_math(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act)
+
+
+# name in transformers' experts interface -> forward: the opaque op hidup exports, and the math a
+# rank runs (what a single device runs with hidup's kernels, for comparing a rank against it)
+IMPLEMENTATIONS = {_IMPLEMENTATION: _hidup_experts_forward, "hidup_grouped": _grouped_experts_forward}
+
+
+def _register_implementations() -> bool:
+    """Register :data:`IMPLEMENTATIONS` in ``transformers``; False where it is not imported."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None:
+        return False
+    for name, fn in IMPLEMENTATIONS.items():
+        if name not in moe.ALL_EXPERTS_FUNCTIONS:
+            moe.ExpertsInterface.register(name, fn)
+    return True
+
+
+def _implementation_attr(config) -> str:
+    """The attribute behind the config's experts-implementation property (its setter would also
+    overwrite sub-configs)."""
+    internal = "_experts_implementation_internal"
+    return internal if hasattr(config, internal) else "_experts_implementation"
+
+
+def _modelled_configs(model: nn.Module) -> dict:
+    """``{id(config): config}`` of the experts modules of ``model`` whose layout the op models."""
+    return {id(m.config): m.config for m in model.modules() if experts_layout_activation(m) is not None}
+
+
+def set_experts_implementation(model: nn.Module, name: str) -> int:
+    """Run the modelled experts modules of ``model`` with ``transformers``' experts implementation
+    ``name`` (one of its own, or of :data:`IMPLEMENTATIONS`) from now on; how many configs changed."""
+    if not _register_implementations():
+        return 0
+    configs = _modelled_configs(model)
+    for config in configs.values():
+        setattr(config, _implementation_attr(config), name)
+    return len(configs)
 
 
 @contextlib.contextmanager
@@ -246,26 +299,15 @@ def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
     Yields how many experts modules were switched; restores each config's implementation on exit.
     A model without ``transformers`` experts is left untouched.
     """
-    moe = sys.modules.get("transformers.integrations.moe")
-    if moe is None:
+    if not _register_implementations():
         yield 0
         return
-    if _IMPLEMENTATION not in moe.ALL_EXPERTS_FUNCTIONS:
-        moe.ExpertsInterface.register(_IMPLEMENTATION, _hidup_experts_forward)
-    configs, count = {}, 0
-    for m in model.modules():
-        if experts_layout_activation(m) is not None:
-            configs[id(m.config)] = m.config
-            count += 1
+    count = sum(1 for m in model.modules() if experts_layout_activation(m) is not None)
+    configs = _modelled_configs(model)
     saved = {}
     try:
         for key, config in configs.items():
-            # the attribute behind the config's property: its setter would also overwrite sub-configs
-            attr = (
-                "_experts_implementation_internal"
-                if hasattr(config, "_experts_implementation_internal")
-                else "_experts_implementation"
-            )
+            attr = _implementation_attr(config)
             saved[key] = (attr, getattr(config, attr))
             _PREVIOUS[key] = config._experts_implementation
             setattr(config, attr, _IMPLEMENTATION)

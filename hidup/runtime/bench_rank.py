@@ -25,7 +25,11 @@ divided by its steps is one sample, and the median and the best sample are repor
 *share* (``--share-modes``, default compile+graph on CUDA and compile on the CPU) is the whole model
 at ``1/N`` of the global batch (the first rows of every input), on the same device, timed the same
 way: the floor that a rank doing its part of an N-way step without communication should approach.
-``--torch-modes`` (default none) also times the rank's module as plain ``torch.compile`` sees it: its
+With ``--share-experts NAME[=MODE][,...]`` the share runs once per named ``transformers`` experts implementation
+(``grouped_mm``, ``eager``, or ``hidup_grouped``: hidup's grouped math, what a rank runs;
+:func:`hidup.rules.experts.set_experts_implementation`), rows ``share:NAME``: the references a MoE rank
+is measured against in the same run.  ``--torch-modes`` (default none) also times the rank's module
+as plain ``torch.compile`` sees it: its
 eager program (hidup's compilation off) handed whole to ``torch.compile``, so dynamo traces the
 collectives' Python itself (graph breaks or its own functional collectives) where hidup's compiled
 path makes them opaque custom ops and cuts segments at layers; rows ``torch``.  ``compile`` and
@@ -72,6 +76,7 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
+from hidup.rules.experts import set_experts_implementation
 from hidup.runtime.kernel_profile import kernel_breakdown
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
@@ -115,6 +120,13 @@ def add_parser(sub) -> None:
         "--share-modes",
         default=None,
         help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; 'none' skips it)",
+    )
+    g.add_argument(
+        "--share-experts",
+        default=None,
+        help="comma-separated transformers experts implementations to time the share with, one row each, "
+        "each NAME or NAME=MODE to time it in that mode alone (e.g. grouped_mm=compile,hidup_grouped; "
+        "default: as the model was built)",
     )
     g.add_argument(
         "--torch-modes",
@@ -325,6 +337,30 @@ class _PlainCompile(torch.nn.Module):
         return self._run[0](*inputs)
 
 
+def _share_targets(args, model, share, inputs: list, modes: list) -> dict:
+    """``{row name: (module, inputs, modes, compile switch)}`` of the share: one row ``share``, or one
+    ``share:NAME`` per ``--share-experts`` implementation, each switching the model's experts to it
+    (and dropping compiled code, which was traced with the previous one) before it compiles."""
+    entries = [n.strip() for n in (args.share_experts or "").split(",") if n.strip()]
+    if not entries:
+        return {"share": (share, inputs, modes, share.set_compile)}
+    rows = {}
+    for entry in entries:
+        name, _, mode = entry.partition("=")
+        rows[name] = _list(mode, tuple(modes), MODES, f"--share-experts {entry}") if mode else modes
+
+    def switch_to(name):
+        def switch(on: bool) -> None:
+            if not set_experts_implementation(model, name):
+                _fail(f"--share-experts {name}: the model has no transformers experts module hidup models")
+            torch._dynamo.reset()
+            share.set_compile(on)
+
+        return switch
+
+    return {f"share:{name}": (share, inputs, row_modes, switch_to(name)) for name, row_modes in rows.items()}
+
+
 def _print_row(what: str, r: dict) -> None:
     if r["status"] == "ok":
         comp = f"  compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
@@ -436,12 +472,13 @@ def run(args: argparse.Namespace) -> int:
         peaks = {p: _predicted_peak(args, plan, duplication, p) for p in precisions} if device.type == "cuda" else {}
         targets = {
             "rank": (module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
-            "share": (share, share_inputs, share_modes, share.set_compile),
             "torch": (plain, rank_inputs, torch_modes, plain_switch),
         }
+        shares = _share_targets(args, model, share, share_inputs, share_modes)
+        targets.update(shares)
         # the share right after the rank, so a cut-short sweep keeps pairs; plain torch.compile last, since
         # a CUDA graph capture that it breaks can leave the device unusable for the rest of the process
-        order = [(p, w) for p in precisions for w in ("rank", "share")] + [(p, "torch") for p in precisions]
+        order = [(p, w) for p in precisions for w in ("rank", *shares)] + [(p, "torch") for p in precisions]
         for precision, what in order:
             target, inputs_of, mode_list, switch = targets[what]
             for mode in mode_list:

@@ -443,7 +443,11 @@ def run(args: argparse.Namespace) -> int:
 
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     try:
-        model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=device, **args.model_args)
+        # a factory's model is built on the CPU and traced there, as the search and the ranks of
+        # `hidup train` trace it (a model's code may trace differently on a GPU); the rank and the
+        # share then move to the device
+        build_on = None if hidup.models.is_factory(args.model) else device
+        model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=build_on, **args.model_args)
         values = forward_inputs(model, inputs)
         t0 = time.perf_counter()
 

@@ -258,6 +258,7 @@ from hidup.ir import (
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.fusion import fusion_kind
 from hidup.saved import tensor_dtype, tensor_nbytes
+from hidup.search.experts_cost import ExpertsShape, experts_seconds
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]
 
@@ -625,6 +626,9 @@ class CostModel:
         dtype = g.tensors[node.outputs[0]].dtype if node.outputs else "float32"
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
+        if node.target.split(".", 1)[0] == "routed_experts" and shapes is not None:
+            fwd, bwd = self.experts_time(node, shapes, profile_dtype(dtype, self.precision), needs_bwd)
+            return fwd + cast_fwd, (bwd + cast_bwd if needs_bwd else 0.0)
         kind = kernel_kind(node.target)
         rate_key = profile_dtype(dtype, self.precision)
         flops = sig.flops
@@ -668,6 +672,37 @@ class CostModel:
         else:
             bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd
         return fwd + cast_fwd, bwd + self.bias_grad(node, sig) + cast_bwd
+
+    def experts_time(self, node: Node, shapes: list, rate_key: str, needs_bwd: bool) -> tuple[float, float]:
+        """(forward, backward) of a routed-experts node at its local ``shapes``: its grouped GEMMs at
+        each expert's shape under balanced routing and its passes over the rows
+        (:mod:`hidup.search.experts_cost`)."""
+        x, idx, w, gate_up, down = shapes[:5]
+        g = self.graph
+        low = LOW_PRECISIONS.get(self.precision)
+        compute = DTYPE_BYTES[low] if low else gemm_itemsize(rate_key)
+        x_bytes = DTYPE_BYTES.get(g.tensors[node.inputs[0]].dtype, 4)
+        shape = ExpertsShape(
+            tokens=x[0],
+            hidden=x[1],
+            ffn=down[2],
+            k=idx[1],
+            local_experts=gate_up[0],
+            experts=g.tensors[node.inputs[3]].shape[0],
+            compute_bytes=compute,
+            x_bytes=x_bytes,
+            weighted_bytes=max(compute, DTYPE_BYTES.get(g.tensors[node.inputs[2]].dtype, 4)),
+        )
+        grid = self.profile.gemm.get(rate_key)
+
+        def gemm(dims: tuple[int, int, int], layout: str) -> float:
+            if grid is not None:
+                return self.gemm_seconds(grid, dims, layout, rate_key)
+            flops = 2.0 * math.prod(dims)
+            return flops / self.profile.rate_at(rate_key, flops)
+
+        o = self.profile.op_overhead
+        return experts_seconds(shape, gemm, self.profile.memory_bandwidth, o, self.compiled, needs_bwd)
 
     def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, rate_key: str) -> float:
         """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` at the profile's ``rate_key`` dtype, from

@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Routing", "route", "grouped_mm", "native_grouped_mm", "masked_rows", "compute_dtype"]
+__all__ = [
+    "Routing",
+    "route",
+    "grouped_mm",
+    "masked_grouped_mm",
+    "native_grouped_mm",
+    "masked_rows",
+    "compute_dtype",
+]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -92,6 +100,12 @@ def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """``out[S,N]`` of the module docstring; rows past the last offset are unspecified on the native path."""
     if native_grouped_mm(a, b):
         return _GROUPED_MM(a, b, offs=offsets)
+    return masked_grouped_mm(a, b, offsets)
+
+
+def masked_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """The masked form of :func:`grouped_mm` (module docstring): exact anywhere, rows past the last
+    offset zero, at ``G`` times the FLOPs."""
     rows = torch.arange(a.shape[0], device=a.device, dtype=offsets.dtype)
     group = torch.searchsorted(offsets, rows, right=True)
     out = a.new_zeros(a.shape[0], b.shape[-1])

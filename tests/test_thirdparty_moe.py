@@ -7,7 +7,9 @@
 * the forced expert plan and the searched plan at world 2 and 4, duplication off and on, reproduce
   the single-device loss (a mean over padded labels) and every gradient; all jobs of one world run in
   one spawned group of gloo ranks;
-* the search shards the experts where they dominate the step.
+* the search shards the experts where they dominate the step;
+* Qwen2-MoE (a shared expert), Qwen3-MoE (fine-grained) and OLMoE with the expert signature forced at
+  world 2, duplication off and on, reproduce the single-device loss and gradients.
 
 Tolerances: the model runs in float64, but its router computes softmax and top-k in float32 and the
 loss upcasts logits to float32, so losses and gradients carry float32 rounding of sums over at most
@@ -309,3 +311,101 @@ def test_search_shards_experts_that_dominate():
     plan = search(graph, hidup.profiler.load("h200x4-nvlink"), duplication=False)
     moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
     assert [plan.choices[name].kind for name in moe] == ["expert", "expert"]
+
+
+# --------------------------------------------------------------------------------------------- other families
+
+FAMILIES = {
+    # shared expert beside 8 routed ones, top-2
+    "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(
+            moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            **_family_sizes(),
+        )
+    ),
+    # fine-grained: 16 narrow experts, top-4, normalized weights
+    "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
+        T.Qwen3MoeConfig(
+            moe_intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, **_family_sizes()
+        )
+    ),
+    "olmoe": lambda: T.OlmoeForCausalLM(T.OlmoeConfig(num_experts=8, num_experts_per_tok=2, **_family_sizes())),
+}  # fmt: skip
+
+
+def _family_sizes() -> dict:
+    return dict(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        experts_implementation="eager",
+    )  # fmt: skip
+
+
+def _build_family(name: str):
+    torch.manual_seed(0)
+    model = LMStep(FAMILIES[name]()).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :PAD] = -100
+    return model, (ids, labels)
+
+
+def _family_plans(world: int) -> list:
+    """(family, duplication, forced expert plan) of every family, duplication on and off."""
+    import hidup.profiler
+    from hidup.search import forced
+    from hidup.trace import trace
+
+    profile = hidup.profiler.load("h200x4-nvlink")
+    jobs = []
+    for name in FAMILIES:
+        model, inputs = _build_family(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = trace(model, inputs, world_size=world)
+        assert graph.fallbacks == [], f"{name}: {graph.fallbacks}"
+        plan = forced(graph, profile, "expert")
+        moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
+        assert moe and {plan.choices[m].kind for m in moe} == {"expert"}, name
+        jobs += [(name, dup, plan) for dup in (False, True)]
+    return jobs
+
+
+def _family_parity(rank, world, jobs):
+    from hidup.codegen import compile
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    out = []
+    for name, dup, plan in jobs:
+        model, inputs = _build_family(name)
+        module = compile(model, plan, rank, world, inputs, duplication=dup)
+        loss = module(*inputs)
+        loss.backward()
+        total, grads = float(module.global_loss(loss)), full_grad_dict(module)
+        if rank:
+            continue
+        ref, ref_inputs = _build_family(name)
+        ref_loss = ref(*ref_inputs)
+        ref_loss.backward()
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        worst = max(
+            float((grads[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-2 * scale)
+            for n, p in ref.named_parameters()
+        )
+        out.append((name, dup, module.duplication, total, float(ref_loss), worst))
+    return out
+
+
+def test_moe_families_expert_plans_are_exact():
+    """Qwen2-MoE (a shared expert), Qwen3-MoE (fine-grained, top-4) and OLMoE, each with its routed
+    experts forced onto the expert signature at world 2, duplication off and on, give the
+    single-device loss and every gradient."""
+    results = run_distributed(_family_parity, 2, _family_plans(2), timeout=900)[0]
+    assert len(results) == 2 * len(FAMILIES)
+    for name, dup, ran_dup, loss, ref, grad in results:
+        where = f"{name} expert plan, duplication {dup}"
+        assert ran_dup == dup, f"{where}: ran with duplication {ran_dup}"
+        assert abs(loss - ref) <= TOL * abs(ref), f"{where}: loss {loss} vs {ref}"
+        assert grad <= TOL, f"{where}: a gradient differs by {grad:.2e} (relative)"

@@ -194,12 +194,18 @@ def test_mixtral_traces_every_op_with_a_rule(world):
 
 def test_unsupported_experts_layout_keeps_its_path():
     """An activation the op does not model (tanh) leaves the experts as they were: replicated, with a warning."""
+    from hidup.rules.experts import UnmodelledExpertsWarning
     from hidup.trace import FallbackWarning, trace_module
 
     torch.manual_seed(0)
     model = LMStep(T.MixtralForCausalLM(mixtral_config(act="tanh"))).double()
-    with routed_experts_as_custom_op(model) as switched:
-        assert switched == 0
+    with pytest.warns(UnmodelledExpertsWarning) as said:
+        with routed_experts_as_custom_op(model) as switched:
+            assert switched == 0
+    lines = [str(w.message) for w in said if w.category is UnmodelledExpertsWarning]
+    assert len(lines) == 2 and "\n" not in lines[0]  # one line per MoE layer
+    assert lines[0].startswith("hidup: experts module model.model.layers.0.mlp.experts runs replicated")
+    assert "its activation" in lines[0] and "silu" in lines[0]
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     with pytest.warns(FallbackWarning):
         graph = trace_module(model, (ids, ids), world_size=2).graph

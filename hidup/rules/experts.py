@@ -53,6 +53,7 @@ import contextlib
 import functools
 import math
 import sys
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -72,6 +73,8 @@ __all__ = [
     "routed_experts_as_custom_op",
     "set_experts_implementation",
     "experts_layout_activation",
+    "unmodelled_layout",
+    "UnmodelledExpertsWarning",
 ]
 
 # activation name -> the function applied to the gate half
@@ -179,28 +182,41 @@ routed_experts.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- transformers integration
 def experts_layout_activation(module: nn.Module) -> str | None:
     """The activation name of a ``transformers`` experts module whose layout the op models, else None."""
-    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "config", "act_fn")):
-        return None
-    if (
-        not module.has_gate
-        or module.is_transposed
-        or module.has_bias
-        or getattr(module, "has_post_expert_norm", False)
-        or not getattr(module, "is_concatenated", True)
-        or getattr(module, "_is_expert_parallel", False)
-    ):
-        return None
-    apply_gate = getattr(type(module), "_apply_gate", None)
-    moe = sys.modules.get("transformers.integrations.moe")
-    if moe is None or apply_gate is not getattr(moe, "_default_apply_gate", None):
-        return None
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
-        return None
-    e, f2, d = gate_up.shape
-    if f2 % 2 or tuple(down.shape) != (e, d, f2 // 2) or getattr(module, "num_experts", e) != e:
+    if not is_transformers_experts(module) or unmodelled_layout(module) is not None:
         return None
     return _activation_name(module.act_fn)
+
+
+def is_transformers_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of ``transformers``' experts interface."""
+    return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "config", "act_fn"))
+
+
+def unmodelled_layout(module: nn.Module) -> str | None:
+    """Why the op does not model this ``transformers`` experts module's layout, None where it does."""
+    layout = [
+        (not module.has_gate, "it has no gate projection"),
+        (module.is_transposed, "its weights are stored transposed"),
+        (module.has_bias, "its projections have biases"),
+        (getattr(module, "has_post_expert_norm", False), "it normalizes each expert's output"),
+        (not getattr(module, "is_concatenated", True), "its gate and up projections are separate tensors"),
+        (getattr(module, "_is_expert_parallel", False), "transformers already shards it (expert parallel)"),
+    ]
+    for bad, why in layout:
+        if bad:
+            return why
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or getattr(type(module), "_apply_gate", None) is not getattr(moe, "_default_apply_gate", None):
+        return "it combines gate and up with its own function"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
+        return "its weights are not [experts, 2 ffn, hidden] and [experts, hidden, ffn] tensors"
+    e, f2, d = gate_up.shape
+    if f2 % 2 or tuple(down.shape) != (e, d, f2 // 2) or getattr(module, "num_experts", e) != e:
+        return f"its weights' shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not match"
+    if _activation_name(module.act_fn) is None:
+        return f"its activation {type(module.act_fn).__name__} is not one of {', '.join(ACTIVATIONS)}"
+    return None
 
 
 def _activation_name(act: nn.Module) -> str | None:
@@ -292,6 +308,24 @@ def set_experts_implementation(model: nn.Module, name: str) -> int:
     return len(configs)
 
 
+class UnmodelledExpertsWarning(UserWarning):
+    """A ``transformers`` experts module keeps its own implementation and runs replicated."""
+
+
+def _say_unmodelled(model: nn.Module) -> None:
+    """One line per experts module the op does not model: which module, why, what happens."""
+    for name, m in model.named_modules():
+        if is_transformers_experts(m):
+            why = unmodelled_layout(m)
+            if why is not None:
+                warnings.warn(
+                    f"hidup: experts module {name or type(m).__name__} runs replicated on every rank, "
+                    f"with transformers' own implementation: {why}",
+                    UnmodelledExpertsWarning,
+                    stacklevel=3,
+                )
+
+
 @contextlib.contextmanager
 def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
     """While active, the ``transformers`` experts modules of ``model`` run :func:`routed_experts`.
@@ -303,6 +337,7 @@ def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
         yield 0
         return
     count = sum(1 for m in model.modules() if experts_layout_activation(m) is not None)
+    _say_unmodelled(model)
     configs = _modelled_configs(model)
     saved = {}
     try:

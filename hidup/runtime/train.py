@@ -41,6 +41,7 @@ import math
 import os
 import signal
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ from hidup.profiler.profile import DTYPES
 from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus
 from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
-from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
+from hidup.runtime.options import DEFAULT_PROFILE, CommandError, add_model_args, mesh_phrase, settle_model
 from hidup.search import search
 from hidup.trace import trace
 
@@ -117,6 +118,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
     g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only on signal)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh over the checkpoint already in --checkpoint-dir (without it, or --resume, a run "
+        "that finds one there refuses to start)",
+    )
     g.add_argument(
         "--stop-after", type=int, default=None, help="stop (as if interrupted) after this many steps of this invocation"
     )
@@ -365,6 +372,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
         times.append(watch.seconds)
         total = float(module.global_loss(loss))
+        _check_finite(total, step + 1, ckpt_path, args.lr)
         losses.append(total)
         step += 1
         done += 1
@@ -420,9 +428,54 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     return result
 
 
+def _check_finite(loss: float, step: int, ckpt_path: Path | None, lr: float) -> None:
+    """Stop every rank (each sees the same global loss) at a non-finite loss, before the step's update
+    can reach a checkpoint: the last one written stays the last good one."""
+    if math.isfinite(loss):
+        return
+    kept = f"the checkpoint in {ckpt_path.parent} is kept as it was" if ckpt_path is not None else "no checkpoint"
+    raise SystemExit(
+        f"step {step}: the loss is {loss}; training stops before this step's update is saved ({kept}). "
+        f"Fix: a smaller --lr than {lr:g}, --clip, or bf16 instead of fp16; resume with --resume"
+    )
+
+
+def check_run_options(args: argparse.Namespace) -> None:
+    """Refuse, before any rank starts, what would fail or lose work later: a learning rate that is not a
+    positive number, a --checkpoint-dir that is a file or cannot be written, and a checkpoint already
+    there that neither --resume (continue it) nor --overwrite (replace it) says what to do with."""
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise CommandError(f"--lr {args.lr}: the learning rate must be a positive number")
+    if args.resume and args.overwrite:
+        raise CommandError("--resume continues the checkpoint and --overwrite replaces it: give one")
+    folder = args.checkpoint_dir
+    if folder is None:
+        if args.resume:
+            raise CommandError("--resume needs --checkpoint-dir, the folder of the run to continue")
+        return
+    if folder.exists() and not folder.is_dir():
+        raise CommandError(f"--checkpoint-dir {folder} is a file, not a folder. Fix: name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hidup-write-check-"):
+            pass
+    except OSError as e:
+        raise CommandError(
+            f"--checkpoint-dir {folder} cannot be written ({e.strerror or e}). Fix: a folder this user can write"
+        ) from None
+    found = [p for p in (folder / "checkpoint", folder / "checkpoint.pt") if checkpoint.exists(p)]
+    if found and not (args.resume or args.overwrite):
+        raise CommandError(
+            f"--checkpoint-dir {folder} holds a checkpoint ({found[0].name}) that this run would replace. "
+            "Fix: --resume to continue it, --overwrite to start afresh over it, or another --checkpoint-dir"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
-    A plan for another world size than the launch's is refused here, before any rank starts."""
+    A plan for another world size than the launch's, and options that would fail or lose work later
+    (:func:`check_run_options`), are refused here, before any rank starts."""
+    check_run_options(args)
     plan = Plan.load(args.plan) if args.plan is not None else None
     explicit_world = args.world
     settle_model(args, plan, args.plan)

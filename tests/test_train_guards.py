@@ -1,0 +1,83 @@
+"""``hidup train`` refuses, before any rank starts, what would fail or lose work later, and stops at a
+non-finite loss without replacing the last good checkpoint (``hidup/runtime/train.py``,
+``check_run_options`` and ``_check_finite``).
+
+Each case asserts the one message, the exit status and, for the loss, that the checkpoint written
+before the bad step is the one a resume finds.  The non-finite loss is deterministic: a model whose
+loss is ``log(p)`` with ``p = 1`` takes one SGD step of 10 to ``p = -9``, so step 2's loss is NaN on
+any machine.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from test_cli_errors import TINY, one_message, run_cli, run_main
+
+LOG_OF_P = textwrap.dedent("""
+    import torch
+
+
+    class LogOfP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return torch.log(self.p).sum() + 0.0 * x.mean()
+
+
+    def build(world_size=1, device=None):
+        return LogOfP(), (torch.ones(4 * world_size, 2),)
+""")
+
+
+@pytest.mark.parametrize("lr", ["nan", "0", "-1", "inf"])
+def test_a_learning_rate_that_is_not_a_positive_number_is_refused(lr, capsys):
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", "--lr", lr], capsys)
+    assert code == 1
+    one_message(err, f"hidup train: error: --lr {float(lr)}: the learning rate must be a positive number")
+
+
+def test_checkpoint_dir_that_is_a_file_or_cannot_be_made(capsys, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(file)], capsys)
+    assert code == 1
+    one_message(err, f"--checkpoint-dir {file} is a file, not a folder")
+    below = file / "ckpt"
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(below)], capsys)
+    assert code == 1
+    one_message(err, f"--checkpoint-dir {below} cannot be written", "Fix: a folder this user can write")
+
+
+def test_an_existing_checkpoint_is_continued_or_replaced_only_when_asked(capsys, tmp_path):
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+    assert run_main(["train", *TINY, "--iterations", "1", *ckpt], capsys)[0] == 0
+    code, _, err = run_main(["train", *TINY, "--iterations", "2", *ckpt], capsys)
+    assert code == 1
+    one_message(err, "holds a checkpoint (checkpoint) that this run would replace", "--resume", "--overwrite")
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", *ckpt, "--resume", "--overwrite"], capsys)
+    assert code == 1
+    one_message(err, "--resume continues the checkpoint and --overwrite replaces it: give one")
+    code, out, _ = run_main(["train", *TINY, "--iterations", "2", *ckpt, "--overwrite"], capsys)
+    assert code == 0 and "running steps 1..2" in out
+    code, out, _ = run_main(["train", *TINY, "--iterations", "2", *ckpt, "--resume"], capsys)
+    assert code == 0 and "nothing left to run: the checkpoint is at step 2" in out
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", "--resume"], capsys)
+    assert code == 1
+    one_message(err, "--resume needs --checkpoint-dir")
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+    (tmp_path / "log_of_p.py").write_text(LOG_OF_P)
+    common = ["train", "--model", "log_of_p:build", "--optimizer", "sgd", "--lr", "10", "--checkpoint-dir", "ckpt"]
+    out = run_cli([*common, "--iterations", "5", "--checkpoint-every", "1"], tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    one_message(out.stderr, "step 2: the loss is nan; training stops", "ckpt is kept as it was")
+    assert "step     1  loss 0" in out.stdout and "step     2" not in out.stdout
+    again = run_cli([*common, "--iterations", "1", "--resume"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to run: the checkpoint is at step 1 of --iterations 1" in again.stdout

@@ -1,9 +1,9 @@
 """Suite-wide fixtures.
 
 The suite runs in two pytest-xdist workers (pyproject.toml), so two tests may launch ranks at the
-same time. A launch that names no port takes the default rendezvous port (29500, as torchrun), and
-two such launches at once collide; every test therefore runs with ``MASTER_PORT`` set to a port
-that was free when it started, unless the environment already sets one.
+same time. A one-node launch that names no port hosts its rendezvous on a free port; tests that
+name one (``MASTER_PORT`` read from the environment) get a port that was free when they started,
+unless the environment already sets one.
 """
 
 from __future__ import annotations

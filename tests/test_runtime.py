@@ -36,6 +36,39 @@ def test_layout_noderank_cpn():
     assert (lay.master_addr, lay.master_port) == ("10.0.0.1", 1234)
 
 
+def test_one_node_without_a_port_hosts_its_rendezvous_on_a_free_one():
+    """Two jobs on one machine never collide on a default port: a one-node launch that names none
+    takes port 0, which the launcher turns into a free port of its own store."""
+    assert layout_from_env({"CPN": "2"}).master_port == 0
+    assert layout_from_env({}).master_port == 0
+    assert layout_from_env({"CPN": "2", "MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_two_one_node_launches_at_once_without_a_port(monkeypatch):
+    import threading
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(launch(_rank_and_world, cpn=2))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results == [[(0, 2), (1, 2)]] * 2
+
+
+def _rank_and_world(ctx):
+    return ctx.rank, ctx.world_size
+
+
 def test_layout_flags_win_over_env():
     lay = layout_from_env({"CPN": "4", "MASTER_PORT": "1"}, cpn=2, master_port=777)
     assert (lay.world_size, lay.cpn, lay.master_port) == (2, 2, 777)

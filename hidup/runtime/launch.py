@@ -8,10 +8,11 @@ Two ways to describe the ranks:
 * torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``: the process already is one rank.
 
 ``MASTER_ADDR`` / ``MASTER_PORT`` come from flags or the environment (flags win).  On one node,
-``MASTER_PORT=0`` makes the launcher host the rendezvous store itself on a free port that the OS
-picks (no two runs race for a port).  The process group uses NCCL when CUDA is available and gloo
-otherwise, with a timeout (120 s by default) so that a rank that dies makes the others fail
-instead of hanging.
+``MASTER_PORT=0`` -- the default there when neither names a port -- makes the launcher host the
+rendezvous store itself on a free port that the OS picks, so two jobs on one machine never collide
+on a port; a run over several nodes needs the port of node 0 named.  The process group uses NCCL
+when CUDA is available and gloo otherwise, with a timeout (120 s by default) so that a rank that
+dies makes the others fail instead of hanging.
 
 :func:`run_ranks` is the one process launcher: it spawns a node's ranks, joins them into one
 process group, collects each rank's pickled result or failure, stops the others when one fails,
@@ -183,7 +184,7 @@ def layout_from_env(
         return Layout(world, max(1, world // cpn_eff), cpn_eff, node_eff, addr, port, local, "torchrun")
 
     if cpn is None and node_rank is None and nnodes is None:
-        return Layout(1, 1, 1, 0, addr or "127.0.0.1", port if port is not None else 29500, None, "single")
+        return Layout(1, 1, 1, 0, addr or "127.0.0.1", port if port is not None else 0, None, "single")
     if cpn is None:
         raise LaunchError(
             "NODERANK/NNODES given without CPN (cards per node); export CPN=<processes per node> or pass --cpn"
@@ -210,7 +211,7 @@ def layout_from_env(
             f"NNODES={nnodes} nodes needs the port of node 0 that every node can be told"
         )
     return Layout(
-        nnodes * cpn, nnodes, cpn, node_rank, addr or "127.0.0.1", port if port is not None else 29500, None, "noderank"
+        nnodes * cpn, nnodes, cpn, node_rank, addr or "127.0.0.1", port if port is not None else 0, None, "noderank"
     )
 
 

@@ -470,12 +470,12 @@ class _Builder:
         args, kwargs = _fix_devices(tuple(call.args), self.device), _fix_devices(dict(call.kwargs), self.device)
         reads = set(value_leaves((args, kwargs), torch.fx.Node)) & self.gathered
         if reads and self.region is None:  # it reads a resharded parameter's copy: keep a handle, not the copy
-            out = self._reshard_call(call.target, args, kwargs, node.name)
+            out = self._reshard_call(rules.kernel_of(call.target), args, kwargs, node.name)
             name = call.target if isinstance(call.target, str) else getattr(call.target, "__name__", "")
             if name in VIEW_NAMES:
                 self.gathered.add(out)
         else:
-            out = self.call(call.target, args, kwargs, name=node.name)
+            out = self.call(rules.kernel_of(call.target), args, kwargs, name=node.name)
         if len(node.outputs) == 1 and not self._structured(node.name):
             self.local[node.outputs[0]] = out
         else:

@@ -616,7 +616,7 @@ class _LocalOps:
                 call = rules.localize(ctx.with_tensors(tensors), sig, 0)
             args, kwargs = map_value(tuple(call.args), _cpu), map_value(dict(call.kwargs), _cpu)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = call.target(*args, **kwargs)
+                out = rules.kernel_of(call.target)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - a local op that needs more than fake tensors: whole-op record
             return None
         in_keys = [_storage_key(t) for t in tensors]

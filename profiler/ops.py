@@ -95,7 +95,7 @@ def _bind(rules, ctx, sig, tensors: list[torch.Tensor], compiled: bool = False):
     """What rank 0 runs for the node under ``sig``, as a thunk on ``tensors`` (one per ``ctx.inputs``);
     ``compiled``: a local call that is a Python function goes through ``torch.compile`` (inductor)."""
     call = rules.localize(ctx.with_tensors(tensors), sig, 0)
-    target, args, kwargs = call.target, tuple(call.args), dict(call.kwargs)
+    target, args, kwargs = rules.kernel_of(call.target), tuple(call.args), dict(call.kwargs)
     if compiled and inspect.isfunction(target):
         target = torch.compile(target, dynamic=False)
     if isinstance(target, str):  # a method name: call it on the first argument

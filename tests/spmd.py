@@ -200,7 +200,7 @@ def check_signature(
         locals_in.append(loc)
         a, k = _substitute(ctx.args, ctx.kwargs, loc)
         call = rules.localize(dataclasses.replace(ctx, args=a, kwargs=k), sig, r)
-        outs.append(_flat_outputs(call.target(*call.args, **call.kwargs)))
+        outs.append(_flat_outputs(rules.kernel_of(call.target)(*call.args, **call.kwargs)))
     for j, (form, ref) in enumerate(zip(sig.outputs, ref_out)):
         per = [o[j] for o in outs]
         for o in per:
@@ -409,7 +409,7 @@ def check_mesh_signature(
         loc = [p[c].requires_grad_(_wants_grad(p[c], i)) for i, p in enumerate(pieces)]
         locals_in[c] = loc
         call = localize_mesh(ctx, sig, c, mesh, rules.localize, loc)
-        outs[c] = _flat_outputs(call.target(*call.args, **call.kwargs))
+        outs[c] = _flat_outputs(rules.kernel_of(call.target)(*call.args, **call.kwargs))
     for j, (lay, ref) in enumerate(zip(sig.outputs, ref_out)):
         want = lay.local_shape(ref.shape, mesh)
         for c in coords:

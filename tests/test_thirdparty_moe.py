@@ -192,6 +192,20 @@ def test_mixtral_traces_every_op_with_a_rule(world):
     assert sum(1 for n in graph.nodes if n.target == "topk") == 2
 
 
+def test_mixtral_on_a_mesh_offers_expert_times_data():
+    """On a 2x2 mesh every product of the experts' one-axis signatures is offered: the local op of one
+    axis is the op again, so the rule applies on the next axis (its kernel runs only in the ranks)."""
+    from hidup.trace import trace_module
+
+    model, inputs = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace_module(model, inputs, world_size=4, mesh=(2, 2)).graph
+    moe = next(n for n in graph.nodes if n.target == "routed_experts")
+    kinds = {s.kind for s in moe.signatures}
+    assert {"data", "expert", "data+expert", "expert+data"} <= kinds, kinds
+
+
 def test_unsupported_experts_layout_keeps_its_path():
     """An activation the op does not model (tanh) leaves the experts as they were: replicated, with a warning."""
     from hidup.rules.experts import UnmodelledExpertsWarning

@@ -52,6 +52,7 @@ __all__ = [
     "signatures",
     "variant",
     "localize",
+    "kernel_of",
     "declare_batch_op",
     "dims",
     "Dims",
@@ -119,6 +120,12 @@ def localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     if rule.localize is None:
         return default_localize(ctx, sig, rank)
     return rule.localize(ctx, sig, rank)
+
+
+def kernel_of(target: Any) -> Any:
+    """What runs a local call of ``target``: its rule's ``kernel`` where it names one, else the target."""
+    rule = find_rule(target)
+    return rule.kernel if rule is not None and rule.kernel is not None else target
 
 
 def _validate(ctx: RuleContext, rule: Rule, sigs: list[Signature]) -> None:

@@ -367,9 +367,7 @@ def _experts_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     offset = b["expert_offset"]
     if sig.inputs[3].is_gather:  # expert signature: rank r holds experts [r E/N, (r+1) E/N)
         offset += rank * (ctx.inputs[3].shape[0] // ctx.world)
-    # ranks run the differentiable grouped math, not the opaque op: inductor compiles it with the
-    # step and autograd keeps its activations instead of running the forward again
-    return LocalCall(routed_experts_math, tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
+    return LocalCall(torch.ops.hidup.routed_experts.default, tuple(b[n] for n in _NAMES[:5]) + (offset, b["act"]), {})
 
 
 def _experts_typical(ctx: RuleContext, tensors: list) -> list:
@@ -387,6 +385,9 @@ def _experts_typical(ctx: RuleContext, tensors: list) -> list:
     name="routed_experts",
     localize=_experts_localize,
     typical=_experts_typical,
+    # ranks run the differentiable grouped math, not the opaque op: inductor compiles it with the
+    # step and autograd keeps its activations instead of running the forward again
+    kernel=routed_experts_math,
 )
 def _routed_experts_rule(ctx: RuleContext) -> list[Signature]:
     _bound(ctx)

@@ -53,16 +53,17 @@ def register(
     localize: Callable[[RuleContext, Signature, int], LocalCall] | None = None,
     variant: Callable[[RuleContext], str] | None = None,
     typical: Callable[[RuleContext, list], list] | None = None,
+    kernel: Callable | None = None,
 ):
     """Decorator: register ``fn(ctx) -> list[Signature]`` as the rule of every target (``localize``,
-    ``variant`` and ``typical``: :class:`~hidup.rules.base.Rule`).
+    ``variant``, ``typical`` and ``kernel``: :class:`~hidup.rules.base.Rule`).
 
     A string target ``"view"`` also registers ``torch.Tensor.view`` (a ``call_function`` on the
     unbound method behaves like the ``call_method``).
     """
 
     def deco(fn):
-        rule = Rule(name or fn.__name__, fn, localize, variant, typical)
+        rule = Rule(name or fn.__name__, fn, localize, variant, typical, kernel)
         for t in targets:
             _RULES[t] = rule
             if isinstance(t, str) and hasattr(torch.Tensor, t):

@@ -70,6 +70,22 @@ def test_bench_rank_cpu_writes_json(tmp_path, capsys):
     assert "rank eager" in text and "torch compile" in text and "share compile" in text  # the table's header
 
 
+def test_bench_rank_times_the_share_with_each_experts_implementation(tmp_path):
+    """``--share-experts``: one share row per named ``transformers`` experts implementation, each in its
+    own mode, the rank measured against both in the same run (a tiny Mixtral, the world-2 rank 0)."""
+    pytest.importorskip("transformers")
+    sizes = ["layers=1", "hidden=32", "heads=4", "kv_heads=2", "ffn=32", "vocab=64", "seq=8", "batch=2"]
+    model = ["--model", "exp.rank_models:mixtral", "--world", "2", "--profile", "h200x4-nvlink"]
+    model += [a for kv in sizes for a in ("--model-arg", kv)] + ["--model-arg", "implementation=eager"]
+    out = tmp_path / "rank.json"
+    argv = ["bench-rank", *model, "--modes", "eager", "--share-experts", "eager=eager,hidup_grouped", *FAST]
+    assert main([*argv, "--share-modes", "compile", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    got = {(r["what"], r["mode"]) for r in runs}
+    assert got == {("rank", "eager"), ("share:eager", "eager"), ("share:hidup_grouped", "compile")}
+    assert all(r["status"] == "ok" for r in runs), runs
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -78,6 +94,7 @@ def test_bench_rank_cpu_writes_json(tmp_path, capsys):
         (["--model", "mlp", "--world", "2", "--modes", "cuda-graph"], "capture CUDA graphs"),
         (["--model", "mlp", "--world", "2", "--modes", "fast"], "--modes 'fast': choose from"),
         (["--model", "mlp", "--world", "2", "--torch-modes", "compile+graph"], "capture CUDA graphs"),
+        (["--model", "mlp", "--world", "2", "--share-experts", "grouped_mm"], "has no transformers experts module"),
     ],
 )
 def test_bench_rank_refuses_bad_input(argv, message):

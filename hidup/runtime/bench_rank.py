@@ -76,7 +76,7 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
-from hidup.rules.experts import set_experts_implementation
+from hidup.rules.experts import experts_layout_activation, set_experts_implementation
 from hidup.runtime.kernel_profile import kernel_breakdown
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
@@ -344,6 +344,11 @@ def _share_targets(args, model, share, inputs: list, modes: list) -> dict:
     entries = [n.strip() for n in (args.share_experts or "").split(",") if n.strip()]
     if not entries:
         return {"share": (share, inputs, modes, share.set_compile)}
+    if not any(experts_layout_activation(m) is not None for m in model.modules()):
+        _fail(
+            f"--share-experts {args.share_experts}: {args.model} has no transformers experts module that hidup "
+            "models; leave out --share-experts"
+        )
     rows = {}
     for entry in entries:
         name, _, mode = entry.partition("=")
@@ -351,8 +356,7 @@ def _share_targets(args, model, share, inputs: list, modes: list) -> dict:
 
     def switch_to(name):
         def switch(on: bool) -> None:
-            if not set_experts_implementation(model, name):
-                _fail(f"--share-experts {name}: the model has no transformers experts module hidup models")
+            set_experts_implementation(model, name)
             torch._dynamo.reset()
             share.set_compile(on)
 

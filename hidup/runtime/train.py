@@ -28,8 +28,12 @@ tokens (or images) per second, and the peak memory of the device.
 
 Checkpoints (``--checkpoint-dir``/checkpoint: each rank writes its own shards, atomically; a run
 resumes from one on any world size or plan) are taken every ``--checkpoint-every``
-steps and when the process receives SIGTERM or SIGUSR1; on SIGTERM the run then exits.  The signal
-flag is combined across ranks with a max-all-reduce each step, so every rank saves at the same step.
+steps and when the process receives SIGTERM or SIGUSR1; on SIGTERM the run then says where it
+saved and exits with status 143 (128 + SIGTERM, as a process ended by the signal), so that a
+scheduler requeues it.  The signal flag is combined across ranks with a max-all-reduce each step, so
+every rank saves at the same step.  A non-finite loss stops every rank before that step's update is
+saved, and a checkpoint already in ``--checkpoint-dir`` is continued (``--resume``) or replaced
+(``--overwrite``) only when asked.
 """
 
 from __future__ import annotations
@@ -334,7 +338,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=3, repeat=1))
         prof.start()
-    step, done = start, 0
+    step, done, stopped_by = start, 0, None
     while step < args.iterations:
         batch = _to(batch_at(inputs, step, args.seed, cfg, data), device)
         if cuda:
@@ -381,6 +385,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         if rank == 0:
             print(f"step {step:5d}  loss {total:.6g}  {times[-1] * 1e3:8.2f} ms", flush=True)
         save, stop = signals.agreed(device)
+        stopped_by = "SIGTERM" if stop and step < args.iterations else None
         stop = stop or (args.stop_after is not None and done >= args.stop_after)
         periodic = args.checkpoint_every and step % args.checkpoint_every == 0
         if ckpt_path is not None and (periodic or save or stop or step == args.iterations):
@@ -414,7 +419,15 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         "compile_s": compiled["compile_s"],
         "compile_trial": compiled["trial"],
         "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total"),
+        "stopped_by": stopped_by,
     }
+    if rank == 0 and stopped_by is not None:
+        where = (
+            f"checkpoint saved in {args.checkpoint_dir}; continue with --resume"
+            if ckpt_path is not None
+            else "nothing saved (no --checkpoint-dir)"
+        )
+        print(f"stopped by {stopped_by} after step {step}: {where}", flush=True)
     if rank == 0 and timed:
         mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""
         print(
@@ -490,5 +503,8 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.world is not None and not launched and (plan is not None or explicit_world is not None):
         args.cpn, args.nnodes, args.node_rank = args.world, 1, 0  # one node, --world processes
-    launch(run_rank, args, **launch_kwargs(args))
-    return 0
+    results = launch(run_rank, args, **launch_kwargs(args))
+    # a scheduler's SIGTERM (to the launcher or the whole group): the run saved and stopped early, and
+    # exits as a process ended by SIGTERM does, so that the scheduler requeues it rather than marks it done
+    stopped = any(isinstance(r, dict) and r.get("stopped_by") == "SIGTERM" for r in results)
+    return 128 + signal.SIGTERM if stopped else 0

@@ -325,6 +325,11 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict, where: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(
+                f"{where}: a JSON {type(d).__name__}, not a hidup plan (a JSON object). Fix: pass a file "
+                "`hidup search` wrote"
+            )
         version = d.get("version")
         if version not in READABLE_VERSIONS:
             raise PlanError(
@@ -359,6 +364,10 @@ class Plan:
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; the file is not a complete hidup plan") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise PlanError(
+                f"{where}: {e}; the file is not a valid hidup plan. Fix: run `hidup search` again to write one"
+            ) from None
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON (:func:`hidup.files.atomic_write`)."""

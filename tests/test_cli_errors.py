@@ -86,6 +86,7 @@ def plan2(tmp_path_factory) -> Path:
     [
         (None, "no plan file at"),
         ("{not json", "not valid JSON"),
+        ("[1, 2]", "a JSON list, not a hidup plan"),
     ],
 )
 def test_unreadable_plan(tmp_path, capsys, content, needle):
@@ -168,6 +169,17 @@ def test_unknown_model_and_bad_flag_values(capsys):
     code, _, err = run_main(["search", *TINY, "--time-limit", "0"], capsys)
     assert code == 1
     one_message(err, "--time-limit 0: give a positive number of seconds")
+    for command in ("train", "verify"):
+        code, _, err = run_main([command, *TINY, "--dist-timeout", "0"], capsys)
+        assert code == 2  # argparse: a malformed command line
+        one_message(err, "--dist-timeout: '0': give a positive number of seconds")
+
+
+def test_unknown_model_inside_the_ranks_is_one_message(tmp_path):
+    """``verify`` builds its model in the ranks: an unknown zoo name is still one message."""
+    out = run_cli(["verify", "--model", "nosuch", "--world", "2"], tmp_path)
+    assert out.returncode == 1
+    one_message(out.stderr, "hidup verify: error: unknown model 'nosuch'; the zoo has:")
 
 
 # ------------------------------------------------------------------------------------ --out errors
@@ -403,3 +415,14 @@ def test_cbc_log_lines_give_the_incumbent_and_bound():
     ]:  # not a search row
         mon.parse(line)
     assert (mon.nodes, mon.incumbent, mon.bound) == (34, 83755.6, 83755.2)
+
+
+def test_plan_with_an_invalid_form_is_one_message(plan2, tmp_path, capsys):
+    data = json.loads(plan2.read_text())
+    name = next(n for n, c in data["choices"].items() if c["outputs"])
+    data["choices"][name]["outputs"][0] = "gather_x"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    code, _, err = run_main(["show", str(bad)], capsys)
+    assert code == 1
+    one_message(err, f"hidup show: error: {bad}:", "the file is not a valid hidup plan")

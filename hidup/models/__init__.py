@@ -88,9 +88,9 @@ def build(
 
     Returns ``(model, example_inputs)`` with ``model(*example_inputs)`` a scalar loss.  ``dtype``
     applies to parameters and floating-point inputs.  For a zoo model ``overrides`` are validated
-    against ``hidup.models.OVERRIDES`` (unknown names or bad values raise ``ValueError``); for a
-    factory they are its keyword arguments (:mod:`hidup.models.source`; failures raise
-    :class:`ModelSourceError`)."""
+    against ``hidup.models.OVERRIDES`` (an unknown model, unknown names or bad values raise
+    :class:`ModelSourceError`, a ``ValueError``); for a factory they are its keyword arguments
+    (:mod:`hidup.models.source`; failures raise :class:`ModelSourceError`)."""
     dtype = _as_dtype(dtype)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"hidup.models.build: dtype={dtype} must be a floating-point dtype")
@@ -100,7 +100,10 @@ def build(
             model = model.to(dtype=dtype)
             inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
         return model, inputs
-    cfg = resolve(name, world_size, **overrides)
+    try:
+        cfg = resolve(name, world_size, **overrides)
+    except ValueError as e:  # a user's model name or size: one message wherever the model is built
+        raise ModelSourceError(str(e)) from None
     device = torch.device(device) if device is not None else torch.device("cpu")
     model_cls, make_inputs = _FAMILIES[cfg.family]
     meta = device.type == "meta"

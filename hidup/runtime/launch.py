@@ -47,6 +47,7 @@ import contextlib
 import datetime
 import errno
 import faulthandler
+import math
 import multiprocessing.connection as mp_connection
 import os
 import pickle
@@ -696,10 +697,21 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default=None, choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")
     g.add_argument(
         "--dist-timeout",
-        type=float,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds before a collective waiting on a dead rank fails (default {DEFAULT_TIMEOUT_S:g})",
     )
+
+
+def positive_seconds(text: str) -> float:
+    """``--dist-timeout``'s value: a positive number of seconds (argparse reports anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
+    return value
 
 
 def launch_kwargs(args: argparse.Namespace) -> dict:

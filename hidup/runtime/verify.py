@@ -34,7 +34,7 @@ from hidup import codegen
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
 from hidup.plan import Plan
-from hidup.runtime.launch import Distributed, launch
+from hidup.runtime.launch import Distributed, launch, positive_seconds
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import STYLES, forced, search
 from hidup.trace import trace
@@ -66,7 +66,9 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=0, help="also compare K optimizer steps (default 0)")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest allowed relative difference")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a hung collective fails")
+    p.add_argument(
+        "--dist-timeout", type=positive_seconds, default=120.0, help="seconds before a hung collective fails"
+    )
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:

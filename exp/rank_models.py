@@ -2,7 +2,7 @@
 ``:qwen3_moe``, ``:deepseek_v3``): ``f(world_size=1, device=None, **sizes) -> (step module, (input_ids, labels))``
 with ``batch`` sequences of ``seq`` tokens per rank, for ``hidup search/bench-rank --model``.
 
-The MoE factories build their experts with ``experts`` as ``transformers``' experts implementation
+The MoE factories build their experts with ``implementation`` as ``transformers``' experts implementation
 (default ``grouped_mm``, its grouped-GEMM path): hidup's export replaces it by its own op either way,
 so the setting decides only what the single-device share of ``bench-rank`` runs, the reference a
 rank is measured against."""

@@ -249,29 +249,25 @@ def _previous_forward(self: nn.Module):
     return moe.ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager) if previous else eager
 
 
-def _hidup_experts_forward(
-    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
-) -> Tensor:
-    act = experts_layout_activation(self)
-    if act is None:
-        return _previous_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    return torch.ops.hidup.routed_experts(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act
-    )
+def _experts_forward(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A ``transformers`` experts forward that runs ``run`` (the op, or its math) with the signature of
+    :func:`routed_experts` on a layout the op models, and the model's previous implementation on any other."""
 
+    def forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        act = experts_layout_activation(self)
+        if act is None:
+            return _previous_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+        return run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act)
 
-def _grouped_experts_forward(
-    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
-) -> Tensor:
-    act = experts_layout_activation(self)
-    if act is None:
-        return _previous_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    return routed_experts_math(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, 0, act)
+    return forward
 
 
 # name in transformers' experts interface -> forward: the opaque op hidup exports, and the math a
 # rank runs (what a single device runs with hidup's kernels, for comparing a rank against it)
-IMPLEMENTATIONS = {_IMPLEMENTATION: _hidup_experts_forward, "hidup_grouped": _grouped_experts_forward}
+IMPLEMENTATIONS = {
+    _IMPLEMENTATION: _experts_forward(torch.ops.hidup.routed_experts),
+    "hidup_grouped": _experts_forward(routed_experts_math),
+}
 
 
 def _register_implementations() -> bool:
@@ -292,9 +288,14 @@ def _implementation_attr(config) -> str:
     return internal if hasattr(config, internal) else "_experts_implementation"
 
 
-def _modelled_configs(model: nn.Module) -> dict:
-    """``{id(config): config}`` of the experts modules of ``model`` whose layout the op models."""
-    return {id(m.config): m.config for m in model.modules() if experts_layout_activation(m) is not None}
+def _modelled(model: nn.Module) -> list[nn.Module]:
+    """The experts modules of ``model`` whose layout the op models."""
+    return [m for m in model.modules() if experts_layout_activation(m) is not None]
+
+
+def _configs(modules: list[nn.Module]) -> dict:
+    """``{id(config): config}`` of ``modules`` (modules may share a config)."""
+    return {id(m.config): m.config for m in modules}
 
 
 def set_experts_implementation(model: nn.Module, name: str) -> int:
@@ -302,7 +303,7 @@ def set_experts_implementation(model: nn.Module, name: str) -> int:
     ``name`` (one of its own, or of :data:`IMPLEMENTATIONS`) from now on; how many configs changed."""
     if not _register_implementations():
         return 0
-    configs = _modelled_configs(model)
+    configs = _configs(_modelled(model))
     for config in configs.values():
         setattr(config, _implementation_attr(config), name)
     return len(configs)
@@ -336,9 +337,9 @@ def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
     if not _register_implementations():
         yield 0
         return
-    count = sum(1 for m in model.modules() if experts_layout_activation(m) is not None)
+    modelled = _modelled(model)
     _say_unmodelled(model)
-    configs = _modelled_configs(model)
+    configs = _configs(modelled)
     saved = {}
     try:
         for key, config in configs.items():
@@ -346,7 +347,7 @@ def routed_experts_as_custom_op(model: nn.Module) -> Iterator[int]:
             saved[key] = (attr, getattr(config, attr))
             _PREVIOUS[key] = config._experts_implementation
             setattr(config, attr, _IMPLEMENTATION)
-        yield count
+        yield len(modelled)
     finally:
         for key, config in configs.items():
             if key in saved:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hidup.codegen import compiled
 from hidup.ir import mesh_text
 
-__all__ = ["MeshGroups", "mesh_groups", "coordinates", "current_group", "using_group"]
+__all__ = ["MeshGroups", "mesh_groups", "coordinates", "current_group", "using_group", "running"]
 
 _GROUP = threading.local()  # the process group (or MeshGroups) the generated code communicates on
 
@@ -102,6 +102,7 @@ def using_group(group):
     before = getattr(_GROUP, "group", None)
     before_key, before_axes = compiled.ACTIVE.key, compiled.ACTIVE.axis_keys
     _GROUP.group = group
+    _GROUP.depth = getattr(_GROUP, "depth", 0) + 1
     if isinstance(group, MeshGroups):
         compiled.ACTIVE.set(compiled.group_key(group.world), tuple(compiled.group_key(g) for g in group.axes))
     else:
@@ -110,4 +111,11 @@ def using_group(group):
         yield
     finally:
         _GROUP.group = before
+        _GROUP.depth -= 1
         compiled.ACTIVE.set(before_key, before_axes)
+
+
+def running() -> bool:
+    """Whether generated code runs now on this thread (inside :func:`using_group`): ``current_group()``
+    None then means the default process group, outside it no group at all."""
+    return getattr(_GROUP, "depth", 0) > 0

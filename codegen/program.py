@@ -53,12 +53,13 @@ from torch.fx.node import _get_qualified_name
 
 from hidup import rules
 from hidup.codegen import collectives, compiled
-from hidup.codegen.mesh import MeshGroups, coordinates, current_group, using_group
+from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import FULL, REDUCE, Form, Layout, Signature, axis_forms, block_label, layout_conversions
+from hidup.rules import dispatch
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
 
@@ -84,6 +85,18 @@ def _axis_group(axis: int):
             "HidupModule hidup.compile returns (or inside using_group(MeshGroups))"
         )
     return group.axes[axis]
+
+
+def _dispatch_group(mesh_axis: int | None):
+    """The process group of a local call that communicates inside (:mod:`hidup.rules.dispatch`):
+    the program's group, or mesh axis ``mesh_axis``'s; :data:`~hidup.rules.dispatch.NO_GROUP` when no
+    generated code runs (a memory record or an op timing runs the call as one rank)."""
+    if not running():
+        return dispatch.NO_GROUP
+    return current_group() if mesh_axis is None else _axis_group(mesh_axis)
+
+
+dispatch.use_group_resolver(_dispatch_group)
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,7 @@ import torch
 
 import hidup
 from hidup.ir import parse_mesh
+from hidup.rules.dispatch import DISPATCHERS
 from hidup.search import SearchError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +136,13 @@ def _weight_role(param: str) -> str | None:
 def describe_plan(plan, graph) -> dict:
     """Counts of signature kinds over call nodes, and per weight role how its parameters are stored."""
     kinds = Counter(plan.choices[n.name].kind for n in graph.nodes if n.op == "call")
+    dispatchers = Counter(
+        DISPATCHERS.get(f.impl, "")
+        for n in graph.nodes
+        if n.target == "routed_experts"
+        for f in (plan.choices[n.name].axes or (plan.choices[n.name],))
+        if f.kind == "expert"
+    )
     stored: dict[str, Counter] = {}
     for n in graph.nodes:
         if n.op != "param":
@@ -144,7 +152,7 @@ def describe_plan(plan, graph) -> dict:
             continue
         form = plan.choices[n.name].outputs[0]
         stored.setdefault(role, Counter())[str(form)] += 1
-    return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}}
+    return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}, "dispatchers": dict(dispatchers)}
 
 
 def cpu_seconds() -> float:
@@ -205,6 +213,7 @@ def run_job(
             "search_cpu_s": round(search_cpu_s, 2),
             "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
+            "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
             **describe_plan(plan, graph),
             "summary": hidup.show(plan, graph),
@@ -212,7 +221,8 @@ def run_job(
     )
     print(
         f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s ({search_cpu_s:.1f} s CPU), "
-        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, kinds {row['kinds']}, "
+        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, sent {row['sent_gb']} GB per GPU, "
+        f"kinds {row['kinds']}, dispatchers {row['dispatchers']}, "
         f"stored {row['stored']}",
         flush=True,
     )
@@ -236,14 +246,14 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "NVLink domain by the ring factor, which a real two-node cluster is not.",
         "",
         "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | memory GiB "
-        "| ops by kind | weights stored |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sent GB per GPU | ops by kind | weights stored |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - "
+                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - | - "
                 f"| {r['error'].split('. Fix')[0]} | - |"
             )
             continue
@@ -254,7 +264,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
-            f"| {r['memory_gib']} | {kinds} "
+            f"| {r['memory_gib']} | {r.get('sent_gb', '-')} | {kinds} "
             f"| {stored} |"
         )
     for r in rows:

@@ -61,7 +61,8 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         f"plan for {plan.model or '(unnamed model)'} on {plan.world_size} ranks{mesh}: profile {plan.profile}, "
         f"{plan.algorithm}, duplication {'on' if plan.duplication else 'off'}",
         f"predicted per iteration: {_ms(p['total'])} (forward {_ms(p['forward'])}, backward {_ms(p['backward'])}); "
-        f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}",
+        f"communication {_ms(p['comm'])}, exposed {_ms(p['exposed_comm'])}; each rank sends "
+        f"{_mb(plan.sent_bytes())} per iteration",
         "memory per rank: "
         + _mb(m.get("total", 0.0))
         + " ("
@@ -93,6 +94,10 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         lab = layers.get(c.consumer, "") or "(top)"
         if lab in rows:
             rows[lab]["bytes"] += c.comm_bytes
+    for name, (_, moved) in plan.dispatch.items():  # all-to-alls inside the routed experts
+        lab = layers.get(name, "") or "(top)"
+        if lab in rows:
+            rows[lab]["bytes"] += moved
     kinds_of = {
         lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
         for lab in order

@@ -111,7 +111,7 @@ __all__ = [
     "RECOMPUTE",
 ]
 
-STYLES = ("data", "tensor", "expert", "fsdp")
+STYLES = ("data", "tensor", "expert", "expert-all-gather", "expert-all-to-all", "fsdp")
 RECOMPUTE = ("auto", "on", "off")
 RESHARD = ("auto", "on", "off")
 # style -> (preferred kinds in order, kinds never used)
@@ -119,8 +119,22 @@ _STYLE_RULES = {
     "data": (("data",), {"tensor", "expert"}),
     "tensor": (("tensor", "data"), {"expert"}),
     "expert": (("expert", "data"), {"tensor"}),
+    "expert-all-gather": (("expert", "data"), {"tensor"}),
+    "expert-all-to-all": (("expert", "data"), {"tensor"}),
     "fsdp": (("data",), {"tensor", "expert"}),
 }
+
+
+# the routed experts' token dispatcher a style forces (Signature.impl, hidup.rules.dispatch.DISPATCHERS)
+_STYLE_IMPL = {"expert-all-gather": "local_experts", "expert-all-to-all": "all_to_all"}
+
+
+def _dispatcher_ok(style: str, sig: Signature, offered: list[Signature]) -> bool:
+    """Whether expert signature ``sig`` uses the dispatcher ``style`` forces, where the node offers it."""
+    impl = _STYLE_IMPL.get(style)
+    if impl is None or sig.kind != "expert" or sig.impl == impl:
+        return True
+    return not any(s.kind == "expert" and s.impl == impl for s in offered)
 
 
 def _progress_fn(progress, label: str):
@@ -915,7 +929,7 @@ def restrict_for(style: str) -> Callable[[Node, Signature], bool]:
                 return all(f.is_gather for f in sig.outputs) or not any(s.outputs[0].is_gather for s in node.signatures)
             return True
         kinds = allowed_kinds(node)
-        return True if kinds is None else sig.kind in kinds
+        return (kinds is None or sig.kind in kinds) and _dispatcher_ok(style, sig, node.signatures)
 
     return restrict
 
@@ -961,6 +975,9 @@ def restrict_per_axis(styles: tuple[str | None, ...] | list[str | None]) -> Call
             kinds = allowed(node, k, sig.axes[:k])
             if kinds is not None and factor.kind not in kinds:
                 return False
+            offered = [s.axes[k] for s in node.signatures if s.axes[:k] == sig.axes[:k]]
+            if not _dispatcher_ok(style, factor, offered):
+                return False
         return True
 
     return restrict
@@ -972,7 +989,9 @@ def forced(graph: Graph, profile, style: "str | tuple[str, ...]", **kwargs) -> P
     * ``data``: parameters replicated, every op its ``data`` signature where it has one, else
       a non-tensor/expert one (``replicated``);
     * ``tensor``: ``tensor`` signatures for ops that have one (attention, dense linears), else as data;
-    * ``expert``: ``expert`` signatures for the MoE expert einsums, else as data;
+    * ``expert``: ``expert`` signatures for the MoE expert einsums, else as data (the routed
+      experts' token dispatcher searched); ``expert-all-gather`` and ``expert-all-to-all`` the same
+      with that dispatcher forced where a node offers it (:mod:`hidup.rules.dispatch`);
     * ``fsdp``: every op as data, every parameter that can be stored split (``gather_d``) is, and
       gathered for its use (FSDP / ZeRO-3 style).
 
@@ -1050,6 +1069,10 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         node_costs=node_costs,
         layers=layers,
     )
+    for i, k in enumerate(ev.ks):  # collectives inside nodes: the routed experts' all-to-all dispatcher
+        d = p.cost.dispatch(p.order[i], p.sigs[i][k])
+        if d is not None:
+            plan.dispatch[p.order[i].name] = [-1 if d[0] is None else d[0], int(d[1] * d[2])]
     plan.alternatives = _runner_ups(problem, ev, explain)
     plan.reshard = sorted(
         {producer[tid] for step in ev.steps for tid, _, a, _ in step.convs if problem.resharded(tid, a)}

@@ -150,6 +150,19 @@ keep_rank0, identity) cost 0.  ``algbw`` comes from the profile's fitted tables
 group are kept consistent with one link, so that a wrong measurement of one of them does not make
 the search trade it for the others.
 
+Routed experts (``hidup::routed_experts``, :mod:`hidup.search.experts_cost`)
+---------------------------------------------------------------------------
+Compute: the grouped GEMMs of each local expert at ``T k / E`` rows (balanced routing, an
+assumption) and the passes over the rows a rank processes: all ``T k`` pairs of the gathered tokens
+under the all-gather dispatcher (other ranks' pairs padded), its own ``T_r k`` pairs under the
+all-to-all one (:mod:`hidup.rules.dispatch`), which runs eagerly between compiled regions.  The
+all-to-all dispatcher adds its communication to the node (:meth:`CostModel.dispatch_comm`), on the
+group of the mesh axis that dispatches: forward two all-to-alls of the rows (out and back), logical
+size ``N T_r k D`` in the compute dtype (autocast's, else x's), one all-to-all of the ``N`` counts and
+one host synchronization, priced as :data:`DISPATCH_SYNC_OVERHEADS` launches; backward two more
+all-to-alls of the rows.  It is blocking (on the compute stream's path), and a duplicated copy pays
+half of it as of any node's batch-dependent time.
+
 Memory copies around a form change (compute stream)
 ---------------------------------------------------
 The runtime (:mod:`hidup.codegen.collectives`) copies memory around its collectives, and those
@@ -276,6 +289,10 @@ ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
 ATTENTION_BACKWARD = 2.5
 # queries and keys per block of torch's attention kernels (flash, memory-efficient, cuDNN: 64 x 64 tiles)
 ATTENTION_BLOCK = 64
+# the routed experts' all-to-all dispatcher waits once per layer for its split sizes (a host
+# synchronization): the launch queue drains and the next kernels start from an idle GPU, priced as
+# this many launches (search/cost.py docstring, "Routed experts")
+DISPATCH_SYNC_OVERHEADS = 4
 # autocast's low dtype per precision
 LOW_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}
 # inductor pads the strides of the tensors it lays out to multiples of this many bytes, where a
@@ -610,8 +627,41 @@ class CostModel:
         key = (twin.name, id(sig))
         hit = self._device.get(key)
         if hit is None or hit[0] is not sig:
-            hit = self._device[key] = (sig, self._device_compute(twin, sig))
+            (cf, cb), (mf, mb) = self._device_compute(twin, sig), self.dispatch_comm(twin, sig)
+            hit = self._device[key] = (sig, (cf + mf, cb + mb))
         return hit[1]
+
+    def dispatch(self, node: Node, sig: Signature) -> tuple[int | None, float, int] | None:
+        """(mesh axis or None, logical bytes of one all-to-all of the rows, all-to-alls of the rows per
+        step) of a routed-experts node under its ``all_to_all`` signature (module docstring, "Routed
+        experts"): the rows of every rank's (token, slot) pairs in the compute dtype; None for any
+        other node or signature."""
+        factors = sig.axes or (sig,)
+        axis = next((k for k, f in enumerate(factors) if f.impl == "all_to_all"), None)
+        if axis is None or node.op != "call" or node.target.split(".", 1)[0] != "routed_experts":
+            return None
+        shapes = self._local_shapes(self.graph, node, sig)
+        if shapes is None:
+            return None
+        on = axis if sig.axes else None
+        n, _ = self.group(on)
+        (tokens, hidden), (_, k) = shapes[0], shapes[1]
+        low = LOW_PRECISIONS.get(self.precision)
+        itemsize = DTYPE_BYTES[low] if low else DTYPE_BYTES.get(self.graph.tensors[node.inputs[0]].dtype, 4)
+        return on, float(n * tokens * k * hidden * itemsize), 4 if self.requires_backward(node) else 2
+
+    def dispatch_comm(self, node: Node, sig: Signature) -> tuple[float, float]:
+        """(forward, backward) seconds of the all-to-all token dispatch inside a routed-experts node
+        (:meth:`dispatch`): two all-to-alls of the rows, the counts' and one host synchronization
+        forward, two of the rows backward; zero for any other node or signature."""
+        d = self.dispatch(node, sig)
+        if d is None:
+            return 0.0, 0.0
+        on, rows, exchanges = d
+        n, _ = self.group(on)
+        counts = self.comm("all_to_all", n * n * 8, on) + DISPATCH_SYNC_OVERHEADS * self.profile.op_overhead
+        one = self.comm("all_to_all", rows, on)
+        return 2.0 * one + counts, (exchanges - 2) * one
 
     def _device_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         if self.compiled:
@@ -627,7 +677,8 @@ class CostModel:
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
         if node.target.split(".", 1)[0] == "routed_experts" and shapes is not None:
-            fwd, bwd = self.experts_time(node, shapes, profile_dtype(dtype, self.precision), needs_bwd)
+            dispatched = any(f.impl == "all_to_all" for f in (sig.axes or (sig,)))
+            fwd, bwd = self.experts_time(node, shapes, profile_dtype(dtype, self.precision), needs_bwd, dispatched)
             return fwd + cast_fwd, (bwd + cast_bwd if needs_bwd else 0.0)
         kind = kernel_kind(node.target)
         rate_key = profile_dtype(dtype, self.precision)
@@ -673,10 +724,13 @@ class CostModel:
             bwd = (ATTENTION_BACKWARD if kind == "attention" else 2.0) * fwd
         return fwd + cast_fwd, bwd + self.bias_grad(node, sig) + cast_bwd
 
-    def experts_time(self, node: Node, shapes: list, rate_key: str, needs_bwd: bool) -> tuple[float, float]:
+    def experts_time(
+        self, node: Node, shapes: list, rate_key: str, needs_bwd: bool, dispatched: bool = False
+    ) -> tuple[float, float]:
         """(forward, backward) of a routed-experts node at its local ``shapes``: its grouped GEMMs at
         each expert's shape under balanced routing and its passes over the rows
-        (:mod:`hidup.search.experts_cost`)."""
+        (:mod:`hidup.search.experts_cost`).  ``dispatched``: the all-to-all signature, whose rank
+        receives its local experts' rows only (every row valid) and runs eagerly (a graph break)."""
         x, idx, w, gate_up, down = shapes[:5]
         g = self.graph
         low = LOW_PRECISIONS.get(self.precision)
@@ -688,7 +742,7 @@ class CostModel:
             ffn=down[2],
             k=idx[1],
             local_experts=gate_up[0],
-            experts=g.tensors[node.inputs[3]].shape[0],
+            experts=gate_up[0] if dispatched else g.tensors[node.inputs[3]].shape[0],
             compute_bytes=compute,
             x_bytes=x_bytes,
             weighted_bytes=max(compute, DTYPE_BYTES.get(g.tensors[node.inputs[2]].dtype, 4)),
@@ -702,7 +756,8 @@ class CostModel:
             return flops / self.profile.rate_at(rate_key, flops)
 
         o = self.profile.op_overhead
-        return experts_seconds(shape, gemm, self.profile.memory_bandwidth, o, self.compiled, needs_bwd)
+        compiled = self.compiled and not dispatched
+        return experts_seconds(shape, gemm, self.profile.memory_bandwidth, o, compiled, needs_bwd)
 
     def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, rate_key: str) -> float:
         """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` at the profile's ``rate_key`` dtype, from
@@ -922,7 +977,10 @@ class CostModel:
         if batch if batch is not None else self.node_is_batch(node):
             castf, castb = self.autocast_casts(node, sig)
             half = self.compute_half(node, sig)
-            if half is None:
+            if half is not None:  # measured without the dispatcher's communication: add its half
+                mf, mb = self.dispatch_comm(self._twin[node.name], sig)
+                half = (half[0] + mf / 2, half[1] + mb / 2)
+            else:
                 of, ob = self.fixed(node)
                 half = ((cf - castf - of) / 2 + of, (cb - castb - ob) / 2 + ob)
             cf, cb = half[0] + castf, half[1] + castb

@@ -40,6 +40,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -181,6 +182,22 @@ class ConversionRecord:
             tuple(MeshStepRecord.from_dict(s) for s in d.get("steps", ())),
         )
 
+    def sent_bytes(self, ranks: Callable[[int | None], int]) -> float:
+        """Bytes one rank sends for this conversion per step (forward, and backward where it runs);
+        ``ranks(axis)`` is the size of mesh axis ``axis``'s group (None: the whole world)."""
+
+        def one(op: str, nbytes: float, axis: int | None) -> float:
+            known = FORM_CHANGE_OPS.get(op)
+            collective = known.collective if known is not None else (op if op in COLLECTIVES else "")
+            return nbytes * sent_share(collective, ranks(axis))
+
+        if self.steps:
+            return sum(
+                one(s.forward, s.bytes, s.axis) + (one(s.backward, s.bytes, s.axis) if self.grad else 0.0)
+                for s in self.steps
+            )
+        return one(self.forward, self.bytes, None) + (one(self.backward, self.bytes, None) if self.grad else 0.0)
+
     @property
     def comm_bytes(self) -> int:
         """Bytes moved by collectives (forward plus backward when it runs)."""
@@ -189,6 +206,17 @@ class ConversionRecord:
                 s.bytes * (_communicates(s.forward) + (self.grad and _communicates(s.backward))) for s in self.steps
             )
         return self.bytes * (_communicates(self.forward) + (self.grad and _communicates(self.backward)))
+
+
+def sent_share(collective: str, ranks: int) -> float:
+    """Bytes one rank sends per logical byte (:mod:`hidup.profiler.comm`'s convention) of ``collective``
+    over ``ranks`` ranks by the ring and pairwise algorithms: ``(N-1)/N`` for an all-gather or a
+    reduce-scatter, twice that for an all-reduce, ``(N-1)/N^2`` for an all-to-all (each rank holds
+    ``1/N`` of the logical buffer and keeps ``1/N`` of that)."""
+    if ranks <= 1 or not collective:
+        return 0.0
+    share = (ranks - 1) / ranks
+    return {"all_reduce": 2 * share, "all_to_all": share / ranks}.get(collective, share)
 
 
 def _communicates(op: str) -> bool:
@@ -229,6 +257,9 @@ class Plan:
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
+    # node -> [mesh axis (-1: the whole world), logical bytes of the all-to-alls it runs inside per step]:
+    # the routed experts' all-to-all dispatcher (hidup.rules.dispatch)
+    dispatch: dict[str, list] = field(default_factory=dict)
     reshard: list[str] = field(default_factory=list)  # params whose gathered copies are made again in the backward
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
     # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
@@ -242,6 +273,17 @@ class Plan:
         return tuple(self.mesh) or (self.world_size,)
 
     # ------------------------------------------------------------------------------ queries
+    def group_size(self, axis: int | None) -> int:
+        """Ranks in mesh axis ``axis``'s group (None or -1: the whole world)."""
+        return self.world_size if axis is None or axis < 0 or not self.mesh else self.mesh[axis]
+
+    def sent_bytes(self) -> float:
+        """Bytes one rank sends per step by every collective of the plan: its conversions' and those
+        inside its nodes (gradient all-reduces included; a duplicated plan's two copies together)."""
+        moved = sum(c.sent_bytes(self.group_size) for c in self.conversions)
+        moved += sum(b * sent_share("all_to_all", self.group_size(axis)) for axis, b in self.dispatch.values())
+        return moved
+
     def conversion(self, tensor: int, dst: Form | Layout) -> ConversionRecord | None:
         for c in self.conversions:
             if c.tensor == tensor and c.dst == dst:
@@ -319,6 +361,7 @@ class Plan:
             "alternatives": self.alternatives,
             "recompute": self.recompute,
             **({"reshard": self.reshard} if self.reshard else {}),
+            **({"dispatch": self.dispatch} if self.dispatch else {}),
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
             "versions": dict(self.versions),
         }
@@ -358,6 +401,7 @@ class Plan:
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
                 reshard=list(d.get("reshard") or []),
+                dispatch={k: list(v) for k, v in (d.get("dispatch") or {}).items()},
                 mesh=list(d.get("mesh") or []),
                 versions=dict(d.get("versions") or {}),
                 version=PLAN_VERSION,

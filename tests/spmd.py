@@ -26,7 +26,9 @@ rank runs :func:`hidup.rules.mesh.localize_mesh`, the op localized by one rule s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import threading
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from torch.fx.node import map_aggregate
 
 from hidup import rules
 from hidup.ir import FULL, Form, Layout, Signature
+from hidup.rules import dispatch
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.rules.mesh import localize_mesh, mesh_signatures
 from hidup.rules.registry import callable_of
@@ -194,13 +197,14 @@ def check_signature(
 
     # per-rank forward
     pieces = [_split_input(v, f, N, gen) for v, f in zip(values, sig.inputs)]
-    locals_in, outs = [], []
+    locals_in, calls = [], []
     for r in range(N):
         loc = [p[r].requires_grad_(_wants_grad(p[r], i)) for i, p in enumerate(pieces)]
         locals_in.append(loc)
         a, k = _substitute(ctx.args, ctx.kwargs, loc)
-        call = rules.localize(dataclasses.replace(ctx, args=a, kwargs=k), sig, r)
-        outs.append(_flat_outputs(rules.kernel_of(call.target)(*call.args, **call.kwargs)))
+        calls.append(rules.localize(dataclasses.replace(ctx, args=a, kwargs=k), sig, r))
+    ranks = _Ranks(N, communicates=any("mesh_axis" in c.kwargs for c in calls))
+    outs = ranks.run([lambda c=c: _flat_outputs(rules.kernel_of(c.target)(*c.args, **c.kwargs)) for c in calls])
     for j, (form, ref) in enumerate(zip(sig.outputs, ref_out)):
         per = [o[j] for o in outs]
         for o in per:
@@ -219,7 +223,8 @@ def check_signature(
 
     # per-rank backward
     split_grads = [_seed_grad(g, form, N, gen) if g is not None else None for form, g in zip(sig.outputs, grads)]
-    for r in range(N):
+
+    def backward(r: int) -> None:
         seeds = []
         for j, sg in enumerate(split_grads):
             if sg is None or not outs[r][j].requires_grad:
@@ -227,6 +232,8 @@ def check_signature(
             seeds.append((outs[r][j], sg[r]))
         if seeds:
             torch.autograd.backward([o for o, _ in seeds], [g for _, g in seeds])
+
+    ranks.run([functools.partial(backward, r) for r in range(N)])
     for i, (form, v) in enumerate(zip(sig.inputs, values)):
         if not _wants_grad(v, i):
             continue
@@ -246,6 +253,62 @@ def check_signature(
         for (name, p), g in zip(module.named_parameters(), ref_pgrads):
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             _close(got, g, f"{where}: gradient of parameter {name}")
+
+
+class _Exchange:
+    """Rank ``rank``'s stand-in process group of ranks run as threads (:mod:`hidup.rules.dispatch`):
+    ``exchange_rows`` is ``all_to_all_single`` through a shared mailbox."""
+
+    def __init__(self, rank: int, size: int, box: list, barrier: threading.Barrier):
+        self.rank, self.size, self._box, self._barrier = rank, size, box, barrier
+
+    def exchange_rows(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        self._box[self.rank] = t.split(send)
+        self._barrier.wait()
+        out = torch.cat([self._box[q][self.rank] for q in range(self.size)])
+        assert out.shape[0] == sum(recv), f"rank {self.rank}: received {out.shape[0]} rows, expected {sum(recv)}"
+        self._barrier.wait()  # every rank has read the mailbox before the next exchange fills it
+        return out
+
+
+class _Ranks:
+    """Runs one function per simulated rank: one after the other, or -- where the local calls
+    communicate inside (a ``mesh_axis`` keyword: the routed experts' all-to-all dispatcher) -- as
+    threads, each with its :class:`_Exchange` as the call's process group."""
+
+    def __init__(self, world: int, communicates: bool):
+        self.world, self.communicates = world, communicates
+        barrier, box = threading.Barrier(world, timeout=60), [None] * world
+        self.groups = [_Exchange(r, world, box, barrier) for r in range(world)]
+        self._local = threading.local()
+
+    def run(self, fns: list) -> list:
+        if not self.communicates:
+            return [fn() for fn in fns]
+        results: list = [None] * self.world
+        errors: list = []
+
+        def one(r: int) -> None:
+            self._local.group = self.groups[r]
+            try:
+                results[r] = fns[r]()
+            except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
+                errors.append(e)
+                self.groups[r]._barrier.abort()
+
+        before = dispatch.group_resolver()
+        dispatch.use_group_resolver(lambda axis: self._local.group)
+        try:
+            threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            dispatch.use_group_resolver(before)
+        if errors:
+            raise errors[0]
+        return results
 
 
 def check_op(

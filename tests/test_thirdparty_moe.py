@@ -2,9 +2,11 @@
 
 * the custom op ``hidup::routed_experts`` equals the eager experts of ``transformers`` forward and
   backward, and every signature of its rule passes the simulated-SPMD test (forward + backward, N in
-  {2, 4}, k = 1 and 2, routings that leave experts without a token);
+  {2, 4}, k = 1 and 2, routings that leave experts without a token), the all-to-all dispatcher's
+  with the simulated ranks as threads exchanging rows;
 * a small ``transformers`` Mixtral traces with no replicated fallback, its MoE as one op per layer;
-* the forced expert plan and the searched plan at world 2 and 4, duplication off and on, reproduce
+* the forced expert plans (each token dispatcher) and the searched plan at world 2 and 4, duplication
+  off and on, and the all-to-all dispatcher on the inner axis of a 2x2 mesh, reproduce
   the single-device loss (a mean over padded labels) and every gradient; all jobs of one world run in
   one spawned group of gloo ranks;
 * the search shards the experts where they dominate the step;
@@ -108,7 +110,9 @@ def test_routed_experts_signatures(tokens, hidden, ffn, experts, k, used, act):
     for n, sigs in res.items():
         assert has_sig(sigs, ["gather_0"] * 3 + ["full"] * 2, ["gather_0"], kind="data")
         assert has_sig(sigs, ["full"] * 3 + ["gather_0"] * 2, ["reduce"], kind="expert")
-        assert sorted(s.flops for s in sigs) == [flops / n, flops / n, flops]
+        a2a = [s for s in sigs if s.impl == "all_to_all"]  # checked on threads exchanging rows (tests/spmd.py)
+        assert [(s.kind, [str(f) for f in s.inputs + s.outputs]) for s in a2a] == [("expert", ["gather_0"] * 6)]
+        assert sorted(s.flops for s in sigs) == [flops / n] * 3 + [flops]
 
 
 def test_routed_experts_float32_router_weights():
@@ -119,7 +123,7 @@ def test_routed_experts_float32_router_weights():
     gate_up = nn.Parameter(torch.randn(4, 6, 4, dtype=D64, generator=gen))
     down = nn.Parameter(torch.randn(4, 4, 3, dtype=D64, generator=gen))
     res = check_op(OP, (x, idx, w.float(), gate_up, down, 0, "silu"))
-    assert all(len(sigs) == 3 for sigs in res.values())
+    assert all(len(sigs) == 4 for sigs in res.values())  # full, data, expert by all-gather and by all-to-all
     assert OP(x, idx, w.float(), gate_up, down, 0, "silu").dtype == D64
 
 
@@ -228,7 +232,8 @@ def test_unsupported_experts_layout_keeps_its_path():
 
 # --------------------------------------------------------------------------------------------- parity
 
-JOBS = [(style, dup) for style in ("expert", "searched") for dup in (False, True)]
+STYLES = ("expert-all-gather", "expert-all-to-all", "searched")
+JOBS = [(style, dup) for style in STYLES for dup in (False, True)]
 
 
 def _plans(world: int) -> list:
@@ -246,7 +251,7 @@ def _plans(world: int) -> list:
     jobs = []
     for style, dup in JOBS:
         plan = search(graph, profile, duplication=dup) if style == "searched" else forced(graph, profile, style)
-        jobs.append((style, dup, plan, sorted({plan.choices[name].kind for name in moe})))
+        jobs.append((style, dup, plan, sorted({(plan.choices[name].kind, plan.choices[name].impl) for name in moe})))
     return jobs
 
 
@@ -300,7 +305,7 @@ def _results(world: int) -> dict:
 
 
 @pytest.mark.parametrize("dup", [False, True], ids=["nodup", "dup"])
-@pytest.mark.parametrize("style", ["expert", "searched"])
+@pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("world", [2, 4])
 def test_mixtral_parity(world, style, dup):
     r = _results(world)[(style, dup)]
@@ -308,8 +313,39 @@ def test_mixtral_parity(world, style, dup):
     assert r["duplication"] == dup, f"{where}: ran with duplication {r['duplication']}"
     assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), f"{where}: loss {r['loss']} vs {r['ref']}"
     assert r["grad"] <= TOL, f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
-    if style == "expert":
-        assert r["moe_kinds"] == ["expert"], f"{where}: the MoE ops run as {r['moe_kinds']}"
+    dispatcher = {"expert-all-gather": "local_experts", "expert-all-to-all": "all_to_all"}.get(style)
+    if dispatcher is not None:
+        assert r["moe_kinds"] == [("expert", dispatcher)], f"{where}: the MoE ops run as {r['moe_kinds']}"
+
+
+def _mesh_plans() -> list:
+    """Jobs of a 2x2 mesh: tokens split on the outer axis, experts dispatched by all-to-all on the inner."""
+    import hidup.profiler
+    from hidup.search import forced
+    from hidup.trace import trace
+
+    profile = hidup.profiler.load("paper-v100-9.7gbps")
+    model, inputs = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(model, inputs, world_size=4, mesh=(2, 2))
+    moe = [n.name for n in graph.nodes if n.target == "routed_experts"]
+    jobs = []
+    for dup in (False, True):
+        plan = forced(graph, profile, ("data", "expert-all-to-all"), duplication=dup)
+        factors = sorted({tuple((f.kind, f.impl) for f in plan.choices[name].axes) for name in moe})
+        jobs.append(("mesh", dup, plan, factors))
+    return jobs
+
+
+def test_mixtral_mesh_all_to_all_parity():
+    """On a 2x2 mesh the inner axis's all-to-all dispatcher runs on its axis group, exactly."""
+    results = run_distributed(_rank_parity, 4, _mesh_plans(), timeout=900)[0]
+    for r in results:
+        where = f"Mixtral 2x2 mesh, data x expert-all-to-all, duplication {r['job'][1]}"
+        assert r["moe_kinds"] == [(("data", ""), ("expert", "all_to_all"))], f"{where}: {r['moe_kinds']}"
+        assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), f"{where}: loss {r['loss']} vs {r['ref']}"
+        assert r["grad"] <= TOL, f"{where}: gradient of {r['where']} differs by {r['grad']:.2e} (relative)"
 
 
 # --------------------------------------------------------------------------------------------- search

@@ -37,10 +37,16 @@ Signatures (``E`` experts in total, ``N`` ranks)
   Megatron-LM (tokens all-gathered, outputs reduce-scattered): dropless, with no variable-size
   all-to-all.  Gradients follow the convention of :mod:`hidup.ir`: ``y``'s gradient is exact on
   every rank, so each rank's gradients of ``x`` and ``w`` are its experts' partial contributions
-  (``full``), and its expert weights' gradients are exact for its slice (``gather_0``).
+  (``full``), and its expert weights' gradients are exact for its slice (``gather_0``);
+* expert, all-to-all dispatch (``impl`` ``all_to_all``): ``x, idx, w gather_0`` (tokens), both expert
+  weights ``gather_0`` (experts) -> ``y gather_0``: each rank sends each of its (token, slot) pairs to
+  the rank owning the pair's expert and gets the outputs back (:mod:`hidup.rules.dispatch`), moving
+  ``T k / N`` rows each way instead of the all-gather's ``(N-1) T / N``, at the price of one host
+  synchronization per layer (run-time split sizes).  Offered where the op covers every expert
+  (``expert_offset`` 0); on a mesh, axes after it keep the op whole.
 
 FLOPs: ``6 T k D F`` for the whole op (``2 T k D (2F)`` for ``[gate; up]``, ``2 T k F D`` for
-``down``), ``/ N`` per rank in both sharded signatures.
+``down``), ``/ N`` per rank in every sharded signature.
 
 The router's ``topk(input, k, dim)`` is here too: any dim but ``dim`` may be sharded (the same
 slice of both outputs), ``dim`` never (the top k of a slice are not the top k of the row).
@@ -62,6 +68,7 @@ from torch import Tensor, nn
 
 from hidup.ir import FULL, REDUCE, Signature, gather
 from hidup.rules.base import LocalCall, RuleContext
+from hidup.rules.dispatch import routed_experts_all_to_all
 from hidup.rules.grouped import compute_dtype, grouped_mm, masked_rows, route
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
@@ -365,6 +372,9 @@ def _bound(ctx: RuleContext) -> dict:
 
 def _experts_localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
     b = _bound(ctx)
+    if sig.impl == "all_to_all":  # mesh_axis: set by localize_mesh on a mesh (hidup.rules.dispatch)
+        args = tuple(b[n] for n in _NAMES[:5]) + (b["act"],)
+        return LocalCall(routed_experts_all_to_all, args, {"mesh_axis": None})
     offset = b["expert_offset"]
     if sig.inputs[3].is_gather:  # expert signature: rank r holds experts [r E/N, (r+1) E/N)
         offset += rank * (ctx.inputs[3].shape[0] // ctx.world)
@@ -391,7 +401,7 @@ def _experts_typical(ctx: RuleContext, tensors: list) -> list:
     kernel=routed_experts_math,
 )
 def _routed_experts_rule(ctx: RuleContext) -> list[Signature]:
-    _bound(ctx)
+    b = _bound(ctx)
     x, idx, _, gate_up, down = ctx.inputs
     tokens, hidden = x.shape
     k = idx.shape[1]
@@ -405,6 +415,8 @@ def _routed_experts_rule(ctx: RuleContext) -> list[Signature]:
     if experts % n == 0:
         g = gather(0)
         sigs.append(Signature((FULL, FULL, FULL, g, g), (REDUCE,), flops / n, "expert", "local_experts"))
+        if tokens % n == 0 and b["expert_offset"] == 0:
+            sigs.append(Signature((g,) * 5, (g,), flops / n, "expert", "all_to_all"))
     return sigs
 
 

@@ -233,12 +233,21 @@ def localize_mesh(
     for k, factor in enumerate(sig.axes):
         args_k = list(tensors) if order is None else [tensors[i] for i in order]
         if k + 1 == len(mesh):
-            return localize(ctx_k.with_tensors(args_k), factor, coords[k])
+            return _on_axis(localize(ctx_k.with_tensors(args_k), factor, coords[k]), k)
         step = axis_context(ctx_k, factor, coords[k], mesh[k + 1], localize)
         if step.order is None:
             if all(is_all_full(a) for a in sig.axes[k + 1 :]):
-                return localize(ctx_k.with_tensors(args_k), factor, coords[k])
+                return _on_axis(localize(ctx_k.with_tensors(args_k), factor, coords[k]), k)
             raise ValueError(f"node {ctx.node_name}: the local op of axis {k} cannot be split further")
         order = _compose(order, step.order)
-        ctx_k = step.ctx
+        ctx_k = replace(step.ctx, kwargs=_on_axis(LocalCall(None, (), step.ctx.kwargs), k).kwargs)
     raise AssertionError("unreachable")
+
+
+def _on_axis(call: LocalCall, axis: int) -> LocalCall:
+    """``call`` with its group named: a local call that communicates inside (the routed experts'
+    all-to-all dispatcher, :mod:`hidup.rules.dispatch`) has a ``mesh_axis`` keyword left None by its
+    rule, and it is the axis whose signature produced it."""
+    if "mesh_axis" not in call.kwargs or call.kwargs["mesh_axis"] is not None:
+        return call
+    return replace(call, kwargs={**call.kwargs, "mesh_axis": axis})

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # MoE ranks at full speed on one GPU: the routed-experts kernels, then one rank of each MoE plan file
 # against the single-device share that `transformers` builds with its grouped-GEMM experts.
-#   0. (SEARCH="mixtral:4 qwen3_moe:8 ...") `hidup search --precision bf16 --compiled` of each
-#      exp.rank_models factory at its world under $PROFILE_JSON, on this host (a plan fits the torch and
-#      transformers versions it was traced with), into $OUT/<model>-w<world>.json; PLAN_FILES defaults to them;
+#   0. (SEARCH="mixtral:4 qwen3_moe:8:expert-all-to-all ...") `hidup search --precision bf16 --compiled`
+#      of each exp.rank_models factory at its world (and --style, when a third field names one) under
+#      $PROFILE_JSON, on this host (a plan fits the torch and transformers versions it was traced with),
+#      into $OUT/<model>-w<world>[-<style>].json; PLAN_FILES defaults to them;
 #   1. exp/moe_kernels.py: the grouped kernel against the masked form, and the op's time;
 #   2. exp/gemm_check.py --points and exp/op_check.py: the plans' GEMMs at their shapes and the
 #      routed-experts op at its local shapes (balanced routing), into a copy of $PROFILE_JSON, the
@@ -24,8 +25,13 @@ SHARE_MODES=${SHARE_MODES:-compile,compile+graph}
 PROFILE_JSON=${PROFILE_JSON:-docs/bench/predict/h200-10/h200-ops.json}
 SEARCH=${SEARCH:-}
 searched=""
+plan_name() {  # model:world[:style] -> model-wworld[-style]
+  local model world style
+  IFS=: read -r model world style <<< "$1"
+  echo "$model-w$world${style:+-$style}"
+}
 for spec in $SEARCH; do
-  searched="$searched $OUT/${spec%%:*}-w${spec##*:}.json"
+  searched="$searched $OUT/$(plan_name "$spec").json"
 done
 PLAN_FILES=${PLAN_FILES:-$searched}
 [ -n "$PLAN_FILES" ] || { echo "set PLAN_FILES or SEARCH"; exit 2; }
@@ -34,8 +40,9 @@ BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
   echo "== $(date -u +%FT%TZ) gpu_moe.sh; commit $(git rev-parse --short HEAD 2>/dev/null)"
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   for spec in $SEARCH; do
-    $PY -m hidup.cli search --model "exp.rank_models:${spec%%:*}" --world "${spec##*:}" --profile "$PROFILE_JSON" \
-      --precision bf16 --compiled --quiet --out "$OUT/${spec%%:*}-w${spec##*:}.json"
+    IFS=: read -r model world style <<< "$spec"
+    $PY -m hidup.cli search --model "exp.rank_models:$model" --world "$world" --profile "$PROFILE_JSON" \
+      --precision bf16 --compiled --style "${style:-searched}" --quiet --out "$OUT/$(plan_name "$spec").json"
   done
   if [[ ,$STEPS, == *,1,* ]]; then
     $PY exp/moe_kernels.py --out "$OUT/moe_kernels.json"; echo "moe_kernels exit status $?"

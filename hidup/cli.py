@@ -46,7 +46,7 @@ from hidup.runtime.options import (
     say,
     settle_model,
 )
-from hidup.search import search
+from hidup.search import STYLES, forced, search
 from hidup.search.ilp import DEFAULT_TIME_LIMIT
 
 # --------------------------------------------------------------------------------------------- search
@@ -68,6 +68,15 @@ def _search_parser(sub) -> None:
     )
     p.add_argument("--algorithm", choices=("dp", "ilp"), default="dp", help="search algorithm (default dp)")
     p.add_argument("--no-duplication", action="store_true", help="search without the two-copy overlap")
+    p.add_argument(
+        "--style",
+        default="searched",
+        metavar="STYLE",
+        help="searched (default), or a fixed parallelism style for baselines: "
+        + ", ".join(STYLES)
+        + " (expert-all-gather / expert-all-to-all force the routed experts' token dispatcher); on a "
+        "--mesh one style per axis, outer first, comma-separated ('-' leaves an axis free)",
+    )
     p.add_argument(
         "--memory",
         type=float,
@@ -99,7 +108,9 @@ def _search_parser(sub) -> None:
         "--no-cuda-graphs",
         action="store_true",
         help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
-        "step captured as one CUDA graph",
+        "step captured as one CUDA graph (a captured step cannot run the routed experts' all-to-all "
+        "dispatcher: with capture priced, the search keeps the faster of the captured plan without it "
+        "and the uncaptured plan with it)",
     )
     p.add_argument(
         "--compiled",
@@ -181,9 +192,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         args,
         f"searching ({args.algorithm}{', time limit %g s' % args.time_limit if args.algorithm == 'ilp' else ''}) ...",
     )
+    style = _style(args.style, len(graph.mesh))
+    run = search if style is None else (lambda g, p, **kw: forced(g, p, style, **kw))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = search(
+        plan = run(
             graph,
             profile,
             world_size=args.world,
@@ -207,6 +220,24 @@ def cmd_search(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(next_steps(out))
     return 0
+
+
+def _style(text: str, axes: int) -> str | tuple | None:
+    """``--style``: None (searched), one style, or on a mesh one per axis (None where ``-``)."""
+    if text == "searched":
+        return None
+    parts = [t.strip() for t in text.split(",")]
+    for t in parts:
+        if t != "-" and t not in STYLES:
+            raise CommandError(f"--style {text}: unknown style {t!r}. Fix: one of searched, {', '.join(STYLES)}")
+    if axes > 1 or len(parts) > 1:
+        if len(parts) != axes:
+            raise CommandError(
+                f"--style {text}: {len(parts)} styles for a mesh of {axes} axes. Fix: one style per axis, "
+                "outer first, comma-separated ('-' leaves an axis free)"
+            )
+        return tuple(None if t == "-" else t for t in parts)
+    return parts[0]
 
 
 def _show_parser(sub) -> None:

@@ -91,6 +91,7 @@ from typing import Callable
 from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.profiler import load
+from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
 from hidup.search.modes import solve_beside, solve_modes
 from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
@@ -240,17 +241,49 @@ def search(
             "signatures only fit that world size. Fix: trace again with world_size="
             f"{world_size}, or omit world_size."
         )
-    profile = profile.launched(opts.cuda_graphs, opts.compiled)
+    base, profile = profile, profile.launched(opts.cuda_graphs, opts.compiled)
     if opts.duplication and graph.copy_reason:
         warnings.warn(f"hidup.search: duplication stays off: {graph.copy_reason}", stacklevel=2)
         opts = replace(opts, duplication=False)
-    with dp.no_gc():
-        plan = _search_all(graph, profile, opts, progress)
+    if opts.cuda_graphs and _offers_host_sync(graph):
+        plan, opts = _captured_or_not(graph, base, opts, progress)
+    else:
+        with dp.no_gc():
+            plan = _search_all(graph, profile, opts, progress)
     plan.options["cuda_graphs"] = bool(opts.cuda_graphs)
     plan.options["compiled"] = bool(opts.compiled)
     if record is not None:
         plan.model, plan.model_source = record["model"], record
     return plan
+
+
+def _offers_host_sync(graph: Graph) -> bool:
+    return any(host_synchronizes(s) for n in graph.nodes for s in n.signatures)
+
+
+def _captured_or_not(graph: Graph, base, opts: SearchOptions, progress) -> tuple[Plan, SearchOptions]:
+    """A step captured as one CUDA graph cannot run a node that reads split sizes on the host (the
+    routed experts' all-to-all dispatcher, :func:`hidup.rules.dispatch.host_synchronizes`): the better of
+    the captured plan without such nodes and the uncaptured plan that may use them, each priced as it
+    would run (``base``: the profile before :meth:`~hidup.profiler.Profile.launched`).  Returns the
+    plan and the options it was priced under."""
+    user = opts.restrict
+
+    def capturable(node: Node, sig: Signature) -> bool:
+        return not host_synchronizes(sig) and (user is None or user(node, sig))
+
+    eager_opts = replace(opts, cuda_graphs=False)
+    with dp.no_gc():
+        try:
+            captured = _search_all(
+                graph, base.launched(True, opts.compiled), replace(opts, restrict=capturable), progress
+            )
+        except SearchError:  # nothing fits without those nodes, or a forced style wants them
+            captured = None
+        eager = _search_all(graph, base.launched(False, opts.compiled), eager_opts, progress)
+    if captured is None or (eager.dispatch and eager.predicted["total"] < captured.predicted["total"]):
+        return eager, eager_opts
+    return captured, opts
 
 
 def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:

@@ -57,6 +57,7 @@ __all__ = [
     "expert_rows",
     "use_group_resolver",
     "group_resolver",
+    "host_synchronizes",
     "NO_GROUP",
     "DISPATCHERS",
 ]
@@ -73,6 +74,12 @@ def use_group_resolver(resolver: Callable[[int | None], object] | None) -> None:
     """Install ``resolver(mesh_axis) -> process group`` (``mesh_axis`` None: the program's group on a
     one-axis plan; the group None: the default group; :data:`NO_GROUP`: no group, one rank)."""
     _RESOLVER[0] = resolver
+
+
+def host_synchronizes(sig) -> bool:
+    """Whether a node under ``sig`` (any factor on a mesh) reads split sizes on the host, so that a
+    step running it cannot be captured as one CUDA graph."""
+    return any(f.impl == "all_to_all" and f.kind == "expert" for f in (sig.axes or (sig,)))
 
 
 def group_resolver() -> Callable[[int | None], object] | None:

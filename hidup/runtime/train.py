@@ -59,6 +59,7 @@ from hidup.codegen.timing import Stopwatch, max_over_ranks
 from hidup.codegen.trial import choose_compile, compile_step
 from hidup.plan import Plan, PlanError
 from hidup.profiler.profile import DTYPES
+from hidup.rules.dispatch import host_synchronizes
 from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus
 from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
@@ -223,6 +224,22 @@ def _captures(args, cuda: bool) -> bool:
     return args.cuda_graphs == "on"
 
 
+def _capturable(args, plan: Plan) -> bool:
+    """Whether the plan's step can be captured as one CUDA graph: not when a node reads split sizes on
+    the host (the routed experts' all-to-all dispatcher); ``--cuda-graphs on`` then stops with the fix."""
+    syncing = sorted(name for name, sig in plan.choices.items() if host_synchronizes(sig))
+    if not syncing:
+        return True
+    if args.cuda_graphs == "on":
+        raise SystemExit(
+            f"--cuda-graphs on: the plan's routed experts {', '.join(syncing[:3])}"
+            f"{' ...' if len(syncing) > 3 else ''} dispatch tokens by all-to-all, which reads split sizes on the "
+            "host, so the step cannot be captured. Fix: --cuda-graphs auto or off (the search priced this "
+            "plan uncaptured), or a plan searched for experts dispatched by all-gather"
+        )
+    return False
+
+
 def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, rank: int) -> dict:
     """Settle ``--compile`` on ``module`` (:mod:`hidup.codegen.compiled`): ``{"compile": bool,
     "compile_s": seconds of the compiling step or None, "trial": {...}}``; rank 0 prints what it did."""
@@ -263,7 +280,7 @@ def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     mode, trial = _duplication_mode(args), {}
     model = model.to(device)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    use_graph = _captures(args, device.type == "cuda")
+    use_graph = _captures(args, device.type == "cuda") and _capturable(args, plan)
     if mode == "auto" and device.type == "cuda" and world > 1:
         trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
         module, trial = codegen.choose_duplication(

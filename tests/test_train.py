@@ -2,6 +2,7 @@
 
 * save -> interrupt -> --resume continues the exact loss curve of an uninterrupted run;
 * SIGTERM to the launcher makes every rank checkpoint at the same step and stop cleanly;
+* SIGKILL to the launcher alone: its ranks save as on a preemption and exit, none keeps training;
 * NODERANK/CPN: two "nodes" of two processes on one machine train like one node of four.
 """
 
@@ -149,6 +150,69 @@ def test_sigterm_checkpoints_every_rank_and_stops(tmp_path):
     state = checkpoint.info(ckpt / "checkpoint")
     assert 2 <= state["step"] < 1000
     assert len(state["loss_history"]) == state["step"]
+
+
+def _children() -> dict[int, list[int]]:
+    """pid -> the pids whose parent it is, from /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] not in (b"Z", b"X"):
+                out.setdefault(int(fields[1]), []).append(int(entry.name))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    tree, seen, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs procfs to find the ranks")
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL to the launcher alone (it cannot forward it): its ranks, forked by the fork server,
+    notice within a second, save as on a preemption and exit; nothing keeps training."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--world", "2", "--iterations", "100000",
+           "--checkpoint-dir", str(ckpt), "--master-port", str(_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, ranks = [], set()
+    try:
+        deadline = time.time() + 180
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step") and int(line.split()[1]) >= 2:
+                ranks = _descendants(proc.pid)
+                proc.kill()
+                break
+            assert time.time() < deadline, "training did not start in time:\n" + "".join(lines[-30:])
+        proc.wait(timeout=30)
+        assert ranks, "no rank process found under the launcher"
+        deadline = time.time() + 60
+        while _alive(ranks) and time.time() < deadline:
+            time.sleep(0.5)
+        left = _alive(ranks)
+    finally:
+        for pid in _alive(ranks):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed launcher still run: {sorted(left)}"
+    state = checkpoint.info(ckpt / "checkpoint")  # the preemption checkpoint, complete
+    assert 2 <= state["step"] < 100000 and len(state["loss_history"]) == state["step"]
+    assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".tmp")], list(ckpt.iterdir())
+
+
+def _alive(pids: set[int]) -> set[int]:
+    tree = _children()
+    running = {p for kids in tree.values() for p in kids}
+    return {p for p in pids if p in running}
 
 
 def test_noderank_cpn_two_nodes_match_one_node(tmp_path):

@@ -81,3 +81,41 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp
     again = run_cli([*common, "--iterations", "1", "--resume"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing left to run: the checkpoint is at step 1 of --iterations 1" in again.stdout
+
+
+def test_a_checkpoint_dir_in_use_by_another_job_is_refused(capsys, tmp_path):
+    """A second job on a folder whose lock another process holds gets one message, before any rank starts."""
+    from hidup.runtime import checkpoint
+
+    with checkpoint.FolderLock(tmp_path):  # another open file description: flock conflicts in-process too
+        code, _, err = run_main(["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert code == 1
+    one_message(err, f"--checkpoint-dir {tmp_path} is in use by another training job (pid ", "Fix: wait for it")
+    assert run_main(["train", *TINY, "--iterations", "1", "--checkpoint-dir", str(tmp_path)], capsys)[0] == 0
+
+
+def test_the_lock_names_its_holder_and_ends_with_it(tmp_path):
+    """The lock is the kernel's: held while its process runs (the message names it), gone when it ends."""
+    import subprocess
+    import sys
+
+    from hidup.runtime import checkpoint
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from hidup.runtime import checkpoint; "
+            f"checkpoint.FolderLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(checkpoint.CheckpointBusy, match=f"pid {holder.pid} on "):
+            checkpoint.FolderLock(tmp_path).probe()
+    finally:
+        holder.kill()
+        holder.wait()
+    checkpoint.FolderLock(tmp_path).probe()  # killed outright: no stale lock

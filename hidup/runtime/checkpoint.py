@@ -70,6 +70,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import warnings
 from pathlib import Path
 
@@ -88,7 +89,7 @@ from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
 from hidup.ir import axis_forms, mesh_text
 
-__all__ = ["save", "load", "info", "exists", "FORMAT_VERSION"]
+__all__ = ["save", "load", "info", "exists", "FORMAT_VERSION", "FolderLock", "CheckpointBusy"]
 
 FORMAT_VERSION = 2
 _SINGLE_FILE_VERSION = 1
@@ -144,6 +145,64 @@ def _source(path: Path) -> Path | None:
         return path
     old = _siblings(path)[1]
     return old if old.exists() else None
+
+
+LOCK_NAME = ".hidup-lock"
+
+
+class CheckpointBusy(RuntimeError):
+    """Another process holds a checkpoint folder's lock (:class:`FolderLock`)."""
+
+
+class FolderLock:
+    """An exclusive lock on a checkpoint folder for one training job: ``fcntl.flock`` on
+    ``<folder>/.hidup-lock``, which holds the holder's pid and host for the message a second job gets.
+    The kernel drops the lock when its process ends, however it ends, so a crashed job never leaves
+    a stale lock; a folder on a filesystem without ``flock`` (some network filesystems) is not
+    locked (nothing to guard with), and neither on a platform without ``fcntl``."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder, self._fd = Path(folder), None
+
+    def acquire(self) -> "FolderLock":
+        """Take the lock, or raise :class:`CheckpointBusy` naming its holder."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            return self
+        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CheckpointBusy(
+                f"--checkpoint-dir {self.folder} is in use by another training job ({holder}): two jobs "
+                "writing one checkpoint would overwrite each other. Fix: wait for it to end (or stop it), "
+                "or give another --checkpoint-dir"
+            ) from None
+        except OSError:  # no flock on this filesystem
+            os.close(fd)
+            return self
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def probe(self) -> None:
+        """Raise :class:`CheckpointBusy` if another process holds the lock now; take nothing."""
+        self.acquire().release()
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -17,7 +17,9 @@ dies makes the others fail instead of hanging.
 :func:`run_ranks` is the one process launcher: it spawns a node's ranks, joins them into one
 process group, collects each rank's pickled result or failure, stops the others when one fails,
 forwards SIGTERM/SIGUSR1 to them, and kills them (after dumping their stacks) when a watchdog says
-they stalled.  :func:`launch` (``hidup train``, ``hidup verify``) and the tests' ``run_distributed``
+they stalled.  Each rank follows its launcher (:func:`follow_launcher`): a launcher killed outright
+(SIGKILL, which it cannot forward) takes its ranks with it within a second.  :func:`launch`
+(``hidup train``, ``hidup verify``) and the tests' ``run_distributed``
 both run on it.
 
 How ranks start: on Linux from a fork server (``multiprocessing``'s ``forkserver``) that imported
@@ -54,6 +56,7 @@ import pickle
 import queue as queue_mod
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -80,6 +83,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
+LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launcher still runs (follow_launcher)
 
 
 class LaunchError(RuntimeError):
@@ -263,8 +267,42 @@ def dump_stacks_on_sigusr2() -> None:
             faulthandler.register(sig, all_threads=True)
 
 
-def _child(local_rank: int, layout: Layout, fn, args, results, backend, timeout_s, hosted_store, env, user_errors):
+def _launcher_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):  # no procfs: kill(pid, 0) answered
+        return True
+
+
+def follow_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> None:
+    """End this rank when its launcher ``pid`` is gone: a launcher killed by SIGKILL forwards nothing,
+    and a rank forked by the fork server would live on, training and checkpointing beside a job
+    started again.  A daemon thread polls the launcher every ``poll_s`` seconds and, once it is gone,
+    sends this rank SIGTERM, which a training run answers as a scheduler's preemption (it saves its
+    checkpoint and exits 143); any other rank ends at once."""
+
+    def watch() -> None:
+        while _launcher_alive(pid):
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="hidup-launcher-watch", daemon=True).start()
+
+
+def _child(
+    local_rank: int, layout: Layout, fn, args, results, backend, timeout_s, hosted_store, env, user_errors, launcher
+):
     os.environ.update(env)
+    follow_launcher(launcher)
     dump_stacks_on_sigusr2()
     try:
         ctx = init_distributed(
@@ -470,7 +508,18 @@ def run_ranks(
     results = mp.get_context(method).Queue()
     procs = mp.start_processes(
         _child,
-        args=(layout, fn, args, results, backend, timeout_s, hosted is not None, dict(env or {}), user_errors),
+        args=(
+            layout,
+            fn,
+            args,
+            results,
+            backend,
+            timeout_s,
+            hosted is not None,
+            dict(env or {}),
+            user_errors,
+            os.getpid(),
+        ),
         nprocs=layout.cpn,
         join=False,
         start_method=method,

@@ -259,6 +259,21 @@ def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, 
 
 
 def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
+    """One rank's training run; global rank 0 holds the checkpoint folder's lock while it runs."""
+    lock = checkpoint.FolderLock(args.checkpoint_dir) if ctx.rank == 0 and args.checkpoint_dir else None
+    try:
+        if lock is not None:
+            lock.acquire()
+    except checkpoint.CheckpointBusy as e:
+        raise SystemExit(str(e)) from None
+    try:
+        return _train_rank(ctx, args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     world, rank, device = ctx.world_size, ctx.rank, ctx.device
     if args.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -472,8 +487,9 @@ def _check_finite(loss: float, step: int, ckpt_path: Path | None, lr: float) -> 
 
 def check_run_options(args: argparse.Namespace) -> None:
     """Refuse, before any rank starts, what would fail or lose work later: a learning rate that is not a
-    positive number, a --checkpoint-dir that is a file or cannot be written, and a checkpoint already
-    there that neither --resume (continue it) nor --overwrite (replace it) says what to do with."""
+    positive number, a --checkpoint-dir that is a file, cannot be written or is in use by another job
+    (:class:`~hidup.runtime.checkpoint.FolderLock`), and a checkpoint already there that neither
+    --resume (continue it) nor --overwrite (replace it) says what to do with."""
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise CommandError(f"--lr {args.lr}: the learning rate must be a positive number")
     if args.resume and args.overwrite:
@@ -493,6 +509,10 @@ def check_run_options(args: argparse.Namespace) -> None:
         raise CommandError(
             f"--checkpoint-dir {folder} cannot be written ({e.strerror or e}). Fix: a folder this user can write"
         ) from None
+    try:
+        checkpoint.FolderLock(folder).probe()
+    except checkpoint.CheckpointBusy as e:
+        raise CommandError(str(e)) from None
     found = [p for p in (folder / "checkpoint", folder / "checkpoint.pt") if checkpoint.exists(p)]
     if found and not (args.resume or args.overwrite):
         raise CommandError(

@@ -37,6 +37,16 @@ are contiguous.  Where a backend lacks a fused collective (gloo and ``reduce_sca
 some versions, ``all_to_all_single`` on others) an equivalent built from ``all_gather`` /
 ``all_reduce`` is used and remembered per backend.  A group of one rank (or no initialized
 process group) makes every collective the identity.
+
+Casts on the wire
+-----------------
+:func:`convert_cast` sends a float32 parameter's slices in autocast's low dtype: the forward is the
+conversion of ``x.to(dtype)`` (the consumer, a matmul under autocast, would cast the gathered
+weight to that dtype itself, elementwise, so its values are the same and half the bytes travel),
+the backward casts the incoming gradient to ``x``'s dtype *before* the adjoint collective, so that
+the gradient is summed over ranks in float32 and never rounded to the low dtype: the result equals
+the conversion without the cast, bit for bit, in both directions (FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ __all__ = [
     "keep_rank0",
     "replicate",
     "convert",
+    "convert_cast",
     "apply_op",
     "world_of",
     "rank_of",
@@ -366,6 +377,32 @@ def replicate(x: torch.Tensor, group=None) -> torch.Tensor:
     """``replicate -> full``: identity forward; backward all-reduces, giving every rank the exact
     gradient of the replicated parameter."""
     return _convert_op(x, "identity", "grad_sync", Form("replicate"), FULL, group)
+
+
+class _ConvertCast(torch.autograd.Function):
+    """:class:`_Convert` of ``x`` cast to ``dtype`` first (the data travels in ``dtype``); the backward
+    runs in ``x``'s dtype and returns the gradient of ``x`` (module docstring, "Casts on the wire")."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, src, dst, group, dtype):
+        ctx.spec = (bwd, src, dst, group, x.dtype)
+        return apply_op(fwd, x.to(dtype), src, dst, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bwd, src, dst, group, dtype = ctx.spec
+        return apply_op(bwd, grad.to(dtype), dst, src, group), None, None, None, None, None, None
+
+
+def convert_cast(x: torch.Tensor, src: Form, dst: Form, group, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`convert` of ``x`` sent in ``dtype`` (the output has ``dtype``), its gradient reduced in
+    ``x``'s dtype: ``x.to(dtype)`` converted, with no rounding of the gradient to ``dtype``."""
+    conv = conversion(src, dst)
+    if conv is None:
+        raise ValueError(f"no conversion from form {src} to form {dst}")
+    if world_of(group) == 1 or x.dtype == dtype:
+        return convert(x.to(dtype), src, dst, group)
+    return _ConvertCast.apply(x, conv.forward, conv.backward, src, dst, group, dtype)
 
 
 def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:

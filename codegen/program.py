@@ -58,7 +58,18 @@ from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.fxvalues import map_value, value_leaves
-from hidup.ir import FULL, REDUCE, Form, Layout, Signature, axis_forms, block_label, layout_conversions
+from hidup.ir import (
+    FORM_CHANGE_OPS,
+    FULL,
+    REDUCE,
+    Form,
+    Layout,
+    Signature,
+    axis_forms,
+    block_label,
+    layout_conversions,
+)
+from hidup.precision import wire_low_params
 from hidup.rules import dispatch
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
@@ -120,6 +131,44 @@ def hidup_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.
         world, token = compiled.ACTIVE.axes[axis]
         return torch.ops.hidup.convert(x, src, dst, world, token)
     return collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+
+
+def _low_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's low dtype where it is on for ``x``'s device and ``x`` is float32, else None."""
+    kind = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _communicates(src: Form, dst: Form) -> bool:
+    """Whether the form change ``src -> dst`` runs a collective forward."""
+    conv = collectives.conversion(src, dst)
+    return conv is not None and bool(FORM_CHANGE_OPS[conv.forward].collective)
+
+
+def hidup_convert_cast(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert` of a parameter whose every use casts it to autocast's dtype
+    (:mod:`hidup.precision`): its slices travel in that dtype, its gradient is reduced in float32."""
+    dtype = _low_dtype(x)
+    if dtype is None:
+        return hidup_convert(x, src, dst)
+    if torch.compiler.is_compiling():
+        name = str(dtype).removeprefix("torch.")
+        return torch.ops.hidup.convert_cast(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token, name)
+    return collectives.convert_cast(x, _form(src), _form(dst), current_group(), dtype)
+
+
+def hidup_convert_cast_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert_step` of such a parameter (:func:`hidup_convert_cast`)."""
+    dtype = _low_dtype(x)
+    if dtype is None:
+        return hidup_convert_step(x, axis, src, dst)
+    if torch.compiler.is_compiling():
+        world, token = compiled.ACTIVE.axes[axis]
+        return torch.ops.hidup.convert_cast(x, src, dst, world, token, str(dtype).removeprefix("torch."))
+    return collectives.convert_cast(x, _form(src), _form(dst), _axis_group(axis), dtype)
 
 
 def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -281,6 +330,7 @@ class _Builder:
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
         self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
         self.reshard_tids: set[int] = set()
+        self.wire_low = wire_low_params(traced.graph)  # params sent in autocast's dtype (hidup.precision)
         self.gathered: set[torch.fx.Node] = set()  # converted copies of resharded parameters, and views of them
         self.n_reshard = 0
         self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
@@ -364,12 +414,16 @@ class _Builder:
         reshard = tid in self.reshard_tids and self.region is None  # a recomputed layer makes it again anyway
         if key not in self.converted and isinstance(dst, Layout):
             node = self.value(tid)
-            for axis, a, b in self._mesh_steps(tid, src, dst):
-                if a != b:  # a replicated parameter's replicate -> full step is the identity here
-                    step = hidup_reshard_convert_step if reshard else hidup_convert_step
-                    node = self.call(step, (node, axis, str(a), str(b)))
-                    if reshard:
-                        self.gathered.add(node)
+            steps = [(axis, a, b) for axis, a, b in self._mesh_steps(tid, src, dst) if a != b]
+            # a replicated parameter's replicate -> full step is the identity here
+            cast = not reshard and tid in self.wire_low and sum(_communicates(a, b) for _, a, b in steps) == 1
+            for axis, a, b in steps:
+                step = hidup_reshard_convert_step if reshard else hidup_convert_step
+                if cast and _communicates(a, b):
+                    step = hidup_convert_cast_step
+                node = self.call(step, (node, axis, str(a), str(b)))
+                if reshard:
+                    self.gathered.add(node)
             self.converted[key] = node
         if key not in self.converted:
             if collectives.conversion(src, dst) is None:
@@ -377,9 +431,10 @@ class _Builder:
                     f"tensor {tid} ({self.traced.graph.tensors[tid].producer}) is produced as {src} "
                     f"but a consumer needs {dst}; no conversion exists"
                 )
-            self.converted[key] = self.call(
-                hidup_reshard_convert if reshard else hidup_convert, (self.value(tid), str(src), str(dst))
-            )
+            convert = hidup_reshard_convert if reshard else hidup_convert
+            if not reshard and tid in self.wire_low and _communicates(src, dst):
+                convert = hidup_convert_cast
+            self.converted[key] = self.call(convert, (self.value(tid), str(src), str(dst)))
             if reshard:
                 self.gathered.add(self.converted[key])
         return self.converted[key]

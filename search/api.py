@@ -1053,6 +1053,9 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         for tid, inp, a, f in step.convs:
             c = p.conversion(tid, a, f)
             t = g.tensors[tid]
+            path = getattr(c.conv, "steps", ())
+            # a weight's slices travel in autocast's dtype where the change runs one collective
+            wire = p.cost.wire_share(tid) if sum(bool(s.conv.collectives[0]) for s in path) == 1 else 1.0
             steps = tuple(
                 MeshStepRecord(
                     s.axis,
@@ -1061,9 +1064,12 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     s.before,
                     s.after,
                     int(p.cost.step_bytes(tid, s.before, s.axis)),
+                    int(p.cost.step_bytes(tid, s.before, s.axis) * wire) if wire != 1.0 else None,
                 )
-                for s in getattr(c.conv, "steps", ())
+                for s in path
             )
+            nbytes = p.cost.nbytes[tid]
+            share = p.cost.wire_share(tid) if not path and c.conv.collectives[0] else 1.0
             conversions.append(
                 ConversionRecord(
                     tid,
@@ -1077,6 +1083,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     t.nbytes,
                     t.requires_grad,
                     steps,
+                    () if path else (int(nbytes * share), int(nbytes)),
                 )
             )
     layers = {}

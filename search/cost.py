@@ -268,6 +268,7 @@ from hidup.ir import (
     held_fraction,
     layout_conversions,
 )
+from hidup.precision import AUTOCAST_LOW_OPS, wire_low_params
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.fusion import fusion_kind
 from hidup.saved import tensor_dtype, tensor_nbytes
@@ -281,9 +282,7 @@ PRECISIONS = DTYPES  # the profile's FLOP-rate keys are the precisions a search 
 # trace is split into: :data:`hidup.runtime.bench_rank.KERNEL_KINDS`): ``copies`` are the memory
 # copies around form changes and the gradient buckets, ``optimizer`` the Adam step.
 KERNEL_KINDS = ("matmul", "attention", "generated", "copies", "optimizer", "other")
-MATMUL_OPS = frozenset(
-    {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "conv1d", "conv2d", "routed_experts"}
-)
+MATMUL_OPS = AUTOCAST_LOW_OPS  # the ops autocast runs in its low dtype are the matmul kernels
 ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
 # An attention kernel's backward recomputes the scores: 5 matmuls of the forward's 2 (flash attention)
 ATTENTION_BACKWARD = 2.5
@@ -435,6 +434,9 @@ class CostModel:
         self.compiled = bool(getattr(profile, "compiled", False))
         self._fusion: dict[str, tuple[str, frozenset, frozenset]] = self._fused_traffic(graph) if self.compiled else {}
         self._param_of = self._params_through_views(graph)
+        low = LOW_PRECISIONS.get(precision)
+        self._wire = wire_low_params(graph) if low else frozenset()
+        self._wire_share = DTYPE_BYTES[low] / 4 if low else 1.0
         self._padded = self._padded_matmul_outputs(graph) if self.compiled else frozenset()
         self._twin = self._price_twins(graph)
 
@@ -1072,7 +1074,20 @@ class CostModel:
     def conversion_class(self, tid: int) -> tuple:
         """What :meth:`conversion` reads of tensor ``tid``: tensors of one class convert alike."""
         t: Tensor = self.graph.tensors[tid]
-        return (t.shape, self.nbytes[tid], t.requires_grad, self.batch.get(tid, False), tid in self._padded)
+        return (
+            t.shape,
+            self.nbytes[tid],
+            t.requires_grad,
+            self.batch.get(tid, False),
+            tid in self._padded,
+            self.wire_share(tid),
+        )
+
+    def wire_share(self, tid: int) -> float:
+        """The fraction of its bytes tensor ``tid`` sends forward: autocast's low dtype over float32 for a
+        parameter whose every use casts it (:mod:`hidup.precision`: its slices are cast before they
+        travel; its gradient travels in float32), 1 for anything else."""
+        return self._wire_share if tid in self._wire else 1.0
 
     def conversion(self, tid: int, src: Form, dst: Form) -> ConvCost | None:
         """Cost of turning tensor ``tid`` from ``src`` into ``dst``; None when impossible."""
@@ -1097,11 +1112,12 @@ class CostModel:
             if not t.requires_grad:
                 cb = ""
             b = float(self.nbytes[tid])
+            bf = b * (self.wire_share(tid) if cf else 1.0)  # what travels forward
             grad_sync = conv.grad_sync and t.requires_grad
             bwd_op = conv.backward_local if t.requires_grad else ""
-            fwd = self.comm(cf, b)
+            fwd = self.comm(cf, bf)
             pad = self.padded_copies(tid, src, conv.forward)
-            lf = self.local_copies(conv.forward, src, dst, t.shape, b) + pad
+            lf = self.local_copies(conv.forward, src, dst, t.shape, bf) + pad
             lb = self.local_copies(bwd_op, dst, src, t.shape, b) + (pad if t.requires_grad else 0.0)
             if grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
                 bwd = self.grad_sync(b)
@@ -1120,7 +1136,7 @@ class CostModel:
                 fA, fB, bA, bB = fwd, fwd, bwd, 0.0
                 lfA, lfB, lbA, lbB = lf, lf, lb, 0.0
             else:
-                fA = fB = fwd / self.pair_speedup(cf, b)
+                fA = fB = fwd / self.pair_speedup(cf, bf)
                 bA = bB = bwd / self.pair_speedup(cb, b)
                 lfA = lfB = lf
                 lbA = lbB = lb
@@ -1168,11 +1184,13 @@ class CostModel:
             ("fwd", "bwd", "fA", "fB", "bA", "bB", "lf", "lb", "lfA", "lfB", "lbA", "lbB", "async", "block"), 0.0
         )
         cls = self.conversion_class(tid)
+        # a parameter's slices travel in the low dtype where the layout change runs one collective
+        wire = self.wire_share(tid) if sum(bool(s.conv.collectives[0]) for s in path.steps) == 1 else 1.0
         for step in path.steps:
-            key = (cls, step.axis, step.before, step.after.forms[step.axis])
+            key = (cls, step.axis, step.before, step.after.forms[step.axis], wire)
             parts = self._steps.get(key)
             if parts is None:
-                parts = self._steps[key] = self._step_cost(t, tid, batch, step)
+                parts = self._steps[key] = self._step_cost(t, tid, batch, step, wire)
             for name, v in parts:
                 tot[name] += v
         grad = t.requires_grad
@@ -1201,9 +1219,10 @@ class CostModel:
             tot["block"],
         )
 
-    def _step_cost(self, t: Tensor, tid: int, batch: bool, step) -> tuple[tuple[str, float], ...]:
+    def _step_cost(self, t: Tensor, tid: int, batch: bool, step, wire: float = 1.0) -> tuple[tuple[str, float], ...]:
         """The (part, seconds) of one one-axis step of a layout change of tensor ``tid``, in the order
-        :meth:`_path_cost` adds them up (kept per conversion class and step: paths share steps)."""
+        :meth:`_path_cost` adds them up (kept per conversion class and step: paths share steps);
+        ``wire`` the share of the bytes that travel forward (:meth:`wire_share`)."""
         grad = t.requires_grad
         conv, k = step.conv, step.axis
         n = self.mesh[k]
@@ -1214,8 +1233,9 @@ class CostModel:
         cb = cb if grad else ""
         sync = conv.grad_sync and grad
         bwd_op = conv.backward_local if grad else ""
-        fwd = self.comm(cf, b, k)
-        lf = self.local_copies(conv.forward, frm, to, shape, b, n)
+        bf = b * (wire if cf else 1.0)
+        fwd = self.comm(cf, bf, k)
+        lf = self.local_copies(conv.forward, frm, to, shape, bf, n)
         lb = self.local_copies(bwd_op, to, frm, shape, b, n)
         if sync:
             bwd = self.grad_sync(b, k)
@@ -1232,7 +1252,7 @@ class CostModel:
         elif sync:
             parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)
         else:
-            fA, bA = fwd / self.pair_speedup(cf, b, k), bwd / self.pair_speedup(cb, b, k)
+            fA, bA = fwd / self.pair_speedup(cf, bf, k), bwd / self.pair_speedup(cb, b, k)
             parts, copies = (fA, fA, bA, bA), (lf, lf, lb, lb)
         return tuple(zip(("fwd", "bwd", "lf", "lb", "async" if sync else "block"), (fwd, bwd, lf, lb, bwd))) + tuple(
             zip(("fA", "fB", "bA", "bB", "lfA", "lfB", "lbA", "lbB"), parts + copies)

@@ -117,7 +117,9 @@ def model_record(source, args: dict | None = None) -> dict:
 class MeshStepRecord:
     """One step of a layout change on a mesh (:class:`hidup.ir.MeshStep`): form-change ops
     ``forward``/``backward`` on mesh axis ``axis``, from layout ``before`` to ``after``; ``bytes`` the
-    logical size of what that axis's collective moves (the tensor as the other axes hold it)."""
+    logical size of what that axis's collective moves (the tensor as the other axes hold it, at the
+    dtype it has under the search's precision); ``forward_bytes`` what its forward moves where that
+    differs (a weight sent in autocast's dtype, :mod:`hidup.precision`)."""
 
     axis: int
     forward: str
@@ -125,16 +127,25 @@ class MeshStepRecord:
     before: Layout
     after: Layout
     bytes: int
+    forward_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["before"], d["after"] = str(self.before), str(self.after)
+        if self.forward_bytes is None:
+            del d["forward_bytes"]
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "MeshStepRecord":
         return MeshStepRecord(
-            d["axis"], d["forward"], d["backward"], parse_form(d["before"]), parse_form(d["after"]), d["bytes"]
+            d["axis"],
+            d["forward"],
+            d["backward"],
+            parse_form(d["before"]),
+            parse_form(d["after"]),
+            d["bytes"],
+            d.get("forward_bytes"),
         )
 
 
@@ -142,7 +153,9 @@ class MeshStepRecord:
 class ConversionRecord:
     """One form change: tensor ``tensor`` made by ``producer`` is turned from ``src`` into ``dst`` just
     before ``consumer`` reads it as input ``input_index``; ``forward``/``backward`` are the ops of
-    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs.
+    :func:`hidup.ir.conversion`; ``bytes`` the logical tensor size; ``grad`` whether its backward runs;
+    ``wire`` the logical bytes its forward and backward collectives move, at the dtypes they travel
+    in under the search's precision (empty in plans written before it was recorded: ``bytes``).
     On a mesh ``src``/``dst`` are layouts and ``steps`` the one-axis changes the cost model chose
     (:func:`hidup.ir.layout_conversions`), run in order forward and in reverse backward."""
 
@@ -157,13 +170,16 @@ class ConversionRecord:
     bytes: int
     grad: bool = True
     steps: tuple[MeshStepRecord, ...] = ()
+    wire: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["src"], d["dst"] = str(self.src), str(self.dst)
         d["steps"] = [s.to_dict() for s in self.steps]
-        if not self.steps:
-            del d["steps"]
+        d["wire"] = list(self.wire)
+        for key in ("steps", "wire"):
+            if not d[key]:
+                del d[key]
         return d
 
     @staticmethod
@@ -180,6 +196,7 @@ class ConversionRecord:
             d["bytes"],
             d.get("grad", True),
             tuple(MeshStepRecord.from_dict(s) for s in d.get("steps", ())),
+            tuple(d.get("wire", ())),
         )
 
     def sent_bytes(self, ranks: Callable[[int | None], int]) -> float:
@@ -193,19 +210,24 @@ class ConversionRecord:
 
         if self.steps:
             return sum(
-                one(s.forward, s.bytes, s.axis) + (one(s.backward, s.bytes, s.axis) if self.grad else 0.0)
+                one(s.forward, s.bytes if s.forward_bytes is None else s.forward_bytes, s.axis)
+                + (one(s.backward, s.bytes, s.axis) if self.grad else 0.0)
                 for s in self.steps
             )
-        return one(self.forward, self.bytes, None) + (one(self.backward, self.bytes, None) if self.grad else 0.0)
+        fwd, bwd = self.wire or (self.bytes, self.bytes)
+        return one(self.forward, fwd, None) + (one(self.backward, bwd, None) if self.grad else 0.0)
 
     @property
     def comm_bytes(self) -> int:
         """Bytes moved by collectives (forward plus backward when it runs)."""
         if self.steps:
             return sum(
-                s.bytes * (_communicates(s.forward) + (self.grad and _communicates(s.backward))) for s in self.steps
+                (s.bytes if s.forward_bytes is None else s.forward_bytes) * _communicates(s.forward)
+                + s.bytes * (self.grad and _communicates(s.backward))
+                for s in self.steps
             )
-        return self.bytes * (_communicates(self.forward) + (self.grad and _communicates(self.backward)))
+        fwd, bwd = self.wire or (self.bytes, self.bytes)
+        return fwd * _communicates(self.forward) + bwd * (self.grad and _communicates(self.backward))
 
 
 def sent_share(collective: str, ranks: int) -> float:

@@ -26,6 +26,7 @@ LAYER_OF = {
     "hidup.losses": "ir",
     "hidup.copies": "ir",
     "hidup.rules": "rules",
+    "hidup.precision": "rules",
     "hidup.models": "rules",
     "hidup.trace": "trace",
     "hidup.export": "trace",

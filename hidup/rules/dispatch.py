@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hidup.rules.grouped import compute_dtype, grouped_mm, route
+from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, route
 
 __all__ = [
     "routed_experts_all_to_all",
@@ -151,8 +151,6 @@ def exchange_rows(rows: Tensor, send: list[int], recv: list[int], group) -> Tens
 def expert_rows(rows: Tensor, expert: Tensor, gate_up_proj: Tensor, down_proj: Tensor, act: str) -> Tensor:
     """``out[i] = expert_{expert[i]}(rows[i])`` for local expert ids ``expert`` in ``[0, E_l)``, in
     ``rows``' dtype: sorted by expert on the device, two grouped GEMMs, back in row order."""
-    from hidup.rules.experts import ACTIVATIONS
-
     r = route(expert.unsqueeze(1), 0, gate_up_proj.shape[0])
     xs = rows[r.token]
     gate, up = grouped_mm(xs, gate_up_proj.to(rows.dtype).transpose(-2, -1), r.offsets).chunk(2, dim=-1)

@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from hidup.ir import FULL, REDUCE, Signature, gather
 from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.dispatch import routed_experts_all_to_all
-from hidup.rules.grouped import compute_dtype, grouped_mm, masked_rows, route
+from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, masked_rows, route
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
 
@@ -84,13 +84,6 @@ __all__ = [
     "UnmodelledExpertsWarning",
 ]
 
-# activation name -> the function applied to the gate half
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
 
 _NAMES = ["x", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "expert_offset", "act"]
 

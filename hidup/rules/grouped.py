@@ -30,13 +30,16 @@ and ``E_l`` alone, and a step with it is captured as one CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "ACTIVATIONS",
     "Routing",
     "route",
     "grouped_mm",
@@ -45,6 +48,14 @@ __all__ = [
     "masked_rows",
     "compute_dtype",
 ]
+
+# activation name -> the function applied to the gate half
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 

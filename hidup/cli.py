@@ -387,5 +387,8 @@ def _user_error(e: Exception) -> str | None:
     return user_error(e)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m hidup.cli: the hash seed is fixed after the imports above, at a cost
+    from hidup.hashseed import fix_hash_seed
+
+    fix_hash_seed()
     sys.exit(main())

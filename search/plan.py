@@ -353,7 +353,9 @@ class Plan:
                 "this plan was made for a different job -- "
                 + "; ".join(problems)
                 + ". Fix: run `hidup search` again for this model and world size (with the library versions "
-                "the ranks run)."
+                "the ranks run). A model whose forward iterates over a set (transformers' Gemma-3) traces "
+                "alike only under one PYTHONHASHSEED: the hidup commands set it to 0; a script calling "
+                "hidup.trace should too."
             )
         for n in graph.nodes:
             sig = self.choices.get(n.name)

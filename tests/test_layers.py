@@ -47,6 +47,8 @@ LAYER_OF = {
     "hidup.profiler.measure": "profiler",
     "hidup.profiler.calibrate": "profiler",
     "hidup.cli": "cli",
+    "hidup.hashseed": "cli",
+    "hidup.__main__": "cli",
     "hidup.runtime.cli": "cli",
 }
 

@@ -426,3 +426,13 @@ def test_plan_with_an_invalid_form_is_one_message(plan2, tmp_path, capsys):
     code, _, err = run_main(["show", str(bad)], capsys)
     assert code == 1
     one_message(err, f"hidup show: error: {bad}:", "the file is not a valid hidup plan")
+
+
+def test_a_zoo_model_in_float64_trains_as_it_searches(capsys, tmp_path):
+    """``--model-arg dtype=float64`` on a zoo model: the search builds it in float64, and so do the
+    ranks (the dtype is build's argument beside the zoo's overrides, not an override)."""
+    plan = tmp_path / "plan.json"
+    args = [*TINY, "--model-arg", "dtype=float64"]
+    assert run_main(["search", *args, "--world", "2", "--quiet", "--out", str(plan)], capsys)[0] == 0
+    code, out, err = run_main(["train", "--plan", str(plan), "--iterations", "1", "--world", "2"], capsys)
+    assert code == 0, err

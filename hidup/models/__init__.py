@@ -59,8 +59,10 @@ def names() -> list[str]:
     return list(ZOO)
 
 
-def config(name: str, world_size: int = 1, **overrides) -> ModelConfig:
-    """The resolved, validated configuration of ``name`` (a frozen dataclass)."""
+def config(name: str, world_size: int = 1, *, dtype=None, **overrides) -> ModelConfig:
+    """The resolved, validated configuration of ``name`` (a frozen dataclass).  ``dtype`` is accepted
+    and ignored, as :func:`build` takes it beside the overrides (the parameters' dtype is not part of
+    the architecture), so that one set of model arguments serves both."""
     return resolve(name, world_size, **overrides)
 
 

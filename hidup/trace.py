@@ -645,21 +645,33 @@ def _build(
     # record stamped out too
     graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts, blocks)
     if builder.fallbacks:
-        listing = "; ".join(
-            f"{name} ({target} at {src}{': ' + why if why != 'no rule' else ''})"
-            for name, target, src, why in builder.fallbacks
-        )
-        missing = f" ({rules_missing})" if rules_missing else ""
         warnings.warn(
-            f"hidup.trace: {len(builder.fallbacks)} op(s) of {type(model).__name__} have no usable "
-            f"sharding rule{missing} and run replicated (all-full) on every rank: {listing}. Declare a "
-            "rule in hidup.rules to shard them.",
+            fallback_notice(builder.fallbacks, type(model).__name__, rules_missing),
             FallbackWarning,
             stacklevel=_caller_stacklevel(),
         )
     out = builder.out
     out.graph = graph
     return out
+
+
+def fallback_notice(fallbacks: list[tuple[str, str, str, str]], model: str, rules_missing: str = "") -> str:
+    """One line on the ops that run replicated for want of a rule: how many, of which kinds (most
+    frequent first, at most five), where the first one is and why, and where to look further.
+    ``fallbacks``: (node name, target, source, reason) per op."""
+    kinds: dict[str, int] = {}
+    for _, target, _, _ in fallbacks:
+        kinds[target] = kinds.get(target, 0) + 1
+    ranked = sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))
+    listing = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in ranked[:5]) + (", ..." if len(ranked) > 5 else "")
+    name, target, src, why = fallbacks[0]
+    reason = "" if why == "no rule" else f": {why if len(why) <= 160 else why[:157] + '...'}"
+    missing = f" ({rules_missing})" if rules_missing else ""
+    return (
+        f"hidup.trace: {len(fallbacks)} op(s) of {model} run replicated on every rank (no usable sharding "
+        f"rule{missing}): {listing}; the first, {name} ({target}), at {src}{reason}. `hidup describe` lists "
+        'them all; docs/design.md ("Rules") shows how to declare a rule'
+    )
 
 
 def halve_example(values: list, batch_dims: list) -> list:

@@ -308,6 +308,10 @@ def _child(
         ctx = init_distributed(
             replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s, hosted_store=hosted_store
         )
+        if ctx.rank != 0:  # every rank traces the same model: rank 0 alone says which ops run replicated
+            from hidup.trace import FallbackWarning
+
+            warnings.filterwarnings("ignore", category=FallbackWarning)
         out = fn(ctx, *args)
         results.put((local_rank, True, pickle.dumps(out)))
     except BaseException as e:

@@ -279,6 +279,23 @@ def test_a_rank_that_dies_is_named_with_its_signal(tmp_path):
     assert "onnection reset" not in out.stderr and "Connection closed" not in out.stderr, out.stderr[-3000:]
 
 
+HUNG_RANK = DEAD_RANK.replace(
+    "os.kill(os.getpid(), signal.SIGKILL)  # rank 1 dies; rank 0 goes on to its first collective",
+    "time.sleep(600)  # rank 1 hangs; rank 0 times out in its first collective",
+).replace("import os", "import os\nimport time")
+
+
+def test_a_rank_that_hangs_is_named_as_hung(tmp_path):
+    """Rank 1 never reaches the collective rank 0 waits in: the report names rank 1 as hung (with its
+    stacks), not rank 0's timeout traceback, and nothing is left running."""
+    (tmp_path / "hangs_on_rank1.py").write_text(HUNG_RANK)
+    out = run_cli(["verify", "--model", "hangs_on_rank1:build", "--world", "2", "--dist-timeout", "5"], tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    one_message(out.stderr, "rank 1 (node 0, local rank 1", "hung: it neither finished nor failed", "timed out")
+    stacks = out.stderr.split("hung: Python stacks of local rank 1", 1)[-1]
+    assert 'hangs_on_rank1.py", line' in stacks, out.stderr[-3000:]  # where it was stuck
+
+
 # --------------------------------------------------------------------------------- ILP time limit
 def test_a_missing_cbc_library_is_one_message(capsys, tmp_path, monkeypatch):
     """python-mip without its CBC library fails late with a NameError; the ILP says how to get CBC,

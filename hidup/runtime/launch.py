@@ -84,6 +84,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 120.0
 LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launcher still runs (follow_launcher)
+HUNG_GRACE_S = 3.0  # after a peer's timeout, how long a rank may still report before it counts as hung
 
 
 class LaunchError(RuntimeError):
@@ -539,9 +540,10 @@ def run_ranks(
         _restore_signals(forwarded)
     if failed:
         exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
+        hung = _hung(procs.processes, results, out, failed)
         _stop(procs.processes)
         _drain(results, out, wait_s=0.2)  # every rank has exited: what it put is in the pipe
-        raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited))
+        raise LaunchError(_failure_report(procs.processes, out, layout, failed, exited, hung))
     missing = [r for r in range(layout.cpn) if r not in out]
     if missing:
         _drain(results, out, wait_s=2.0)
@@ -626,11 +628,43 @@ def _exit_text(code: int | None) -> str:
     return f"with exit code {code}"
 
 
-def _failure_report(processes, out: dict, layout: Layout, failed: list[int], exited: dict[int, int]) -> str:
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _timed_out(failure: object) -> bool:
+    """Whether a rank's reported failure is a collective that waited too long (gloo's "Timed out
+    waiting", NCCL's watchdog "timeout")."""
+    return isinstance(failure, _Failure) and any(w in failure.text.lower() for w in _TIMEOUT_WORDS)
+
+
+def _hung(processes, results, out: dict, failed: list[int], grace_s: float = HUNG_GRACE_S) -> list[int]:
+    """The local ranks that hung: where every failure is a collective's timeout, those that after
+    ``grace_s`` more seconds have neither reported nor exited (a peer timed out waiting for them);
+    each prints its Python stacks first (SIGUSR2), so the report shows where it was stuck."""
+    if not failed or not all(_timed_out(out.get(i)) for i in failed):
+        return []
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    _drain(results, out)
+    hung = [i for i, p in enumerate(processes) if p.is_alive() and i not in out]
+    sig = getattr(signal, "SIGUSR2", None)
+    for i in hung if sig is not None else ():
+        print(f"[hidup launch] hung: Python stacks of local rank {i} (pid {processes[i].pid}):", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.kill(processes[i].pid, sig)
+        time.sleep(0.5)
+    return hung
+
+
+def _failure_report(
+    processes, out: dict, layout: Layout, failed: list[int], exited: dict[int, int], hung: list[int] = ()
+) -> str:
     """The cause of a failed launch, named: first a rank that exited without reporting (its peers'
-    errors -- a connection reset, a timeout -- are consequences), then a user error, then a traceback.
-    ``failed``: the local ranks seen failing, in order; ``exited``: the exit codes of the ranks that
-    had exited before the survivors were stopped."""
+    errors -- a connection reset, a timeout -- are consequences), then a rank that hung while its
+    peers timed out waiting for it, then a user error, then a traceback.  ``failed``: the local ranks
+    seen failing, in order; ``exited``: the exit codes of the ranks that had exited before the
+    survivors were stopped; ``hung``: :func:`_hung`'s ranks."""
 
     def who(i: int) -> str:
         return (
@@ -651,6 +685,14 @@ def _failure_report(processes, out: dict, layout: Layout, failed: list[int], exi
         return (
             f"{who(i)} died {_exit_text(exited.get(i, processes[i].exitcode))}, before reporting a result"
             f"{tail}. Its own output above, if any, says why"
+        )
+    if hung:
+        waiting = ", ".join(str(layout.node_rank * layout.cpn + i) for i in failed)
+        return (
+            f"{who(hung[0])} hung: it neither finished nor failed while rank(s) {waiting} timed out in a "
+            f"collective waiting for it{' (so did ' + ', '.join(who(i) for i in hung[1:]) + ')' if hung[1:] else ''}. "
+            "Its Python stacks are printed above (SIGUSR2); every rank was stopped. Fix: see where it was "
+            "stuck; --dist-timeout sets how long the others wait"
         )
     reported = [(i, out[i]) for i in failed if isinstance(out.get(i), _Failure)]
     reported += [(i, v) for i, v in sorted(out.items()) if isinstance(v, _Failure) and i not in failed]

@@ -287,9 +287,16 @@ HUNG_RANK = DEAD_RANK.replace(
 
 def test_a_rank_that_hangs_is_named_as_hung(tmp_path):
     """Rank 1 never reaches the collective rank 0 waits in: the report names rank 1 as hung (with its
-    stacks), not rank 0's timeout traceback, and nothing is left running."""
+    stacks), not rank 0's timeout traceback, and no temporary file of the failed rank is left."""
     (tmp_path / "hangs_on_rank1.py").write_text(HUNG_RANK)
-    out = run_cli(["verify", "--model", "hangs_on_rank1:build", "--world", "2", "--dist-timeout", "5"], tmp_path)
+    scratch = tmp_path / "tmp"  # the job's temporary files: rank 0's failure writes torch's error file
+    scratch.mkdir()
+    out = run_cli(
+        ["verify", "--model", "hangs_on_rank1:build", "--world", "2", "--dist-timeout", "5"],
+        tmp_path,
+        env={"TMPDIR": str(scratch)},
+    )
+    assert not list(scratch.glob("pytorch-errorfile-*")), "a failed rank's error file was left behind"
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     one_message(out.stderr, "rank 1 (node 0, local rank 1", "hung: it neither finished nor failed", "timed out")
     stacks = out.stderr.split("hung: Python stacks of local rank 1", 1)[-1]

@@ -535,9 +535,28 @@ def run_ranks(
         failed = _wait(procs.processes, results, out, layout, stalled)
     except BaseException:
         _kill(procs.processes)  # an interrupt, or a stall: nothing may outlive the launcher
+        _remove_error_files(procs)
         raise
     finally:
         _restore_signals(forwarded)
+    try:
+        return _results(procs, results, out, layout, failed)
+    finally:
+        _remove_error_files(procs)
+
+
+def _remove_error_files(procs) -> None:
+    """Delete the files torch's process starter gives each rank for its traceback
+    (``/tmp/pytorch-errorfile-*``): a rank that failed wrote one, and nothing else removes it (the
+    failure was reported through the results queue)."""
+    for path in getattr(procs, "error_files", ()) or ():
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _results(procs, results, out: dict, layout: Layout, failed: list[int]) -> list:
+    """The ranks' results by local rank, or :class:`LaunchError` naming why there are none."""
     if failed:
         exited = {i: p.exitcode for i, p in enumerate(procs.processes) if p.exitcode is not None}
         hung = _hung(procs.processes, results, out, failed)

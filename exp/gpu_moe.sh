@@ -41,7 +41,7 @@ BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   for spec in $SEARCH; do
     IFS=: read -r model world style <<< "$spec"
-    $PY -m hidup.cli search --model "exp.rank_models:$model" --world "$world" --profile "$PROFILE_JSON" \
+    $PY -m hidup search --model "exp.rank_models:$model" --world "$world" --profile "$PROFILE_JSON" \
       --precision bf16 --compiled --style "${style:-searched}" --quiet --out "$OUT/$(plan_name "$spec").json"
   done
   if [[ ,$STEPS, == *,1,* ]]; then
@@ -63,7 +63,7 @@ BENCH_FILES=${BENCH_FILES:-$PLAN_FILES}
     for plan in $BENCH_FILES; do
       name=$(basename "$plan" .json)
       echo "== $name (cap $CAP s)"
-      timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
+      timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup bench-rank --plan "$plan" --rank 0 \
         --precisions bf16 --modes "$MODES" --share-modes "$SHARE_MODES" --steps 10 --rounds 3 --warmup 2 ${BENCH_FLAGS:-} \
         --out "$OUT/rank-$name.json"
       echo "bench-rank exit status $?"

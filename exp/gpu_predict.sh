@@ -28,7 +28,7 @@ kernels=--kernels; [ "${KERNELS:-1}" = 1 ] || kernels=
 echo "== $(date -u +%FT%TZ) gpu_predict.sh"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 if [ "${PROFILE:-1}" = 1 ]; then
-  timeout 300 $PY -m hidup.cli profile --quick --dtypes fp32,tf32,bf16 --matmul-sizes 1024,2048,4096,8192 \
+  timeout 300 $PY -m hidup profile --quick --dtypes fp32,tf32,bf16 --matmul-sizes 1024,2048,4096,8192 \
     --merge h200x4-nvlink --name "$GPU-measured" --out "$OUT/$GPU.json" --no-progress > "$OUT/profile.log" 2>&1
   echo "profile exit status $?"; grep -i -e "flop\|bandwidth\|overhead" "$OUT/profile.log" | head -12
 fi
@@ -39,7 +39,7 @@ for plan in "${plans[@]}"; do
   if [ "${CODE:-0}" = 1 ]; then
     code_dir=$(mktemp -d); export TORCHINDUCTOR_CACHE_DIR=$code_dir TORCHINDUCTOR_BENCHMARK_KERNEL=1
   fi
-  timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup.cli bench-rank --plan "$plan" --rank 0 \
+  timeout --signal=TERM --kill-after=10 "$CAP" $PY -m hidup bench-rank --plan "$plan" --rank 0 \
     --duplication off --modes "${MODES:-cuda-graph,compile+graph}" --precisions "${PRECISIONS:-tf32,bf16}" --share-modes none \
     --steps 10 --rounds 3 --warmup 2 $kernels --out "$OUT/rank-$name.json" > "$OUT/rank-$name.log" 2>&1
   status=$?

@@ -62,7 +62,7 @@ fi
       *) echo "unknown model $model (bert or llama)"; continue;;
     esac
     echo "== $spec, world-4 plan, rank 0, duplication $DUPLICATION (cap $cap s)"
-    timeout --signal=TERM --kill-after=10 "$cap" $PY -m hidup.cli bench-rank --model "$spec" --world 4 \
+    timeout --signal=TERM --kill-after=10 "$cap" $PY -m hidup bench-rank --model "$spec" --world 4 \
       "${args[@]}" --profile h200x4-nvlink --rank 0 "${COMMON[@]}" --out "$OUT/rank_${model}_w4${SUFFIX}.json"
     echo "bench-rank exit status $?"
   done

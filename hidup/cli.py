@@ -387,7 +387,7 @@ def _user_error(e: Exception) -> str | None:
     return user_error(e)
 
 
-if __name__ == "__main__":  # python -m hidup.cli: the hash seed is fixed after the imports above, at a cost
+if __name__ == "__main__":  # python -m hidup.cli: the seed is fixed after the imports above (python -m hidup: first)
     from hidup.hashseed import fix_hash_seed
 
     fix_hash_seed()

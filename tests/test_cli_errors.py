@@ -62,7 +62,7 @@ def run_cli(argv, cwd: Path, env: dict | None = None, timeout: float = 240) -> s
     full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full.pop("HIDUP_DEBUG", None)
     return subprocess.run(
-        [sys.executable, "-m", "hidup.cli", *argv], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "hidup", *argv], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -290,7 +290,7 @@ def test_train_compile_on_matches_eager(tmp_path):
     for mode in ("off", "on"):
         out = tmp_path / f"{mode}.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "hidup.cli", "train", *tiny, "--compile", mode, "--json", str(out)],
+            [sys.executable, "-m", "hidup", "train", *tiny, "--compile", mode, "--json", str(out)],
             cwd=root,
             env=env,
             capture_output=True,

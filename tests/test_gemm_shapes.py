@@ -250,7 +250,7 @@ def test_grid_measurement_on_the_cpu():
 
 def test_profile_command_rejects_bad_gemm_sizes(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "hidup.cli", "profile", "--gemm-sizes", "12,x", "--merge", "h200x4-nvlink",
+        [sys.executable, "-m", "hidup", "profile", "--gemm-sizes", "12,x", "--merge", "h200x4-nvlink",
          "--out", str(tmp_path / "p.json"), "--no-progress"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -358,7 +358,7 @@ def test_train_resumes_a_mesh_plan_on_the_same_curve(tmp_path, capsys, monkeypat
 
     def train(*argv) -> list[float]:
         out = subprocess.run(
-            [sys.executable, "-m", "hidup.cli", "train", "--plan", str(path), "--iterations", "4", *argv],
+            [sys.executable, "-m", "hidup", "train", "--plan", str(path), "--iterations", "4", *argv],
             cwd=ROOT / "tests",  # where the factory is imported from
             capture_output=True,
             text=True,

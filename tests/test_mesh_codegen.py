@@ -326,7 +326,7 @@ def test_verify_runs_a_mesh_plan(tmp_path):
 
     def cli(*argv):
         return subprocess.run(
-            [sys.executable, "-m", "hidup.cli", *argv], cwd=root, capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", "hidup", *argv], cwd=root, capture_output=True, text=True, timeout=300
         )
 
     out = cli("verify", "--plan", str(path))

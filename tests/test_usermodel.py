@@ -407,7 +407,7 @@ def test_a_plan_for_another_world_or_model_is_refused_before_ranks_start(here, c
 
 def test_bad_input_on_the_real_command_line_has_no_traceback(here):
     """The same messages through the console entry point: stderr, exit status 1, no traceback."""
-    out = _run([sys.executable, "-m", "hidup.cli", "search", "--model", f"{MODULE}:build_raises", "--world", "2"], here)
+    out = _run([sys.executable, "-m", "hidup", "search", "--model", f"{MODULE}:build_raises", "--world", "2"], here)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "the factory raised ValueError: layers must be even" in out.stderr
     plan = str(_mlp_plan(here, "mlp_cli.json"))

@@ -119,3 +119,60 @@ def test_the_lock_names_its_holder_and_ends_with_it(tmp_path):
         holder.kill()
         holder.wait()
     checkpoint.FolderLock(tmp_path).probe()  # killed outright: no stale lock
+
+
+def _saved(tmp_path, steps: int = 1):
+    import torch
+
+    from hidup.runtime import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / f"step{steps}" / "checkpoint"
+    checkpoint.save(path, model, opt, step=steps)
+    return path, model, opt
+
+
+def test_a_damaged_or_mixed_checkpoint_is_refused_with_one_message(tmp_path):
+    """Every rank records the size and CRC-32 of the files it wrote, with the step: a flipped byte, a
+    shard copied in from another step's checkpoint and a lost record are each named on load."""
+    import shutil
+
+    from hidup.runtime import checkpoint
+
+    path, model, opt = _saved(tmp_path)
+    assert checkpoint.load(path, model, opt)["step"] == 1  # intact: loads
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointDamaged, match=r"__0_0.distcp has \d+ bytes, CRC-32 .* damaged or from"):
+        checkpoint.load(path, model, opt)
+
+    other, _, _ = _saved(tmp_path, steps=2)  # the same model saved at another step
+    shutil.copy(other / "__0_0.distcp", shard)  # a shard copied in (rank 0's holds the step: both checks see it)
+    with pytest.raises(checkpoint.CheckpointDamaged, match="mixed from two checkpoints|from another checkpoint"):
+        checkpoint.load(path, model, opt)
+    path, model, opt = _saved(tmp_path)  # intact again
+    shutil.copy(other / ".hidup-check.0.json", path / ".hidup-check.0.json")  # a record of another step
+    with pytest.raises(checkpoint.CheckpointDamaged, match="from step 2, the checkpoint's step is 1"):
+        checkpoint.load(path, model, opt)
+    (path / ".hidup-check.0.json").unlink()
+    (path / ".hidup-check.1.json").write_text("{}")  # another record still there: the checks are expected
+    with pytest.raises(checkpoint.CheckpointDamaged, match="lacks .hidup-check.0.json"):
+        checkpoint.load(path, model, opt)
+
+
+def test_resuming_from_a_damaged_checkpoint_is_one_message(capsys, tmp_path):
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+    assert run_main(["train", *TINY, "--iterations", "1", *ckpt], capsys)[0] == 0
+    shard = next((tmp_path / "checkpoint").glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, _, err = run_main(["train", *TINY, "--iterations", "2", *ckpt, "--resume"], capsys)
+    assert code == 1
+    one_message(err, "cannot resume: checkpoint", "damaged or from another checkpoint", "Fix: resume from an intact")

@@ -22,6 +22,12 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   optimizer's param groups (hyper-parameters, parameters by logical name) with its small state
   (Adam's ``step``: rank 0's, as it is equal on every rank).
 * ``rng.<r>``: rank ``r``'s RNG states (torch, python, numpy, CUDA).
+* ``.hidup-check.<r>.json`` (beside DCP's files): the step, and the size and CRC-32 of every file
+  rank ``r`` wrote (rank 0's ``.metadata`` included), written and fsynced by each rank after DCP's
+  save and before the rename.  :func:`load` checks them first, each loading rank the saved ranks
+  ``q`` with ``q mod N' = r'``, and every rank raises :class:`CheckpointDamaged` if any check fails:
+  a flipped byte, a truncated or missing file, or a file copied in from another checkpoint is named
+  instead of being read.  A checkpoint written before these records has none and loads unchecked.
 
 The shards are described to DCP as DTensors: ``DTensor.from_local(slice, mesh, [Shard(d)],
 shape=logical_shape)`` on a 1-D DeviceMesh over the module's process group; for a plan on a mesh of
@@ -66,12 +72,14 @@ logical tensors) still loads: ``path`` naming a file is read that way and re-sha
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import random
 import shutil
 import socket
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +97,7 @@ from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
 from hidup.ir import axis_forms, mesh_text
 
-__all__ = ["save", "load", "info", "exists", "FORMAT_VERSION", "FolderLock", "CheckpointBusy"]
+__all__ = ["save", "load", "info", "exists", "FORMAT_VERSION", "FolderLock", "CheckpointBusy", "CheckpointDamaged"]
 
 FORMAT_VERSION = 2
 _SINGLE_FILE_VERSION = 1
@@ -307,6 +315,85 @@ def _first_failure(e: CheckpointException, rank: int) -> BaseException:
     return exc
 
 
+CHECK_PREFIX = ".hidup-check."  # + rank + ".json": what one rank wrote, with its step and digests
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint's files are not what its ranks wrote at its step (a flipped byte, a truncated or
+    missing file, a shard copied in from another checkpoint)."""
+
+
+def _digest(path: Path, chunk: int = 1 << 24) -> dict:
+    """Size and CRC-32 of a file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+def _write_check(folder: Path, rank: int, step: int) -> None:
+    """Record the step and the digest of every file rank ``rank`` wrote into ``folder`` (DCP names
+    them ``__<rank>_<i>.distcp``; rank 0 also wrote ``.metadata``), fsynced."""
+    files = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
+    record = {"rank": rank, "step": step, "files": {f.name: _digest(f) for f in files if f.exists()}}
+    target = folder / f"{CHECK_PREFIX}{rank}.json"
+    with open(target, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _verify_checks(path: Path, source: Path, meta: dict, rank: int, world: int) -> None:
+    """Raise :class:`CheckpointDamaged` unless every saved rank's files that this rank checks (saved
+    ranks ``q`` with ``q % world == rank``: the work spread over the loading ranks) have the size and
+    CRC-32 recorded at save and the checkpoint's step.  A checkpoint written before the checks has none
+    and is read as it is."""
+    saved = int(meta["world_size"])
+    if not any(source.glob(f"{CHECK_PREFIX}*.json")):
+        return
+    for q in range(rank, saved, world):
+        check = source / f"{CHECK_PREFIX}{q}.json"
+        if not check.exists():
+            raise CheckpointDamaged(f"checkpoint {path} lacks {check.name}, the record of what rank {q} wrote")
+        record = json.loads(check.read_text())
+        if record.get("step") != meta["step"]:
+            raise CheckpointDamaged(
+                f"checkpoint {path}: rank {q}'s files are from step {record.get('step')}, the checkpoint's "
+                f"step is {meta['step']} (files mixed from two checkpoints)"
+            )
+        for name, want in record["files"].items():
+            file = source / name
+            got = _digest(file) if file.exists() else None
+            if got != want:
+                what = "is missing" if got is None else f"has {got['bytes']} bytes, CRC-32 {got['crc32']:#010x}"
+                raise CheckpointDamaged(
+                    f"checkpoint {path}: {name} {what}, where rank {q} wrote {want['bytes']} bytes, CRC-32 "
+                    f"{want['crc32']:#010x} at step {meta['step']} (the file is damaged or from another checkpoint)"
+                )
+
+
+def _on_every_rank(layout: "_Layout", fn) -> None:
+    """Run ``fn`` on every rank; every rank returns once all did, or raises the first rank's error
+    (so that no rank goes on to a collective its peers will not join)."""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - handed to every rank below
+        error = e
+    if layout.distributed:
+        if error is not None:
+            try:
+                pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+        boxes: list = [None] * layout.world
+        dist.all_gather_object(boxes, error, group=layout.group)
+        error = next((e for e in boxes if e is not None), None)
+    if error is not None:
+        raise error
+
+
 def _on_rank0(layout: "_Layout", fn) -> None:
     """Run ``fn`` on rank 0 only; every rank returns after it did, or raises what it raised (so a
     failure on rank 0 -- an unwritable directory -- stops every rank instead of leaving them waiting)."""
@@ -421,6 +508,7 @@ def save(
             )
     except CheckpointException as e:
         raise _first_failure(e, rank) from None
+    _on_every_rank(layout, lambda: _write_check(tmp, rank, int(step)))  # then no rank writes into tmp
     _on_rank0(layout, swap)  # every rank returns once the new checkpoint is in place
 
 
@@ -444,6 +532,7 @@ def load(
     group = _group(module, group)
     layout = _Layout(module, group)
     rank, world = layout.rank, layout.world
+    _on_every_rank(layout, lambda: _verify_checks(path, source, meta, rank, world))
 
     request: dict = {}
     targets = {}  # logical name -> (local tensor, shard)

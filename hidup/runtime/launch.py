@@ -392,6 +392,11 @@ def _checkpoint_error(e: BaseException) -> str | None:
         tb = tb.tb_next
     if path is None:
         return None
+    if isinstance(e, checkpoint.CheckpointDamaged):
+        return (
+            f"cannot resume: {e}. Fix: resume from an intact copy of the checkpoint, or start afresh "
+            "(--overwrite, or another --checkpoint-dir)"
+        )
     detail = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     detail = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
     if unreadable:

@@ -373,20 +373,24 @@ def _verify_checks(path: Path, source: Path, meta: dict, rank: int, world: int) 
                 )
 
 
+def _attempt(fn) -> Exception | None:
+    """Run ``fn``; the exception it raised, made picklable for another rank (else its message), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - handed to every rank by the caller
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
+            return RuntimeError(f"{type(e).__name__}: {e}")
+        return e
+    return None
+
+
 def _on_every_rank(layout: "_Layout", fn) -> None:
     """Run ``fn`` on every rank; every rank returns once all did, or raises the first rank's error
     (so that no rank goes on to a collective its peers will not join)."""
-    error = None
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - handed to every rank below
-        error = e
+    error = _attempt(fn)
     if layout.distributed:
-        if error is not None:
-            try:
-                pickle.dumps(error)
-            except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
-                error = RuntimeError(f"{type(error).__name__}: {error}")
         boxes: list = [None] * layout.world
         dist.all_gather_object(boxes, error, group=layout.group)
         error = next((e for e in boxes if e is not None), None)
@@ -397,18 +401,8 @@ def _on_every_rank(layout: "_Layout", fn) -> None:
 def _on_rank0(layout: "_Layout", fn) -> None:
     """Run ``fn`` on rank 0 only; every rank returns after it did, or raises what it raised (so a
     failure on rank 0 -- an unwritable directory -- stops every rank instead of leaving them waiting)."""
-    error = None
-    if layout.rank == 0:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - handed to every rank below
-            error = e
+    error = _attempt(fn) if layout.rank == 0 else None
     if layout.distributed:
-        if error is not None:
-            try:
-                pickle.dumps(error)
-            except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
-                error = RuntimeError(f"{type(error).__name__}: {error}")
         box = [error]
         src = 0 if layout.group is None else dist.get_global_rank(layout.group, 0)
         dist.broadcast_object_list(box, src=src, group=layout.group)

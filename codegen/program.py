@@ -59,7 +59,6 @@ from hidup.codegen.recompute import REGION, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
-    FORM_CHANGE_OPS,
     FULL,
     REDUCE,
     Form,
@@ -69,7 +68,7 @@ from hidup.ir import (
     block_label,
     layout_conversions,
 )
-from hidup.precision import wire_low_params
+from hidup.precision import casts_on_wire, is_collective, wire_low_params
 from hidup.rules import dispatch
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
@@ -140,12 +139,6 @@ def _low_dtype(x: torch.Tensor) -> torch.dtype | None:
         return None
     dtype = torch.get_autocast_dtype(kind)
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
-
-
-def _communicates(src: Form, dst: Form) -> bool:
-    """Whether the form change ``src -> dst`` runs a collective forward."""
-    conv = collectives.conversion(src, dst)
-    return conv is not None and bool(FORM_CHANGE_OPS[conv.forward].collective)
 
 
 def hidup_convert_cast(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -414,12 +407,13 @@ class _Builder:
         reshard = tid in self.reshard_tids and self.region is None  # a recomputed layer makes it again anyway
         if key not in self.converted and isinstance(dst, Layout):
             node = self.value(tid)
-            steps = [(axis, a, b) for axis, a, b in self._mesh_steps(tid, src, dst) if a != b]
             # a replicated parameter's replicate -> full step is the identity here
-            cast = not reshard and tid in self.wire_low and sum(_communicates(a, b) for _, a, b in steps) == 1
-            for axis, a, b in steps:
+            changes = [(axis, a, b) for axis, a, b in self._mesh_steps(tid, src, dst) if a != b]
+            steps = [(axis, a, b, collectives.conversion(a, b).forward) for axis, a, b in changes]
+            cast = not reshard and tid in self.wire_low and casts_on_wire(op for *_, op in steps)
+            for axis, a, b, op in steps:
                 step = hidup_reshard_convert_step if reshard else hidup_convert_step
-                if cast and _communicates(a, b):
+                if cast and is_collective(op):
                     step = hidup_convert_cast_step
                 node = self.call(step, (node, axis, str(a), str(b)))
                 if reshard:
@@ -432,7 +426,7 @@ class _Builder:
                     f"but a consumer needs {dst}; no conversion exists"
                 )
             convert = hidup_reshard_convert if reshard else hidup_convert
-            if not reshard and tid in self.wire_low and _communicates(src, dst):
+            if not reshard and tid in self.wire_low and casts_on_wire([collectives.conversion(src, dst).forward]):
                 convert = hidup_convert_cast
             self.converted[key] = self.call(convert, (self.value(tid), str(src), str(dst)))
             if reshard:

@@ -19,10 +19,10 @@ conversions at the low dtype's bytes forward and float32 backward (:mod:`hidup.s
 
 from __future__ import annotations
 
-from hidup.ir import Graph
+from hidup.ir import FORM_CHANGE_OPS, Graph
 from hidup.rules.fusion import fusion_kind
 
-__all__ = ["AUTOCAST_LOW_OPS", "wire_low_params"]
+__all__ = ["AUTOCAST_LOW_OPS", "wire_low_params", "casts_on_wire", "is_collective"]
 
 # IR ops (base names) that autocast runs in its low dtype, casting their float32 inputs: the
 # matmuls, convolutions and the routed experts (whose grouped GEMMs run in autocast's dtype)
@@ -59,3 +59,15 @@ def wire_low_params(graph: Graph) -> frozenset[int]:
         for tid, t in graph.tensors.items()
         if t.is_param and t.dtype == "float32" and t.requires_grad and only_low(tid, set())
     )
+
+
+def is_collective(op: str) -> bool:
+    """Whether form-change op ``op`` (:data:`hidup.ir.FORM_CHANGE_OPS`) communicates."""
+    return bool(FORM_CHANGE_OPS[op].collective)
+
+
+def casts_on_wire(forward_ops) -> bool:
+    """Whether a layout change of a qualifying parameter whose steps run ``forward_ops`` sends its
+    slices in the low dtype: exactly one of the ops is a collective (module docstring); that one is
+    cast, the others are local."""
+    return sum(map(is_collective, forward_ops)) == 1

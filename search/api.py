@@ -90,6 +90,7 @@ from typing import Callable
 
 from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
+from hidup.precision import casts_on_wire
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
@@ -1054,8 +1055,8 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
             c = p.conversion(tid, a, f)
             t = g.tensors[tid]
             path = getattr(c.conv, "steps", ())
-            # a weight's slices travel in autocast's dtype where the change runs one collective
-            wire = p.cost.wire_share(tid) if sum(bool(s.conv.collectives[0]) for s in path) == 1 else 1.0
+            ops = [s.conv.forward for s in path] if path else [c.conv.forward]
+            wire = p.cost.wire_share(tid) if casts_on_wire(ops) else 1.0  # a weight's slices sent in bf16
             steps = tuple(
                 MeshStepRecord(
                     s.axis,
@@ -1069,7 +1070,6 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                 for s in path
             )
             nbytes = p.cost.nbytes[tid]
-            share = p.cost.wire_share(tid) if not path and c.conv.collectives[0] else 1.0
             conversions.append(
                 ConversionRecord(
                     tid,
@@ -1083,7 +1083,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     t.nbytes,
                     t.requires_grad,
                     steps,
-                    () if path else (int(nbytes * share), int(nbytes)),
+                    () if path else (int(nbytes * wire), int(nbytes)),
                 )
             )
     layers = {}

@@ -268,8 +268,9 @@ from hidup.ir import (
     held_fraction,
     layout_conversions,
 )
-from hidup.precision import AUTOCAST_LOW_OPS, wire_low_params
+from hidup.precision import AUTOCAST_LOW_OPS, casts_on_wire, wire_low_params
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
+from hidup.rules.dispatch import dispatch_axis
 from hidup.rules.fusion import fusion_kind
 from hidup.saved import tensor_dtype, tensor_nbytes
 from hidup.search.experts_cost import ExpertsShape, experts_seconds
@@ -638,8 +639,7 @@ class CostModel:
         step) of a routed-experts node under its ``all_to_all`` signature (module docstring, "Routed
         experts"): the rows of every rank's (token, slot) pairs in the compute dtype; None for any
         other node or signature."""
-        factors = sig.axes or (sig,)
-        axis = next((k for k, f in enumerate(factors) if f.impl == "all_to_all"), None)
+        axis = dispatch_axis(sig)
         if axis is None or node.op != "call" or node.target.split(".", 1)[0] != "routed_experts":
             return None
         shapes = self._local_shapes(self.graph, node, sig)
@@ -679,7 +679,7 @@ class CostModel:
         needs_bwd = self.requires_backward(node)
         shapes = self._local_shapes(g, node, sig)
         if node.target.split(".", 1)[0] == "routed_experts" and shapes is not None:
-            dispatched = any(f.impl == "all_to_all" for f in (sig.axes or (sig,)))
+            dispatched = dispatch_axis(sig) is not None
             fwd, bwd = self.experts_time(node, shapes, profile_dtype(dtype, self.precision), needs_bwd, dispatched)
             return fwd + cast_fwd, (bwd + cast_bwd if needs_bwd else 0.0)
         kind = kernel_kind(node.target)
@@ -1112,7 +1112,7 @@ class CostModel:
             if not t.requires_grad:
                 cb = ""
             b = float(self.nbytes[tid])
-            bf = b * (self.wire_share(tid) if cf else 1.0)  # what travels forward
+            bf = b * (self.wire_share(tid) if casts_on_wire([conv.forward]) else 1.0)  # what travels forward
             grad_sync = conv.grad_sync and t.requires_grad
             bwd_op = conv.backward_local if t.requires_grad else ""
             fwd = self.comm(cf, bf)
@@ -1185,7 +1185,7 @@ class CostModel:
         )
         cls = self.conversion_class(tid)
         # a parameter's slices travel in the low dtype where the layout change runs one collective
-        wire = self.wire_share(tid) if sum(bool(s.conv.collectives[0]) for s in path.steps) == 1 else 1.0
+        wire = self.wire_share(tid) if casts_on_wire(s.conv.forward for s in path.steps) else 1.0
         for step in path.steps:
             key = (cls, step.axis, step.before, step.after.forms[step.axis], wire)
             parts = self._steps.get(key)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, route
+from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, inverse_permutation, route
 
 __all__ = [
     "routed_experts_all_to_all",
@@ -58,6 +58,7 @@ __all__ = [
     "use_group_resolver",
     "group_resolver",
     "host_synchronizes",
+    "dispatch_axis",
     "NO_GROUP",
     "DISPATCHERS",
 ]
@@ -76,10 +77,17 @@ def use_group_resolver(resolver: Callable[[int | None], object] | None) -> None:
     _RESOLVER[0] = resolver
 
 
+def dispatch_axis(sig) -> int | None:
+    """The index of the factor of ``sig`` that dispatches tokens by all-to-all (0 for a one-axis
+    signature, the mesh axis on a mesh), None where no factor does."""
+    factors = sig.axes or (sig,)
+    return next((k for k, f in enumerate(factors) if f.impl == "all_to_all" and f.kind == "expert"), None)
+
+
 def host_synchronizes(sig) -> bool:
-    """Whether a node under ``sig`` (any factor on a mesh) reads split sizes on the host, so that a
+    """Whether a node under ``sig`` reads split sizes on the host (:func:`dispatch_axis`), so that a
     step running it cannot be captured as one CUDA graph."""
-    return any(f.impl == "all_to_all" and f.kind == "expert" for f in (sig.axes or (sig,)))
+    return dispatch_axis(sig) is not None
 
 
 def group_resolver() -> Callable[[int | None], object] | None:
@@ -191,6 +199,5 @@ def routed_experts_all_to_all(
     out = expert_rows(rows, expert, gate_up_proj, down_proj, act)
     if world > 1:
         out = exchange_rows(out, recv, send, group)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    weighted = out[inverse] * top_k_weights.reshape(-1).unsqueeze(-1)
+    weighted = out[inverse_permutation(order)] * top_k_weights.reshape(-1).unsqueeze(-1)
     return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)

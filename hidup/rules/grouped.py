@@ -42,6 +42,7 @@ __all__ = [
     "ACTIVATIONS",
     "Routing",
     "route",
+    "inverse_permutation",
     "grouped_mm",
     "masked_grouped_mm",
     "native_grouped_mm",
@@ -83,9 +84,14 @@ def route(top_k_index: Tensor, expert_offset: int, local_experts: int) -> Routin
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(local_experts, device=key.device, dtype=sorted_key.dtype)
     offsets = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)
+    token = torch.div(order, k, rounding_mode="floor")
+    return Routing(order, token, sorted_key < local_experts, offsets, inverse_permutation(order))
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """``inverse`` with ``inverse[order[i]] = i`` (on the device, no sort)."""
     rows = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, rows)
-    return Routing(order, torch.div(order, k, rounding_mode="floor"), sorted_key < local_experts, offsets, inverse)
+    return torch.empty_like(order).scatter_(0, order, rows)
 
 
 def native_grouped_mm(a: Tensor, b: Tensor) -> bool:

@@ -240,14 +240,19 @@ def localize_mesh(
                 return _on_axis(localize(ctx_k.with_tensors(args_k), factor, coords[k]), k)
             raise ValueError(f"node {ctx.node_name}: the local op of axis {k} cannot be split further")
         order = _compose(order, step.order)
-        ctx_k = replace(step.ctx, kwargs=_on_axis(LocalCall(None, (), step.ctx.kwargs), k).kwargs)
+        ctx_k = replace(step.ctx, kwargs=_axis_named(step.ctx.kwargs, k))
     raise AssertionError("unreachable")
 
 
 def _on_axis(call: LocalCall, axis: int) -> LocalCall:
-    """``call`` with its group named: a local call that communicates inside (the routed experts'
-    all-to-all dispatcher, :mod:`hidup.rules.dispatch`) has a ``mesh_axis`` keyword left None by its
-    rule, and it is the axis whose signature produced it."""
-    if "mesh_axis" not in call.kwargs or call.kwargs["mesh_axis"] is not None:
-        return call
-    return replace(call, kwargs={**call.kwargs, "mesh_axis": axis})
+    """``call`` with its group named (:func:`_axis_named`)."""
+    return replace(call, kwargs=_axis_named(call.kwargs, axis))
+
+
+def _axis_named(kwargs: dict, axis: int) -> dict:
+    """A local call's keywords with its group named: a call that communicates inside (the routed
+    experts' all-to-all dispatcher, :mod:`hidup.rules.dispatch`) has a ``mesh_axis`` keyword left None
+    by its rule, and it is the axis whose signature produced it."""
+    if kwargs.get("mesh_axis", 0) is not None:
+        return kwargs
+    return {**kwargs, "mesh_axis": axis}

@@ -672,12 +672,7 @@ def _hung(processes, results, out: dict, failed: list[int], grace_s: float = HUN
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     _drain(results, out)
     hung = [i for i, p in enumerate(processes) if p.is_alive() and i not in out]
-    sig = getattr(signal, "SIGUSR2", None)
-    for i in hung if sig is not None else ():
-        print(f"[hidup launch] hung: Python stacks of local rank {i} (pid {processes[i].pid}):", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            os.kill(processes[i].pid, sig)
-        time.sleep(0.5)
+    _dump_stacks(processes, hung, "hung", grace_s=0.5)
     return hung
 
 
@@ -742,19 +737,23 @@ def _kill(processes) -> None:
 def _dump_then_kill(processes, grace_s: float = 1.0) -> None:
     """Kill stalled ranks, after asking each in turn for its Python stacks (SIGUSR2, printed to its
     stderr under a header naming the rank) so that the report shows where every rank was waiting."""
+    alive = [i for i, p in enumerate(processes) if p.is_alive()]
+    _dump_stacks(processes, alive, "stalled", grace_s)
+    for i in alive:
+        if processes[i].is_alive():
+            processes[i].kill()
+
+
+def _dump_stacks(processes, ranks: list[int], why: str, grace_s: float) -> None:
+    """Ask each local rank of ``ranks`` in turn for its Python stacks (SIGUSR2, printed to its stderr
+    under a header naming the rank and ``why``), ``grace_s`` apart: they share the terminal."""
     sig = getattr(signal, "SIGUSR2", None)
-    alive = [(i, p) for i, p in enumerate(processes) if p.is_alive()]
-    if sig is not None:
-        for i, p in alive:
-            print(
-                f"[hidup launch] stalled: Python stacks of local rank {i} (pid {p.pid}):", file=sys.stderr, flush=True
-            )
-            with contextlib.suppress(OSError):
-                os.kill(p.pid, sig)
-            time.sleep(grace_s)  # one rank's dump at a time: they share the terminal
-    for _, p in alive:
-        if p.is_alive():
-            p.kill()
+    for i in ranks if sig is not None else ():
+        print(f"[hidup launch] {why}: Python stacks of local rank {i} (pid {processes[i].pid}):", file=sys.stderr)
+        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            os.kill(processes[i].pid, sig)
+        time.sleep(grace_s)
 
 
 def _forward_signals(procs) -> dict:

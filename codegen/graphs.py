@@ -247,6 +247,9 @@ class GraphedStep:
         for static, x in zip(self._static_inputs, inputs):
             if isinstance(static, torch.Tensor) and x is not static:
                 static.copy_(x, non_blocking=True)
+        begin_step = getattr(self.module, "begin_step", None)
+        if begin_step is not None:  # the step whose random values the replay draws (hidup.rules.random)
+            begin_step()
         self.graph.replay()
         for p, g in zip(self.params, self._static_grads):
             if p.grad is not g:

@@ -69,11 +69,15 @@ from hidup.ir import (
     layout_conversions,
 )
 from hidup.precision import casts_on_wire, is_collective, wire_low_params
-from hidup.rules import dispatch
+from hidup.rules import dispatch, random
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
 
 __all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", "using_copy_sums", "CompileError"]
+
+
+# the program input that carries the run-time key of its random ops (hidup.rules.random)
+RNG_KEY_INPUT = "hidup_rng_key"
 
 
 class CompileError(ValueError):
@@ -259,6 +263,8 @@ class RankProgram:
     mesh: tuple[int, ...] = ()  # the device mesh of a plan on several axes, else ()
     # gm path of each replicated parameter -> the mesh axes its gradient is summed over (on a mesh)
     replicate_axes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # the number of random ops; with any, gm takes the run-time key (hidup.rules.random) as its last input
+    random_ops: int = 0
 
 
 def _plain(form: "Form | Layout") -> "Form | Layout":
@@ -353,6 +359,8 @@ class _Builder:
         }
         self.n_wrappers = 0
         self.fx_nodes: dict[str, torch.fx.Node] = {}
+        self.random_ops = 0  # random ops numbered so far (hidup.rules.random)
+        self.rng_key: torch.fx.Node | None = None  # the placeholder of the run-time key, made on first use
 
     # -- node creation (every node is tagged with the current stage)
     def _tag(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -404,6 +412,8 @@ class _Builder:
         if src == dst:
             return self.value(tid)
         key = (tid, dst)
+        if tid in self.traced.written:  # written through a view after it was made: convert what it holds now
+            self.converted.pop(key, None)
         reshard = tid in self.reshard_tids and self.region is None  # a recomputed layer makes it again anyway
         if key not in self.converted and isinstance(dst, Layout):
             node = self.value(tid)
@@ -529,6 +539,8 @@ class _Builder:
                 f"node {node.name}: the plan's signature {sig} has no per-axis factors for the mesh "
                 f"{self.mesh}. Fix: trace and search again for this mesh"
             )
+        if random.is_random_call(call):
+            call = self._random(node, call)
         args, kwargs = _fix_devices(tuple(call.args), self.device), _fix_devices(dict(call.kwargs), self.device)
         reads = set(value_leaves((args, kwargs), torch.fx.Node)) & self.gathered
         if reads and self.region is None:  # it reads a resharded parameter's copy: keep a handle, not the copy
@@ -554,6 +566,19 @@ class _Builder:
                     region, self.region = self.region, None
                     self.local[tid] = self.call(hidup_copy_sum, (self.local[tid], tid))
                     self.region = region
+
+    def _random(self, node, call):
+        """A random op bound to this program: its number in the step, the run-time key, and in a
+        duplicated copy the dim its copy axis splits (hidup.rules.random)."""
+        if self.rng_key is None:
+            last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+            with self.graph.inserting_after(last):  # the last input, defaulted as the inputs before it may be
+                self.rng_key = self.graph.placeholder(RNG_KEY_INPUT, default_value=None)
+            self.rng_key.meta.update({"stage": 0, REGION: None, compiled.LAYER: ""})
+        copy_form = self.copies.forms.get(node.outputs[0]) if self.copies is not None else None
+        copy_dim = copy_form.dim if copy_form is not None and copy_form.is_gather else None
+        op, self.random_ops = self.random_ops, self.random_ops + 1
+        return random.bind_program(call, op=op, key=self.rng_key, copy_dim=copy_dim, blocks=self.world)
 
     def _reshard_call(self, target, args, kwargs, name: str) -> torch.fx.Node:
         path = f"reshard_{self.n_reshard}"
@@ -632,6 +657,7 @@ class _Builder:
             max(1, len(getattr(self.plan, "stages", None) or [])),
             self.mesh or (),
             replicate_axes,
+            self.random_ops,
         )
 
 

@@ -58,6 +58,7 @@ from hidup.codegen.program import (
 from hidup.copies import copy_axis
 from hidup.ir import GRAD_BUCKET_MB, Layout
 from hidup.optionset import OptionSet
+from hidup.rules import random
 from hidup.trace import forward_inputs, trace_copy, trace_module
 
 __all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
@@ -82,6 +83,7 @@ class HidupModule(nn.Module):
         plan=None,
         compile=None,  # noqa: A002 - the option's name
         mesh_groups: MeshGroups | None = None,
+        seed: int = 0,
     ):
         super().__init__()
         self.gm = program.gm
@@ -115,6 +117,30 @@ class HidupModule(nn.Module):
         self._run = (self.gm,)  # what forward calls without duplication (a tuple: not a submodule)
         self.compile_backend = None
         self.set_compile(compile)
+        # random ops draw as on one device (hidup.rules.random): one run-time key per copy
+        self.rng_seed, self.rng_step = seed, 0
+        if program.random_ops:
+            for c in (0, 1):
+                self.register_buffer(f"rng_key_{c}", random.make_key(seed, 0, c, device_of(self.gm)), persistent=False)
+
+    @property
+    def rng_keys(self) -> list[torch.Tensor] | None:
+        """The run-time key of each copy (copy 0's alone without duplication), or None without random ops."""
+        return [self.rng_key_0, self.rng_key_1] if self.program.random_ops else None
+
+    def begin_step(self) -> None:
+        """Make the next run draw step ``rng_step``'s random values, then count the step.  ``forward``
+        calls it (except while a CUDA graph is captured); a caller that replays a captured step
+        (:class:`hidup.codegen.GraphedStep`) calls it before each replay.  Set ``rng_step`` to draw a
+        given step's values (a resumed job sets it to its step)."""
+        if self.rng_keys is None:
+            return
+        for key in self.rng_keys:
+            key[1].fill_(self.rng_step & 0xFFFFFFFF)
+        self.rng_step += 1
+
+    def _with_key(self, values: list, copy: int = 0) -> list:
+        return values + [self.rng_keys[copy]] if self.rng_keys is not None else values
 
     def set_compile(self, compile) -> None:  # noqa: A002 - the option's name
         """Run the program through ``torch.compile`` (``True``: inductor, or a backend name such as
@@ -146,9 +172,11 @@ class HidupModule(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         values = self._bind(args, kwargs)
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.begin_step()
         if not self.duplication:
             with using_group(self.run_group):
-                return self._run[0](*values)
+                return self._run[0](*self._with_key(values))
         dims = self.batch_dims if self.batch_dims is not None else [0] * len(values)
         blocks = []
         for name in self.input_names:
@@ -158,7 +186,7 @@ class HidupModule(nn.Module):
             # hidup.codegen.duplicate): its copies take half of each of the blocks it holds
             pieces = _pieces(form, d, self.mesh_groups, self.world_size) if self.local_batch and form is not None else 1
             blocks.append(self.world_size // pieces)
-        inputs_of = lambda c: copy_inputs(values, dims, blocks, c)  # noqa: E731
+        inputs_of = lambda c: self._with_key(copy_inputs(values, dims, blocks, c), c)  # noqa: E731
         if self.side_pass is None:
             return self.runner(inputs_of, self.copy_groups)
         gm, keys = self.side_pass
@@ -275,7 +303,9 @@ class CompileOptions(OptionSet):
     ``recompute`` lists the layers (block labels) whose forward runs again in the backward (None:
     the plan's ``recompute``; :mod:`hidup.codegen.recompute`).  ``reshard`` lists the parameters (``param``
     node names) whose converted copies are made again in the backward instead of kept (None: the plan's
-    ``reshard``; True: every parameter the plan stores split; :mod:`hidup.codegen.reshard`)."""
+    ``reshard``; True: every parameter the plan stores split; :mod:`hidup.codegen.reshard`).  ``seed``:
+    the seed of the random ops (dropout), which draw the single device's values whatever the plan
+    (:mod:`hidup.rules.random`; ``module.rng_step`` is the step they draw next)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -287,6 +317,7 @@ class CompileOptions(OptionSet):
     compile: bool | str = False
     recompute: list | tuple | None = None
     reshard: list | tuple | bool | None = None
+    seed: int = 0
     WHAT = "compile"
 
 
@@ -391,4 +422,5 @@ def compile(  # noqa: A001
         plan=plan,
         compile=opts.compile,
         mesh_groups=groups,
+        seed=opts.seed,
     )

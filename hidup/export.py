@@ -16,7 +16,9 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 * every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
   generation maps it to the device the rank runs on;
 * the output is the loss itself, not a one-element tuple; export's input guard call is dropped;
-* an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`).
+* an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`); where
+  the write goes through a view (``shifted[..., 1:] = ids[..., :-1]``: ``slice`` then ``copy_``), the
+  tensor, its views and the writes are named by :func:`written_through_views` and run whole.
 
 Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
 costs nothing), so ``transformers`` models, ``nn.Transformer`` and the zoo all export; opaque work
@@ -38,7 +40,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from hidup.fxvalues import map_value, value_leaves
 from hidup.rules.experts import routed_experts_as_custom_op
 
-__all__ = ["export_step", "ExportFailure"]
+__all__ = ["export_step", "ExportFailure", "written_through_views"]
 
 _META = torch.device("meta")
 
@@ -270,3 +272,41 @@ def _functionalize(graph: torch.fx.Graph) -> None:
             if user is not n and order[user] > order[n]:
                 user.replace_input_with(target, n)
         n.target = functional
+
+
+def _aliases_first_input(n: torch.fx.Node) -> bool:
+    """Whether ATen node ``n``'s result is its first argument or a view of it."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:
+        return False
+    returns = n.target._schema.returns
+    return isinstance(n.args[0], torch.fx.Node) and len(returns) == 1 and returns[0].alias_info is not None
+
+
+def _writes_first_input(n: torch.fx.Node) -> bool:
+    if not _aliases_first_input(n):
+        return False
+    arguments = n.target._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
+def written_through_views(graph: torch.fx.Graph) -> set[str]:
+    """Names of the nodes of every tensor the step creates and then writes in place where a view of
+    it can see the write: the tensor, every view of it, and the writes.
+
+    Run whole on every rank, they alias as on one device.  Cut into pieces, they do not: a rank's piece
+    of a view is a copy of it (a form change), so a write into the piece never reaches the tensor, and a
+    later reader would see the tensor unwritten.  So the trace offers these nodes only their all-``full``
+    signature, and code generation converts such a tensor anew for each reader (its value changes).
+    In-place writes on a fresh tensor itself, with no view of it, are made out-of-place before
+    (:func:`_functionalize`) and need none of this."""
+    base_of: dict[torch.fx.Node, torch.fx.Node] = {}
+    written: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if not _aliases_first_input(n):
+            continue
+        base = base_of.get(n.args[0], n.args[0])
+        base_of[n] = base
+        if _writes_first_input(n) and _fresh(base):
+            written.add(base)
+    members = {n for n, base in base_of.items() if base in written} | written
+    return {n.name for n in members}

@@ -75,7 +75,7 @@ import torch.fx
 from torch import nn
 
 from hidup.copies import copy_axis
-from hidup.export import ExportFailure, export_step
+from hidup.export import ExportFailure, export_step, written_through_views
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
@@ -90,6 +90,7 @@ from hidup.rules import localize as rules_localize
 from hidup.rules import variant
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.rules.mesh import is_all_full, leaf_layouts, mesh_signatures
+from hidup.rules.random import refusal as random_refusal
 from hidup.saved import Recorder
 from hidup.stamp import AUTO_MIN_BLOCKS, MIN_BLOCKS, export_stamped, repeated_stack
 
@@ -127,6 +128,9 @@ class Traced:
     tensor_ids: dict[str, list[int]] = field(default_factory=dict)
     constants: dict[str, object] = field(default_factory=dict)
     param_names: dict[str, str] = field(default_factory=dict)
+    # tensors whose value changes after they are made (written in place through a view): code
+    # generation converts them anew for each reader (hidup.export.written_through_views)
+    written: set[int] = field(default_factory=set)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +217,7 @@ class _Builder:
         self.attr_refs: dict[int, _Ref] = {}  # id(parameter/buffer) -> its tensor in the IR
         self.used_names = {n.name for n in gm.graph.nodes}
         self.fallbacks: list[tuple[str, str, str, str]] = []  # name, target, source, reason
+        self.whole = written_through_views(gm.graph)  # nodes that run whole: a write through a view
 
     # -- helpers
     def meta_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +348,9 @@ class _Builder:
         self._call(n, value)
 
     def _call(self, n: torch.fx.Node, value: Any) -> None:
+        refused = random_refusal(n.target)
+        if refused:
+            raise TraceFailure(f"{n.name} (at {_source_of(n) or 'an unknown line'}): {refused}")
         sub = lambda a: self.struct[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         args, kwargs = _map(tuple(n.args), sub), _map(dict(n.kwargs), sub)
         in_refs = _leaves((args, kwargs), _Ref)
@@ -369,6 +377,9 @@ class _Builder:
         if n.name in self.template_rules:
             self.template_rules[n.name] = (key, sigs, reason)
         sigs = list(sigs) if sigs is not None else None
+        if sigs is not None and n.name in self.whole:
+            sigs = [s for s in sigs if is_all_full(s)] or None
+            reason = reason or "it writes in place through a view"
         fallback = sigs is None
         if fallback:
             est = float(sum(math.prod(r.meta.shape) for r in out_refs))
@@ -395,6 +406,8 @@ class _Builder:
         self.struct[n.name] = out_struct
         self.out.tensor_ids[n.name] = [r.tid for r in out_refs]
         self.out.contexts[n.name] = ctx
+        if n.name in self.whole:
+            self.out.written.update(r.tid for r in out_refs)
 
     def _mesh_signatures(self, ctx: RuleContext) -> tuple[list[Signature] | None, str]:
         """:func:`hidup.rules.mesh.mesh_signatures`, once per distinct op (target, arguments, shapes):

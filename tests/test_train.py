@@ -45,6 +45,8 @@ TINY = [
     "0",
 ]
 
+DROPOUT = ["--model-arg", "dropout=0.2"]
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -74,12 +76,14 @@ def _losses(path: Path) -> list[float]:
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path):
+    """With dropout on: a resumed step draws the masks the uninterrupted run drew at that step."""
     full = tmp_path / "full.json"
-    _train(["--world", "2", "--iterations", "6", "--json", str(full), "--master-port", str(_port())])
+    _train([*DROPOUT, "--world", "2", "--iterations", "6", "--json", str(full), "--master-port", str(_port())])
     ckpt = tmp_path / "ckpt"
     part = tmp_path / "part.json"
     _train(
         [
+            *DROPOUT,
             "--world",
             "2",
             "--iterations",
@@ -98,6 +102,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     resumed = tmp_path / "resumed.json"
     _train(
         [
+            *DROPOUT,
             "--world",
             "2",
             "--iterations",

@@ -37,6 +37,7 @@ from hidup.rules import (  # noqa: F401  (imported for registration)
     loss,
     matmul,
     norm,
+    random,
     reduction,
     shape,
 )

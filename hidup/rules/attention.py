@@ -10,6 +10,10 @@ attention (``enable_gqa`` and fewer key/value heads) only batch dims are sharded
 
 FLOPs: ``2 * B * H * S * L * (E + F)`` (the two matmuls; the softmax is lower order).
 
+Dropout (``dropout_p > 0``): the rank runs :func:`hidup.rules.random.attention`, the attention written
+out with the single device's dropout mask on its block of the weights ``[..., H, S, L]``; the blocks
+are cut on the batch and head dims only, which are the output's, so the output form places the block.
+
 Variant (:func:`hidup.rules.variant`): ``masked`` when a mask tensor is given (torch's attention then
 runs a kernel that reads it, and ``transformers`` models pass their causal mask this way when
 exported), ``causal`` for ``is_causal=True`` without one (the kernel skips the key blocks above the
@@ -24,13 +28,28 @@ import math
 import torch.nn.functional as F
 
 from hidup.ir import Signature
-from hidup.rules.base import RuleContext
+from hidup.rules import random
+from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.notation import shard_signatures
-from hidup.rules.registry import Unsupported, bind, register, tensor_slots
+from hidup.rules.registry import Unsupported, bind, default_localize, register, tensor_slots
 
 __all__ = []
 
-_NAMES = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+_NAMES = random.SDPA_NAMES + list(random.PROGRAM_KWARGS)
+
+
+def _localize(ctx: RuleContext, sig: Signature, rank: int) -> LocalCall:
+    """The fused op; with dropout, the attention written out with the single device's mask."""
+    b = bind(ctx.args, ctx.kwargs, _NAMES, {"dropout_p": 0.0}, where="scaled_dot_product_attention")
+    if not b["dropout_p"]:
+        return default_localize(ctx, sig, rank)
+    q, k = ctx.inputs[0].shape, ctx.inputs[1].shape  # query and key are its first tensor arguments
+    here = tuple(q[:-1]) + (k[-2],)
+    shape = tuple(b.get("shape") or here)
+    offset = random.advanced(b.get("offset") or (0,) * len(here), here, sig.outputs[0], rank, ctx.world)
+    kwargs = {n: b[n] for n in random.SDPA_NAMES[3:] if n in b}
+    kwargs.update({k_: b[k_] for k_ in random.PROGRAM_KWARGS[2:] if k_ in b}, shape=shape, offset=offset)
+    return LocalCall(random.attention, (b["query"], b["key"], b["value"]), kwargs)
 
 
 def _variant(ctx: RuleContext) -> str:
@@ -40,7 +59,13 @@ def _variant(ctx: RuleContext) -> str:
     return "causal" if bound.get("is_causal") is True else "dense"
 
 
-@register(F.scaled_dot_product_attention, name="scaled_dot_product_attention", variant=_variant)
+@register(
+    F.scaled_dot_product_attention,
+    random.attention,
+    name="scaled_dot_product_attention",
+    variant=_variant,
+    localize=_localize,
+)
 def _sdpa(ctx: RuleContext) -> list[Signature]:
     bind(ctx.args, ctx.kwargs, _NAMES, where="scaled_dot_product_attention")
     slots = [n for n, _ in tensor_slots(ctx.args, ctx.kwargs, _NAMES)]

@@ -12,8 +12,8 @@ Reduce propagation (``f(sum_r a_r) = sum_r f(a_r)``) holds only where the op is 
 ``where(c, x, y)``, ``tril/triu``, ``cumsum``.  ``x + 1`` or ``relu(x)`` are not linear.
 
 FLOPs: ``numel(output)`` per elementwise op (a few per element for transcendental functions would
-not change any decision).  Dropout draws its mask locally: on ``gather`` forms every rank draws the
-mask of its own slice; on ``full`` forms code generation must seed the ranks alike.
+not change any decision).  Dropout has its own rule (:mod:`hidup.rules.random`): its mask is drawn
+as on one device.
 """
 
 from __future__ import annotations
@@ -115,8 +115,6 @@ _UNARY_NONLINEAR = [
     F.relu6,
     F.selu,
     F.logsigmoid,
-    F.dropout,
-    torch.dropout,
     operator.pow,
     operator.invert,
     operator.not_,

@@ -5,8 +5,9 @@ with ``--plan`` it is the model the plan records, so no model flags are needed, 
 size is the job's (a launch of another size is refused before any rank starts).  Each rank builds
 the same model (same seed, so the same weights), compiles it for its rank under the plan (loaded
 with ``--plan`` or searched on the spot), and runs ``--iterations`` optimizer steps on a
-deterministic stream of global batches: step ``t`` always sees the same batch, so a run resumed from
-a checkpoint continues the loss curve of an uninterrupted one exactly.  Batches are shaped like the
+deterministic stream of global batches: step ``t`` always sees the same batch, and dropout draws step
+``t``'s values (:mod:`hidup.rules.random`), so a run resumed from a checkpoint continues the loss curve
+of an uninterrupted one exactly.  Batches are shaped like the
 example inputs: floating-point inputs are standard normal; integer inputs are uniform in
 ``[0, vocab)`` for zoo language models (``[0, num_classes)`` for class labels) and, for a factory's
 model, in ``[0, max + 1)`` with ``max`` the example input's largest entry -- an input with negative
@@ -116,7 +117,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="synthetic batches, or byte-level tokens of the Python standard library's source "
         "(language models; needs --vocab >= 256)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights, the data and dropout")
     g.add_argument(
         "--chrome-trace", type=Path, default=None, help="write a chrome trace of 3 steps per rank to this directory"
     )
@@ -299,13 +300,13 @@ def _train_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
     if mode == "auto" and device.type == "cuda" and world > 1:
         trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
         module, trial = codegen.choose_duplication(
-            model, plan, rank, world, trial_batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype
+            model, plan, rank, world, trial_batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype, seed=args.seed
         )
         if rank == 0:
             print(trial["reason"], flush=True)
     else:
         duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
-        module = codegen.compile(model, plan, rank, world, _to(inputs, device), duplication=duplication)
+        module = codegen.compile(model, plan, rank, world, _to(inputs, device), duplication=duplication, seed=args.seed)
     params = [p for p in module.parameters() if p.requires_grad]
     if args.optimizer == "adam" and device.type == "cuda":
         opt = fused_adam(params, args.lr, device)
@@ -387,6 +388,7 @@ def _train_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
             if rank == 0:
                 timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
                 print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
+        module.rng_step = step  # dropout draws step `step`'s values, resumed or not (hidup.rules.random)
         with Stopwatch(device) as watch:
             if graphed is not None:
                 loss = graphed(*batch)

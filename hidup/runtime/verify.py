@@ -13,6 +13,9 @@ and dividing that noise by itself would report a mismatch where there is none.
 The command exits non-zero when any difference exceeds ``--tolerance`` (1e-5 by default, fp32).
 With ``--steps K`` it also takes K optimizer steps (SGD) on both sides and compares the losses.
 
+Random ops (dropout) draw the same values on both sides: hidup's counter-based values of the step
+(:mod:`hidup.rules.random`), the reference through :func:`hidup.rules.random.single_device`.
+
 The plan runs as ``hidup train`` runs it: the model the plan records (zoo name or
 ``package.module:function``; no model flags needed), on the plan's world size, compiled with the
 plan's duplication setting (``--duplication on|off`` overrides it, as in ``train``; ``train``'s
@@ -34,6 +37,7 @@ from hidup import codegen
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
 from hidup.plan import Plan
+from hidup.rules.random import single_device
 from hidup.runtime.launch import Distributed, launch, positive_seconds
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import STYLES, forced, search
@@ -102,12 +106,14 @@ def make_plan(
     return result
 
 
-def _steps(model, inputs, steps: int, lr: float = 1e-2) -> list[float]:
-    """Losses of ``steps`` plain SGD steps of the single-device model."""
+def _steps(model, inputs, steps: int, seed: int, lr: float = 1e-2) -> list[float]:
+    """Losses of ``steps`` plain SGD steps of the single-device model, drawing the random values of
+    steps 1, 2, ... (step 0 is the compared step)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    for _ in range(steps):
-        loss = model(*inputs)
+    for step in range(1, steps + 1):
+        with single_device(seed, step):
+            loss = model(*inputs)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -166,10 +172,11 @@ def parity_report(
     )
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
-    module = codegen.compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication)
+    module = codegen.compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication, seed=seed)
     say(f"forward and backward on {world} ranks" + (f", then {steps} SGD steps" if steps else "") + " ...")
     if cuda_graph:
         graphed = GraphedStep(module, batch)  # its warm-up steps compute gradients, never step the weights
+        module.rng_step = 0  # the compared step draws step 0's random values, as the reference does
 
         def forward_backward(b):
             return graphed(*b)
@@ -196,7 +203,8 @@ def parity_report(
         return {}
     say("the same step on one device (the reference) ...")
     ref_model, ref_inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
-    ref_loss = ref_model(*ref_inputs)
+    with single_device(seed, 0):  # dropout draws the values the plan's ranks draw (hidup.rules.random)
+        ref_loss = ref_model(*ref_inputs)
     ref_loss.backward()
     kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
     report = {
@@ -221,7 +229,7 @@ def parity_report(
     report["grad_rel"] = max(report["grads"].values(), default=0.0)
     if steps:
         ref_model.zero_grad()
-        ref_steps = _steps(ref_model, ref_inputs, steps)
+        ref_steps = _steps(ref_model, ref_inputs, steps, seed)
         report["steps"], report["steps_ref"] = step_losses, ref_steps
         report["steps_rel"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(step_losses, ref_steps))
     return report

@@ -16,6 +16,7 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 * every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
   generation maps it to the device the rank runs on;
 * the output is the loss itself, not a one-element tuple; export's input guard call is dropped;
+* a fresh tensor filled by ``copy_`` into slices covering it is a ``cat`` (:func:`_filled_slices_as_cat`);
 * an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`); where
   the write goes through a view (``shifted[..., 1:] = ids[..., :-1]``: ``slice`` then ``copy_``), the
   tensor, its views and the writes are named by :func:`written_through_views` and run whole.
@@ -225,6 +226,8 @@ def _rebuild(
                 kwargs = map_value(torch.fx.node.map_arg(n.kwargs, load), _fix_device)
                 new = graph.create_node(n.op, n.target, tuple(args), dict(kwargs), name=n.name)
                 new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack")})
+                if n.target in _EMPTY and "val" in n.meta:  # its dtype, for _filled_slices_as_cat
+                    new.meta["dtype"] = n.meta["val"].dtype
                 stack = new.meta.get("nn_module_stack")
                 if stack:
                     new.meta["nn_module_stack"] = {
@@ -237,9 +240,86 @@ def _rebuild(
     while isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     graph.output(out)
+    _filled_slices_as_cat(graph)
     _functionalize(graph)
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(attrs, graph, type(model).__name__)
+
+
+_EMPTY = (torch.ops.aten.new_empty.default, torch.ops.aten.empty.memory_format)
+
+
+def _slice_bounds(view: torch.fx.Node, shape) -> tuple[int, int, int] | None:
+    """``(dim, start, end)`` of a step-1 ``aten.slice`` of a tensor of ``shape``, else None."""
+    if view.target is not torch.ops.aten.slice.Tensor:
+        return None
+    dim, start, end, step = (list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1 :])[:4]
+    if step != 1 or not isinstance(dim, int):
+        return None
+    dim %= len(shape)
+    size = shape[dim]
+    start, end = min(start or 0, size), min(size if end is None else end, size)
+    return dim, start, end
+
+
+def _cover(base: torch.fx.Node, order: dict) -> tuple[int, list[tuple[int, int, torch.fx.Node]]] | None:
+    """``(dim, [(start, end, write)])`` when the fresh ``base`` is filled by ``copy_`` into slices along one
+    dim that cover it exactly, each slice written once and read by nothing else, and every other reader
+    of ``base`` comes after the writes; else None."""
+    shape = base.args[1] if base.target is torch.ops.aten.new_empty.default else base.args[0]
+    pieces, readers = [], []
+    for user in base.users:
+        bounds = _slice_bounds(user, shape)
+        writes = list(user.users)
+        if bounds is None or len(writes) != 1 or writes[0].target is not torch.ops.aten.copy_.default:
+            readers.append(user)
+            continue
+        if writes[0].args[0] is not user or writes[0].users:
+            return None
+        pieces.append((*bounds, writes[0]))
+    if not pieces or len({p[0] for p in pieces}) != 1:
+        return None
+    pieces.sort(key=lambda p: p[1])
+    ends = [0] + [end for _, _, end, _ in pieces]
+    if [start for _, start, _, _ in pieces] != ends[:-1] or ends[-1] != shape[pieces[0][0]]:
+        return None
+    last = max(order[w] for *_, w in pieces)
+    if any(order[r] < last for r in readers):
+        return None
+    return pieces[0][0], [(start, end, w) for _, start, end, w in pieces]
+
+
+def _filled_slices_as_cat(graph: torch.fx.Graph) -> None:
+    """A fresh tensor filled slice by slice, ``k = x.new_empty(shape); k[..., :d] = a; k[..., d:] = b``
+    (DeepSeek-V3's keys), becomes ``cat`` of the sources broadcast to their slices and cast to the
+    tensor's dtype: the same values, and no write through a view left (:func:`written_through_views`),
+    so the rules cut it like any ``cat``."""
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for base in list(graph.nodes):
+        if base.op != "call_function" or base.target not in _EMPTY:
+            continue
+        cover = _cover(base, order)
+        if cover is None or "dtype" not in base.meta:
+            continue
+        dim, pieces = cover
+        shape = list(base.args[1] if base.target is aten.new_empty.default else base.args[0])
+        dtype = base.meta.get("dtype")
+        with graph.inserting_before(max((w for *_, w in pieces), key=order.__getitem__).next):
+            parts = []
+            for start, end, write in pieces:
+                part = graph.call_function(
+                    aten.expand.default, (write.args[1], shape[:dim] + [end - start] + shape[dim + 1 :])
+                )
+                parts.append(graph.call_function(aten._to_copy.default, (part,), {"dtype": dtype}))
+            cat = graph.call_function(aten.cat.default, (parts, dim))
+        for *_, write in pieces:
+            view = write.args[0]
+            graph.erase_node(write)
+            graph.erase_node(view)
+        base.replace_all_uses_with(cat)
+        graph.erase_node(base)
+        order = {n: i for i, n in enumerate(graph.nodes)}
 
 
 def _fresh(n: Any) -> bool:

@@ -173,6 +173,25 @@ def test_writes_through_views_are_named():
     assert not any(n.target is torch.ops.aten.zeros_like.default for n in gm.graph.nodes if n.name in names)
 
 
+def test_slices_filled_one_by_one_become_a_cat():
+    """DeepSeek-V3's keys: ``new_empty``, then ``copy_`` into slices covering it, is a ``cat``."""
+    from hidup.export import export_step, written_through_views
+
+    class Keys(nn.Module):
+        def forward(self, a, b):
+            keys = a.new_empty(4, 2, 6, dtype=torch.float64)
+            keys[..., :4] = a
+            keys[..., 4:] = b  # broadcast over the second dim and cast, as copy_ does
+            return (keys * keys).sum()
+
+    a, b = torch.randn(4, 2, 4, dtype=torch.float64), torch.randn(4, 1, 2, dtype=torch.float32)
+    gm = export_step(Keys(), [a, b], ["a", "b"])
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.cat.default in targets and torch.ops.aten.copy_.default not in targets
+    assert not written_through_views(gm.graph)
+    assert torch.equal(gm(a, b), Keys()(a, b))
+
+
 # -- parity on gloo ranks ----------------------------------------------------------------------------
 
 SEED = 3
@@ -231,7 +250,8 @@ def _rank_parity(rank, world, jobs):
 
 
 # T5's decoder inputs are its labels shifted right by writes through views: that tensor runs whole,
-# and duplication, which would need it cut by copies, stays off; so does DeepSeek-V3's (its keys)
+# and duplication, which would need it cut by copies, stays off; DeepSeek-V3's group-limited routing
+# (a scatter_ into the group mask) has no rule that follows the copies either
 JOBS = {
     2: [
         ("t5", "data", False, None), ("t5", "tensor", True, None), ("gpt2", "data", True, None),

@@ -123,6 +123,17 @@ def test_verify_passes_and_exits_zero():
     assert "OK: the plan matches the single-device model" in out.stdout
 
 
+def test_verify_with_dropout_compares_the_same_masks():
+    """GPT with dropout on every residual branch and inside attention, duplicated data parallelism, and
+    two SGD steps that each draw their own step's masks on both sides."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "hidup", "verify", "--model", "gpt", "--world", "2", *TINY, "--model-arg",
+           "dropout=0.3", "--style", "data", "--duplication", "on", "--steps", "2"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "duplication on" in out.stdout and "OK: the plan matches the single-device model" in out.stdout
+
+
 def test_model_arg_reaches_zoo_overrides_without_flags(capsys):
     assert (
         main(

@@ -143,11 +143,19 @@ def build(name: str, seed: int = 0):
         labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
         labels[::3] = -100
         return model, (pixels, labels)
+    return model, _tokens(seed, first_padded=True)
+
+
+def _tokens(seed: int, first_padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their labels, the first ``PAD`` positions (and with ``first_padded`` the whole
+    first sequence) ignored."""
+    g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     labels = ids.clone()
     labels[:, :PAD] = -100
-    labels[0] = -100
-    return model, (ids, labels)
+    if first_padded:
+        labels[0] = -100
+    return ids, labels
 
 
 NAMES = ("gpt2", "bert", "llama", "vit", "nn-transformer")
@@ -208,12 +216,7 @@ def build_with_dropout(name: str, seed: int = 0):
         model = LMStep(T.DeepseekV3ForCausalLM(config))
     else:
         raise ValueError(f"no dropout variant of {name!r}")
-    model = model.double().train()
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[:, :PAD] = -100
-    return model, (ids, labels)
+    return model.double().train(), _tokens(seed, first_padded=False)
 
 
 # the dtype each model computes its loss in: the language-model losses of transformers upcast their

@@ -236,17 +236,12 @@ def attention(
     is_causal: bool = False,
     scale=None,
     enable_gqa: bool = False,
-    *,
-    shape=None,
-    offset=None,
-    copy_dim=None,
-    blocks: int = 1,
-    op: int = 0,
-    rng_key=None,
+    **block,
 ):
     """``F.scaled_dot_product_attention`` with counter-based dropout of its attention weights
-    ``[..., H, S, L]`` (global ``shape``, block at ``offset``), written out: the fused kernels draw
-    their own masks.  Without dropout it is the fused op."""
+    ``[..., H, S, L]``, written out: the fused kernels draw their own masks.  ``block`` places the
+    weights' block and keys the draw (:func:`dropout`'s keyword arguments).  Without dropout it is the
+    fused op."""
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
@@ -263,9 +258,7 @@ def attention(
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     weights = torch.softmax(scores, dim=-1)
-    weights = dropout(
-        weights, dropout_p, True, shape=shape, offset=offset, copy_dim=copy_dim, blocks=blocks, op=op, rng_key=rng_key
-    )
+    weights = dropout(weights, dropout_p, True, **block)
     return weights @ value
 
 

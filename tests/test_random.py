@@ -289,3 +289,48 @@ def test_dropout_and_view_writes_match_one_device(world, name, style, dup, recom
     if name != "deepseek-v3":  # the others draw dropout: two steps on one batch differ
         assert losses[0] != losses[1], f"{where}: two steps drew the same values"
     assert grad <= tol, f"{where}: a gradient differs by {grad:.2e} (relative)"
+
+
+# -- naming the first op that differs ----------------------------------------------------------------
+
+
+class ShiftStep(nn.Module):
+    """Labels shifted right as T5 shifts them (writes through views), embedded and scored."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, labels):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1]
+        shifted[:, 0] = 3
+        return F.cross_entropy(self.head(self.emb(shifted)).flatten(0, 1), labels.flatten())
+
+
+def shift_factory():
+    """``hidup.models.build("test_random:shift_factory")``."""
+    return ShiftStep().double(), (torch.randint(0, 16, (4, 6)),)
+
+
+def _verify_rank(rank, world, broken):
+    import types
+
+    import hidup.trace
+    from hidup.runtime.verify import parity_report
+
+    warnings.simplefilter("ignore")
+    if broken:  # the bug this change fixed: pieces of a view written in place
+        hidup.trace.written_through_views = lambda graph: set()
+    ctx = types.SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"))
+    report = parity_report(ctx, "test_random:shift_factory", {}, style="data", duplication=False, locate=1e-9)
+    return report.get("first_mismatch", "not run") if rank == 0 else None
+
+
+def test_verify_names_the_first_op_that_differs():
+    """With the fix undone the forced data plan is wrong, and the first op whose value differs is the
+    embedding that reads the shifted labels; with it, nothing differs and nothing is located."""
+    broken = run_distributed(_verify_rank, 2, True, timeout=300)[0]
+    assert broken["node"] is not None and "embedding" in broken["target"], broken
+    assert "test_random.py" in broken["source"], broken
+    assert run_distributed(_verify_rank, 2, False, timeout=300)[0] == "not run"

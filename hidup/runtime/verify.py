@@ -10,7 +10,9 @@ where G is the largest gradient entry of the whole model: a gradient that is zer
 arithmetic (the bias of attention keys: softmax ignores a constant shift) holds only rounding noise,
 and dividing that noise by itself would report a mismatch where there is none.
 
-The command exits non-zero when any difference exceeds ``--tolerance`` (1e-5 by default, fp32).
+The command exits non-zero when any difference exceeds ``--tolerance`` (1e-5 by default, fp32), and
+then names the first op of the plan whose forward value differs from one device's
+(:mod:`hidup.runtime.locate`), or says that the forward matches op by op.
 With ``--steps K`` it also takes K optimizer steps (SGD) on both sides and compares the losses.
 
 Random ops (dropout) draw the same values on both sides: hidup's counter-based values of the step
@@ -39,6 +41,7 @@ from hidup.codegen.params import full_grad_dict
 from hidup.plan import Plan
 from hidup.rules.random import single_device
 from hidup.runtime.launch import Distributed, launch, positive_seconds
+from hidup.runtime.locate import first_mismatch
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import STYLES, forced, search
 from hidup.trace import trace
@@ -135,6 +138,7 @@ def parity_report(
     cuda_graph: bool = False,
     progress: bool = False,
     mesh: tuple[int, ...] | None = None,
+    locate: float | None = None,
 ) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
@@ -146,7 +150,9 @@ def parity_report(
     ``cuda_graph`` runs the compiled module's forward and backward through
     :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere).
     ``progress``: rank 0 prints a line on stderr as each phase starts.  ``mesh``: without ``plan``, the
-    plan is searched (or forced) for this device mesh of several axes."""
+    plan is searched (or forced) for this device mesh of several axes.  ``locate``: a tolerance above
+    which (loss or any gradient) every rank runs :func:`hidup.runtime.locate.first_mismatch` and the
+    report names the first op that differs (``first_mismatch``)."""
 
     def say(text: str) -> None:
         if progress and ctx.rank == 0:
@@ -199,8 +205,40 @@ def parity_report(
             step_loss = forward_backward(batch)
             opt.step()
             step_losses.append(float(module.global_loss(step_loss)))
-    if ctx.rank != 0:
-        return {}
+    report = _reference_report(ctx, model_name, overrides, the_plan, module, style, seed, total, grads, graphed if
+                               cuda_graph else None, steps, step_losses, say) if ctx.rank == 0 else {}  # fmt: skip
+    if locate is not None:
+        failed = [ctx.rank == 0 and _differs(report, locate)]
+        torch.distributed.broadcast_object_list(failed, src=0)
+        if failed[0]:
+            say("finding the first op that differs ...")
+            located = _first_mismatch(model_name, overrides, the_plan, ctx, batch, seed, profile, locate)
+            report["first_mismatch"] = located
+    return report
+
+
+def _differs(report: dict, tolerance: float) -> bool:
+    return not report["loss_rel"] <= tolerance or not all(d <= tolerance for d in report["grads"].values())
+
+
+def _first_mismatch(model_name, overrides, plan, ctx: Distributed, batch, seed: int, profile: str, tolerance: float):
+    """:func:`hidup.runtime.locate.first_mismatch` for this job (every rank calls it)."""
+    world, device = ctx.world_size, ctx.device
+
+    def model_of():
+        return hidup.models.build(model_name, world_size=world, seed=seed, **overrides)[0].to(device)
+
+    model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
+    mesh = tuple(getattr(plan, "mesh", None) or ()) or None
+    graph = trace(model, inputs, world_size=world, mesh=mesh if mesh and len(mesh) > 1 else None)
+    reference_plan = forced(trace(model, inputs, world_size=1), hidup.profiler.load(profile), "data")
+    return first_mismatch(model_of, batch, plan, graph, reference_plan, ctx.rank, world, seed, tolerance)
+
+
+def _reference_report(ctx, model_name, overrides, the_plan, module, style, seed, total, grads, graphed, steps,
+                      step_losses, say) -> dict:  # fmt: skip
+    """Rank 0's comparison with the single-device model (:func:`parity_report`)."""
+    world = ctx.world_size
     say("the same step on one device (the reference) ...")
     ref_model, ref_inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     with single_device(seed, 0):  # dropout draws the values the plan's ranks draw (hidup.rules.random)
@@ -214,7 +252,7 @@ def parity_report(
         "kinds": kinds,
         "recompute": len(getattr(the_plan, "recompute", None) or []),
         "reshard": len(getattr(the_plan, "reshard", None) or []),
-        "cuda_graph": bool(cuda_graph and getattr(graphed, "graph", None) is not None),
+        "cuda_graph": getattr(graphed, "graph", None) is not None,
         "loss": float(total),
         "loss_ref": float(ref_loss.detach()),
         "loss_rel": rel_diff(total, ref_loss),
@@ -253,6 +291,7 @@ def _run_rank(ctx: Distributed, args) -> dict:
         seed=args.seed,
         progress=True,
         mesh=getattr(args, "mesh", None),
+        locate=args.tolerance,
     )
 
 
@@ -291,5 +330,13 @@ def run(args: argparse.Namespace) -> int:
         failed = failed or not report["steps_rel"] <= args.tolerance * 10
     for n in bad[:10]:
         print(f"  MISMATCH {n}: rel diff {report['grads'][n]:.2e} > {args.tolerance:g}")
+    located = report.get("first_mismatch")
+    if located and located["node"]:
+        print(
+            f"first op that differs: {located['node']} ({located['target']}, {located['source'] or 'source unknown'}): "
+            f"{located['why']}, rel diff {located['rel']:.2e}"
+        )
+    elif located:
+        print(f"first op that differs: none; {located['why']}")
     print("FAILED" if failed else "OK: the plan matches the single-device model")
     return 1 if failed else 0

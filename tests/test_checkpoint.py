@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from dist_util import run_distributed
 
@@ -434,3 +435,24 @@ def test_single_file_checkpoints_still_load(world2, tmp_path):
     assert opt.param_groups[0]["lr"] == 0.25
     _equal(dict(model.state_dict()), params, "parameter")
     _equal({n: opt.state[p] for n, p in model.named_parameters()}, adam, "Adam state")
+
+
+def test_keep_holds_the_last_checkpoints_each_loadable(tmp_path):
+    """``keep=3``: the newest in ``checkpoint``, the two before it as ``checkpoint.step-<N>``, older ones
+    deleted; each loads with its own step and values."""
+    from hidup.runtime import checkpoint
+
+    path = tmp_path / "checkpoint"
+    model = nn.Linear(3, 3)
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        checkpoint.save(path, model, step=step, keep=3)
+    assert [p.name for p in checkpoint.kept(path)] == ["checkpoint.step-3", "checkpoint.step-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.step-3", "checkpoint.step-4"]
+    for where, step in ((path.parent / "checkpoint.step-3", 3), (path.parent / "checkpoint.step-4", 4), (path, 5)):
+        fresh = nn.Linear(3, 3)
+        assert checkpoint.load(where, fresh, restore_rng=False)["step"] == step
+        assert torch.equal(fresh.weight.detach(), torch.full((3, 3), float(step)))
+    checkpoint.save(path, model, step=6)  # keep=1 (the default) deletes what it replaces
+    assert [p.name for p in checkpoint.kept(path)] == ["checkpoint.step-3", "checkpoint.step-4"]

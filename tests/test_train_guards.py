@@ -34,6 +34,12 @@ LOG_OF_P = textwrap.dedent("""
 """)
 
 
+def test_keeping_no_checkpoint_is_refused(capsys):
+    code, _, err = run_main(["train", *TINY, "--iterations", "1", "--keep-checkpoints", "0"], capsys)
+    assert code == 1
+    one_message(err, "hidup train: error: --keep-checkpoints 0: keep at least the last checkpoint (1)")
+
+
 @pytest.mark.parametrize("lr", ["nan", "0", "-1", "inf"])
 def test_a_learning_rate_that_is_not_a_positive_number_is_refused(lr, capsys):
     code, _, err = run_main(["train", *TINY, "--iterations", "1", "--lr", lr], capsys)

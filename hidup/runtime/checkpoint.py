@@ -147,6 +147,35 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def kept(path: str | os.PathLike) -> list[Path]:
+    """The earlier checkpoints kept beside ``path`` (``save(..., keep=K)``), oldest first."""
+    path = Path(path)
+    found = []
+    for p in path.parent.glob(f"{path.name}.step-*"):
+        suffix = p.name[len(path.name) + len(".step-") :]
+        if suffix.isdigit():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+def _retire(old: Path, path: Path, keep: int) -> None:
+    """The checkpoint just replaced (at ``old``): deleted, or with ``keep`` > 1 kept as
+    ``<path>.step-<step>`` while the ``keep - 1`` newest kept ones stay."""
+    if keep <= 1 or not old.exists():
+        _remove(old)
+        return
+    steps = [json.loads(f.read_text()).get("step") for f in old.glob(f"{CHECK_PREFIX}*.json")]
+    if not steps or steps[0] is None:  # a checkpoint without step records cannot be named: dropped
+        _remove(old)
+    else:
+        target = path.parent / f"{path.name}.step-{int(steps[0])}"
+        _remove(target)
+        os.rename(old, target)
+    for stale in kept(path)[: -(keep - 1)]:
+        _remove(stale)
+    _fsync_dir(path.parent)
+
+
 def _source(path: Path) -> Path | None:
     """The checkpoint at ``path``: itself, or the previous one a save interrupted mid-swap left."""
     if path.exists():
@@ -428,10 +457,12 @@ def save(
     loss_history=(),
     extra: dict | None = None,
     group=None,
+    keep: int = 1,
 ) -> None:
     """Write a checkpoint of ``module`` (compiled or plain) and ``optimizer`` to the directory
     ``path``, replacing what is there only once the new one is complete; collective: every rank
-    writes its own shards."""
+    writes its own shards.  With ``keep`` K > 1 the one replaced moves to ``<path>.step-<its step>``
+    beside it instead of being deleted, and only the K - 1 newest of those stay (:func:`kept`)."""
     path = Path(path)
     group = _group(module, group)
     layout = _Layout(module, group)
@@ -489,7 +520,7 @@ def save(
             os.rename(path, old)
         os.rename(tmp, path)
         _fsync_dir(path.parent)
-        _remove(old)
+        _retire(old, path, keep)
 
     _on_rank0(layout, prepare)
     try:

@@ -28,7 +28,8 @@ local ``reduce``-form losses), the iteration time as mean ± std over the last `
 tokens (or images) per second, and the peak memory of the device.
 
 Checkpoints (``--checkpoint-dir``/checkpoint: each rank writes its own shards, atomically; a run
-resumes from one on any world size or plan) are taken every ``--checkpoint-every``
+resumes from one on any world size or plan; ``--keep-checkpoints K`` keeps the K - 1 before it as
+``checkpoint.step-<N>``) are taken every ``--checkpoint-every``
 steps and when the process receives SIGTERM or SIGUSR1; on SIGTERM the run then says where it
 saved and exits with status 143 (128 + SIGTERM, as a process ended by the signal), so that a
 scheduler requeues it.  The signal flag is combined across ranks with a max-all-reduce each step, so
@@ -123,6 +124,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
     g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only on signal)")
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=1,
+        help="keep the last K checkpoints: the newest in <dir>/checkpoint, the older ones beside it as "
+        "checkpoint.step-<N> (move one to checkpoint to resume from it); default 1",
+    )
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     g.add_argument(
         "--overwrite",
@@ -423,7 +431,7 @@ def _train_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
         stop = stop or (args.stop_after is not None and done >= args.stop_after)
         periodic = args.checkpoint_every and step % args.checkpoint_every == 0
         if ckpt_path is not None and (periodic or save or stop or step == args.iterations):
-            checkpoint.save(ckpt_path, module, opt, step=step, loss_history=losses)
+            checkpoint.save(ckpt_path, module, opt, step=step, loss_history=losses, keep=args.keep_checkpoints)
             signals.save = False
         if stop:
             break
@@ -496,6 +504,8 @@ def check_run_options(args: argparse.Namespace) -> None:
         raise CommandError(f"--lr {args.lr}: the learning rate must be a positive number")
     if args.resume and args.overwrite:
         raise CommandError("--resume continues the checkpoint and --overwrite replaces it: give one")
+    if args.keep_checkpoints < 1:
+        raise CommandError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least the last checkpoint (1)")
     folder = args.checkpoint_dir
     if folder is None:
         if args.resume:

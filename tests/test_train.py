@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -184,11 +185,15 @@ def _descendants(pid: int) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs procfs to find the ranks")
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL to the launcher alone (it cannot forward it): its ranks, forked by the fork server,
-    notice within a second, save as on a preemption and exit; nothing keeps training."""
+    notice within a second, save as on a preemption and exit; nothing keeps training.  The launcher's
+    temporary folder (the fork server's socket, the ranks' error files) outlives it, and the next
+    launch removes it."""
     ckpt = tmp_path / "ckpt"
+    temp = Path(tempfile.mkdtemp(prefix="hk"))  # short: the fork server's socket path must fit 107 bytes
     cmd = [sys.executable, str(ROOT / "exp" / "train.py"), *TINY, "--world", "2", "--iterations", "100000",
            "--checkpoint-dir", str(ckpt), "--master-port", str(_port())]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = _env(TMPDIR=temp)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, ranks = [], set()
     try:
         deadline = time.time() + 180
@@ -212,6 +217,13 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     state = checkpoint.info(ckpt / "checkpoint")  # the preemption checkpoint, complete
     assert 2 <= state["step"] < 100000 and len(state["loss_history"]) == state["step"]
     assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".tmp")], list(ckpt.iterdir())
+    left_behind = sorted(p.name for p in temp.iterdir())
+    assert f"hidup-{proc.pid}" in left_behind, left_behind
+    assert not [n for n in left_behind if n.startswith("pymp-")], left_behind  # all inside the launcher's folder
+    make = "from hidup.runtime.launch import job_temp_dir; job_temp_dir()"  # what the next launch does first
+    subprocess.run([sys.executable, "-c", make], cwd=ROOT, env=env, check=True, timeout=120)
+    assert not list(temp.iterdir()), "the next launch left the dead launcher's folder, or its own"
+    temp.rmdir()
 
 
 def _alive(pids: set[int]) -> set[int]:

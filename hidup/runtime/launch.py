@@ -29,6 +29,11 @@ standard output and error it started with: ranks print where that process printe
 launched.  Each rank runs its ``atexit`` handlers as it ends, as a spawned one would.
 ``HIDUP_START_METHOD=spawn`` spawns every rank afresh instead (the default on other platforms).
 
+Temporary files: a launching process keeps the ones it makes for its ranks (``multiprocessing``'s
+``pymp-*`` folder, torch's error files) in a folder of its own, ``<tmp>/hidup-<pid>``
+(:func:`job_temp_dir`), removed at exit.  A launcher killed outright (SIGKILL) cannot remove it, so
+each launch first removes the folders of launchers that are no longer alive.
+
 When spawned ranks fail, the report names the cause, not its echoes: a rank that died without
 reporting (killed by a signal, ``os._exit``, a crash in native code) is named with its global rank,
 node, pid and signal or exit code -- the "connection reset" its peers then raise is left out -- and
@@ -51,11 +56,14 @@ import errno
 import faulthandler
 import math
 import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -514,6 +522,7 @@ def run_ranks(
             wait_for_workers=False,
         )
         layout = replace(layout, master_port=hosted.port)
+    job_temp_dir()
     method = start_method()
     results = mp.get_context(method).Queue()
     procs = mp.start_processes(
@@ -548,6 +557,48 @@ def run_ranks(
         return _results(procs, results, out, layout, failed)
     finally:
         _remove_error_files(procs)
+
+
+_JOB_TEMP: list[str] = []  # this process's temporary folder, once made
+JOB_TEMP_PREFIX = "hidup-"
+
+
+def job_temp_dir() -> str:
+    """This launching process's temporary folder (module docstring, "Temporary files"): made on the
+    first launch, with ``tempfile`` writing there from then on, after the folders of launchers no
+    longer alive are removed.  ``multiprocessing`` keeps the folder it makes
+    first for the process's lifetime, so a fork server started before the first launch keeps its own."""
+    if _JOB_TEMP:
+        return _JOB_TEMP[0]
+    root = tempfile.gettempdir()
+    _remove_stale_job_dirs(root)
+    path = os.path.join(root, f"{JOB_TEMP_PREFIX}{os.getpid()}")  # short: socket paths hold 107 bytes
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    tempfile.tempdir = path  # this process only: the ranks keep theirs (inductor's cache lives there)
+    _JOB_TEMP.append(path)
+    # after multiprocessing's own exit finalizers (exitpriority -100 removes its pymp folder in here)
+    mp_util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-101)
+    return path
+
+
+def _remove_stale_job_dirs(root: str) -> None:
+    """Remove ``<root>/hidup-<pid>`` folders whose launcher ``pid`` is no longer alive."""
+    for name in os.listdir(root):
+        if not name.startswith(JOB_TEMP_PREFIX):
+            continue
+        pid = name[len(JOB_TEMP_PREFIX) :]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove_error_files(procs) -> None:

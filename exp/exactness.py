@@ -13,6 +13,11 @@ plan and each forced style of :data:`hidup.search.STYLES`, duplication on and of
 world run in one launch of gloo ranks.  A job passes when the loss and every gradient are within
 ``--tolerance`` (relative, as ``verify`` measures them; the `transformers` losses are computed in
 float32, so the default allows float32 rounding); a failing job names the first op that differs.
+
+With ``--hash-seeds K`` it also traces each model in K fresh interpreters, each started under another
+``PYTHONHASHSEED`` and fixing it as the command-line entry points do
+(:func:`hidup.hashseed.fix_hash_seed`), and checks that every trace has the same fingerprint, the one a
+plan records: a plan made by one run is accepted by the next.
 """
 
 from __future__ import annotations
@@ -138,32 +143,66 @@ def _summary(report: dict, tolerance: float) -> dict:
     return out
 
 
+_FINGERPRINT = """
+from hidup.hashseed import fix_hash_seed
+fix_hash_seed()
+import warnings
+import hidup
+import exp.exactness as E
+warnings.simplefilter("ignore")
+model, inputs = getattr(E, {model!r})()
+print(hidup.trace(model, inputs, world_size=2).fingerprint())
+"""
+
+
+def fingerprints(model: str, seeds: int) -> list[str]:
+    """The trace's fingerprint in ``seeds`` fresh interpreters, each under another hash seed."""
+    import subprocess
+
+    out = []
+    for seed in range(1, seeds + 1):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        run = subprocess.run([sys.executable, "-c", _FINGERPRINT.format(model=model)], env=env, capture_output=True,
+                             text=True, timeout=600, check=True)  # fmt: skip
+        out.append(run.stdout.split()[-1])
+    return out
+
+
 def main(argv=None) -> int:
     from exp.exactness import _run_jobs  # by its module's name, which the spawned ranks import
     from hidup.runtime.launch import launch
     from hidup.search import STYLES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="world sizes (none: only --hash-seeds)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--styles", nargs="+", default=["searched", *STYLES])
     p.add_argument("--tolerance", type=float, default=1e-4, help="relative (float32 losses: 4 x 128 x eps_32 ~ 6e-5)")
+    p.add_argument("--hash-seeds", type=int, default=0, help="also trace each model under K hash seeds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    stable = {}
+    for model in args.models if args.hash_seeds else ():
+        prints = fingerprints(model, args.hash_seeds)
+        stable[model] = len(set(prints)) == 1
+        print(f"{model}: {len(set(prints))} fingerprint(s) over {args.hash_seeds} hash seeds", flush=True)
     jobs = [(m, s, d, args.tolerance) for m in args.models for s in args.styles for d in (False, True)]
+    jobs = jobs if args.worlds else []
     rows = []
     for world in args.worlds:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(CPN=str(world), NNODES="1", NODERANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
         for row in launch(_run_jobs, jobs, env=env, backend="gloo", timeout_s=600.0)[0]:
             rows.append({"world": world, **row})
-    bad = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(bad)} of {len(rows)} jobs exact", flush=True)
+    bad = [r for r in rows if not r["ok"]] + [{"model": m, "hash_seeds": "fingerprints differ"} for m, ok in
+                                              stable.items() if not ok]  # fmt: skip
+    print(f"{len(rows)} jobs, {len(bad)} failed", flush=True)
     for r in bad:
         print("FAILED", json.dumps(r), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "transformers": T.__version__, "rows": rows}, f, indent=1)
+            record = {"torch": torch.__version__, "transformers": T.__version__, "rows": rows, "hash_seeds": stable}
+            json.dump(record, f, indent=1)
     return 1 if bad else 0
 
 

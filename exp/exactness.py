@@ -31,18 +31,9 @@ import warnings
 import torch
 import transformers as T
 
+from exp.rank_models import CausalLMStep
+
 VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3
-
-
-class LMStep(torch.nn.Module):
-    """``model(input_ids, labels=labels).loss``."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def _lm(model) -> tuple:
@@ -50,7 +41,7 @@ def _lm(model) -> tuple:
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     labels = ids.clone()
     labels[:, :PAD] = -100
-    return LMStep(model).double().train(), (ids, labels)
+    return CausalLMStep(model).double().train(), (ids, labels)
 
 
 def _sizes(**changes) -> dict:

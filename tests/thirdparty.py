@@ -163,60 +163,22 @@ NAMES = ("gpt2", "bert", "llama", "vit", "nn-transformer")
 
 def build_with_dropout(name: str, seed: int = 0):
     """A model of ``transformers`` with its default dropout left on, in float64, as :func:`build`
-    returns it: ``t5`` (dropout 0.1 on every residual branch, and on the attention weights written
-    out by T5's own attention) and ``gpt2`` (embedding, residual and attention dropout 0.1, the last
-    inside torch's scaled-dot-product attention)."""
+    returns it: ``t5`` (dropout 0.1 on every residual branch, and on the attention weights inside
+    torch's scaled-dot-product attention) and ``gpt2`` (embedding, residual and attention dropout
+    0.1); and ``deepseek-v3`` (no dropout; its attention fills its keys slice by slice).  T5 and
+    DeepSeek-V3 are the exactness sweep's (``exp/exactness.py``)."""
     import transformers as T
 
+    import exp.exactness
+
     torch.manual_seed(seed)
-    if name == "t5":
-        config = T.T5Config(
-            vocab_size=VOCAB,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            dropout_rate=0.1,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        )
-        model = LMStep(T.T5ForConditionalGeneration(config))
-    elif name == "gpt2":
-        config = T.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
-        )
-        model = LMStep(T.GPT2LMHeadModel(config))
-    elif name == "deepseek-v3":  # no dropout in its config; its attention writes keys through views
-        config = T.DeepseekV3Config(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            experts_implementation="eager",
-        )
-        model = LMStep(T.DeepseekV3ForCausalLM(config))
-    else:
+    if name in ("t5", "deepseek-v3"):
+        return getattr(exp.exactness, name.replace("-", "_"))()
+    if name != "gpt2":
         raise ValueError(f"no dropout variant of {name!r}")
-    return model.double().train(), _tokens(seed, first_padded=False)
+    config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                          eos_token_id=0)  # fmt: skip
+    return LMStep(T.GPT2LMHeadModel(config)).double().train(), _tokens(seed, first_padded=False)
 
 
 # the dtype each model computes its loss in: the language-model losses of transformers upcast their

@@ -561,18 +561,25 @@ def run_ranks(
 
 _JOB_TEMP: list[str] = []  # this process's temporary folder, once made
 JOB_TEMP_PREFIX = "hidup-"
+# a Unix socket's path holds 107 bytes; multiprocessing puts the fork server's at
+# <tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX, 32 bytes after the folder
+_SOCKET_PATH_MAX, _SOCKET_TAIL = 107, 32
 
 
 def job_temp_dir() -> str:
     """This launching process's temporary folder (module docstring, "Temporary files"): made on the
     first launch, with ``tempfile`` writing there from then on, after the folders of launchers no
-    longer alive are removed.  ``multiprocessing`` keeps the folder it makes
+    longer alive are removed.  Where the temporary root is so deep that the fork server's socket would
+    not fit in the folder, the root itself.  ``multiprocessing`` keeps the folder it makes
     first for the process's lifetime, so a fork server started before the first launch keeps its own."""
     if _JOB_TEMP:
         return _JOB_TEMP[0]
     root = tempfile.gettempdir()
     _remove_stale_job_dirs(root)
-    path = os.path.join(root, f"{JOB_TEMP_PREFIX}{os.getpid()}")  # short: socket paths hold 107 bytes
+    path = os.path.join(root, f"{JOB_TEMP_PREFIX}{os.getpid()}")
+    if len(os.fsencode(path)) + _SOCKET_TAIL > _SOCKET_PATH_MAX:  # the fork server's socket would not fit
+        _JOB_TEMP.append(root)
+        return root
     os.makedirs(path, mode=0o700, exist_ok=True)
     tempfile.tempdir = path  # this process only: the ranks keep theirs (inductor's cache lives there)
     _JOB_TEMP.append(path)

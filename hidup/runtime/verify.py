@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -205,8 +206,8 @@ def parity_report(
             step_loss = forward_backward(batch)
             opt.step()
             step_losses.append(float(module.global_loss(step_loss)))
-    report = _reference_report(ctx, model_name, overrides, the_plan, module, style, seed, total, grads, graphed if
-                               cuda_graph else None, steps, step_losses, say) if ctx.rank == 0 else {}  # fmt: skip
+    ran = _Ran(the_plan, module, style, float(total), grads, graphed if cuda_graph else None, step_losses)
+    report = _reference_report(ctx, model_name, overrides, seed, ran, say) if ctx.rank == 0 else {}
     if locate is not None:
         failed = [ctx.rank == 0 and _differs(report, locate)]
         torch.distributed.broadcast_object_list(failed, src=0)
@@ -235,10 +236,22 @@ def _first_mismatch(model_name, overrides, plan, ctx: Distributed, batch, seed: 
     return first_mismatch(model_of, batch, plan, graph, reference_plan, ctx.rank, world, seed, tolerance)
 
 
-def _reference_report(ctx, model_name, overrides, the_plan, module, style, seed, total, grads, graphed, steps,
-                      step_losses, say) -> dict:  # fmt: skip
+@dataclass
+class _Ran:
+    """What the plan's ranks computed, for rank 0's comparison (:func:`_reference_report`)."""
+
+    plan: object
+    module: object
+    style: str
+    loss: float
+    grads: dict
+    graphed: object | None
+    step_losses: list[float]
+
+
+def _reference_report(ctx: Distributed, model_name: str, overrides: dict, seed: int, ran: _Ran, say) -> dict:
     """Rank 0's comparison with the single-device model (:func:`parity_report`)."""
-    world = ctx.world_size
+    world, the_plan, steps = ctx.world_size, ran.plan, len(ran.step_losses)
     say("the same step on one device (the reference) ...")
     ref_model, ref_inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     with single_device(seed, 0):  # dropout draws the values the plan's ranks draw (hidup.rules.random)
@@ -247,20 +260,20 @@ def _reference_report(ctx, model_name, overrides, the_plan, module, style, seed,
     kinds = sorted({s.kind for s in the_plan.choices.values()}) if hasattr(the_plan, "choices") else []
     report = {
         "model": model_name,
-        "style": style,
-        "duplication": bool(module.duplication),
+        "style": ran.style,
+        "duplication": bool(ran.module.duplication),
         "kinds": kinds,
         "recompute": len(getattr(the_plan, "recompute", None) or []),
         "reshard": len(getattr(the_plan, "reshard", None) or []),
-        "cuda_graph": getattr(graphed, "graph", None) is not None,
-        "loss": float(total),
+        "cuda_graph": getattr(ran.graphed, "graph", None) is not None,
+        "loss": ran.loss,
         "loss_ref": float(ref_loss.detach()),
-        "loss_rel": rel_diff(total, ref_loss),
+        "loss_rel": rel_diff(torch.tensor(ran.loss, dtype=torch.float64), ref_loss),
         "grads": {},
     }
     scale = max((float(p.grad.abs().max()) for p in ref_model.parameters() if p.grad is not None), default=0.0)
     for name, p in ref_model.named_parameters():
-        mine, g = grads.get(name), p.grad
+        mine, g = ran.grads.get(name), p.grad
         if g is None and mine is None:
             continue
         report["grads"][name] = float("inf") if g is None or mine is None else rel_diff(mine, g, 1e-2 * scale)
@@ -268,8 +281,8 @@ def _reference_report(ctx, model_name, overrides, the_plan, module, style, seed,
     if steps:
         ref_model.zero_grad()
         ref_steps = _steps(ref_model, ref_inputs, steps, seed)
-        report["steps"], report["steps_ref"] = step_losses, ref_steps
-        report["steps_rel"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(step_losses, ref_steps))
+        report["steps"], report["steps_ref"] = ran.step_losses, ref_steps
+        report["steps_rel"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ran.step_losses, ref_steps))
     return report
 
 

@@ -170,9 +170,14 @@ class HidupModule(nn.Module):
             values[self.input_names.index(k)] = v
         return values
 
+    def program_inputs(self, *args, **kwargs) -> list:
+        """What the program (``gm``, copy 0's without duplication) takes for these module inputs: the
+        inputs by name, then the run-time key of its random ops if it has any."""
+        return self._with_key(self._bind(args, kwargs))
+
     def forward(self, *args, **kwargs) -> torch.Tensor:
         values = self._bind(args, kwargs)
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if self.program.random_ops and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self.begin_step()
         if not self.duplication:
             with using_group(self.run_group):

@@ -249,6 +249,11 @@ def _rebuild(
 _EMPTY = (torch.ops.aten.new_empty.default, torch.ops.aten.empty.memory_format)
 
 
+def _empty_shape(base: torch.fx.Node) -> list:
+    """The shape an :data:`_EMPTY` node makes (``new_empty(x, shape)`` or ``empty(shape)``)."""
+    return list(base.args[1] if base.target is torch.ops.aten.new_empty.default else base.args[0])
+
+
 def _slice_bounds(view: torch.fx.Node, shape) -> tuple[int, int, int] | None:
     """``(dim, start, end)`` of a step-1 ``aten.slice`` of a tensor of ``shape``, else None."""
     if view.target is not torch.ops.aten.slice.Tensor:
@@ -266,7 +271,7 @@ def _cover(base: torch.fx.Node, order: dict) -> tuple[int, list[tuple[int, int, 
     """``(dim, [(start, end, write)])`` when the fresh ``base`` is filled by ``copy_`` into slices along one
     dim that cover it exactly, each slice written once and read by nothing else, and every other reader
     of ``base`` comes after the writes; else None."""
-    shape = base.args[1] if base.target is torch.ops.aten.new_empty.default else base.args[0]
+    shape = _empty_shape(base)
     pieces, readers = [], []
     for user in base.users:
         bounds = _slice_bounds(user, shape)
@@ -303,8 +308,7 @@ def _filled_slices_as_cat(graph: torch.fx.Graph) -> None:
         if cover is None or "dtype" not in base.meta:
             continue
         dim, pieces = cover
-        shape = list(base.args[1] if base.target is aten.new_empty.default else base.args[0])
-        dtype = base.meta.get("dtype")
+        shape, dtype = _empty_shape(base), base.meta["dtype"]
         with graph.inserting_before(max((w for *_, w in pieces), key=order.__getitem__).next):
             parts = []
             for start, end, write in pieces:

@@ -78,11 +78,11 @@ def test_a_copy_holds_its_rows_of_the_whole_step(world):
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_and_independent_streams(p):
     n = 1 << 20
-    keep = R.uniform_bits((n,), key=_key()) >= round(p * (1 << 24))
+    keep = R.uniform_bits((n,), rng_key=_key()) >= round(p * (1 << 24))
     sigma = (p * (1 - p) / n) ** 0.5
     assert abs(float(keep.double().mean()) - (1 - p)) < 6 * sigma
-    for other in (R.uniform_bits((n,), op=1, key=_key()), R.uniform_bits((n,), key=_key(step=8)),
-                  R.uniform_bits((n,), key=_key(seed=6))):  # fmt: skip
+    for other in (R.uniform_bits((n,), op=1, rng_key=_key()), R.uniform_bits((n,), rng_key=_key(step=8)),
+                  R.uniform_bits((n,), rng_key=_key(seed=6))):  # fmt: skip
         agree = float((keep == (other >= round(p * (1 << 24)))).double().mean())
         expected = p * p + (1 - p) * (1 - p)  # independent masks agree this often
         assert abs(agree - expected) < 6 * (expected * (1 - expected) / n) ** 0.5

@@ -121,40 +121,29 @@ def uniform_bits(
     copy_dim=None,
     blocks: int = 1,
     op: int = 0,
-    key=None,
+    rng_key=None,
     device=None,
 ) -> torch.Tensor:
-    """The 24-bit uniforms (int64 in ``[0, 2^24)``) of the block of shape ``local`` at ``offset`` of a
-    random op's tensor of ``shape`` (default: the block is the whole tensor)."""
+    """The 24-bit uniforms (int64 in ``[0, 2^24)``) of the block of shape ``local`` at ``offset`` of
+    random op ``op``'s tensor of ``shape`` (default: the block is the whole tensor), drawn with the
+    run-time key ``rng_key`` (default ``[0, 0, 0]``); ``copy_dim`` and ``blocks``: module docstring."""
     shape = tuple(local) if shape is None else tuple(shape)
     offset = (0,) * len(local) if offset is None else tuple(offset)
-    key = make_key(0, 0, device=device) if key is None else key.to(device)
+    key = make_key(0, 0, device=device) if rng_key is None else rng_key.to(device)
     index = _global_index(tuple(local), shape, offset, copy_dim, blocks, key, device)
     h = _mix32(_mix32(_stream(key, op) ^ (index >> 32)) ^ (index & _M32))
-    return (h >> (32 - _BITS)).expand(tuple(local))
+    return h >> (32 - _BITS)
 
 
-def dropout(
-    x: torch.Tensor,
-    p: float = 0.5,
-    training: bool = True,
-    inplace: bool = False,
-    *,
-    shape=None,
-    offset=None,
-    copy_dim=None,
-    blocks: int = 1,
-    op: int = 0,
-    rng_key=None,
-) -> torch.Tensor:
-    """Counter-based dropout of the block ``x`` of a global tensor (module docstring); ``inplace`` is
-    accepted and ignored (the result is a new tensor, as autograd of an activation wants)."""
-    if not training or p == 0.0:
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, **block) -> torch.Tensor:
+    """Counter-based dropout of the block ``x`` of a global tensor (module docstring); ``block`` places
+    it and keys the draw (:func:`uniform_bits`'s keywords).  ``inplace`` is accepted and ignored (the
+    result is a new tensor, as autograd of an activation wants)."""
+    if not _draws(p, training):
         return x
     if p == 1.0:
         return x * 0.0
-    where = {"shape": shape, "offset": offset, "copy_dim": copy_dim, "blocks": blocks, "op": op}
-    keep = uniform_bits(tuple(x.shape), **where, key=rng_key, device=x.device) >= round(p * (1 << _BITS))
+    keep = uniform_bits(tuple(x.shape), **block, device=x.device) >= round(p * (1 << _BITS))
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 

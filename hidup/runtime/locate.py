@@ -54,7 +54,7 @@ def _forward_values(module, batch, names: set[str]) -> dict[str, list[torch.Tens
     """Each named op's output tensors (as float64 on the CPU) in one forward of ``module`` at step 0."""
     module.rng_step = 0
     module.begin_step()
-    values = module._with_key(module._bind(batch, {}))
+    values = module.program_inputs(*batch)
     recorder = _Recorder(module.gm, names)
     with torch.no_grad(), using_group(module.run_group):
         recorder.run(*values)

@@ -101,6 +101,12 @@ def _backend(group) -> str:
         return "unknown"
 
 
+def _mirrored(group) -> bool:
+    """torch's fake process group: the collectives fill their outputs as a mirrored world would
+    (module docstring, "One device standing in for a rank")."""
+    return _backend(group) == "fake"
+
+
 def _fused(group, op: str, fn, fallback):
     """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``.
 
@@ -141,6 +147,8 @@ def gather_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         fused(out, x, group=group)
         return out
 
+    if _mirrored(group):  # every rank holds x
+        return out.view((n,) + tuple(x.shape)).copy_(x.expand((n,) + tuple(x.shape))).view(out.shape)
     return _fused(group, "all_gather", run, fallback)
 
 
@@ -173,6 +181,8 @@ def reduce_scatter_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_reduce(total, group=group)
         return total.chunk(n, 0)[rank_of(group)].contiguous()
 
+    if _mirrored(group):  # the other ranks' parts taken as zero
+        return out.copy_(x.chunk(n, 0)[rank_of(group)])
     return _fused(group, "reduce_scatter", run, fallback)
 
 
@@ -196,6 +206,9 @@ def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         everything = gather_raw(x, group).reshape((n, n, x.shape[0] // n) + tuple(x.shape[1:]))
         return everything[:, rank_of(group)].reshape(x.shape).contiguous()
 
+    if _mirrored(group):  # every rank sends this rank its chunk r
+        mine = x.chunk(n, 0)[rank_of(group)]
+        return out.view((n,) + tuple(mine.shape)).copy_(mine.expand((n,) + tuple(mine.shape))).view(out.shape)
     return _fused(group, "all_to_all", run, fallback)
 
 

@@ -8,7 +8,10 @@ prints the largest difference of the output and of each gradient relative to the
 largest value, against bfloat16's tolerance ``8 eps_bf16`` (the inputs are rounded to bfloat16 once
 and each product sums ``hidden`` or ``ffn`` terms in float32), and the forward and forward+backward
 times of the op eagerly and compiled (inductor) in a CUDA graph.  ``local < experts`` with an
-``offset`` is one rank's slice under the expert signature: its rows of other experts must add nothing.
+``offset`` is one rank's slice under the expert signature: its rows of other experts must add nothing;
+with ``N T`` tokens it is the all-gather dispatcher's rank, whose pairs of other ranks' experts pad
+the grouped kernels' rows (``N T k`` rows, ``T k`` of them its own): against the one-device case of
+``T`` tokens it shows what the padding costs.
 
     python exp/moe_kernels.py --out moe_kernels.json
 """
@@ -32,6 +35,9 @@ CASES = [
     (4096, 1024, 2816, 8, 2, 2, 2),  # its world-4 rank 1 under the expert signature
     (4096, 1024, 384, 128, 8, 16, 0),  # Qwen3-MoE-style, world-8 rank 0
     (4096, 1024, 512, 64, 6, 8, 0),  # DeepSeek-V3-style, world-8 rank 0
+    # the all-gather dispatcher's rank: the N T gathered tokens' N T k pairs, of which its experts take T k
+    (16384, 1024, 2816, 8, 2, 2, 0),  # Mixtral-style, world-4 rank 0
+    (32768, 1024, 384, 128, 8, 16, 0),  # Qwen3-MoE-style, world-8 rank 0
 ]
 
 

@@ -237,14 +237,13 @@ def make_plans(args) -> int:
     return 0
 
 
-# What torch's fake process group copies in place of each collective (FakeProcessGroup: an all-gather
-# copies the input into each of the N chunks of its output, a reduce-scatter and an all-to-all copy
-# one rank's share, an all-reduce leaves its buffer as it is): (bytes read and written as a multiple
-# of the logical size B, kernels) for B over N ranks.
+# What a collective copies on the fake process group in place of moving data (hidup.codegen.collectives,
+# "One device standing in for a rank": one copy kernel filling the output as a mirrored world would):
+# (bytes read and written as a multiple of the tensor's logical size B, kernels) for B over N ranks.
 STAND_IN_COPIES = {
-    "all_gather": lambda n: (2.0, n),
-    "reduce_scatter": lambda n: (2.0 / n, 1),
-    "all_to_all": lambda n: (2.0 / n, 1),
+    "all_gather": lambda n: (1.0 + 1.0 / n, 1),  # reads the local B/N, writes B
+    "reduce_scatter": lambda n: (2.0 / n, 1),  # reads and writes this rank's B/N
+    "all_to_all": lambda n: (1.0 / n + 1.0 / n**2, 1),  # reads a B/N^2 chunk, writes the local B/N
     "all_reduce": lambda n: (0.0, 0),
 }
 

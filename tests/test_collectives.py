@@ -240,3 +240,27 @@ def _rank_raise(rank, world):
 def test_failure_is_reported_not_hung():
     with pytest.raises(DistributedFailure, match="boom on rank 1"):
         run_distributed(_rank_raise, 2, timeout=60, pg_timeout=10)
+
+
+def test_fake_process_group_is_a_mirrored_world():
+    """On torch's fake process group (``hidup bench-rank``) the raw collectives fill their outputs as
+    if every rank held this rank's tensor, whatever the torch version's fake group writes: the
+    all-gather tiles ``x``, the reduce-scatter keeps this rank's chunk, the all-to-all tiles the chunk
+    every rank sends here; so data-dependent work (routing) is a real rank's, never stale memory's."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hidup.codegen.collectives import all_reduce_raw, all_to_all_raw, gather_raw, reduce_scatter_raw
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    world, rank = 4, 2
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        x = torch.arange(8 * 3, dtype=torch.float64).view(8, 3)
+        assert torch.equal(gather_raw(x), x.repeat(world, 1))
+        assert torch.equal(reduce_scatter_raw(x), x[4:6])
+        assert torch.equal(all_to_all_raw(x), x[4:6].repeat(world, 1))
+        assert torch.equal(all_reduce_raw(x), x)
+    finally:
+        dist.destroy_process_group()

@@ -39,8 +39,10 @@ def _activation_graph(shape=(8, 16), world=4):
 
 
 def test_stand_in_copies_are_what_the_fake_process_group_copies():
-    """An all-gather's stand-in copies the input into each of the N chunks of its output (2B bytes,
-    N kernels), a reduce-scatter one rank's share (2B/N, one kernel), an all-reduce nothing."""
+    """On the fake process group (a mirrored world, :mod:`hidup.codegen.collectives`) an all-gather
+    tiles its input into its output (reads B/N, writes B: one kernel), a reduce-scatter copies this
+    rank's chunk (2B/N), an all-to-all tiles one chunk of its local B/N (B/N^2 read, B/N written), an
+    all-reduce nothing."""
     world, nbytes = 4, 8 * 16 * 4
     problem = Problem(_activation_graph(world=world), _profile(), "fp32")
 
@@ -48,11 +50,12 @@ def test_stand_in_copies_are_what_the_fake_process_group_copies():
         step = SimpleNamespace(convs=((1, 0, problem.forms.index(src), problem.forms.index(dst)),))
         return stand_in_copies(problem, [step])
 
-    all_gather = 2 * nbytes / BW + world * OVERHEAD
+    all_gather = (1 + 1 / world) * nbytes / BW + OVERHEAD
     reduce_scatter = 2 * nbytes / world / BW + OVERHEAD
+    all_to_all = (1 / world + 1 / world**2) * nbytes / BW + OVERHEAD
     assert copies(gather(0), FULL) == pytest.approx(all_gather + reduce_scatter)  # backward reduce-scatters
     assert copies(REDUCE, gather(1)) == pytest.approx(reduce_scatter + all_gather)  # backward all-gathers
-    assert copies(gather(0), gather(1)) == pytest.approx(2 * reduce_scatter)  # all-to-all both ways
+    assert copies(gather(0), gather(1)) == pytest.approx(2 * all_to_all)  # all-to-all both ways
     assert copies(REDUCE, FULL) == 0.0  # all-reduce in place
     assert copies(FULL, gather(0)) == 0.0  # a slice: no collective
 

@@ -3,8 +3,10 @@
 Rank ``r``'s program of a saved plan (``--plan``), or of a plan searched now for ``--model/--world``,
 runs on one device with torch's fake process group (``torch.testing._internal.distributed.fake_pg``,
 backend ``"fake"``, rank ``r`` of ``N``) standing in for the other ranks: every collective returns a
-tensor of the right shape, dtype and device without communicating (its values are not the real
-ones, so the loss is meaningless; the kernels and their shapes are exactly the rank's).  So the
+tensor of the right shape, dtype and device without communicating, filled as if every rank held this
+rank's data (a mirrored world, :mod:`hidup.codegen.collectives`; the loss is not the N-rank step's,
+but the kernels, their shapes and the work that depends on values, such as how many of the
+all-gathered tokens route to this rank's experts, are a real rank's).  So the
 compute of any plan at any world size can be measured on a single GPU, compared with what the same
 GPU does with the single-device share, and fed to a profile.
 

@@ -7,6 +7,9 @@ search's plan without duplication; ``data``, ``tensor``, ``fsdp``: :func:`hidup.
 recording its model, so that ``hidup bench-rank --plan FILE`` rebuilds the same model on the GPU
 (``exp/gpu_predict.sh`` runs them).
 
+``register``: the same physical prediction for plan files alone, written (and committed) before the
+runs it predicts.
+
 ``predict``: for each bench-rank JSON (a run of one plan file, ``compile+graph`` and/or
 ``cuda-graph`` modes), the cost model's prediction of the rank's step without communication --
 ``compute + optimizer`` of the plan without duplication (:func:`hidup.search.price`), under
@@ -502,6 +505,47 @@ def predict(args) -> int:
     return 0
 
 
+def register(args) -> int:
+    """The physical prediction of rank 0's step of each plan file, per mode and precision, written
+    before the runs it predicts (``predict`` then compares the runs with the same function)."""
+    profile = hidup.profiler.load(args.profile)
+    rows = []
+    for path in args.plans:
+        plan = Plan.load(path)
+        source = plan.model_source or {}
+        if "model" not in source:
+            print(f"register: {path} does not record its model", file=sys.stderr)
+            return 2
+        graph = _graph(source["model"], source.get("args") or {}, plan.world_size, args.device)
+        for mode in filter(None, args.modes.split(",")):
+            for precision in filter(None, args.precisions.split(",")):
+                compute, stand_in, kinds = priced(graph, profile, plan, precision, mode)
+                rows.append(
+                    {
+                        "plan": Path(path).stem,
+                        "mode": mode,
+                        "precision": precision,
+                        "physical_ms": (compute + stand_in) * 1e3,
+                        "stand_in_ms": stand_in * 1e3,
+                        "physical_kinds_ms": {k: v * 1e3 for k, v in kinds.items()},
+                    }
+                )
+                print(f"{rows[-1]['plan']:28s} {mode:14s} {precision:5s} predicted {rows[-1]['physical_ms']:8.2f} ms")
+    record = {"profile": profile.name, "profile_file": args.profile, "rows": rows}
+    record["versions"] = {"torch": torch.__version__, "transformers": _transformers_version()}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -513,6 +557,13 @@ def main(argv=None) -> int:
     a.add_argument("--profile", default="h200x4-nvlink", help="profile the plans are searched under")
     a.add_argument("--out", required=True)
     a.add_argument("--device", default=None, help="where factories build their model (default cpu)")
+    r = sub.add_parser("register", help="physical predictions of plan files' rank steps, before their runs")
+    r.add_argument("plans", nargs="+", help="plan files recording their model")
+    r.add_argument("--profile", required=True, help="the GPU's profile (builtin name or JSON)")
+    r.add_argument("--modes", default="compile+graph")
+    r.add_argument("--precisions", default="bf16")
+    r.add_argument("--device", default=None, help="where factories build their model (default cpu)")
+    r.add_argument("--out", default=None)
     b = sub.add_parser("predict", help="predicted against measured rank steps")
     b.add_argument("--device", default=None, help="where factories build their model (as for `plans`)")
     b.add_argument("runs", nargs="+", help="bench-rank JSON files")
@@ -540,7 +591,7 @@ def main(argv=None) -> int:
     )
     b.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    return make_plans(args) if args.cmd == "plans" else predict(args)
+    return {"plans": make_plans, "register": register, "predict": predict}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ class GraphedStep:
         self._static_inputs: list = []
         self._static_loss: torch.Tensor | None = None
         self._static_grads: list = []
+        self.grads_at_capture = "not captured"  # "none": autograd allocates them inside the capture
         self.timings: dict[str, float] = {}
         if self.enabled:
             before = self._snapshot()
@@ -180,6 +181,7 @@ class GraphedStep:
         torch.cuda.synchronize(self.device)
         for p in self.params:
             p.grad = None
+        self.grads_at_capture = "none"
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode=mode):

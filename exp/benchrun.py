@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from exp.baselines import harness
+from exp.baselines.baseline_util import make_adam
 from exp.baselines.timing import sync
 from exp.breakdown import analyze_file
 from hidup.codegen import choose_duplication
@@ -143,6 +144,7 @@ class Prepared:
         self.graph = False  # capture forward + backward as one GraphedStep (see timed_loop)
         self.choose = False  # after capture, keep the faster of graph replay and eager steps
         self.graphed = None  # the GraphedStep once captured
+        self.optimizer = None  # (optimizer, description) when it joined that capture
         self.capture = False  # capture the whole step, optimizer included (harness.CapturedStep)
         self.capture_warmup = 3  # eager steps before that capture
 
@@ -292,6 +294,10 @@ def timed_loop(
     module = prep.module
     if prep.graph and prep.graphed is None:
         phase("capture")
+        # the optimizer joins the capture, as `hidup train` captures it (harness.STEP_CONSTRUCTION);
+        # a method with gradient glue after its backward keeps its optimizer after the replay
+        if prep.after_backward is None:
+            prep.optimizer = make_adam(module.parameters(), lr, capturable=device.type == "cuda")
         with precision_mode(precision, device):  # TF32 is fixed into the kernels at capture
             prep.graphed = GraphedStep(
                 module,
@@ -299,6 +305,7 @@ def timed_loop(
                 autocast_dtype=harness.autocast_dtype(precision),
                 choose=prep.choose,
                 group=getattr(module, "group", None),
+                optimizer=prep.optimizer[0] if prep.optimizer is not None else None,
             )
         prep.info.update(step_mode=prep.graphed.mode, mode_timings=prep.graphed.timings)
     traced = {}
@@ -472,6 +479,7 @@ VARIANT_FIELDS = (
     "loss_last",
     "peak_memory_bytes",
     "optimizer",
+    "step_construction",
     "error",
 )
 

@@ -294,3 +294,113 @@ def test_fake_world_runs_rank_zero_alone():
         assert r["iter_time_s"] > 0 and all(math.isfinite(x) for x in r["losses"])
         if baseline == "ddp":  # the share's loss, from the same ops in the same order
             assert r["losses"][0] == pytest.approx(single["losses"][0], rel=8 * torch.finfo(torch.float32).eps)
+
+
+class _Recorded:
+    """CPU stand-ins for the CUDA capture API that record what a captured step's body saw: whether
+    every gradient was None as the capture began, and how often the optimizer stepped or zeroed
+    inside it.  The body runs once, as a capture runs it."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.grads_none_at_start, self.steps, self.zeroes = optimizer, None, 0, 0
+
+    def graph(self, graph, capture_error_mode=None):
+        rec = self
+
+        class _Capture:
+            def __enter__(self):
+                params = [p for g in rec.optimizer.param_groups for p in g["params"]]
+                rec.grads_none_at_start = all(p.grad is None for p in params)
+                rec.inside = True
+
+            def __exit__(self, *exc):
+                rec.inside = False
+
+        return _Capture()
+
+
+def _tiny_step_parts():
+    from exp.baselines.baseline_util import make_adam
+    from exp.benchrun import Prepared
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).double()
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = module
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    loss = Loss()
+    return loss, (torch.randn(3, 4, dtype=torch.float64),), Prepared(loss), make_adam
+
+
+def test_captured_baseline_step_is_built_as_hidup_builds_its_own(monkeypatch):
+    """One step construction for every method (harness.STEP_CONSTRUCTION): a baseline's captured
+    step sets its gradients to None before the capture (autograd writes them fresh, as hidup's
+    GraphedStep does), never zeroes them inside the graph, and steps its optimizer inside it."""
+    from exp.baselines import harness
+
+    loss, inputs, prep, make_adam = _tiny_step_parts()
+    optimizer, _ = make_adam(loss.parameters(), LR)
+    rec = _Recorded(optimizer)
+    rec.inside = False
+    real_step, real_zero = optimizer.step, optimizer.zero_grad
+
+    def step(*a, **k):
+        rec.steps += rec.inside
+        return real_step(*a, **k)
+
+    def zero_grad(*a, **k):
+        rec.zeroes += rec.inside
+        return real_zero(*a, **k)
+
+    monkeypatch.setattr(optimizer, "step", step)
+    monkeypatch.setattr(optimizer, "zero_grad", zero_grad)
+    fake_stream = type("S", (), {"wait_stream": lambda self, other: None})()
+    monkeypatch.setattr(harness.CapturedStep, "require_cuda", staticmethod(lambda device: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", rec.graph)
+    captured = harness.CapturedStep(prep, optimizer, inputs, "fp32", torch.device("cpu"))
+    assert rec.grads_none_at_start and rec.steps == 1 and rec.zeroes == 0
+    assert captured.construction() == harness.STEP_CONSTRUCTION
+    assert all(p.grad is not None for p in loss.parameters())  # allocated by the captured backward
+
+
+def test_hidup_methods_capture_their_optimizer_as_hidup_train_does(monkeypatch):
+    """A hidup (or single-device) method's GraphedStep gets a capturable Adam, as `hidup train`
+    captures it, and the run records the same step construction as a baseline's captured step."""
+    from exp import benchrun
+    from exp.baselines import harness
+
+    loss, inputs, prep, _ = _tiny_step_parts()
+    seen = {}
+
+    class Graphed:
+        mode, grads_at_capture, timings = "graph", "none", {}
+
+        def __init__(self, module, examples, **kw):
+            seen.update(kw)
+            self.module, self.optimizer = module, kw["optimizer"]
+
+        def __call__(self, *x):
+            for p in self.module.parameters():
+                p.grad = None
+            out = self.module(*x)
+            out.backward()
+            self.optimizer.step()
+            return out.detach()
+
+    monkeypatch.setattr(benchrun, "GraphedStep", Graphed)
+    prep.graph = True
+    out = benchrun.timed_loop(prep, inputs, "fp32", torch.device("cpu"), warmup=1, iters=1, cap_s=None)
+    assert seen["optimizer"] is prep.optimizer[0] and isinstance(seen["optimizer"], torch.optim.Adam)
+    assert out["step_construction"] == harness.STEP_CONSTRUCTION
+    assert out["loss_last"] < out["loss_first"]  # the captured optimizer stepped, once per call

@@ -10,9 +10,10 @@ Variants (:data:`VARIANTS`):
 
 * ``eager``: the module as is, every op dispatched from Python;
 * ``compile``: ``torch.compile`` of the model (where each baseline applies it: see its module);
-* ``graph``: the whole step -- zero the gradients, forward, backward, the gradient glue and the
-  optimizer step (capturable fused Adam) -- captured once as one CUDA graph and replayed
-  (:class:`CapturedStep`); CUDA only, skipped elsewhere (recorded as skipped);
+* ``graph``: the whole step -- forward, backward, the gradient glue and the optimizer step
+  (capturable fused Adam), the gradients None at the capture -- captured once as one CUDA graph and
+  replayed (:class:`CapturedStep`, :data:`STEP_CONSTRUCTION`); CUDA only, skipped elsewhere
+  (recorded as skipped);
 * ``compile-graph``: the compiled model, its whole step captured the same way.
 
 A variant that fails (an error at build, compile, capture or step) is recorded with its error;
@@ -170,15 +171,31 @@ def prepare_variant(
 
 
 # ------------------------------------------------------------------------------------ steps
+# What every method's step is, hidup's and each baseline's alike (exp/benchrun.py records it with each
+# run, and tests/test_baselines.py fails if a step is built otherwise): the gradients are None when a
+# step is captured, so autograd writes them fresh inside the graph (as `hidup train`'s GraphedStep
+# does) rather than accumulating into buffers zeroed in place; the optimizer step is inside the
+# captured graph; and the statistic is the best of ``best_of`` windows of ``iters`` steps between two
+# device syncs (:func:`timing.time_steps`), the max over ranks.
+STEP_CONSTRUCTION = {
+    "grads_at_capture": "none",
+    "optimizer": "in the captured graph",
+    "statistic": "best window mean (timing.time_steps), max over ranks",
+}
+
+
 def step_once(
-    prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *, captured: bool = False
+    prepared, optimizer, inputs: tuple, precision: str, device: torch.device, *, in_graph: bool = False
 ) -> torch.Tensor:
-    """Zero the gradients, forward under the precision's autocast, backward of ``loss * loss_scale``,
-    the method's gradient glue, the optimizer step; the loss, detached.  ``captured`` (the body of a
-    CUDA graph): the gradients are zeroed in place, so every replay writes the buffers the optimizer
-    reads, and autocast's weight-cast cache is off (a cached cast would be captured stale)."""
-    optimizer.zero_grad(set_to_none=not captured)
-    with autocast(precision, device, cache_enabled=not captured):
+    """Forward under the precision's autocast, backward of ``loss * loss_scale``, the method's
+    gradient glue, the optimizer step; the loss, detached.  Eagerly the gradients are set to None
+    first, so autograd writes them fresh.  ``in_graph`` (the body of a CUDA graph, whose caller set
+    the gradients to None before the capture): nothing is zeroed, since each replay writes the
+    gradients the capture allocated, and autocast's weight-cast cache is off (a cached cast would be
+    captured stale)."""
+    if not in_graph:
+        optimizer.zero_grad(set_to_none=True)
+    with autocast(precision, device, cache_enabled=not in_graph):
         loss = prepared.module(*inputs)
     (loss * prepared.loss_scale if prepared.loss_scale != 1.0 else loss).backward()
     if prepared.after_backward is not None:
@@ -188,16 +205,28 @@ def step_once(
 
 
 class EagerStep:
-    """One optimizer step per call: zero the gradients, forward (under the precision's autocast),
+    """One optimizer step per call: gradients set to None, forward (under the precision's autocast),
     backward of ``loss * loss_scale``, the method's gradient glue, the optimizer step.  Returns the
-    loss (detached, on the device).  A prepared run with a captured forward and backward
-    (``prepared.graphed``, a :class:`hidup.codegen.GraphedStep`) replays it instead of the
-    forward and backward (it overwrites the gradients itself)."""
+    loss (detached, on the device).  A prepared run with a captured step (``prepared.graphed``, a
+    :class:`hidup.codegen.GraphedStep`) replays it instead; when the optimizer joined that capture
+    (``graphed.optimizer``, as ``hidup train`` captures it) the replay is the whole step."""
 
     def __init__(self, prepared, optimizer, inputs: tuple, precision: str, device: torch.device):
         self.prepared, self.optimizer, self.inputs = prepared, optimizer, tuple(inputs)
         self.precision, self.device = precision, device
         self.setup_losses: list[torch.Tensor] = []  # no steps before the first call
+
+    def construction(self) -> dict:
+        """How this step is built (:data:`STEP_CONSTRUCTION`'s keys), read from the objects."""
+        graphed = getattr(self.prepared, "graphed", None)
+        if graphed is None or graphed.mode != "graph":
+            statistic = STEP_CONSTRUCTION["statistic"]
+            return {"grads_at_capture": "not captured", "optimizer": "eager", "statistic": statistic}
+        return {
+            "grads_at_capture": graphed.grads_at_capture,
+            "optimizer": "in the captured graph" if graphed.optimizer is not None else "eager, after the replay",
+            "statistic": STEP_CONSTRUCTION["statistic"],
+        }
 
     def __call__(self) -> torch.Tensor:
         p = self.prepared
@@ -207,24 +236,24 @@ class EagerStep:
         loss = graphed(*self.inputs)
         if p.after_backward is not None:
             p.after_backward()
-        self.optimizer.step()
+        if graphed.optimizer is None:
+            self.optimizer.step()
         return loss.detach()
 
 
 class CapturedStep:
-    """The whole step of :class:`EagerStep` -- gradients zeroed in place, forward, backward, gradient
-    glue, capturable optimizer step -- captured once as one CUDA graph and replayed per call.
+    """The whole step of :class:`EagerStep` -- forward, backward, gradient glue, capturable optimizer
+    step -- captured once as one CUDA graph and replayed per call.
 
     Construction runs ``prepared.capture_warmup`` eager steps on a side stream (the optimizer state,
     NCCL communicators, DDP's buckets and any compilation come into being there; their losses are
-    ``setup_losses``, real steps), then captures one step without running it.  Each call replays
-    the graph (one real step on the fixed ``inputs``) and returns its loss.  The gradients are
-    zeroed in place inside the graph (``zero_grad(set_to_none=False)``), so every replay writes the
-    same gradient buffers the optimizer reads."""
+    ``setup_losses``, real steps), sets the gradients to None, then captures one step without running
+    it: autograd allocates the gradients inside the capture, every replay writes them, and the
+    optimizer step in the same graph reads them (:data:`STEP_CONSTRUCTION`).  Each call replays the
+    graph (one real step on the fixed ``inputs``) and returns its loss."""
 
     def __init__(self, prepared, optimizer, inputs: tuple, precision: str, device: torch.device):
-        if device.type != "cuda":
-            raise RuntimeError(f"a CUDA-graph step needs a CUDA device, not {device}")
+        self.require_cuda(device)
         self.prepared, self.optimizer, self.inputs = prepared, optimizer, tuple(inputs)
         self.precision, self.device = precision, device
         main = torch.cuda.current_stream(device)
@@ -232,16 +261,36 @@ class CapturedStep:
         side.wait_stream(main)
         with torch.cuda.stream(side), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager steps of a capturable Adam
-            self.setup_losses = [self._body() for _ in range(max(1, prepared.capture_warmup))]
+            self.setup_losses = [self._eager() for _ in range(max(1, prepared.capture_warmup))]
         main.wait_stream(side)
         torch.cuda.synchronize(device)
+        optimizer.zero_grad(set_to_none=True)
+        params = [q for group in optimizer.param_groups for q in group["params"]]
+        self.grads_at_capture = "none" if all(q.grad is None for q in params) else "allocated"
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self._static_loss = self._body()
+            self._static_loss = step_once(
+                self.prepared, self.optimizer, self.inputs, self.precision, self.device, in_graph=True
+            )
         torch.cuda.synchronize(device)
 
-    def _body(self) -> torch.Tensor:
-        return step_once(self.prepared, self.optimizer, self.inputs, self.precision, self.device, captured=True)
+    @staticmethod
+    def require_cuda(device: torch.device) -> None:
+        if device.type != "cuda":
+            raise RuntimeError(f"a CUDA-graph step needs a CUDA device, not {device}")
+
+    def _eager(self) -> torch.Tensor:
+        """One eager step as the graph runs it (autocast's cache off), gradients set to None first."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return step_once(self.prepared, self.optimizer, self.inputs, self.precision, self.device, in_graph=True)
+
+    def construction(self) -> dict:
+        """How this step is built (:data:`STEP_CONSTRUCTION`'s keys), read from the objects."""
+        return {
+            "grads_at_capture": self.grads_at_capture,
+            "optimizer": "in the captured graph",
+            "statistic": STEP_CONSTRUCTION["statistic"],
+        }
 
     def __call__(self) -> torch.Tensor:
         self.graph.replay()
@@ -258,7 +307,8 @@ class CapturedStep:
 def make_step(prepared, inputs: tuple, precision: str, device: torch.device, lr: float, capture: bool = False):
     """(the step callable, the optimizer's description): fused Adam over the module's parameters and
     an :class:`EagerStep`, or a :class:`CapturedStep` when ``capture``."""
-    optimizer, described = make_adam(prepared.module.parameters(), lr, capturable=capture)
+    made = getattr(prepared, "optimizer", None)  # the optimizer a GraphedStep captured (exp/benchrun.py)
+    optimizer, described = made if made is not None else make_adam(prepared.module.parameters(), lr, capturable=capture)
     step = (CapturedStep if capture else EagerStep)(prepared, optimizer, inputs, precision, device)
     return step, described
 
@@ -309,6 +359,7 @@ def run_variant(
     out["losses"] = losses.tolist()
     out["setup_steps"] = len(step.setup_losses)
     out["optimizer"] = described
+    out["step_construction"] = step.construction()
     return out
 
 
@@ -367,6 +418,7 @@ def run_rank(rank: int, world: int, device: torch.device, spec: RunSpec) -> dict
         "iter_time_s": t,
         "window_times_s": out["window_times_s"],
         "optimizer": out["optimizer"],
+        "step_construction": out["step_construction"],
         "samples_per_s": groups / t,
         "tokens_per_s": groups * tokens_per_group / t,
         "peak_memory_bytes": out["peak_memory_bytes"],

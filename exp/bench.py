@@ -56,7 +56,7 @@ baseline keeps the variants it finished before the crash; so is a group whose ru
 after ``--stall-timeout`` seconds).  Results merge into ``<out>/<network>.json`` (a rerun replaces
 the runs it repeats; a run it did not reach keeps its earlier result, and ``--resume`` runs only
 what is not yet recorded as ok, on the profile already in ``<out>``), ``docs/benchmarks.md`` gets
-this network's section and ``docs/benchmarks.png`` the figure; a compact table is printed at the
+this network's section and ``benchmarks.png`` beside it the figure; a compact table is printed at the
 end.  ``--breakdown`` also records one profiled step per run (chrome trace under
 ``<out>/traces/``, analyzed by exp/breakdown.py).
 

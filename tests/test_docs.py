@@ -86,3 +86,31 @@ def test_every_file_under_docs_is_a_page_or_linked():
         "files under docs/ that no page links to (link them from the page that reports "
         f"them, or delete them; git history keeps them): {orphans}"
     )
+
+
+# A repository path in prose: one of the top-level folders, then a file name with an extension.
+NAMED_PATH = re.compile(
+    r"(?<![\w./-])((?:hidup|search|codegen|profiler|exp|tests|docs|\.ci)/[\w./-]*\w\.(?:py|md|json|jsonl|sh|toml|png|txt|gz))"
+)
+
+
+def _named_in() -> list[Path]:
+    """The files whose prose names repository paths: README, the pages, the tests, and the code
+    (docstrings and comments) of every package and of exp/."""
+    code = [p for top in ("hidup", "search", "codegen", "profiler", "exp") for p in sorted((ROOT / top).rglob("*.py"))]
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((ROOT / "tests").glob("*.py")), *code]
+
+
+def test_every_path_named_in_docs_tests_and_code_exists():
+    """A path like ``codegen/grads.py`` named anywhere a reader looks exists (from the repository
+    root, or from the naming file's folder), so the map from folders to import names never points
+    nowhere (``hidup.codegen`` lives in codegen/, not hidup/codegen/)."""
+    missing = sorted(
+        {
+            f"{m.group(1)} (named in {f.relative_to(ROOT)})"
+            for f in _named_in()
+            for m in NAMED_PATH.finditer(f.read_text(encoding="utf-8"))
+            if "*" not in m.group(1) and not ((ROOT / m.group(1)).exists() or (f.parent / m.group(1)).exists())
+        }
+    )
+    assert not missing, f"paths named but absent (fix the name: hidup/codegen/FILE is codegen/FILE): {missing}"

@@ -1,6 +1,7 @@
 """Attention priced from measured times (profiler/attention.py, imported as hidup.profiler.attention):
-the table's interpolation and extrapolation rules, its JSON form and the profile's checks of it, the variant the trace records on an
-attention node (hidup.rules.variant), and the cost model pricing an attention from the table."""
+the table's interpolation and extrapolation rules, its JSON form and the profile's checks of it, the
+variant the trace records on an attention node (hidup.rules.variant), and the cost model pricing an
+attention from the table."""
 
 from __future__ import annotations
 

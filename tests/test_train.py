@@ -226,6 +226,20 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     temp.rmdir()
 
 
+def test_a_temporary_root_too_deep_for_the_fork_server_moves_the_job_folder_to_tmp(tmp_path):
+    """A TMPDIR so deep that the fork server's socket (107 bytes at most) would not fit: the launcher's
+    folder is made under /tmp instead, so the ranks still start (before: OSError, AF_UNIX path too long)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    show = "from hidup.runtime.launch import job_temp_dir; print(job_temp_dir())"
+    out = subprocess.run(
+        [sys.executable, "-c", show], cwd=ROOT, env=_env(TMPDIR=deep), capture_output=True, text=True, timeout=120
+    )
+    folder = out.stdout.strip()
+    assert out.returncode == 0 and folder.startswith("/tmp/hidup-"), out.stdout + out.stderr
+    assert len(folder.encode()) + 32 <= 107 and not Path(folder).exists()  # removed when that process ended
+
+
 def _alive(pids: set[int]) -> set[int]:
     tree = _children()
     running = {p for kids in tree.values() for p in kids}

@@ -30,9 +30,10 @@ launched.  Each rank runs its ``atexit`` handlers as it ends, as a spawned one w
 ``HIDUP_START_METHOD=spawn`` spawns every rank afresh instead (the default on other platforms).
 
 Temporary files: a launching process keeps the ones it makes for its ranks (``multiprocessing``'s
-``pymp-*`` folder, torch's error files) in a folder of its own, ``<tmp>/hidup-<pid>``
-(:func:`job_temp_dir`), removed at exit.  A launcher killed outright (SIGKILL) cannot remove it, so
-each launch first removes the folders of launchers that are no longer alive.
+``pymp-*`` folder, torch's error files) in a folder of its own, ``<tmp>/hidup-<pid>`` (under
+``/tmp`` where ``<tmp>`` is too deep for the fork server's socket; :func:`job_temp_dir`), removed at
+exit.  A launcher killed outright (SIGKILL) cannot remove it, so each launch first removes the
+folders of launchers that are no longer alive.
 
 When spawned ranks fail, the report names the cause, not its echoes: a rank that died without
 reporting (killed by a signal, ``os._exit``, a crash in native code) is named with its global rank,
@@ -570,14 +571,18 @@ def job_temp_dir() -> str:
     """This launching process's temporary folder (module docstring, "Temporary files"): made on the
     first launch, with ``tempfile`` writing there from then on, after the folders of launchers no
     longer alive are removed.  Where the temporary root is so deep that the fork server's socket would
-    not fit in the folder, the root itself.  ``multiprocessing`` keeps the folder it makes
-    first for the process's lifetime, so a fork server started before the first launch keeps its own."""
+    not fit in the folder (a socket path holds at most 107 bytes), the folder is made under ``/tmp``
+    instead, and where even that does not fit, the root itself.  ``multiprocessing`` keeps the folder
+    it makes first for the process's lifetime, so a fork server started before the first launch keeps
+    its own."""
     if _JOB_TEMP:
         return _JOB_TEMP[0]
     root = tempfile.gettempdir()
-    _remove_stale_job_dirs(root)
     path = os.path.join(root, f"{JOB_TEMP_PREFIX}{os.getpid()}")
-    if len(os.fsencode(path)) + _SOCKET_TAIL > _SOCKET_PATH_MAX:  # the fork server's socket would not fit
+    if not _socket_fits(path) and os.path.isdir("/tmp") and os.access("/tmp", os.W_OK):
+        root, path = "/tmp", os.path.join("/tmp", f"{JOB_TEMP_PREFIX}{os.getpid()}")
+    _remove_stale_job_dirs(root)
+    if not _socket_fits(path):
         _JOB_TEMP.append(root)
         return root
     os.makedirs(path, mode=0o700, exist_ok=True)
@@ -586,6 +591,12 @@ def job_temp_dir() -> str:
     # after multiprocessing's own exit finalizers (exitpriority -100 removes its pymp folder in here)
     mp_util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-101)
     return path
+
+
+def _socket_fits(folder: str) -> bool:
+    """Whether the fork server's socket (``pymp-XXXXXXXX/listener-XXXXXXXX`` under ``folder``) fits
+    the 107 bytes of a Unix socket path."""
+    return len(os.fsencode(folder)) + _SOCKET_TAIL <= _SOCKET_PATH_MAX
 
 
 def _remove_stale_job_dirs(root: str) -> None:

@@ -147,8 +147,9 @@ def gather_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         fused(out, x, group=group)
         return out
 
-    if _mirrored(group):  # every rank holds x
-        return out.view((n,) + tuple(x.shape)).copy_(x.expand((n,) + tuple(x.shape))).view(out.shape)
+    if _mirrored(group):  # every rank holds x (out itself is returned: never a view of it)
+        out.view((n,) + tuple(x.shape)).copy_(x.expand((n,) + tuple(x.shape)))
+        return out
     return _fused(group, "all_gather", run, fallback)
 
 
@@ -208,7 +209,8 @@ def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
 
     if _mirrored(group):  # every rank sends this rank its chunk r
         mine = x.chunk(n, 0)[rank_of(group)]
-        return out.view((n,) + tuple(mine.shape)).copy_(mine.expand((n,) + tuple(mine.shape))).view(out.shape)
+        out.view((n,) + tuple(mine.shape)).copy_(mine.expand((n,) + tuple(mine.shape)))
+        return out
     return _fused(group, "all_to_all", run, fallback)
 
 

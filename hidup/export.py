@@ -15,6 +15,12 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
   inlined: their ops read no trainable tensor, so running them with grad enabled changes nothing;
 * every ``torch.device`` constant becomes ``meta``, the device of shape propagation; code
   generation maps it to the device the rank runs on;
+* a model on the ``meta`` device (a large model planned without its weights) is exported on fake
+  CPU tensors standing in for its parameters, buffers and inputs (:func:`_meta_as_fake_cpu`), so
+  its graph is the one a CPU run traces: code that makes constants on the weights' device or
+  whose layouts depend on the device (``torch.tensor(..., device=x.device)``, attention output
+  strides) would otherwise trace differently on ``meta``, and ``hidup peak`` or ``hidup verify``
+  would not recognise the plan; lifted constants become meta tensors (they had no values);
 * the output is the loss itself, not a one-element tuple; export's input guard call is dropped;
 * a fresh tensor filled by ``copy_`` into slices covering it is a ``cat`` (:func:`_filled_slices_as_cat`);
 * an in-place op on a tensor the step created is made out-of-place (:func:`_functionalize`); where
@@ -29,13 +35,15 @@ become :class:`hidup.trace.TraceFailure` with the model's source line.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
 
 from hidup.fxvalues import map_value, value_leaves
@@ -119,10 +127,11 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
                 "tensor or non-tensor inputs only. Fix: pass each tensor as its own forward argument."
             )
     _check_one_device(model, values, names, slots)
-    step = _Step(model, list(values), slots)
     try:
-        with torch.enable_grad(), routed_experts_as_custom_op(model):
-            exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
+        with _meta_as_fake_cpu(model, values, slots) as values:
+            step = _Step(model, list(values), slots)
+            with torch.enable_grad(), routed_experts_as_custom_op(model):
+                exported = torch.export.export(step, tuple(values[i] for i in slots), strict=False)
     except Exception as e:  # re-raised with the user's location and a fix
         raise ExportFailure(
             f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: {str(e).strip()[:1500]}\n"
@@ -133,6 +142,43 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
             "hidup.rules."
         ) from e
     return _rebuild(exported, model, names, slots)
+
+
+@contextlib.contextmanager
+def _meta_as_fake_cpu(model: nn.Module, values: list, slots: list[int]) -> Iterator[list]:
+    """While the block runs, a model on ``meta`` holds fake CPU tensors in place of its parameters and
+    buffers (a tensor shared by several modules stays one tensor), and the values it yields have fake
+    CPU tensors for meta inputs; a model elsewhere is left alone (module docstring)."""
+    held = [(mod, kind, name, t) for mod in model.modules() for kind in ("_parameters", "_buffers")
+            for name, t in getattr(mod, kind).items() if t is not None]  # fmt: skip
+    if not any(t.device.type == "meta" for *_, t in held) and not any(values[i].device.type == "meta" for i in slots):
+        yield values
+        return
+    mode, fakes = FakeTensorMode(allow_non_fake_inputs=True), {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            fakes[id(t)] = (
+                nn.Parameter(f, t.requires_grad) if isinstance(t, nn.Parameter) else f.requires_grad_(t.requires_grad)
+            )
+        return fakes[id(t)]
+
+    for mod, kind, name, t in held:
+        getattr(mod, kind)[name] = fake(t)
+    try:
+        yield [fake(v) if i in slots and v.device.type == "meta" else v for i, v in enumerate(values)]
+    finally:
+        for mod, kind, name, t in held:
+            getattr(mod, kind)[name] = t
+
+
+def _as_meta(t: Any) -> Any:
+    """A lifted constant of a fake-CPU export as a meta tensor (its values never existed)."""
+    if not isinstance(t, FakeTensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
 
 
 def _lifted_inputs(exported: torch.export.ExportedProgram) -> dict[str, Any] | None:
@@ -153,7 +199,7 @@ def _rebuild(
 
     lifted = _lifted_inputs(exported)
     unlifted = exported.graph_module if lifted is not None else exported.module()
-    lifted_values = {**exported.state_dict, **exported.constants}
+    lifted_values = {k: _as_meta(v) for k, v in {**exported.state_dict, **exported.constants}.items()}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [graph.placeholder(name) for name in names]

@@ -169,3 +169,37 @@ def test_tied_weights_stay_one_tensor_in_the_fake_run():
     peak = predict_peak(fresh, forward_inputs(fresh, fresh_inputs), plan, 1)
     assert fresh.model.lm_head.weight is fresh.model.transformer.wte.weight  # faked, still tied
     assert peak.total > 0 and peak.parts["params"] > 0
+
+
+def _tiny_llama(device: str):
+    import transformers
+
+    from exp.rank_models import CausalLMStep
+
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = CausalLMStep(transformers.LlamaForCausalLM(cfg))
+    ids = torch.zeros(4, 32, dtype=torch.long, device=device)
+    return model, (ids, ids.clone())
+
+
+def test_a_model_planned_on_meta_traces_as_on_the_cpu_and_its_peak_runs():
+    """A `transformers` Llama built on the meta device (a large model planned without weights) traces
+    to the graph the CPU traces (on meta its constants and attention strides would differ), so the
+    plan searched on it is the plan of the CPU model and `hidup peak` runs it."""
+    graphs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for device in ("meta", "cpu"):
+            model, inputs = _tiny_llama(device)
+            graphs[device] = hidup.trace(model, inputs, world_size=2)
+            assert all(p.device.type == device for p in model.parameters())  # the model is left as it was
+        plan = forced(graphs["meta"], "h200x4-nvlink", "data", duplication=False)
+    assert graphs["meta"].fingerprint() == graphs["cpu"].fingerprint()
+    meta_model, meta_inputs = _tiny_llama("meta")
+    peak = predict_peak(meta_model, forward_inputs(meta_model, meta_inputs), plan, 1)
+    assert peak.total > 0 and peak.parts["params"] > 0

@@ -18,6 +18,7 @@ from hidup.search.plan import (
     PlanError,
     layer_of,
     model_record,
+    sent_share,
 )
 
 __all__ = [
@@ -47,15 +48,42 @@ def _span(labels: list[str]) -> str:
     return ", ".join(labels)
 
 
+LEGEND = (
+    "how ops run: data = each rank runs the op on its part of the batch; tensor = on its part of a weight "
+    "(split outputs or partial sums); expert = on its own experts; replicated = every rank runs the whole "
+    "op; a+b = a over the mesh's first axis, b over the second",
+    "forms in the lines below: full = the whole tensor on every rank; gather_d = split along dim d; "
+    "reduce = partial sums that add up to it; replicate = a weight's copy on every rank",
+)
+OUTSIDE = "(outside the layers)"
+_COLLECTIVE_NAMES = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
+                     "all_to_all": "all-to-all"}  # fmt: skip
+
+
 def summary(plan: Plan, graph: Graph | None = None) -> str:
-    """A readable report: totals, then per layer the sharding kinds, communication volume and time,
-    then for the heaviest nodes the runner-up signature and how much slower it would be."""
-    layers = dict(plan.layers)
-    if graph is not None:
-        for n in graph.nodes:
-            layers.setdefault(n.name, layer_of(n.module))
-    p = plan.predicted
-    m = plan.memory
+    """A readable report (no trace needed: the plan holds what it prints): totals; per layer the ops
+    and how they run (the counts add up to the ops), how its weights are stored, the collectives it
+    runs with the bytes each rank sends, and its time (identical consecutive layers on one row); the
+    MoE layers' routed experts by name; a legend; and for the heaviest nodes the runner-up signature.
+    ``graph``, when given, only tells call nodes from leaves exactly (without it a node that reads
+    no tensor counts as a leaf)."""
+    lines = _totals(plan) + [""]
+    rows = _layer_rows(plan, graph)
+    lines += _table(rows) + _named_ops(plan) + ["", *LEGEND]
+    if plan.alternatives:
+        lines += ["", "why (heaviest nodes; runner-up = best other signature with the rest of the plan fixed):"]
+        for name, alt in plan.alternatives.items():
+            chosen = plan.choices[name]
+            if alt.get("runner_up"):
+                why = f"runner-up {alt['runner_up_kind']} {alt['runner_up']} is +{_ms(alt['delta'])} per iteration"
+            else:
+                why = "no other signature is feasible"
+            lines.append(f"  {name}: {chosen.kind} {chosen} costs {_ms(alt['time'])}; {why}")
+    return "\n".join(lines)
+
+
+def _totals(plan: Plan) -> list[str]:
+    p, m = plan.predicted, plan.memory
     mesh = f" (a {mesh_text(plan.mesh_shape)} mesh)" if len(plan.mesh) > 1 else ""
     lines = [
         f"plan for {plan.model or '(unnamed model)'} on {plan.world_size} ranks{mesh}: profile {plan.profile}, "
@@ -75,50 +103,114 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
         lines.append(
             f"resharded after forward: {len(plan.reshard)} parameters stored split, gathered again in the backward"
         )
-    lines += [
-        "",
-    ]
-    order: list[str] = []
+    return lines
+
+
+def _is_op(plan: Plan, graph: Graph | None, name: str) -> bool:
+    """Whether node ``name`` is an op (not a weight, an input, a constant or the output)."""
+    if graph is not None:
+        return graph.node(name).op == "call"
+    sig = plan.choices[name]
+    return sig.kind != "param" and bool(sig.inputs) and bool(sig.outputs)
+
+
+def _stored(sig) -> str:
+    """How a weight is stored: split when any mesh axis holds a slice of it."""
+    return "split" if any(part.startswith("gather") for part in str(sig.outputs[0]).split("|")) else "replicated"
+
+
+def _layer_rows(plan: Plan, graph: Graph | None) -> list[dict]:
+    """One row per layer label in program order: ops, how they run, weights stored, collectives, time."""
+    layers = dict(plan.layers)
+    if graph is not None:
+        for n in graph.nodes:
+            layers.setdefault(n.name, layer_of(n.module))
     rows: dict[str, dict] = {}
+
+    def row(name: str) -> dict:
+        lab = layers.get(name, "") or OUTSIDE
+        return rows.setdefault(lab, {"label": lab, "ops": 0, "kinds": {}, "weights": {}, "comm": {}, "time": 0.0})
+
     for name, sig in plan.choices.items():
-        lab = layers.get(name, "") or "(top)"
-        if lab not in rows:
-            order.append(lab)
-            rows[lab] = {"nodes": 0, "kinds": {}, "bytes": 0, "time": 0.0}
-        r = rows[lab]
-        r["nodes"] += 1
-        if sig.kind not in ("param",) and (graph is None or graph.node(name).op == "call"):
-            r["kinds"][sig.kind] = r["kinds"].get(sig.kind, 0) + 1
+        r = row(name)
+        if sig.kind == "param":
+            _add(r["weights"], _stored(sig), 1)
+        elif _is_op(plan, graph, name):
+            r["ops"] += 1
+            _add(r["kinds"], sig.kind, 1)
         r["time"] += sum(plan.node_costs.get(name, [0.0]))
     for c in plan.conversions:
-        lab = layers.get(c.consumer, "") or "(top)"
-        if lab in rows:
-            rows[lab]["bytes"] += c.comm_bytes
-    for name, (_, moved) in plan.dispatch.items():  # all-to-alls inside the routed experts
-        lab = layers.get(name, "") or "(top)"
-        if lab in rows:
-            rows[lab]["bytes"] += moved
-    kinds_of = {
-        lab: ", ".join(f"{k} {v}" for k, v in sorted(rows[lab]["kinds"].items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
-        for lab in order
-    }
-    w = max([len("layer")] + [len(x) for x in order])
-    wk = max([len("sharding")] + [len(x) for x in kinds_of.values()])
-    lines.append(f"{'layer':<{w}}  {'nodes':>5}  {'sharding':<{wk}}  {'comm volume':>12}  {'time':>11}")
-    for lab in order:
-        r = rows[lab]
-        lines.append(f"{lab:<{w}}  {r['nodes']:>5}  {kinds_of[lab]:<{wk}}  {_mb(r['bytes']):>12}  {_ms(r['time']):>11}")
-    lines.append(
-        f"(time: compute plus communication charged to the layer, without overlap; "
-        f"{len(plan.stages)} stages, {len(plan.conversions)} conversions)"
+        for collective, sent in c.collectives(plan.group_size):
+            _add(row(c.consumer)["comm"], _COLLECTIVE_NAMES[collective], sent)
+    for name, (axis, moved) in plan.dispatch.items():  # the routed experts' token all-to-alls
+        _add(row(name)["comm"], "all-to-all (tokens)", moved * sent_share("all_to_all", plan.group_size(axis)))
+    return [r for r in rows.values() if r["ops"] or r["weights"] or r["comm"]]
+
+
+def _add(counts: dict, key: str, amount: float) -> None:
+    counts[key] = counts.get(key, 0) + amount
+
+
+def _cells(r: dict) -> tuple[str, ...]:
+    def listing(counts: dict, fmt) -> str:
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        return ", ".join(f"{k} {fmt(v)}" for k, v in ranked) or "-"
+
+    return (
+        str(r["ops"]),
+        listing(r["kinds"], str),
+        listing(r["weights"], str),
+        listing(r["comm"], _mb),
+        _ms(r["time"]),
     )
-    if plan.alternatives:
-        lines += ["", "why (heaviest nodes; runner-up = best other signature with the rest of the plan fixed):"]
-        for name, alt in plan.alternatives.items():
-            chosen = plan.choices[name]
-            if alt.get("runner_up"):
-                why = f"runner-up {alt['runner_up_kind']} {alt['runner_up']} is +{_ms(alt['delta'])} per iteration"
-            else:
-                why = "no other signature is feasible"
-            lines.append(f"  {name}: {chosen.kind} {chosen} costs {_ms(alt['time'])}; {why}")
-    return "\n".join(lines)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    """The per-layer table; consecutive layers with identical cells share one row."""
+    groups: list[tuple[list[str], tuple[str, ...]]] = []
+    for r in rows:
+        cells = _cells(r)
+        if groups and groups[-1][1] == cells and r["label"] != OUTSIDE and groups[-1][0][0] != OUTSIDE:
+            groups[-1][0].append(r["label"])
+        else:
+            groups.append(([r["label"]], cells))
+    head = ("layer", "ops", "how the ops run", "weights stored", "collectives (bytes each rank sends)", "time")
+    body = [(_group_label(labels),) + cells for labels, cells in groups]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+
+    def fmt(cols):
+        return "  ".join(c.rjust(w) if i in (1, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths)))
+
+    total_ops = sum(r["ops"] for r in rows)
+    return [
+        fmt(head).rstrip(),
+        *(fmt(b).rstrip() for b in body),
+        (
+            f"({total_ops} ops; a row of several layers gives each layer's figures; time: compute plus communication "
+            "charged to the layer, without overlap)"
+        ),
+    ]
+
+
+def _group_label(labels: list[str]) -> str:
+    return labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]} ({len(labels)} layers, each)"
+
+
+def _named_ops(plan: Plan) -> list[str]:
+    """The routed-experts ops by name: how their experts are split and how tokens reach them."""
+    how: dict[str, list[str]] = {}
+    for name, sig in plan.choices.items():
+        if not name.startswith("routed_experts"):
+            continue
+        factors = sig.axes or (sig,)
+        if any(f.kind == "expert" for f in factors):
+            dispatch = "all-to-all" if any(f.impl == "all_to_all" for f in factors) else "all-gather"
+            text = f"expert parallel ({sig.kind}), tokens reach the experts by {dispatch}"
+        else:
+            text = f"experts not split ({sig.kind})"
+        how.setdefault(text, []).append(name)
+    return (
+        ["", *(f"routed experts ({_span(names)}, {len(names)} ops): {text}" for text, names in how.items())]
+        if how
+        else []
+    )

@@ -202,20 +202,25 @@ class ConversionRecord:
     def sent_bytes(self, ranks: Callable[[int | None], int]) -> float:
         """Bytes one rank sends for this conversion per step (forward, and backward where it runs);
         ``ranks(axis)`` is the size of mesh axis ``axis``'s group (None: the whole world)."""
+        return sum(sent for _, sent in self.collectives(ranks))
 
-        def one(op: str, nbytes: float, axis: int | None) -> float:
+    def collectives(self, ranks: Callable[[int | None], int]) -> list[tuple[str, float]]:
+        """``(collective, bytes one rank sends)`` of each collective this conversion runs per step,
+        forward then backward (where it runs), on a mesh axis by axis."""
+
+        def one(op: str, nbytes: float, axis: int | None) -> list[tuple[str, float]]:
             known = FORM_CHANGE_OPS.get(op)
             collective = known.collective if known is not None else (op if op in COLLECTIVES else "")
-            return nbytes * sent_share(collective, ranks(axis))
+            return [(collective, nbytes * sent_share(collective, ranks(axis)))] if collective else []
 
         if self.steps:
-            return sum(
-                one(s.forward, s.bytes if s.forward_bytes is None else s.forward_bytes, s.axis)
-                + (one(s.backward, s.bytes, s.axis) if self.grad else 0.0)
-                for s in self.steps
-            )
+            out = []
+            for s in self.steps:
+                out += one(s.forward, s.bytes if s.forward_bytes is None else s.forward_bytes, s.axis)
+                out += one(s.backward, s.bytes, s.axis) if self.grad else []
+            return out
         fwd, bwd = self.wire or (self.bytes, self.bytes)
-        return one(self.forward, fwd, None) + (one(self.backward, bwd, None) if self.grad else 0.0)
+        return one(self.forward, fwd, None) + (one(self.backward, bwd, None) if self.grad else [])
 
     @property
     def comm_bytes(self) -> int:

@@ -368,6 +368,8 @@ def test_status_lines_next_steps_profiles_and_version(capsys, tmp_path, plan2):
     code, out, err = run_main(["search", *TINY, "--world", "2", "--out", str(tmp_path / "p.json")], capsys)
     assert code == 0 and "tracing gpt for 2 ranks" in err and "next:" in out
     code, out, err = run_main(["show", str(plan2)], capsys)
+    assert code == 0 and "tracing" not in err and "how the ops run" in out  # the plan alone
+    code, out, err = run_main(["show", str(plan2), "--check"], capsys)
     assert code == 0 and "rebuilding the plan's model: tracing gpt" in err
     code, out, _ = run_main(["profiles"], capsys)
     assert code == 0 and "paper-v100-9.7gbps (default)" in out and "h200x4-nvlink" in out

@@ -300,10 +300,12 @@ def test_python_search_records_the_factory_or_show_says_what_to_pass(here, capsy
 
     bare = hidup.search(graph, "h200x4-socket")
     bare.save(here / "bare.json")
-    _refused(["show", str(here / "bare.json")], capsys, "does not record its model", "--model", "model_source=")
-    assert main(["show", str(here / "bare.json"), "--model", f"{MODULE}:build_mlp", "--model-arg", "hidden=8"]) == 0
+    assert main(["show", str(here / "bare.json")]) == 0  # the summary needs the plan alone
+    bare_check = ["show", str(here / "bare.json"), "--check"]
+    _refused(bare_check, capsys, "does not record its model", "--model", "model_source=")
+    assert main([*bare_check, "--model", f"{MODULE}:build_mlp", "--model-arg", "hidden=8"]) == 0
     _refused(
-        ["show", str(here / "bare.json"), "--model", f"{MODULE}:build_mlp"], capsys, "made for a different job"
+        [*bare_check, "--model", f"{MODULE}:build_mlp"], capsys, "made for a different job"
     )  # the default hidden=16 is another model
 
     with pytest.raises(PlanError, match="only JSON values"):

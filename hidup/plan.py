@@ -205,9 +205,10 @@ def _named_ops(plan: Plan) -> list[str]:
         factors = sig.axes or (sig,)
         if any(f.kind == "expert" for f in factors):
             dispatch = "all-to-all" if any(f.impl == "all_to_all" for f in factors) else "all-gather"
-            text = f"expert parallel ({sig.kind}), tokens reach the experts by {dispatch}"
+            axes = "" if sig.kind == "expert" else f" ({sig.kind} over the mesh's axes)"
+            text = f"expert parallel{axes}, tokens reach the experts by {dispatch}"
         else:
-            text = f"experts not split ({sig.kind})"
+            text = f"experts not split, the op runs {sig.kind}"
         how.setdefault(text, []).append(name)
     return (
         ["", *(f"routed experts ({_span(names)}, {len(names)} ops): {text}" for text, names in how.items())]

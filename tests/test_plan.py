@@ -1,6 +1,7 @@
 """Plans: JSON round trip, every refusal of Plan.check / Plan.load, and the summary."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,40 @@ def test_runner_up_delta_is_exact(graph):
         ks2[i] = k
         assert evaluate(pr, ks2, False).total - plan.predicted["total"] == pytest.approx(alt["delta"])
         assert alt["delta"] >= -1e-12  # the DP's optimum: no single change is faster
+
+
+def _table_rows(text: str) -> list[tuple[str, int, dict[str, int]]]:
+    """(label, ops, how-the-ops-run counts) of each row of the summary's per-layer table."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layer "))
+    starts = [lines[head].index(c) for c in ("ops", "how the ops run", "weights stored")]
+    rows = []
+    for line in lines[head + 1 :]:
+        if line.startswith("(") and line[1].isdigit():  # the footnote
+            break
+        ops = int(line[: starts[0] + 3].split()[-1])
+        kinds = dict(kv.rsplit(" ", 1) for kv in line[starts[1] : starts[2]].strip().split(", "))
+        rows.append((line[: starts[0]].strip(), ops, {k: int(v) for k, v in kinds.items()}))
+    return rows
+
+
+def test_summary_counts_add_up_and_name_the_collectives(plan, graph):
+    """Each row's how-the-ops-run counts add up to its ops, the rows (times their layers) to the
+    footnote's total, which is the graph's call nodes; each collective is named with its bytes."""
+    text = summary(plan, graph)
+    rows = _table_rows(text)
+    assert rows and all(sum(kinds.values()) == ops for _, ops, kinds in rows)
+    total = sum(ops * (int(label.split("(")[1].split()[0]) if "layers, each" in label else 1) for label, ops, _ in rows)
+    assert f"({total} ops;" in text and total == sum(1 for n in graph.nodes if n.op == "call")
+    assert summary(plan) == text  # the plan alone says the same
+    assert "all-reduce" in text or "all-gather" in text
+
+
+def test_summary_names_the_routed_experts_and_their_dispatch():
+    """A Mixtral plan with all-to-all dispatch: the routed-experts ops named, how tokens reach them,
+    and the token all-to-all among the layer's collectives."""
+    path = Path(__file__).parent.parent / "docs/bench/moe/rank-plans-h200/mixtral-w4-expert-all-to-all.json"
+    text = summary(Plan.load(path))
+    assert "routed experts (routed_experts, routed_experts_1, routed_experts_2, routed_experts_3, 4 ops): " in text
+    assert "expert parallel, tokens reach the experts by all-to-all" in text
+    assert "all-to-all (tokens)" in text and "(4 layers, each)" in text

@@ -212,7 +212,7 @@ def hidup_check_local(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return x
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (about a second) at the first call only
 def hidup_copy_sum(x: torch.Tensor, key: int) -> torch.Tensor:
     """Both duplicated copies' value of tensor ``key`` added, where the copy runner computed it
     (:func:`using_copy_sums`); ``x`` itself otherwise (one copy, or the runner's side pass).  Run

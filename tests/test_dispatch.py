@@ -123,3 +123,23 @@ def test_mesh_factor_names_its_axis():
     call = localize_mesh(ctx, sig, (1, 0), (2, 2), rules.localize, list(range(len(node.inputs))))
     assert call.target is dispatch.routed_experts_all_to_all
     assert call.kwargs["mesh_axis"] == 1
+
+
+def test_the_dispatcher_is_left_to_eager_python_under_torch_compile():
+    """Inside a compiled step the dispatcher runs as eager Python (a graph break: its split sizes are
+    read on the host), and the step's values and gradients are the single device's."""
+    tensors = _case("skewed")
+    y_ref, grad_y, grads_ref = _reference(tensors)
+
+    def step(x, idx, w, gate_up, down):
+        return dispatch.routed_experts_all_to_all(x * 1.0, idx, w, gate_up, down, "silu") * 1.0
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(step)(*_leaves(tensors)).graph_break_count >= 1  # left to eager Python
+    leaves = _leaves(tensors)
+    torch._dynamo.reset()
+    y = torch.compile(step, backend="aot_eager")(*leaves)
+    y.backward(grad_y)
+    assert torch.equal(y.detach(), y_ref)
+    for got, want in zip([leaves[i].grad for i in (0, 2, 3, 4)], grads_ref):
+        assert torch.equal(got, want)

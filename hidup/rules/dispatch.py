@@ -166,7 +166,7 @@ def expert_rows(rows: Tensor, expert: Tensor, gate_up_proj: Tensor, down_proj: T
     return h[r.inverse]
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo (about a second) at the first call only
 def routed_experts_all_to_all(
     x: Tensor,
     top_k_index: Tensor,

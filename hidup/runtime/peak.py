@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hidup.models
@@ -58,21 +57,34 @@ __all__ = [
     "predict_peak",
     "rank_peak",
     "predicted_memory",
-    "PEAK_PARTS",
+    "PEAK_PARTS",  # noqa: F822 - a module __getattr__ builds it at first use
     "add_parser",
     "run",
 ]
 
-# MemTracker's categories, by the names hidup reports them under
-PEAK_PARTS = {
-    "params": _MemRefType.PARAM,
-    "buffers": _MemRefType.BUFFER,
-    "grads": _MemRefType.GRAD,
-    "optimizer": _MemRefType.OPT,
-    "activations": _MemRefType.ACT,
-    "temporaries": _MemRefType.TEMP,
-    "other": _MemRefType.OTH,
+# MemTracker's categories, by the names hidup reports them under (``PEAK_PARTS``: built at first use,
+# since importing torch's MemTracker takes about a second that commands which never track memory skip)
+_PART_NAMES = {
+    "params": "PARAM",
+    "buffers": "BUFFER",
+    "grads": "GRAD",
+    "optimizer": "OPT",
+    "activations": "ACT",
+    "temporaries": "TEMP",
+    "other": "OTH",
 }
+
+
+def _peak_parts() -> dict:
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return {name: getattr(_MemRefType, member) for name, member in _PART_NAMES.items()}
+
+
+def __getattr__(name: str):
+    if name == "PEAK_PARTS":
+        return _peak_parts()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PeakError(ValueError):
@@ -176,6 +188,8 @@ def predict_peak(
             model, plan, rank, world, fake_inputs, duplication=duplication, device=torch.device("cpu")
         )
         autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        from torch.distributed._tools.mem_tracker import MemTracker
+
         tracker = MemTracker()
         try:
             with fake_mode:
@@ -197,7 +211,7 @@ def predict_peak(
     if device is None:
         raise PeakError(f"rank {rank}'s program allocated nothing the tracker saw; it has no tensors to run")
     peak = snapshot[device]
-    parts = {name: float(peak.get(kind, 0)) for name, kind in PEAK_PARTS.items()}
+    parts = {name: float(peak.get(kind, 0)) for name, kind in _peak_parts().items()}
     return PeakMemory(float(peak["Total"]), parts, rank, precision, bool(getattr(module, "duplication", False)), steps)
 
 

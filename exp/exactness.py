@@ -31,6 +31,9 @@ import warnings
 import torch
 import transformers as T
 
+if __package__ in (None, ""):  # run as a script (python exp/x.py): `exp` comes from the checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from exp.rank_models import CausalLMStep
 
 VOCAB, SEQ, BATCH, PAD = 96, 16, 8, 3

@@ -56,6 +56,9 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a script (python exp/x.py): `exp` comes from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import hidup.models
 from exp import benchrun as br
 from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial

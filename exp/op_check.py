@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a script (python exp/x.py): `exp` comes from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import hidup.profiler
 from exp.rank_predict import built, parsed_on_gpu, plan_file_arguments
 from hidup.plan import Plan

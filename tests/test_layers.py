@@ -207,3 +207,24 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
     src = "def f():\n    from hidup.plan import Plan\n    from .cost import CostModel\n"
     modules["hidup.search.api"].write_text(src)
     assert _imports("hidup.search.api", modules["hidup.search.api"], modules) == {"hidup.plan", "hidup.search.cost"}
+
+
+def test_exp_is_not_installed():
+    """exp/ (the experiment drivers) is imported from the checkout only: outside it, with the library
+    installed, no top-level package named ``exp`` exists to shadow another; the library never imports it."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as elsewhere:
+        out = subprocess.run(
+            [sys.executable, "-c", "import hidup.cli\ntry:\n import exp\nexcept ImportError:\n print('absent')"],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 0 and out.stdout.strip() == "absent", out.stdout + out.stderr[-2000:]

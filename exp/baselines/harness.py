@@ -58,6 +58,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+if __package__ in (None, ""):  # run as a script (python exp/x.py): `exp` comes from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import hidup.models
 from exp.baselines.baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight
 from exp.baselines.timing import time_steps

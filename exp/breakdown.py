@@ -47,7 +47,7 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script (python exp/NAME.py): `exp` comes from the checkout
+if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` comes from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exp.report import ms, save_json, table, text_table, write_section

@@ -31,7 +31,7 @@ import warnings
 import torch
 import transformers as T
 
-if __package__ in (None, ""):  # run as a script (python exp/NAME.py): `exp` comes from the checkout
+if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` comes from the checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from exp.rank_models import CausalLMStep

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script (python exp/NAME.py): `exp` comes from the checkout
+if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` comes from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hidup.profiler

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-if __package__ in (None, ""):  # run as a script (python exp/NAME.py): `exp` comes from the checkout
+if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` comes from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hidup.models

@@ -49,7 +49,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from hidup.fxvalues import map_value, value_leaves
 from hidup.rules.experts import routed_experts_as_custom_op
 
-__all__ = ["export_step", "ExportFailure", "written_through_views"]
+__all__ = ["export_step", "ExportFailure", "written_through_views", "fake_cpu_like", "fake_cpu_stand_ins"]
 
 _META = torch.device("meta")
 
@@ -144,34 +144,48 @@ def export_step(model: nn.Module, values: list, names: list[str]) -> torch.fx.Gr
     return _rebuild(exported, model, names, slots)
 
 
+def fake_cpu_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor of ``mode`` with ``t``'s shape, strides and dtype (no memory, no values)."""
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def fake_cpu_stand_ins(model: nn.Module, mode: FakeTensorMode) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replace every parameter and buffer of ``model`` (on any device) by a fake CPU tensor of ``mode``;
+    a tensor held by several modules (tied weights) becomes one fake tensor held by all of them.
+    Returns ``(holder, name, original)`` for each replaced entry, to put the originals back."""
+    fakes: dict[int, torch.Tensor] = {}
+    replaced = []
+    for mod in model.modules():
+        for holder in (mod._parameters, mod._buffers):
+            for name, t in list(holder.items()):
+                if t is None:
+                    continue
+                if id(t) not in fakes:
+                    f = fake_cpu_like(mode, t)
+                    is_param = isinstance(t, nn.Parameter)
+                    fakes[id(t)] = nn.Parameter(f, t.requires_grad) if is_param else f.requires_grad_(t.requires_grad)
+                holder[name] = fakes[id(t)]
+                replaced.append((holder, name, t))
+    return replaced
+
+
 @contextlib.contextmanager
 def _meta_as_fake_cpu(model: nn.Module, values: list, slots: list[int]) -> Iterator[list]:
     """While the block runs, a model on ``meta`` holds fake CPU tensors in place of its parameters and
-    buffers (a tensor shared by several modules stays one tensor), and the values it yields have fake
-    CPU tensors for meta inputs; a model elsewhere is left alone (module docstring)."""
-    held = [(mod, kind, name, t) for mod in model.modules() for kind in ("_parameters", "_buffers")
-            for name, t in getattr(mod, kind).items() if t is not None]  # fmt: skip
-    if not any(t.device.type == "meta" for *_, t in held) and not any(values[i].device.type == "meta" for i in slots):
+    buffers (:func:`fake_cpu_stand_ins`), and the values it yields have fake CPU tensors for meta
+    inputs; a model elsewhere is left alone (module docstring)."""
+    tensors = [*model.parameters(), *model.buffers(), *(values[i] for i in slots)]
+    if not any(t.device.type == "meta" for t in tensors):
         yield values
         return
-    mode, fakes = FakeTensorMode(allow_non_fake_inputs=True), {}
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fakes:
-            with mode:
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            fakes[id(t)] = (
-                nn.Parameter(f, t.requires_grad) if isinstance(t, nn.Parameter) else f.requires_grad_(t.requires_grad)
-            )
-        return fakes[id(t)]
-
-    for mod, kind, name, t in held:
-        getattr(mod, kind)[name] = fake(t)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    replaced = fake_cpu_stand_ins(model, mode)
     try:
-        yield [fake(v) if i in slots and v.device.type == "meta" else v for i, v in enumerate(values)]
+        yield [fake_cpu_like(mode, v) if i in slots and v.device.type == "meta" else v for i, v in enumerate(values)]
     finally:
-        for mod, kind, name, t in held:
-            getattr(mod, kind)[name] = t
+        for holder, name, t in replaced:
+            holder[name] = t
 
 
 def _as_meta(t: Any) -> Any:

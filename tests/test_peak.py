@@ -28,7 +28,7 @@ import hidup
 from hidup.cli import main
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
-from hidup.runtime.peak import PEAK_PARTS, predict_peak, predicted_memory
+from hidup.runtime.peak import peak_parts, predict_peak, predicted_memory
 from hidup.search import forced
 from hidup.trace import forward_inputs
 
@@ -72,7 +72,7 @@ def _real_peak(plan, rank, world, steps=2, config=SMALL) -> dict:
         stored = [p for p in module.parameters()]
         return {
             "total": peak["Total"],
-            **{name: peak.get(kind, 0) for name, kind in PEAK_PARTS.items()},
+            **{name: peak.get(kind, 0) for name, kind in peak_parts().items()},
             "stored": stored,
         }
     finally:
@@ -90,7 +90,7 @@ def test_fake_run_allocates_what_a_real_run_allocates(style, config):
     real = _real_peak(plan, 1, 2, config=config)
     fake = _predicted(plan, 1, 2, config=config)
     assert fake.total == real["total"] > 0
-    assert {k: fake.parts[k] for k in PEAK_PARTS} == {k: float(real[k]) for k in PEAK_PARTS}
+    assert {k: fake.parts[k] for k in peak_parts()} == {k: float(real[k]) for k in peak_parts()}
     # the parameters at the peak are the rank's own pieces
     assert fake.parts["params"] == _nbytes(real["stored"])
     # Adam: two moments of every piece plus its step count (a float32 scalar)

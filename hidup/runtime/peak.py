@@ -46,6 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hidup.models
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.export import fake_cpu_like, fake_cpu_stand_ins
 from hidup.plan import Plan
 from hidup.runtime.options import add_model_args, build_graph, settle_model
 from hidup.search.memory import MEMORY_PARTS, MemoryModel
@@ -57,13 +58,13 @@ __all__ = [
     "predict_peak",
     "rank_peak",
     "predicted_memory",
-    "PEAK_PARTS",  # noqa: F822 - a module __getattr__ builds it at first use
+    "peak_parts",
     "add_parser",
     "run",
 ]
 
-# MemTracker's categories, by the names hidup reports them under (``PEAK_PARTS``: built at first use,
-# since importing torch's MemTracker takes about a second that commands which never track memory skip)
+# MemTracker's categories, by the names hidup reports them under (:func:`peak_parts`: looked up at first
+# use, since importing torch's MemTracker takes about a second that commands which never track memory skip)
 _PART_NAMES = {
     "params": "PARAM",
     "buffers": "BUFFER",
@@ -75,16 +76,11 @@ _PART_NAMES = {
 }
 
 
-def _peak_parts() -> dict:
+def peak_parts() -> dict:
+    """Part name -> MemTracker's category of it."""
     from torch.distributed._tools.mem_tracker import _MemRefType
 
     return {name: getattr(_MemRefType, member) for name, member in _PART_NAMES.items()}
-
-
-def __getattr__(name: str):
-    if name == "PEAK_PARTS":
-        return _peak_parts()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PeakError(ValueError):
@@ -134,29 +130,6 @@ def _fake_group(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def _fake_like(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    with fake_mode:
-        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
-
-
-def _make_fake(module: nn.Module, fake_mode: FakeTensorMode) -> None:
-    """Replace every parameter and buffer of ``module`` (on any device) by a fake CPU tensor; a tensor
-    held by several modules (tied weights) becomes one fake tensor held by all of them, as the program
-    traces it."""
-    fakes: dict[int, torch.Tensor] = {}
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                if id(p) not in fakes:
-                    fakes[id(p)] = nn.Parameter(_fake_like(fake_mode, p), requires_grad=p.requires_grad)
-                mod._parameters[name] = fakes[id(p)]
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                if id(b) not in fakes:
-                    fakes[id(b)] = _fake_like(fake_mode, b)
-                mod._buffers[name] = fakes[id(b)]
-
-
 def predict_peak(
     model: nn.Module,
     inputs,
@@ -182,8 +155,8 @@ def predict_peak(
         # the user's model becomes fake (its parameters and buffers; nothing is allocated) before the
         # program is generated from it, so that the program's own tensors and hooks are the fake ones
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        _make_fake(model, fake_mode)
-        fake_inputs = [_fake_like(fake_mode, x) if isinstance(x, torch.Tensor) else x for x in inputs]
+        fake_cpu_stand_ins(model, fake_mode)  # for good: the model is not needed afterwards
+        fake_inputs = [fake_cpu_like(fake_mode, x) if isinstance(x, torch.Tensor) else x for x in inputs]
         module = hidup_compile(
             model, plan, rank, world, fake_inputs, duplication=duplication, device=torch.device("cpu")
         )
@@ -211,7 +184,7 @@ def predict_peak(
     if device is None:
         raise PeakError(f"rank {rank}'s program allocated nothing the tracker saw; it has no tensors to run")
     peak = snapshot[device]
-    parts = {name: float(peak.get(kind, 0)) for name, kind in _peak_parts().items()}
+    parts = {name: float(peak.get(kind, 0)) for name, kind in peak_parts().items()}
     return PeakMemory(float(peak["Total"]), parts, rank, precision, bool(getattr(module, "duplication", False)), steps)
 
 

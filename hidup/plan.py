@@ -56,8 +56,6 @@ LEGEND = (
     "reduce = partial sums that add up to it; replicate = a weight's copy on every rank",
 )
 OUTSIDE = "(outside the layers)"
-_COLLECTIVE_NAMES = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
-                     "all_to_all": "all-to-all"}  # fmt: skip
 
 
 def summary(plan: Plan, graph: Graph | None = None) -> str:
@@ -141,7 +139,7 @@ def _layer_rows(plan: Plan, graph: Graph | None) -> list[dict]:
         r["time"] += sum(plan.node_costs.get(name, [0.0]))
     for c in plan.conversions:
         for collective, sent in c.collectives(plan.group_size):
-            _add(row(c.consumer)["comm"], _COLLECTIVE_NAMES[collective], sent)
+            _add(row(c.consumer)["comm"], collective.replace("_", "-"), sent)
     for name, (axis, moved) in plan.dispatch.items():  # the routed experts' token all-to-alls
         _add(row(name)["comm"], "all-to-all (tokens)", moved * sent_share("all_to_all", plan.group_size(axis)))
     return [r for r in rows.values() if r["ops"] or r["weights"] or r["comm"]]
@@ -210,8 +208,5 @@ def _named_ops(plan: Plan) -> list[str]:
         else:
             text = f"experts not split, the op runs {sig.kind}"
         how.setdefault(text, []).append(name)
-    return (
-        ["", *(f"routed experts ({_span(names)}, {len(names)} ops): {text}" for text, names in how.items())]
-        if how
-        else []
-    )
+    lines = [f"routed experts ({_span(names)}, {len(names)} ops): {text}" for text, names in how.items()]
+    return ["", *lines] if lines else []

@@ -223,13 +223,9 @@ class EagerStep:
         """How this step is built (:data:`STEP_CONSTRUCTION`'s keys), read from the objects."""
         graphed = getattr(self.prepared, "graphed", None)
         if graphed is None or graphed.mode != "graph":
-            statistic = STEP_CONSTRUCTION["statistic"]
-            return {"grads_at_capture": "not captured", "optimizer": "eager", "statistic": statistic}
-        return {
-            "grads_at_capture": graphed.grads_at_capture,
-            "optimizer": "in the captured graph" if graphed.optimizer is not None else "eager, after the replay",
-            "statistic": STEP_CONSTRUCTION["statistic"],
-        }
+            return dict(STEP_CONSTRUCTION, grads_at_capture="not captured", optimizer="eager")
+        optimizer = "in the captured graph" if graphed.optimizer is not None else "eager, after the replay"
+        return dict(STEP_CONSTRUCTION, grads_at_capture=graphed.grads_at_capture, optimizer=optimizer)
 
     def __call__(self) -> torch.Tensor:
         p = self.prepared
@@ -289,11 +285,7 @@ class CapturedStep:
 
     def construction(self) -> dict:
         """How this step is built (:data:`STEP_CONSTRUCTION`'s keys), read from the objects."""
-        return {
-            "grads_at_capture": self.grads_at_capture,
-            "optimizer": "in the captured graph",
-            "statistic": STEP_CONSTRUCTION["statistic"],
-        }
+        return dict(STEP_CONSTRUCTION, grads_at_capture=self.grads_at_capture)
 
     def __call__(self) -> torch.Tensor:
         self.graph.replay()

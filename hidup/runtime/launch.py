@@ -577,14 +577,14 @@ def job_temp_dir() -> str:
     its own."""
     if _JOB_TEMP:
         return _JOB_TEMP[0]
-    root = tempfile.gettempdir()
-    path = os.path.join(root, f"{JOB_TEMP_PREFIX}{os.getpid()}")
-    if not _socket_fits(path) and os.path.isdir("/tmp") and os.access("/tmp", os.W_OK):
-        root, path = "/tmp", os.path.join("/tmp", f"{JOB_TEMP_PREFIX}{os.getpid()}")
-    _remove_stale_job_dirs(root)
-    if not _socket_fits(path):
-        _JOB_TEMP.append(root)
-        return root
+    name = f"{JOB_TEMP_PREFIX}{os.getpid()}"
+    roots = [tempfile.gettempdir()] + (["/tmp"] if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK) else [])
+    root = next((r for r in roots if _socket_fits(os.path.join(r, name))), None)
+    _remove_stale_job_dirs(root or roots[0])
+    if root is None:
+        _JOB_TEMP.append(roots[0])
+        return roots[0]
+    path = os.path.join(root, name)
     os.makedirs(path, mode=0o700, exist_ok=True)
     tempfile.tempdir = path  # this process only: the ranks keep theirs (inductor's cache lives there)
     _JOB_TEMP.append(path)

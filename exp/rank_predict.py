@@ -47,10 +47,12 @@ import torch
 import hidup
 import hidup.models
 import hidup.profiler
+from hidup.models.source import recorded_source
 from hidup.plan import Plan
 from hidup.search import forced, search
 from hidup.search.api import plan_indices
 from hidup.search.cost import KERNEL_KINDS, kernel_kind
+from hidup.search.plan import traced_versions
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
 
@@ -512,8 +514,8 @@ def register(args) -> int:
     rows = []
     for path in args.plans:
         plan = Plan.load(path)
-        source = plan.model_source or {}
-        if "model" not in source:
+        source = recorded_source(plan)
+        if source is None:
             print(f"register: {path} does not record its model", file=sys.stderr)
             return 2
         graph = _graph(source["model"], source.get("args") or {}, plan.world_size, args.device)
@@ -532,18 +534,10 @@ def register(args) -> int:
                 )
                 print(f"{rows[-1]['plan']:28s} {mode:14s} {precision:5s} predicted {rows[-1]['physical_ms']:8.2f} ms")
     record = {"profile": profile.name, "profile_file": args.profile, "rows": rows}
-    record["versions"] = {"torch": torch.__version__, "transformers": _transformers_version()}
+    record["versions"] = traced_versions()
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
-
-
-def _transformers_version() -> str | None:
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers.__version__
 
 
 def main(argv=None) -> int:

@@ -101,14 +101,10 @@ def _backend(group) -> str:
         return "unknown"
 
 
-def _mirrored(group) -> bool:
-    """torch's fake process group: the collectives fill their outputs as a mirrored world would
-    (module docstring, "One device standing in for a rank")."""
-    return _backend(group) == "fake"
-
-
-def _fused(group, op: str, fn, fallback):
-    """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``.
+def _fused(group, op: str, fn, fallback, mirror):
+    """Run the fused collective ``fn`` unless it failed before on this backend; else ``fallback``; on
+    torch's fake process group ``mirror``, which fills the output as a mirrored world would (module
+    docstring, "One device standing in for a rank").
 
     NCCL supports every fused collective used here, so on NCCL an error propagates: falling back on
     one rank only (a transient error, an error during CUDA-graph capture) would make the ranks issue
@@ -116,6 +112,8 @@ def _fused(group, op: str, fn, fallback):
     backend = _backend(group)
     if backend == "nccl":
         return fn()
+    if backend == "fake":
+        return mirror()
     key = (backend, op)
     if key not in _UNSUPPORTED:
         try:
@@ -147,10 +145,11 @@ def gather_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         fused(out, x, group=group)
         return out
 
-    if _mirrored(group):  # every rank holds x (out itself is returned: never a view of it)
+    def mirror():  # every rank holds x (out itself is returned: never a view of it)
         out.view((n,) + tuple(x.shape)).copy_(x.expand((n,) + tuple(x.shape)))
         return out
-    return _fused(group, "all_gather", run, fallback)
+
+    return _fused(group, "all_gather", run, fallback, mirror)
 
 
 def all_reduce_raw(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -182,9 +181,10 @@ def reduce_scatter_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_reduce(total, group=group)
         return total.chunk(n, 0)[rank_of(group)].contiguous()
 
-    if _mirrored(group):  # the other ranks' parts taken as zero
+    def mirror():  # the other ranks' parts taken as zero
         return out.copy_(x.chunk(n, 0)[rank_of(group)])
-    return _fused(group, "reduce_scatter", run, fallback)
+
+    return _fused(group, "reduce_scatter", run, fallback, mirror)
 
 
 def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -207,11 +207,12 @@ def all_to_all_raw(x: torch.Tensor, group=None) -> torch.Tensor:
         everything = gather_raw(x, group).reshape((n, n, x.shape[0] // n) + tuple(x.shape[1:]))
         return everything[:, rank_of(group)].reshape(x.shape).contiguous()
 
-    if _mirrored(group):  # every rank sends this rank its chunk r
+    def mirror():  # every rank sends this rank its chunk r
         mine = x.chunk(n, 0)[rank_of(group)]
         out.view((n,) + tuple(mine.shape)).copy_(mine.expand((n,) + tuple(mine.shape)))
         return out
-    return _fused(group, "all_to_all", run, fallback)
+
+    return _fused(group, "all_to_all", run, fallback, mirror)
 
 
 # ------------------------------------------------------------------------------------------------

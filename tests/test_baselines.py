@@ -7,6 +7,7 @@ timer times windows of steps between two syncs."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -303,20 +304,17 @@ class _Recorded:
 
     def __init__(self, optimizer):
         self.optimizer, self.grads_none_at_start, self.steps, self.zeroes = optimizer, None, 0, 0
+        self.inside = False
 
+    @contextlib.contextmanager
     def graph(self, graph, capture_error_mode=None):
-        rec = self
-
-        class _Capture:
-            def __enter__(self):
-                params = [p for g in rec.optimizer.param_groups for p in g["params"]]
-                rec.grads_none_at_start = all(p.grad is None for p in params)
-                rec.inside = True
-
-            def __exit__(self, *exc):
-                rec.inside = False
-
-        return _Capture()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.grads_none_at_start = all(p.grad is None for p in params)
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
 
 
 def _tiny_step_parts():
@@ -347,7 +345,6 @@ def test_captured_baseline_step_is_built_as_hidup_builds_its_own(monkeypatch):
     loss, inputs, prep, make_adam = _tiny_step_parts()
     optimizer, _ = make_adam(loss.parameters(), LR)
     rec = _Recorded(optimizer)
-    rec.inside = False
     real_step, real_zero = optimizer.step, optimizer.zero_grad
 
     def step(*a, **k):
@@ -364,7 +361,7 @@ def test_captured_baseline_step_is_built_as_hidup_builds_its_own(monkeypatch):
     monkeypatch.setattr(harness.CapturedStep, "require_cuda", staticmethod(lambda device: None))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake_stream)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake_stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
     monkeypatch.setattr(torch.cuda, "graph", rec.graph)

@@ -681,7 +681,7 @@ def build_rank_program(
     recompute=None,
     reshard=None,
 ) -> RankProgram:
-    """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.trace.Traced`)
+    """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.frontend.trace.Traced`)
     under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
     ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
     is one of duplication's two copies: its means over the batch are halved and the tensors in

@@ -39,7 +39,7 @@ usual.
 
 What it does not cover: a copy read inside a recomputed layer (the layer's region frees and makes it
 again already).  Under autocast a matmul saves its low-precision cast of the weight rather than the
-gathered copy, so the copy is freed either way and the cast is kept (:mod:`hidup.saved` counts it).
+gathered copy, so the copy is freed either way and the cast is kept (:mod:`hidup.frontend.saved` counts it).
 """
 
 from __future__ import annotations

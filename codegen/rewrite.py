@@ -6,7 +6,7 @@
     optimizer.step()                     # an ordinary optimizer over module.parameters()
     print(module.global_loss(loss))      # the true loss: sum over ranks
 
-The model is re-traced (:func:`hidup.trace.trace_module`) and :mod:`hidup.codegen.program` builds
+The model is re-traced (:func:`hidup.frontend.trace.trace_module`) and :mod:`hidup.codegen.program` builds
 this rank's fx program (sharded parameters, sliced inputs, form conversions, localized ops, loss
 in ``reduce`` form).  The returned :class:`HidupModule`:
 
@@ -56,10 +56,10 @@ from hidup.codegen.program import (
     using_group,
 )
 from hidup.copies import copy_axis
+from hidup.frontend.trace import forward_inputs, trace_copy, trace_module
 from hidup.ir import GRAD_BUCKET_MB, Layout
 from hidup.optionset import OptionSet
 from hidup.rules import random
-from hidup.trace import forward_inputs, trace_copy, trace_module
 
 __all__ = ["compile", "CompileOptions", "HidupModule", "CompileError"]
 

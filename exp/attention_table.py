@@ -1,7 +1,7 @@
 """Measure this GPU's attention table (:mod:`hidup.profiler.attention`) into an existing profile.
 
 ``hidup profile`` measures the table with everything else; this measures only the table, in each
-storage dtype of ``--dtypes``, on the default grid (:func:`hidup.profiler.device.default_attention_grid`),
+storage dtype of ``--dtypes``, on the default grid (:func:`hidup.profiler.measure.device.default_attention_grid`),
 and writes ``--profile`` with it (replacing any table it had) to ``--out``:
 
     python exp/attention_table.py --profile h200.json --out h200-attention.json
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hidup.profiler.device import attention_table, default_attention_grid
+from hidup.profiler.measure.device import attention_table, default_attention_grid
 from hidup.profiler.profile import ATTENTION_DTYPES, load, save
 
 

@@ -9,7 +9,7 @@ The network flag sets NCCL's environment before any process group exists (``sock
 ``N`` (largest first), the ranks are launched once and, inside that group:
 
 1. (first group only) a quick profile of this network is measured with
-   ``hidup.profiler.measure.profile_machine`` (collective tables: the median of ``--comm-rounds``
+   ``hidup.profiler.measure.machine.profile_machine`` (collective tables: the median of ``--comm-rounds``
    passes) -- with the per-op times of every benchmarked model at
    its sharded and half-batch shapes, for every world size and precision, the ranks splitting them --
    and saved as ``<out>/<network>-profile.json`` (``--ops-from P`` takes the per-op times already in
@@ -89,7 +89,7 @@ from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
 from exp.report import ROOT, command_line, hardware, load_json
 from hidup.plan import Plan
-from hidup.profiler.measure import profile_machine
+from hidup.profiler.measure.machine import profile_machine
 from hidup.profiler.profile import load as load_profile
 from hidup.runtime.launch import LaunchError, launch
 from hidup.runtime.options import add_model_flags

@@ -25,7 +25,7 @@ same weights) with one *method* for a bounded number of fused-Adam steps on a fi
   pair of copy communicators (created at the first), graph-captured runs a fresh pair each;
 * ``single-graph``: the floor's forward and backward captured the same way as hidup's;
 * ``single-dup``: the share run as duplication runs it, two half-batch copies on two streams
-  (:class:`hidup.profiler.calibrate.TwoCopies`), captured the same way: the floor of a duplicated plan.
+  (:class:`hidup.profiler.measure.calibrate.TwoCopies`), captured the same way: the floor of a duplicated plan.
 
 Timing: every method, hidup's included, is timed by ``exp/baselines/timing.py``
 (:func:`timing.time_steps`): ``warmup`` untimed steps, then the best of ``best_of`` windows of ``N``
@@ -63,7 +63,7 @@ from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import max_over_ranks
 from hidup.codegen.trial import compile_step
-from hidup.profiler.calibrate import TwoCopies
+from hidup.profiler.measure.calibrate import TwoCopies
 from hidup.runtime.data import rank_share
 
 # Known, harmless-for-timing messages that would otherwise be printed by every rank for every run.

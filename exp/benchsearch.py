@@ -142,8 +142,8 @@ def search_job(job: dict) -> str:
     import torch
 
     import hidup.models
+    from hidup.frontend.trace import trace
     from hidup.search import search
-    from hidup.trace import trace
 
     torch.set_num_threads(1)
     prof_info = {"path": job["profile_path"], "sha256": job["profile_sha"], "note": job.get("note", "")}

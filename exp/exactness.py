@@ -16,7 +16,7 @@ float32, so the default allows float32 rounding); a failing job names the first 
 
 With ``--hash-seeds K`` it also traces each model in K fresh interpreters, each started under another
 ``PYTHONHASHSEED`` and fixing it as the command-line entry points do
-(:func:`hidup.hashseed.fix_hash_seed`), and checks that every trace has the same fingerprint, the one a
+(:func:`hidup.cli.hashseed.fix_hash_seed`), and checks that every trace has the same fingerprint, the one a
 plan records: a plan made by one run is accepted by the next.
 """
 
@@ -138,7 +138,7 @@ def _summary(report: dict, tolerance: float) -> dict:
 
 
 _FINGERPRINT = """
-from hidup.hashseed import fix_hash_seed
+from hidup.cli.hashseed import fix_hash_seed
 fix_hash_seed()
 import warnings
 import hidup

@@ -17,7 +17,7 @@ program run below the grid because of their layout, because of a cold cache, or 
 (the program then runs its GEMMs slower than all three timings).
 
 With ``--points PROFILE`` every GEMM is also timed as the profile's GEMM grid times its points (its
-kernels replayed in a CUDA graph, :func:`hidup.profiler.device.gemm_point_seconds`; the timings
+kernels replayed in a CUDA graph, :func:`hidup.profiler.measure.device.gemm_point_seconds`; the timings
 above are eager, and a small GEMM's is then its launch), together with the padded shape of every
 GEMM whose dims are not multiples of 16 bytes (the GEMM inductor may run instead,
 :meth:`hidup.search.cost.CostModel.gemm_seconds`), and kept as the grid's measured points
@@ -46,7 +46,7 @@ import hidup.profiler
 from exp.rank_predict import _graph, parsed_on_gpu, plan_file_arguments
 from hidup.codegen.timing import time_call
 from hidup.plan import Plan
-from hidup.profiler.device import gemm_point_seconds
+from hidup.profiler.measure.device import gemm_point_seconds
 from hidup.search.api import plan_indices
 from hidup.search.cost import padded_gemm, profile_dtype
 from hidup.search.problem import Problem
@@ -77,7 +77,7 @@ def plan_gemms(path: str, profile, precision: str, device: str | None) -> Counte
 
 def timed(layout: str, m: int, n: int, k: int, dtype: str, cold: bool) -> float:
     """Seconds per call of the GEMM ``(m, n, k)`` in ``layout`` (module docstring), its operands stored
-    as :func:`hidup.profiler.device.gemm_grid` stores them."""
+    as :func:`hidup.profiler.measure.device.gemm_grid` stores them."""
     storage = torch.float32 if dtype in ("fp32", "tf32") else torch.bfloat16
     if layout == "nt":
         shapes = ((m, k), (n, k))

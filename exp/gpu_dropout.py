@@ -29,9 +29,9 @@ from hidup import codegen
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
 from hidup.codegen.timing import median_seconds
+from hidup.frontend.trace import trace
 from hidup.rules.random import single_device
 from hidup.search import forced
-from hidup.trace import trace
 
 SIZES = dict(layers=4, d_model=512, heads=8, ffn=2048, seq_len=512, batch_per_gpu=8, vocab=8192)
 

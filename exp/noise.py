@@ -77,11 +77,11 @@ from exp.report import (
     write_section,
 )
 from hidup.files import atomic_write
+from hidup.frontend.trace import trace
 from hidup.plan import Plan
 from hidup.profiler import load
 from hidup.runtime.launch import LaunchError, launch
 from hidup.runtime.options import add_model_flags
-from hidup.trace import trace
 
 
 def perturbations(args) -> list[dict]:

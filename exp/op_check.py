@@ -8,7 +8,7 @@ backward -- each a kernel of a few microseconds in the step's CUDA graph.  The c
 rate for such an op (it prices it by its bytes, :meth:`hidup.search.cost.CostModel.device_compute`),
 but it prices a node at its measured time wherever the profile has one
 (:meth:`~hidup.search.cost.CostModel.measured`).  This script times every opaque op of each plan's
-rank 0 at its local shapes, as ``hidup profile --ops-model`` times ops (:func:`hidup.profiler.ops.time_ops`:
+rank 0 at its local shapes, as ``hidup profile --ops-model`` times ops (:func:`hidup.profiler.measure.ops.time_ops`:
 forward, and forward plus backward, each replayed in a CUDA graph, at each precision), and writes
 ``--profile`` with those times added to its ``ops`` (timed ``graph``) to ``--out``, so that the
 cost model prices the plans' opaque ops at their measured times; it prints each op's measured
@@ -33,11 +33,11 @@ if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` com
 
 import hidup.profiler
 from exp.rank_predict import built, parsed_on_gpu, plan_file_arguments
+from hidup.frontend.trace import trace_module
 from hidup.plan import Plan
-from hidup.profiler.ops import node_op_key, time_ops
+from hidup.profiler.measure.ops import node_op_key, time_ops
 from hidup.search.api import plan_indices
 from hidup.search.problem import Problem
-from hidup.trace import trace_module
 
 ATEN_NAMESPACES = frozenset({"aten", "prims"})
 
@@ -48,7 +48,7 @@ def is_opaque(target) -> bool:
 
 
 def opaque_choices(path: str, device: str | None):
-    """The plan's traced model (:class:`hidup.trace.Traced`, rank programs' shapes) and its
+    """The plan's traced model (:class:`hidup.frontend.trace.Traced`, rank programs' shapes) and its
     ``[(node name, signature)]`` of opaque ops."""
     plan = Plan.load(path)
     source = plan.model_source or {}
@@ -73,7 +73,7 @@ def time_opaque_ops(
     compiled: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """``{op_key: (forward s, backward s)}`` of the opaque ops of the plan files ``paths`` at each of
-    ``precisions``, timed on ``timing_device`` (:func:`hidup.profiler.ops.time_ops`); prints each
+    ``precisions``, timed on ``timing_device`` (:func:`hidup.profiler.measure.ops.time_ops`); prints each
     against the cost model's price under ``profile``."""
     timed: dict[str, tuple[float, float]] = {}
     for path in paths:

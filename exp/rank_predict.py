@@ -49,10 +49,10 @@ import hidup.models
 import hidup.profiler
 from hidup.models.source import recorded_source
 from hidup.plan import Plan
+from hidup.plan.record import traced_versions
 from hidup.search import forced, search
 from hidup.search.api import plan_indices
 from hidup.search.cost import KERNEL_KINDS, kernel_kind
-from hidup.search.plan import traced_versions
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
 

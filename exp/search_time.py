@@ -24,8 +24,8 @@ from pathlib import Path
 
 import hidup.models
 import hidup.profiler
+from hidup.frontend.trace import trace
 from hidup.search import search
-from hidup.trace import trace
 
 ROOT = Path(__file__).resolve().parent.parent
 

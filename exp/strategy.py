@@ -8,10 +8,10 @@ train).  ``--model package.module:function`` searches your own model (a function
 
 import sys
 
-from hidup.hashseed import fix_hash_seed
+from hidup.cli.hashseed import fix_hash_seed
 
 if __name__ == "__main__":
-    fix_hash_seed()  # before torch is imported: one trace for every run (hidup/hashseed.py)
+    fix_hash_seed()  # before torch is imported: one trace for every run (hidup/cli/hashseed.py)
     from hidup.cli import main
 
     sys.exit(main(["search", *sys.argv[1:]]))

@@ -9,10 +9,10 @@ Takes every flag of ``hidup train`` (see ``python exp/train.py --help``).
 
 import sys
 
-from hidup.hashseed import fix_hash_seed
+from hidup.cli.hashseed import fix_hash_seed
 
 if __name__ == "__main__":
-    fix_hash_seed()  # before torch is imported: one trace for every run (hidup/hashseed.py)
+    fix_hash_seed()  # before torch is imported: one trace for every run (hidup/cli/hashseed.py)
     from hidup.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -15,9 +15,9 @@ __version__ = "0.1.0"
 
 # Public names, resolved on first use so that importing hidup stays cheap.
 _LAZY = {
-    "trace": ("hidup.trace", "trace"),
-    "trace_module": ("hidup.trace", "trace_module"),
-    "describe": ("hidup.describe", "describe"),
+    "trace": ("hidup.frontend.trace", "trace"),
+    "trace_module": ("hidup.frontend.trace", "trace_module"),
+    "describe": ("hidup.frontend.describe", "describe"),
     "search": ("hidup.search", "search"),
     "Plan": ("hidup.plan", "Plan"),
     "show": ("hidup.plan", "summary"),
@@ -26,7 +26,7 @@ _LAZY = {
     "full_state_dict": ("hidup.codegen", "full_state_dict"),
     "graphed_step": ("hidup.codegen", "graphed_step"),
 }
-_SUBMODULES = {"models", "profiler", "rules", "ir", "plan", "codegen", "runtime"}
+_SUBMODULES = {"models", "profiler", "rules", "ir", "frontend", "plan", "codegen", "runtime"}
 
 
 def __getattr__(name: str):

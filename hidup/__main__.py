@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from hidup.hashseed import fix_hash_seed
+from hidup.cli.hashseed import fix_hash_seed
 
 
 def entry() -> int:
-    """Start again under ``PYTHONHASHSEED=0`` if needed (:mod:`hidup.hashseed`), then
+    """Start again under ``PYTHONHASHSEED=0`` if needed (:mod:`hidup.cli.hashseed`), then
     :func:`hidup.cli.main`."""
     fix_hash_seed()
     from hidup.cli import main

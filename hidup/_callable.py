@@ -1,4 +1,4 @@
-"""Let a module double as its main function: ``hidup.trace(...)`` and ``import hidup.trace`` both work.
+"""Let a module double as its main function: ``hidup.trace(...)`` and ``import hidup.frontend.trace`` both work.
 
 ``hidup.trace``, ``hidup.search`` and ``hidup.describe`` are modules *and* the functions users call.
 Once a submodule is imported Python binds the module object to the package attribute, so each such

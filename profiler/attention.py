@@ -11,7 +11,7 @@ attention from them.
 
 A profile's :class:`AttentionTable` holds, for one storage dtype (``fp32``: float32 attention uses
 no TF32 tensor cores, so it serves ``tf32`` too), the forward and the backward seconds of each
-variant at every point of ``head_dims x seqs x rows`` (:func:`hidup.profiler.device.attention_table`),
+variant at every point of ``head_dims x seqs x rows`` (:func:`hidup.profiler.measure.device.attention_table`),
 ``rows`` being ``batch x heads`` (the rows of independent attention problems), queries = keys =
 ``seq``.  It prices ``(variant, E, S, L, R)`` as follows:
 

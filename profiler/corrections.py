@@ -24,7 +24,7 @@ The corrections
     multiplies ``t_fwd`` and ``t_bwd`` of every call node in each duplicated copy: the same with
     duplication, where one copy's kernels also fill the other's gaps.
 
-Both are fitted by :func:`hidup.profiler.calibrate.program_scales` on the searched plans of a list of
+Both are fitted by :func:`hidup.profiler.measure.calibrate.program_scales` on the searched plans of a list of
 calibration models; its held-out models are timed the same way and priced with the fitted value.
 The search finds its plan with both taken as 1 and lets them choose only the plan's mode
 (:mod:`hidup.search.api`).

@@ -14,7 +14,7 @@ also depends on the layout, how the operands lie in memory (row-major storage):
 ``nt`` GEMMs of the same shape, the ``nn`` ones up to about 1.4x; in bf16 the three agree.)
 
 A profile's :class:`GemmGrid` holds, for one dtype, the rate measured at every point of a grid
-``sizes x sizes x sizes`` in each layout (:func:`hidup.profiler.device.gemm_grid`), and prices any
+``sizes x sizes x sizes`` in each layout (:func:`hidup.profiler.measure.device.gemm_grid`), and prices any
 shape by interpolating between the grid points of its layout:
 
     log rate(m, n, k) = trilinear interpolation of log rate over (log m, log n, log k)

@@ -102,7 +102,7 @@ rate in bytes read per second (it runs below the copy bandwidth, and in bf16 abo
 fp32: its time follows the elements) -- and the time of a small generated kernel inside a CUDA
 graph, ``kernel_floor_graph`` (seconds; the second kernel of such a sum, a few microseconds against
 ``op_overhead_graph``'s launch).  Both are measured by compiling the sum with inductor
-(:func:`hidup.profiler.device.reduction_bandwidth`, :func:`hidup.profiler.device.kernel_floor`); empty
+(:func:`hidup.profiler.measure.device.reduction_bandwidth`, :func:`hidup.profiler.measure.device.kernel_floor`); empty
 or 0 = not measured, and the cost model prices the sum as one read at ``memory_bandwidth``.
 
 Per-op times
@@ -117,7 +117,7 @@ between them but no host dispatch; the cost model adds the dispatch cost of an e
 optimizer step (Adam) that follows a single-device step: ``optimizer_s_per_byte`` is its time per
 byte of trainable parameters, which the plan's evaluation charges on the parameters each rank keeps
 (``hidup profile`` also measures it alone, torch's fused Adam over float32 parameters:
-:func:`hidup.profiler.device.adam_seconds_per_byte`; unmeasured: the roofline of a fused Adam step,
+:func:`hidup.profiler.measure.device.adam_seconds_per_byte`; unmeasured: the roofline of a fused Adam step,
 :meth:`Profile.optimizer_time`).
 
 Physical terms and empirical corrections

@@ -7,7 +7,7 @@ Modules: :mod:`~hidup.search.cost` and :mod:`~hidup.search.memory` (the cost mod
 :mod:`~hidup.search.segments` (repeated layers),
 :mod:`~hidup.search.ilp` (ILP with a memory budget), :mod:`~hidup.search.brute` (reference
 enumeration), :mod:`~hidup.search.synthetic` (random and layered test graphs),
-:mod:`~hidup.search.plan` (the plan a search returns and its JSON form) and
+:mod:`~hidup.plan.record` (the plan a search returns and its JSON form) and
 :mod:`~hidup.search.api` (the entry points).
 """
 

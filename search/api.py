@@ -90,12 +90,12 @@ from typing import Callable
 
 from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
+from hidup.plan.record import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.precision import casts_on_wire
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
 from hidup.search.modes import solve_beside, solve_modes
-from hidup.search.plan import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 

@@ -91,7 +91,7 @@ priced by what the compiled program moves, by its kind (:func:`hidup.rules.fusio
 
 * ``view``: 0 (forward and backward; no fixed cost either);
 * ``kernel`` (matmuls, attention, custom ops): as above (measured, else roofline), with the bytes of
-  its tensors at their dtype under the precision (:func:`hidup.saved.tensor_nbytes`);
+  its tensors at their dtype under the precision (:func:`hidup.frontend.saved.tensor_nbytes`);
 * ``fused``: ``t_fwd = (R + W) / memory_bandwidth + o [W > 0]``, ``t_bwd = 2 t_fwd`` (0 without a
   gradient), where ``R`` are the local bytes of the inputs it reads from memory and ``W`` of the
   outputs it writes to memory.  Looking through views, every tensor has a *source* (the node that
@@ -142,7 +142,7 @@ Communication of a form change ``src -> dst`` of tensor ``t`` (``ir.conversion``
 ``fwd = T(c_f, bytes(t))`` and ``bwd = T(c_b, bytes(t))`` if ``t`` requires a gradient else 0, where
 ``c_f`` / ``c_b`` are the conversion's forward / backward collectives, ``bytes(t)`` is the logical
 (global) size of ``t`` (nccl-tests convention) at the dtype it is sent in: its dtype under the
-search's precision (:func:`hidup.saved.tensor_dtype`; under bf16/fp16 autocast a matmul's output
+search's precision (:func:`hidup.frontend.saved.tensor_dtype`; under bf16/fp16 autocast a matmul's output
 travels in the low dtype, a parameter in float32; a gradient has its tensor's dtype),
 ``T(c, b) = alpha_c + b / algbw_c(b)`` over the whole world, and local ops (slice, zero_pad,
 keep_rank0, identity) cost 0.  ``algbw`` comes from the profile's fitted tables
@@ -222,7 +222,7 @@ A tensor is *batch-dependent* when it derives from a model input; parameters, bu
 computed only from them are not.  Per copy:
 
 * a batch-dependent node computes its measured time at the copy's own shapes when the graph carries
-  its half-batch trace (``graph.half``, :func:`hidup.trace.trace_half_batch`) and the profile has
+  its half-batch trace (``graph.half``, :func:`hidup.frontend.trace.trace_half_batch`) and the profile has
   both batch sizes measured -- small kernels run less efficiently, so a copy often takes more than
   half -- else ``t/2`` in each copy (``cA = cB = t/2``, plus the fixed per-op cost in each), and
   autocast's casts of its parameters whole in each (each copy casts the whole weight); a
@@ -250,6 +250,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hidup.frontend.saved import tensor_dtype, tensor_nbytes
 from hidup.ir import (
     DTYPE_BYTES,
     FORM_CHANGE_OPS,
@@ -272,7 +273,6 @@ from hidup.precision import AUTOCAST_LOW_OPS, casts_on_wire, wire_low_params
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.dispatch import dispatch_axis
 from hidup.rules.fusion import fusion_kind
-from hidup.saved import tensor_dtype, tensor_nbytes
 from hidup.search.experts_cost import ExpertsShape, experts_seconds
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]

@@ -1,7 +1,7 @@
 """Memory per rank of a plan: the sum of independent per-node terms (so the ILP stays linear).
 
 Every size is taken at the dtype the tensor has when the step runs under the search's precision
-(:func:`hidup.saved.tensor_dtype`: the traced dtype for fp32/tf32; under bf16/fp16 autocast, the
+(:func:`hidup.frontend.saved.tensor_dtype`: the traced dtype for fp32/tf32; under bf16/fp16 autocast, the
 dtype autocast gives it -- matmul outputs in the low dtype, parameters and norms in float32), the same
 bytes that :mod:`hidup.search.cost` prices communication at.  For a tensor ``t`` of ``B`` such bytes in
 form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else ``B`` (``full``,
@@ -12,7 +12,7 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
   (Adam keeps two moments: factor 2);
 * ``input`` node: inputs ``local(t, f)``;
 * ``call`` node under signature ``s``: activations, the bytes its backward keeps on a rank,
-  ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.saved`:
+  ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.frontend.saved`:
   measured by running the step, and each signature's local op at its local shapes, under
   ``saved_tensors_hooks`` at the precision; a storage counted once, by the first node that saves it; a
   saved parameter, buffer or model input adds nothing, autocast's low-precision copy of a weight does).
@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hidup.frontend.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
 from hidup.ir import Graph, Node, Signature, block_family, block_label, held_fraction
-from hidup.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
 
 __all__ = ["MemoryModel", "MEMORY_PARTS"]
 
@@ -138,7 +138,7 @@ class MemoryModel:
 
     def plan_activations(self, choices: dict[str, Signature]) -> float:
         """Activation bytes per rank of a whole plan (node name -> signature), following form changes
-        (:func:`hidup.saved.plan_saved_bytes`; the per-node sum when the graph has no record); with
+        (:func:`hidup.frontend.saved.plan_saved_bytes`; the per-node sum when the graph has no record); with
         recomputation, the sum of :meth:`plan_activation_parts`."""
         return sum(self.plan_activation_parts(choices).values())
 

@@ -43,7 +43,7 @@ their forward collectives and copies again, blocking, in the backward (``bwd += 
 Gathered copies of parameters, and resharding
 ---------------------------------------------
 The converted copy of a parameter that its converting consumer saves for its backward (the
-all-gathered weight of a matmul, of a norm; :mod:`hidup.saved`, an input saved as itself) lives
+all-gathered weight of a matmul, of a norm; :mod:`hidup.frontend.saved`, an input saved as itself) lives
 until that backward: the step adds its bytes per rank, ``numel(local shape in the form made) *
 itemsize``, to its memory (``Step.copies``, part of ``Step.mem`` and of the evaluation's
 activations), except inside a recomputed layer (its region makes the copy again).  With ``reshard``
@@ -76,8 +76,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hidup.frontend.saved import as_used
 from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
-from hidup.saved import as_used
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 
@@ -432,7 +432,7 @@ class Problem:
     # ------------------------------------------------------------------------------------ setup
     def _saved_inputs(self, node: Node, sig: Signature, record) -> tuple[tuple[int, int], ...]:
         """``(input index, itemsize)`` of each parameter input that ``node``'s backward keeps as it is
-        under ``sig`` (:mod:`hidup.saved`, ``record``); () without a record."""
+        under ``sig`` (:mod:`hidup.frontend.saved`, ``record``); () without a record."""
         if record is None or node.op != "call":
             return ()
         items, _ = record.items(node, sig)

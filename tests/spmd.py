@@ -421,7 +421,7 @@ def rebuild_layout_grad(
 def mesh_rule_signatures(ctx: RuleContext, mesh: tuple[int, ...]) -> list[Signature]:
     """Every product signature of ``ctx``'s op on ``mesh``, exactly as :func:`hidup.trace` annotates a
     call node (the one-axis rule signatures filtered to each axis's world)."""
-    from hidup.trace import filtered_signatures
+    from hidup.frontend.trace import filtered_signatures
 
     sigs, reason = mesh_signatures(ctx, mesh, lambda c: filtered_signatures(rules.signatures, c), rules.localize)
     assert sigs is not None, f"{ctx.target!r}: no signature on mesh {mesh}: {reason}"

@@ -18,7 +18,7 @@ import hidup
 import hidup.profiler
 from hidup.ir import Node
 from hidup.profiler.attention import VARIANTS, AttentionTable
-from hidup.profiler.device import attention_table
+from hidup.profiler.measure.device import attention_table
 from hidup.profiler.profile import Profile, ProfileError
 from hidup.search.cost import CostModel
 

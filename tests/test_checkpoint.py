@@ -41,8 +41,8 @@ TRAIN_STEPS, MORE_STEPS = 2, 2
 def _plan(world: int):
     """The forced tensor-parallel plan of the GPT on ``world`` ranks."""
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("gpt", world_size=world, dtype="float64", **GPT)
     with warnings.catch_warnings():

@@ -73,8 +73,8 @@ def _plans(name: str, world: int) -> dict:
 @_float64()
 def _make_plans(name: str, world: int, **changes) -> dict:
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced, search
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build(name, world_size=world, **{**_overrides(name), **changes})
     with warnings.catch_warnings():
@@ -91,8 +91,8 @@ def _staged_plan(name: str, world: int):
     """A duplicated plan with several stages whatever the search prefers: expert parallelism (its
     all-to-alls open stages)."""
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build(name, world_size=world, **_overrides(name))
     with warnings.catch_warnings():
@@ -217,8 +217,8 @@ def _tied_inputs():
 
 @_float64()
 def _tied_plans(world):
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced, search
-    from hidup.trace import trace_module
 
     torch.manual_seed(0)
     graph = trace_module(Tied(), _tied_inputs(), world).graph
@@ -481,9 +481,9 @@ def test_parity_full(world, name):
 
 def _searched_default(world: int) -> list:
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.runtime.options import DEFAULT_PROFILE
     from hidup.search import search
-    from hidup.trace import trace_module
 
     jobs = []
     with _float64():
@@ -580,8 +580,8 @@ def test_checkpoint_resumes_on_another_world_and_plan():
 def test_single_process_compile_and_errors():
     import hidup
     from hidup.codegen import CompileError
+    from hidup.frontend.trace import trace_module
     from hidup.search import search
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("gpt", world_size=1, **_overrides("gpt"))
     with warnings.catch_warnings():

@@ -9,6 +9,7 @@ import pytest
 
 import hidup.models
 import hidup.profiler as P
+from hidup.frontend.trace import trace
 from hidup.profiler.profile import (
     A2A_TOLERANCE,
     RING_LINK,
@@ -21,7 +22,6 @@ from hidup.profiler.profile import (
 from hidup.search import dp
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
-from hidup.trace import trace
 
 MB = 2**20
 SIZES = [4096.0, 64 * 1024.0, 1.0 * MB, 16.0 * MB, 256.0 * MB]

@@ -30,8 +30,8 @@ TOL = 1e-9
 
 def _plans(name: str, world: int) -> dict:
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -234,8 +234,8 @@ def _rank_llama(rank, world, plan):
 def test_compiled_llama_masked_mean_duplicated():
     pytest.importorskip("transformers")
     import thirdparty
+    from hidup.frontend.trace import trace
     from hidup.search import forced
-    from hidup.trace import trace
 
     model, inputs = thirdparty.build("llama")
     with warnings.catch_warnings():
@@ -313,8 +313,8 @@ def test_choose_compile_keeps_the_faster_mode_and_no_gradient():
     the compiled module then computes the eager loss."""
     import hidup
     from hidup.codegen.trial import choose_compile
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("mlp", world_size=1, **SMALL["mlp"])
     with warnings.catch_warnings():
@@ -369,8 +369,8 @@ def test_compiled_program_overlaps_gradient_buckets_with_the_backward():
     last layers are all-reduced while the backward of the first layers still runs, and the loss and
     gradients are those of one device."""
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -396,8 +396,8 @@ def test_segments_are_cut_at_layer_boundaries():
 
     import hidup
     from hidup.codegen.compiled import LAYER, bucket_segments
+    from hidup.frontend.trace import trace_module
     from hidup.search import forced
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("gpt", world_size=2, **dict(SMALL["gpt"], layers=3))
     with warnings.catch_warnings():

@@ -7,12 +7,12 @@ import pytest
 
 import hidup
 import hidup.profiler as P
+from hidup.frontend.trace import trace
 from hidup.ir import FULL, gather
 from hidup.profiler.corrections import Correction, CorrectionError, Corrections, Point, Provenance
 from hidup.search import price, search
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
-from hidup.trace import trace
 
 TINY = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32)
 TINY_MOE = dict(TINY, experts_per_gpu=1)
@@ -196,7 +196,7 @@ def _check(model, overrides, plan, factor, measured, scale=None):
 
 
 def test_program_corrections_are_fitted_on_calibration_models_and_checked_on_held_out_ones():
-    from hidup.profiler.calibrate import apply_program_checks, program_scales
+    from hidup.profiler.measure.calibrate import apply_program_checks, program_scales
 
     prof = P.load("h200x4-nvlink")
     fit_graph, held_graph = _graph(), _graph("bert-switch", **TINY_MOE)

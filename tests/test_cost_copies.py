@@ -169,7 +169,7 @@ def test_new_profile_fields_round_trip_validate_and_perturb_last(tmp_path):
 
 
 def test_device_measures_layout_bandwidth_and_bucket_copy_cost():
-    from hidup.profiler.device import grad_copy_overhead, layout_bandwidth, transpose_bandwidth
+    from hidup.profiler.measure.device import grad_copy_overhead, layout_bandwidth, transpose_bandwidth
 
     assert layout_bandwidth("cpu", 1 << 20, budget_s=0.02) > 0
     assert transpose_bandwidth("cpu", 1 << 20, budget_s=0.02) > 0

@@ -109,8 +109,8 @@ def test_mesh_factor_names_its_axis():
     import warnings
 
     from hidup import rules
+    from hidup.frontend.trace import trace_module
     from hidup.rules.mesh import localize_mesh
-    from hidup.trace import trace_module
     from test_thirdparty_moe import build
 
     model, inputs = build()

@@ -11,8 +11,8 @@ import pytest
 
 import hidup.profiler
 from hidup.ir import FULL, Graph, Node, Signature, Tensor
-from hidup.profiler.device import gemm_grid, gemm_point_seconds
 from hidup.profiler.gemm import GemmGrid
+from hidup.profiler.measure.device import gemm_grid, gemm_point_seconds
 from hidup.profiler.profile import Profile
 from hidup.search.cost import CostModel
 

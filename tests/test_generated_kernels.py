@@ -1,5 +1,5 @@
 """Inductor's sums over rows priced from their own measurements: the profile's ``reduction_bandwidth`` and
-``kernel_floor_graph`` (profiler/profile.py, "Generated kernels"; profiler/device.py, "Sums over rows") and the
+``kernel_floor_graph`` (profiler/profile.py, "Generated kernels"; profiler/measure/device.py, "Sums over rows") and the
 cost model's use of them (search/cost.py, "Compiled programs")."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 
 import hidup.profiler
 from hidup.ir import FULL, Graph, Node, Signature, Tensor
-from hidup.profiler.device import kernel_floor, reduction_bandwidth
+from hidup.profiler.measure.device import kernel_floor, reduction_bandwidth
 from hidup.profiler.profile import Profile
 from hidup.search.cost import CostModel
 

@@ -1,4 +1,4 @@
-"""One trace whatever Python's hash seed (``hidup/hashseed.py``).
+"""One trace whatever Python's hash seed (``hidup/cli/hashseed.py``).
 
 `transformers`' Gemma-3 iterates over a ``set`` of layer types in its forward, so its exported graph
 depends on the string hash seed; the command-line entry points start again under ``PYTHONHASHSEED=0``.
@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
 
 TRACE = textwrap.dedent("""
-    from hidup.hashseed import fix_hash_seed
+    from hidup.cli.hashseed import fix_hash_seed
     fix_hash_seed()
     import os, sys, warnings
     import torch, transformers as T

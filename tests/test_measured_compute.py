@@ -8,11 +8,11 @@ import pytest
 
 import hidup.models
 import hidup.profiler as P
+from hidup.frontend.trace import trace, trace_copy, trace_half_batch, trace_module
 from hidup.profiler.profile import op_dtype, op_key
 from hidup.search import search
 from hidup.search.cost import CostModel
 from hidup.search.problem import Problem
-from hidup.trace import trace, trace_copy, trace_half_batch, trace_module
 
 TINY = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=4, vocab=32)
 
@@ -87,7 +87,7 @@ def test_graph_timed_ops_pay_dispatch_only_when_eager():
 
 
 def test_ranks_split_the_op_shapes_and_cover_them_all():
-    from hidup.profiler.ops import model_op_times, time_ops
+    from hidup.profiler.measure.ops import model_op_times, time_ops
 
     model, inputs = _gpt()
     traced = trace_module(model, inputs, 2)
@@ -196,7 +196,7 @@ def test_the_per_copy_correction_scales_each_copys_compute_and_can_turn_duplicat
 def test_two_copies_on_one_device_give_the_whole_batch_loss_and_gradients():
     import torch
 
-    from hidup.profiler.calibrate import TwoCopies
+    from hidup.profiler.measure.calibrate import TwoCopies
 
     model, inputs = hidup.models.build("gpt", world_size=1, seed=0, **TINY)
     loss = model(*inputs)
@@ -215,7 +215,7 @@ def test_profiling_model_ops_checks_the_two_copies_and_applies_no_factor(tmp_pat
     they are reported in the notes, and the profile carries no factor from them."""
     import torch
 
-    from hidup.profiler.calibrate import measure_model_ops
+    from hidup.profiler.measure.calibrate import measure_model_ops
 
     prof = P.load("h200x4-nvlink").with_corrections(dist_scale=1.1)
     out = measure_model_ops(prof, [("gpt", TINY)], 2, torch.device("cpu"), ("fp32",), seconds=20.0)

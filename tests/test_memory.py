@@ -4,7 +4,7 @@ For a plan, rank 0's program runs on the CPU (torch's fake process group stands 
 rank) with ``saved_tensors_hooks`` recording every tensor packed for the backward; its storages,
 deduplicated (a view is not new memory), minus those of the rank's parameters, buffers and inputs
 (the parameter and input terms hold them), are what the backward keeps.  The memory model's
-activation term of the same plan (:mod:`hidup.search.memory`, from :mod:`hidup.saved`) must equal that
+activation term of the same plan (:mod:`hidup.search.memory`, from :mod:`hidup.frontend.saved`) must equal that
 sum to the byte: both count the same storages at the same dtypes and local shapes, so any difference
 is a storage counted wrongly, not rounding.  In float64 and float32, and under bf16 autocast (whose
 casts are storages of their own).
@@ -23,10 +23,10 @@ import torch.distributed as dist
 import hidup
 import hidup.profiler
 from hidup.codegen import compile as hidup_compile
-from hidup.saved import record_of, tensor_dtype
+from hidup.frontend.saved import record_of, tensor_dtype
+from hidup.frontend.trace import forward_inputs, trace_module
 from hidup.search import forced
 from hidup.search.memory import MemoryModel
-from hidup.trace import forward_inputs, trace_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 import thirdparty

@@ -61,8 +61,8 @@ def gpt64():
 
 
 def _make_plans() -> dict:
+    from hidup.frontend.trace import trace_module
     from hidup.search.api import forced
-    from hidup.trace import trace_module
 
     model, inputs = _build()
     with warnings.catch_warnings():
@@ -345,8 +345,8 @@ def test_train_resumes_a_mesh_plan_on_the_same_curve(tmp_path, capsys, monkeypat
     import json
 
     from hidup.cli import main
+    from hidup.frontend.trace import trace_module
     from hidup.search.api import forced
-    from hidup.trace import trace_module
 
     model, inputs = gpt64()
     with warnings.catch_warnings():

@@ -92,8 +92,8 @@ def _tol(name: str) -> float:
 
 
 def _make_plans(name: str) -> dict:
+    from hidup.frontend.trace import trace_module
     from hidup.search.api import forced, repeated_layers, search
-    from hidup.trace import trace_module
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -313,8 +313,8 @@ def test_verify_runs_a_mesh_plan(tmp_path):
     from pathlib import Path
 
     import hidup
+    from hidup.frontend.trace import trace_module
     from hidup.search.api import forced
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build("gpt", world_size=WORLD, **ZOO)
     with warnings.catch_warnings():

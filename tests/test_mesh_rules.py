@@ -57,6 +57,7 @@ import hidup
 import hidup.models
 import test_rules_aten as aten_cases
 from hidup import rules
+from hidup.frontend.trace import FallbackWarning, filtered_signatures, trace_module
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
     FORM_CHANGE_OPS,
@@ -74,7 +75,6 @@ from hidup.ir import (
     layout_conversions,
 )
 from hidup.rules.mesh import axis_context, leaf_layouts
-from hidup.trace import FallbackWarning, filtered_signatures, trace_module
 from spmd import (
     check_mesh_signature,
     has_sig,
@@ -729,7 +729,7 @@ def test_traced_products(name):
     traced = trace_module(model, inputs, mesh=MESH)
     run = _NodeValues(traced.gm)
     with torch.no_grad():
-        run.run(*hidup.trace.forward_inputs(model, inputs))
+        run.run(*hidup.frontend.trace.forward_inputs(model, inputs))
     fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
     checked, seen = 0, set()
     for node in traced.graph.nodes:

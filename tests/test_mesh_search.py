@@ -10,13 +10,13 @@ import pytest
 
 import hidup
 from hidup.cli import main
+from hidup.frontend.trace import trace
 from hidup.ir import FULL, REPLICATE, Layout, gather, layout_conversions
 from hidup.plan import Plan, PlanError
 from hidup.profiler import load
 from hidup.search import SearchError
 from hidup.search.api import forced, price
 from hidup.search.cost import CostModel
-from hidup.trace import trace
 
 CLUSTER = "h100x64-ib400"  # 8 GPUs per node: on a 2x8 mesh axis 0 crosses nodes, axis 1 does not
 

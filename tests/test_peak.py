@@ -28,9 +28,9 @@ import hidup
 from hidup.cli import main
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.frontend.trace import forward_inputs
 from hidup.runtime.peak import peak_parts, predict_peak, predicted_memory
 from hidup.search import forced
-from hidup.trace import forward_inputs
 
 SMALL = dict(layers=2, d_model=64, heads=4, ffn=128, seq_len=16, batch_per_gpu=4, vocab=256)
 LONG = dict(SMALL, seq_len=64, vocab=64)  # activations above the weights: the peak is in the step's backward

@@ -234,8 +234,8 @@ def test_launched_picks_the_graph_overhead():
 
 def test_search_prices_graph_or_eager_dispatch():
     import hidup.models
+    from hidup.frontend.trace import trace
     from hidup.search import search
-    from hidup.trace import trace
 
     model, inputs = hidup.models.build(
         "gpt",

@@ -12,8 +12,8 @@ import pytest
 
 import hidup.profiler.profile as P
 from dist_util import run_distributed
-from hidup.profiler import measure
-from hidup.profiler.comm import network_groups, node_groups
+from hidup.profiler.measure import machine as measure
+from hidup.profiler.measure.comm import network_groups, node_groups
 from hidup.runtime.launch import Layout
 
 CLUSTER = "h100x64-ib400"

@@ -14,9 +14,9 @@ import torch
 import hidup.profiler
 from dist_util import run_distributed
 from hidup.codegen.timing import time_call
-from hidup.profiler.comm import _elements, fit_alpha, monotone
-from hidup.profiler.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32
-from hidup.profiler.measure import comm_tables, parse_sizes, profile_machine
+from hidup.profiler.measure.comm import _elements, fit_alpha, monotone
+from hidup.profiler.measure.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32
+from hidup.profiler.measure.machine import comm_tables, parse_sizes, profile_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +49,7 @@ def test_dtype_names_and_tf32_flag_restored():
 def test_kernel_seconds_replays_short_kernels_many_to_a_graph_and_falls_back_where_none_captures(monkeypatch):
     """On a GPU a matmul is timed as reps calls in one CUDA graph, reps spanning KERNEL_SPAN_S at
     FAST_FLOPS (1 to 64); where the graph does not capture, and on a CPU, it is timed call by call."""
-    import hidup.profiler.device as device
+    import hidup.profiler.measure.device as device
 
     asked = []
 
@@ -70,7 +70,7 @@ def test_kernel_seconds_replays_short_kernels_many_to_a_graph_and_falls_back_whe
 
 
 def test_the_fused_adam_step_is_timed_per_parameter_byte_and_kept_by_the_profile(tmp_path):
-    from hidup.profiler.device import adam_seconds_per_byte
+    from hidup.profiler.measure.device import adam_seconds_per_byte
 
     small, large = (adam_seconds_per_byte("cpu", n, budget_s=0.05) for n in (1 << 20, 8 << 20))
     assert 0 < small and 0 < large < 1e-8  # far above 100 MB/s on any CPU
@@ -168,7 +168,7 @@ def test_comm_profile_validates_and_loads(world2):
 def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
     """The network slows 5% per sample taken.  Sampling the single and the paired call in turns
     keeps the drift out of their ratio (two concurrent calls 1.6x faster than two in a row)."""
-    from hidup.profiler import comm
+    from hidup.profiler.measure import comm
 
     clock = {"samples": 0}
     order = []
@@ -209,7 +209,7 @@ def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
 
 
 def _rounds_rank(rank, world):
-    from hidup.profiler.comm import profile_collectives
+    from hidup.profiler.measure.comm import profile_collectives
 
     curves = profile_collectives("cpu", [4096, 65536], ("all_reduce",), budget_s=0.005, rounds=3)
     return [c.to_dict() for c in curves]
@@ -226,7 +226,7 @@ def test_collective_rounds_keep_each_points_median(world2):
 
 
 def _subgroup_rank(rank, world):
-    from hidup.profiler.comm import profile_collectives
+    from hidup.profiler.measure.comm import profile_collectives
 
     curves = profile_collectives("cpu", [4096, 65536], ("all_reduce", "all_to_all"), budget_s=0.01)
     return [(c.op, c.group_size, c.sizes, c.seconds, c.pair_speedup) for c in curves]
@@ -343,9 +343,9 @@ def test_expert_baseline_rejects_dense_models():
 
 def test_op_times_are_keyed_as_the_cost_model_reads_them():
     import hidup.models
-    from hidup.profiler.ops import node_signatures, time_ops
+    from hidup.frontend.trace import trace_module
+    from hidup.profiler.measure.ops import node_signatures, time_ops
     from hidup.profiler.profile import op_dtype, op_key
-    from hidup.trace import trace_module
 
     model, inputs = hidup.models.build(
         "gpt", world_size=2, device="meta", layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32
@@ -423,7 +423,7 @@ def test_single_process_merge_times_several_models_for_other_worlds(tmp_path):
 
 
 def test_fit_program_scale_finds_the_factor_and_says_when_it_cannot():
-    from hidup.profiler.calibrate import fit_program_scale
+    from hidup.profiler.measure.calibrate import fit_program_scale
 
     def predict(k):  # 2 ms of communication nothing hides, 8 ms of compute
         return 2e-3 + 8e-3 * k
@@ -439,8 +439,8 @@ TINY_MOE = dict(layers=1, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=
 
 
 def _program_rank(rank, world):
-    import hidup.profiler.calibrate as calibrate
-    from hidup.profiler.calibrate import program_checks
+    import hidup.profiler.measure.calibrate as calibrate
+    from hidup.profiler.measure.calibrate import program_checks
 
     # this machine's own rates and gloo tables, so that predictions land near the measured times
     prof = profile_machine(
@@ -473,7 +473,7 @@ def test_program_checks_time_both_modes_on_the_ranks_and_fit_the_cost_model(worl
 
 
 def test_program_factors_average_the_usable_checks():
-    from hidup.profiler.calibrate import apply_program_checks
+    from hidup.profiler.measure.calibrate import apply_program_checks
 
     def check(factor, scale, coverage=0.9):
         return {

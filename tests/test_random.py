@@ -1,5 +1,5 @@
 """Random ops drawn as on one device (``hidup/rules/random.py``) and writes through views
-(``hidup.export.written_through_views``).
+(``hidup.frontend.export.written_through_views``).
 
 * The counter-based values: any block of a tensor, at its offset, holds the whole tensor's values
   there; duplication's copies hold their rows of the whole step's tensor; the keep rate is ``1 - p``
@@ -147,14 +147,14 @@ class _Noisy(nn.Module):
     ids=["rand_like", "bernoulli"],
 )
 def test_the_trace_refuses_random_ops_it_does_not_draw(noise, op):
-    from hidup.trace import TraceFailure, trace
+    from hidup.frontend.trace import TraceFailure, trace
 
     with pytest.raises(TraceFailure, match=f"{op}.*draws random numbers.*Fix: replace it by F.dropout"):
         trace(_Noisy(noise), (torch.randn(4, 4),), world_size=2)
 
 
 def test_writes_through_views_are_named():
-    from hidup.export import export_step, written_through_views
+    from hidup.frontend.export import export_step, written_through_views
 
     class Shift(nn.Module):
         def forward(self, ids, w):
@@ -175,7 +175,7 @@ def test_writes_through_views_are_named():
 
 def test_slices_filled_one_by_one_become_a_cat():
     """DeepSeek-V3's keys: ``new_empty``, then ``copy_`` into slices covering it, is a ``cat``."""
-    from hidup.export import export_step, written_through_views
+    from hidup.frontend.export import export_step, written_through_views
 
     class Keys(nn.Module):
         def forward(self, a, b):
@@ -199,9 +199,9 @@ SEED = 3
 
 def _plan(name: str, style: str, world: int, dup: bool):
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.ir import block_label
     from hidup.search import forced, search
-    from hidup.trace import trace
 
     graph = trace(*thirdparty.build_with_dropout(name), world_size=world)
     profile = hidup.profiler.load("paper-v100-9.7gbps")
@@ -316,12 +316,12 @@ def shift_factory():
 def _verify_rank(rank, world, broken):
     import types
 
-    import hidup.trace
+    import hidup.frontend.trace
     from hidup.runtime.verify import parity_report
 
     warnings.simplefilter("ignore")
     if broken:  # the bug this change fixed: pieces of a view written in place
-        hidup.trace.written_through_views = lambda graph: set()
+        hidup.frontend.trace.written_through_views = lambda graph: set()
     ctx = types.SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"))
     report = parity_report(ctx, "test_random:shift_factory", {}, style="data", duplication=False, locate=1e-9)
     return report.get("first_mismatch", "not run") if rank == 0 else None

@@ -26,12 +26,12 @@ import hidup.profiler
 import thirdparty
 from dist_util import run_distributed
 from hidup.codegen import CompileError
+from hidup.frontend.trace import trace
 from hidup.ir import block_label
 from hidup.plan import Plan, summary
 from hidup.search import SearchError, forced, price, search
 from hidup.search.api import repeated_layers
 from hidup.search.memory import MemoryModel
-from hidup.trace import trace
 from test_memory import _saved_bytes
 
 PROFILE = "h200x4-nvlink"

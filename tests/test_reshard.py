@@ -34,11 +34,11 @@ import hidup.profiler
 import thirdparty
 from dist_util import run_distributed
 from hidup.codegen import CompileError
+from hidup.frontend.trace import trace
 from hidup.plan import Plan, summary
 from hidup.search import SearchError, forced, price, search
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Problem
-from hidup.trace import trace
 from test_memory import _saved_bytes
 
 PROFILE = "h200x4-nvlink"
@@ -421,8 +421,8 @@ def test_hooks_pack_only_registered_unmodified_copies(fake_group):
 
 def test_peak_sees_the_saving():
     """The fake-tensor peak of ``hidup peak`` runs the real program, resharding included: lower."""
+    from hidup.frontend.trace import forward_inputs
     from hidup.runtime.peak import predict_peak
-    from hidup.trace import forward_inputs
 
     warnings.simplefilter("ignore")
     cfg = dict(SMALL, d_model=64, ffn=256, batch_per_gpu=1, seq_len=4)

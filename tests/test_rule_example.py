@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import torch
     from torch import nn
     from spmd import check_op
-    from hidup.trace import FallbackWarning, trace
+    from hidup.frontend.trace import FallbackWarning, trace
 
     class M(nn.Module):
         def forward(self, x):

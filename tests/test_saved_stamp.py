@@ -1,4 +1,4 @@
-"""The record of what autograd saves, stamped for a stamped stack's middle blocks (:mod:`hidup.saved_blocks`),
+"""The record of what autograd saves, stamped for a stamped stack's middle blocks (:mod:`hidup.frontend.saved_blocks`),
 is the record a run of every block gives, item for item and in order -- and the whole export's.
 
 Stacks of 8 blocks (copies 3 and 4 of block 2 stamped): a transformers Llama, the zoo GPT and the zoo
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hidup
-import hidup.saved_blocks
-from hidup.trace import trace_module
+import hidup.frontend.saved_blocks
+from hidup.frontend.trace import trace_module
 from test_trace_stamp import SIZE, _transformers
 
 BLOCKS = 8
@@ -69,13 +69,13 @@ BUILDERS = {
 def decisions(monkeypatch):
     """Whether each record made while the test runs stamped its blocks (one entry per record)."""
     made = []
-    real = hidup.saved_blocks.BlockStamper._decide
+    real = hidup.frontend.saved_blocks.BlockStamper._decide
 
     def decide(self):
         made.append(real(self))
         return made[-1]
 
-    monkeypatch.setattr(hidup.saved_blocks.BlockStamper, "_decide", decide)
+    monkeypatch.setattr(hidup.frontend.saved_blocks.BlockStamper, "_decide", decide)
     return made
 
 

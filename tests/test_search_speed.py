@@ -14,13 +14,13 @@ import pytest
 
 import hidup
 import hidup.profiler as P
-from hidup.saved import saved_bytes
+from hidup.frontend.saved import saved_bytes
+from hidup.frontend.trace import trace
 from hidup.search import api, dp, modes
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel
 from hidup.search.problem import Models, Problem
 from hidup.search.schedule import evaluate
-from hidup.trace import trace
 
 CLUSTER = "h100x64-ib400"
 

@@ -6,9 +6,9 @@ import pytest
 
 import hidup.models
 import hidup.profiler
+from hidup.frontend.trace import trace
 from hidup.ir import gather
 from hidup.search import forced, search
-from hidup.trace import trace
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ STYLES = ("searched", "data", "tensor")
 
 @pytest.mark.parametrize("name", thirdparty.NAMES)
 def test_traces_every_op_with_a_rule(name):
-    from hidup.trace import FallbackWarning, trace_module
+    from hidup.frontend.trace import FallbackWarning, trace_module
 
     model, inputs = thirdparty.build(name)
     with warnings.catch_warnings():
@@ -74,8 +74,8 @@ def _shared_plans(rank, world, jobs) -> dict:
     import torch.distributed as dist
 
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.search import forced, search
-    from hidup.trace import trace
 
     profile = hidup.profiler.load("paper-v100-9.7gbps")
     mine, graphs = {}, {}  # the jobs of a model plan on one trace (the search reads it, never changes it)

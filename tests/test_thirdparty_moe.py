@@ -180,7 +180,7 @@ def test_expert_offset_selects_a_slice_of_experts():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mixtral_traces_every_op_with_a_rule(world):
-    from hidup.trace import FallbackWarning, trace_module
+    from hidup.frontend.trace import FallbackWarning, trace_module
 
     model, inputs = build()
     before = model.model.config._experts_implementation
@@ -199,7 +199,7 @@ def test_mixtral_traces_every_op_with_a_rule(world):
 def test_mixtral_on_a_mesh_offers_expert_times_data():
     """On a 2x2 mesh every product of the experts' one-axis signatures is offered: the local op of one
     axis is the op again, so the rule applies on the next axis (its kernel runs only in the ranks)."""
-    from hidup.trace import trace_module
+    from hidup.frontend.trace import trace_module
 
     model, inputs = build()
     with warnings.catch_warnings():
@@ -212,8 +212,8 @@ def test_mixtral_on_a_mesh_offers_expert_times_data():
 
 def test_unsupported_experts_layout_keeps_its_path():
     """An activation the op does not model (tanh) leaves the experts as they were: replicated, with a warning."""
+    from hidup.frontend.trace import FallbackWarning, trace_module
     from hidup.rules.experts import UnmodelledExpertsWarning
-    from hidup.trace import FallbackWarning, trace_module
 
     torch.manual_seed(0)
     model = LMStep(T.MixtralForCausalLM(mixtral_config(act="tanh"))).double()
@@ -239,8 +239,8 @@ JOBS = [(style, dup) for style in STYLES for dup in (False, True)]
 def _plans(world: int) -> list:
     """(style, duplication, plan) of every job, searched once here (the ranks only compile)."""
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.search import forced, search
-    from hidup.trace import trace
 
     profile = hidup.profiler.load("paper-v100-9.7gbps")
     model, inputs = build()
@@ -321,8 +321,8 @@ def test_mixtral_parity(world, style, dup):
 def _mesh_plans() -> list:
     """Jobs of a 2x2 mesh: tokens split on the outer axis, experts dispatched by all-to-all on the inner."""
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.search import forced
-    from hidup.trace import trace
 
     profile = hidup.profiler.load("paper-v100-9.7gbps")
     model, inputs = build()
@@ -355,8 +355,8 @@ def test_search_shards_experts_that_dominate():
     """Few tokens and wide experts: moving the tokens costs far less than all-reducing the experts'
     gradients, so the searched plan (no signature forced) picks the expert signature of each MoE op."""
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.search import search
-    from hidup.trace import trace
 
     config = mixtral_config(experts=8, hidden=64, ffn=8192)
     with torch.device("meta"):
@@ -410,8 +410,8 @@ def _build_family(name: str):
 def _family_plans(world: int) -> list:
     """(family, duplication, forced expert plan) of every family, duplication on and off."""
     import hidup.profiler
+    from hidup.frontend.trace import trace
     from hidup.search import forced
-    from hidup.trace import trace
 
     profile = hidup.profiler.load("h200x4-nvlink")
     jobs = []

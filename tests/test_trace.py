@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hidup
-import hidup.trace  # the module must stay callable after import
+import hidup.frontend.trace  # the module must stay callable after import
+from hidup.frontend.trace import FallbackWarning, Traced, TraceFailure, trace, trace_module
 from hidup.ir import FULL, REDUCE, REPLICATE, Graph, gather
-from hidup.trace import FallbackWarning, Traced, TraceFailure, trace, trace_module
 
 HERE = os.path.basename(__file__)
 

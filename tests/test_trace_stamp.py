@@ -1,4 +1,4 @@
-"""Stamped traces (:mod:`hidup.stamp`) equal whole-model traces, and train like them.
+"""Stamped traces (:mod:`hidup.frontend.stamp`) equal whole-model traces, and train like them.
 
 A model whose step runs a stack of identical blocks is exported with four of them and the rest
 stamped out; everything downstream must see the graph a whole export gives.  ``assert_same_trace``
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hidup
-import hidup.saved
-import hidup.stamp
-import hidup.trace
-from hidup.trace import trace_module
+import hidup.frontend.saved
+import hidup.frontend.stamp
+import hidup.frontend.trace
+from hidup.frontend.trace import trace_module
 from thirdparty import LMStep
 
 LAYERS = 6
@@ -134,7 +134,7 @@ def _quiet(fn, *args, **kwargs):
 def _trace(model, inputs, mesh, stamp, monkeypatch):
     """trace_module with ``stamp_layers=stamp``; also returns what the stamped export gave."""
     seen = []
-    real = hidup.stamp.export_stamped
+    real = hidup.frontend.stamp.export_stamped
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -149,7 +149,7 @@ def _exported_once(monkeypatch):
     """Let ``hidup.trace`` export a model with a given set of blocks once (the fx graph does not depend
     on the mesh; the IR is built for each).  Entries keep the model and inputs alive, so ids stay unique."""
     memo: dict = {}
-    real = hidup.trace._exported
+    real = hidup.frontend.trace._exported
 
     def exported(model, values):
         key = (id(model), tuple(map(id, model.parameters())), tuple(map(id, values)))
@@ -181,7 +181,9 @@ def traces():
     return get
 
 
-def assert_same_trace(model: nn.Module, full: hidup.trace.Traced, stamped: hidup.trace.Traced) -> None:
+def assert_same_trace(
+    model: nn.Module, full: hidup.frontend.trace.Traced, stamped: hidup.frontend.trace.Traced
+) -> None:
     """Everything downstream reads is equal: fx graph, IR graph and the trace's tables."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     fx_full, fx_stamped = list(full.gm.graph.nodes), list(stamped.gm.graph.nodes)
@@ -223,7 +225,7 @@ def test_stamped_trace_is_the_whole_trace(name, mesh, traces):
     assert_same_trace(model, full, stamped)
 
 
-# A search reads the graph and, through the fx graph, what autograd saves (hidup.saved).  Mixtral
+# A search reads the graph and, through the fx graph, what autograd saves (hidup.frontend.saved).  Mixtral
 # (routed experts) on world 4 (a 2x2 mesh search of it takes 12 s), the zoo GPT on the mesh.
 @pytest.mark.parametrize("name, mesh", [("mixtral", None), ("gpt", (2, 2))], ids=["mixtral", "gpt-mesh2x2"])
 def test_stamped_trace_searches_the_same_plan(name, mesh, traces):
@@ -237,19 +239,19 @@ def test_stamped_trace_searches_the_same_plan(name, mesh, traces):
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_saved_record_looks_up_identical_layers_once(name, traces, monkeypatch):
-    """What autograd saves (:mod:`hidup.saved`), each local op's record looked up once for the ops of
+    """What autograd saves (:mod:`hidup.frontend.saved`), each local op's record looked up once for the ops of
     identical layers, equals the record looked up node by node, item for item and in order; and the
     stamped trace's record is the whole trace's."""
     _, by_mesh = traces(name)
     full, stamped, _ = by_mesh[(2, 2)]
     shared = stamped.graph.autograd_saved._run("bf16")
-    real = hidup.saved._LocalOps._items
+    real = hidup.frontend.saved._LocalOps._items
 
     def node_by_node(self, node, sig, arguments):
         self.of_node.clear()
         return real(self, node, sig, arguments)
 
-    monkeypatch.setattr(hidup.saved._LocalOps, "_items", node_by_node)
+    monkeypatch.setattr(hidup.frontend.saved._LocalOps, "_items", node_by_node)
     alone = stamped.graph.autograd_saved._run("bf16")
     assert sum(len(per_sig) for per_sig in alone.local.values()) > 10 * LAYERS
     assert repr(shared) == repr(alone)
@@ -259,7 +261,7 @@ def test_saved_record_looks_up_identical_layers_once(name, traces, monkeypatch):
 def test_default_stamps_deep_stacks_only(monkeypatch):
     shallow, made = _trace(*_stacked(), None, None, monkeypatch)
     assert made is None  # 6 blocks: below the automatic threshold
-    deep_model, deep_inputs = _stacked(widths=[32] * hidup.stamp.AUTO_MIN_BLOCKS)
+    deep_model, deep_inputs = _stacked(widths=[32] * hidup.frontend.stamp.AUTO_MIN_BLOCKS)
     deep, made = _trace(deep_model, deep_inputs, None, None, monkeypatch)
     assert made is not None
     full, _ = _trace(deep_model, deep_inputs, None, False, monkeypatch)
@@ -275,7 +277,7 @@ def _falls_back(model, inputs, monkeypatch, *, stack_found: bool):
     full, _ = _trace(model, inputs, None, False, monkeypatch)
     stamped, made = _trace(model, inputs, None, True, monkeypatch)
     assert made is None
-    assert (hidup.stamp.repeated_stack(model) is not None) == stack_found
+    assert (hidup.frontend.stamp.repeated_stack(model) is not None) == stack_found
     assert_same_trace(model, full, stamped)
 
 
@@ -304,10 +306,10 @@ def test_graph_depending_on_the_stack_length_is_caught(monkeypatch):
 def test_hooks_and_shared_blocks_are_not_stamped():
     model, _ = _stacked()
     model.layers[2].up.register_forward_hook(lambda m, i, o: o * 2)
-    assert hidup.stamp.repeated_stack(model) is None
+    assert hidup.frontend.stamp.repeated_stack(model) is None
     shared, _ = _stacked()
     shared.layers[4] = shared.layers[1]
-    assert hidup.stamp.repeated_stack(shared) is None
+    assert hidup.frontend.stamp.repeated_stack(shared) is None
 
 
 def test_stamp_layers_must_be_a_bool_or_none():
@@ -326,15 +328,15 @@ def _rank_parity(rank, world, plans):
 
     torch.set_default_dtype(torch.float64)
     used = []
-    real = hidup.trace._stamped_trace
+    real = hidup.frontend.trace._stamped_trace
 
     def spy(*args, **kwargs):
         traced = real(*args, **kwargs)
         used.append(traced is not None)
         return traced
 
-    hidup.trace._stamped_trace = spy
-    model, inputs = _gpt(hidup.stamp.AUTO_MIN_BLOCKS, world=2)
+    hidup.frontend.trace._stamped_trace = spy
+    model, inputs = _gpt(hidup.frontend.stamp.AUTO_MIN_BLOCKS, world=2)
     ref = copy.deepcopy(model)
     loss = ref(*inputs)
     loss.backward()
@@ -363,7 +365,7 @@ def test_stamped_trace_trains_like_one_device():
 
     torch.set_default_dtype(torch.float64)
     try:
-        model, inputs = _gpt(hidup.stamp.AUTO_MIN_BLOCKS, world=2)
+        model, inputs = _gpt(hidup.frontend.stamp.AUTO_MIN_BLOCKS, world=2)
         graph = _quiet(trace_module, model, inputs, 2).graph
         # tensor parallelism splits every block's weights: a copy wired to another block's tensors,
         # or to the wrong activations, changes the gradients

@@ -15,8 +15,8 @@ def _rank(rank, world, name, overrides, margin):
     import hidup.profiler
     from hidup.codegen import choose_duplication
     from hidup.codegen.params import full_grad_dict
+    from hidup.frontend.trace import trace
     from hidup.search import forced
-    from hidup.trace import trace
 
     model, inputs = hidup.models.build(name, world_size=world, seed=0, **overrides)
     ref = hidup.models.build(name, world_size=world, seed=0, **overrides)[0]

@@ -92,7 +92,7 @@ class Rule:
     (optional) names the kernel a call runs where a non-tensor argument changes its cost
     (:func:`hidup.rules.variant`); ``typical`` (optional) replaces synthetic inputs of an op's local
     shapes by values of the kind a run sees, where the op's cost depends on the values (routing indices
-    spread evenly over the experts, :mod:`hidup.profiler.ops`); ``kernel`` (optional) is what a rank
+    spread evenly over the experts, :mod:`hidup.profiler.measure.ops`); ``kernel`` (optional) is what a rank
     runs for the op's local call where that is not the op itself (the routed experts' differentiable
     grouped math for their opaque export op): local calls keep the op as their target, so that the
     rules see it axis after axis on a mesh, and whatever runs them goes through

@@ -44,7 +44,7 @@ the rank's stored parameters and buffers.  Beside it, ``predicted_peak`` is the 
 program run on fake tensors (:mod:`hidup.runtime.peak`; recorded for the eager and compile modes,
 whose peak is one step's), and ``predicted_memory`` is the memory model's figure
 for the plan at the run's precision (:mod:`hidup.search.memory`; its activations follow the plan's form
-changes, :func:`hidup.saved.plan_saved_bytes`): parameters, gradients, Adam's two moments, the bytes
+changes, :func:`hidup.frontend.saved.plan_saved_bytes`): parameters, gradients, Adam's two moments, the bytes
 autograd keeps for the backward, and the inputs.
 
 With ``--kernels`` each CUDA run also records where its device time goes: the steps run once more
@@ -76,6 +76,7 @@ from hidup.codegen import compile as hidup_compile
 from hidup.codegen.compiled import backend_of
 from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch
+from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
 from hidup.rules.experts import experts_layout_activation, set_experts_implementation
@@ -83,7 +84,6 @@ from hidup.runtime.kernel_profile import kernel_breakdown
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
 from hidup.search import search
-from hidup.trace import forward_inputs
 
 MODES = ("eager", "cuda-graph", "compile", "compile+graph")
 PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler, which the timed step has not

@@ -319,7 +319,7 @@ def _child(
             replace(layout, local_rank=local_rank), backend=backend, timeout_s=timeout_s, hosted_store=hosted_store
         )
         if ctx.rank != 0:  # every rank traces the same model: rank 0 alone says which ops run replicated
-            from hidup.trace import FallbackWarning
+            from hidup.frontend.trace import FallbackWarning
 
             warnings.filterwarnings("ignore", category=FallbackWarning)
         out = fn(ctx, *args)
@@ -351,11 +351,11 @@ def user_error(e: BaseException) -> str | None:
     # imported here, on a failure: a rank that starts imports only what its function needs
     from hidup.codegen.graphs import GraphCaptureError
     from hidup.codegen.program import CompileError
-    from hidup.export import ExportFailure
+    from hidup.frontend.export import ExportFailure
+    from hidup.frontend.trace import TraceFailure
     from hidup.models.source import ModelSourceError
     from hidup.plan import PlanError
     from hidup.search.problem import SearchError
-    from hidup.trace import TraceFailure
 
     if isinstance(e, SystemExit) and isinstance(e.code, str):
         return e.code

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import hidup.models
+from hidup.frontend.trace import trace
 from hidup.ir import mesh_text, parse_mesh
 from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.plan import PlanError
-from hidup.trace import trace
 
 MODEL_FLAGS = {
     # flag: (type, help)

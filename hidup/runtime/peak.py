@@ -46,11 +46,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hidup.models
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
-from hidup.export import fake_cpu_like, fake_cpu_stand_ins
+from hidup.frontend.export import fake_cpu_like, fake_cpu_stand_ins
+from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan
 from hidup.runtime.options import add_model_args, build_graph, settle_model
 from hidup.search.memory import MEMORY_PARTS, MemoryModel
-from hidup.trace import forward_inputs
 
 __all__ = [
     "PeakMemory",
@@ -145,7 +145,7 @@ def predict_peak(
     ``model`` and ``inputs`` are the user's, best built on the ``meta`` device (nothing is allocated;
     a model with real weights works too, its values are not read).  The model's parameters and
     buffers are replaced by fake tensors: pass a model that is not needed afterwards.  ``inputs`` are the forward's
-    inputs as :func:`hidup.trace.forward_inputs` gives them.  ``precision``: ``bf16`` runs the forward
+    inputs as :func:`hidup.frontend.trace.forward_inputs` gives them.  ``precision``: ``bf16`` runs the forward
     under autocast, any other the traced dtypes.  ``duplication``: None as the plan says."""
     if steps < 1:
         raise ValueError(f"steps {steps}: at least one training step is needed")

@@ -59,6 +59,7 @@ from hidup import codegen
 from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch, max_over_ranks
 from hidup.codegen.trial import choose_compile, compile_step
+from hidup.frontend.trace import trace
 from hidup.plan import Plan, PlanError
 from hidup.profiler.profile import DTYPES
 from hidup.rules.dispatch import host_synchronizes
@@ -67,7 +68,6 @@ from hidup.runtime.data import StdlibCorpus
 from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, add_model_args, mesh_phrase, settle_model
 from hidup.search import search
-from hidup.trace import trace
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

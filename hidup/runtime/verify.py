@@ -39,13 +39,13 @@ import hidup.profiler
 from hidup import codegen
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
+from hidup.frontend.trace import trace
 from hidup.plan import Plan
 from hidup.rules.random import single_device
 from hidup.runtime.launch import Distributed, launch, positive_seconds
 from hidup.runtime.locate import first_mismatch
 from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
 from hidup.search import STYLES, forced, search
-from hidup.trace import trace
 
 
 def add_verify_args(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ Ranks are started by :func:`hidup.runtime.launch.launch`: ``NODERANK``/``CPN`` (
 host spawning ``CPN`` ranks), torchrun's environment, or one process.  :func:`add_profile_args`
 and :func:`run_profile` are the command line shared by ``exp/profiler.py`` and ``hidup profile``;
 ``--ops-model`` adds per-op times of a zoo model (ops.py, :func:`measure_model_ops`) to the profile;
-``--calibrate-plans`` last times searched plans on the ranks (:func:`hidup.profiler.calibrate.program_scales`).
+``--calibrate-plans`` last times searched plans on the ranks (:func:`hidup.profiler.measure.calibrate.program_scales`).
 
 Time bound: every (collective, size, group) point and every dtype gets about ``budget_s``
 seconds (0.3 s, 0.1 s with ``quick``; whole-world points twice, for the pairs), so a 4-GPU host
@@ -56,12 +56,15 @@ from hidup.models.source import ModelSourceError, load_factory
 from hidup.profiler import profile as profile_mod
 from hidup.profiler.attention import AttentionTable
 from hidup.profiler.gemm import GemmGrid
-from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
-from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
-
-from .calibrate import measure_model_ops, program_scales
-from .comm import default_comm_sizes, default_group_sizes, network_groups, node_groups, profile_collectives
-from .device import (
+from hidup.profiler.measure.calibrate import measure_model_ops, program_scales
+from hidup.profiler.measure.comm import (
+    default_comm_sizes,
+    default_group_sizes,
+    network_groups,
+    node_groups,
+    profile_collectives,
+)
+from hidup.profiler.measure.device import (
     adam_seconds_per_byte,
     attention_table,
     canonical_dtype,
@@ -80,6 +83,8 @@ from .device import (
     torch_dtype,
     transpose_bandwidth,
 )
+from hidup.profiler.profile import DTYPES, CommTable, Profile, load, save
+from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
 
 __all__ = [
     "profile_machine",
@@ -198,9 +203,9 @@ def profile_machine(
     ``calibrate_plans`` ((zoo name, overrides) pairs) last times their searched plans on the ranks in
     each of ``calibrate_precisions`` (default ``ops_precisions``) and stores the compute factors
     inside the distributed program fitted on them, checked on the plans of ``held_out_plans``
-    (:func:`hidup.profiler.calibrate.program_scales`; both lists recorded in the corrections).
+    (:func:`hidup.profiler.measure.calibrate.program_scales`; both lists recorded in the corrections).
     ``comm_rounds`` measures the collective tables that many times and keeps each point's median
-    (:func:`hidup.profiler.comm.profile_collectives`).  ``gpus_per_node`` (``K``, a divisor of
+    (:func:`hidup.profiler.measure.comm.profile_collectives`).  ``gpus_per_node`` (``K``, a divisor of
     ``world`` below it) measures two levels, blocks of ``K`` consecutive ranks being nodes (module
     docstring); ``group_sizes`` are then the node level's.
     """

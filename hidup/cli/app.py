@@ -31,12 +31,12 @@ from pathlib import Path
 import hidup.models
 import hidup.profiler
 from hidup import __version__
-from hidup.describe import describe
+from hidup.cli import run_commands as runtime_cli
+from hidup.frontend.describe import describe
 from hidup.models.source import recorded_source
 from hidup.plan import Plan, model_record, summary
 from hidup.profiler.profile import DTYPES
 from hidup.runtime import bench_rank, peak
-from hidup.runtime import cli as runtime_cli
 from hidup.runtime.launch import LaunchError, user_error
 from hidup.runtime.options import (
     DEFAULT_PROFILE,
@@ -395,10 +395,3 @@ def _user_error(e: Exception) -> str | None:
     if isinstance(e, ModuleNotFoundError) and e.name == "mip":
         return "--algorithm ilp needs python-mip. Fix: pip install mip, or use --algorithm dp"
     return user_error(e)
-
-
-if __name__ == "__main__":  # python -m hidup.cli: the seed is fixed after the imports above (python -m hidup: first)
-    from hidup.hashseed import fix_hash_seed
-
-    fix_hash_seed()
-    sys.exit(main())

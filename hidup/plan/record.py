@@ -8,9 +8,9 @@ execution order); and records the predicted seconds per iteration and bytes per 
 
 ``Plan.check(graph)`` refuses a plan made for another graph (structure fingerprint), world size, mesh
 or model.  ``mesh`` is the device mesh of a plan on several axes (:mod:`hidup.ir`, "Meshes"); its
-forms are layouts and its conversions carry their one-axis ``steps``.  The search makes plans, so
-they live in its layer; :mod:`hidup.plan` re-exports these names (the public ones) and renders the
-per-layer report.
+forms are layouts and its conversions carry their one-axis ``steps``.  The search makes plans and
+the code generator and runtime read them, so they live in the plan layer between them
+(:mod:`hidup.plan`).
 
 A plan remembers how to rebuild its model in ``model_source``: ``{"model": spec, "args": {...}}``
 with ``spec`` a zoo name or ``package.module:function`` (see :mod:`hidup.models.source`) and
@@ -236,7 +236,7 @@ class ConversionRecord:
 
 
 def sent_share(collective: str, ranks: int) -> float:
-    """Bytes one rank sends per logical byte (:mod:`hidup.profiler.comm`'s convention) of ``collective``
+    """Bytes one rank sends per logical byte (:mod:`hidup.profiler.measure.comm`'s convention) of ``collective``
     over ``ranks`` ranks by the ring and pairwise algorithms: ``(N-1)/N`` for an all-gather or a
     reduce-scatter, twice that for an all-reduce, ``(N-1)/N^2`` for an all-to-all (each rank holds
     ``1/N`` of the logical buffer and keeps ``1/N`` of that)."""

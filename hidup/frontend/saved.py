@@ -1,6 +1,6 @@
 """What autograd saves for the backward pass, per traced node, and every tensor's dtype, under a precision.
 
-Measured, not tabulated: the exported step (:attr:`hidup.trace.Traced.gm`) is run once more by a
+Measured, not tabulated: the exported step (:attr:`hidup.frontend.trace.Traced.gm`) is run once more by a
 ``torch.fx`` interpreter on fake CPU tensors (no memory), with ``torch.autograd.graph.saved_tensors_hooks``
 recording which tensors each node's autograd functions pack for the backward, and -- for ``bf16`` /
 ``fp16`` -- under ``torch.autocast(dtype=..., cache_enabled=False)`` as the runtime runs it
@@ -12,9 +12,9 @@ CPU policy matches CUDA's for the matmul-like ops that hold most of the saved by
 differ (CUDA also runs softmax in float32), the dtypes are the CPU policy's.  ``fp32`` and ``tf32``
 store the traced dtypes.
 
-A trace whose repeated blocks were stamped (:mod:`hidup.stamp`) runs only blocks ``0 .. 4`` and ``L-1``
+A trace whose repeated blocks were stamped (:mod:`hidup.frontend.stamp`) runs only blocks ``0 .. 4`` and ``L-1``
 of the stack this way: the record of blocks ``5 .. L-2`` is block 4's with its storages renamed
-(:mod:`hidup.saved_blocks`, checked, the same record to the item), so the run costs what a few blocks
+(:mod:`hidup.frontend.saved_blocks`, checked, the same record to the item), so the run costs what a few blocks
 do whatever the depth.
 
 Per signature, at local shapes
@@ -73,11 +73,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hidup import rules
+from hidup.frontend.saved_blocks import BlockStamper
 from hidup.fxvalues import dtype_name, map_value, value_leaves
 from hidup.ir import DTYPE_BYTES, FULL, Graph, Layout, Node, Signature, axis_forms
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
-from hidup.saved_blocks import BlockStamper
 
 __all__ = [
     "SavedItem",
@@ -279,9 +279,9 @@ class Recorder:
     """Re-runs an exported step to record :class:`SavedRecord` per precision (module docstring).
 
     ``tensor_ids`` maps each fx node name to the graph tensor ids of its tensor leaves, in order
-    (:attr:`hidup.trace.Traced.tensor_ids`); ``values`` are the forward's argument values; ``blocks``
-    names the copies of a stamped stack's block 2 (:attr:`hidup.stamp.Stamped.blocks`), whose record
-    is stamped (:mod:`hidup.saved_blocks`)."""
+    (:attr:`hidup.frontend.trace.Traced.tensor_ids`); ``values`` are the forward's argument values; ``blocks``
+    names the copies of a stamped stack's block 2 (:attr:`hidup.frontend.stamp.Stamped.blocks`), whose record
+    is stamped (:mod:`hidup.frontend.saved_blocks`)."""
 
     def __init__(
         self,
@@ -293,7 +293,7 @@ class Recorder:
         blocks: list[dict[str, str]] | None = None,
     ):
         self.gm, self.tensor_ids, self.graph, self.contexts = gm, tensor_ids, graph, contexts or {}
-        self.blocks = blocks or []  # a stamped stack's copies of block 2 (hidup.stamp.Stamped.blocks)
+        self.blocks = blocks or []  # a stamped stack's copies of block 2 (hidup.frontend.stamp.Stamped.blocks)
         # only shapes, dtypes and requires_grad of the inputs are kept (no data)
         self.specs = [map_value(v, lambda x: _Spec.of(x) if isinstance(x, torch.Tensor) else x) for v in values]
         self.graph_nodes = {n.name: n for n in graph.nodes}
@@ -383,7 +383,7 @@ class _SavingInterpreter(torch.fx.Interpreter):
         self.storage_ids: dict[int, int] = {}  # storage key -> dense id
         self.attrs: dict[str, torch.Tensor] = {}
         self.derived: dict[int, int] = {}  # storage key -> storage it was computed from, element for element
-        # a storage of the stamped blocks' stand-in values -> the storage it stands for (hidup.saved_blocks)
+        # a storage of the stamped blocks' stand-in values -> the storage it stands for (hidup.frontend.saved_blocks)
         self.alias: dict[int, Any] = {}
         self.stamper = BlockStamper(self, recorder.blocks) if recorder.blocks else None
 

@@ -2,7 +2,7 @@
 model's corrections, fitted on calibration models and checked on held-out ones.
 
 :func:`measure_model_ops` times every op of zoo models at their sharded and half-batch shapes
-(:mod:`hidup.profiler.ops`, the ranks splitting the shapes), then checks the sum on whole
+(:mod:`hidup.profiler.measure.ops`, the ranks splitting the shapes), then checks the sum on whole
 single-device steps of one rank's share, and writes the checks in the profile's notes (none of them
 becomes a factor: both measured about 1, :mod:`hidup.profiler.profile`):
 
@@ -35,16 +35,15 @@ from hidup.codegen.duplicate import half
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.timing import time_call
 from hidup.codegen.trial import time_modes
+from hidup.frontend.trace import trace
+from hidup.plan.record import Plan
+from hidup.profiler.corrections import Correction, Corrections, Point, Provenance
+from hidup.profiler.measure.device import tf32
+from hidup.profiler.measure.ops import model_op_times
 from hidup.runtime.data import rank_share
 from hidup.search import price, search
 from hidup.search.cost import CostModel
-from hidup.search.plan import Plan
 from hidup.search.problem import SearchError
-from hidup.trace import trace
-
-from .corrections import Correction, Corrections, Point, Provenance
-from .device import tf32
-from .ops import model_op_times
 
 __all__ = [
     "measure_model_ops",

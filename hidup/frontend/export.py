@@ -1,10 +1,10 @@
 """The ``torch.export`` front end: one training step as a flat graph of ATen ops.
 
 ``export_step(model, values, names)`` exports ``model(*values)`` (``values`` in the order of
-``model.forward``'s parameters, as :func:`hidup.trace.forward_inputs` gives them) with
+``model.forward``'s parameters, as :func:`hidup.frontend.trace.forward_inputs` gives them) with
 ``torch.export.export(strict=False)`` -- the training IR, so ``aten.linear``, ``aten.layer_norm``,
 ``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss`` stay whole -- and returns it
-as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
+as a plain ``torch.fx.GraphModule`` that :mod:`hidup.frontend.trace` reads:
 
 * one placeholder per forward parameter, named after it (non-tensor values are specialised by
   export and their placeholders are unused);
@@ -30,7 +30,7 @@ as a plain ``torch.fx.GraphModule`` that :mod:`hidup.trace` reads:
 Python control flow is resolved at export time for the example shapes (``if x.size(0) != y.size(0)``
 costs nothing), so ``transformers`` models, ``nn.Transformer`` and the zoo all export; opaque work
 that depends on tensor values is a ``torch.library`` custom op (``hidup::moe_gating``).  Failures
-become :class:`hidup.trace.TraceFailure` with the model's source line.
+become :class:`hidup.frontend.trace.TraceFailure` with the model's source line.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _fix_device(v: Any) -> Any:
 def _user_location(e: BaseException) -> str:
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(("hidup/export.py",)):
+        if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(("hidup/frontend/export.py",)):
             return f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
     return "<unknown location>"
 

@@ -23,14 +23,14 @@ captured (a host synchronization) is timed eagerly.  On a CPU the wall time of e
 
 Identical keys (repeated layers, signatures with equal local shapes) are measured once, and
 ``shard=(i, n)`` measures only the distinct keys whose CRC-32 is ``i`` modulo ``n`` so that ``n``
-ranks split the work (:func:`hidup.profiler.calibrate.measure_model_ops` gathers the parts).  The
+ranks split the work (:func:`hidup.profiler.measure.calibrate.measure_model_ops` gathers the parts).  The
 owner of a key depends on the key alone, not on what a rank measured before, so ranks whose caches
 differ (each holds its own share) still split every later model, precision and half-batch trace
 exactly.  An op whose first forward takes more than ``max_op_s`` is skipped, and measuring stops
 after ``total_s`` seconds; the cost model prices whatever is missing from the roofline.
 
 :func:`model_op_times` times a model at its batch and, for duplication, at half the batch
-(:func:`hidup.trace.trace_half_batch`: the shapes of one copy).  :mod:`hidup.profiler.calibrate`
+(:func:`hidup.frontend.trace.trace_half_batch`: the shapes of one copy).  :mod:`hidup.profiler.measure.calibrate`
 checks their sum against whole steps.
 """
 
@@ -48,10 +48,10 @@ from torch.fx.node import map_aggregate
 
 import hidup.rules as rules
 from hidup.codegen.timing import Stopwatch, graph_time, time_call
+from hidup.frontend.trace import trace_half_batch, trace_module
 from hidup.ir import Graph, Signature
-from hidup.profiler.device import tf32
+from hidup.profiler.measure.device import tf32
 from hidup.profiler.profile import DTYPES, op_dtype, op_key
-from hidup.trace import trace_half_batch, trace_module
 
 __all__ = ["time_ops", "model_op_times", "node_signatures", "node_op_key"]
 
@@ -157,7 +157,7 @@ def time_ops(
     compiled: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Measured ``{op_key: (forward s, backward s)}`` for the call nodes of ``traced``
-    (a :class:`hidup.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
+    (a :class:`hidup.frontend.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
 
     ``cache`` (a dict) carries measurements across calls; keys already in it are not re-measured.
     ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
@@ -208,7 +208,7 @@ def time_ops(
                 skipped[key] = f"{name} ({measured})"
     if skipped:
         warnings.warn(
-            f"hidup.profiler.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
+            f"hidup.profiler.measure.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
             f"the roofline: " + "; ".join(list(skipped.values())[:10]) + (" ..." if len(skipped) > 10 else ""),
             stacklevel=2,
         )

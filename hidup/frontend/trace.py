@@ -2,7 +2,7 @@
 
 Pipeline
 --------
-1. **Export.**  :func:`hidup.export.export_step` captures the step with ``torch.export`` (non-strict,
+1. **Export.**  :func:`hidup.frontend.export.export_step` captures the step with ``torch.export`` (non-strict,
    training IR): a flat graph of ATen ops, Python control flow resolved for the example shapes,
    every module inlined down to its ATen ops (``nn.MultiheadAttention`` and
    ``nn.TransformerEncoderLayer`` included), and opaque work that depends on tensor values as
@@ -43,7 +43,7 @@ Export costs O(L) in the number of layers (most of the trace of a deep model: 18
 identical blocks (same class, parameter and buffer names, shapes, dtypes and ``requires_grad``, equal
 attributes except a layer index; no hooks; a block may be a repeating group of members, a dense and
 an MoE layer in turn), step 1 exports the step twice with the list cut to blocks
-``[0, 1, L-1]`` and ``[0, 1, 2, L-1]`` and :mod:`hidup.stamp` writes the ``L``-block GraphModule from
+``[0, 1, L-1]`` and ``[0, 1, 2, L-1]`` and :mod:`hidup.frontend.stamp` writes the ``L``-block GraphModule from
 the two: block 2's nodes repeated for blocks ``3 .. L-2``, reading the block before, with the
 parameter paths (``layers.2.`` -> ``layers.k.``), fx names and counters the whole export gives
 (extrapolated linearly in ``L`` from the two exports, after checking that block ``L-1`` repeats block
@@ -75,7 +75,9 @@ import torch.fx
 from torch import nn
 
 from hidup.copies import copy_axis
-from hidup.export import ExportFailure, export_step, written_through_views
+from hidup.frontend.export import ExportFailure, export_step, written_through_views
+from hidup.frontend.saved import Recorder
+from hidup.frontend.stamp import AUTO_MIN_BLOCKS, MIN_BLOCKS, export_stamped, repeated_stack
 from hidup.fxvalues import dtype_name as _dtype_name
 from hidup.fxvalues import map_value, value_leaves
 from hidup.fxvalues import map_value as _map
@@ -91,8 +93,6 @@ from hidup.rules import variant
 from hidup.rules.base import RuleContext, TensorMeta
 from hidup.rules.mesh import is_all_full, leaf_layouts, mesh_signatures
 from hidup.rules.random import refusal as random_refusal
-from hidup.saved import Recorder
-from hidup.stamp import AUTO_MIN_BLOCKS, MIN_BLOCKS, export_stamped, repeated_stack
 
 __all__ = [
     "Traced",
@@ -129,7 +129,7 @@ class Traced:
     constants: dict[str, object] = field(default_factory=dict)
     param_names: dict[str, str] = field(default_factory=dict)
     # tensors whose value changes after they are made (written in place through a view): code
-    # generation converts them anew for each reader (hidup.export.written_through_views)
+    # generation converts them anew for each reader (hidup.frontend.export.written_through_views)
     written: set[int] = field(default_factory=set)
 
 
@@ -205,7 +205,7 @@ class _Builder:
         self.mesh = tuple(mesh) or (world,)
         self.mesh_cache: dict[tuple, tuple] = {}  # op key -> product signatures (_mesh_signatures)
         self.leaf_cache: dict[tuple, list] = {}  # (shape, is_param) -> a parameter's or buffer's layouts
-        # stamped op -> the op it copies (hidup.stamp); a copy whose context equals its template's
+        # stamped op -> the op it copies (hidup.frontend.stamp); a copy whose context equals its template's
         # takes the template's signatures instead of asking the rules again
         self.templates = templates or {}
         self.template_rules: dict[str, tuple] = {n: () for n in self.templates.values()}
@@ -462,7 +462,7 @@ def filtered_signatures(signatures_fn: Callable | None, ctx: RuleContext) -> tup
 class _MetaProp(torch.fx.Interpreter):
     """Runs the GraphModule on meta tensors, handing every node's value to the builder.
 
-    A stamped op (``templates``: its name -> the name of the op it copies, :mod:`hidup.stamp`) whose
+    A stamped op (``templates``: its name -> the name of the op it copies, :mod:`hidup.frontend.stamp`) whose
     inputs have its template's metadata (shape, stride, dtype, requires_grad, device) and whose
     other arguments are equal takes the template's value: on meta tensors an op's result is a
     function of exactly those."""
@@ -554,8 +554,8 @@ def trace_module(
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs; tensors
     may live on any device including ``meta``.  The step is captured with ``torch.export``
-    (:mod:`hidup.export`); see the module docstring.  ``stamp_layers``: export a stack of identical
-    blocks short and stamp out the rest (:mod:`hidup.stamp`; the same graph): None (default) for
+    (:mod:`hidup.frontend.export`); see the module docstring.  ``stamp_layers``: export a stack of identical
+    blocks short and stamp out the rest (:mod:`hidup.frontend.stamp`; the same graph): None (default) for
     stacks of 8 blocks or more, True for 5 or more, False never.  Returns a :class:`Traced`.
     """
     mesh = _checked_mesh(mesh, world_size)
@@ -573,7 +573,7 @@ def trace_module(
 
 
 def _stamped_trace(model, values, mesh, signatures_fn, rules_missing, stamp_layers) -> Traced | None:
-    """The trace of a step whose repeated blocks were exported short and stamped (:mod:`hidup.stamp`),
+    """The trace of a step whose repeated blocks were exported short and stamped (:mod:`hidup.frontend.stamp`),
     or None where that does not apply or its check fails (the whole step is then exported)."""
     if stamp_layers is False:
         return None
@@ -654,7 +654,7 @@ def _build(
     )
     graph.validate()
     graph.copy_reason = copy_axis(graph).reason
-    # what autograd saves per node, measured on demand per precision (hidup.saved), the stamped blocks'
+    # what autograd saves per node, measured on demand per precision (hidup.frontend.saved), the stamped blocks'
     # record stamped out too
     graph.autograd_saved = Recorder(gm, values, builder.out.tensor_ids, graph, builder.out.contexts, blocks)
     if builder.fallbacks:

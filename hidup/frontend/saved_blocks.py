@@ -1,9 +1,9 @@
 """What autograd saves in a stamped stack's middle blocks, stamped out instead of run block by block.
 
-:mod:`hidup.saved` runs the exported step once more on fake tensors to see what every node's backward
+:mod:`hidup.frontend.saved` runs the exported step once more on fake tensors to see what every node's backward
 keeps.  That run costs ``O(L)`` in the number of layers, as the export did.  A trace whose stack was
-stamped (:mod:`hidup.stamp`) holds block 2 and its copies ``j = 1 .. L-4`` (blocks ``3 .. L-2``), copy
-``j`` reading copy ``j-1`` where block 2 reads block 1; :attr:`hidup.stamp.Stamped.blocks` names each
+stamped (:mod:`hidup.frontend.stamp`) holds block 2 and its copies ``j = 1 .. L-4`` (blocks ``3 .. L-2``), copy
+``j`` reading copy ``j-1`` where block 2 reads block 1; :attr:`hidup.frontend.stamp.Stamped.blocks` names each
 copy's node per node of block 2 (its ``get_attr`` nodes and ops).  Here copies 0, 1 and 2 run as any
 other node does, and the ops of copies ``3 .. L-4`` are not run: their record is copy 2's, renamed.
 
@@ -55,8 +55,8 @@ FIRST_STAMPED = 3  # copies 0 .. 2 run: copy 2 reading copy 1 is the template of
 
 
 class BlockStamper:
-    """Stamps the record of copies ``3 .. L-4`` of block 2 for a :class:`hidup.saved._SavingInterpreter`
-    (module docstring).  ``blocks``: :attr:`hidup.stamp.Stamped.blocks`."""
+    """Stamps the record of copies ``3 .. L-4`` of block 2 for a :class:`hidup.frontend.saved._SavingInterpreter`
+    (module docstring).  ``blocks``: :attr:`hidup.frontend.stamp.Stamped.blocks`."""
 
     def __init__(self, interp, blocks: list[dict[str, str]]):
         self.interp, self.blocks = interp, blocks

@@ -390,7 +390,7 @@ def profile_collectives(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "profile_collectives needs an initialized process group; call "
-            "torch.distributed.init_process_group first (or use hidup.profiler.measure."
+            "torch.distributed.init_process_group first (or use hidup.profiler.measure.machine."
             "profile_machine, which profiles only the device when world size is 1)"
         )
     device = torch.device(device)

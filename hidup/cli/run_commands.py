@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hidup.profiler import measure
+from hidup.profiler.measure import machine as measure
 from hidup.runtime import train, verify
 
 

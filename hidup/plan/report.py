@@ -1,36 +1,18 @@
-"""The plan's report: ``summary(plan, graph)`` renders totals, a per-layer table and, for the heaviest
-nodes, the runner-up signature.
-
-:class:`Plan`, :class:`ConversionRecord`, :class:`PlanError`, :func:`model_record` and the JSON
-format are defined by the search that makes them (:mod:`hidup.search.plan`, whose docstring describes
-the format and its versions) and re-exported here: ``hidup.plan.Plan`` is the public name, and saved
-plans load through either.
+"""The plan's report (``hidup show``): ``summary(plan, graph)`` renders totals, a per-layer table and,
+for the heaviest nodes, the runner-up signature.  The plan itself and its JSON format are
+:mod:`hidup.plan.record`.
 """
 
 from __future__ import annotations
 
 from hidup.ir import Graph, mesh_text
-from hidup.search.plan import (
-    PLAN_VERSION,
-    READABLE_VERSIONS,
-    ConversionRecord,
+from hidup.plan.record import (
     Plan,
-    PlanError,
     layer_of,
-    model_record,
     sent_share,
 )
 
-__all__ = [
-    "Plan",
-    "ConversionRecord",
-    "PlanError",
-    "summary",
-    "PLAN_VERSION",
-    "READABLE_VERSIONS",
-    "layer_of",
-    "model_record",
-]
+__all__ = ["summary"]
 
 
 def _ms(s: float) -> str:

@@ -1,7 +1,7 @@
 """Side-by-side benchmark of hidup and the baselines on one network, in one process group per world size.
 
     python exp/bench.py --network nvlink  --worlds 2 4 --models bert-sgmoe bert-switch vit-sgmoe vit-switch \
-        --precisions tf32 bf16 --out docs/bench/
+        --precisions tf32 bf16 --out exp/records/
     python exp/bench.py --network sockets              # the same matrix over NCCL's socket transport
 
 The network flag sets NCCL's environment before any process group exists (``sockets``:
@@ -407,7 +407,7 @@ def parse_args(argv):
         default=list(DEFAULT_METHODS),
         help=f"default: {' '.join(DEFAULT_METHODS)}",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench", help="results directory")
+    p.add_argument("--out", type=Path, default=ROOT / "exp" / "records", help="results directory")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md/.png are written")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
     p.add_argument(

@@ -34,7 +34,7 @@ computation (``source: cpu`` in the result; an approximation, since gloo works o
 
 Command line::
 
-    python exp/breakdown.py docs/bench/traces/*.json.gz           # table to stdout
+    python exp/breakdown.py exp/records/traces/*.json.gz           # table to stdout
     python exp/breakdown.py TRACE... --doc docs/benchmarks.md     # and into its "breakdown" section
 """
 

@@ -24,7 +24,7 @@ GEMM whose dims are not multiples of 16 bytes (the GEMM inductor may run instead
 (:mod:`hidup.profiler.gemm`, "Measured shapes") in a copy of ``--profile`` written to ``PROFILE``, so
 that the cost model prices the plans' GEMMs at their measured times.
 
-    python exp/gemm_check.py docs/bench/predict/rank-plans/*-data.json --profile h100.json \\
+    python exp/gemm_check.py exp/records/predict/rank-plans/*-data.json --profile h100.json \\
         --precisions tf32,bf16 --out gemms.json [--points h100-points.json]
 """
 

@@ -3,7 +3,7 @@
 # on NVLink and on NCCL-over-sockets, then the robustness study on sockets.
 #   [SEEDS=10] [PARTS="bench noise"] bash exp/gpu_bench.sh OUTDIR [extra bench flags]
 # PARTS=bench (about 3 minutes) and PARTS=noise (about 2.5, the full study: 10 seeds) fit one 10-minute
-# call together; the noise part reads the sockets profile from OUTDIR when the bench part wrote it there, else docs/bench/.
+# call together; the noise part reads the sockets profile from OUTDIR when the bench part wrote it there, else exp/records/.
 set -u
 out=${1:-gpu_out}; shift || true
 parts=${PARTS:-bench noise}
@@ -19,7 +19,7 @@ if [[ " $parts " == *" bench "* ]]; then
   cp "$work"/bench/nvlink-profile.json "$work"/bench/sockets-profile.json "$out"/ 2>/dev/null
 fi
 if [[ " $parts " == *" noise "* ]]; then
-  profile=$out/sockets-profile.json; [[ -f $profile ]] || profile=docs/bench/sockets-profile.json
+  profile=$out/sockets-profile.json; [[ -f $profile ]] || profile=exp/records/sockets-profile.json
   timeout 330 python3 exp/noise.py --world 4 --seeds "${SEEDS:-10}" --profile "$profile" --bench-out "$work/bench" \
     --docs "$work/docs" --time-budget 260 --warmup 2 --iters 6 2>&1 | grep -v Warning | tail -25
   cp "$work"/docs/robustness.md "$work"/docs/robustness.json "$out"/ 2>/dev/null

@@ -22,7 +22,7 @@ STEPS=${STEPS:-1,2,3}
 CAP=${CAP:-240}
 MODES=${MODES:-compile+graph,eager}
 SHARE_MODES=${SHARE_MODES:-compile,compile+graph}
-PROFILE_JSON=${PROFILE_JSON:-docs/bench/predict/h200-10/h200-ops.json}
+PROFILE_JSON=${PROFILE_JSON:-exp/records/predict/h200-10/h200-ops.json}
 SEARCH=${SEARCH:-}
 searched=""
 plan_name() {  # model:world[:style] -> model-wworld[-style]

@@ -15,10 +15,10 @@
 # CODE=1 keeps inductor's generated code of each plan (every kernel with the bytes inductor counts it to
 # move, `kernel_num_gb`): $OUT/code-<plan>.tgz, the *.py files of that plan's own inductor cache.
 # GPU (default h100) names the profile: $OUT/$GPU.json, profile name $GPU-measured.
-# Usage (repository root): OUT=/some/dir PLANS=docs/bench/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
+# Usage (repository root): OUT=/some/dir PLANS=exp/records/predict/rank-plans [MATCH='bert*'] bash exp/gpu_predict.sh
 set -u -o pipefail
 OUT=${OUT:?set OUT to an output directory}
-PLANS=${PLANS:-docs/bench/predict/rank-plans}
+PLANS=${PLANS:-exp/records/predict/rank-plans}
 MATCH=${MATCH:-*}
 PY=${PYTHON:-python}
 CAP=${CAP:-200}

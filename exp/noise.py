@@ -654,7 +654,7 @@ def parse_args(argv):
     p.add_argument(
         "--bench-out",
         type=Path,
-        default=ROOT / "docs" / "bench",
+        default=ROOT / "exp" / "records",
         help="exp/bench.py's results "
         "directory (its <network>-profile.json is the default clean profile; plans are cached there)",
     )

@@ -14,7 +14,7 @@ forward, and forward plus backward, each replayed in a CUDA graph, at each preci
 cost model prices the plans' opaque ops at their measured times; it prints each op's measured
 against its priced time.
 
-    python exp/op_check.py docs/bench/predict/rank-plans-9/*.json --profile h200-points.json \\
+    python exp/op_check.py exp/records/predict/rank-plans-9/*.json --profile h200-points.json \\
         --precisions tf32,bf16 --out h200-ops.json
 """
 

@@ -27,10 +27,10 @@ while the cost model was built (their errors known, nothing fitted on them); the
 out.  With ``--fit`` off the prediction is physical
 (nothing fitted on any run).
 
-    python exp/rank_predict.py plans --set calibration --out docs/bench/predict/rank-plans
-    python exp/rank_predict.py predict docs/bench/predict/runs/rank-*.json --profile docs/bench/predict/h100.json \\
-        --calibration bert-sgmoe,gpt --fit per-setting \\
-        --out docs/bench/predict/predictions.json
+    python exp/rank_predict.py plans --set calibration --out exp/records/predict/rank-plans
+    python exp/rank_predict.py predict exp/records/predict/h200-*/runs/rank-*.json \\
+        --profile exp/records/predict/h200-10/h200-ops.json --calibration bert-sgmoe,gpt --fit per-setting \\
+        --out exp/records/predict/h200-10/predictions.json
 """
 
 from __future__ import annotations

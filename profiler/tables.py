@@ -39,7 +39,7 @@ So a single wrong all-to-all entry (one of the two bandwidth-bound sizes that pr
 exchange, 16 and 256 MiB) is checked against three ring measurements at that size instead of
 nothing.  Entries within the band, alpha-dominated sizes (where net bandwidths mean nothing) and
 groups with fewer than three bandwidth-bound sizes (NVLink: only 256 MiB is) stay as measured.  On
-every measured and builtin profile (``docs/bench``, ``tests/data``, ``profiler/defaults``) this
+every measured and builtin profile (``exp/records``, ``tests/data``, ``profiler/defaults``) this
 changes no all-to-all entry.  A smoother along the size axis alone (a running median of three) is
 not used: the measured curves are not monotone (alpha-dominated small sizes, the all-to-all's dip
 at 1 MiB, peaks at 16 MiB), sizes are 16x apart, so 1 MiB still sits on the ramp below the plateau,

@@ -14,7 +14,7 @@ with much more communication slows the compute beside it more than the factor sa
 runs with both factors taken as 1, and the factors then price the plan it found in both modes and
 keep the faster: they settle the mode, not the plan.  Searching with them instead found, for
 BERT-SGMoE on 4 H200s, plans that trade compute for per-copy weight all-gathers the factor prices as
-hidden; those ran 3-4% slower (``docs/archive/benchmarks-2026-11-21.md``).
+hidden; those ran 3-4% slower (``git show 6b9b137:docs/archive/benchmarks-2026-11-21.md``).
 
 Recomputation
 -------------

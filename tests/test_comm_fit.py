@@ -25,7 +25,7 @@ from hidup.search.schedule import evaluate
 
 MB = 2**20
 SIZES = [4096.0, 64 * 1024.0, 1.0 * MB, 16.0 * MB, 256.0 * MB]
-# A sockets profile measured on 4 x H200 (kept here so that re-measuring docs/bench/ changes no test)
+# A sockets profile measured on 4 x H200 (kept here so that re-measuring exp/records/ changes no test)
 SOCKETS = Path(__file__).resolve().parent / "data" / "h200x4-sockets-measured.json"
 
 

@@ -181,7 +181,7 @@ def test_summary_counts_add_up(plan, graph):
 def test_summary_names_the_routed_experts_and_their_dispatch():
     """A Mixtral plan with all-to-all dispatch: the routed-experts ops named, how tokens reach them,
     and every collective of its layers named with its bytes, the token all-to-all among them."""
-    path = Path(__file__).parent.parent / "docs/bench/moe/rank-plans-h200/mixtral-w4-expert-all-to-all.json"
+    path = Path(__file__).parent.parent / "exp/records/moe/rank-plans-h200/mixtral-w4-expert-all-to-all.json"
     text = summary(Plan.load(path))
     assert "routed experts (routed_experts, routed_experts_1, routed_experts_2, routed_experts_3, 4 ops): " in text
     assert "expert parallel, tokens reach the experts by all-to-all" in text

@@ -22,4 +22,7 @@ Modules and their order (each imports only those before it):
 * :mod:`exp.search_time`, :mod:`exp.scale_plans`, :mod:`exp.parity`: single-purpose studies;
 * :mod:`exp.strategy`, :mod:`exp.train`, :mod:`exp.profiler`: ``hidup search`` / ``train`` /
   ``profile`` under the original workflow's names.
+
+Their records live in ``exp/records/`` (the drivers' default output folder): only those a page of
+``docs/`` or the README links, within a size budget and without archives (``tests/test_docs.py``).
 """

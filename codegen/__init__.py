@@ -1,5 +1,8 @@
 """Code generation: autograd-aware collectives, the per-rank program, duplication, gradient sync.
 
+Folder codegen/, imported as ``hidup.codegen``; layer ``codegen`` (reads plans, below the runtime;
+docs/design.md, "Map").
+
 module = hidup.compile(model, plan, rank, world_size, example_inputs)
 hidup.clip_grad_norm_(module, 1.0)
 state = hidup.full_state_dict(module)      # logical (unsharded) parameters, on every rank

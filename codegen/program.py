@@ -669,27 +669,20 @@ def _count_meta(value) -> int:
     return len(value_leaves(value, TensorMeta))
 
 
-def build_rank_program(
-    traced,
-    plan,
-    rank: int,
-    world: int,
-    *,
-    device: torch.device | str = "cpu",
-    local_batch: bool = False,
-    copies=None,
-    recompute=None,
-    reshard=None,
-) -> RankProgram:
+def build_rank_program(traced, plan, rank: int, world: int, copies=None, options=None) -> RankProgram:
     """The program rank ``rank`` of ``world`` runs for ``traced`` (a :class:`hidup.frontend.trace.Traced`)
-    under ``plan``; parameters are copied (sharded) from the traced model onto ``device``.  With
+    under ``plan``; parameters are copied (sharded) from the traced model onto ``options.device``
+    (a :class:`hidup.codegen.rewrite.CompileOptions`; None: the defaults, on the CPU).  With
     ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
     is one of duplication's two copies: its means over the batch are halved and the tensors in
-    ``copies.summed`` pass through :func:`hidup_copy_sum`.  The layers named in ``recompute`` (block
-    labels; None: the plan's ``recompute``) run their forward again in the backward
-    (:mod:`hidup.codegen.recompute`).  The parameters named in ``reshard`` (``param`` node names; None:
-    the plan's ``reshard``; True: every parameter the plan stores split) have their converted copies
-    made again in the backward instead of kept (:mod:`hidup.codegen.reshard`)."""
+    ``copies.summed`` pass through :func:`hidup_copy_sum`.  The layers named in ``options.recompute``
+    (block labels; None: the plan's ``recompute``) run their forward again in the backward
+    (:mod:`hidup.codegen.recompute`).  The parameters named in ``options.reshard`` (``param`` node
+    names; None: the plan's ``reshard``; True: every parameter the plan stores split) have their
+    converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`)."""
+    device = getattr(options, "device", None) or "cpu"
+    local_batch = bool(getattr(options, "local_batch", False))
+    recompute, reshard = getattr(options, "recompute", None), getattr(options, "reshard", None)
     if traced.graph.world_size != world:
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -343,82 +343,35 @@ def compile(  # noqa: A001
     this (duplication creates two process groups on CUDA, one per copy, unless the options pass
     ``copy_groups``)."""
     opts = CompileOptions.of(options, **changes)
-    local_batch, duplication, batch_dims = opts.local_batch, opts.duplication, opts.batch_dims
-    device, streams, copy_groups = opts.device, opts.streams, opts.copy_groups
-
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise CompileError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
-    if collectives.world_of(group) != world_size and (dist.is_available() and dist.is_initialized()):
-        raise CompileError(f"world_size={world_size} but the process group has {collectives.world_of(group)} ranks")
-    if dist.is_available() and dist.is_initialized() and collectives.rank_of(group) != rank:
-        raise CompileError(f"compile(rank={rank}) but this process is rank {collectives.rank_of(group)} of its group")
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise CompileError(
-            f"world_size={world_size} needs an initialized process group "
-            f"(hidup.runtime.launch or torch.distributed.init_process_group)"
-        )
-    plan_world = getattr(plan, "world_size", world_size)
-    if plan_world != world_size:
-        raise CompileError(f"the plan was searched for world size {plan_world}, not {world_size}; search again")
-    duplication = bool(getattr(plan, "duplication", False)) if duplication is None else duplication
-    device = torch.device(device) if device is not None else _model_device(model)
+    _check_world(plan, rank, world_size, group)
+    duplication = bool(getattr(plan, "duplication", False)) if opts.duplication is None else opts.duplication
+    device = torch.device(opts.device) if opts.device is not None else _model_device(model)
     mesh = tuple(getattr(plan, "mesh", None) or ())
     mesh = mesh if len(mesh) > 1 else None
     if mesh is not None and math.prod(mesh) != world_size:
         raise CompileError(f"the plan's device mesh {mesh} holds {math.prod(mesh)} ranks, not world_size={world_size}")
 
     values = _positional(model, example_inputs)
-    dims = batch_dims if batch_dims is not None else [0] * len(values)
+    dims = opts.batch_dims if opts.batch_dims is not None else [0] * len(values)
     if len(dims) != len(values):
         raise CompileError(f"batch_dims has {len(dims)} entries for {len(values)} forward inputs")
-    copies = None
-    if duplication:
-        traced = trace_copy(model, tuple(values), world_size, batch_dims=dims, mesh=mesh)
-        inputs = [n.name for n in traced.graph.nodes if n.op == "input"]
-        names = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
-        copies = copy_axis(traced.graph, {name: d for name, d in zip(names, dims) if name in inputs})
-        if not copies.exact:
-            warnings.warn(f"hidup.compile: duplication is off: {copies.reason}", stacklevel=2)
-            duplication, copies = False, None
-    if not duplication:
-        traced = trace_module(model, tuple(values), world_size, mesh=mesh)
-        check = getattr(plan, "check", None)
-        if check is not None:
-            check(traced.graph)
-    program = build_rank_program(
-        traced,
-        plan,
-        rank,
-        world_size,
-        device=device,
-        local_batch=local_batch,
-        copies=copies,
-        recompute=opts.recompute,
-        reshard=opts.reshard,
-    )
+    traced, copies = _trace_for(model, plan, values, dims, world_size, mesh, duplication)
+    duplication = copies is not None
+    program = build_rank_program(traced, plan, rank, world_size, copies, replace(opts, device=device))
 
+    streams, copy_groups = opts.streams, opts.copy_groups
     staged = device.type == "cuda" if streams is None else streams
-    groups = None
-    if mesh is not None:
-        groups = mesh_groups(mesh, rank, group, device.type)
+    groups = None if mesh is None else mesh_groups(mesh, rank, group, device.type)
     if not (duplication and staged and world_size > 1):
         copy_groups = None
-    elif mesh is not None:
-        if copy_groups is not None and not all(isinstance(g, MeshGroups) and g.mesh == mesh for g in copy_groups):
-            raise CompileError(f"copy_groups of a mesh plan must be two MeshGroups of the mesh {mesh}")
-        copy_groups = copy_groups or (groups, mesh_groups(mesh, rank, group, device.type, copy=1))
-    elif copy_groups is not None:
-        if len(copy_groups) != 2 or any(collectives.world_of(g) != world_size for g in copy_groups):
-            raise CompileError(f"copy_groups must be two process groups of the {world_size} ranks of the job")
     else:
-        ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
-        copy_groups = (dist.new_group(ranks), dist.new_group(ranks))
+        copy_groups = _copy_groups(copy_groups, mesh, groups, rank, world_size, group, device)
     return HidupModule(
         program,
         rank=rank,
         world_size=world_size,
         group=group,
-        local_batch=local_batch,
+        local_batch=opts.local_batch,
         duplication=duplication,
         copy_groups=copy_groups,
         batch_dims=dims,
@@ -429,3 +382,54 @@ def compile(  # noqa: A001
         mesh_groups=groups,
         seed=opts.seed,
     )
+
+
+def _check_world(plan, rank: int, world_size: int, group) -> None:
+    """Refuse a rank, world size or process group that does not match the job or the plan."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise CompileError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
+    initialized = dist.is_available() and dist.is_initialized()
+    if collectives.world_of(group) != world_size and initialized:
+        raise CompileError(f"world_size={world_size} but the process group has {collectives.world_of(group)} ranks")
+    if initialized and collectives.rank_of(group) != rank:
+        raise CompileError(f"compile(rank={rank}) but this process is rank {collectives.rank_of(group)} of its group")
+    if world_size > 1 and not initialized:
+        raise CompileError(
+            f"world_size={world_size} needs an initialized process group "
+            f"(hidup.runtime.launch or torch.distributed.init_process_group)"
+        )
+    plan_world = getattr(plan, "world_size", world_size)
+    if plan_world != world_size:
+        raise CompileError(f"the plan was searched for world size {plan_world}, not {world_size}; search again")
+
+
+def _trace_for(model: nn.Module, plan, values: list, dims: list, world_size: int, mesh, duplication: bool):
+    """(traced step, copy axis or None): the half-batch trace of one copy when duplication is on and
+    exact (else a warning says why it is off), the whole step otherwise, checked against the plan."""
+    if duplication:
+        traced = trace_copy(model, tuple(values), world_size, batch_dims=dims, mesh=mesh)
+        inputs = [n.name for n in traced.graph.nodes if n.op == "input"]
+        names = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+        copies = copy_axis(traced.graph, {name: d for name, d in zip(names, dims) if name in inputs})
+        if copies.exact:
+            return traced, copies
+        warnings.warn(f"hidup.compile: duplication is off: {copies.reason}", stacklevel=3)
+    traced = trace_module(model, tuple(values), world_size, mesh=mesh)
+    check = getattr(plan, "check", None)
+    if check is not None:
+        check(traced.graph)
+    return traced, None
+
+
+def _copy_groups(copy_groups, mesh, groups, rank: int, world_size: int, group, device: torch.device):
+    """The two communicators of duplication's copies: the ones given (checked), else new ones."""
+    if mesh is not None:
+        if copy_groups is not None and not all(isinstance(g, MeshGroups) and g.mesh == mesh for g in copy_groups):
+            raise CompileError(f"copy_groups of a mesh plan must be two MeshGroups of the mesh {mesh}")
+        return copy_groups or (groups, mesh_groups(mesh, rank, group, device.type, copy=1))
+    if copy_groups is not None:
+        if len(copy_groups) != 2 or any(collectives.world_of(g) != world_size for g in copy_groups):
+            raise CompileError(f"copy_groups must be two process groups of the {world_size} ranks of the job")
+        return copy_groups
+    ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
+    return (dist.new_group(ranks), dist.new_group(ranks))

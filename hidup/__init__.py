@@ -1,5 +1,10 @@
 """hidup: automatic SPMD parallelism for PyTorch training.
 
+Rooms (docs/design.md, "Map"): hidup.ir and hidup.rules, hidup.frontend, hidup.profiler (folder
+profiler/), hidup.plan, hidup.search (search/), hidup.codegen (codegen/), hidup.runtime,
+hidup.profiler.measure (profiler/measure/), hidup.cli.  Importing hidup is cheap: the names below
+load their modules on first use.
+
 import hidup
 model, inputs = hidup.models.build("bert-sgmoe", world_size=4, layers=2)
 graph = hidup.trace(model, inputs, world_size=4)

@@ -1,5 +1,8 @@
 """Plan search: ``hidup.search(graph, profile)`` -> :class:`hidup.plan.Plan`.
 
+Folder search/, imported as ``hidup.search``; layer ``search`` (below codegen, above the plan and the
+profile data it reads; docs/design.md, "Map").
+
 Modules: :mod:`~hidup.search.cost` and :mod:`~hidup.search.memory` (the cost model),
 :mod:`~hidup.search.problem` (the compiled problem and its transitions),
 :mod:`~hidup.search.schedule` (iteration time with and without duplication),

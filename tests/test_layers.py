@@ -226,3 +226,79 @@ def test_exp_is_not_installed():
             timeout=120,
         )
     assert out.returncode == 0 and out.stdout.strip() == "absent", out.stdout + out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- function shape
+MAX_LINES = 100  # a function longer than this is split, or says why on the line above its def
+MAX_PARAMS = 8  # a public function with more parameters takes an options object, or says why
+WHY = "# why:"  # the comment line right above a def (or its decorators) that explains an exception
+
+
+def _function_shapes(path: Path) -> list[str]:
+    """The functions of ``path`` over :data:`MAX_LINES` lines, and its public functions (name without a
+    leading underscore; ``self``/``cls`` not counted, keyword-only counted) over :data:`MAX_PARAMS`
+    parameters, unless the line above the def (or its first decorator) starts with :data:`WHY`."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        top = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        if top >= 2 and lines[top - 2].strip().startswith(WHY):
+            continue
+        a = node.args
+        params = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+        if params and params[0].arg in ("self", "cls"):
+            params = params[1:]
+        length = node.end_lineno - node.lineno + 1
+        where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        if length > MAX_LINES:
+            found.append(f"{where} has {length} lines")
+        if not node.name.startswith("_") and len(params) > MAX_PARAMS:
+            found.append(f"{where} takes {len(params)} parameters")
+    return found
+
+
+def test_functions_are_short_and_take_few_parameters():
+    """Library functions (exp/ aside) stay under MAX_LINES lines and public ones under MAX_PARAMS
+    parameters, or the line above the def says why (``# why: ...``)."""
+    found = [f for path in _modules().values() for f in _function_shapes(path)]
+    assert not found, (
+        f"split these, give them an options object, or say why on the line above the def ({WHY} ...): {found}"
+    )
+
+
+def test_the_shape_check_fails_on_a_long_function_and_respects_why(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    params = ", ".join(f"p{i}" for i in range(MAX_PARAMS + 1))
+    src = (
+        f"def long():\n{body}\n\n\ndef wide({params}):\n    pass\n\n\n"
+        f"{WHY} a spec of nine parts\ndef fine({params}):\n    pass\n"
+    )
+    path = ROOT / "tests" / "_shape_probe.py"
+    try:
+        path.write_text(src)
+        found = _function_shapes(path)
+    finally:
+        path.unlink()
+    assert [f.split(" ", 1)[1] for f in found] == [
+        f"long has {MAX_LINES + 1} lines",
+        f"wide takes {MAX_PARAMS + 1} parameters",
+    ]
+
+
+def test_no_command_line_flags_outside_the_cli():
+    """Only hidup.cli builds argument parsers: the library takes typed options."""
+    found = sorted(
+        module
+        for module, path in _modules().items()
+        if not module.startswith("hidup.cli")
+        and any(
+            isinstance(n, ast.Attribute)
+            and n.attr in ("add_argument", "ArgumentParser", "add_parser")
+            or isinstance(n, (ast.Import, ast.ImportFrom))
+            and "argparse" in ast.dump(n)
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert not found, f"modules outside hidup.cli that define command-line flags (move them to hidup/cli/): {found}"

@@ -150,6 +150,7 @@ def _can_reduce(meta: TensorMeta) -> bool:
     return meta.dtype != "bool"
 
 
+# why: a declarative rule notation, each keyword names one property of the op's rule (as einsum-like builders)
 def shard_signatures(
     tin: list[list[str]],
     tout: list[list[str]],
@@ -172,89 +173,138 @@ def shard_signatures(
     (reshape) pass ``strict=False`` and tokens whose sizes differ per operand (each dim holding the
     token must still be divisible by ``N``).
     """
-    kinds = kinds or {}
-    ops = tin + tout
-    metas = list(inputs) + list(outputs)
-    nin = len(tin)
-    for row, m in zip(ops, metas):
-        if len(row) != len(m.shape):
-            raise SpecError(f"{where}: {len(row)} dim tokens {row} for a tensor of shape {m.shape}")
-    order: list[str] = []
-    sizes: dict[str, set] = {}
-    for row, m in zip(ops, metas):
-        for t, s in zip(row, m.shape):
-            if t not in sizes:
-                order.append(t)
-                sizes[t] = set()
-            sizes[t].add(s)
-    if strict:
-        for t, ss in sizes.items():
-            big = {s for s in ss if s != 1}
-            if len(big) > 1:
-                raise SpecError(f"{where}: dim {t!r} has sizes {sorted(big)} on different operands")
-    contracted_any = any(t not in {x for r in tout for x in r} for r in tin for t in r)
-
-    sigs: list[Signature] = [Signature(tuple(FULL for _ in tin), tuple(FULL for _ in tout), float(flops), "replicated")]
-    for t in order:
-        if t in fixed:
-            continue
-        if any(row.count(t) > 1 for row in ops):
-            continue
-        held = [(k, row.index(t)) for k, row in enumerate(ops) if t in row and metas[k].shape[row.index(t)] > 1]
-        if not held:
-            continue
-        if any(metas[k].shape[p] % world for k, p in held):
-            continue
-        held_set = {k: p for k, p in held}
-        if any(t in row and k not in held_set for k, row in enumerate(tout, start=nin)):
-            continue  # an output broadcasts along t while an input does not: not a slice of anything
-        out_forms = []
-        for k in range(nin, len(ops)):
-            if k in held_set:
-                out_forms.append(gather(held_set[k]))
-            else:
-                out_forms.append(REDUCE)
-        reduces = any(f == REDUCE for f in out_forms)
-        if reduces and (not contract or any(not _can_reduce(m) for f, m in zip(out_forms, outputs) if f == REDUCE)):
-            continue
-        if reduces and not held_set.keys() - set(range(nin, len(ops))):
-            continue
-        if reduces and any(f.is_gather for f in out_forms) and additive:
-            continue
-        in_forms = []
-        ok = True
-        for k in range(nin):
-            if k in held_set:
-                in_forms.append(gather(held_set[k]))
-            elif reduces and k in additive:
-                if not _can_reduce(inputs[k]):
-                    ok = False
-                in_forms.append(REDUCE)
-            else:
-                in_forms.append(FULL)
-        if not ok:
-            continue
-        kind = kinds.get(t) or _kind(t, tin, tout, inputs, additive, contracted_any)
-        sigs.append(Signature(tuple(in_forms), tuple(out_forms), float(flops) / world, kind))
-
+    op = _Operands(tin, tout, inputs, outputs, world, flops, additive, kinds or {}, contract)
+    letters = op.letters(strict, where)
+    sigs = [op.replicated()]
+    for t in letters:
+        if t not in fixed:
+            sigs.append(op.sharding(t))
     for group in linear:
-        group = tuple(group)
-        if not group or any(i >= nin for i in group):
-            continue
-        if any(not _can_reduce(inputs[i]) for i in group) or any(not _can_reduce(m) for m in outputs):
-            continue
-        if any(inputs[i].is_param and i not in additive for i in group):
-            continue
-        has_param = any(m.is_param for m in inputs)
-        sigs.append(
-            Signature(
-                tuple(REDUCE if i in group else FULL for i in range(nin)),
-                tuple(REDUCE for _ in tout),
-                float(flops),
-                "tensor" if has_param else "data",
-            )
+        sigs.append(op.propagating(tuple(group)))
+    return dedupe([s for s in sigs if s is not None])
+
+
+@dataclass
+class _Operands:
+    """One op's operands as :func:`shard_signatures` reads them: their tokens and metas (``rows`` and
+    ``metas``: the ``nin`` inputs, then the outputs) and the rule's properties a signature depends on."""
+
+    tin: list[list[str]]
+    tout: list[list[str]]
+    inputs: list[TensorMeta]
+    outputs: list[TensorMeta]
+    world: int
+    flops: float
+    additive: frozenset
+    kinds: dict
+    contract: bool
+    rows: list = field(init=False)
+    metas: list = field(init=False)
+    nin: int = field(init=False)
+
+    def __post_init__(self):
+        self.rows = self.tin + self.tout
+        self.metas = list(self.inputs) + list(self.outputs)
+        self.nin = len(self.tin)
+
+    def letters(self, strict: bool, where: str) -> list[str]:
+        """The tokens in order of first occurrence; :class:`SpecError` where an operand's tokens do not
+        fit its shape, or (``strict``) where a token has two sizes > 1."""
+        for row, m in zip(self.rows, self.metas):
+            if len(row) != len(m.shape):
+                raise SpecError(f"{where}: {len(row)} dim tokens {row} for a tensor of shape {m.shape}")
+        sizes: dict[str, set] = {}
+        for row, m in zip(self.rows, self.metas):
+            for t, s in zip(row, m.shape):
+                sizes.setdefault(t, set()).add(s)
+        if strict:
+            for t, ss in sizes.items():
+                big = {s for s in ss if s != 1}
+                if len(big) > 1:
+                    raise SpecError(f"{where}: dim {t!r} has sizes {sorted(big)} on different operands")
+        return list(sizes)
+
+    def replicated(self) -> Signature:
+        """Every operand full, the whole work on every rank."""
+        return Signature(tuple(FULL for _ in self.tin), tuple(FULL for _ in self.tout), float(self.flops), "replicated")
+
+    def held(self, t: str) -> dict[int, int] | None:
+        """Operand -> position of ``t`` in it, for the operands sharded along ``t`` (those where its size
+        is > 1); None where ``t`` gives no signature by where it occurs (twice in an operand, nowhere
+        with size > 1, a size not divisible by the world, an output broadcasting along it)."""
+        if any(row.count(t) > 1 for row in self.rows):
+            return None
+        metas = self.metas
+        held = [(k, row.index(t)) for k, row in enumerate(self.rows) if t in row and metas[k].shape[row.index(t)] > 1]
+        if not held or any(metas[k].shape[p] % self.world for k, p in held):
+            return None
+        held_set = dict(held)
+        if any(t in row and k not in held_set for k, row in enumerate(self.tout, start=self.nin)):
+            return None  # an output broadcasts along t while an input does not: not a slice of anything
+        return held_set
+
+    def sharding(self, t: str) -> Signature | None:
+        """The signature sharding ``t`` (module docstring), or None where ``t`` gives none."""
+        held = self.held(t)
+        if held is None:
+            return None
+        out_forms = [gather(held[k]) if k in held else REDUCE for k in range(self.nin, len(self.rows))]
+        reduces = any(f == REDUCE for f in out_forms)
+        if reduces and not self.reduces_ok(held, out_forms):
+            return None
+        in_forms = self.input_forms(held, reduces)
+        if in_forms is None:
+            return None
+        kind = self.kinds.get(t) or _kind(t, self.tin, self.tout, self.inputs, self.additive, self.contracted_any())
+        return Signature(tuple(in_forms), tuple(out_forms), float(self.flops) / self.world, kind)
+
+    def reduces_ok(self, held: dict[int, int], out_forms: list) -> bool:
+        """Whether a signature whose outputs ``out_forms`` include a partial sum is valid: the op
+        contracts, those outputs can be summed, an input holds the letter, and no additive operand is
+        added to an output that stays a slice."""
+        if not self.contract or any(not _can_reduce(m) for f, m in zip(out_forms, self.outputs) if f == REDUCE):
+            return False
+        if not held.keys() - set(range(self.nin, len(self.rows))):
+            return False
+        return not (any(f.is_gather for f in out_forms) and self.additive)
+
+    def input_forms(self, held: dict[int, int], reduces: bool) -> list | None:
+        """The inputs' forms of the signature sharding the operands ``held``: a slice where held, a
+        partial sum for an additive input where the outputs are partial sums (None where it cannot be
+        summed), else full."""
+        forms = []
+        for k in range(self.nin):
+            if k in held:
+                forms.append(gather(held[k]))
+            elif reduces and k in self.additive:
+                if not _can_reduce(self.inputs[k]):
+                    return None
+                forms.append(REDUCE)
+            else:
+                forms.append(FULL)
+        return forms
+
+    def contracted_any(self) -> bool:
+        """Whether the op contracts some letter (an input's letter no output holds)."""
+        out = {x for r in self.tout for x in r}
+        return any(t not in out for r in self.tin for t in r)
+
+    def propagating(self, group: tuple) -> Signature | None:
+        """The reduce-propagating signature of the inputs ``group`` the op is jointly linear in (module
+        docstring), or None where it is not valid."""
+        inputs = self.inputs
+        if not group or any(i >= self.nin for i in group):
+            return None
+        if any(not _can_reduce(inputs[i]) for i in group) or any(not _can_reduce(m) for m in self.outputs):
+            return None
+        if any(inputs[i].is_param and i not in self.additive for i in group):
+            return None
+        return Signature(
+            tuple(REDUCE if i in group else FULL for i in range(self.nin)),
+            tuple(REDUCE for _ in self.tout),
+            float(self.flops),
+            "tensor" if any(m.is_param for m in inputs) else "data",
         )
-    return dedupe(sigs)
 
 
 def _kind(t, tin, tout, inputs, additive, contracted_any) -> str:

@@ -6,6 +6,17 @@ prediction is never worse than running the same choices without duplication, nor
 best plan without duplication.  ``plan.duplication`` records the mode the plan should run in.  The
 ILP always optimizes the plain cost (compute + communication); its choices are then priced both ways.
 
+One search
+----------
+A search of one graph under one set of options is a :class:`SearchRun` (a search with
+``reshard="auto"`` or on a mesh makes several, "Resharding" and "Meshes" below).  It tries the sets of
+recomputed layers in turn ("Recomputation"), each a :class:`RecomputeTrial`: the DP (or the ILP) in
+each mode under the memory budget, with the DP searches that do not wait on each other run beside
+each other in forked processes (:mod:`hidup.search.modes`), then every candidate plan priced exactly;
+the run keeps the fastest plan that fits.  The run holds what its trials share: the problems, one
+per profile and set of recomputed layers, and the plans with their fewest recomputed layers that
+fit; a trial holds its own candidate plans and their evaluations.
+
 Factors inside the distributed program
 --------------------------------------
 A profile's corrections ``dist_scale`` and ``dist_dup_scale`` (:mod:`hidup.profiler.corrections`) are
@@ -95,7 +106,7 @@ from hidup.precision import casts_on_wire
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
-from hidup.search.modes import solve_beside, solve_modes
+from hidup.search.modes import CallerWork, solve_beside, solve_modes
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
 
@@ -498,68 +509,8 @@ def _search(graph, profile, opts: SearchOptions, progress, models: Models | None
 
 
 def _search_found(graph, profile, opts: SearchOptions, progress, models: Models | None = None) -> _Found:
-    models = models or Models(graph)
-    started = time.perf_counter()  # an ILP's time limit covers every search made here
-    results = []
-    errors = []
-    made: dict[int, Problem] = {}  # id(profile) -> the first problem made with it
-    derived: dict[tuple, Problem] = {}  # (id(profile), recomputed layers) -> the problem derived from it
-
-    def problem_for(prof, recompute: frozenset) -> Problem:
-        """The problem of ``opts`` under ``prof`` with the layers ``recompute`` recomputed, one per
-        (profile, layers); every problem after the first shares its signatures and liveness
-        (:meth:`Problem.derive`)."""
-        first = made.get(id(prof))
-        if first is None:
-            reshard = opts.reshard == "on"  # "auto" searches as "off" first (_resharding)
-            first = made[id(prof)] = Problem(
-                graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, models, reshard
-            )
-            return first
-        if first.recompute == recompute:
-            return first
-        key = (id(prof), recompute)
-        if key not in derived:
-            derived[key] = first.derive(recompute)
-        return derived[key]
-
-    fewest_of: dict[tuple, tuple] = {}  # (id(problem), signature indices, duplication) -> its fewest recomputed
-
-    def fewest(problem: Problem, best: Evaluation) -> tuple[Problem, Evaluation]:
-        """:func:`_fewest_recomputed`, once per plan (a search may work it out ahead, while it waits)."""
-        key = (id(problem), tuple(best.ks), best.duplication)
-        if key not in fewest_of:
-            fewest_of[key] = _fewest_recomputed(opts, problem, best, models)
-        return fewest_of[key]
-
-    choices = _recompute_choices(graph, opts)
-    for n, recompute in enumerate(choices):
-        if recompute and results and not results[-1][2]:
-            break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
-        beat = min((r[1].total for r in results), default=None) if recompute else None
-        after = choices[n + 1] if n + 1 < len(choices) else None
-        try:
-            found = _search_with(
-                graph, profile, opts, progress, recompute, beat, started, models, problem_for, after, fewest
-            )
-        except SearchError as e:
-            # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
-            # a cycle that would keep every problem made here (and its caches) alive until a full
-            # collection, which then walks them all (seconds on a large graph)
-            errors.append(e.with_traceback(None))
-            continue
-        if found is not None:
-            results.append(found)
-    if not results:
-        try:
-            raise errors.pop()
-        finally:
-            errors.clear()  # (the raised error's traceback holds this frame: no cycle through `errors`)
-    fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
-    problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
-    if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
-        problem, best = fewest(problem, best)
-    return _Found(problem, best, options, opts.algorithm)
+    """The answer of one :class:`SearchRun` (module docstring, "One search"), not yet packaged as a plan."""
+    return SearchRun(graph, profile, opts, progress, models).found()
 
 
 # axis-0 factor kinds of the first mesh search: the outer axis spans the slowest links
@@ -715,175 +666,305 @@ def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, 
     return problem, best
 
 
-def _search_with(
-    graph,
-    profile,
-    opts: SearchOptions,
-    progress,
-    recompute: frozenset[str],
-    beat: float | None,
-    started: float,
-    models: Models,
-    problem_for: Callable[[object, frozenset], Problem],
-    after: frozenset[str] | None = None,
-    fewest: Callable[[Problem, Evaluation], tuple] | None = None,
-):
-    """(problem, best evaluation, whether the budget binds, plan options) of one search with the layers
-    ``recompute`` recomputed; "binds" (the fastest plan without a budget does not fit it) is only
-    worked out where ``recompute="auto"`` needs it.  With ``beat`` (the time of a plan already
-    found) the DP first searches without the budget, and None is returned when even that plan is no
-    faster than ``beat`` (a plan within the budget could not be either), or, for the ILP, when the
-    time limit counted from ``started`` is spent; a mode whose plan without the budget fits it is not
-    searched again.  ``after``: the layers the next search recomputes, when the budget binds; that
-    search starts with the DP's plans without the budget, which are searched here beside this
-    search's own DP where a process would otherwise wait (:func:`_search_found`).  ``fewest(problem,
-    best)``: the plan ``best`` with the fewest recomputed layers that fit (kept per plan by the caller),
-    worked out here for the plan this search keeps unless the duplicated search, forked, beats it,
-    while that search still runs."""
-    precision, memory_budget = opts.precision, opts.memory_budget
-    problem = problem_for(profile, recompute)
-    # the factors inside the distributed program settle the mode of the plan a search without them
-    # finds; they do not pick the plan (module docstring, "Factors inside the distributed program")
-    local = not profile.corrections.identity
-    explore = problem_for(models.physical(profile), recompute) if local else problem
-    beam = _beam(opts)
-    modes = (False, True) if opts.duplication else (False,)
-    candidates: list[list[int]] = []
-    hidden: list[list[int]] = []
+class SearchRun:
+    """One search of ``graph`` under ``profile`` with ``opts`` (module docstring, "One search"): the sets
+    of recomputed layers it tries in turn (:func:`_recompute_choices`), each a :class:`RecomputeTrial`,
+    and what those trials share: the problems made, one per (profile, recomputed layers), every one
+    after the first derived from it (:meth:`Problem.derive`); the plans with their fewest recomputed
+    layers that fit, worked out once per plan (a trial may work one out ahead, while it waits); and the
+    time it ``started``, from which an ILP's time limit covers every trial."""
 
-    def hide() -> None:
-        # the plain DP adds the gradient all-reduces to the backward that they overlap; a second DP
-        # that hides them can find the faster plan (data parallel): both are timed exactly below.  It
-        # runs while the duplicated mode's search, forked, still runs, and without duplication forked
-        # beside the plain search, or beside the DP that tells whether the budget binds (hidup.search.modes)
-        if opts.algorithm == "dp" and not hidden:
-            hidden.append(dp.solve(explore, False, None, hide_grad_sync=True, **beam)[0])
+    def __init__(self, graph: Graph, profile, opts: SearchOptions, progress, models: Models | None = None):
+        self.graph, self.profile, self.opts, self.progress = graph, profile, opts, progress
+        self.models = models or Models(graph)
+        self.started = time.perf_counter()
+        self.made: dict[int, Problem] = {}  # id(profile) -> the first problem made with it
+        self.derived: dict[tuple, Problem] = {}  # (id(profile), recomputed layers) -> the problem derived from it
+        # (id(problem), signature indices, duplication) -> the plan with its fewest recomputed layers
+        self.fewest_of: dict[tuple, tuple[Problem, Evaluation]] = {}
 
-    def hidden_free() -> dict:
+    def found(self) -> _Found:
+        """The answer: the fastest of the trials' plans that fit the memory budget (the fastest of all
+        where none fits), with its fewest recomputed layers that fit (``recompute="auto"``); the last
+        trial's error where no trial found a plan."""
+        opts = self.opts
+        results = []
+        errors = []
+        choices = _recompute_choices(self.graph, opts)
+        for n, recompute in enumerate(choices):
+            if recompute and results and not results[-1][2]:
+                break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
+            beat = min((r[1].total for r in results), default=None) if recompute else None
+            after = choices[n + 1] if n + 1 < len(choices) else None
+            try:
+                found = RecomputeTrial(self, recompute, beat, after).result()
+            except SearchError as e:
+                # kept without its traceback: the traceback holds this frame, whose `errors` holds the error,
+                # a cycle that would keep every problem made here (and its caches) alive until a full
+                # collection, which then walks them all (seconds on a large graph)
+                errors.append(e.with_traceback(None))
+                continue
+            if found is not None:
+                results.append(found)
+        if not results:
+            try:
+                raise errors.pop()
+            finally:
+                errors.clear()  # (the raised error's traceback holds this frame: no cycle through `errors`)
+        fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
+        problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
+        if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
+            problem, best = self.fewest(problem, best)
+        return _Found(problem, best, options, opts.algorithm)
+
+    def problem_for(self, prof, recompute: frozenset) -> Problem:
+        """The problem of the options under ``prof`` with the layers ``recompute`` recomputed, one per
+        (profile, layers); every problem after the first shares its signatures and liveness
+        (:meth:`Problem.derive`)."""
+        first = self.made.get(id(prof))
+        if first is None:
+            opts = self.opts
+            reshard = opts.reshard == "on"  # "auto" searches as "off" first (_resharding)
+            first = self.made[id(prof)] = Problem(
+                self.graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, self.models, reshard
+            )
+            return first
+        if first.recompute == recompute:
+            return first
+        key = (id(prof), recompute)
+        if key not in self.derived:
+            self.derived[key] = first.derive(recompute)
+        return self.derived[key]
+
+    def fewest(self, problem: Problem, best: Evaluation) -> tuple[Problem, Evaluation]:
+        """:func:`_fewest_recomputed`, once per plan."""
+        key = (id(problem), tuple(best.ks), best.duplication)
+        if key not in self.fewest_of:
+            self.fewest_of[key] = _fewest_recomputed(self.opts, problem, best, self.models)
+        return self.fewest_of[key]
+
+
+class RecomputeTrial:
+    """The search of a :class:`SearchRun` with the layers ``recompute`` recomputed (module docstring, "One
+    search").  With ``beat`` (the time of a plan already found) the DP first searches without the budget,
+    and the trial finds nothing when even that plan is no faster than ``beat`` (a plan within the budget
+    could not be either), or, for the ILP, when the run's time limit is spent; a mode whose plan without
+    the budget fits it is not searched again.  ``after``: the layers the next trial recomputes, when the
+    budget binds; that trial starts with the DP's plans without the budget, which are searched here beside
+    this trial's own DP where a process would otherwise wait (:meth:`ahead`).
+
+    It searches ``explore`` (``problem`` without the factors inside the distributed program, which then
+    settle only the mode: module docstring, "Factors inside the distributed program") and keeps its
+    ``candidates``, the plans it prices in the end (:meth:`kept`): the DP's or the ILP's answers under the
+    budget, the plans without it that fit it, and the answer of the DP that hides the gradient
+    all-reduces (``hidden``, once run: :meth:`hide`).  ``binds``: the fastest plan without a budget does
+    not fit it (worked out only where ``recompute="auto"`` needs it: :meth:`budget_binds`)."""
+
+    def __init__(self, run: SearchRun, recompute: frozenset[str], beat: float | None, after: frozenset[str] | None):
+        self.run, self.opts = run, run.opts
+        self.recompute, self.beat, self.after = recompute, beat, after
+        self.problem = run.problem_for(run.profile, recompute)
+        self.local = not run.profile.corrections.identity
+        self.explore = run.problem_for(run.models.physical(run.profile), recompute) if self.local else self.problem
+        self.beam = _beam(self.opts)
+        self.modes = (False, True) if self.opts.duplication else (False,)
+        self.candidates: list[list[int]] = []
+        self.hidden: list[int] | None = None
+        self.evaluated: dict[tuple, Evaluation] = {}  # (id(problem), signature indices, mode) -> its evaluation
+        self.binds = False
+        self.ahead_due = False  # whether the next trial's DP without the budget is searched here (:meth:`ahead`)
+        self.solver: dict | None = None  # the ILP's status
+
+    def result(self) -> tuple[Problem, Evaluation, bool, dict] | None:
+        """(problem, best evaluation, whether the budget binds, plan options), or None where this trial
+        finds nothing (``beat``)."""
+        opts = self.opts
+        self.binds = self.budget_binds()
+        self.ahead_due = self.after is not None and self.binds and opts.algorithm == "dp"
+        modes_left = self.modes_left()
+        if modes_left is None:
+            return None
+        if opts.algorithm == "ilp":
+            if not self.ilp_plan():
+                return None
+        elif modes_left == (False,):  # the searches without the budget run beside (children keep their answers)
+            self.plain_beside(modes_left)
+        elif modes_left:
+            self.candidates += _solve_modes_within(
+                self.explore,
+                modes_left,
+                opts.memory_budget,
+                self.candidates,
+                self.run.progress,
+                self.beam,
+                self.meanwhile,
+                self.idle,
+            )
+        self.hide()
+        self.candidates += self.hidden_fitting()
+        return self.problem, self.kept(self.candidates), self.binds, self.options()
+
+    def hide(self) -> None:
+        """Run the DP that hides the gradient all-reduces, once (the DP only).  The plain DP adds them to
+        the backward that they overlap; a second DP that hides them can find the faster plan (data
+        parallel): both are timed exactly in the end.  It runs while the duplicated mode's search, forked,
+        still runs, and without duplication forked beside the plain search, or beside the DP that tells
+        whether the budget binds (:mod:`hidup.search.modes`)."""
+        if self.opts.algorithm == "dp" and self.hidden is None:
+            self.hidden = dp.solve(self.explore, False, None, self.beam, hide_grad_sync=True)[0]
+
+    def hidden_free(self) -> dict:
         """The hidden DP's answer, as ``explore`` keeps it (:func:`hidup.search.dp.solve`)."""
-        hide()
-        return explore.free_solutions
+        self.hide()
+        return self.explore.free_solutions
 
-    def free_plan() -> list[int]:
-        return dp.solve(explore, False, None, **beam)[0]
+    def hidden_fitting(self) -> list[list[int]]:
+        """The hidden DP's answer (where it has run) when it fits the memory budget."""
+        budget = self.opts.memory_budget
+        if self.hidden is None or (budget is not None and self.explore.plan_memory(self.hidden) > budget):
+            return []
+        return [self.hidden]
 
-    binds = False
-    if memory_budget is not None and not recompute and opts.recompute == "auto":
+    def free_plan(self) -> list[int]:
+        """The plain DP's plan without the budget."""
+        return dp.solve(self.explore, False, None, self.beam)[0]
+
+    def budget_binds(self) -> bool:
+        """Whether the fastest plan without the memory budget misses it, worked out where
+        ``recompute="auto"`` needs it (the trial without recomputed layers, under a budget); else False."""
+        opts, explore, budget = self.opts, self.explore, self.opts.memory_budget
+        if budget is None or self.recompute or opts.recompute != "auto":
+            return False
         # every plan needs at least each node's leanest signature: past the budget, no DP is needed to tell
-        if explore.min_mem_suffix[0] > memory_budget:
-            binds = True
-        elif opts.algorithm == "dp":  # the hidden DP, run below in any case, runs beside this one
-            ks, answers = solve_beside(explore, free_plan, hidden_free)
+        if explore.min_mem_suffix[0] > budget:
+            return True
+        if opts.algorithm == "dp":  # the hidden DP, run below in any case, runs beside this one
+            ks, answers = solve_beside(explore, self.free_plan, self.hidden_free)
             explore.free_solutions.update(answers)
-            hide()  # the child's answer, from explore's cache: no search below runs it again
-            binds = explore.plan_memory(ks) > memory_budget
-        else:
-            binds = explore.plan_memory(free_plan()) > memory_budget
+            self.hide()  # the child's answer, from explore's cache: no search below runs it again
+            return explore.plan_memory(ks) > budget
+        return explore.plan_memory(self.free_plan()) > budget
 
-    def upcoming_problem() -> Problem:
-        """The next search's problem (``after`` recomputed), as that search explores it."""
-        return problem_for(models.physical(profile), after) if local else problem_for(profile, after)
-
-    ahead_due = after is not None and binds and opts.algorithm == "dp"
-
-    def ahead() -> dict:
-        """The next search's DP's plans without the budget (where ``ahead_due``), as its problem keeps
-        them (:func:`hidup.search.dp.solve`)."""
-        upcoming = upcoming_problem()
-        try:
-            for mode in modes:
-                dp.solve(upcoming, mode, None, **beam)
-        except SearchError:
-            pass  # the next search meets the error again, and raises it there
-        return upcoming.free_solutions
-
-    evaluated: dict[tuple, Evaluation] = {}
-
-    def evaluation(p: Problem, ks: list[int], mode: bool) -> Evaluation:
-        key = (id(p), tuple(ks), mode)
-        if key not in evaluated:
-            evaluated[key] = evaluate(p, ks, mode)
-        return evaluated[key]
-
-    def kept(plans: list[list[int]]) -> Evaluation:
-        """The evaluation of the fastest of ``plans`` (in either mode), as this search keeps it."""
-        best = _fastest([evaluation(explore, ks, mode) for ks in plans for mode in modes])
-        return _fastest([evaluation(problem, best.ks, mode) for mode in modes]) if local else best
-
-    def meanwhile() -> None:
-        """What this process searches while the duplicated mode's search, forked, still runs."""
-        hide()
-        if ahead_due:
-            ahead()
-
-    def idle(plain: list[int]) -> None:
-        """While the duplicated mode's budgeted answer is still to come: the plan this search keeps
-        unless that answer beats the plain mode's answer ``plain``, with its fewest recomputed layers
-        (``fewest``; kept per plan, so that nothing is worked out again once the answer is in)."""
-        hide()
-        if fewest is not None and recompute and memory_budget is not None and opts.recompute == "auto":
-            fitting = [ks for ks in hidden if explore.plan_memory(ks) <= memory_budget]
-            fewest(problem, kept(candidates + [plain] + fitting))
-
-    if beat is not None and memory_budget is not None:
-        free = solve_modes(explore, modes, None, lambda mode: None, **beam)
-        if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= beat:
+    def modes_left(self) -> tuple[bool, ...] | None:
+        """The modes to search under the budget.  With ``beat`` and a budget the DP first searches without
+        it: None where even that plan is no faster than ``beat``; a mode whose plan without the budget fits
+        it keeps that plan (the budgeted DP would return it), a candidate, and is not searched again."""
+        budget, explore, modes = self.opts.memory_budget, self.explore, self.modes
+        if self.beat is None or budget is None:
+            return modes
+        free = solve_modes(explore, modes, None, lambda mode: None, beam=self.beam)
+        if _fastest([evaluate(explore, ks, mode) for ks in free for mode in modes]).total >= self.beat:
             return None
-        # a mode whose plan without the budget fits it keeps that plan (the budgeted DP would return it)
-        fits = {mode: explore.plan_memory(ks) <= memory_budget for mode, ks in zip(modes, free)}
-        candidates += [ks for mode, ks in zip(modes, free) if fits[mode]]
-        modes_left = tuple(mode for mode in modes if not fits[mode])
-    else:
-        modes_left = modes
-    solver = None
-    if opts.algorithm == "ilp":
-        if beat is not None and opts.time_limit is not None and time.perf_counter() - started >= opts.time_limit:
-            return None
-        fn = _progress_fn(progress, "dp seed for the ilp")
+        fits = {mode: explore.plan_memory(ks) <= budget for mode, ks in zip(modes, free)}
+        self.candidates += [ks for mode, ks in zip(modes, free) if fits[mode]]
+        return tuple(mode for mode in modes if not fits[mode])
+
+    def ilp_plan(self) -> bool:
+        """The ILP's plan under the budget, seeded with the DP's, as a candidate (its status kept for the
+        plan's options); False, nothing searched, where ``beat`` is set and the time limit is spent."""
+        opts, run = self.opts, self.run
+        limit = opts.time_limit
+        if self.beat is not None and limit is not None and time.perf_counter() - run.started >= limit:
+            return False
+        fn = _progress_fn(run.progress, "dp seed for the ilp")
         try:  # the DP's answer seeds CBC with a good incumbent (the time limit covers the seed too)
-            start, _ = dp.solve(explore, False, memory_budget, progress=fn, **beam)
+            start, _ = dp.solve(self.explore, False, opts.memory_budget, self.beam, fn)
         except SearchError:
             start = None
         outcome = ilp.optimize(
-            explore, memory_budget, opts.time_limit, start, progress=progress is True, started=started
+            self.explore, opts.memory_budget, limit, start, progress=run.progress is True, started=run.started
         )
         if not outcome.proven:
-            warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=3)
-        solver = outcome.info()
-        candidates.append(outcome.ks)
-    elif modes_left == (False,):  # the searches without the budget run beside (children keep their answers)
-        hiding = not hidden and opts.algorithm == "dp"  # not yet run beside the budget's check
+            warnings.warn(f"hidup.search: {outcome.describe()}", stacklevel=5)
+        self.solver = outcome.info()
+        self.candidates.append(outcome.ks)
+        return True
+
+    def plain_beside(self, modes_left: tuple[bool, ...]) -> None:
+        """The plain mode's DP under the budget, with the DP searches without it that this search makes
+        anyway run beside it in forked children (:func:`hidup.search.modes.solve_beside`): the hidden DP
+        where not yet run, and the next trial's (:meth:`ahead`); their answers are kept in the problems'
+        caches, where those searches find them."""
+        hiding = self.hidden is None and self.opts.algorithm == "dp"  # not yet run beside the budget's check
+        explore, budget, progress = self.explore, self.opts.memory_budget, self.run.progress
         found, *answers = solve_beside(
             explore,
-            lambda: _solve_modes_within(explore, modes_left, memory_budget, candidates, progress, beam),
-            *([hidden_free] if hiding else []),
-            *([ahead] if ahead_due else []),
+            lambda: _solve_modes_within(explore, modes_left, budget, self.candidates, progress, self.beam),
+            *([self.hidden_free] if hiding else []),
+            *([self.ahead] if self.ahead_due else []),
         )
-        candidates += found
+        self.candidates += found
         if hiding:
             explore.free_solutions.update(answers.pop(0))
         for upcoming_free in answers:
-            upcoming_problem().free_solutions.update(upcoming_free)
-    elif modes_left:
-        candidates += _solve_modes_within(
-            explore, modes_left, memory_budget, candidates, progress, beam, meanwhile, idle
-        )
-    hide()
-    candidates += [ks for ks in hidden if memory_budget is None or explore.plan_memory(ks) <= memory_budget]
-    best = kept(candidates)
-    options = {
-        "precision": precision,
-        "memory_budget": memory_budget,
-        "duplication_requested": opts.duplication,
-        "optimizer_factor": opts.optimizer_factor,
-        "max_states": opts.max_states,
-        "max_points": opts.max_points,
-        "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
-        "reshard_requested": opts.reshard,
-    }
-    if solver is not None:
-        options["solver"] = solver  # the ILP's status: proven optimal, or stopped by its time limit
-    return problem, best, binds, options
+            self.upcoming_problem().free_solutions.update(upcoming_free)
+
+    def upcoming_problem(self) -> Problem:
+        """The next trial's problem (``after`` recomputed), as that trial explores it."""
+        run = self.run
+        if self.local:
+            return run.problem_for(run.models.physical(run.profile), self.after)
+        return run.problem_for(run.profile, self.after)
+
+    def ahead(self) -> dict:
+        """The next trial's DP's plans without the budget (where ``ahead_due``), as its problem keeps them
+        (:func:`hidup.search.dp.solve`)."""
+        upcoming = self.upcoming_problem()
+        try:
+            for mode in self.modes:
+                dp.solve(upcoming, mode, None, self.beam)
+        except SearchError:
+            pass  # the next trial meets the error again, and raises it there
+        return upcoming.free_solutions
+
+    def evaluation(self, p: Problem, ks: list[int], mode: bool) -> Evaluation:
+        """:func:`hidup.search.schedule.evaluate`, once per plan and mode."""
+        key = (id(p), tuple(ks), mode)
+        if key not in self.evaluated:
+            self.evaluated[key] = evaluate(p, ks, mode)
+        return self.evaluated[key]
+
+    def kept(self, plans: list[list[int]]) -> Evaluation:
+        """The evaluation of the fastest of ``plans`` (in either mode), as this trial keeps it: timed on
+        ``explore``, then its mode settled on ``problem`` (module docstring, "Factors inside the
+        distributed program")."""
+        best = _fastest([self.evaluation(self.explore, ks, mode) for ks in plans for mode in self.modes])
+        if not self.local:
+            return best
+        return _fastest([self.evaluation(self.problem, best.ks, mode) for mode in self.modes])
+
+    def meanwhile(self) -> None:
+        """What this process searches while the duplicated mode's search, forked, still runs."""
+        self.hide()
+        if self.ahead_due:
+            self.ahead()
+
+    def idle(self, plain: list[int]) -> None:
+        """While the duplicated mode's budgeted answer is still to come: the plan this trial keeps unless
+        that answer beats the plain mode's answer ``plain``, with its fewest recomputed layers
+        (:meth:`SearchRun.fewest`; kept per plan, so that nothing is worked out again once the answer is
+        in)."""
+        self.hide()
+        opts = self.opts
+        if self.recompute and opts.memory_budget is not None and opts.recompute == "auto":
+            self.run.fewest(self.problem, self.kept(self.candidates + [plain] + self.hidden_fitting()))
+
+    def options(self) -> dict:
+        """The plan's record of the options it was searched with (and the ILP's status)."""
+        opts = self.opts
+        options = {
+            "precision": opts.precision,
+            "memory_budget": opts.memory_budget,
+            "duplication_requested": opts.duplication,
+            "optimizer_factor": opts.optimizer_factor,
+            "max_states": opts.max_states,
+            "max_points": opts.max_points,
+            "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
+            "reshard_requested": opts.reshard,
+        }
+        if self.solver is not None:
+            options["solver"] = self.solver  # the ILP's status: proven optimal, or stopped by its time limit
+        return options
 
 
 def _solve_modes_within(
@@ -892,7 +973,7 @@ def _solve_modes_within(
     budget: float | None,
     found: list[list[int]],
     progress,
-    beam: dict,
+    beam: dp.Beam,
     meanwhile: Callable[[], None] | None = None,
     idle: Callable[[list[int]], None] | None = None,
 ) -> list[list[int]]:
@@ -900,13 +981,14 @@ def _solve_modes_within(
     budget the duplicated mode's answer comes only when it can win (module docstring, "Duplication
     under a memory budget"): its plan without the budget fits, or the two passes of that plan are
     faster than the best plan in hand (``found`` and the plain mode's answer) that fits.
-    ``meanwhile`` and ``idle`` as :func:`hidup.search.modes.solve_modes` takes them."""
+    ``meanwhile`` and ``idle``: the caller's work, as :class:`hidup.search.modes.CallerWork` holds it."""
+    work = CallerWork(meanwhile, idle)
 
     def label(mode: bool):
         return _progress_fn(progress, f"dp, {'duplication' if mode else 'no duplication'}")
 
     if budget is None or tuple(modes) != (False, True):
-        return solve_modes(problem, modes, budget, label, meanwhile=meanwhile, idle=idle, **beam)
+        return solve_modes(problem, modes, budget, label, work=work, beam=beam)
 
     def fitting(plans: list[list[int]]) -> list[float]:
         return [
@@ -931,11 +1013,11 @@ def _solve_modes_within(
     # while it runs: its bound is on the duplicated times, and its plan may win run without duplication,
     # as Mixtral-8x7B's on 16 GPUs under 141 GB does.)
     bar = min(in_hand, default=None)
-    return solve_modes(problem, modes, budget, label, worth, bar, meanwhile, idle=idle, **beam)
+    return solve_modes(problem, modes, budget, label, worth, bar, work, beam)
 
 
-def _beam(opts: SearchOptions) -> dict:
-    return dict(max_states=opts.max_states, max_points=opts.max_points, reuse_blocks=opts.reuse_blocks)
+def _beam(opts: SearchOptions) -> dp.Beam:
+    return dp.Beam(opts.max_states, opts.max_points, opts.reuse_blocks)
 
 
 def restrict_for(style: str) -> Callable[[Node, Signature], bool]:

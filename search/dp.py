@@ -92,6 +92,7 @@ from __future__ import annotations
 import gc
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -101,7 +102,7 @@ from hidup.search.problem import LazySearchError, Problem, SearchError
 from hidup.search.schedule import compress_steps, dup_apply_stages, generate, recurrence_source
 from hidup.search.segments import Occurrence, find_blocks
 
-__all__ = ["solve", "Beaten", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
+__all__ = ["solve", "Beam", "Beaten", "DEFAULT_BEAM", "DEFAULT_MAX_STATES", "DEFAULT_MAX_POINTS"]
 
 DEFAULT_MAX_STATES = "auto"  # beam_width(positions)
 # with a beam, cross-state pruning compares at most this many times the beam's width of the fastest
@@ -636,19 +637,33 @@ class _DP:
         return ks, best_v
 
 
+@dataclass(frozen=True)
+class Beam:
+    """How far the DP looks (module docstring, "Speed"): at most ``max_states`` states after each
+    position (``"auto"``: :func:`beam_width`) and ``max_points`` points in each state's Pareto set
+    (None: unlimited, the exact search); ``reuse_blocks`` solves a repeated layer once per entry state
+    (:mod:`hidup.search.segments`)."""
+
+    max_states: int | str | None = DEFAULT_MAX_STATES
+    max_points: int | None = DEFAULT_MAX_POINTS
+    reuse_blocks: bool = True
+
+
+DEFAULT_BEAM = Beam()
+
+
 def solve(
     problem: Problem,
     duplication: bool = True,
     memory_budget: float | None = None,
-    max_states: int | str | None = DEFAULT_MAX_STATES,
-    max_points: int | None = DEFAULT_MAX_POINTS,
-    reuse_blocks: bool = True,
+    beam: Beam = DEFAULT_BEAM,
     progress: Callable[[int, int], None] | None = None,
     hide_grad_sync: bool = False,
     by_price: bool | None = None,
     beat: float | None = None,
 ) -> tuple[list[int], float]:
-    """Best signature index per position and its predicted iteration time (see the module docstring).
+    """Best signature index per position and its predicted iteration time (see the module docstring),
+    searched with ``beam`` (:class:`Beam`).
 
     Without duplication the DP adds up both passes; with ``hide_grad_sync`` it leaves out the
     gradient all-reduces of replicated parameters, which overlap the backward (a lower bound of
@@ -667,6 +682,7 @@ def solve(
     ``beat`` (seconds; a plan in hand): the search by price raises :class:`Beaten` as soon as its
     bound shows that no plan within the budget has a predicted time below it."""
     hide_grad_sync = hide_grad_sync and not duplication
+    max_states, max_points, reuse_blocks = beam.max_states, beam.max_points, beam.reuse_blocks
     if memory_budget is not None:
         if by_price is None:
             by_price = max_states is not None and problem.n >= PRICE_MIN_POSITIONS
@@ -674,12 +690,12 @@ def solve(
             # where the search would have run out of plans: by price at the end, the memory-aware DP at once
             at = problem.n - 1 if by_price else 0
             raise LazySearchError(lambda: _budget_message(problem, memory_budget, at, max_states, max_points))
-        ks, v = solve(problem, duplication, None, max_states, max_points, reuse_blocks, progress, hide_grad_sync)
+        ks, v = solve(problem, duplication, None, beam, progress, hide_grad_sync)
         if problem.plan_memory(ks) <= memory_budget:
             return ks, v
         if by_price:
-            beam = (max_states, max_points, reuse_blocks, hide_grad_sync)
-            return _solve_by_price(problem, duplication, memory_budget, beam, (ks, v), beat)
+            passes = (max_states, max_points, reuse_blocks, hide_grad_sync)
+            return _solve_by_price(problem, duplication, memory_budget, passes, (ks, v), beat)
     else:
         known = problem.free_solutions.get((duplication, max_states, max_points, reuse_blocks, hide_grad_sync))
         if known is not None:

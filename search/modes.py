@@ -29,13 +29,14 @@ import multiprocessing
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from hidup.search import dp
-from hidup.search.dp import Beaten, solve
+from hidup.search.dp import Beam, Beaten, solve
 from hidup.search.problem import Problem, SearchError
 
-__all__ = ["solve_modes", "solve_beside", "spare_core", "PARALLEL_MIN_POSITIONS"]
+__all__ = ["solve_modes", "CallerWork", "solve_beside", "spare_core", "PARALLEL_MIN_POSITIONS"]
 
 PARALLEL_MIN_POSITIONS = 1024  # below this a search takes about a second; a second process is not worth it
 _live: set = set()  # the children this process has forked and not yet joined
@@ -45,6 +46,17 @@ _in_child = False  # whether this process is such a child (its parent searches b
 _parent_searching = None
 
 
+@dataclass(frozen=True)
+class CallerWork:
+    """The caller's own work, run in this process while :func:`solve_modes`'s duplicated search runs in
+    a forked child beside it (never where the searches run one after the other): ``meanwhile()`` once
+    the plain search is done, while the child still searches; ``idle(plain answer)`` only while the
+    duplicated mode's answer is still to come (so never on the way to an answer already in)."""
+
+    meanwhile: Callable[[], None] | None = None
+    idle: Callable[[list[int]], None] | None = None
+
+
 def solve_modes(
     problem: Problem,
     modes: tuple[bool, ...],
@@ -52,22 +64,18 @@ def solve_modes(
     progress_of: Callable[[bool], Callable | None] = lambda mode: None,
     worth: Callable[[list[int], list[int]], bool] | None = None,
     beat: float | None = None,
-    meanwhile: Callable[[], None] | None = None,
-    idle: Callable[[list[int]], None] | None = None,
-    **beam,
+    work: CallerWork = CallerWork(),
+    beam: Beam = dp.DEFAULT_BEAM,
 ) -> list[list[int]]:
-    """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``.  The two searches
+    """:func:`hidup.search.dp.solve`'s signature indices for each duplication mode in ``modes``, searched
+    with ``beam``.  The two searches
     are independent, so on a graph of at least ``PARALLEL_MIN_POSITIONS`` positions, where the host
     has two cores and can fork, the duplicated one runs in a forked child process beside the plain
     one (fork shares the problem without copying it; only the answers travel back).  Otherwise, or
     if the child dies, they run one after the other.  With ``worth`` (modes ``(False, True)`` under
     ``memory_budget``), the duplicated mode's answer is left out of the list when ``worth`` says so
     (module docstring), or when its search shows that no plan beats ``beat`` (:class:`~hidup.search.dp.Beaten`).
-    ``meanwhile()`` (the caller's own work) runs in this process once the plain search is
-    done, while the child still searches; it is not run where the searches run one after the other.
-    ``idle(plain answer)``: more of the
-    caller's work, run only while the duplicated mode's answer is still to come (so never on the way
-    to an answer already in)."""
+    ``work`` (:class:`CallerWork`): the caller's own work, run while the child still searches."""
     if (worth is not None or beat is not None) and (tuple(modes) != (False, True) or memory_budget is None):
         raise ValueError("solve_modes: worth and beat need the modes (False, True) and a memory budget")
     if len(modes) != 2 or not _forks(problem):
@@ -83,15 +91,15 @@ def solve_modes(
     _live.add(child)
     send.close()
     try:
-        first = solve(problem, modes[0], memory_budget, progress=progress_of(modes[0]), **beam)[0]
-        if meanwhile is not None:
-            meanwhile()
+        first = solve(problem, modes[0], memory_budget, beam, progress_of(modes[0]))[0]
+        if work.meanwhile is not None:
+            work.meanwhile()
         searching.value = 0
         try:
             if worth is not None and not worth(first, _received(receive)):
                 return [first]
-            if idle is not None and not receive.poll():
-                idle(first)
+            if work.idle is not None and not receive.poll():
+                work.idle(first)
             second = _received(receive)
         except Beaten:
             return [first]
@@ -167,14 +175,14 @@ def _forks(problem: Problem) -> bool:
     )
 
 
-def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: dict) -> list[list[int]]:
+def _one_after_the_other(problem, modes, memory_budget, progress_of, worth, beat, beam: Beam) -> list[list[int]]:
     if worth is None:
-        return [solve(problem, mode, memory_budget, progress=progress_of(mode), **beam)[0] for mode in modes]
-    first = solve(problem, False, memory_budget, progress=progress_of(False), **beam)[0]
-    if not worth(first, solve(problem, True, None, **beam)[0]):
+        return [solve(problem, mode, memory_budget, beam, progress_of(mode))[0] for mode in modes]
+    first = solve(problem, False, memory_budget, beam, progress_of(False))[0]
+    if not worth(first, solve(problem, True, None, beam)[0]):
         return [first]
     try:
-        return [first, solve(problem, True, memory_budget, progress=progress_of(True), beat=beat, **beam)[0]]
+        return [first, solve(problem, True, memory_budget, beam, progress_of(True), beat=beat)[0]]
     except Beaten:
         return [first]
 
@@ -229,15 +237,15 @@ def _solve_in_child(
     memory_budget,
     free_first: bool,
     beat: float | None,
-    beam: dict,
+    beam: Beam,
     parent_searching,
 ) -> None:
     """The ``duplication`` mode's answer under ``memory_budget`` (``beat`` as :func:`solve` takes it),
     sent to the parent; with ``free_first`` its answer without the budget is sent before it.
     ``parent_searching``: the flag of :func:`spare_core`."""
     _become_child(parent_searching)
-    free = [lambda: solve(problem, duplication, None, **beam)[0]] if free_first else []
-    _send_answers(send, *free, lambda: solve(problem, duplication, memory_budget, beat=beat, **beam)[0])
+    free = [lambda: solve(problem, duplication, None, beam)[0]] if free_first else []
+    _send_answers(send, *free, lambda: solve(problem, duplication, memory_budget, beam, beat=beat)[0])
 
 
 dp.PASSES_BESIDE = _passes_beside  # (dp cannot import this module: it imports dp)

@@ -82,7 +82,7 @@ def test_a_budget_met_by_price_fits_and_reaches_the_hull(seed, monkeypatch):
     monkeypatch.setattr(dp, "PRICE_STEPS", 200)
     monkeypatch.setattr(dp, "PRICE_RATIO", 1 + 1e-12)
     monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
-    ks, time = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
+    ks, time = dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True)
     ev = evaluate(pr, ks, False)
     assert ev.memory["total"] <= budget and time == pytest.approx(ev.objective, rel=1e-9)
     assert time >= min(t for t, m, _ in plans if m <= budget) * (1 - 1e-9)
@@ -112,7 +112,7 @@ def test_a_budget_no_plan_meets_says_so_by_price_too():
     pr = Problem(g, SOCKET)
     least = min(m for _, m, _ in _plans(pr, False))
     with pytest.raises(SearchError) as e:
-        dp.solve(pr, False, least * 0.9, max_states=None, max_points=None, by_price=True)
+        dp.solve(pr, False, least * 0.9, dp.Beam(None, None), by_price=True)
     assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
 
 
@@ -124,12 +124,12 @@ def test_large_beam_searches_use_the_price_and_small_ones_the_memory_aware_dp(mo
     budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
     calls = []
     monkeypatch.setattr(dp, "_solve_by_price", lambda *a: calls.append(a) or (list(a[4][0]), a[4][1]))
-    dp.solve(pr, False, budget, max_states=32)
+    dp.solve(pr, False, budget, dp.Beam(32))
     assert not calls
     monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 1)
-    dp.solve(pr, False, budget, max_states=None)
+    dp.solve(pr, False, budget, dp.Beam(None))
     assert not calls
-    dp.solve(pr, False, budget, max_states=32)
+    dp.solve(pr, False, budget, dp.Beam(32))
     assert len(calls) == 1
 
 
@@ -140,13 +140,11 @@ def test_the_search_by_price_stops_once_its_bound_beats_the_plan_in_hand():
     pr = Problem(g, SOCKET)
     plans = _plans(pr, False)
     budget = (min(m for _, m, _ in plans) + min(plans, key=lambda p: p[0])[1]) / 2
-    ks, time = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
-    again = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True, beat=time * 1.001)
+    ks, time = dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True)
+    again = dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True, beat=time * 1.001)
     assert again == (ks, time)
     with pytest.raises(dp.Beaten) as e:
-        dp.solve(
-            pr, False, budget, max_states=None, max_points=None, by_price=True, beat=0.5 * min(t for t, _, _ in plans)
-        )
+        dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True, beat=0.5 * min(t for t, _, _ in plans))
     assert e.value.bound >= e.value.beat
 
 
@@ -205,7 +203,7 @@ def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_
     from hidup.search import modes
 
     g, pr, budget = _priced_setup(monkeypatch, duplication=False)
-    alone = dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True)
+    alone = dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True)
     forked = []
     beside = modes.solve_beside
 
@@ -216,7 +214,7 @@ def test_the_search_by_price_with_a_guessed_pass_beside_finds_the_answer_of_one_
     monkeypatch.setattr(modes, "solve_beside", counted)
     monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)
     pr = Problem(g, SOCKET)
-    assert dp.solve(pr, False, budget, max_states=None, max_points=None, by_price=True) == alone
+    assert dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True) == alone
     assert bool(forked) == ((os.cpu_count() or 1) >= 2)
 
 
@@ -231,8 +229,8 @@ def test_the_forked_duplicated_search_runs_its_passes_two_at_a_time_once_the_pla
     g, pr, budget = _priced_setup(monkeypatch, duplication=True)
     monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", 0)  # by price: a beam that never cuts
     beam = dict(max_states=10**6, max_points=None)
-    alone = [dp.solve(pr, mode, budget, **beam)[0] for mode in (False, True)]
-    assert pr.plan_memory(dp.solve(pr, True, None, **beam)[0]) > budget  # the duplicated search is priced
+    alone = [dp.solve(pr, mode, budget, dp.Beam(**beam))[0] for mode in (False, True)]
+    assert pr.plan_memory(dp.solve(pr, True, None, dp.Beam(**beam))[0]) > budget  # the duplicated search is priced
     log = tmp_path / "beside"
     beside = dp.PASSES_BESIDE
 
@@ -251,7 +249,7 @@ def test_the_forked_duplicated_search_runs_its_passes_two_at_a_time_once_the_pla
     monkeypatch.setattr(dp, "PASSES_BESIDE", logged)
     monkeypatch.setattr(modes, "solve", plain_at_once)
     monkeypatch.setattr(modes, "PARALLEL_MIN_POSITIONS", 0)
-    assert modes.solve_modes(Problem(g, SOCKET), (False, True), budget, **beam) == alone
+    assert modes.solve_modes(Problem(g, SOCKET), (False, True), budget, beam=dp.Beam(**beam)) == alone
     calls = [line.split(":") for line in log.read_text().split()]
     assert calls and all(pid != str(parent) for pid, _ in calls)
     assert all(spare == str((os.cpu_count() or 1) >= 2) for _, spare in calls)

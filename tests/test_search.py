@@ -31,7 +31,7 @@ def test_dp_equals_brute_force_without_duplication(seed):
     prof = (SOCKET, NVLINK, PAPER)[seed % 3]
     g = random_graph(seed, calls=4, world=(4, 2)[seed % 2], max_sigs=3)
     pr = Problem(g, prof)
-    ks, v = dp.solve(pr, False, **EXACT)
+    ks, v = dp.solve(pr, False, beam=dp.Beam(**EXACT))
     _, bv = brute_force(pr, False)
     assert rel_eq(v, bv)
     assert rel_eq(evaluate(pr, ks, False).objective, v)
@@ -44,7 +44,7 @@ def test_dp_hiding_gradient_sync_equals_brute_force(seed):
 
     g = random_graph(300 + seed, calls=4, world=(4, 2)[seed % 2], max_sigs=3)
     pr = Problem(g, (SOCKET, NVLINK, PAPER)[seed % 3])
-    ks, v = dp.solve(pr, False, hide_grad_sync=True, **EXACT)
+    ks, v = dp.solve(pr, False, beam=dp.Beam(**EXACT), hide_grad_sync=True)
     best = hidden_total = float("inf")
     for choice in itertools.product(*(range(len(s)) for s in pr.sigs)):
         try:
@@ -79,7 +79,7 @@ def test_search_without_duplication_is_no_slower_than_data_parallel():
 def test_dp_equals_brute_force_with_duplication(seed):
     g = random_graph(100 + seed, calls=4, max_sigs=3)
     pr = Problem(g, (SOCKET, PAPER)[seed % 2])
-    ks, v = dp.solve(pr, True, **EXACT)
+    ks, v = dp.solve(pr, True, beam=dp.Beam(**EXACT))
     _, bv = brute_force(pr, True)
     assert rel_eq(v, bv)
     assert rel_eq(evaluate(pr, ks, True).total, v)
@@ -89,7 +89,7 @@ def test_dp_equals_brute_force_with_duplication(seed):
 def test_ilp_equals_dp_without_duplication(seed):
     g = random_graph(200 + seed, calls=8, max_sigs=4)
     pr = Problem(g, (SOCKET, NVLINK)[seed % 2])
-    _, v = dp.solve(pr, False, **EXACT)
+    _, v = dp.solve(pr, False, beam=dp.Beam(**EXACT))
     ks = ilp.solve(pr)
     assert rel_eq(evaluate(pr, ks, False).objective, v, 1e-7)
 
@@ -97,8 +97,8 @@ def test_ilp_equals_dp_without_duplication(seed):
 def test_beam_result_is_a_real_plan_and_never_better_than_exact():
     for seed in range(5):
         pr = Problem(random_graph(300 + seed, calls=9, max_sigs=4), SOCKET)
-        _, exact = dp.solve(pr, True, **EXACT)
-        ks, v = dp.solve(pr, True, max_states=4, max_points=1)
+        _, exact = dp.solve(pr, True, beam=dp.Beam(**EXACT))
+        ks, v = dp.solve(pr, True, beam=dp.Beam(4, 1))
         assert rel_eq(evaluate(pr, ks, True).total, v) and v >= exact * (1 - 1e-12)
 
 
@@ -245,11 +245,11 @@ def test_block_reuse_is_exact_without_duplication():
 
     occ = find_blocks(pr)
     assert len(occ) >= 4 and len({o.type for o in occ}) == 1  # layer 0 also holds the input
-    _, with_reuse = dp.solve(pr, False, reuse_blocks=True, **EXACT)
-    _, without = dp.solve(pr, False, reuse_blocks=False, **EXACT)
+    _, with_reuse = dp.solve(pr, False, beam=dp.Beam(reuse_blocks=True, **EXACT))
+    _, without = dp.solve(pr, False, beam=dp.Beam(reuse_blocks=False, **EXACT))
     assert rel_eq(with_reuse, without)
     assert rel_eq(evaluate(pr, ilp.solve(pr), False).objective, without, 1e-7)
-    ks, v = dp.solve(pr, True, reuse_blocks=True)
+    ks, v = dp.solve(pr, True, beam=dp.Beam(reuse_blocks=True))
     assert rel_eq(evaluate(pr, ks, True).total, v)
 
 
@@ -575,7 +575,7 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
     monkeypatch.setattr(
         api,
         "_solve_modes_within",
-        lambda pr, modes, budget, found, progress, beam, meanwhile, idle: solve_modes(pr, modes, budget, **beam),
+        lambda pr, modes, budget, found, progress, beam, meanwhile, idle: solve_modes(pr, modes, budget, beam=beam),
     )
     full = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
     for plan in (shortcut, forked):

@@ -150,7 +150,7 @@ def test_memory_aware_dp_equals_enumeration_under_a_budget_that_binds(seed, dupl
     if leanest >= fastest.memory["total"]:
         pytest.skip("the fastest plan is also the leanest: no budget binds")
     budget = (leanest + fastest.memory["total"]) / 2
-    ks, v = dp.solve(pr, duplication, budget, **EXACT)
+    ks, v = dp.solve(pr, duplication, budget, dp.Beam(**EXACT))
     _, best = brute_force(pr, duplication, budget)
     ev = evaluate(pr, ks, duplication)
     assert ev.memory["total"] <= budget

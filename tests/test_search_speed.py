@@ -69,7 +69,7 @@ def test_problems_of_one_cost_model_share_their_transitions_and_answer_as_proble
     models = Models(mesh_graph)
     first = Problem(mesh_graph, profile, "bf16", api.restrict_per_axis(("data", None)), models=models)
     for duplication in (False, True):
-        dp.solve(first, duplication, max_states=32)
+        dp.solve(first, duplication, beam=dp.Beam(32))
     recompute = api.repeated_layers(mesh_graph) if recomputed else frozenset()
     shared = Problem(mesh_graph, profile, "bf16", recompute=recompute, reshard=reshard, models=models)
     alone = Problem(mesh_graph, profile, "bf16", recompute=recompute, reshard=reshard)
@@ -83,8 +83,8 @@ def test_problems_of_one_cost_model_share_their_transitions_and_answer_as_proble
     shared.penalties = penalties
     budget = (alone.min_mem_suffix[0] + alone.plan_memory(dp.solve(alone, False)[0])) / 2  # binds
     for duplication, limit in ((False, None), (True, None), (False, budget)):
-        ks, v = dp.solve(shared, duplication, limit, max_states=32)
-        assert (ks, v) == dp.solve(alone, duplication, limit, max_states=32)
+        ks, v = dp.solve(shared, duplication, limit, dp.Beam(32))
+        assert (ks, v) == dp.solve(alone, duplication, limit, dp.Beam(32))
         assert evaluate(shared, ks, duplication).total == evaluate(alone, ks, duplication).total
     met = 0
     for i in range(shared.n):
@@ -262,10 +262,10 @@ def test_pruning_ranks_the_states_once_and_keeps_what_ranking_them_for_each_cut_
 
     monkeypatch.setattr(dp._DP, "prune", both)
     pr = Problem(mesh_graph, P.load(CLUSTER), "bf16")
-    budget = (pr.min_mem_suffix[0] + pr.plan_memory(dp.solve(pr, False, max_states=max_states)[0])) / 2
+    budget = (pr.min_mem_suffix[0] + pr.plan_memory(dp.solve(pr, False, beam=dp.Beam(max_states))[0])) / 2
     for duplication in (False, True):
-        dp.solve(pr, duplication, budget, max_states=max_states)
-        dp.solve(pr, duplication, budget, max_states=max_states, by_price=True)
+        dp.solve(pr, duplication, budget, dp.Beam(max_states))
+        dp.solve(pr, duplication, budget, dp.Beam(max_states), by_price=True)
     assert any(calls)  # the beam did cut
 
 

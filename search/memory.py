@@ -37,9 +37,27 @@ backward frees activations before it recomputes a layer (the first layers' are r
 duplication a recomputed layer is cut at the plan's stages (:mod:`hidup.codegen.recompute`) and each
 piece keeps its own inputs, which neither counts.
 
-Not counted: what lives only around an op or a form change (an all-gathered weight that no backward
-keeps, the loss's backward temporaries), workspace, the CUDA context and fragmentation; keep a margin
-below the device size (docs/memory.md compares with measured peaks).
+Transients
+----------
+What lives only around one op is not a sum over nodes but a maximum: :meth:`MemoryModel.transient` of
+a ``call`` node under ``s`` is the larger of
+
+* its forward's outputs, ``sum_j local(out_j, s.outputs[j])``, plus for each ``reduce`` output the
+  buffer its sum over ranks lands in (the largest form its consumers read it in, when the plan is
+  known; as large as the output otherwise: an upper bound), and
+* its backward's gradients: of each output that requires one, ``local(out_j, .)``, and of each input
+  that requires one, ``local(in_i, .)`` widened to the op's widest output dtype (autocast runs a
+  loss's log-softmax in float32, and the gradient it returns is float32), twice for an op whose output
+  is smaller than its largest input (a loss holds an input-sized gradient inside its backward: the
+  log-softmax's, then its input's).
+
+:meth:`MemoryModel.plan_transient` is the largest over a plan's nodes: the logits and their gradient
+for a language model, the full-size partial logits of a row-parallel LM head.  Added to the sum above
+it bounds the peak that ``hidup peak`` predicts by running the program (``tests/test_memory.py``).
+
+Not counted: the buffers of a form change beyond a ``reduce`` output's sum (an all-gathered weight
+that no backward keeps), workspace, the CUDA context and fragmentation; keep a margin below the
+device size (docs/memory.md compares with measured peaks).
 """
 
 from __future__ import annotations
@@ -47,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hidup.frontend.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
-from hidup.ir import Graph, Node, Signature, block_family, block_label, held_fraction
+from hidup.ir import REDUCE, Graph, Node, Signature, block_family, block_label, held_fraction
 
 __all__ = ["MemoryModel", "MEMORY_PARTS"]
 
@@ -204,3 +222,40 @@ class MemoryModel:
 
     def total(self, node: Node, sig: Signature) -> float:
         return sum(self.breakdown(node, sig))
+
+    def transient(self, node: Node, sig: Signature, summed: dict[int, float] | None = None) -> float:
+        """Bytes per rank that live only around ``node``'s op under ``sig`` (module docstring,
+        "Transients"): the larger of its forward's outputs and its backward's gradients.  A ``reduce``
+        output's sum over ranks is a second buffer: ``summed[t]`` bytes when the plan's consumers are
+        known, else as large as the output."""
+        if node.op != "call":
+            return 0.0
+        g = self.graph
+        outputs = list(zip(node.outputs, sig.outputs))
+        forward = sum(self.local_bytes(t, f) for t, f in outputs)
+        forward += sum((summed or {}).get(t, self.local_bytes(t, f)) for t, f in outputs if f == REDUCE)
+        backward = sum(self.local_bytes(t, f) for t, f in outputs if g.tensors[t].requires_grad)
+        # an input's gradient comes back at the op's widest dtype (autocast's float32 ops upcast theirs)
+        widest = max((self.nbytes[t] / max(g.tensors[t].numel, 1) for t in node.outputs), default=0.0)
+        grads = 0.0
+        for t, f in zip(node.inputs, sig.inputs):
+            if g.tensors[t].requires_grad:
+                width = self.nbytes[t] / max(g.tensors[t].numel, 1)
+                grads += self.local_bytes(t, f) * max(1.0, widest / width if width else 1.0)
+        # an op that reduces (a loss: log-softmax then a pick) holds an input-sized gradient inside its backward
+        reduces = sum(g.tensors[t].numel for t in node.outputs) < max(
+            (g.tensors[t].numel for t in node.inputs), default=0
+        )
+        return max(forward, backward + grads * (2 if reduces else 1))
+
+    def plan_transient(self, choices: dict[str, Signature]) -> float:
+        """The largest :meth:`transient` of a whole plan (node name -> signature), each ``reduce``
+        output's sum sized by the largest form its consumers read it in."""
+        summed: dict[int, float] = {}
+        for n in self.graph.nodes:
+            sig = choices.get(n.name)
+            for t, f in zip(n.inputs, sig.inputs if sig is not None else ()):
+                summed[t] = max(summed.get(t, 0.0), self.local_bytes(t, f))
+        return max(
+            (self.transient(n, choices[n.name], summed) for n in self.graph.nodes if n.name in choices), default=0.0
+        )

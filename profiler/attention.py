@@ -137,8 +137,8 @@ class AttentionTable:
             "variants": {v: {"forward": list(f), "backward": list(b)} for v, (f, b) in self.times},
         }
 
-    @staticmethod
-    def from_dict(d: object) -> "AttentionTable":
+    @classmethod
+    def from_dict(cls, d: object) -> "AttentionTable":
         """Build from :meth:`to_dict`'s form; ``ValueError`` naming what is wrong."""
         keys = {"head_dims", "seqs", "rows", "variants"}
         if not isinstance(d, dict) or set(d) != keys:
@@ -164,4 +164,4 @@ class AttentionTable:
                     raise ValueError(f"variants.{v}.{part} must be a list of numbers")
                 pair.append([float(t) for t in seconds])
             by_variant[v] = tuple(pair)
-        return AttentionTable.of(*axes, by_variant)
+        return cls.of(*axes, by_variant)

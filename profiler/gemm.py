@@ -150,8 +150,8 @@ class GemmGrid:
         points = {"points": [list(p) for p in self.points]} if self.points else {}
         return {"sizes": list(self.sizes), "rates": list(self.rates), **{n: list(r) for n, r in self.layouts}, **points}
 
-    @staticmethod
-    def from_dict(d: object) -> "GemmGrid":
+    @classmethod
+    def from_dict(cls, d: object) -> "GemmGrid":
         """Build from :meth:`to_dict`'s form; ``ValueError`` naming what is wrong."""
         if not isinstance(d, dict) or not {"sizes", "rates"} <= set(d) <= {"sizes", "rates", "points", *LAYOUTS[1:]}:
             raise ValueError(
@@ -170,4 +170,4 @@ class GemmGrid:
         points = d.get("points", [])
         if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 5 for p in points):
             raise ValueError("points must be a list of [layout, m, n, k, rate]")
-        return GemmGrid.of(sizes, by_layout, [tuple(p) for p in points])
+        return cls.of(sizes, by_layout, [tuple(p) for p in points])

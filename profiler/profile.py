@@ -163,8 +163,19 @@ from hidup.files import atomic_write
 
 from .attention import AttentionTable
 from .corrections import CorrectionError, Corrections
+from .fields import FieldError, number, per_dtype
 from .gemm import GemmGrid
-from .tables import A2A_TOLERANCE, RING_LINK, RING_TOLERANCE, CommTable, _ring_factor, fit_all_to_all, fit_ring_tables
+from .tables import (
+    A2A_TOLERANCE,
+    COLLECTIVES,
+    RING_LINK,
+    RING_TOLERANCE,
+    CommTable,
+    _ring_factor,
+    concurrency_from_dict,
+    fit_all_to_all,
+    fit_ring_tables,
+)
 
 __all__ = [
     "Profile",
@@ -189,7 +200,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 ATTENTION_DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes: float32 attention uses no TF32
 REDUCTION_DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of reduction_bandwidth
@@ -232,6 +242,25 @@ class NetworkTables:
             "collectives": _tables_to_dict(self.collectives),
             "concurrency": _concurrency_to_dict(self.concurrency),
         }
+
+    @classmethod
+    def from_dict(cls, net, gpus_per_node: int) -> "NetworkTables":
+        """Build from :meth:`to_dict`'s form (a profile's ``network`` field, whose ``gpus_per_node``
+        must be > 0); a :class:`~hidup.profiler.fields.FieldError` names what is wrong."""
+        if not isinstance(net, dict):
+            raise FieldError("network", "expected an object {collectives, concurrency}")
+        extra = set(net) - {"collectives", "concurrency"}
+        if extra:
+            raise FieldError("network", f"unknown field(s) {sorted(extra)}; expected collectives and concurrency")
+        if gpus_per_node == 0:
+            raise FieldError(
+                "gpus_per_node",
+                "a profile with a 'network' section needs the GPUs per node (> 0), which say which groups cross nodes",
+            )
+        return cls(
+            CommTable.tables_from_dict(net.get("collectives"), "network.collectives"),
+            concurrency_from_dict(net.get("concurrency", {}), "network.concurrency"),
+        )
 
 
 def _tables_to_dict(collectives: dict[str, dict[int, CommTable]]) -> dict:
@@ -603,250 +632,184 @@ class Profile:
 
     @staticmethod
     def from_dict(d: dict, where: str = "profile") -> "Profile":
-        """Validate and build; errors name the offending field as ``<where>: <field>: ...``."""
-
-        def bad(fieldname: str, msg: str) -> ProfileError:
-            return ProfileError(f"{where}: field {fieldname!r}: {msg}")
-
-        def number(value, fieldname: str, positive: bool = True) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(fieldname, f"expected a finite number, got {value!r}")
-            if positive and value <= 0:
-                raise bad(fieldname, f"must be > 0, got {value!r}")
-            if not positive and value < 0:
-                raise bad(fieldname, f"must be >= 0, got {value!r}")
-            return float(value)
-
-        def group_size(key, fieldname: str) -> int:
-            try:
-                g = int(key)
-            except (TypeError, ValueError):
-                raise bad(fieldname, "group size keys must be integers >= 2") from None
-            if g < 2:
-                raise bad(fieldname, "group size keys must be integers >= 2")
-            return g
-
+        """Validate and build; errors name the offending field as ``<where>: field '<field>': ...``
+        (each part of the document is read by its own ``from_dict``: :mod:`hidup.profiler.fields`)."""
         if not isinstance(d, dict):
             raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
-        version = d.get("version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise bad("version", f"this hidup reads profile schema {SCHEMA_VERSION}, got {version!r}")
-        name = d.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad("name", "a non-empty string is required")
-        source = d.get("source", "measured")
-        if source not in SOURCES:
-            raise bad("source", f"expected one of {SOURCES}, got {source!r}")
-        for key in ("host", "gpu", "date", "notes"):
-            if not isinstance(d.get(key, ""), str):
-                raise bad(key, f"expected a string, got {d[key]!r}")
-        ws = d.get("world_sizes", [])
-        if not isinstance(ws, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws):
-            raise bad("world_sizes", f"expected a list of positive integers, got {ws!r}")
-
-        fl = d.get("flops")
-        if not isinstance(fl, dict):
-            raise bad("flops", "a mapping {fp32, tf32, bf16, fp16} -> FLOP/s is required")
-        flops = {}
-        for dt in DTYPES:
-            if dt not in fl:
-                raise bad(
-                    f"flops.{dt}",
-                    "missing; give the device FLOP/s for this dtype "
-                    "(use the fp32 value if the device has no faster mode)",
-                )
-            flops[dt] = number(fl[dt], f"flops.{dt}")
-        extra = set(fl) - set(DTYPES)
-        if extra:
-            raise bad("flops", f"unknown dtype(s) {sorted(extra)}; expected {DTYPES}")
-
-        sizes_in = d.get("matmul_sizes", {})
-        if not isinstance(sizes_in, dict) or set(sizes_in) - set(DTYPES):
-            raise bad("matmul_sizes", f"expected a mapping {{dtype of {DTYPES}: {{size: FLOP/s}}}}")
-        matmul_sizes = {}
-        for dt, per in sizes_in.items():
-            if not isinstance(per, dict):
-                raise bad(f"matmul_sizes.{dt}", "expected a mapping size -> FLOP/s")
-            if not all(str(n).isdigit() and int(n) > 0 for n in per):
-                raise bad(f"matmul_sizes.{dt}", f"sizes must be positive integers, got {sorted(per)}")
-            matmul_sizes[dt] = {int(n): number(r, f"matmul_sizes.{dt}.{n}") for n, r in per.items()}
-
-        def per_dtype(key: str, dtypes: tuple[str, ...], parse, shape: str) -> dict:
-            """The mapping ``dtype -> parse(value)`` of field ``key``; a ProfileError naming the entry."""
-            given = d.get(key, {})
-            if not isinstance(given, dict) or set(given) - set(dtypes):
-                raise bad(key, f"expected a mapping {{dtype of {dtypes}: {shape}}}")
-            out = {}
-            for dt, value in given.items():
-                try:
-                    out[dt] = parse(value)
-                except ValueError as e:
-                    raise bad(f"{key}.{dt}", str(e)) from None
-            return out
-
-        gemm = per_dtype("gemm", DTYPES, GemmGrid.from_dict, "{sizes, rates}")
-        attention = per_dtype("attention", ATTENTION_DTYPES, AttentionTable.from_dict, "{head_dims, seqs, ...}")
-        reduction_bw = {
-            dt: number(v, f"reduction_bandwidth.{dt}")
-            for dt, v in per_dtype("reduction_bandwidth", REDUCTION_DTYPES, lambda v: v, "bytes/s").items()
-        }
-
-        ops_in = d.get("ops", {})
-        if not isinstance(ops_in, dict):
-            raise bad("ops", "expected a mapping op key -> {forward, backward}")
-        ops = {}
-        for k, v in ops_in.items():
-            if not isinstance(v, dict) or "forward" not in v or "backward" not in v:
-                raise bad(f"ops[{k!r}]", 'expected {"forward": seconds, "backward": seconds}')
-            ops[k] = (
-                number(v["forward"], f"ops[{k!r}].forward", positive=False),
-                number(v["backward"], f"ops[{k!r}].backward", positive=False),
-            )
-
-        def tables(cin, prefix: str) -> dict[str, dict[int, CommTable]]:
-            """The collective tables of ``cin``; ``prefix`` names where they are (``collectives``)."""
-            if not isinstance(cin, dict):
-                raise bad(prefix, f"a mapping with {COLLECTIVES} is required")
-            colls: dict[str, dict[int, CommTable]] = {}
-            for c in COLLECTIVES:
-                if c not in cin:
-                    raise bad(f"{prefix}.{c}", "missing; every collective needs at least one group size")
-                groups = cin[c]
-                if not isinstance(groups, dict) or not groups:
-                    raise bad(f"{prefix}.{c}", "expected a non-empty mapping group size -> table")
-                colls[c] = {}
-                for g, t in groups.items():
-                    f = f"{prefix}.{c}.{g}"
-                    gi = group_size(g, f)
-                    if not isinstance(t, dict):
-                        raise bad(f, "expected {alpha, sizes, algbw}")
-                    for key in ("alpha", "sizes", "algbw"):
-                        if key not in t:
-                            raise bad(f"{f}.{key}", "missing")
-                    alpha = number(t["alpha"], f"{f}.alpha", positive=False)
-                    sizes, bws = t["sizes"], t["algbw"]
-                    if not isinstance(sizes, list) or not sizes:
-                        raise bad(f"{f}.sizes", "expected a non-empty list of byte counts")
-                    if not isinstance(bws, list) or len(bws) != len(sizes):
-                        raise bad(f"{f}.algbw", f"expected a list as long as sizes ({len(sizes)} entries)")
-                    sizes = [number(s, f"{f}.sizes[{i}]") for i, s in enumerate(sizes)]
-                    bws = [number(b, f"{f}.algbw[{i}]") for i, b in enumerate(bws)]
-                    if any(b <= a for a, b in zip(sizes, sizes[1:])):
-                        raise bad(f"{f}.sizes", f"must be strictly increasing, got {sizes}")
-                    colls[c][gi] = CommTable(alpha, sizes, bws)
-            extra = set(cin) - set(COLLECTIVES)
-            if extra:
-                raise bad(prefix, f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
-            return colls
-
-        def speedups(cc, prefix: str) -> dict[str, dict[int, tuple[list[float], list[float]]]]:
-            """The concurrency tables of ``cc``; ``prefix`` names where they are (``concurrency``)."""
-            concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
-            cc = cc or {}
-            if not isinstance(cc, dict):
-                raise bad(prefix, "expected an object {collective: {group size: {sizes, speedup}}}")
-            for c, groups in cc.items():
-                if c not in COLLECTIVES or not isinstance(groups, dict):
-                    raise bad(prefix, f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
-                for g, entry in groups.items():
-                    f = f"{prefix}.{c}.{g}"
-                    gi = group_size(g, f)
-                    if not isinstance(entry, dict):
-                        raise bad(f, "expected {sizes, speedup}")
-                    sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]
-                    speed = [number(x, f + ".speedup") for x in entry.get("speedup", [])]
-                    if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-                        raise bad(f, "sizes must be strictly increasing and as many as the speedups")
-                    concurrency.setdefault(c, {})[gi] = (sizes, speed)
-            return concurrency
-
-        colls = tables(d.get("collectives"), "collectives")
-        membw = number(d.get("memory_bandwidth", 0.0), "memory_bandwidth", positive=False)
-        overhead = number(d.get("op_overhead", 0.0), "op_overhead", positive=False)
-        overhead_graph = number(d.get("op_overhead_graph", 0.0), "op_overhead_graph", positive=False)
-        ops_timing = d.get("ops_timing", "eager")
-        opt_rate = number(d.get("optimizer_s_per_byte", 0.0), "optimizer_s_per_byte", positive=False)
-        layout_bw = number(d.get("layout_bandwidth", 0.0), "layout_bandwidth", positive=False)
-        grad_copy = number(d.get("grad_copy_overhead", 0.0), "grad_copy_overhead", positive=False)
-        grad_copy_graph = number(d.get("grad_copy_overhead_graph", 0.0), "grad_copy_overhead_graph", positive=False)
-        notes = d.get("notes", "")
-        dropped = {k: number(d[k], k) for k in ("ops_scale", "dup_scale") if k in d}  # deleted factors
-        dropped = {k: v for k, v in dropped.items() if v != 1.0}
-        if dropped:
-            notes += (
-                ("; " if notes else "")
-                + ", ".join(f"{k} {v:.3f}" for k, v in sorted(dropped.items()))
-                + " not applied (factors about 1 that this hidup no longer has)"
-            )
-        legacy = {k: number(d[k], k) for k in Corrections.names() if k in d}  # before "corrections"
-        if legacy and "corrections" in d:
-            raise bad(
-                "corrections",
-                f"given both at the top level ({sorted(legacy)}) and under 'corrections'; "
-                "keep the 'corrections' object",
-            )
         try:
-            corrections = (
-                Corrections.from_dict(d["corrections"], f"{where}: field 'corrections'")
-                if "corrections" in d
-                else Corrections.from_legacy(legacy)
-            )
-        except CorrectionError as e:
-            raise ProfileError(str(e)) from None
-        if ops_timing not in ("graph", "eager"):
-            raise bad("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
-        concurrency = speedups(d.get("concurrency", {}), "concurrency")
-        gpus_per_node = d.get("gpus_per_node", 0)
-        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 0:
-            raise bad("gpus_per_node", f"expected an integer >= 0 (0 = one node), got {gpus_per_node!r}")
-        network = None
-        if d.get("network") is not None:
-            net = d["network"]
-            if not isinstance(net, dict):
-                raise bad("network", "expected an object {collectives, concurrency}")
-            extra = set(net) - {"collectives", "concurrency"}
-            if extra:
-                raise bad("network", f"unknown field(s) {sorted(extra)}; expected collectives and concurrency")
-            if gpus_per_node == 0:
-                raise bad(
-                    "gpus_per_node",
-                    "a profile with a 'network' section needs the GPUs per node (> 0), which say which "
-                    "groups cross nodes",
-                )
-            network = NetworkTables(
-                tables(net.get("collectives"), "network.collectives"),
-                speedups(net.get("concurrency", {}), "network.concurrency"),
-            )
+            return Profile._read(d, where)
+        except FieldError as e:
+            raise ProfileError(f"{where}: field {e.field!r}: {e}") from None
+
+    @staticmethod
+    def _read(d: dict, where: str) -> "Profile":
+        """:meth:`from_dict` of a JSON object: its fields, read and checked in this order."""
+        _check_header(d)
+        flops = _flops(d.get("flops"))
+        matmul_sizes = _matmul_sizes(d.get("matmul_sizes", {}))
+        gemm = per_dtype(d, "gemm", DTYPES, GemmGrid.from_dict, "{sizes, rates}")
+        attention = per_dtype(d, "attention", ATTENTION_DTYPES, AttentionTable.from_dict, "{head_dims, seqs, ...}")
+        reduction = per_dtype(d, "reduction_bandwidth", REDUCTION_DTYPES, lambda v: v, "bytes/s")
+        reduction_bw = {dt: number(v, f"reduction_bandwidth.{dt}") for dt, v in reduction.items()}
+        ops = _ops(d.get("ops", {}))
+        collectives = CommTable.tables_from_dict(d.get("collectives"), "collectives")
+        physical = {key: number(d.get(key, 0.0), key, positive=False) for key in _PHYSICAL}
+        notes = _notes_of_dropped_factors(d)
+        corrections = _corrections(d, where)
+        ops_timing = _ops_timing(d)
+        concurrency = concurrency_from_dict(d.get("concurrency", {}), "concurrency")
+        gpus_per_node = _gpus_per_node(d)
+        network = None if d.get("network") is None else NetworkTables.from_dict(d["network"], gpus_per_node)
+        kernels = {key: number(d.get(key, 0.0), key, positive=False) for key in _PHYSICAL_LATER}
         return Profile(
-            name,
+            d["name"],
             flops,
-            colls,
+            collectives,
             ops,
-            d.get("host", ""),
-            d.get("gpu", ""),
-            list(ws),
-            d.get("date", ""),
-            source,
-            notes,
-            membw,
-            overhead,
-            overhead_graph,
-            concurrency,
-            ops_timing,
-            opt_rate,
-            layout_bw,
-            grad_copy,
-            grad_copy_graph,
-            corrections,
-            gpus_per_node,
-            network,
-            matmul_sizes,
-            transpose_bandwidth=number(d.get("transpose_bandwidth", 0.0), "transpose_bandwidth", positive=False),
+            host=d.get("host", ""),
+            gpu=d.get("gpu", ""),
+            world_sizes=list(d.get("world_sizes", [])),
+            date=d.get("date", ""),
+            source=d.get("source", "measured"),
+            notes=notes,
+            concurrency=concurrency,
+            ops_timing=ops_timing,
+            corrections=corrections,
+            gpus_per_node=gpus_per_node,
+            network=network,
+            matmul_sizes=matmul_sizes,
             gemm=gemm,
             attention=attention,
             reduction_bandwidth=reduction_bw,
-            kernel_floor_graph=number(d.get("kernel_floor_graph", 0.0), "kernel_floor_graph", positive=False),
+            **physical,
+            **kernels,
         )
+
+
+# the optional physical figures (0 = not measured), read in this order ...
+_PHYSICAL = (
+    "memory_bandwidth",
+    "op_overhead",
+    "op_overhead_graph",
+    "optimizer_s_per_byte",
+    "layout_bandwidth",
+    "grad_copy_overhead",
+    "grad_copy_overhead_graph",
+)
+# ... and these after the tables (the order decides which error a document with several gets)
+_PHYSICAL_LATER = ("transpose_bandwidth", "kernel_floor_graph")
+
+
+def _check_header(d: dict) -> None:
+    """The document's version, name, source, descriptive strings and world sizes."""
+    version = d.get("version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise FieldError("version", f"this hidup reads profile schema {SCHEMA_VERSION}, got {version!r}")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise FieldError("name", "a non-empty string is required")
+    source = d.get("source", "measured")
+    if source not in SOURCES:
+        raise FieldError("source", f"expected one of {SOURCES}, got {source!r}")
+    for key in ("host", "gpu", "date", "notes"):
+        if not isinstance(d.get(key, ""), str):
+            raise FieldError(key, f"expected a string, got {d[key]!r}")
+    ws = d.get("world_sizes", [])
+    if not isinstance(ws, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws):
+        raise FieldError("world_sizes", f"expected a list of positive integers, got {ws!r}")
+
+
+def _flops(fl) -> dict[str, float]:
+    """The ``flops`` field: a FLOP rate for every dtype of :data:`DTYPES`, and no other."""
+    if not isinstance(fl, dict):
+        raise FieldError("flops", "a mapping {fp32, tf32, bf16, fp16} -> FLOP/s is required")
+    flops = {}
+    for dt in DTYPES:
+        if dt not in fl:
+            raise FieldError(
+                f"flops.{dt}",
+                "missing; give the device FLOP/s for this dtype (use the fp32 value if the device has no faster mode)",
+            )
+        flops[dt] = number(fl[dt], f"flops.{dt}")
+    extra = set(fl) - set(DTYPES)
+    if extra:
+        raise FieldError("flops", f"unknown dtype(s) {sorted(extra)}; expected {DTYPES}")
+    return flops
+
+
+def _matmul_sizes(sizes_in) -> dict[str, dict[int, float]]:
+    """The ``matmul_sizes`` field: dtype -> square matmul size -> FLOP/s."""
+    if not isinstance(sizes_in, dict) or set(sizes_in) - set(DTYPES):
+        raise FieldError("matmul_sizes", f"expected a mapping {{dtype of {DTYPES}: {{size: FLOP/s}}}}")
+    matmul_sizes = {}
+    for dt, per in sizes_in.items():
+        if not isinstance(per, dict):
+            raise FieldError(f"matmul_sizes.{dt}", "expected a mapping size -> FLOP/s")
+        if not all(str(n).isdigit() and int(n) > 0 for n in per):
+            raise FieldError(f"matmul_sizes.{dt}", f"sizes must be positive integers, got {sorted(per)}")
+        matmul_sizes[dt] = {int(n): number(r, f"matmul_sizes.{dt}.{n}") for n, r in per.items()}
+    return matmul_sizes
+
+
+def _ops(ops_in) -> dict[str, tuple[float, float]]:
+    """The ``ops`` field: op key -> (forward, backward) seconds."""
+    if not isinstance(ops_in, dict):
+        raise FieldError("ops", "expected a mapping op key -> {forward, backward}")
+    ops = {}
+    for k, v in ops_in.items():
+        if not isinstance(v, dict) or "forward" not in v or "backward" not in v:
+            raise FieldError(f"ops[{k!r}]", 'expected {"forward": seconds, "backward": seconds}')
+        ops[k] = (
+            number(v["forward"], f"ops[{k!r}].forward", positive=False),
+            number(v["backward"], f"ops[{k!r}].backward", positive=False),
+        )
+    return ops
+
+
+def _notes_of_dropped_factors(d: dict) -> str:
+    """The ``notes`` field, saying which deleted factors (``ops_scale``, ``dup_scale``; module
+    docstring) the document carries other than 1."""
+    notes = d.get("notes", "")
+    dropped = {k: number(d[k], k) for k in ("ops_scale", "dup_scale") if k in d}
+    dropped = {k: v for k, v in dropped.items() if v != 1.0}
+    if dropped:
+        notes += (
+            ("; " if notes else "")
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(dropped.items()))
+            + " not applied (factors about 1 that this hidup no longer has)"
+        )
+    return notes
+
+
+def _corrections(d: dict, where: str) -> Corrections:
+    """The ``corrections`` field, or the top-level ``dist_scale`` / ``dist_dup_scale`` of an older
+    document (:meth:`Corrections.from_legacy`), not both."""
+    legacy = {k: number(d[k], k) for k in Corrections.names() if k in d}  # before "corrections"
+    if legacy and "corrections" in d:
+        raise FieldError(
+            "corrections",
+            f"given both at the top level ({sorted(legacy)}) and under 'corrections'; keep the 'corrections' object",
+        )
+    try:
+        if "corrections" in d:
+            return Corrections.from_dict(d["corrections"], f"{where}: field 'corrections'")
+        return Corrections.from_legacy(legacy)
+    except CorrectionError as e:
+        raise ProfileError(str(e)) from None
+
+
+def _ops_timing(d: dict) -> str:
+    ops_timing = d.get("ops_timing", "eager")
+    if ops_timing not in ("graph", "eager"):
+        raise FieldError("ops_timing", f"must be 'graph' or 'eager', got {ops_timing!r}")
+    return ops_timing
+
+
+def _gpus_per_node(d: dict) -> int:
+    gpus_per_node = d.get("gpus_per_node", 0)
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 0:
+        raise FieldError("gpus_per_node", f"expected an integer >= 0 (0 = one node), got {gpus_per_node!r}")
+    return gpus_per_node
 
 
 def builtin_names() -> list[str]:

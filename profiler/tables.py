@@ -1,4 +1,5 @@
-"""Collective tables: one collective at one group size, and fitting them to one another.
+"""Collective tables: one collective at one group size (read from a profile document by
+:meth:`CommTable.tables_from_dict`, with :func:`concurrency_from_dict`), and fitting them to one another.
 
 Fitted tables: collectives that share a link
 ---------------------------------------------
@@ -68,7 +69,20 @@ import bisect
 import math
 from dataclasses import dataclass
 
-__all__ = ["CommTable", "fit_ring_tables", "fit_all_to_all", "RING_LINK", "RING_TOLERANCE", "A2A_TOLERANCE"]
+from .fields import FieldError, group_size, number
+
+__all__ = [
+    "CommTable",
+    "concurrency_from_dict",
+    "fit_ring_tables",
+    "fit_all_to_all",
+    "COLLECTIVES",
+    "RING_LINK",
+    "RING_TOLERANCE",
+    "A2A_TOLERANCE",
+]
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
 def _ring_factor(measured: int, wanted: int) -> float:
@@ -230,3 +244,72 @@ class CommTable:
 
     def to_dict(self) -> dict:
         return {"alpha": self.alpha, "sizes": list(self.sizes), "algbw": list(self.algbw)}
+
+    @classmethod
+    def from_dict(cls, t, field: str) -> "CommTable":
+        """Build from :meth:`to_dict`'s form, found at ``field`` of a profile document; a
+        :class:`~hidup.profiler.fields.FieldError` names what is wrong."""
+        if not isinstance(t, dict):
+            raise FieldError(field, "expected {alpha, sizes, algbw}")
+        for key in ("alpha", "sizes", "algbw"):
+            if key not in t:
+                raise FieldError(f"{field}.{key}", "missing")
+        alpha = number(t["alpha"], f"{field}.alpha", positive=False)
+        sizes, bws = t["sizes"], t["algbw"]
+        if not isinstance(sizes, list) or not sizes:
+            raise FieldError(f"{field}.sizes", "expected a non-empty list of byte counts")
+        if not isinstance(bws, list) or len(bws) != len(sizes):
+            raise FieldError(f"{field}.algbw", f"expected a list as long as sizes ({len(sizes)} entries)")
+        sizes = [number(s, f"{field}.sizes[{i}]") for i, s in enumerate(sizes)]
+        bws = [number(b, f"{field}.algbw[{i}]") for i, b in enumerate(bws)]
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise FieldError(f"{field}.sizes", f"must be strictly increasing, got {sizes}")
+        return cls(alpha, sizes, bws)
+
+    @classmethod
+    def tables_from_dict(cls, cin, prefix: str) -> dict[str, dict[int, "CommTable"]]:
+        """The tables ``{collective: {group size: table}}`` of ``cin``, found at ``prefix`` of a profile
+        document (``collectives``, ``network.collectives``): every collective of :data:`COLLECTIVES`
+        with at least one group size, and no other."""
+        if not isinstance(cin, dict):
+            raise FieldError(prefix, f"a mapping with {COLLECTIVES} is required")
+        colls: dict[str, dict[int, CommTable]] = {}
+        for c in COLLECTIVES:
+            if c not in cin:
+                raise FieldError(f"{prefix}.{c}", "missing; every collective needs at least one group size")
+            groups = cin[c]
+            if not isinstance(groups, dict) or not groups:
+                raise FieldError(f"{prefix}.{c}", "expected a non-empty mapping group size -> table")
+            colls[c] = {}
+            for g, t in groups.items():
+                f = f"{prefix}.{c}.{g}"
+                gi = group_size(g, f)
+                colls[c][gi] = cls.from_dict(t, f)
+        extra = set(cin) - set(COLLECTIVES)
+        if extra:
+            raise FieldError(prefix, f"unknown collective(s) {sorted(extra)}; expected {COLLECTIVES}")
+        return colls
+
+
+def concurrency_from_dict(cc, prefix: str) -> dict[str, dict[int, tuple[list[float], list[float]]]]:
+    """The concurrency tables ``{collective: {group size: (sizes, speedup)}}`` of ``cc`` (None: none),
+    found at ``prefix`` of a profile document (``concurrency``, ``network.concurrency``); a
+    :class:`~hidup.profiler.fields.FieldError` names what is wrong."""
+    concurrency: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
+    cc = cc or {}
+    if not isinstance(cc, dict):
+        raise FieldError(prefix, "expected an object {collective: {group size: {sizes, speedup}}}")
+    for c, groups in cc.items():
+        if c not in COLLECTIVES or not isinstance(groups, dict):
+            raise FieldError(prefix, f"unknown collective {c!r} or malformed entry; expected {COLLECTIVES}")
+        for g, entry in groups.items():
+            f = f"{prefix}.{c}.{g}"
+            gi = group_size(g, f)
+            if not isinstance(entry, dict):
+                raise FieldError(f, "expected {sizes, speedup}")
+            sizes = [number(x, f + ".sizes") for x in entry.get("sizes", [])]
+            speed = [number(x, f + ".speedup") for x in entry.get("speedup", [])]
+            if not sizes or len(sizes) != len(speed) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+                raise FieldError(f, "sizes must be strictly increasing and as many as the speedups")
+            concurrency.setdefault(c, {})[gi] = (sizes, speed)
+    return concurrency

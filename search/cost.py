@@ -747,7 +747,6 @@ class CostModel:
             experts=gate_up[0] if dispatched else g.tensors[node.inputs[3]].shape[0],
             compute_bytes=compute,
             x_bytes=x_bytes,
-            weighted_bytes=max(compute, DTYPE_BYTES.get(g.tensors[node.inputs[2]].dtype, 4)),
         )
         grid = self.profile.gemm.get(rate_key)
 
@@ -757,9 +756,7 @@ class CostModel:
             flops = 2.0 * math.prod(dims)
             return flops / self.profile.rate_at(rate_key, flops)
 
-        o = self.profile.op_overhead
-        compiled = self.compiled and not dispatched
-        return experts_seconds(shape, gemm, self.profile.memory_bandwidth, o, compiled, needs_bwd)
+        return experts_seconds(shape, gemm, self.profile.memory_bandwidth, self.profile.op_overhead, needs_bwd)
 
     def gemm_seconds(self, grid, dims: tuple[int, int, int], layout: str, rate_key: str) -> float:
         """Seconds of the GEMM ``dims = (m, n, k)`` in ``layout`` at the profile's ``rate_key`` dtype, from

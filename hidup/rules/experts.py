@@ -67,9 +67,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hidup.ir import FULL, REDUCE, Signature, gather
+from hidup.rules import grouped
 from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.dispatch import routed_experts_all_to_all
-from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, masked_rows, route
+from hidup.rules.expert_rows import act_rows, combine_rows, gather_rows, own_rows
+from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, route
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
 
@@ -101,21 +103,25 @@ def routed_experts_math(
 
     The ``T k`` (token, slot) pairs are sorted by expert on the device (:func:`hidup.rules.grouped.route`),
     each expert's rows run through ``[gate; up]`` and ``down`` as two grouped matmuls in the compute
-    dtype (autocast's, as ``F.linear``), are scaled by their routing weight and put back in pair order,
-    and each token sums its ``k`` slots.  Rows of other experts are zeroed before the first matmul and
-    after the second (before the routing weight, whose gradient reads that output), so neither
-    direction lets the grouped kernel's unwritten rows reach a sum.  Autograd keeps what the matmuls need
-    (the gathered rows, ``[gate; up]``'s output, the activation's), so the backward is two grouped
-    matmuls per projection with no second forward."""
-    fn = ACTIVATIONS[act]
+    dtype (autocast's, as ``F.linear``), and each token sums its ``k`` slots' outputs scaled by their
+    routing weights.  The row-wise steps around the matmuls (:mod:`hidup.rules.expert_rows`: the gather
+    of each pair's token, the activation, the weighted sum back to tokens) read the count of the rank's
+    own rows on the device and skip the rest, so under the all-gather dispatcher a rank's row work
+    follows its own ``T k / N`` pairs, not all ``T k``; no host synchronization, static shapes.  Autograd
+    keeps what the matmuls need (the gathered rows, ``[gate; up]``'s output, the activation's), so the
+    backward is two grouped matmuls per projection with no second forward."""
     tokens, k = top_k_index.shape
     rows = route(top_k_index, expert_offset, gate_up_proj.shape[0])
     dtype = compute_dtype(x, gate_up_proj, down_proj)
-    xs = masked_rows(x[rows.token].to(dtype), rows.valid)
-    gate, up = grouped_mm(xs, gate_up_proj.to(dtype).transpose(-2, -1), rows.offsets).chunk(2, dim=-1)
-    h = grouped_mm(fn(gate) * up, down_proj.to(dtype).transpose(-2, -1), rows.offsets)
-    h = masked_rows(h, rows.valid) * top_k_weights.reshape(-1)[rows.order].unsqueeze(-1)
-    return h[rows.inverse].view(tokens, k, -1).sum(dim=1).to(x.dtype)
+    count = own_rows(rows)
+    xc = x.to(dtype)
+    gate_up = gate_up_proj.to(dtype).transpose(-2, -1)
+    # the masked grouped form multiplies every row (its weight gradients too): tails must be zero there
+    zero_tail = not grouped.native_grouped_mm(xc, gate_up)
+    xs = gather_rows(xc, rows.order, rows.inverse, count, k, zero_tail)
+    hidden = act_rows(grouped_mm(xs, gate_up, rows.offsets), count, act, zero_tail)
+    h = grouped_mm(hidden, down_proj.to(dtype).transpose(-2, -1), rows.offsets)
+    return combine_rows(h, top_k_weights, rows.order, rows.inverse, count, k, x.dtype)
 
 
 @torch.library.custom_op("hidup::routed_experts", mutates_args=())

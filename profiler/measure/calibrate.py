@@ -85,66 +85,84 @@ def measure_model_ops(
     the same way.  The new op times change the physical prediction that the profile's corrections
     were fitted over, so the result has none (fit them again: :func:`program_scales`)."""
 
-    initialized = dist.is_available() and dist.is_initialized()
-    rank, ranks = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-    graphed = device.type == "cuda"
-
-    def gathered(part):
-        parts = [part]
-        if initialized and ranks > 1:
-            parts = [None] * ranks
-            dist.all_gather_object(parts, part)
-        return parts
-
-    worlds = [world] if isinstance(world, int) else list(world)
-    mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
-    for w in worlds:
-        for name, overrides in models:
-            model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
-            for precision in precisions:
-                mine = model_op_times(
-                    model,
-                    inputs,
-                    w,
-                    device=device,
-                    precision=precision,
-                    half_batch=half_batch,
-                    graphed=graphed,
-                    cache=mine,
-                    total_s=seconds,
-                    shard=(rank, ranks),
-                )
-    ops = {}
-    for part in gathered({k: v for k, v in mine.items() if k not in prof.ops}):
-        ops.update(part or {})
+    run = _ModelOps(models, [world] if isinstance(world, int) else list(world), device, precisions, seconds)
+    ops = run.op_times(prof, half_batch)
     out = prof.with_ops(ops)
-    out.ops_timing = "graph" if graphed else "eager"
+    out.ops_timing = "graph" if run.graphed else "eager"
     out = out.without_corrections()  # fitted over the physical times these ops change: fit them again
     # in-context factor: each rank times the single-device step of some (model, precision, world)
-    pairs = [(name, overrides, precision, w) for w in worlds for name, overrides in models for precision in precisions]
-
-    def check(fn, name, overrides, precision, w):
-        try:
-            return dict(fn(out, name, overrides, w, device, precision), world=w)
-        except Exception as e:  # noqa: BLE001 - the checks are optional: a failure is reported
-            return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
-
-    checks = [check(in_context_scale, *pair) for pair in pairs[rank::ranks]]
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
-    checks = [c for part in gathered(checks) for c in (part or [])]
-    in_context = _geomean_scale(checks, None)
+    checks = run.checks(in_context_scale, out)
     opt = [(c["optimizer_s"], c["optimizer_bytes"]) for c in checks if c.get("optimizer_bytes")]
     if opt:
         out.optimizer_s_per_byte = sum(t for t, _ in opt) / sum(b for _, b in opt)
     # two-copy factor: the same pairs run as duplication's two copies, against the calibrated ops
-    dup_checks = []
-    if half_batch:
-        dup_checks = [check(dup_context_scale, *pair) for pair in pairs[rank::ranks]]
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        dup_checks = [c for part in gathered(dup_checks) for c in (part or [])]
-    two_copies = _geomean_scale(dup_checks, None)
+    dup_checks = run.checks(dup_context_scale, out) if half_batch else []
+    out.notes += _ops_notes(ops, models, run.graphed, precisions, checks, dup_checks)
+    return out
+
+
+class _ModelOps:
+    """One :func:`measure_model_ops` call on this rank: the models, worlds and precisions, this rank's
+    share of the work and the gathering of the shares over the process group (if any)."""
+
+    def __init__(self, models, worlds: list[int], device: torch.device, precisions: tuple[str, ...], seconds: float):
+        self.initialized = dist.is_available() and dist.is_initialized()
+        self.rank, self.ranks = (dist.get_rank(), dist.get_world_size()) if self.initialized else (0, 1)
+        self.models, self.worlds, self.device = models, worlds, device
+        self.precisions, self.seconds = precisions, seconds
+        self.graphed = device.type == "cuda"
+        self.pairs = [(name, overrides, p, w) for w in worlds for name, overrides in models for p in precisions]
+
+    def gathered(self, part) -> list:
+        """Every rank's ``part``, in rank order."""
+        parts = [part]
+        if self.initialized and self.ranks > 1:
+            parts = [None] * self.ranks
+            dist.all_gather_object(parts, part)
+        return parts
+
+    def op_times(self, prof, half_batch: bool) -> dict:
+        """The op times of the models not in ``prof`` yet, each rank timing its share, gathered."""
+        mine: dict = dict(prof.ops)  # the same on every rank: keys measured before (another world) are not re-timed
+        for w in self.worlds:
+            for name, overrides in self.models:
+                model, inputs = hidup.models.build(name, world_size=w, device="meta", **overrides)
+                for precision in self.precisions:
+                    mine = model_op_times(
+                        model,
+                        inputs,
+                        w,
+                        device=self.device,
+                        precision=precision,
+                        half_batch=half_batch,
+                        graphed=self.graphed,
+                        cache=mine,
+                        total_s=self.seconds,
+                        shard=(self.rank, self.ranks),
+                    )
+        ops = {}
+        for part in self.gathered({k: v for k, v in mine.items() if k not in prof.ops}):
+            ops.update(part or {})
+        return ops
+
+    def checks(self, fn, prof) -> list[dict]:
+        """``fn`` (:func:`in_context_scale` or :func:`dup_context_scale`) of every (model, precision,
+        world), each rank checking its share under ``prof``, gathered; a failure is reported, not raised."""
+        mine = [self._check(fn, prof, *pair) for pair in self.pairs[self.rank :: self.ranks]]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the calibration models' memory goes back before the runs
+        return [c for part in self.gathered(mine) for c in (part or [])]
+
+    def _check(self, fn, prof, name, overrides, precision, w) -> dict:
+        try:
+            return dict(fn(prof, name, overrides, w, self.device, precision), world=w)
+        except Exception as e:  # noqa: BLE001 - the checks are optional: a failure is reported
+            return {"model": name, "precision": precision, "world": w, "error": f"{type(e).__name__}: {e}"}
+
+
+def _ops_notes(ops: dict, models, graphed: bool, precisions, checks: list[dict], dup_checks: list[dict]) -> str:
+    """What :func:`measure_model_ops` adds to the profile's notes: the op shapes timed and both checks."""
+    in_context, two_copies = _geomean_scale(checks, None), _geomean_scale(dup_checks, None)
     detail = "; ".join(
         f"{c['model']} {c['precision']} x{c['world']}: "
         + (
@@ -166,14 +184,13 @@ def measure_model_ops(
         )
         for c in dup_checks
     )
-    out.notes += (
+    return (
         f"; {len(ops)} op shapes of {', '.join(n for n, _ in models)} timed "
         f"({'in CUDA graphs' if graphed else 'eagerly'}; {', '.join(precisions)}); "
         f"in-context check {_mean_text(in_context)} ({detail or 'not measured'}); "
         f"two-copy check {_mean_text(two_copies)} ({dup_detail or 'not measured'}); "
         "checks, not applied"
     )
-    return out
 
 
 def _mean_text(mean: float | None) -> str:

@@ -41,6 +41,7 @@ import inspect
 import time
 import warnings
 import zlib
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -50,10 +51,33 @@ import hidup.rules as rules
 from hidup.codegen.timing import Stopwatch, graph_time, time_call
 from hidup.frontend.trace import trace_half_batch, trace_module
 from hidup.ir import Graph, Signature
+from hidup.optionset import OptionSet
 from hidup.profiler.measure.device import tf32
 from hidup.profiler.profile import DTYPES, op_dtype, op_key
 
-__all__ = ["time_ops", "model_op_times", "node_signatures", "node_op_key"]
+__all__ = ["OpTimingOptions", "time_ops", "model_op_times", "node_signatures", "node_op_key"]
+
+
+@dataclass(frozen=True)
+class OpTimingOptions(OptionSet):
+    """How :func:`time_ops` times ops (it takes them as keywords too): on ``device`` in ``precision``
+    (module docstring); ``graphed`` replays each op inside a CUDA graph (None: on CUDA devices);
+    ``budget_s`` seconds of timing per op, ``max_op_s`` the longest first forward that is timed,
+    ``total_s`` the seconds after which measuring stops, ``warmup`` calls before timing, ``seed`` of
+    the synthetic inputs; ``shard=(i, n)`` measures the distinct keys whose CRC-32 is ``i`` modulo
+    ``n``; ``compiled`` times local calls that are Python functions as inductor compiles them."""
+
+    device: torch.device | str = "cpu"
+    precision: str = "fp32"
+    graphed: bool | None = None
+    budget_s: float = 0.05
+    max_op_s: float = 0.5
+    total_s: float = 60.0
+    warmup: int = 1
+    seed: int = 0
+    shard: tuple[int, int] = (0, 1)
+    compiled: bool = False
+    WHAT = "time_ops"
 
 
 def node_signatures(graph: Graph, plan: Any = None) -> list[tuple[str, Signature]]:
@@ -141,23 +165,12 @@ def node_op_key(graph: Graph, node, sig: Signature, precision: str, shapes: list
 
 
 def time_ops(
-    traced,
-    plan: Any = None,
-    *,
-    device: torch.device | str = "cpu",
-    precision: str = "fp32",
-    graphed: bool | None = None,
-    budget_s: float = 0.05,
-    max_op_s: float = 0.5,
-    total_s: float = 60.0,
-    warmup: int = 1,
-    cache: dict | None = None,
-    seed: int = 0,
-    shard: tuple[int, int] = (0, 1),
-    compiled: bool = False,
+    traced, plan: Any = None, options: OpTimingOptions | None = None, *, cache: dict | None = None, **changes
 ) -> dict[str, tuple[float, float]]:
     """Measured ``{op_key: (forward s, backward s)}`` for the call nodes of ``traced``
-    (a :class:`hidup.frontend.trace.Traced`) under ``plan`` (see :func:`node_signatures`).
+    (a :class:`hidup.frontend.trace.Traced`) under ``plan`` (see :func:`node_signatures`), timed as
+    ``options`` (:class:`OpTimingOptions`) updated by the keyword ``changes`` say
+    (``time_ops(traced, plan, precision="tf32", shard=(rank, ranks))``).
 
     ``cache`` (a dict) carries measurements across calls; keys already in it are not re-measured.
     ``graphed`` (default: on CUDA devices) times ops replayed inside a CUDA graph; ``shard=(i, n)``
@@ -165,18 +178,32 @@ def time_ops(
     ``compiled`` times local calls that are Python functions (a rule's math, such as the routed
     experts') as inductor compiles them, as a compiled rank program runs them.
     """
-    device = torch.device(device)
-    graphed = device.type == "cuda" if graphed is None else graphed
+    opts = OpTimingOptions.of(options, **changes)
+    device = torch.device(opts.device)
+    graphed = device.type == "cuda" if opts.graphed is None else opts.graphed
     if graphed and device.type != "cuda":
         raise ValueError(f"time_ops(graphed=True) needs a CUDA device, got {device}")
-    index, parts = shard
+    index, parts = opts.shard
     if not 0 <= index < parts:
-        raise ValueError(f"shard={shard}: need 0 <= index < parts")
-    graph: Graph = traced.graph
+        raise ValueError(f"shard={opts.shard}: need 0 <= index < parts")
+    opts = replace(opts, device=device, graphed=graphed)
     cache = {} if cache is None else cache
-    skipped: dict[str, str] = {}
-    gen = torch.Generator().manual_seed(seed)
-    todo, seen = [], set(cache)
+    skipped = _time_all(_to_time(traced, plan, opts.precision, set(cache), opts.shard), cache, opts)
+    if skipped:
+        warnings.warn(
+            f"hidup.profiler.measure.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
+            f"the roofline: " + "; ".join(list(skipped.values())[:10]) + (" ..." if len(skipped) > 10 else ""),
+            stacklevel=2,
+        )
+    return cache
+
+
+def _to_time(traced, plan: Any, precision: str, seen: set, shard: tuple[int, int]) -> list[tuple]:
+    """``(name, context, signature, local shapes, key)`` of each node of ``plan`` to time: one per
+    distinct key not in ``seen``, of this shard."""
+    graph: Graph = traced.graph
+    index, parts = shard
+    todo = []
     for name, sig in node_signatures(graph, plan):
         node = graph.node(name)
         ctx = traced.contexts.get(name)
@@ -191,43 +218,45 @@ def time_ops(
             seen.add(key)
             if zlib.crc32(key.encode()) % parts == index:
                 todo.append((name, ctx, sig, shapes, key))
-    t_end = time.perf_counter() + total_s
-    with _precision(precision, device):
+    return todo
+
+
+def _time_all(todo: list[tuple], cache: dict, opts: OpTimingOptions) -> dict[str, str]:
+    """Time each op of ``todo`` into ``cache`` until ``opts.total_s`` runs out; the ops not timed, key ->
+    why."""
+    skipped: dict[str, str] = {}
+    gen = torch.Generator().manual_seed(opts.seed)
+    t_end = time.perf_counter() + opts.total_s
+    with _precision(opts.precision, opts.device):
         for name, ctx, sig, shapes, key in todo:
             if time.perf_counter() > t_end:
                 break
             try:
-                measured = _time_one(
-                    rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed, compiled
-                )
+                measured = _time_one(ctx, sig, shapes, gen, opts)
             except Exception as e:  # noqa: BLE001 - an op that cannot run on synthetic inputs is priced from the roofline
                 measured = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if isinstance(measured, tuple):
                 cache[key] = measured
             else:
                 skipped[key] = f"{name} ({measured})"
-    if skipped:
-        warnings.warn(
-            f"hidup.profiler.measure.ops: {len(skipped)} op(s) not timed, the cost model prices them from "
-            f"the roofline: " + "; ".join(list(skipped.values())[:10]) + (" ..." if len(skipped) > 10 else ""),
-            stacklevel=2,
-        )
-    return cache
+    return skipped
 
 
-def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, graphed=False, compiled=False):
-    """``(forward s, backward s)``, or a string saying why the op was not timed."""
+def _time_one(ctx, sig, shapes, gen, opts: OpTimingOptions):
+    """``(forward s, backward s)``, or a string saying why the op was not timed (``opts.device`` and
+    ``opts.graphed`` resolved)."""
+    device = opts.device
     inputs = [_make_input(m, s, device, gen) for m, s in zip(ctx.inputs, shapes)]
     rule = rules.find_rule(ctx.target)
     if rule is not None and rule.typical is not None:
         inputs = rule.typical(ctx, inputs)
-    fn = _bind(rules, ctx, sig, inputs, compiled)
-    if compiled:  # the first call compiles: not what max_op_s bounds
+    fn = _bind(rules, ctx, sig, inputs, opts.compiled)
+    if opts.compiled:  # the first call compiles: not what max_op_s bounds
         fn()
     with Stopwatch(device) as first:
         out = fn()
-    if first.seconds > max_op_s:
-        return f"one forward took {first.seconds:.2f} s > max_op_s={max_op_s} s"
+    if first.seconds > opts.max_op_s:
+        return f"one forward took {first.seconds:.2f} s > max_op_s={opts.max_op_s} s"
     wrt = [t for t in inputs if t.requires_grad]
     outs = [o for o in _flat_tensors(out) if o.requires_grad and o.is_floating_point()]
     grads = (
@@ -242,18 +271,18 @@ def _time_one(rules, ctx, sig, shapes, device, gen, budget_s, max_op_s, warmup, 
         torch.autograd.grad(res, wrt, grads, allow_unused=True)
 
     def timed(f, budget):
-        if graphed:
-            eager = time_call(f, device, warmup=warmup, budget_s=budget / 4, sample_s=budget / 16)
+        if opts.graphed:
+            eager = time_call(f, device, warmup=opts.warmup, budget_s=budget / 4, sample_s=budget / 16)
             reps = max(1, min(64, int(2e-3 / max(eager, 1e-6))))
             t = graph_time(f, device, budget, reps)
             if t is not None:
                 return t
-        return time_call(f, device, warmup=warmup, budget_s=budget, sample_s=budget / 4)
+        return time_call(f, device, warmup=opts.warmup, budget_s=budget, sample_s=budget / 4)
 
-    fwd = timed(fn, budget_s)
+    fwd = timed(fn, opts.budget_s)
     if not grads:  # nothing to differentiate
         return fwd, 0.0
-    both = timed(fwd_bwd, 2 * budget_s)
+    both = timed(fwd_bwd, 2 * opts.budget_s)
     return fwd, max(both - fwd, 0.0)
 
 

@@ -18,12 +18,17 @@ be halved (an odd batch) runs without duplication and says so.
 duplication trial kept: eager steps, then one compiling step (its wall time is the reported
 compilation time; torch's compile caches make a rerun of the same program cheaper), then compiled
 steps, and the compiled program is kept only when faster by more than ``margin``.
+
+How a trial times (``cuda_graphs``, ``autocast_dtype``, ``trials``, ``warmup``, ``margin``) is a
+:class:`TrialOptions`, which each of these functions takes whole or as keywords; their other keywords
+go to :func:`hidup.codegen.compile`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -32,8 +37,41 @@ from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.rewrite import CompileError, compile
 from hidup.codegen.timing import Stopwatch, max_over_ranks, median_seconds
+from hidup.optionset import OptionSet
 
-__all__ = ["choose_duplication", "time_modes", "choose_compile", "compile_step"]
+__all__ = ["TrialOptions", "choose_duplication", "time_modes", "choose_compile", "compile_step"]
+
+
+@dataclass(frozen=True)
+class TrialOptions(OptionSet):
+    """How a trial times its modes (module docstring): ``trials`` timed forward + backward steps
+    after ``warmup`` untimed ones (at least one each), captured as one CUDA graph when
+    ``cuda_graphs`` (on CUDA), under autocast to ``autocast_dtype`` (None: none); the mode the plan (or
+    eager) does not pick is kept only when faster by more than ``margin``."""
+
+    cuda_graphs: bool = True
+    autocast_dtype: torch.dtype | None = None
+    trials: int = 5
+    warmup: int = 2
+    margin: float = 0.02
+    WHAT = "trial"
+
+    def timing(self) -> dict:
+        """The keywords of :func:`_timed`."""
+        return dict(
+            cuda_graphs=self.cuda_graphs,
+            autocast_dtype=self.autocast_dtype,
+            trials=max(1, self.trials),
+            warmup=max(1, self.warmup),
+        )
+
+
+def _split(options: TrialOptions | None, changes: dict) -> tuple[TrialOptions, dict]:
+    """``(trial options, compile keywords)``: ``options`` updated by the keywords of ``changes`` that
+    name a :class:`TrialOptions` field; the others are :func:`hidup.codegen.compile`'s."""
+    names = {f.name for f in fields(TrialOptions)}
+    trial = TrialOptions.of(options, **{k: v for k, v in changes.items() if k in names})
+    return trial, {k: v for k, v in changes.items() if k not in names}
 
 
 def _timed(module, inputs, *, cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> float:
@@ -93,37 +131,26 @@ def _time_both(model, plan, rank: int, world_size: int, inputs: tuple, group, ti
     return off_s, on_s, on, ""
 
 
-def _timing(cuda_graphs: bool, autocast_dtype, trials: int, warmup: int) -> dict:
-    return dict(cuda_graphs=cuda_graphs, autocast_dtype=autocast_dtype, trials=max(1, trials), warmup=max(1, warmup))
-
-
 def time_modes(
     model,
     plan,
     rank: int,
     world_size: int,
     example_inputs,
+    options: TrialOptions | None = None,
     *,
     group=None,
-    cuda_graphs: bool = True,
-    autocast_dtype=None,
-    trials: int = 5,
-    warmup: int = 2,
-    **compile_kwargs,
+    **changes,
 ) -> dict:
     """``{"off_s", "on_s"}``: median seconds of a forward + backward step of ``plan`` compiled without
     and with duplication, timed as :func:`choose_duplication` times them (the slowest rank's medians;
-    ``on_s`` is None when the batch does not halve).  Keeps no module: each is dropped after its
-    timing, with the copy communicators it created.  Every rank of ``group`` must call this."""
+    ``on_s`` is None when the batch does not halve).  ``options`` (:class:`TrialOptions`) are updated by
+    the keyword ``changes`` that name one; the other keywords go to :func:`hidup.codegen.compile`.
+    Keeps no module: each is dropped after its timing, with the copy communicators it created.  Every
+    rank of ``group`` must call this."""
+    trial, compile_kwargs = _split(options, changes)
     off_s, on_s, on, _ = _time_both(
-        model,
-        plan,
-        rank,
-        world_size,
-        tuple(example_inputs),
-        group,
-        _timing(cuda_graphs, autocast_dtype, trials, warmup),
-        compile_kwargs,
+        model, plan, rank, world_size, tuple(example_inputs), group, trial.timing(), compile_kwargs
     )
     if on is not None:
         _release_copy_groups(on, group, compile_kwargs)
@@ -136,41 +163,31 @@ def choose_duplication(
     rank: int,
     world_size: int,
     example_inputs,
+    options: TrialOptions | None = None,
     *,
     group=None,
-    cuda_graphs: bool = True,
-    autocast_dtype=None,
-    trials: int = 5,
-    warmup: int = 2,
-    margin: float = 0.02,
-    **compile_kwargs,
+    **changes,
 ):
     """``(module, info)``: ``plan`` compiled (:func:`hidup.codegen.compile`) in the faster of its two
     modes, and ``info = {"duplication": bool, "trial": {"on_s", "off_s"}, "reason": str}`` (see the
     module docstring).  ``example_inputs`` are the inputs of the timed steps (the global batch, as
-    for ``compile``); every rank of ``group`` must call this."""
+    for ``compile``); ``options`` (:class:`TrialOptions`) are updated by the keyword ``changes`` that
+    name one, and the other keywords go to ``compile``.  Every rank of ``group`` must call this."""
+    trial, compile_kwargs = _split(options, changes)
     inputs = tuple(example_inputs)
     planned = bool(getattr(plan, "duplication", False))
 
     def single():
         return compile(model, plan, rank, world_size, inputs, duplication=False, group=group, **compile_kwargs)
 
-    off_s, on_s, on, why = _time_both(
-        model,
-        plan,
-        rank,
-        world_size,
-        inputs,
-        group,
-        _timing(cuda_graphs, autocast_dtype, trials, warmup),
-        compile_kwargs,
-    )
+    off_s, on_s, on, why = _time_both(model, plan, rank, world_size, inputs, group, trial.timing(), compile_kwargs)
     if on is None:
         return single(), {
             "duplication": False,
             "trial": {"off_s": off_s},
             "reason": f"duplication cannot run this batch ({why}); running one copy",
         }
+    margin = trial.margin
     keep_on = on_s <= off_s * (1.0 + margin) if planned else on_s * (1.0 + margin) < off_s
     chosen = "on" if keep_on else "off"
     info = {
@@ -207,30 +224,24 @@ def compile_step(module, inputs, *, autocast_dtype=None, graphed: bool = False) 
 
 
 def choose_compile(
-    module,
-    example_inputs,
-    *,
-    group=None,
-    cuda_graphs: bool = True,
-    autocast_dtype=None,
-    trials: int = 5,
-    warmup: int = 2,
-    margin: float = 0.02,
-    backend: str = "inductor",
+    module, example_inputs, options: TrialOptions | None = None, *, group=None, backend: str = "inductor", **changes
 ) -> dict:
     """Keep ``module`` (a :class:`hidup.codegen.HidupModule`) compiled with ``backend`` or eager, whichever
     runs a forward + backward faster (``hidup train --compile auto``), timed as :func:`choose_duplication`
-    times its modes: ``trials`` steps, captured as a CUDA graph when ``cuda_graphs``, the slowest rank's
-    medians deciding; compiled is kept only when faster by more than ``margin``.  Returns ``{"compile":
+    times its modes, by ``options`` (:class:`TrialOptions`) updated by the keyword ``changes``:
+    ``trials`` steps, captured as a CUDA graph when ``cuda_graphs``, the slowest rank's medians
+    deciding; compiled is kept only when faster by more than ``margin``.  Returns ``{"compile":
     bool, "compile_s": seconds of the compiling step, "trial": {"eager_s", "compiled_s"}, "reason"}``.
     Every rank of ``group`` must call this; the module is left in the chosen mode with no gradient."""
+    trial = TrialOptions.of(options, **changes)
+    cuda_graphs, margin = trial.cuda_graphs, trial.margin
     inputs = tuple(example_inputs)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    timing = _timing(cuda_graphs, autocast_dtype, trials, warmup)
+    timing = trial.timing()
     module.set_compile(None)
     eager_s = _timed(module, inputs, **timing)
     module.set_compile(backend)
-    compile_s = compile_step(module, inputs, autocast_dtype=autocast_dtype, graphed=cuda_graphs)
+    compile_s = compile_step(module, inputs, autocast_dtype=trial.autocast_dtype, graphed=cuda_graphs)
     compiled_s = _timed(module, inputs, **timing)
     eager_s, compiled_s, compile_s = max_over_ranks([eager_s, compiled_s, compile_s], group, device)
     keep = compiled_s * (1.0 + margin) < eager_s

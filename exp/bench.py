@@ -88,11 +88,11 @@ from exp.benchreport import bench_finish
 from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
 from exp.report import ROOT, command_line, hardware, load_json
+from hidup.cli.model_flags import add_model_flags
 from hidup.plan import Plan
 from hidup.profiler.measure.machine import profile_machine
 from hidup.profiler.profile import load as load_profile
 from hidup.runtime.launch import LaunchError, launch
-from hidup.runtime.options import add_model_flags
 
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0"}

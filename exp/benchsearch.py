@@ -48,8 +48,8 @@ __all__ = [
 
 
 def overrides_of(args) -> dict:
-    """The model overrides given as flags (``--layers`` ...) of ``hidup.cli.MODEL_FLAGS``."""
-    from hidup.runtime.options import MODEL_FLAGS
+    """The model overrides given as flags (``--layers`` ...) of ``hidup.cli.model_flags.MODEL_FLAGS``."""
+    from hidup.cli.model_flags import MODEL_FLAGS
 
     out = {}
     for flag in MODEL_FLAGS:

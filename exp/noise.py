@@ -76,12 +76,12 @@ from exp.report import (
     text_table,
     write_section,
 )
+from hidup.cli.model_flags import add_model_flags
 from hidup.files import atomic_write
 from hidup.frontend.trace import trace
 from hidup.plan import Plan
 from hidup.profiler import load
 from hidup.runtime.launch import LaunchError, launch
-from hidup.runtime.options import add_model_flags
 
 
 def perturbations(args) -> list[dict]:

@@ -29,6 +29,7 @@ from hidup.cli import main
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.frontend.trace import forward_inputs
+from hidup.runtime.options import ModelChoice
 from hidup.runtime.peak import peak_parts, predict_peak, predicted_memory
 from hidup.search import forced
 
@@ -102,10 +103,7 @@ def test_the_peak_holds_what_the_memory_model_leaves_out():
     plan = _plan("data")
     fake = _predicted(plan, 0, 2)
 
-    class Args:  # what predicted_memory reads of a command line
-        model, model_args, world, mesh, quiet = "gpt", SMALL, 2, None, True
-
-    modelled = predicted_memory(Args, plan, "fp32")
+    modelled = predicted_memory(ModelChoice("gpt", SMALL, 2), plan, "fp32", quiet=True)
     assert modelled is not None
     # the parts the memory model counts exactly are the fake run's: the rank's stored weights, and at
     # the peak (here the optimizer step) its gradients and Adam's moments beside them, and the gradient

@@ -64,9 +64,12 @@ if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` com
 import hidup.models
 from exp.baselines.baseline_util import Options, loss_form_of, loss_weight, make_adam, set_loss_weight
 from exp.baselines.timing import time_steps
+from hidup.cli.config_file import apply_config_file
+from hidup.cli.launch_flags import add_launch_args, launch_kwargs
+from hidup.cli.model_flags import add_model_args, model_overrides, model_request
 from hidup.runtime.data import rank_share
-from hidup.runtime.launch import add_launch_args, launch, launch_kwargs, layout_from_env
-from hidup.runtime.options import add_model_args, apply_config_file, model_overrides, settle_model
+from hidup.runtime.launch import launch, layout_from_env
+from hidup.runtime.options import settle_model
 
 BASELINES = ("ddp", "fsdp", "expert", "single")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -520,7 +523,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = apply_config_file(p, list(sys.argv[1:] if argv is None else argv))
-    settle_model(args)  # the default model and world when not given
+    choice = settle_model(model_request(args))  # the default model and world when not given
     overrides = model_overrides(args)
     for key in ("dropout", "aux_weight"):
         if getattr(args, key) is not None:
@@ -528,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = RunSpec(
             args.baseline,
-            args.model,
-            args.world,
+            choice.model,
+            choice.world,
             overrides,
             args.warmup,
             args.iters,

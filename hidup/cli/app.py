@@ -1,13 +1,14 @@
 """The ``hidup`` command line: search, show, verify, profile, train, describe.
 
-Every subcommand that builds a model takes the same model flags.  ``--model`` is a zoo name (``hidup
-models``) or ``package.module:function``, a factory returning ``(model, example_inputs)``
-(:mod:`hidup.models.source`).  The model's arguments are the flags ``--layers``, ``--d-model``, ...
-(keyword arguments ``layers``, ``d_model``, ...) and ``--model-arg KEY=VALUE`` (repeatable; VALUE is
-read as JSON -- ``2``, ``0.5``, ``true``, ``[1, 2]`` -- and as a plain string otherwise) for any
-other keyword.  A TOML file given with ``--config`` supplies defaults for any flag (keys are the flag
-names with dashes or underscores), and a ``[model]`` table gives the model: its ``spec`` key names
-it and every other key is a model argument.  Flags on the command line win.
+Every subcommand that builds a model takes the same model flags (:mod:`hidup.cli.model_flags`).
+``--model`` is a zoo name (``hidup models``) or ``package.module:function``, a factory returning
+``(model, example_inputs)`` (:mod:`hidup.models.source`).  The model's arguments are the flags
+``--layers``, ``--d-model``, ... (keyword arguments ``layers``, ``d_model``, ...) and ``--model-arg
+KEY=VALUE`` (repeatable; VALUE is read as JSON -- ``2``, ``0.5``, ``true``, ``[1, 2]`` -- and as a
+plain string otherwise) for any other keyword.  A TOML file given with ``--config`` supplies
+defaults for any flag (keys are the flag names with dashes or underscores), and a ``[model]`` table
+gives the model: its ``spec`` key names it and every other key is a model argument.  Flags on the
+command line win.
 
 A plan records its model and arguments, so ``show``, ``train``, ``verify`` with a plan need no model
 flags.  Model flags given with a plan must agree with its record: a different model, a different
@@ -31,22 +32,16 @@ from pathlib import Path
 import hidup.models
 import hidup.profiler
 from hidup import __version__
+from hidup.cli import bench_rank_flags, peak_flags
 from hidup.cli import run_commands as runtime_cli
+from hidup.cli.config_file import apply_config_file
+from hidup.cli.model_flags import add_model_args, model_request
 from hidup.frontend.describe import describe
 from hidup.models.source import recorded_source
 from hidup.plan import Plan, model_record, summary
 from hidup.profiler.profile import DTYPES
-from hidup.runtime import bench_rank, peak
 from hidup.runtime.launch import LaunchError, user_error
-from hidup.runtime.options import (
-    DEFAULT_PROFILE,
-    CommandError,
-    add_model_args,
-    apply_config_file,
-    build_graph,
-    say,
-    settle_model,
-)
+from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
 from hidup.search import STYLES, forced, search
 from hidup.search.ilp import DEFAULT_TIME_LIMIT
 
@@ -179,19 +174,20 @@ def _report_warnings(caught, command: str) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    record = model_record(settle_model(args))  # refuses non-JSON arguments before the search runs
-    out = args.out or Path(f"strategy_{args.model.replace(':', '.')}.json")
+    choice = settle_model(model_request(args))
+    record = model_record(choice.record)  # refuses non-JSON arguments before the search runs
+    out = args.out or Path(f"strategy_{choice.model.replace(':', '.')}.json")
     check_out_path(out)
     if not args.time_limit > 0:
         raise CommandError(f"--time-limit {args.time_limit:g}: give a positive number of seconds")
     profile = hidup.profiler.load(args.profile)
     if args.noise:
         profile = profile.perturb(noise=args.noise, seed=args.seed)
-    graph = build_graph(args)
+    graph = build_graph(choice, quiet=args.quiet)
     budget = None if args.memory is None else args.memory * 1e9
     say(
-        args,
         f"searching ({args.algorithm}{', time limit %g s' % args.time_limit if args.algorithm == 'ilp' else ''}) ...",
+        args.quiet,
     )
     style = _style(args.style, len(graph.mesh))
     run = search if style is None else (lambda g, p, **kw: forced(g, p, style, **kw))
@@ -200,7 +196,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         plan = run(
             graph,
             profile,
-            world_size=args.world,
+            world_size=choice.world,
             algorithm=args.algorithm,
             duplication=not args.no_duplication,
             memory_budget=budget,
@@ -262,11 +258,12 @@ def _show_parser(sub) -> None:
 
 def cmd_show(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
+    choice = None
     if args.check or recorded_source(plan) is not None:  # flags that contradict the plan's record are refused
-        settle_model(args, plan, args.plan)
+        choice = settle_model(model_request(args), plan, args.plan)
     graph = None
     if args.check:  # the graph the plan was made for: the plan is checked against it
-        graph = build_graph(args, "rebuilding the plan's model: tracing")
+        graph = build_graph(choice, "rebuilding the plan's model: tracing")
         plan.check(graph)
     print(summary(plan, graph))
     return 0
@@ -279,8 +276,7 @@ def _describe_parser(sub) -> None:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    settle_model(args)
-    print(describe(build_graph(args), max_rows=args.rows))
+    print(describe(build_graph(settle_model(model_request(args))), max_rows=args.rows))
     return 0
 
 
@@ -326,8 +322,8 @@ COMMANDS = {
 }
 
 
-COMMANDS["bench-rank"] = (bench_rank.add_parser, bench_rank.run)
-COMMANDS["peak"] = (peak.add_parser, peak.run)
+COMMANDS["bench-rank"] = (bench_rank_flags.add_parser, bench_rank_flags.run)
+COMMANDS["peak"] = (peak_flags.add_parser, peak_flags.run)
 for _name, _entry in runtime_cli.COMMANDS.items():  # train, verify, profile
     COMMANDS.setdefault(_name, _entry)
 

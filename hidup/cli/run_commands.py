@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hidup.cli import train_flags, verify_flags
 from hidup.profiler.measure import machine as measure
 from hidup.runtime import train, verify
 
@@ -12,11 +13,11 @@ def _train_parser(sub) -> None:
         help="train a zoo model under a plan on this node's GPUs (or CPU ranks)",
         description=train.__doc__.split("\n\n")[0],
     )
-    train.add_train_args(p)
+    train_flags.add_train_args(p)
 
 
 def _cmd_train(args) -> int:
-    return train.run(args)
+    return train.run(train_flags.train_options(args))
 
 
 def _verify_parser(sub) -> None:
@@ -25,11 +26,11 @@ def _verify_parser(sub) -> None:
         help="compare a plan's loss and gradients with the single-device model",
         description=verify.__doc__.split("\n\n")[0],
     )
-    verify.add_verify_args(p)
+    verify_flags.add_verify_args(p)
 
 
 def _cmd_verify(args) -> int:
-    return verify.run(args)
+    return verify.run(verify_flags.verify_options(args))
 
 
 def _profile_parser(sub) -> None:

@@ -59,11 +59,11 @@ error and the sweep goes on).  On the CPU only ``eager`` and ``compile`` run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,77 +81,41 @@ from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
 from hidup.rules.experts import experts_layout_activation, set_experts_implementation
 from hidup.runtime.kernel_profile import kernel_breakdown
-from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, build_graph, settle_model
+from hidup.runtime.options import DEFAULT_PROFILE, ModelChoice, ModelRequest, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
 from hidup.search import search
 
 MODES = ("eager", "cuda-graph", "compile", "compile+graph")
 PRECISIONS = tuple(p for p in DTYPES if p != "fp16")  # fp16 needs a loss scaler, which the timed step has not
 
+__all__ = ["BenchRankOptions", "MODES", "PRECISIONS", "run", "time_mode"]
 
-def add_parser(sub) -> None:
-    """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
-    p = sub.add_parser(
-        "bench-rank",
-        help="time one rank's program of a world-N plan on one device "
-        "(fake process group) against the single-device share",
-        description=__doc__.split("\n\n")[0],
-    )
-    add_model_args(p, world_default=None)
-    g = p.add_argument_group("bench")
-    g.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now for --model/--world)")
-    g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for a plan searched now")
-    g.add_argument("--rank", type=int, default=0, help="which rank's program to run (default 0)")
-    g.add_argument(
-        "--duplication",
-        choices=("plan", "on", "off"),
-        default="plan",
-        help="two half-batch copies as the plan says (default), or forced on/off",
-    )
-    g.add_argument(
-        "--modes",
-        default=None,
-        help=f"comma-separated, of {', '.join(MODES)} (default: all on CUDA, eager,compile on the CPU)",
-    )
-    g.add_argument(
-        "--precisions",
-        default=None,
-        help=f"comma-separated, of {', '.join(PRECISIONS)} (default: tf32,bf16 on CUDA, fp32 on the CPU)",
-    )
-    g.add_argument(
-        "--share-modes",
-        default=None,
-        help="modes of the single-device share (default compile+graph on CUDA, compile on the CPU; 'none' skips it)",
-    )
-    g.add_argument(
-        "--share-experts",
-        default=None,
-        help="comma-separated transformers experts implementations to time the share with, one row each, "
-        "each NAME or NAME=MODE to time it in that mode alone (e.g. grouped_mm=compile,hidup_grouped; "
-        "default: as the model was built)",
-    )
-    g.add_argument(
-        "--torch-modes",
-        default="none",
-        help="modes of the rank's eager module under plain torch.compile, rows 'torch' (default none; "
-        "e.g. compile+graph)",
-    )
-    g.add_argument(
-        "--backend", default="inductor", help="torch.compile backend of the compile modes (default inductor)"
-    )
-    g.add_argument("--steps", type=int, default=20, help="steps per timed round (default 20)")
-    g.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
-    g.add_argument("--warmup", type=int, default=3, help="untimed steps before a mode is timed (default 3)")
-    g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
-    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default cuda when available)")
-    g.add_argument(
-        "--kernels",
-        action="store_true",
-        help="also record each run's device time per step by kernel kind (matmul, attention, generated, "
-        "optimizer, copies, other) and of every kernel by name, from torch.profiler over steps run without "
-        "a CUDA graph",
-    )
-    g.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+
+@dataclass(frozen=True)
+class BenchRankOptions:
+    """What ``hidup bench-rank`` times (the flags of the same names; :mod:`hidup.cli.bench_rank_flags`;
+    the module docstring says what each does).  ``modes``, ``precisions``, ``share_modes``,
+    ``share_experts`` and ``torch_modes`` are the flags' comma-separated texts (None: the defaults);
+    ``device`` None for cuda when available."""
+
+    model: ModelRequest = field(default_factory=ModelRequest)
+    plan: Path | None = None
+    profile: str = DEFAULT_PROFILE
+    rank: int = 0
+    duplication: str = "plan"
+    modes: str | None = None
+    precisions: str | None = None
+    share_modes: str | None = None
+    share_experts: str | None = None
+    torch_modes: str = "none"
+    backend: str = "inductor"
+    steps: int = 20
+    rounds: int = 3
+    warmup: int = 3
+    lr: float = 1e-4
+    device: str | None = None
+    kernels: bool = False
+    out: Path | None = None
 
 
 def _fail(message: str):
@@ -166,71 +130,72 @@ def _list(text: str | None, default: tuple, valid: tuple, flag: str) -> list[str
     return items
 
 
-def _settings(args, device: torch.device) -> tuple[list, list, list, list]:
+def _settings(opts: BenchRankOptions, device: torch.device) -> tuple[list, list, list, list]:
     cuda = device.type == "cuda"
-    modes = _list(args.modes, MODES if cuda else ("eager", "compile"), MODES, "--modes")
-    precisions = _list(args.precisions, ("tf32", "bf16") if cuda else ("fp32",), PRECISIONS, "--precisions")
-    if args.share_modes == "none":
+    modes = _list(opts.modes, MODES if cuda else ("eager", "compile"), MODES, "--modes")
+    precisions = _list(opts.precisions, ("tf32", "bf16") if cuda else ("fp32",), PRECISIONS, "--precisions")
+    if opts.share_modes == "none":
         share = []
     else:
-        share = _list(args.share_modes, ("compile+graph",) if cuda else ("compile",), MODES, "--share-modes")
-    plain = [] if args.torch_modes == "none" else _list(args.torch_modes, (), MODES, "--torch-modes")
+        share = _list(opts.share_modes, ("compile+graph",) if cuda else ("compile",), MODES, "--share-modes")
+    plain = [] if opts.torch_modes == "none" else _list(opts.torch_modes, (), MODES, "--torch-modes")
     graphs = [m for m in modes + share + plain if m.endswith("graph")]
     if graphs and not cuda:
         _fail(
             f"modes {', '.join(sorted(set(graphs)))} capture CUDA graphs, and this run is on {device}; "
             "use --modes eager,compile (and --share-modes, --torch-modes compile) on the CPU"
         )
-    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+    for flag, value in (("--steps", opts.steps), ("--rounds", opts.rounds)):
         if value < 1:
             _fail(f"{flag} {value}: must be at least 1")
-    if args.warmup < 1:
-        _fail(f"--warmup {args.warmup}: must be at least 1 (the first step compiles)")
+    if opts.warmup < 1:
+        _fail(f"--warmup {opts.warmup}: must be at least 1 (the first step compiles)")
     return modes, precisions, share, plain
 
 
-def _plan(args, device: torch.device, precision: str):
-    """The plan (loaded, or searched now) with ``args.model``/``args.model_args``/``args.world`` settled."""
-    if args.plan is not None:
-        if not Path(args.plan).is_file():
+def _plan(opts: BenchRankOptions, device: torch.device, precision: str):
+    """``(plan, source, choice)``: the plan (loaded, or searched now), where it came from, and the
+    model settled (:func:`hidup.runtime.options.settle_model`)."""
+    if opts.plan is not None:
+        if not Path(opts.plan).is_file():
             _fail(
-                f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first, or give "
+                f"no plan file at {opts.plan}. Fix: run `hidup search ... --out {opts.plan}` first, or give "
                 "--model and --world to search one now"
             )
-        plan = Plan.load(args.plan)
-        settle_model(args, plan, args.plan)
-        return plan, str(args.plan)
-    if args.world is None:
+        plan = Plan.load(opts.plan)
+        return plan, str(opts.plan), settle_model(opts.model, plan, opts.plan)
+    if opts.model.world is None:
         _fail("give --plan PLAN, or --model M with --world N to search a plan now")
 
-    record = model_record(settle_model(args))
-    _check_rank(args)
-    graph = build_graph(args)
+    choice = settle_model(opts.model)
+    record = model_record(choice.record)
+    _check_rank(opts.rank, choice.world)
+    graph = build_graph(choice)
     search_precision = "tf32" if precision == "tf32" and device.type == "cuda" else "fp32"
     if precision == "bf16":
         search_precision = "bf16"
     t0 = time.perf_counter()
     plan = search(
         graph,
-        hidup.profiler.load(args.profile),
-        world_size=args.world,
-        duplication=args.duplication != "off",
+        hidup.profiler.load(opts.profile),
+        world_size=choice.world,
+        duplication=opts.duplication != "off",
         precision=search_precision,
         cuda_graphs=device.type == "cuda",
         progress=False,
         model_source=record,
     )
     print(
-        f"searched a world-{args.world} plan for {args.model} with profile {args.profile} in "
+        f"searched a world-{choice.world} plan for {choice.model} with profile {opts.profile} in "
         f"{time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    return plan, "searched"
+    return plan, "searched", choice
 
 
-def _check_rank(args) -> None:
-    if not 0 <= args.rank < args.world:
-        _fail(f"--rank {args.rank} is outside the plan's world of {args.world} ranks; choose 0..{args.world - 1}")
+def _check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        _fail(f"--rank {rank} is outside the plan's world of {world} ranks; choose 0..{world - 1}")
 
 
 def _precision(name: str, device: torch.device):
@@ -241,13 +206,15 @@ def _precision(name: str, device: torch.device):
     return torch.bfloat16 if name == "bf16" else None
 
 
-def time_mode(module, inputs, mode: str, precision: str, device: torch.device, args, *, compile_fn) -> dict:
+def time_mode(
+    module, inputs, mode: str, precision: str, device: torch.device, opts: BenchRankOptions, *, compile_fn
+) -> dict:
     """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = fused_adam(params, args.lr, device)
+    opt = fused_adam(params, opts.lr, device)
     cuda = device.type == "cuda"
     record = {"mode": mode, "precision": precision, "compile_s": None}
     if cuda:
@@ -260,21 +227,21 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
             eager = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
             with Stopwatch(device) as first:
                 eager(*inputs)  # the compiling step, timed on its own
-            step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=args.warmup, optimizer=opt)
+            step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, warmup=opts.warmup, optimizer=opt)
         else:
             step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
             with Stopwatch(device) as first:
                 step(*inputs)
-            for _ in range(args.warmup - 1):
+            for _ in range(opts.warmup - 1):
                 step(*inputs)
         if mode.startswith("compile"):
             record["compile_s"] = first.seconds
         samples = []
-        for _ in range(args.rounds):
+        for _ in range(opts.rounds):
             with Stopwatch(device) as watch:
-                for _ in range(args.steps):
+                for _ in range(opts.steps):
                     loss = step(*inputs)
-            samples.append(watch.seconds / args.steps)
+            samples.append(watch.seconds / opts.steps)
         record.update(
             status="ok",
             step_ms_median=statistics.median(samples) * 1e3,
@@ -282,7 +249,7 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
             rounds_ms=[s * 1e3 for s in samples],
             loss_finite=bool(torch.isfinite(loss).item()),
         )
-        if getattr(args, "kernels", False) and cuda:
+        if opts.kernels and cuda:
             step.release()
             step = GraphedStep(module, inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
             record["kernels"] = kernel_breakdown(step, inputs, device)
@@ -302,11 +269,11 @@ def time_mode(module, inputs, mode: str, precision: str, device: torch.device, a
     return record
 
 
-def _predicted_peak(args, plan, duplication: bool | None, precision: str) -> dict | None:
+def _predicted_peak(choice: ModelChoice, plan, rank: int, duplication: bool | None, precision: str) -> dict | None:
     """The rank's peak by a fake-tensor run of its program (:mod:`hidup.runtime.peak`), on the fake
     process group this run made; None (with the reason printed) where the program cannot run so."""
     try:
-        return rank_peak(args, plan, precision, duplication).to_dict()
+        return rank_peak(choice, plan, rank, precision, duplication).to_dict()
     except PeakError as e:
         print(f"no predicted peak at {precision}: {e}", flush=True)
         return None
@@ -339,16 +306,16 @@ class _PlainCompile(torch.nn.Module):
         return self._run[0](*inputs)
 
 
-def _share_targets(args, model, share, inputs: list, modes: list) -> dict:
+def _share_targets(opts: BenchRankOptions, model_name: str, model, share, inputs: list, modes: list) -> dict:
     """``{row name: (module, inputs, modes, compile switch)}`` of the share: one row ``share``, or one
     ``share:NAME`` per ``--share-experts`` implementation, each switching the model's experts to it
     (and dropping compiled code, which was traced with the previous one) before it compiles."""
-    entries = [n.strip() for n in (args.share_experts or "").split(",") if n.strip()]
+    entries = [n.strip() for n in (opts.share_experts or "").split(",") if n.strip()]
     if not entries:
         return {"share": (share, inputs, modes, share.set_compile)}
     if not any(experts_layout_activation(m) is not None for m in model.modules()):
         _fail(
-            f"--share-experts {args.share_experts}: {args.model} has no transformers experts module that hidup "
+            f"--share-experts {opts.share_experts}: {model_name} has no transformers experts module that hidup "
             "models; leave out --share-experts"
         )
     rows = {}
@@ -405,86 +372,79 @@ def _table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    modes, precisions, share_modes, torch_modes = _settings(args, device)
-    try:
-        backend_of(args.backend)
-    except ValueError as e:
-        _fail(f"--backend: {e}")
-    if dist.is_available() and dist.is_initialized():
-        _fail("a process group is already initialized in this process; run bench-rank in its own process")
-    plan, plan_source = _plan(args, device, precisions[0])
-    world = args.world
-    _check_rank(args)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    duplication = {"on": True, "off": False}.get(args.duplication)
-    config = {
-        "model": args.model,
-        "model_args": args.model_args,
-        "world": world,
-        "rank": args.rank,
-        "plan": plan_source,
-        "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3 or None,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "backend": args.backend,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "warmup": args.warmup,
-        "optimizer": "adam (fused)",
-        "stand-ins": "torch fake process group",
-    }
-    runs: list[dict] = []
+class _Bench:
+    """One ``hidup bench-rank`` sweep on torch's fake process group: the rank's module, the share and
+    the plain ``torch.compile`` module, timed in every mode and precision; ``runs`` and ``config``
+    are written to ``--out`` after every run."""
 
-    def save() -> None:
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"config": config, "runs": runs}, indent=1))
+    def __init__(self, opts: BenchRankOptions, choice: ModelChoice, plan, device: torch.device, config: dict):
+        self.opts, self.choice, self.plan, self.device, self.config = opts, choice, plan, device, config
+        self.duplication = {"on": True, "off": False}.get(opts.duplication)
+        self.runs: list[dict] = []
 
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
-    try:
+    def save(self) -> None:
+        if self.opts.out is not None:
+            self.opts.out.parent.mkdir(parents=True, exist_ok=True)
+            self.opts.out.write_text(json.dumps({"config": self.config, "runs": self.runs}, indent=1))
+
+    def _rank_module(self):
+        """``(model, values, module)``: the model, its forward inputs and the rank's compiled module."""
+        opts, choice, device, config = self.opts, self.choice, self.device, self.config
         # a factory's model is built on the CPU and traced there, as the search and the ranks of
         # `hidup train` trace it (a model's code may trace differently on a GPU); the rank and the
         # share then move to the device
-        build_on = None if hidup.models.is_factory(args.model) else device
-        model, inputs = hidup.models.build(args.model, world_size=world, seed=0, device=build_on, **args.model_args)
+        build_on = None if hidup.models.is_factory(choice.model) else device
+        model, inputs = hidup.models.build(
+            choice.model, world_size=choice.world, seed=0, device=build_on, **choice.model_args
+        )
         values = forward_inputs(model, inputs)
         t0 = time.perf_counter()
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            module = hidup_compile(model, plan, args.rank, world, values, duplication=duplication, device=device)
+            module = hidup_compile(
+                model, self.plan, opts.rank, choice.world, values, duplication=self.duplication, device=device
+            )
         config["duplication"] = bool(module.duplication)
         config["program_s"] = time.perf_counter() - t0
-        rank_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
         stored = sum(p.numel() for p in module.parameters())
         config["rank_params"], config["model_params"] = stored, sum(p.numel() for p in model.parameters())
         print(
-            f"rank {args.rank} of {world}: {stored:,} of the model's {config['model_params']:,} parameters, "
+            f"rank {opts.rank} of {choice.world}: {stored:,} of the model's {config['model_params']:,} parameters, "
             f"duplication {'on' if module.duplication else 'off'}, on {config['device']}",
             flush=True,
         )
-        share = _PlainCompile(model.to(device), args.backend)
-        plain = _PlainCompile(module, args.backend)
+        return model, values, module
+
+    def _targets(self, model, values, module, modes, torch_modes) -> tuple[dict, _PlainCompile, list]:
+        """``({row: (module, inputs, modes, compile switch)}, share, share inputs)``: the rank's module
+        and plain ``torch.compile`` of it, and the share, the whole model on the device (its rows:
+        :func:`_share_targets`)."""
+        opts, device = self.opts, self.device
+        rank_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+        share = _PlainCompile(model.to(device), opts.backend)
+        plain = _PlainCompile(module, opts.backend)
 
         def plain_switch(on: bool) -> None:
             module.set_compile(None)
             plain.set_compile(on)
 
-        share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in _share_inputs(values, world)]
-        predicted = {p: predicted_memory(args, plan, p) for p in precisions} if device.type == "cuda" else {}
-        peaks = {p: _predicted_peak(args, plan, duplication, p) for p in precisions} if device.type == "cuda" else {}
+        share_values = _share_inputs(values, self.choice.world)
+        share_inputs = [v.to(device) if isinstance(v, torch.Tensor) else v for v in share_values]
         targets = {
-            "rank": (module, rank_inputs, modes, lambda on: module.set_compile(args.backend if on else None)),
+            "rank": (module, rank_inputs, modes, lambda on: module.set_compile(opts.backend if on else None)),
             "torch": (plain, rank_inputs, torch_modes, plain_switch),
         }
-        shares = _share_targets(args, model, share, share_inputs, share_modes)
+        return targets, share, share_inputs
+
+    def sweep(self, modes: list, precisions: list, share_modes: list, torch_modes: list) -> None:
+        """Time every row in every mode and precision, printing each run and saving after it."""
+        opts, choice, plan, cuda = self.opts, self.choice, self.plan, self.device.type == "cuda"
+        model, values, module = self._rank_module()
+        targets, share, share_inputs = self._targets(model, values, module, modes, torch_modes)
+        predicted = {p: predicted_memory(choice, plan, p) for p in precisions} if cuda else {}
+        peaks = {p: _predicted_peak(choice, plan, opts.rank, self.duplication, p) for p in precisions} if cuda else {}
+        shares = _share_targets(opts, choice.model, model, share, share_inputs, share_modes)
         targets.update(shares)
         # the share right after the rank, so a cut-short sweep keeps pairs; plain torch.compile last, since
         # a CUDA graph capture that it breaks can leave the device unusable for the rest of the process
@@ -492,19 +452,70 @@ def run(args: argparse.Namespace) -> int:
         for precision, what in order:
             target, inputs_of, mode_list, switch = targets[what]
             for mode in mode_list:
-                r = dict(what=what, **time_mode(target, inputs_of, mode, precision, device, args, compile_fn=switch))
+                timed = time_mode(target, inputs_of, mode, precision, self.device, opts, compile_fn=switch)
+                r = dict(what=what, **timed)
                 if what == "rank" and predicted.get(precision) is not None:
                     r["predicted_memory"] = predicted[precision]
                 if what == "rank" and peaks.get(precision) is not None and mode in ("eager", "compile"):
                     r["predicted_peak"] = peaks[precision]  # an eager program's peak (graphs keep their pool)
-                runs.append(r)
+                self.runs.append(r)
                 _print_row(what, r)
-                save()
+                self.save()
+
+
+def _device(opts: BenchRankOptions) -> torch.device:
+    """``--device`` (default cuda when available), with its index."""
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail(f"--device {opts.device}: no CUDA device here; use --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _config(opts: BenchRankOptions, choice: ModelChoice, plan, plan_source: str, device: torch.device) -> dict:
+    """The ``config`` of the results file: what was timed, where and how."""
+    return {
+        "model": choice.model,
+        "model_args": choice.model_args,
+        "world": choice.world,
+        "rank": opts.rank,
+        "plan": plan_source,
+        "plan_predicted_ms": ((getattr(plan, "predicted", None) or {}).get("total") or 0) * 1e3 or None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "backend": opts.backend,
+        "steps": opts.steps,
+        "rounds": opts.rounds,
+        "warmup": opts.warmup,
+        "optimizer": "adam (fused)",
+        "stand-ins": "torch fake process group",
+    }
+
+
+def run(opts: BenchRankOptions) -> int:
+    """``hidup bench-rank`` (module docstring): 0 when every run succeeded."""
+    device = _device(opts)
+    modes, precisions, share_modes, torch_modes = _settings(opts, device)
+    try:
+        backend_of(opts.backend)
+    except ValueError as e:
+        _fail(f"--backend: {e}")
+    if dist.is_available() and dist.is_initialized():
+        _fail("a process group is already initialized in this process; run bench-rank in its own process")
+    plan, plan_source, choice = _plan(opts, device, precisions[0])
+    _check_rank(opts.rank, choice.world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    bench = _Bench(opts, choice, plan, device, _config(opts, choice, plan, plan_source, device))
+    dist.init_process_group("fake", store=FakeStore(), rank=opts.rank, world_size=choice.world)
+    try:
+        bench.sweep(modes, precisions, share_modes, torch_modes)
     finally:
         dist.destroy_process_group()
     _precision("fp32", device)
-    print(_table(runs), flush=True)
-    if args.out is not None:
-        save()
-        print(f"results written to {args.out}", flush=True)
-    return 0 if all(r["status"] == "ok" for r in runs) else 1
+    print(_table(bench.runs), flush=True)
+    if opts.out is not None:
+        bench.save()
+        print(f"results written to {opts.out}", flush=True)
+    return 0 if all(r["status"] == "ok" for r in bench.runs) else 1

@@ -23,6 +23,7 @@ runs, not for a full-size job.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from hidup.codegen.mesh import coordinates, using_group
 from hidup.codegen.program import hidup_tensor_leaves
 from hidup.ir import Form, Layout
 
-__all__ = ["first_mismatch"]
+__all__ = ["Comparison", "first_mismatch"]
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -89,14 +90,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
-def first_mismatch(
-    model_of, batch, plan, graph, reference_plan, rank: int, world: int, seed: int, tolerance: float
-) -> dict | None:
+@dataclass(frozen=True)
+class Comparison:
+    """What :func:`first_mismatch` compares: ``plan`` and ``graph``, the plan's traced step
+    (:class:`hidup.ir.Graph`), against ``reference_plan``, a plan of the same step for one rank (needed
+    on rank 0 only), both run with the random values of ``seed``; an op differs above ``tolerance``."""
+
+    plan: object
+    graph: object
+    reference_plan: object
+    seed: int = 0
+    tolerance: float = 1e-5
+
+
+def first_mismatch(model_of, batch, comparison: Comparison, rank: int, world: int) -> dict | None:
     """Run on every rank (collective).  ``model_of()`` builds a fresh copy of the model, ``batch`` is the
-    global batch, ``graph`` the plan's traced step (:class:`hidup.ir.Graph`) and ``reference_plan`` a plan
-    of the same step for one rank (needed on rank 0 only).  Returns (rank 0) ``{"node", "target",
-    "source", "rel", "why"}`` for the first op whose forward value differs, with ``"node": None`` when
-    none does; other ranks return None."""
+    global batch and ``comparison`` says what to compare (:class:`Comparison`).  Returns (rank 0)
+    ``{"node", "target", "source", "rel", "why"}`` for the first op whose forward value differs, with
+    ``"node": None`` when none does; other ranks return None."""
+    plan, graph, seed, tolerance = comparison.plan, comparison.graph, comparison.seed, comparison.tolerance
     calls = [n for n in graph.nodes if n.op == "call" and n.name in plan.choices]
     names = {n.name for n in calls}
     module = codegen.compile(model_of(), plan, rank, world, batch, duplication=False, seed=seed)
@@ -104,7 +116,9 @@ def first_mismatch(
     singles = [dist.new_group([r]) for r in range(world)]  # the one-rank program runs on a group of its own
     reference = None
     if rank == 0:
-        one = codegen.compile(model_of(), reference_plan, 0, 1, batch, duplication=False, seed=seed, group=singles[0])
+        one = codegen.compile(
+            model_of(), comparison.reference_plan, 0, 1, batch, duplication=False, seed=seed, group=singles[0]
+        )
         reference = _forward_values(one, batch, names)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.frontend.export import fake_cpu_like, fake_cpu_stand_ins
 from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan
-from hidup.runtime.options import add_model_args, build_graph, settle_model
+from hidup.runtime.options import ModelChoice, ModelRequest, build_graph, settle_model
 from hidup.search.memory import MEMORY_PARTS, MemoryModel
 
 __all__ = [
@@ -59,7 +59,7 @@ __all__ = [
     "rank_peak",
     "predicted_memory",
     "peak_parts",
-    "add_parser",
+    "PeakOptions",
     "run",
 ]
 
@@ -188,20 +188,22 @@ def predict_peak(
     return PeakMemory(float(peak["Total"]), parts, rank, precision, bool(getattr(module, "duplication", False)), steps)
 
 
-def rank_peak(args, plan, precision: str, duplication: bool | None, steps: int = 2) -> PeakMemory:
-    """:func:`predict_peak` of rank ``args.rank`` of the plan's model as the command line names it
-    (``args.model``/``args.model_args``): a zoo model built on the meta device, a factory's model
-    where the factory puts it (the ranks trace it there, see :func:`hidup.runtime.options.build_graph`)."""
-    device = None if hidup.models.is_factory(args.model) else "meta"
-    model, inputs = hidup.models.build(args.model, world_size=plan.world_size, device=device, **args.model_args)
-    return predict_peak(model, forward_inputs(model, inputs), plan, args.rank, precision, duplication, steps)
+def rank_peak(
+    choice: ModelChoice, plan, rank: int, precision: str, duplication: bool | None, steps: int = 2
+) -> PeakMemory:
+    """:func:`predict_peak` of rank ``rank`` of the plan's model as the command line names it
+    (``choice``): a zoo model built on the meta device, a factory's model where the factory puts it
+    (the ranks trace it there, see :func:`hidup.runtime.options.build_graph`)."""
+    device = None if hidup.models.is_factory(choice.model) else "meta"
+    model, inputs = hidup.models.build(choice.model, world_size=plan.world_size, device=device, **choice.model_args)
+    return predict_peak(model, forward_inputs(model, inputs), plan, rank, precision, duplication, steps)
 
 
-def predicted_memory(args, plan, precision: str) -> dict | None:
+def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool = False) -> dict | None:
     """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
-    when the plan's model cannot be traced here."""
+    when the plan's model cannot be traced here.  ``quiet``: no status lines while it traces."""
     try:
-        graph = build_graph(args, "tracing the plan's model for its memory")
+        graph = build_graph(choice, "tracing the plan's model for its memory", quiet=quiet)
     except SystemExit:
         return None
     factor = (getattr(plan, "options", None) or {}).get("optimizer_factor", 2.0)
@@ -225,56 +227,49 @@ def predicted_memory(args, plan, precision: str) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------- hidup peak
-def add_parser(sub) -> None:
-    """Register ``hidup peak`` on the subcommand parser ``sub``."""
-    p = sub.add_parser(
-        "peak",
-        help="predict one rank's peak memory under a plan by running its program on fake tensors (no GPU)",
-        description="Predict the peak memory of one rank's program of a saved plan: the program runs a few "
-        "training steps on fake tensors (shapes, no memory) while torch's MemTracker follows every tensor. "
-        "Printed beside the search's memory model.",
-    )
-    add_model_args(p, world_default=None)
-    g = p.add_argument_group("peak")
-    g.add_argument("--plan", type=Path, required=True, help="plan JSON (from hidup search --out)")
-    g.add_argument("--rank", type=int, default=0, help="which rank's program (default 0)")
-    g.add_argument(
-        "--precision",
-        choices=("fp32", "tf32", "bf16"),
-        default=None,
-        help="default: the precision the plan was searched for",
-    )
-    g.add_argument(
-        "--duplication", choices=("plan", "on", "off"), default="plan", help="two half-batch copies as the plan says"
-    )
-    g.add_argument("--steps", type=int, default=2, help="training steps run (default 2; the peak is over all)")
-    g.add_argument("--memory", type=float, default=None, help="GB per GPU: exit 1 when the peak exceeds it")
-    g.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+@dataclass(frozen=True)
+class PeakOptions:
+    """What ``hidup peak`` predicts (the flags of the same names; :mod:`hidup.cli.peak_flags`): rank
+    ``rank``'s program of the plan file ``plan`` (its model as ``model`` asks, checked against the
+    plan's record) at ``precision`` (None: the plan's), ``duplication`` ``"plan"``, ``"on"`` or
+    ``"off"``, over ``steps`` training steps; ``memory`` GB per GPU that the peak must fit (None: no
+    check); ``out`` a JSON file for the figures."""
+
+    plan: Path
+    model: ModelRequest = field(default_factory=ModelRequest)
+    rank: int = 0
+    precision: str | None = None
+    duplication: str = "plan"
+    steps: int = 2
+    memory: float | None = None
+    out: Path | None = None
 
 
 def _fail(message: str):
     raise SystemExit(f"hidup peak: error: {message}")
 
 
-def run(args) -> int:
-    if not args.plan.is_file():
-        _fail(f"no plan file at {args.plan}. Fix: run `hidup search ... --out {args.plan}` first")
-    plan = Plan.load(args.plan)
-    settle_model(args, plan, args.plan)
-    if not 0 <= args.rank < plan.world_size:
-        _fail(f"--rank {args.rank} is outside the plan's {plan.world_size} ranks; choose 0..{plan.world_size - 1}")
-    if args.steps < 1:
-        _fail(f"--steps {args.steps}: at least one step")
-    precision = args.precision or (plan.options or {}).get("precision", "fp32")
-    duplication = {"on": True, "off": False}.get(args.duplication)
+def run(opts: PeakOptions) -> int:
+    """``hidup peak``: print the predicted peak beside the memory model's figures; 1 when it does not
+    fit ``memory``."""
+    if not opts.plan.is_file():
+        _fail(f"no plan file at {opts.plan}. Fix: run `hidup search ... --out {opts.plan}` first")
+    plan = Plan.load(opts.plan)
+    choice = settle_model(opts.model, plan, opts.plan)
+    if not 0 <= opts.rank < plan.world_size:
+        _fail(f"--rank {opts.rank} is outside the plan's {plan.world_size} ranks; choose 0..{plan.world_size - 1}")
+    if opts.steps < 1:
+        _fail(f"--steps {opts.steps}: at least one step")
+    precision = opts.precision or (plan.options or {}).get("precision", "fp32")
+    duplication = {"on": True, "off": False}.get(opts.duplication)
     try:
-        peak = rank_peak(args, plan, precision, duplication, args.steps)
+        peak = rank_peak(choice, plan, opts.rank, precision, duplication, opts.steps)
     except PeakError as e:
         _fail(str(e))
-    modelled = predicted_memory(args, plan, precision) or {}
+    modelled = predicted_memory(choice, plan, precision) or {}
     gib = 2**30
     print(
-        f"rank {args.rank} of {plan.world_size} under {args.plan} ({precision}, duplication "
+        f"rank {opts.rank} of {plan.world_size} under {opts.plan} ({precision}, duplication "
         f"{'on' if peak.duplication else 'off'}): predicted peak {peak.total / gib:.3f} GiB",
         flush=True,
     )
@@ -284,12 +279,12 @@ def run(args) -> int:
         right = f"{peak.parts[part] / gib:.3f} GiB" if part in peak.parts else "-"
         print(f"{part:<12} {left:>14} {right:>14}")
     print(f"{'total':<12} {modelled.get('total', 0) / gib:>10.3f} GiB {peak.total / gib:>10.3f} GiB")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"plan": str(args.plan), "predicted_peak": peak.to_dict(), "memory_model": modelled}, indent=1)
+    if opts.out is not None:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(
+            json.dumps({"plan": str(opts.plan), "predicted_peak": peak.to_dict(), "memory_model": modelled}, indent=1)
         )
-    if args.memory is not None and peak.total > args.memory * 1e9:
-        print(f"does not fit {args.memory:g} GB per GPU ({peak.total / 1e9:.2f} GB)", flush=True)
+    if opts.memory is not None and peak.total > opts.memory * 1e9:
+        print(f"does not fit {opts.memory:g} GB per GPU ({peak.total / 1e9:.2f} GB)", flush=True)
         return 1
     return 0

@@ -36,11 +36,15 @@ scheduler requeues it.  The signal flag is combined across ranks with a max-all-
 every rank saves at the same step.  A non-finite loss stops every rank before that step's update is
 saved, and a checkpoint already in ``--checkpoint-dir`` is continued (``--resume``) or replaced
 (``--overwrite``) only when asked.
+
+Structure: the command line (:mod:`hidup.cli.train_flags`) makes a :class:`TrainOptions`; :func:`run`
+settles the model (:func:`hidup.runtime.options.settle_model`) and launches the ranks, and each rank
+runs a :class:`Trainer`, which holds the rank's module, optimizer, data, precision and checkpoint
+state and runs the steps.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -48,6 +52,7 @@ import os
 import signal
 import statistics
 import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,89 +65,73 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch, max_over_ranks
 from hidup.codegen.trial import choose_compile, compile_step
 from hidup.frontend.trace import trace
+from hidup.optionset import OptionSet
 from hidup.plan import Plan, PlanError
-from hidup.profiler.profile import DTYPES
 from hidup.rules.dispatch import host_synchronizes
 from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus
-from hidup.runtime.launch import Distributed, add_launch_args, launch, launch_kwargs, layout_from_env
-from hidup.runtime.options import DEFAULT_PROFILE, CommandError, add_model_args, mesh_phrase, settle_model
+from hidup.runtime.launch import Distributed, LaunchOptions, launch, layout_from_env
+from hidup.runtime.options import (
+    DEFAULT_PROFILE,
+    CommandError,
+    ModelChoice,
+    ModelRequest,
+    check_plan_fits,
+    mesh_phrase,
+    settle_model,
+)
 from hidup.search import search
 
+__all__ = ["TrainOptions", "Trainer", "batch_at", "check_run_options", "run", "run_rank"]
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p, world_default=None)
-    g = p.add_argument_group("training")
-    g.add_argument("--plan", type=Path, default=None, help="plan JSON from `hidup search` (default: search now)")
-    g.add_argument("--profile", default=DEFAULT_PROFILE, help="profile used when searching on the spot")
-    g.add_argument(
-        "--duplication",
-        choices=("auto", "plan", "on", "off"),
-        default="auto",
-        help="two half-batch copies per rank overlapping communication and compute: as the plan says, "
-        "on, off, or auto (default): on GPUs with more than one rank, time a few steps of the plan "
-        "with and without and keep the faster (the plan's choice unless the other wins by 2%%); "
-        "elsewhere as the plan says",
-    )
-    g.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
-    g.add_argument("--iterations", type=int, default=20, help="optimizer steps (default 20)")
-    g.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
-    g.add_argument("--last-k", type=int, default=10, help="report time over the last K steps (default 10)")
-    g.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
-    g.add_argument(
-        "--precision", choices=DTYPES, default="fp32", help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)"
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="capture each step's forward and backward as one CUDA graph (auto: on GPUs unless "
-        "--precision fp16, whose loss scaler checks gradients on the host, and kept only "
-        "when replaying beats eager steps in a short trial)",
-    )
-    g.add_argument(
-        "--compile",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the rank program through torch.compile (inductor; collectives stay eager as opaque "
-        "custom ops, duplication's stages are compiled one by one): on, off, or auto (default): on "
-        "GPUs time a few steps both ways and keep the faster, on the CPU off. The compilation time "
-        "is printed; torch's compile caches are used",
-    )
-    g.add_argument(
-        "--data",
-        choices=("synthetic", "stdlib"),
-        default="synthetic",
-        help="synthetic batches, or byte-level tokens of the Python standard library's source "
-        "(language models; needs --vocab >= 256)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights, the data and dropout")
-    g.add_argument(
-        "--chrome-trace", type=Path, default=None, help="write a chrome trace of 3 steps per rank to this directory"
-    )
-    g.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints are written")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: only on signal)")
-    g.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=1,
-        help="keep the last K checkpoints: the newest in <dir>/checkpoint, the older ones beside it as "
-        "checkpoint.step-<N> (move one to checkpoint to resume from it); default 1",
-    )
-    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh over the checkpoint already in --checkpoint-dir (without it, or --resume, a run "
-        "that finds one there refuses to start)",
-    )
-    g.add_argument(
-        "--stop-after", type=int, default=None, help="stop (as if interrupted) after this many steps of this invocation"
-    )
-    g.add_argument("--json", type=Path, default=None, help="write the run's results as JSON (rank 0)")
-    add_launch_args(p)
+
+@dataclass(frozen=True)
+class TrainOptions(OptionSet):
+    """What ``hidup train`` runs (the flags of the same names; :mod:`hidup.cli.train_flags`).
+
+    ``model`` the model asked for (settled by :func:`run`); ``plan`` a plan file (None: search one
+    now with ``profile``); ``duplication`` ``"auto"``, ``"plan"``, ``"on"`` or ``"off"``;
+    ``iterations`` optimizer steps, the time reported over the ``last_k`` after ``warmup``; ``lr``,
+    ``optimizer`` (``"adam"`` or ``"sgd"``), ``clip`` the global gradient norm (None: none);
+    ``precision`` (fp32, tf32, bf16, fp16); ``cuda_graphs`` and ``compile`` ``"auto"``, ``"on"`` or
+    ``"off"``; ``data`` ``"synthetic"`` or ``"stdlib"``; ``seed`` of the weights, data and dropout;
+    ``chrome_trace`` a folder for a trace of 3 steps per rank; ``checkpoint_dir`` (None: none),
+    ``checkpoint_every`` K steps (0: only on a signal), ``keep_checkpoints``, ``resume``,
+    ``overwrite``; ``stop_after`` steps of this invocation (None: all); ``json`` rank 0's results file;
+    ``launch`` how the ranks start.  A frozen dataclass: it travels to the ranks pickled."""
+
+    model: ModelRequest = field(default_factory=ModelRequest)
+    plan: Path | None = None
+    profile: str = DEFAULT_PROFILE
+    duplication: str = "auto"
+    iterations: int = 20
+    warmup: int = 3
+    last_k: int = 10
+    lr: float = 1e-4
+    optimizer: str = "adam"
+    clip: float | None = None
+    precision: str = "fp32"
+    cuda_graphs: str = "auto"
+    compile: str = "auto"
+    data: str = "synthetic"
+    seed: int = 0
+    chrome_trace: Path | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    stop_after: int | None = None
+    json: Path | None = None
+    launch: LaunchOptions = field(default_factory=lambda: LaunchOptions(announce=True))
+    WHAT = "train"
+
+    def captures(self, cuda: bool) -> bool:
+        """Whether steps are captured as CUDA graphs (``cuda_graphs``; fp16's loss scaler reads the
+        gradients on the host every step, so auto leaves it eager)."""
+        if self.cuda_graphs == "auto":
+            return cuda and self.precision != "fp16"
+        return self.cuda_graphs == "on"
 
 
 class _Signals:
@@ -205,41 +194,13 @@ def _recompute_text(plan) -> str:
     )
 
 
-def _plan_for(args, model, inputs, world: int):
-    if args.plan is not None:
-        return Plan.load(args.plan)
-
-    graph = trace(model, inputs, world_size=world, half_batch=True, mesh=getattr(args, "mesh", None))
-    return search(
-        graph,
-        hidup.profiler.load(args.profile),
-        world_size=world,
-        duplication=_duplication_mode(args) != "off",
-        precision=args.precision,
-        cuda_graphs=_captures(args, torch.cuda.is_available()),
-    )
-
-
-def _duplication_mode(args) -> str:
-    """``--duplication``, with ``--no-duplication`` meaning off."""
-    return "off" if args.no_duplication else args.duplication
-
-
-def _captures(args, cuda: bool) -> bool:
-    """Whether steps are captured as CUDA graphs (``--cuda-graphs``; fp16's loss scaler reads the
-    gradients on the host every step, so auto leaves it eager)."""
-    if args.cuda_graphs == "auto":
-        return cuda and args.precision != "fp16"
-    return args.cuda_graphs == "on"
-
-
-def _capturable(args, plan: Plan) -> bool:
+def _capturable(opts: TrainOptions, plan: Plan) -> bool:
     """Whether the plan's step can be captured as one CUDA graph: not when a node reads split sizes on
     the host (the routed experts' all-to-all dispatcher); ``--cuda-graphs on`` then stops with the fix."""
     syncing = sorted(name for name, sig in plan.choices.items() if host_synchronizes(sig))
     if not syncing:
         return True
-    if args.cuda_graphs == "on":
+    if opts.cuda_graphs == "on":
         raise SystemExit(
             f"--cuda-graphs on: the plan's routed experts {', '.join(syncing[:3])}"
             f"{' ...' if len(syncing) > 3 else ''} dispatch tokens by all-to-all, which reads split sizes on the "
@@ -249,238 +210,397 @@ def _capturable(args, plan: Plan) -> bool:
     return False
 
 
-def _compile_rank(args, module, batch, device, autocast_dtype, use_graph: bool, rank: int) -> dict:
-    """Settle ``--compile`` on ``module`` (:mod:`hidup.codegen.compiled`): ``{"compile": bool,
-    "compile_s": seconds of the compiling step or None, "trial": {...}}``; rank 0 prints what it did."""
-    mode = getattr(args, "compile", "off")
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return {"compile": False, "compile_s": None, "trial": {}}
-    if mode == "auto":
-        info = choose_compile(module, batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype, group=module.group)
-        if rank == 0:
-            print(info["reason"], flush=True)
-        return info
-    module.set_compile(True)
-    seconds = compile_step(module, batch, autocast_dtype=autocast_dtype, graphed=use_graph)
-    if rank == 0:
-        print(f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)", flush=True)
-    return {"compile": True, "compile_s": seconds, "trial": {}}
+class Trainer:
+    """One rank's training run under :class:`TrainOptions` (module docstring), in the spirit of
+    torchtitan's ``Trainer``: :meth:`setup` builds the rank's model, data, plan, compiled module,
+    optimizer and precision state and resumes from a checkpoint; :meth:`train_step` runs one optimizer
+    step; :meth:`save_checkpoint` writes one; :meth:`run` does it all and returns the run's results
+    (rank 0 prints them).  ``choice`` is the model :func:`run` settled."""
+
+    def __init__(self, ctx: Distributed, opts: TrainOptions, choice: ModelChoice):
+        self.ctx, self.opts, self.choice = ctx, opts, choice
+        self.rank, self.world, self.device = ctx.rank, ctx.world_size, ctx.device
+        self.cuda = self.device.type == "cuda"
+        self.ckpt_path = opts.checkpoint_dir / "checkpoint" if opts.checkpoint_dir else None
+        # made by setup(): the model and its example inputs, the zoo configuration (None for a factory's
+        # model), the data (None: synthetic batches), the plan, the rank's module and its trial, the
+        # optimizer, fp16's loss scaler, the autocast dtype, whether steps are captured (and the update
+        # with them), the compile setting, and the step resumed at
+        self.model = self.inputs = self.cfg = self.data = self.plan = None
+        self.module = self.opt = self.scaler = self.autocast_dtype = None
+        self.trial, self.compiled = {}, {}
+        self.use_graph = self.opt_in_graph = False
+        self.start = 0
+        self.graphed = None  # the captured step, made at the first step when steps are captured
+        self.step, self.done, self.losses, self.times = 0, 0, [], []  # step: optimizer steps taken in all
+        self.stopped_by = None
+        self.profiler = None
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Everything before the first step: precision, model and data, plan, compiled module,
+        optimizer, the compile setting, and the checkpoint resumed from."""
+        if self.opts.precision == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self._build_model()
+        self.plan = self._plan_for()
+        self.model = self.model.to(self.device)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.opts.precision)
+        self.use_graph = self.opts.captures(self.cuda) and _capturable(self.opts, self.plan)
+        self._compile_module()
+        self._make_optimizer()
+        self.compiled = self._settle_compile()
+        self._resume()
+
+    def _build_model(self) -> None:
+        """The model (the same weights on every rank: same seed), its example inputs, the zoo
+        configuration (None for a factory's model) and the data (None: synthetic batches)."""
+        opts, choice = self.opts, self.choice
+        zoo = not hidup.models.is_factory(choice.model)
+        self.cfg = hidup.models.config(choice.model, world_size=self.world, **choice.model_args) if zoo else None
+        self.model, self.inputs = hidup.models.build(
+            choice.model, world_size=self.world, seed=opts.seed, **choice.model_args
+        )
+        self.data = None
+        if opts.data == "stdlib":
+            if not zoo:
+                raise SystemExit(
+                    f"--data stdlib feeds the zoo's language models; {choice.model} gets synthetic batches "
+                    "shaped like its example inputs (leave out --data)"
+                )
+            if getattr(self.cfg, "vocab", 0) < 256 or self.inputs[0].dtype.is_floating_point:
+                raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
+            self.data = StdlibCorpus(self.inputs[0].shape[0], self.inputs[0].shape[1])
+
+    def _plan_for(self):
+        """The plan: loaded from ``--plan``, or searched now."""
+        opts = self.opts
+        if opts.plan is not None:
+            return Plan.load(opts.plan)
+        graph = trace(self.model, self.inputs, world_size=self.world, half_batch=True, mesh=self.choice.mesh)
+        return search(
+            graph,
+            hidup.profiler.load(opts.profile),
+            world_size=self.world,
+            duplication=opts.duplication != "off",
+            precision=opts.precision,
+            cuda_graphs=opts.captures(torch.cuda.is_available()),
+        )
+
+    def batch(self, step: int) -> tuple:
+        """The global batch of ``step`` (:func:`batch_at`), on the rank's device."""
+        return _to(batch_at(self.inputs, step, self.opts.seed, self.cfg, self.data), self.device)
+
+    def _compile_module(self) -> None:
+        """The rank's module: with ``--duplication auto`` on GPUs and more than one rank, the faster of
+        duplication on and off by a trial (:func:`hidup.codegen.choose_duplication`); else as asked."""
+        opts, mode = self.opts, self.opts.duplication
+        self.trial = {}
+        if mode == "auto" and self.cuda and self.world > 1:
+            self.module, self.trial = codegen.choose_duplication(
+                self.model,
+                self.plan,
+                self.rank,
+                self.world,
+                self.batch(0),
+                cuda_graphs=self.use_graph,
+                autocast_dtype=self.autocast_dtype,
+                seed=opts.seed,
+            )
+            if self.rank == 0:
+                print(self.trial["reason"], flush=True)
+        else:
+            duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
+            self.module = codegen.compile(
+                self.model,
+                self.plan,
+                self.rank,
+                self.world,
+                _to(self.inputs, self.device),
+                duplication=duplication,
+                seed=opts.seed,
+            )
+
+    def _make_optimizer(self) -> None:
+        """The optimizer (fused Adam on GPUs), fp16's loss scaler, and whether the update joins the
+        captured step."""
+        opts, device = self.opts, self.device
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if opts.optimizer == "adam" and self.cuda:
+            self.opt = fused_adam(params, opts.lr, device)
+        elif opts.optimizer == "adam":
+            self.opt = torch.optim.Adam(params, lr=opts.lr)
+        else:
+            self.opt = torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+        self.scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
+        if self.use_graph and not self.cuda:
+            raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
+        if self.use_graph and self.scaler is not None:
+            raise SystemExit(
+                "--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
+                "gradients on the host every step); use bf16, or --cuda-graphs off"
+            )
+        # the update joins the captured step when nothing must see the gradients in between
+        self.opt_in_graph = self.use_graph and opts.optimizer == "adam" and opts.clip is None and self.scaler is None
+
+    def _settle_compile(self) -> dict:
+        """Settle ``--compile`` on the module (:mod:`hidup.codegen.compiled`): ``{"compile": bool,
+        "compile_s": seconds of the compiling step or None, "trial": {...}}``; rank 0 prints what it did."""
+        mode, module = self.opts.compile, self.module
+        if mode == "off" or (mode == "auto" and not self.cuda):
+            return {"compile": False, "compile_s": None, "trial": {}}
+        batch = self.batch(0)
+        if mode == "auto":
+            info = choose_compile(
+                module, batch, cuda_graphs=self.use_graph, autocast_dtype=self.autocast_dtype, group=module.group
+            )
+            if self.rank == 0:
+                print(info["reason"], flush=True)
+            return info
+        module.set_compile(True)
+        seconds = compile_step(module, batch, autocast_dtype=self.autocast_dtype, graphed=self.use_graph)
+        if self.rank == 0:
+            print(
+                f"compiled the rank program with inductor in {seconds:.1f} s (the first forward + backward)",
+                flush=True,
+            )
+        return {"compile": True, "compile_s": seconds, "trial": {}}
+
+    def _resume(self) -> None:
+        """With ``--resume``, the module's and optimizer's state, the step and the losses of the
+        checkpoint in ``--checkpoint-dir``."""
+        opts, path = self.opts, self.ckpt_path
+        self.start = 0
+        if not opts.resume:
+            return
+        earlier = [
+            p for p in ((path, opts.checkpoint_dir / "checkpoint.pt") if path else ()) if checkpoint.exists(p)
+        ]  # checkpoint.pt: the single file that earlier versions wrote
+        if not earlier:
+            raise SystemExit(f"--resume: no checkpoint at {path}; give --checkpoint-dir of an earlier run")
+        state = checkpoint.load(earlier[0], self.module, self.opt)
+        self.start, self.losses = state["step"], list(state["loss_history"])
+
+    def _print_header(self) -> None:
+        """Rank 0: the run's header, and what it will do first."""
+        opts = self.opts
+        if self.use_graph:
+            steps = "CUDA graph" + (" if faster than eager (auto)" if opts.cuda_graphs == "auto" else "")
+        else:
+            steps = "eager"
+        on_mesh = mesh_phrase(getattr(self.plan, "mesh", None))
+        print(
+            f"train {self.choice.model}: world {self.world}{on_mesh} ({self.ctx.backend}), plan "
+            f"{opts.plan or 'searched now'}, duplication "
+            f"{'on' if getattr(self.module, 'duplication', False) else 'off'} ({opts.duplication}), steps {steps}"
+            f"{_recompute_text(self.plan)}",
+            flush=True,
+        )
+        print(
+            f"nothing left to run: {'the checkpoint is at' if opts.resume else 'already at'} step {self.start} of "
+            f"--iterations {opts.iterations}"
+            if self.start >= opts.iterations
+            else f"running steps {self.start + 1}..{opts.iterations}; the first includes warm-up and can take a while",
+            flush=True,
+        )
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _capture(self, batch) -> None:
+        """Warm up and capture the step as a CUDA graph (once); rank 0 prints the step mode."""
+        self.graphed = GraphedStep(
+            self.module,
+            batch,
+            autocast_dtype=self.autocast_dtype,  # warm-up + capture, once
+            choose=self.opts.cuda_graphs == "auto",
+            group=self.module.group,
+            optimizer=self.opt if self.opt_in_graph else None,
+        )
+        if self.rank == 0:
+            timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.graphed.timings.items())
+            print(f"step mode: {self.graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
+
+    def _forward_backward(self, batch):
+        """The step's loss, its gradients computed (replayed, when captured)."""
+        if self.graphed is not None:
+            return self.graphed(*batch)
+        cast = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=cast) if cast else contextlib.nullcontext():
+            loss = self.module(*batch)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+        else:
+            loss.backward()
+        return loss
+
+    def _update(self) -> None:
+        """Clip, step the optimizer (unless the captured step ran it) and drop the gradients."""
+        if self.opts.clip is not None:
+            codegen.clip_grad_norm_(self.module, self.opts.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        elif self.graphed is None or self.graphed.optimizer is None:
+            self.opt.step()  # else the graphed step ran it
+        self.opt.zero_grad(set_to_none=True)
+
+    def train_step(self, batch) -> float:
+        """One optimizer step on ``batch`` (timed; the first captures the step when steps are
+        captured); the global loss, checked to be finite."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if self.use_graph and self.graphed is None:
+            self._capture(batch)
+        self.module.rng_step = self.step  # dropout draws this step's values, resumed or not (hidup.rules.random)
+        with Stopwatch(self.device) as watch:
+            loss = self._forward_backward(batch)
+            self._update()
+        self.times.append(watch.seconds)
+        total = float(self.module.global_loss(loss))
+        _check_finite(total, self.step + 1, self.ckpt_path, self.opts.lr)
+        return total
+
+    def save_checkpoint(self) -> None:
+        """Write the rank's shards of the module and optimizer, the step and the losses."""
+        checkpoint.save(
+            self.ckpt_path,
+            self.module,
+            self.opt,
+            step=self.step,
+            loss_history=self.losses,
+            keep=self.opts.keep_checkpoints,
+        )
+
+    def _after_step(self, signals: _Signals) -> bool:
+        """Checkpoint when due (every ``--checkpoint-every`` steps, on a signal, at a stop, at the
+        end); whether to stop now (SIGTERM, ``--stop-after``)."""
+        opts = self.opts
+        save, stop = signals.agreed(self.device)
+        self.stopped_by = "SIGTERM" if stop and self.step < opts.iterations else None
+        stop = stop or (opts.stop_after is not None and self.done >= opts.stop_after)
+        periodic = opts.checkpoint_every and self.step % opts.checkpoint_every == 0
+        if self.ckpt_path is not None and (periodic or save or stop or self.step == opts.iterations):
+            self.save_checkpoint()
+            signals.save = False
+        return stop
+
+    def _start_profiler(self) -> None:
+        if self.opts.chrome_trace is not None:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=3, repeat=1))
+            self.profiler.start()
+
+    def _stop_profiler(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.opts.chrome_trace.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.opts.chrome_trace / f"trace_rank{self.rank}.json"))
+
+    def train(self) -> None:
+        """The steps from the one resumed at to ``--iterations`` (or a stop)."""
+        signals = _Signals()
+        self._start_profiler()
+        self.step, self.done = self.start, 0
+        while self.step < self.opts.iterations:
+            total = self.train_step(self.batch(self.step))
+            self.losses.append(total)
+            self.step += 1
+            self.done += 1
+            if self.profiler is not None:
+                self.profiler.step()
+            if self.rank == 0:
+                print(f"step {self.step:5d}  loss {total:.6g}  {self.times[-1] * 1e3:8.2f} ms", flush=True)
+            if self._after_step(signals):
+                break
+        self._stop_profiler()
+
+    # ---------------------------------------------------------------------------------------- results
+    def _timed(self) -> list[float]:
+        """The step times reported: the last ``--last-k`` after ``--warmup``."""
+        warmup = self.opts.warmup
+        timed = self.times[warmup:] if len(self.times) > warmup else self.times
+        return timed[-self.opts.last_k :]
+
+    def result(self) -> dict:
+        """The run's results (module docstring)."""
+        timed, inputs = self._timed(), self.inputs
+        is_lm = inputs[0].dim() >= 2 and not inputs[0].is_floating_point()  # the first input is a tensor (traced)
+        tokens_per_step = math.prod(inputs[0].shape[:2]) if is_lm else inputs[0].shape[0]
+        graphed, compiled = self.graphed, self.compiled
+        return {
+            "model": self.choice.model,
+            "world": self.world,
+            "rank": self.rank,
+            "steps": self.step,
+            "losses": self.losses,
+            "iteration_s_mean": statistics.fmean(timed) if timed else None,
+            "iteration_s_std": statistics.pstdev(timed) if len(timed) > 1 else 0.0,
+            "iteration_s_median": statistics.median(timed) if timed else None,
+            "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
+            "duplication": bool(getattr(self.module, "duplication", False)),
+            "precision": self.opts.precision,
+            "cuda_graph": graphed is not None and graphed.graph is not None,
+            "step_mode_trial": graphed.timings if graphed is not None else {},
+            "duplication_trial": self.trial.get("trial", {}),
+            "compile": compiled["compile"],
+            "compile_s": compiled["compile_s"],
+            "compile_trial": compiled["trial"],
+            "plan_predicted_s": (getattr(self.plan, "predicted", None) or {}).get("total"),
+            "stopped_by": self.stopped_by,
+        }
+
+    def _report(self, result: dict) -> None:
+        """Rank 0: why the run stopped early, the iteration time, and the ``--json`` file."""
+        opts, timed = self.opts, self._timed()
+        if self.rank != 0:
+            return
+        if self.stopped_by is not None:
+            where = (
+                f"checkpoint saved in {opts.checkpoint_dir}; continue with --resume"
+                if self.ckpt_path is not None
+                else "nothing saved (no --checkpoint-dir)"
+            )
+            print(f"stopped by {self.stopped_by} after step {self.step}: {where}", flush=True)
+        if timed:
+            inputs = self.inputs
+            unit = "tokens" if inputs[0].dim() >= 2 and not inputs[0].is_floating_point() else "samples"
+            mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if self.cuda else ""
+            print(
+                f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
+                f"(last {len(timed)}), {result['tokens_per_s']:.0f} {unit}/s{mem}",
+                flush=True,
+            )
+        if opts.json is not None:
+            opts.json.parent.mkdir(parents=True, exist_ok=True)
+            opts.json.write_text(json.dumps(result, indent=1))
+
+    def run(self) -> dict:
+        """Set up, train and report; the run's results."""
+        self.setup()
+        if self.rank == 0:
+            self._print_header()
+        self.train()
+        result = self.result()
+        self._report(result)
+        return result
 
 
-def run_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
-    """One rank's training run; global rank 0 holds the checkpoint folder's lock while it runs."""
-    lock = checkpoint.FolderLock(args.checkpoint_dir) if ctx.rank == 0 and args.checkpoint_dir else None
+def run_rank(ctx: Distributed, opts: TrainOptions, choice: ModelChoice) -> dict:
+    """One rank's training run (a :class:`Trainer`); global rank 0 holds the checkpoint folder's lock
+    while it runs."""
+    lock = checkpoint.FolderLock(opts.checkpoint_dir) if ctx.rank == 0 and opts.checkpoint_dir else None
     try:
         if lock is not None:
             lock.acquire()
     except checkpoint.CheckpointBusy as e:
         raise SystemExit(str(e)) from None
     try:
-        return _train_rank(ctx, args)
+        return Trainer(ctx, opts, choice).run()
     finally:
         if lock is not None:
             lock.release()
-
-
-def _train_rank(ctx: Distributed, args: argparse.Namespace) -> dict:
-    world, rank, device = ctx.world_size, ctx.rank, ctx.device
-    if args.precision == "tf32":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    zoo = not hidup.models.is_factory(args.model)
-    cfg = hidup.models.config(args.model, world_size=world, **args.model_args) if zoo else None
-    model, inputs = hidup.models.build(args.model, world_size=world, seed=args.seed, **args.model_args)
-    data = None
-    if args.data == "stdlib":
-        if not zoo:
-            raise SystemExit(
-                f"--data stdlib feeds the zoo's language models; {args.model} gets synthetic batches "
-                "shaped like its example inputs (leave out --data)"
-            )
-        if getattr(cfg, "vocab", 0) < 256 or inputs[0].dtype.is_floating_point:
-            raise SystemExit("--data stdlib needs a language model with --vocab >= 256")
-        data = StdlibCorpus(inputs[0].shape[0], inputs[0].shape[1])
-    plan = _plan_for(args, model, inputs, world)
-    mode, trial = _duplication_mode(args), {}
-    model = model.to(device)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    use_graph = _captures(args, device.type == "cuda") and _capturable(args, plan)
-    if mode == "auto" and device.type == "cuda" and world > 1:
-        trial_batch = _to(batch_at(inputs, 0, args.seed, cfg, data), device)
-        module, trial = codegen.choose_duplication(
-            model, plan, rank, world, trial_batch, cuda_graphs=use_graph, autocast_dtype=autocast_dtype, seed=args.seed
-        )
-        if rank == 0:
-            print(trial["reason"], flush=True)
-    else:
-        duplication = {"on": True, "off": False}.get(mode)  # plan / auto off the GPU: as the plan says
-        module = codegen.compile(model, plan, rank, world, _to(inputs, device), duplication=duplication, seed=args.seed)
-    params = [p for p in module.parameters() if p.requires_grad]
-    if args.optimizer == "adam" and device.type == "cuda":
-        opt = fused_adam(params, args.lr, device)
-    elif args.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=args.lr)
-    else:
-        opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
-    if use_graph and device.type != "cuda":
-        raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
-    if use_graph and scaler is not None:
-        raise SystemExit(
-            "--cuda-graphs on does not combine with --precision fp16 (the loss scaler inspects the "
-            "gradients on the host every step); use bf16, or --cuda-graphs off"
-        )
-    # the update joins the captured step when nothing must see the gradients in between
-    opt_in_graph = use_graph and args.optimizer == "adam" and args.clip is None and scaler is None
-    compiled = _compile_rank(
-        args, module, _to(batch_at(inputs, 0, args.seed, cfg, data), device), device, autocast_dtype, use_graph, rank
-    )
-    graphed = None
-
-    start, losses = 0, []
-    ckpt_path = args.checkpoint_dir / "checkpoint" if args.checkpoint_dir else None
-    if args.resume:
-        earlier = [
-            p for p in ((ckpt_path, args.checkpoint_dir / "checkpoint.pt") if ckpt_path else ()) if checkpoint.exists(p)
-        ]  # checkpoint.pt: the single file that earlier versions wrote
-        if not earlier:
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}; give --checkpoint-dir of an earlier run")
-        state = checkpoint.load(earlier[0], module, opt)
-        start, losses = state["step"], list(state["loss_history"])
-    if rank == 0:  # the run's header, and what it will do first
-        steps = (
-            "CUDA graph" + (" if faster than eager (auto)" if args.cuda_graphs == "auto" else "")
-            if use_graph
-            else "eager"
-        )
-        on_mesh = mesh_phrase(getattr(plan, "mesh", None))
-        print(
-            f"train {args.model}: world {world}{on_mesh} ({ctx.backend}), plan {args.plan or 'searched now'}, "
-            "duplication "
-            f"{'on' if getattr(module, 'duplication', False) else 'off'} ({mode}), steps {steps}"
-            f"{_recompute_text(plan)}",
-            flush=True,
-        )
-        print(
-            f"nothing left to run: {'the checkpoint is at' if args.resume else 'already at'} step {start} of "
-            f"--iterations {args.iterations}"
-            if start >= args.iterations
-            else f"running steps {start + 1}..{args.iterations}; the first includes warm-up and can take a while",
-            flush=True,
-        )
-
-    signals = _Signals()
-    times, cuda = [], device.type == "cuda"
-    is_lm = inputs[0].dim() >= 2 and not inputs[0].is_floating_point()  # the first input is a tensor (traced)
-    tokens_per_step = math.prod(inputs[0].shape[:2]) if is_lm else inputs[0].shape[0]
-    unit = "tokens" if is_lm else "samples"
-    prof = None
-    if args.chrome_trace is not None:
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=3, repeat=1))
-        prof.start()
-    step, done, stopped_by = start, 0, None
-    while step < args.iterations:
-        batch = _to(batch_at(inputs, step, args.seed, cfg, data), device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        if use_graph and graphed is None:
-            graphed = GraphedStep(
-                module,
-                batch,
-                autocast_dtype=autocast_dtype,  # warm-up + capture, once
-                choose=args.cuda_graphs == "auto",
-                group=module.group,
-                optimizer=opt if opt_in_graph else None,
-            )
-            if rank == 0:
-                timing = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in graphed.timings.items())
-                print(f"step mode: {graphed.mode}" + (f" (trial: {timing})" if timing else ""), flush=True)
-        module.rng_step = step  # dropout draws step `step`'s values, resumed or not (hidup.rules.random)
-        with Stopwatch(device) as watch:
-            if graphed is not None:
-                loss = graphed(*batch)
-            else:
-                with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-                    loss = module(*batch)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(opt)
-                else:
-                    loss.backward()
-            if args.clip is not None:
-                codegen.clip_grad_norm_(module, args.clip)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            elif graphed is None or graphed.optimizer is None:
-                opt.step()  # else the graphed step ran it
-            opt.zero_grad(set_to_none=True)
-        times.append(watch.seconds)
-        total = float(module.global_loss(loss))
-        _check_finite(total, step + 1, ckpt_path, args.lr)
-        losses.append(total)
-        step += 1
-        done += 1
-        if prof is not None:
-            prof.step()
-        if rank == 0:
-            print(f"step {step:5d}  loss {total:.6g}  {times[-1] * 1e3:8.2f} ms", flush=True)
-        save, stop = signals.agreed(device)
-        stopped_by = "SIGTERM" if stop and step < args.iterations else None
-        stop = stop or (args.stop_after is not None and done >= args.stop_after)
-        periodic = args.checkpoint_every and step % args.checkpoint_every == 0
-        if ckpt_path is not None and (periodic or save or stop or step == args.iterations):
-            checkpoint.save(ckpt_path, module, opt, step=step, loss_history=losses, keep=args.keep_checkpoints)
-            signals.save = False
-        if stop:
-            break
-    if prof is not None:
-        prof.stop()
-        args.chrome_trace.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(args.chrome_trace / f"trace_rank{rank}.json"))
-    timed = times[args.warmup :] if len(times) > args.warmup else times
-    timed = timed[-args.last_k :]
-    result = {
-        "model": args.model,
-        "world": world,
-        "rank": rank,
-        "steps": step,
-        "losses": losses,
-        "iteration_s_mean": statistics.fmean(timed) if timed else None,
-        "iteration_s_std": statistics.pstdev(timed) if len(timed) > 1 else 0.0,
-        "iteration_s_median": statistics.median(timed) if timed else None,
-        "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "duplication": bool(getattr(module, "duplication", False)),
-        "precision": args.precision,
-        "cuda_graph": graphed is not None and graphed.graph is not None,
-        "step_mode_trial": graphed.timings if graphed is not None else {},
-        "duplication_trial": trial.get("trial", {}),
-        "compile": compiled["compile"],
-        "compile_s": compiled["compile_s"],
-        "compile_trial": compiled["trial"],
-        "plan_predicted_s": (getattr(plan, "predicted", None) or {}).get("total"),
-        "stopped_by": stopped_by,
-    }
-    if rank == 0 and stopped_by is not None:
-        where = (
-            f"checkpoint saved in {args.checkpoint_dir}; continue with --resume"
-            if ckpt_path is not None
-            else "nothing saved (no --checkpoint-dir)"
-        )
-        print(f"stopped by {stopped_by} after step {step}: {where}", flush=True)
-    if rank == 0 and timed:
-        mem = f", peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""
-        print(
-            f"iteration time {result['iteration_s_mean'] * 1e3:.2f} ± {result['iteration_s_std'] * 1e3:.2f} ms "
-            f"(last {len(timed)}), {result['tokens_per_s']:.0f} {unit}/s{mem}",
-            flush=True,
-        )
-    if rank == 0 and args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
 
 
 def _check_finite(loss: float, step: int, ckpt_path: Path | None, lr: float) -> None:
@@ -495,20 +615,20 @@ def _check_finite(loss: float, step: int, ckpt_path: Path | None, lr: float) -> 
     )
 
 
-def check_run_options(args: argparse.Namespace) -> None:
+def check_run_options(opts: TrainOptions) -> None:
     """Refuse, before any rank starts, what would fail or lose work later: a learning rate that is not a
     positive number, a --checkpoint-dir that is a file, cannot be written or is in use by another job
     (:class:`~hidup.runtime.checkpoint.FolderLock`), and a checkpoint already there that neither
     --resume (continue it) nor --overwrite (replace it) says what to do with."""
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise CommandError(f"--lr {args.lr}: the learning rate must be a positive number")
-    if args.resume and args.overwrite:
+    if not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise CommandError(f"--lr {opts.lr}: the learning rate must be a positive number")
+    if opts.resume and opts.overwrite:
         raise CommandError("--resume continues the checkpoint and --overwrite replaces it: give one")
-    if args.keep_checkpoints < 1:
-        raise CommandError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least the last checkpoint (1)")
-    folder = args.checkpoint_dir
+    if opts.keep_checkpoints < 1:
+        raise CommandError(f"--keep-checkpoints {opts.keep_checkpoints}: keep at least the last checkpoint (1)")
+    folder = opts.checkpoint_dir
     if folder is None:
-        if args.resume:
+        if opts.resume:
             raise CommandError("--resume needs --checkpoint-dir, the folder of the run to continue")
         return
     if folder.exists() and not folder.is_dir():
@@ -526,33 +646,35 @@ def check_run_options(args: argparse.Namespace) -> None:
     except checkpoint.CheckpointBusy as e:
         raise CommandError(str(e)) from None
     found = [p for p in (folder / "checkpoint", folder / "checkpoint.pt") if checkpoint.exists(p)]
-    if found and not (args.resume or args.overwrite):
+    if found and not (opts.resume or opts.overwrite):
         raise CommandError(
             f"--checkpoint-dir {folder} holds a checkpoint ({found[0].name}) that this run would replace. "
             "Fix: --resume to continue it, --overwrite to start afresh over it, or another --checkpoint-dir"
         )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(opts: TrainOptions) -> int:
     """Settle the model (the plan's record, or the flags) and the world size, then launch the ranks.
-    A plan for another world size than the launch's, and options that would fail or lose work later
-    (:func:`check_run_options`), are refused here, before any rank starts."""
-    check_run_options(args)
-    plan = Plan.load(args.plan) if args.plan is not None else None
-    explicit_world = args.world
-    settle_model(args, plan, args.plan)
-    launched = args.cpn is not None or "CPN" in os.environ or "RANK" in os.environ
+    A plan for another world size than the launch's, or for another model, and options that would fail
+    or lose work later (:func:`check_run_options`), are refused here, before any rank starts."""
+    check_run_options(opts)
+    plan = Plan.load(opts.plan) if opts.plan is not None else None
+    choice = settle_model(opts.model, plan, opts.plan)
+    if plan is not None:
+        check_plan_fits(choice, plan, opts.plan)
+    starts = opts.launch
+    launched = starts.cpn is not None or "CPN" in os.environ or "RANK" in os.environ
     if plan is not None and launched:
-        layout = layout_from_env(nnodes=args.nnodes, cpn=args.cpn, node_rank=args.node_rank)
+        layout = layout_from_env(nnodes=starts.nnodes, cpn=starts.cpn, node_rank=starts.node_rank)
         if layout.world_size != plan.world_size:
             raise PlanError(
-                f"{args.plan} was searched for {plan.world_size} ranks but this launch has "
+                f"{opts.plan} was searched for {plan.world_size} ranks but this launch has "
                 f"{layout.world_size} ({layout.source}: NNODES x CPN, or WORLD_SIZE). Fix: launch "
                 f"{plan.world_size} ranks, or search again for {layout.world_size}"
             )
-    if args.world is not None and not launched and (plan is not None or explicit_world is not None):
-        args.cpn, args.nnodes, args.node_rank = args.world, 1, 0  # one node, --world processes
-    results = launch(run_rank, args, **launch_kwargs(args))
+    if choice.world is not None and not launched and (plan is not None or opts.model.world is not None):
+        starts = replace(starts, cpn=choice.world, nnodes=1, node_rank=0)  # one node, --world processes
+    results = launch(run_rank, opts, choice, options=starts)
     # a scheduler's SIGTERM (to the launcher or the whole group): the run saved and stopped early, and
     # exits as a process ended by SIGTERM does, so that the scheduler requeues it rather than marks it done
     stopped = any(isinstance(r, dict) and r.get("stopped_by") == "SIGTERM" for r in results)

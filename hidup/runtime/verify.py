@@ -22,14 +22,16 @@ The plan runs as ``hidup train`` runs it: the model the plan records (zoo name o
 ``package.module:function``; no model flags needed), on the plan's world size, compiled with the
 plan's duplication setting (``--duplication on|off`` overrides it, as in ``train``; ``train``'s
 ``auto`` times both on GPUs and keeps the faster, so verify each with ``on`` and ``off``).
+
+The command line (:mod:`hidup.cli.verify_flags`) makes a :class:`VerifyOptions`, which :func:`run`
+settles and launches; every rank runs :func:`parity_report` with its :class:`ParityOptions`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,43 +42,66 @@ from hidup import codegen
 from hidup.codegen.graphs import GraphedStep
 from hidup.codegen.params import full_grad_dict
 from hidup.frontend.trace import trace
+from hidup.optionset import OptionSet
 from hidup.plan import Plan
 from hidup.rules.random import single_device
-from hidup.runtime.launch import Distributed, launch, positive_seconds
-from hidup.runtime.locate import first_mismatch
-from hidup.runtime.options import DEFAULT_PROFILE, add_model_args, mesh_phrase, settle_model
-from hidup.search import STYLES, forced, search
+from hidup.runtime.launch import DEFAULT_TIMEOUT_S, Distributed, launch
+from hidup.runtime.locate import Comparison, first_mismatch
+from hidup.runtime.options import DEFAULT_PROFILE, ModelRequest, check_plan_fits, mesh_phrase, settle_model
+from hidup.search import forced, search
+
+__all__ = ["VerifyOptions", "ParityOptions", "parity_report", "make_plan", "rel_diff", "run"]
 
 
-def add_verify_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p, world_default=2)
-    p.add_argument(
-        "--plan",
-        type=Path,
-        default=None,
-        help="plan JSON (default: search one now); it records its model and world size",
-    )
-    p.add_argument(
-        "--style",
-        choices=("searched", *STYLES),
-        default="searched",
-        help="without --plan: a searched plan or a forced data/tensor/expert-parallel or FSDP-style one",
-    )
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for the search")
-    p.add_argument(
-        "--duplication",
-        choices=("plan", "on", "off"),
-        default="plan",
-        help="compile as the plan says (default, as `hidup train` on the CPU), or force duplication on "
-        "or off; without --plan, off also searches without it",
-    )
-    p.add_argument("--no-duplication", action="store_true", help="the same as --duplication off")
-    p.add_argument("--steps", type=int, default=0, help="also compare K optimizer steps (default 0)")
-    p.add_argument("--tolerance", type=float, default=1e-5, help="largest allowed relative difference")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--dist-timeout", type=positive_seconds, default=120.0, help="seconds before a hung collective fails"
-    )
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What ``hidup verify`` checks (the flags of the same names; :mod:`hidup.cli.verify_flags`):
+    ``model`` the model asked for, ``plan`` a plan file (None: search one now with ``profile``, or
+    force ``style``), ``duplication`` ``"plan"``, ``"on"`` or ``"off"``, ``steps`` optimizer steps also
+    compared, ``tolerance`` the largest relative difference allowed, ``seed``, and ``dist_timeout``
+    seconds before a hung collective fails."""
+
+    model: ModelRequest = field(default_factory=ModelRequest)
+    plan: Path | None = None
+    style: str = "searched"
+    profile: str = DEFAULT_PROFILE
+    duplication: str = "plan"
+    steps: int = 0
+    tolerance: float = 1e-5
+    seed: int = 0
+    dist_timeout: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def forced_duplication(self) -> bool | None:
+        """``duplication`` as :class:`ParityOptions` takes it: None for the plan's setting."""
+        return {"plan": None, "on": True, "off": False}[self.duplication]
+
+
+@dataclass(frozen=True)
+class ParityOptions(OptionSet):
+    """How :func:`parity_report` runs the plan (it takes them as keywords too).
+
+    ``plan`` a plan file (None: searched with ``profile``, or forced to ``style``; on the device
+    ``mesh`` of several axes when given).  ``duplication`` True or False forces the compiled module's
+    two copies on or off; None compiles the plan as it says (as ``hidup train`` does), and lets a
+    searched plan use duplication.  ``steps`` SGD steps also compared; ``seed``.  ``cuda_graph`` runs
+    the compiled module's forward and backward through :class:`hidup.codegen.GraphedStep` (captured as
+    one CUDA graph on GPUs, eager elsewhere).  ``progress``: rank 0 prints a line on stderr as each
+    phase starts.  ``locate``: a tolerance above which (loss or any gradient) every rank runs
+    :func:`hidup.runtime.locate.first_mismatch` and the report names the first op that differs
+    (``first_mismatch``)."""
+
+    plan: Path | str | None = None
+    style: str = "searched"
+    profile: str = DEFAULT_PROFILE
+    duplication: bool | None = True
+    steps: int = 0
+    seed: int = 0
+    cuda_graph: bool = False
+    progress: bool = False
+    mesh: tuple[int, ...] | None = None
+    locate: float | None = None
+    WHAT = "parity_report"
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
@@ -126,37 +151,19 @@ def _steps(model, inputs, steps: int, seed: int, lr: float = 1e-2) -> list[float
 
 
 def parity_report(
-    ctx: Distributed,
-    model_name: str,
-    overrides: dict,
-    *,
-    plan=None,
-    style: str = "searched",
-    profile: str = "paper-v100-9.7gbps",
-    duplication: bool | None = True,
-    steps: int = 0,
-    seed: int = 0,
-    cuda_graph: bool = False,
-    progress: bool = False,
-    mesh: tuple[int, ...] | None = None,
-    locate: float | None = None,
+    ctx: Distributed, model_name: str, overrides: dict, options: ParityOptions | None = None, **changes
 ) -> dict:
     """Run one plan on every rank of ``ctx`` and, on rank 0, compare with the single-device model.
 
-    ``model_name`` is a zoo name or ``package.module:function`` and ``overrides`` its arguments.
-    ``duplication`` True or False forces the compiled module's two copies on or off; None compiles
-    the plan as it says (as ``hidup train`` does), and lets a searched plan use duplication.
-    Every rank must call it.  Returns (rank 0) the loss, the per-gradient relative differences and,
-    with ``steps``, the losses of ``steps`` SGD steps on both sides; other ranks return ``{}``.
-    ``cuda_graph`` runs the compiled module's forward and backward through
-    :class:`hidup.codegen.GraphedStep` (captured as one CUDA graph on GPUs, eager elsewhere).
-    ``progress``: rank 0 prints a line on stderr as each phase starts.  ``mesh``: without ``plan``, the
-    plan is searched (or forced) for this device mesh of several axes.  ``locate``: a tolerance above
-    which (loss or any gradient) every rank runs :func:`hidup.runtime.locate.first_mismatch` and the
-    report names the first op that differs (``first_mismatch``)."""
+    ``model_name`` is a zoo name or ``package.module:function`` and ``overrides`` its arguments;
+    ``options`` (:class:`ParityOptions`) are updated by the keyword ``changes``.  Every rank must call
+    it.  Returns (rank 0) the loss, the per-gradient relative differences and, with ``steps``, the
+    losses of ``steps`` SGD steps on both sides; other ranks return ``{}``."""
+    opts = ParityOptions.of(options, **changes)
+    plan, style, duplication, steps, seed = opts.plan, opts.style, opts.duplication, opts.steps, opts.seed
 
     def say(text: str) -> None:
-        if progress and ctx.rank == 0:
+        if opts.progress and ctx.rank == 0:
             print(f"verify: {text}", file=sys.stderr, flush=True)
 
     world, device = ctx.world_size, ctx.device
@@ -173,15 +180,15 @@ def parity_report(
         world,
         plan=plan,
         style=style,
-        profile=profile,
+        profile=opts.profile,
         duplication=duplication is not False,
-        mesh=mesh,
+        mesh=opts.mesh,
     )
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     say("compiling the rank programs (torch.export of the step, then the rewrite) ...")
     module = codegen.compile(model.to(device), the_plan, ctx.rank, world, batch, duplication=duplication, seed=seed)
     say(f"forward and backward on {world} ranks" + (f", then {steps} SGD steps" if steps else "") + " ...")
-    if cuda_graph:
+    if opts.cuda_graph:
         graphed = GraphedStep(module, batch)  # its warm-up steps compute gradients, never step the weights
         module.rng_step = 0  # the compared step draws step 0's random values, as the reference does
 
@@ -206,14 +213,14 @@ def parity_report(
             step_loss = forward_backward(batch)
             opt.step()
             step_losses.append(float(module.global_loss(step_loss)))
-    ran = _Ran(the_plan, module, style, float(total), grads, graphed if cuda_graph else None, step_losses)
+    ran = _Ran(the_plan, module, style, float(total), grads, graphed if opts.cuda_graph else None, step_losses)
     report = _reference_report(ctx, model_name, overrides, seed, ran, say) if ctx.rank == 0 else {}
-    if locate is not None:
-        failed = [ctx.rank == 0 and _differs(report, locate)]
+    if opts.locate is not None:
+        failed = [ctx.rank == 0 and _differs(report, opts.locate)]
         torch.distributed.broadcast_object_list(failed, src=0)
         if failed[0]:
             say("finding the first op that differs ...")
-            located = _first_mismatch(model_name, overrides, the_plan, ctx, batch, seed, profile, locate)
+            located = _first_mismatch(model_name, overrides, the_plan, ctx, batch, opts)
             report["first_mismatch"] = located
     return report
 
@@ -222,9 +229,9 @@ def _differs(report: dict, tolerance: float) -> bool:
     return not report["loss_rel"] <= tolerance or not all(d <= tolerance for d in report["grads"].values())
 
 
-def _first_mismatch(model_name, overrides, plan, ctx: Distributed, batch, seed: int, profile: str, tolerance: float):
+def _first_mismatch(model_name, overrides, plan, ctx: Distributed, batch, opts: ParityOptions):
     """:func:`hidup.runtime.locate.first_mismatch` for this job (every rank calls it)."""
-    world, device = ctx.world_size, ctx.device
+    world, device, seed = ctx.world_size, ctx.device, opts.seed
 
     def model_of():
         return hidup.models.build(model_name, world_size=world, seed=seed, **overrides)[0].to(device)
@@ -232,8 +239,9 @@ def _first_mismatch(model_name, overrides, plan, ctx: Distributed, batch, seed: 
     model, inputs = hidup.models.build(model_name, world_size=world, seed=seed, **overrides)
     mesh = tuple(getattr(plan, "mesh", None) or ()) or None
     graph = trace(model, inputs, world_size=world, mesh=mesh if mesh and len(mesh) > 1 else None)
-    reference_plan = forced(trace(model, inputs, world_size=1), hidup.profiler.load(profile), "data")
-    return first_mismatch(model_of, batch, plan, graph, reference_plan, ctx.rank, world, seed, tolerance)
+    reference_plan = forced(trace(model, inputs, world_size=1), hidup.profiler.load(opts.profile), "data")
+    comparison = Comparison(plan, graph, reference_plan, seed=seed, tolerance=opts.locate)
+    return first_mismatch(model_of, batch, comparison, ctx.rank, world)
 
 
 @dataclass
@@ -286,63 +294,69 @@ def _reference_report(ctx: Distributed, model_name: str, overrides: dict, seed: 
     return report
 
 
-def _duplication(args) -> bool | None:
-    """``--duplication`` (``--no-duplication`` meaning off): None for the plan's setting."""
-    return {"plan": None, "on": True, "off": False}["off" if args.no_duplication else args.duplication]
-
-
-def _run_rank(ctx: Distributed, args) -> dict:
-    return parity_report(
-        ctx,
-        args.model,
-        args.model_args,
-        plan=args.plan,
-        style=args.style,
-        profile=args.profile,
-        duplication=_duplication(args),
-        steps=args.steps,
-        seed=args.seed,
-        progress=True,
-        mesh=getattr(args, "mesh", None),
-        locate=args.tolerance,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
+def run(opts: VerifyOptions) -> int:
     """Settle the model (the plan's record, or the flags) and the world size -- a plan for another
     world size is refused here, before any rank starts -- then run the ranks and report."""
-    if args.plan is not None:
-        if args.style != "searched":
-            raise SystemExit(f"--style {args.style} forces a plan; it does not combine with --plan")
-        settle_model(args, Plan.load(args.plan), args.plan)
+    if opts.plan is not None:
+        if opts.style != "searched":
+            raise SystemExit(f"--style {opts.style} forces a plan; it does not combine with --plan")
+        plan = Plan.load(opts.plan)
+        choice = settle_model(opts.model, plan, opts.plan)
+        check_plan_fits(choice, plan, opts.plan)
     else:
-        settle_model(args)
+        choice = settle_model(opts.model)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(CPN=str(args.world), NNODES="1", NODERANK="0")
+    env.update(CPN=str(choice.world), NNODES="1", NODERANK="0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env["MASTER_PORT"] = env.get("MASTER_PORT") or "0"  # 0: the launcher's store on a free port
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
-    report = launch(_run_rank, args, env=env, backend=backend, timeout_s=args.dist_timeout, announce=True)[0]
-    plan_text = str(args.plan) if args.plan is not None else args.style
-    dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[_duplication(args)]
-    on_mesh = mesh_phrase(getattr(args, "mesh", None))
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= choice.world else "gloo"
+    parity = ParityOptions(
+        plan=opts.plan,
+        style=opts.style,
+        profile=opts.profile,
+        duplication=opts.forced_duplication,
+        steps=opts.steps,
+        seed=opts.seed,
+        progress=True,
+        mesh=choice.mesh,
+        locate=opts.tolerance,
+    )
+    report = launch(
+        parity_report,
+        choice.model,
+        choice.model_args,
+        parity,
+        env=env,
+        backend=backend,
+        timeout_s=opts.dist_timeout,
+        announce=True,
+    )[0]
+    return _print_report(opts, choice, backend, report)
+
+
+def _print_report(opts: VerifyOptions, choice, backend: str, report: dict) -> int:
+    """Print rank 0's report; the exit status (1 when a difference exceeds the tolerance)."""
+    plan_text = str(opts.plan) if opts.plan is not None else opts.style
+    dup_text = {None: "as the plan says", True: "forced on", False: "forced off"}[opts.forced_duplication]
+    on_mesh = mesh_phrase(choice.mesh)
     print(
-        f"model {args.model}, world {args.world}{on_mesh} ({backend}), plan: {plan_text}, "
+        f"model {choice.model}, world {choice.world}{on_mesh} ({backend}), plan: {plan_text}, "
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"
         f"{', %d parameters resharded' % report['reshard'] if report.get('reshard') else ''}"
     )
+    tolerance = opts.tolerance
     worst_name, worst = max(report["grads"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"loss {report['loss']:.8g} vs single device {report['loss_ref']:.8g}: rel diff {report['loss_rel']:.2e}")
     print(f"gradients: {len(report['grads'])} tensors, max rel diff {worst:.2e} ({worst_name})")
-    bad = [n for n, d in report["grads"].items() if not d <= args.tolerance]
-    failed = not report["loss_rel"] <= args.tolerance or bool(bad)
+    bad = [n for n, d in report["grads"].items() if not d <= tolerance]
+    failed = not report["loss_rel"] <= tolerance or bool(bad)
     if "steps" in report:
-        print(f"{args.steps} SGD steps: max rel loss diff {report['steps_rel']:.2e}")
-        failed = failed or not report["steps_rel"] <= args.tolerance * 10
+        print(f"{opts.steps} SGD steps: max rel loss diff {report['steps_rel']:.2e}")
+        failed = failed or not report["steps_rel"] <= tolerance * 10
     for n in bad[:10]:
-        print(f"  MISMATCH {n}: rel diff {report['grads'][n]:.2e} > {args.tolerance:g}")
+        print(f"  MISMATCH {n}: rel diff {report['grads'][n]:.2e} > {tolerance:g}")
     located = report.get("first_mismatch")
     if located and located["node"]:
         print(

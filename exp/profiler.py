@@ -9,7 +9,8 @@
 
 On several nodes both levels are measured: the node's tables inside each node, the network's on
 groups of one rank per node, and the profile records gpus_per_node.  The math and the file format
-are described in hidup.profiler.measure.machine and hidup.profiler.profile.
+are described in hidup.profiler.measure.machine and hidup.profiler.profile; the flags in
+hidup.cli.profile_flags.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hidup.profiler.measure.machine import add_profile_args, run_profile
+from hidup.cli.profile_flags import add_profile_args, run_profile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import pytest
 
 import hidup.profiler.profile as P
 from dist_util import run_distributed
+from hidup.cli import profile_flags
 from hidup.profiler.measure import machine as measure
 from hidup.profiler.measure.comm import network_groups, node_groups
 from hidup.runtime.launch import Layout
@@ -279,14 +280,14 @@ def test_node_and_network_groups():
 
 def test_gpus_per_node_flag_is_checked_against_the_launch():
     one_host = Layout(4, 1, 4, 0, "127.0.0.1", 0)
-    assert measure._check_gpus_per_node(None, one_host) is None
-    assert measure._check_gpus_per_node(2, one_host) == 2
+    assert profile_flags._check_gpus_per_node(None, one_host) is None
+    assert profile_flags._check_gpus_per_node(2, one_host) == 2
     with pytest.raises(SystemExit, match="do not split into nodes of 3"):
-        measure._check_gpus_per_node(3, one_host)
+        profile_flags._check_gpus_per_node(3, one_host)
     with pytest.raises(SystemExit, match="contradicts the launch's 2 nodes of 4"):
-        measure._check_gpus_per_node(2, Layout(8, 2, 4, 0, "h", 1))
+        profile_flags._check_gpus_per_node(2, Layout(8, 2, 4, 0, "h", 1))
     with pytest.raises(SystemExit, match="launch >= 2 ranks"):
-        measure._check_gpus_per_node(2, Layout(1, 1, 1, 0, "h", 1, source="single"))
+        profile_flags._check_gpus_per_node(2, Layout(1, 1, 1, 0, "h", 1, source="single"))
     with pytest.raises(ValueError, match="give a divisor of 4"):
         measure._gpus_per_node(4, 3)
 
@@ -295,8 +296,8 @@ def test_a_multi_node_launch_measures_its_nodes(monkeypatch):
     """Without the flag, the launch's own nodes (NNODES/CPN, torchrun's LOCAL_WORLD_SIZE) are measured."""
     seen = []
 
-    def stop(world, **kwargs):
-        seen.append(kwargs["gpus_per_node"])
+    def stop(world, device, options):
+        seen.append(options.gpus_per_node)
         raise RuntimeError("measured")
 
     monkeypatch.setattr(measure, "_measure", stop)
@@ -306,9 +307,8 @@ def test_a_multi_node_launch_measures_its_nodes(monkeypatch):
         (Layout(8, 1, 8, 0, "h", 1, 0), 2, 2),
     ):
         ctx = SimpleNamespace(device=SimpleNamespace(type="cuda"), layout=layout, world_size=8, rank=0)
-        kwargs = {"out": None, "ops_model": None, "calibrate_plans": None, "gpus_per_node": flag}
         with pytest.raises(RuntimeError, match="measured"):
-            measure._rank_main(ctx, kwargs)
+            measure._rank_main(ctx, measure.ProfileOptions(gpus_per_node=flag), None)
         assert seen[-1] == want, layout
     assert len(seen) == 3
 
@@ -331,8 +331,8 @@ def _two_nodes_rank(rank, world, out):
     try:
         prof = measure.profile_machine(
             world,
-            SIZES,
-            ("fp32",),
+            sizes=SIZES,
+            dtypes=("fp32",),
             progress=False,
             out=out if rank == 0 else None,
             matmul_sizes=(32,),

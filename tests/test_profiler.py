@@ -13,10 +13,11 @@ import torch
 
 import hidup.profiler
 from dist_util import run_distributed
+from hidup.cli.profile_flags import parse_sizes
 from hidup.codegen.timing import time_call
 from hidup.profiler.measure.comm import _elements, fit_alpha, monotone
 from hidup.profiler.measure.device import canonical_dtype, matmul_rate, memory_bandwidth, tf32
-from hidup.profiler.measure.machine import comm_tables, parse_sizes, profile_machine
+from hidup.profiler.measure.machine import comm_tables, profile_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,8 +130,8 @@ SIZES = [4096, 16384, 65536]
 def _profile_rank(rank, world, out):
     prof = profile_machine(
         world,
-        SIZES,
-        ("fp32",),
+        sizes=SIZES,
+        dtypes=("fp32",),
         progress=False,
         out=out if rank == 0 else None,
         matmul_sizes=(32, 64),
@@ -198,20 +199,24 @@ def test_pair_speedup_is_measured_in_turns_so_that_drift_cancels(monkeypatch):
     monkeypatch.setattr(comm, "collective_call", lambda *a, **k: single)
     monkeypatch.setattr(comm, "_pair_call", lambda *a, **k: pair)
     t, t_pair = comm.time_collective(
-        "all_reduce", 4096, None, 2, "cpu", pair_with=object(), sample_s=0.0, budget_s=0.0, min_samples=8
+        "all_reduce",
+        4096,
+        comm.Communicator(None, 2, pair_with=object()),
+        "cpu",
+        sampling=comm.Sampling(sample_s=0.0, budget_s=0.0, min_samples=8),
     )
     timed = order[4:]  # after the warm-up and trial calls of each
     assert timed == ["s", "p", "p", "s"] * 4
     assert 2 * t / t_pair == pytest.approx(1.6, rel=0.03)
     # measured one after the other (8 singles, then 8 pairs), the same drift would read as about 1.21
     with pytest.raises(ValueError, match="every rank"):
-        comm.time_collective("all_reduce", 4096, None, 2, "cpu", member=False, pair_with=object())
+        comm.time_collective("all_reduce", 4096, comm.Communicator(None, 2, member=False, pair_with=object()), "cpu")
 
 
 def _rounds_rank(rank, world):
     from hidup.profiler.measure.comm import profile_collectives
 
-    curves = profile_collectives("cpu", [4096, 65536], ("all_reduce",), budget_s=0.005, rounds=3)
+    curves = profile_collectives("cpu", sizes=[4096, 65536], ops=("all_reduce",), budget_s=0.005, rounds=3)
     return [c.to_dict() for c in curves]
 
 
@@ -228,7 +233,7 @@ def test_collective_rounds_keep_each_points_median(world2):
 def _subgroup_rank(rank, world):
     from hidup.profiler.measure.comm import profile_collectives
 
-    curves = profile_collectives("cpu", [4096, 65536], ("all_reduce", "all_to_all"), budget_s=0.01)
+    curves = profile_collectives("cpu", sizes=[4096, 65536], ops=("all_reduce", "all_to_all"), budget_s=0.01)
     return [(c.op, c.group_size, c.sizes, c.seconds, c.pair_speedup) for c in curves]
 
 
@@ -444,7 +449,13 @@ def _program_rank(rank, world):
 
     # this machine's own rates and gloo tables, so that predictions land near the measured times
     prof = profile_machine(
-        world, [4096, 65536, 1 << 20], ("fp32",), progress=False, matmul_sizes=(64, 128), budget_s=0.02, name="test-cpu"
+        world,
+        sizes=[4096, 65536, 1 << 20],
+        dtypes=("fp32",),
+        progress=False,
+        matmul_sizes=(64, 128),
+        budget_s=0.02,
+        name="test-cpu",
     )
     models = [("bert-switch", TINY_MOE)]
     checks = program_checks(prof, models, ("fp32",), torch.device("cpu"), trials=3, warmup=1)

@@ -434,7 +434,7 @@ def test_a_user_error_inside_the_ranks_comes_back_as_its_message():
 
 
 def test_profile_ops_model_accepts_factories(here):
-    from hidup.profiler.measure.machine import _names
+    from hidup.cli.profile_flags import _names
 
     assert _names(f"gpt,{MODULE}:build_mlp", "--ops-model") == ["gpt", f"{MODULE}:build_mlp"]
     with pytest.raises(SystemExit, match="has no attribute 'nope'"):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hidup.cli import train_flags, verify_flags
-from hidup.profiler.measure import machine as measure
+from hidup.cli import profile_flags, train_flags, verify_flags
 from hidup.runtime import train, verify
 
 
@@ -40,11 +39,11 @@ def _profile_parser(sub) -> None:
         description="Measure the device and the network and write a profile JSON that "
         "`hidup search --profile` accepts.",
     )
-    measure.add_profile_args(p)
+    profile_flags.add_profile_args(p)
 
 
 def _cmd_profile(args) -> int:
-    return measure.run_profile(args)
+    return profile_flags.run_profile(args)
 
 
 COMMANDS = {

@@ -66,9 +66,13 @@ import torch.distributed as dist
 
 from hidup.codegen.timing import Timer, max_over_ranks
 from hidup.ir import COLLECTIVES
+from hidup.optionset import OptionSet
 
 __all__ = [
     "CommCurve",
+    "CommOptions",
+    "Communicator",
+    "Sampling",
     "fit_alpha",
     "monotone",
     "default_comm_sizes",
@@ -122,6 +126,53 @@ class CommCurve:
             "pair_speedup": self.pair_speedup,
             "round_seconds": [list(r) for r in self.round_seconds],
         }
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one point is sampled (module docstring, "Timing"): about ``sample_s`` seconds per sample,
+    ``budget_s`` for the point's samples together, at least ``min_samples`` and at most ``max_samples``."""
+
+    sample_s: float = 0.02
+    budget_s: float = 0.25
+    min_samples: int = 3
+    max_samples: int = 20
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """Where :func:`time_collective` runs a collective: ``group``, this rank's process group of ``size``
+    ranks (None: the world's); ``member=False`` on a rank in no group, which only takes part in the
+    agreement collectives; ``pair_with``, a second communicator over the same ranks (every rank a
+    member), on which a second call runs together with the first."""
+
+    group: object
+    size: int
+    member: bool = True
+    pair_with: object = None
+
+
+@dataclass(frozen=True)
+class CommOptions(OptionSet):
+    """What :func:`profile_collectives` measures (it takes them as keywords too): every collective of
+    ``ops`` at every size of ``sizes`` (logical bytes; None: :func:`default_comm_sizes`) on groups of
+    each size of ``group_sizes`` (None: :func:`default_group_sizes` of the world), ``budget_s``
+    seconds per point, buffers of ``dtype``, the latency fitted on the ``n_fit`` smallest sizes.
+    ``groups(g)`` lists the groups of size ``g`` that run at once (None: :func:`consecutive_groups`);
+    with ``pairs``, the groups of size ``pair_group`` (None: the world) also time two calls at once;
+    ``rounds`` passes over each group size's table keep each point's median."""
+
+    sizes: list[int] | None = None
+    ops: tuple[str, ...] = COLLECTIVES
+    group_sizes: list[int] | None = None
+    budget_s: float = 0.25
+    n_fit: int = 3
+    dtype: torch.dtype = torch.float32
+    pairs: bool = True
+    rounds: int = 1
+    groups: Callable[[int], list[list[int]]] | None = None
+    pair_group: int | None = None
+    WHAT = "profile_collectives"
 
 
 def monotone(seconds: list[float]) -> list[float]:
@@ -221,22 +272,15 @@ def _pair_call(op: str, numel: int, groups, g: int, device: torch.device, dtype:
 
 
 def _sampled(
-    fns: list[Callable[[], object]],
-    timer: "Timer",
-    device: torch.device,
-    *,
-    sample_s: float,
-    budget_s: float,
-    min_samples: int,
-    max_samples: int,
+    fns: list[Callable[[], object]], timer: "Timer", device: torch.device, sampling: Sampling
 ) -> list[list[float]]:
     """Per-call seconds of each of ``fns``, per sample, max over the world, sampled in turns.
 
     Each function is warmed up once and timed once to fix its calls per sample ``k`` (from the
     world's slowest trial, so every rank derives the same schedule); the number of samples fits
-    ``budget_s`` for all of them together.  Sample ``i`` of every function is taken before sample
-    ``i + 1`` of any, each after a world barrier, in turns that reverse every round (A B, B A, A B,
-    ...): drift of the host or the network between samples then reaches every function alike."""
+    ``sampling.budget_s`` for all of them together.  Sample ``i`` of every function is taken before
+    sample ``i + 1`` of any, each after a world barrier, in turns that reverse every round (A B, B A,
+    A B, ...): drift of the host or the network between samples then reaches every function alike."""
     _barrier(device)
     for fn in fns:
         fn()  # warm-up: communicator setup, buffer registration
@@ -246,9 +290,9 @@ def _sampled(
         _barrier(device)
         trials.append(timer.measure(fn, 1))
     trials = [max(t, 1e-6) for t in max_over_ranks(trials, None, device)]
-    ks = [max(1, min(int(math.ceil(sample_s / t)), 1000)) for t in trials]
+    ks = [max(1, min(int(math.ceil(sampling.sample_s / t)), 1000)) for t in trials]
     per_round = sum(k * t for k, t in zip(ks, trials)) + 1e-4 * len(fns)
-    n_samples = int(min(max_samples, max(min_samples, budget_s // per_round)))
+    n_samples = int(min(sampling.max_samples, max(sampling.min_samples, sampling.budget_s // per_round)))
     local: list[list[float]] = [[] for _ in fns]
     for i in range(n_samples):
         for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
@@ -260,33 +304,29 @@ def _sampled(
 def time_collective(
     op: str,
     nbytes: int,
-    group,
-    g: int,
+    communicator: Communicator,
     device: torch.device,
     *,
-    member: bool = True,
-    sample_s: float = 0.02,
-    budget_s: float = 0.25,
-    min_samples: int = 3,
-    max_samples: int = 20,
+    sampling: Sampling | None = None,
     dtype: torch.dtype = torch.float32,
-    pair_with=None,
 ):
-    """Median seconds of one ``op`` of logical size ``nbytes`` on ``group`` (``g`` ranks), max over
-    the world.  Every rank of the world must call this with the same arguments; ranks outside any
-    group pass ``member=False`` and only take part in the agreement collectives.
+    """Median seconds of one ``op`` of logical size ``nbytes`` on ``communicator``'s group, max over
+    the world, sampled as ``sampling`` says (default :class:`Sampling`).  Every rank of the world must
+    call this with the same arguments; ranks outside any group pass a communicator with
+    ``member=False`` and only take part in the agreement collectives.
 
-    With ``pair_with`` (a second communicator over the same ranks; every rank a member) it returns
-    ``(t, t_pair)``: ``t`` as above and ``t_pair`` the time of two calls issued together, one on
-    each communicator.  The single and the paired calls are sampled in turns, and ``t_pair = t *
+    With ``communicator.pair_with`` (a second communicator over the same ranks; every rank a member)
+    it returns ``(t, t_pair)``: ``t`` as above and ``t_pair`` the time of two calls issued together,
+    one on each communicator.  The single and the paired calls are sampled in turns, and ``t_pair = t *
     median_i(pair_i / single_i)``: over a network whose speed drifts (sockets can move a quarter
     from one second to the next), separate measurements would put the drift into the ratio, which
     is what the cost model uses (``CommCurve.pair_speedup``)."""
     device = torch.device(device)
     elem = torch.empty((), dtype=dtype).element_size()
+    group, g, pair_with = communicator.group, communicator.size, communicator.pair_with
     numel = _elements(nbytes, g, op, elem)
     timer = Timer(device)
-    if not member:
+    if not communicator.member:
         if pair_with is not None:
             raise ValueError("time_collective: a paired measurement needs every rank in the group")
         fns = [lambda: None]
@@ -294,9 +334,7 @@ def time_collective(
         fns = [collective_call(op, numel, group, g, device, dtype)]
         if pair_with is not None:
             fns.append(_pair_call(op, numel, (group, pair_with), g, device, dtype))
-    samples = _sampled(
-        fns, timer, device, sample_s=sample_s, budget_s=budget_s, min_samples=min_samples, max_samples=max_samples
-    )
+    samples = _sampled(fns, timer, device, sampling or Sampling())
     single = statistics.median(samples[0])
     if pair_with is None:
         return single
@@ -358,26 +396,19 @@ def _make_groups(groups: list[list[int]]):
 
 def profile_collectives(
     device: torch.device | str,
-    sizes: list[int] | None = None,
-    ops: tuple[str, ...] = COLLECTIVES,
-    group_sizes: list[int] | None = None,
+    options: CommOptions | None = None,
     *,
-    budget_s: float = 0.25,
-    n_fit: int = 3,
-    dtype: torch.dtype = torch.float32,
     on_point: Callable[[str, int, int], None] | None = None,
-    pairs: bool = True,
-    rounds: int = 1,
-    groups: Callable[[int], list[list[int]]] | None = None,
-    pair_group: int | None = None,
+    **changes,
 ) -> list[CommCurve]:
-    """Time every collective of ``ops`` at every size of ``sizes`` on groups of each size of
-    ``group_sizes``; return one :class:`CommCurve` per (op, group size), identical on every rank.
-    ``groups(g)`` lists the groups of size ``g`` that run at once (default: ``g`` consecutive
-    ranks, :func:`consecutive_groups`; :func:`node_groups` and :func:`network_groups` for the two
-    levels of several nodes).  With ``pairs``, the groups of size ``pair_group`` (default: the
-    world), which must hold every rank, also time two calls at once on two communicators
-    (``CommCurve.pair_seconds``): what two duplicated copies communicating together get.
+    """Time every collective of ``options.ops`` at every size on groups of each group size
+    (:class:`CommOptions`, updated by the keyword ``changes``); return one :class:`CommCurve` per (op,
+    group size), identical on every rank.  ``groups(g)`` lists the groups of size ``g`` that run at
+    once (default: ``g`` consecutive ranks, :func:`consecutive_groups`; :func:`node_groups` and
+    :func:`network_groups` for the two levels of several nodes).  With ``pairs``, the groups of size
+    ``pair_group`` (default: the world), which must hold every rank, also time two calls at once on
+    two communicators (``CommCurve.pair_seconds``): what two duplicated copies communicating together
+    get.
 
     With ``rounds`` > 1 the whole table of a group size is measured that many times, one pass after
     the other, and each point keeps the median of its passes (the passes' own times in
@@ -393,67 +424,96 @@ def profile_collectives(
             "torch.distributed.init_process_group first (or use hidup.profiler.measure.machine."
             "profile_machine, which profiles only the device when world size is 1)"
         )
+    opts = CommOptions.of(options, **changes)
     device = torch.device(device)
     world = dist.get_world_size()
-    sizes = sorted(set(int(s) for s in (sizes or default_comm_sizes(device))))
+    sizes, group_sizes = _checked(opts, device, world)
+    curves: list[CommCurve] = []
+    for g in group_sizes:
+        curves += _group_curves(g, sizes, opts, device, on_point)
+    return curves
+
+
+def _checked(opts: CommOptions, device: torch.device, world: int) -> tuple[list[int], list[int]]:
+    """(sizes, group sizes) of ``opts`` on ``world`` ranks, checked."""
+    sizes = sorted(set(int(s) for s in (opts.sizes or default_comm_sizes(device))))
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"collective sizes must be positive byte counts, got {sizes}")
-    group_sizes = list(default_group_sizes(world) if group_sizes is None else group_sizes)
+    group_sizes = list(default_group_sizes(world) if opts.group_sizes is None else opts.group_sizes)
     for g in group_sizes:
         if g < 2 or g > world:
             raise ValueError(f"group size {g} is not in [2, world={world}]")
-    for op in ops:
+    for op in opts.ops:
         if op not in COLLECTIVES:
             raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-    elem = torch.empty((), dtype=dtype).element_size()
-    curves: list[CommCurve] = []
-    groups = groups or (lambda g: consecutive_groups(world, g))
-    pair_group = world if pair_group is None else pair_group
-    for g in group_sizes:
-        ranks = groups(g)
-        if any(len(r) != g for r in ranks):
-            raise ValueError(f"groups({g}) returned groups of other sizes: {ranks}")
-        group, member, created = _make_groups(ranks)
-        second = None
-        if pairs and g == pair_group:
-            if sorted(r for grp in ranks for r in grp) != list(range(world)):
-                raise ValueError(f"pairs are timed on groups that hold every rank once; groups({g}) = {ranks}")
-            if ranks == [list(range(world))]:  # the first communicator is the world's: a second one
-                second = dist.new_group(list(range(world)))
-                created.append(second)
-            else:  # a second communicator for each group
-                second, _, again = _make_groups(ranks)
-                created += again
-        # (op, size) -> per round: the single call's time, and the pair's over the single's
-        single: dict[tuple[str, int], list[float]] = {}
-        ratio: dict[tuple[str, int], list[float]] = {}
-        for _ in range(rounds):
-            for op in ops:
-                for s in sizes:
-                    t = time_collective(
-                        op, s, group, g, device, member=member, budget_s=budget_s, dtype=dtype, pair_with=second
-                    )
-                    if second is not None:
-                        t, pair = t
-                        ratio.setdefault((op, s), []).append(pair / max(t, 1e-12))
-                    single.setdefault((op, s), []).append(t)
-                    if on_point is not None:
-                        on_point(op, g, s)
-        for op in ops:
-            curve = CommCurve(op, g)
-            for s in sizes:
-                t = statistics.median(single[(op, s)])
-                curve.sizes.append(_elements(s, g, op, elem) * elem)
-                curve.raw_seconds.append(t)
-                curve.round_seconds.append(single[(op, s)])
-                if second is not None:
-                    curve.pair_seconds.append(t * statistics.median(ratio[(op, s)]))
-            curve.seconds = monotone(curve.raw_seconds)
-            curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
-            curves.append(curve)
-        _barrier(device)
-        for grp in created:
-            dist.destroy_process_group(grp)
+    if opts.rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {opts.rounds}")
+    return sizes, group_sizes
+
+
+def _group_curves(g: int, sizes: list[int], opts: CommOptions, device: torch.device, on_point) -> list[CommCurve]:
+    """The curves of every collective on the groups of size ``g``, which are created, timed and destroyed."""
+    world = dist.get_world_size()
+    ranks = (opts.groups or (lambda n: consecutive_groups(world, n)))(g)
+    if any(len(r) != g for r in ranks):
+        raise ValueError(f"groups({g}) returned groups of other sizes: {ranks}")
+    communicator, created = _communicator(ranks, g, opts)
+    single, ratio = _timed_rounds(communicator, sizes, opts, device, on_point)
+    elem = torch.empty((), dtype=opts.dtype).element_size()
+    curves = [_curve(op, g, sizes, single, ratio, opts.n_fit, elem) for op in opts.ops]
+    _barrier(device)
+    for grp in created:
+        dist.destroy_process_group(grp)
     return curves
+
+
+def _communicator(ranks: list[list[int]], g: int, opts: CommOptions) -> tuple[Communicator, list]:
+    """This rank's :class:`Communicator` on the groups ``ranks`` of size ``g`` (with a second
+    communicator where pairs are timed), and the groups created for it, to destroy."""
+    world = dist.get_world_size()
+    group, member, created = _make_groups(ranks)
+    second = None
+    if opts.pairs and g == (world if opts.pair_group is None else opts.pair_group):
+        if sorted(r for grp in ranks for r in grp) != list(range(world)):
+            raise ValueError(f"pairs are timed on groups that hold every rank once; groups({g}) = {ranks}")
+        if ranks == [list(range(world))]:  # the first communicator is the world's: a second one
+            second = dist.new_group(list(range(world)))
+            created.append(second)
+        else:  # a second communicator for each group
+            second, _, again = _make_groups(ranks)
+            created += again
+    return Communicator(group, g, member, second), created
+
+
+def _timed_rounds(communicator: Communicator, sizes: list[int], opts: CommOptions, device, on_point):
+    """(op, size) -> per round the single call's time, and (op, size) -> per round the pair's time over
+    the single's (empty without pairs)."""
+    single: dict[tuple[str, int], list[float]] = {}
+    ratio: dict[tuple[str, int], list[float]] = {}
+    sampling = Sampling(budget_s=opts.budget_s)
+    for _ in range(opts.rounds):
+        for op in opts.ops:
+            for s in sizes:
+                t = time_collective(op, s, communicator, device, sampling=sampling, dtype=opts.dtype)
+                if communicator.pair_with is not None:
+                    t, pair = t
+                    ratio.setdefault((op, s), []).append(pair / max(t, 1e-12))
+                single.setdefault((op, s), []).append(t)
+                if on_point is not None:
+                    on_point(op, communicator.size, s)
+    return single, ratio
+
+
+def _curve(op: str, g: int, sizes: list[int], single: dict, ratio: dict, n_fit: int, elem: int) -> CommCurve:
+    """The curve of ``op`` on groups of ``g`` from each point's rounds (:func:`_timed_rounds`)."""
+    curve = CommCurve(op, g)
+    for s in sizes:
+        t = statistics.median(single[(op, s)])
+        curve.sizes.append(_elements(s, g, op, elem) * elem)
+        curve.raw_seconds.append(t)
+        curve.round_seconds.append(single[(op, s)])
+        if ratio:
+            curve.pair_seconds.append(t * statistics.median(ratio[(op, s)]))
+    curve.seconds = monotone(curve.raw_seconds)
+    curve.alpha = fit_alpha(curve.sizes, curve.seconds, n_fit)
+    return curve

@@ -9,7 +9,8 @@ arguments into the typed options the library takes -- :mod:`~hidup.cli.model_fla
 flags -> ``ModelRequest``), :mod:`~hidup.cli.launch_flags` (-> ``LaunchOptions``),
 :mod:`~hidup.cli.train_flags` (-> ``TrainOptions``), :mod:`~hidup.cli.verify_flags` (->
 ``VerifyOptions``), :mod:`~hidup.cli.bench_rank_flags` (-> ``BenchRankOptions``) and
-:mod:`~hidup.cli.peak_flags` (-> ``PeakOptions``); :mod:`~hidup.cli.config_file` reads ``--config``.
+:mod:`~hidup.cli.peak_flags` (-> ``PeakOptions``), :mod:`~hidup.cli.profile_flags` (->
+``ProfileOptions``); :mod:`~hidup.cli.config_file` reads ``--config``.
 """
 
 from hidup.cli.app import main, parser

@@ -101,8 +101,10 @@ def _steps(rows, x, gu, h, w, k, act, zero_tail):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (Triton kernels)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
-def test_triton_kernels_equal_the_torch_form(dtype, act):
-    idx, rows, x, gu, h, w = _case(dtype)
+@pytest.mark.parametrize("dims", [(64, 256, 1536), (50, 200, 300)])  # whole tiles; partial tiles and chunks
+def test_triton_kernels_equal_the_torch_form(dtype, act, dims):
+    tokens, hidden, ffn = dims
+    idx, rows, x, gu, h, w = _case(dtype, tokens, hidden, ffn)
     k = idx.shape[1]
     want, _ = _steps(rows, x, gu, h, w, k, act, True)
     on = [t.cuda() for t in (rows.order, rows.token, rows.valid, rows.offsets, rows.inverse)]

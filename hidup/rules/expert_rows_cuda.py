@@ -1,10 +1,11 @@
 """Triton kernels of :mod:`hidup.rules.expert_rows` (imported on a CUDA device only).
 
-One program per row (sorted pair) or per token; a program whose row lies past ``count`` (read from
-device memory) masks every load and store off, so it moves no data, or writes zeros where the caller
-asks for a zero tail (the masked grouped form reads every row).  Sums are in float32; each token
-sums its ``k`` slots in slot order, so results do not depend on scheduling.  The math is the module
-docstring of :mod:`hidup.rules.expert_rows`.
+Each program takes a tile of ``ROWS`` rows (sorted pairs) or tokens and walks their columns in
+chunks of ``BLOCK``.  A row program whose first row lies past ``count`` (read from device memory)
+returns at once, so the rows of other ranks' experts cost a launch slot and no data; where the
+caller asks for a zero tail (the masked grouped form reads every row) it writes zeros there instead.
+Sums are in float32; each token sums its ``k`` slots in slot order, so results do not depend on
+scheduling.  The math is the module docstring of :mod:`hidup.rules.expert_rows`.
 """
 
 from __future__ import annotations
@@ -14,37 +15,50 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK = 1024  # columns per chunk
+ROWS = 16  # rows or tokens per program
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}  # the activations of hidup.rules.grouped
 
 
+def _block(width: int) -> int:
+    """Columns per chunk: the width's power of two, at most 256."""
+    return min(256, triton.next_power_of_2(width))
+
+
 @triton.jit
-def _gather(x, order, count, out, k, D, ZERO_TAIL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    own = row < tl.load(count)
+def _gather(x, order, count, out, S, k, D, ZERO_TAIL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    n = tl.load(count)
+    if not ZERO_TAIL:
+        if start >= n:
+            return
+    rows = start + tl.arange(0, ROWS)
+    own = rows < n
+    token = tl.load(order + rows, mask=own, other=0).to(tl.int64) // k
+    if ZERO_TAIL:
+        keep = rows < S
+    else:
+        keep = own
     cols = tl.arange(0, BLOCK)
-    token = tl.load(order + row, mask=own, other=0).to(tl.int64) // k
     for c in range(0, D, BLOCK):
-        m = c + cols < D
-        value = tl.load(x + token * D + c + cols, mask=m & own, other=0.0)
-        if ZERO_TAIL:
-            tl.store(out + row * D + c + cols, value, mask=m)
-        else:
-            tl.store(out + row * D + c + cols, value, mask=m & own)
+        m = (c + cols < D)[None, :]
+        value = tl.load(x + token[:, None] * D + (c + cols)[None, :], mask=own[:, None] & m, other=0.0)
+        tl.store(out + rows[:, None] * D + (c + cols)[None, :], value, mask=keep[:, None] & m)
 
 
 @triton.jit
-def _gather_backward(grad, inverse, count, out, k, D, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _gather_backward(grad, inverse, count, out, T, k, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = tokens < T
     n = tl.load(count)
     cols = tl.arange(0, BLOCK)
     for c in range(0, D, BLOCK):
-        m = c + cols < D
-        acc = tl.zeros([BLOCK], tl.float32)
+        m = (c + cols < D)[None, :]
+        acc = tl.zeros([ROWS, BLOCK], tl.float32)
         for j in range(k):
-            r = tl.load(inverse + t * k + j).to(tl.int64)
-            acc += tl.load(grad + r * D + c + cols, mask=m & (r < n), other=0.0).to(tl.float32)
-        tl.store(out + t * D + c + cols, acc.to(out.dtype.element_ty), mask=m)
+            r = tl.load(inverse + tokens * k + j, mask=live, other=0).to(tl.int64)
+            valid = (live & (r < n))[:, None] & m
+            acc += tl.load(grad + r[:, None] * D + (c + cols)[None, :], mask=valid, other=0.0).to(tl.float32)
+        tl.store(out + tokens[:, None] * D + (c + cols)[None, :], acc.to(out.dtype.element_ty), mask=live[:, None] & m)
 
 
 @triton.jit
@@ -78,111 +92,145 @@ def _act_slope(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act(gu, count, out, F, ACT: tl.constexpr, ZERO_TAIL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    own = row < tl.load(count)
+def _act(gu, count, out, S, F, ACT: tl.constexpr, ZERO_TAIL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    n = tl.load(count)
+    if not ZERO_TAIL:
+        if start >= n:
+            return
+    rows = start + tl.arange(0, ROWS)
+    own = rows < n
+    if ZERO_TAIL:
+        keep = rows < S
+    else:
+        keep = own
     cols = tl.arange(0, BLOCK)
     for c in range(0, F, BLOCK):
-        m = c + cols < F
-        g = tl.load(gu + row * 2 * F + c + cols, mask=m & own, other=0.0).to(tl.float32)
-        u = tl.load(gu + row * 2 * F + F + c + cols, mask=m & own, other=0.0).to(tl.float32)
+        m = (c + cols < F)[None, :]
+        at = rows[:, None] * 2 * F + (c + cols)[None, :]
+        g = tl.load(gu + at, mask=own[:, None] & m, other=0.0).to(tl.float32)
+        u = tl.load(gu + at + F, mask=own[:, None] & m, other=0.0).to(tl.float32)
         value = (_act_value(g, ACT) * u).to(out.dtype.element_ty)  # 0 past count (g = u = 0)
-        if ZERO_TAIL:
-            tl.store(out + row * F + c + cols, value, mask=m)
-        else:
-            tl.store(out + row * F + c + cols, value, mask=m & own)
+        tl.store(out + rows[:, None] * F + (c + cols)[None, :], value, mask=keep[:, None] & m)
 
 
 @triton.jit
-def _act_backward(grad, gu, count, out, F, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    own = row < tl.load(count)
+def _act_backward(grad, gu, count, out, F, ACT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    n = tl.load(count)
+    if start >= n:
+        return
+    rows = start + tl.arange(0, ROWS)
+    own = (rows < n)[:, None]
     cols = tl.arange(0, BLOCK)
     for c in range(0, F, BLOCK):
-        m = (c + cols < F) & own
-        g = tl.load(gu + row * 2 * F + c + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(gu + row * 2 * F + F + c + cols, mask=m, other=0.0).to(tl.float32)
-        ga = tl.load(grad + row * F + c + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + row * 2 * F + c + cols, (ga * u * _act_slope(g, ACT)).to(out.dtype.element_ty), mask=m)
-        tl.store(out + row * 2 * F + F + c + cols, (ga * _act_value(g, ACT)).to(out.dtype.element_ty), mask=m)
+        m = own & (c + cols < F)[None, :]
+        at = rows[:, None] * 2 * F + (c + cols)[None, :]
+        g = tl.load(gu + at, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu + at + F, mask=m, other=0.0).to(tl.float32)
+        ga = tl.load(grad + rows[:, None] * F + (c + cols)[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(out + at, (ga * u * _act_slope(g, ACT)).to(out.dtype.element_ty), mask=m)
+        tl.store(out + at + F, (ga * _act_value(g, ACT)).to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _combine(h, w, inverse, count, out, k, D, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _combine(h, w, inverse, count, out, T, k, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = tokens < T
     n = tl.load(count)
     cols = tl.arange(0, BLOCK)
     for c in range(0, D, BLOCK):
-        m = c + cols < D
-        acc = tl.zeros([BLOCK], tl.float32)
+        m = (c + cols < D)[None, :]
+        acc = tl.zeros([ROWS, BLOCK], tl.float32)
         for j in range(k):
-            r = tl.load(inverse + t * k + j).to(tl.int64)
-            weight = tl.load(w + t * k + j).to(tl.float32)
-            acc += weight * tl.load(h + r * D + c + cols, mask=m & (r < n), other=0.0).to(tl.float32)
-        tl.store(out + t * D + c + cols, acc.to(out.dtype.element_ty), mask=m)
+            r = tl.load(inverse + tokens * k + j, mask=live, other=0).to(tl.int64)
+            weight = tl.load(w + tokens * k + j, mask=live, other=0.0).to(tl.float32)
+            valid = (live & (r < n))[:, None] & m
+            rows = tl.load(h + r[:, None] * D + (c + cols)[None, :], mask=valid, other=0.0).to(tl.float32)
+            acc += weight[:, None] * rows
+        tl.store(out + tokens[:, None] * D + (c + cols)[None, :], acc.to(out.dtype.element_ty), mask=live[:, None] & m)
 
 
 @triton.jit
-def _combine_grad_h(grad, w, order, count, out, k, D, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    own = row < tl.load(count)
-    pair = tl.load(order + row, mask=own, other=0).to(tl.int64)
+def _combine_grad_h(grad, w, order, count, out, k, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    n = tl.load(count)
+    if start >= n:
+        return
+    rows = start + tl.arange(0, ROWS)
+    own = rows < n
+    pair = tl.load(order + rows, mask=own, other=0).to(tl.int64)
     weight = tl.load(w + pair, mask=own, other=0.0).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     for c in range(0, D, BLOCK):
-        m = (c + cols < D) & own
-        gy = tl.load(grad + (pair // k) * D + c + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + row * D + c + cols, (weight * gy).to(out.dtype.element_ty), mask=m)
+        m = own[:, None] & (c + cols < D)[None, :]
+        gy = tl.load(grad + (pair // k)[:, None] * D + (c + cols)[None, :], mask=m, other=0.0).to(tl.float32)
+        value = (weight[:, None] * gy).to(out.dtype.element_ty)
+        tl.store(out + rows[:, None] * D + (c + cols)[None, :], value, mask=m)
 
 
 @triton.jit
-def _combine_grad_w(grad, h, inverse, count, out, k, D, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _combine_grad_w(grad, h, inverse, count, out, T, k, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = tokens < T
     n = tl.load(count)
     cols = tl.arange(0, BLOCK)
     for j in range(k):
-        r = tl.load(inverse + t * k + j).to(tl.int64)
-        acc = tl.zeros([BLOCK], tl.float32)
+        r = tl.load(inverse + tokens * k + j, mask=live, other=0).to(tl.int64)
+        valid = live & (r < n)
+        acc = tl.zeros([ROWS, BLOCK], tl.float32)
         for c in range(0, D, BLOCK):
-            m = (c + cols < D) & (r < n)
-            gy = tl.load(grad + t * D + c + cols, mask=m, other=0.0).to(tl.float32)
-            acc += gy * tl.load(h + r * D + c + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + t * k + j, tl.sum(acc, axis=0).to(out.dtype.element_ty))
+            m = valid[:, None] & (c + cols < D)[None, :]
+            gy = tl.load(grad + tokens[:, None] * D + (c + cols)[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += gy * tl.load(h + r[:, None] * D + (c + cols)[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(out + tokens * k + j, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=live)
 
 
 # ------------------------------------------------------------------------------------- launchers
+def _tiles(n: int) -> tuple[int]:
+    return (triton.cdiv(n, ROWS),)
+
+
 def gather_rows(x: Tensor, order: Tensor, count: Tensor, k: int, zero_tail: bool) -> Tensor:
     x = x.contiguous()
-    out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-    _gather[(order.numel(),)](x, order, count, out, k, x.shape[1], ZERO_TAIL=zero_tail, BLOCK=BLOCK)
+    rows, d = order.numel(), x.shape[1]
+    out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    _gather[_tiles(rows)](x, order, count, out, rows, k, d, ZERO_TAIL=zero_tail, ROWS=ROWS, BLOCK=_block(d))
     return out
 
 
 def gather_rows_backward(grad: Tensor, inverse: Tensor, count: Tensor, k: int) -> Tensor:
-    tokens = inverse.numel() // k
-    out = torch.empty(tokens, grad.shape[1], dtype=grad.dtype, device=grad.device)
-    _gather_backward[(tokens,)](grad.contiguous(), inverse, count, out, k, grad.shape[1], BLOCK=BLOCK)
+    tokens, d = inverse.numel() // k, grad.shape[1]
+    out = torch.empty(tokens, d, dtype=grad.dtype, device=grad.device)
+    _gather_backward[_tiles(tokens)](grad.contiguous(), inverse, count, out, tokens, k, d, ROWS=ROWS, BLOCK=_block(d))
     return out
 
 
 def act_rows(gu: Tensor, count: Tensor, act: str, zero_tail: bool) -> Tensor:
-    ffn = gu.shape[1] // 2
-    out = torch.empty(gu.shape[0], ffn, dtype=gu.dtype, device=gu.device)
-    _act[(gu.shape[0],)](gu.contiguous(), count, out, ffn, ACT=ACT_CODES[act], ZERO_TAIL=zero_tail, BLOCK=BLOCK)
+    rows, ffn = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(rows, ffn, dtype=gu.dtype, device=gu.device)
+    code = ACT_CODES[act]
+    _act[_tiles(rows)](
+        gu.contiguous(), count, out, rows, ffn, ACT=code, ZERO_TAIL=zero_tail, ROWS=ROWS, BLOCK=_block(ffn)
+    )
     return out
 
 
 def act_rows_backward(grad: Tensor, gu: Tensor, count: Tensor, act: str) -> Tensor:
     out = torch.empty_like(gu)
-    _act_backward[(gu.shape[0],)](
-        grad.contiguous(), gu.contiguous(), count, out, gu.shape[1] // 2, ACT=ACT_CODES[act], BLOCK=BLOCK
+    ffn = gu.shape[1] // 2
+    _act_backward[_tiles(gu.shape[0])](
+        grad.contiguous(), gu.contiguous(), count, out, ffn, ACT=ACT_CODES[act], ROWS=ROWS, BLOCK=_block(ffn)
     )
     return out
 
 
 def combine_rows(h: Tensor, w: Tensor, inverse: Tensor, count: Tensor, k: int, out_dtype: torch.dtype) -> Tensor:
-    out = torch.empty(w.shape[0], h.shape[1], dtype=out_dtype, device=h.device)
-    _combine[(w.shape[0],)](h.contiguous(), w.contiguous(), inverse, count, out, k, h.shape[1], BLOCK=BLOCK)
+    tokens, d = w.shape[0], h.shape[1]
+    out = torch.empty(tokens, d, dtype=out_dtype, device=h.device)
+    _combine[_tiles(tokens)](
+        h.contiguous(), w.contiguous(), inverse, count, out, tokens, k, d, ROWS=ROWS, BLOCK=_block(d)
+    )
     return out
 
 
@@ -190,8 +238,9 @@ def combine_rows_backward(
     grad: Tensor, h: Tensor, w: Tensor, order: Tensor, inverse: Tensor, count: Tensor, k: int
 ) -> tuple[Tensor, Tensor]:
     grad, h, w = grad.contiguous(), h.contiguous(), w.contiguous()
+    tokens, d = w.shape[0], h.shape[1]
     grad_h = torch.empty_like(h)
     grad_w = torch.empty_like(w)
-    _combine_grad_h[(h.shape[0],)](grad, w, order, count, grad_h, k, h.shape[1], BLOCK=BLOCK)
-    _combine_grad_w[(w.shape[0],)](grad, h, inverse, count, grad_w, k, h.shape[1], BLOCK=BLOCK)
+    _combine_grad_h[_tiles(h.shape[0])](grad, w, order, count, grad_h, k, d, ROWS=ROWS, BLOCK=_block(d))
+    _combine_grad_w[_tiles(tokens)](grad, h, inverse, count, grad_w, tokens, k, d, ROWS=ROWS, BLOCK=_block(d))
     return grad_h, grad_w

@@ -161,3 +161,18 @@ def test_model_arg_reaches_zoo_overrides_without_flags(capsys):
     with pytest.raises(SystemExit) as e:
         main(["describe", "--model", "gpt", *TINY, "--model-arg", "layers=3"])
     assert "repeats --layers 2" in str(e.value.code)
+
+
+def test_show_reads_the_plan_alone_without_loading_search_trace_or_runtime():
+    """``hidup show`` prints from the plan file, so it imports none of the search, the front end, the code
+    generator or the runtime's trainer (what makes it take a second and a half instead of five)."""
+    plan = Path(__file__).resolve().parent.parent / "exp/records/moe/rank-plans-h200/mixtral-w4.json"
+    code = (
+        "import sys\nfrom hidup.cli import main\nmain(['show', sys.argv[1]])\n"
+        "heavy = ('hidup.search', 'hidup.frontend', 'hidup.codegen', 'hidup.runtime.train', 'hidup.runtime.launch')\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.startswith(heavy)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(plan)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "routed experts" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "LOADED []", out.stdout.splitlines()[-1]

@@ -13,6 +13,18 @@ flags -> ``ModelRequest``), :mod:`~hidup.cli.launch_flags` (-> ``LaunchOptions``
 ``ProfileOptions``); :mod:`~hidup.cli.config_file` reads ``--config``.
 """
 
-from hidup.cli.app import main, parser
-
 __all__ = ["main", "parser"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """:func:`hidup.cli.app.main` (imported on call: ``hidup.cli.hashseed`` runs before anything heavy)."""
+    from hidup.cli.app import main as run
+
+    return run(argv)
+
+
+def parser(command: str | None = "*"):
+    """:func:`hidup.cli.app.parser`."""
+    from hidup.cli.app import parser as build
+
+    return build(command)

@@ -24,37 +24,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-import hidup.models
-import hidup.profiler
 from hidup import __version__
-from hidup.cli import bench_rank_flags, peak_flags
-from hidup.cli import run_commands as runtime_cli
 from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
-from hidup.frontend.describe import describe
-from hidup.models.source import recorded_source
 from hidup.plan import Plan, model_record, summary
-from hidup.profiler.profile import DTYPES
-from hidup.runtime.launch import LaunchError, user_error
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
-from hidup.search import STYLES, forced, search
-from hidup.search.ilp import DEFAULT_TIME_LIMIT
 
 # --------------------------------------------------------------------------------------------- search
 
 
-def _search_parser(sub) -> None:
-    p = sub.add_parser(
-        "search",
-        help="search a parallelization plan for a model",
-        description="Trace a model (zoo or package.module:function), search the fastest "
+def _search_parser(p: argparse.ArgumentParser) -> None:
+    from hidup.profiler.profile import DTYPES
+    from hidup.search import STYLES
+
+    p.description = (
+        "Trace a model (zoo or package.module:function), search the fastest "
         "per-op sharding for a world size under a machine profile, print the plan summary and save "
-        "it as JSON; the plan records the model and its arguments.",
+        "it as JSON; the plan records the model and its arguments."
     )
     add_model_args(p)
     p.add_argument(
@@ -132,6 +125,8 @@ def _search_parser(sub) -> None:
 
 
 def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:
+    from hidup.search.ilp import DEFAULT_TIME_LIMIT
+
     p.add_argument(
         "--time-limit",
         type=float,
@@ -174,6 +169,9 @@ def _report_warnings(caught, command: str) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    import hidup.profiler
+    from hidup.search import forced, search
+
     choice = settle_model(model_request(args))
     record = model_record(choice.record)  # refuses non-JSON arguments before the search runs
     out = args.out or Path(f"strategy_{choice.model.replace(':', '.')}.json")
@@ -219,14 +217,20 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _styles() -> tuple[str, ...]:
+    from hidup.search import STYLES
+
+    return STYLES
+
+
 def _style(text: str, axes: int) -> str | tuple | None:
     """``--style``: None (searched), one style, or on a mesh one per axis (None where ``-``)."""
     if text == "searched":
         return None
     parts = [t.strip() for t in text.split(",")]
     for t in parts:
-        if t != "-" and t not in STYLES:
-            raise CommandError(f"--style {text}: unknown style {t!r}. Fix: one of searched, {', '.join(STYLES)}")
+        if t != "-" and t not in _styles():
+            raise CommandError(f"--style {text}: unknown style {t!r}. Fix: one of searched, {', '.join(_styles())}")
     if axes > 1 or len(parts) > 1:
         if len(parts) != axes:
             raise CommandError(
@@ -237,15 +241,13 @@ def _style(text: str, axes: int) -> str | tuple | None:
     return parts[0]
 
 
-def _show_parser(sub) -> None:
-    p = sub.add_parser(
-        "show",
-        help="print a saved plan's summary",
-        description="Print a saved plan's summary from the plan alone: per layer, its ops and how they "
+def _show_parser(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Print a saved plan's summary from the plan alone: per layer, its ops and how they "
         "run, how its weights are stored, the collectives it runs with the bytes each rank sends, and its "
         "time; the routed experts by name; a legend. With --check, rebuild the plan's model from its record "
         "first and check the plan against it (the model flags are needed only for a plan that records no "
-        "model, searched in Python without model_source=).",
+        "model, searched in Python without model_source=)."
     )
     p.add_argument("plan", type=Path, help="plan JSON written by `hidup search` or Plan.save")
     p.add_argument(
@@ -257,10 +259,14 @@ def _show_parser(sub) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from hidup.models.source import recorded_source
+
     plan = Plan.load(args.plan)
+    request = model_request(args)
     choice = None
-    if args.check or recorded_source(plan) is not None:  # flags that contradict the plan's record are refused
-        choice = settle_model(model_request(args), plan, args.plan)
+    # flags that contradict the plan's record are refused; with none given there is nothing to check
+    if args.check or (recorded_source(plan) is not None and request.given()):
+        choice = settle_model(request, plan, args.plan)
     graph = None
     if args.check:  # the graph the plan was made for: the plan is checked against it
         graph = build_graph(choice, "rebuilding the plan's model: tracing")
@@ -269,22 +275,21 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_parser(sub) -> None:
-    p = sub.add_parser("describe", help="trace a model and print its graph with the sharding options")
+def _describe_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--rows", type=int, default=None, help="print at most this many nodes")
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
+    from hidup.frontend.describe import describe
+
     print(describe(build_graph(settle_model(model_request(args))), max_rows=args.rows))
     return 0
 
 
-def _models_parser(sub) -> None:
-    sub.add_parser("models", help="list the model zoo and each model's default configuration")
-
-
 def cmd_models(args: argparse.Namespace) -> int:
+    import hidup.models
+
     for name in hidup.models.names():
         cfg = hidup.models.config(name)
         fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
@@ -292,13 +297,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profiles_parser(sub) -> None:
-    sub.add_parser("profiles", help="list the built-in machine profiles (for --profile)")
-
-
 def cmd_profiles(args: argparse.Namespace) -> int:
     """Each built-in profile: name, kind (how its numbers were obtained, and the GPU), one line on the
     machine it describes and the world sizes it has collective tables for."""
+    import hidup.profiler
+
     rows = []
     for name in hidup.profiler.builtin_names():
         prof = hidup.profiler.load(name)
@@ -313,36 +316,78 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ commands
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its one-line help, and where its flags and its run live (``module:function``,
+    imported only for the command that runs, so ``hidup show`` loads no search, trace or runtime).
+    ``flags(p)`` adds the flags (and the description) to the command's parser; ``run(args)`` runs it."""
+
+    help: str
+    flags: str | None
+    run: str
+
+    def resolve(self, which: str):
+        module, _, name = getattr(self, which).partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_HERE = "hidup.cli.app"
 COMMANDS = {
-    "search": (_search_parser, cmd_search),
-    "show": (_show_parser, cmd_show),
-    "describe": (_describe_parser, cmd_describe),
-    "models": (_models_parser, cmd_models),
-    "profiles": (_profiles_parser, cmd_profiles),
+    "search": Command("search a parallelization plan for a model", f"{_HERE}:_search_parser", f"{_HERE}:cmd_search"),
+    "show": Command("print a saved plan's summary", f"{_HERE}:_show_parser", f"{_HERE}:cmd_show"),
+    "describe": Command(
+        "trace a model and print its graph with the sharding options",
+        f"{_HERE}:_describe_parser",
+        f"{_HERE}:cmd_describe",
+    ),
+    "models": Command("list the model zoo and each model's default configuration", None, f"{_HERE}:cmd_models"),
+    "profiles": Command("list the built-in machine profiles (for --profile)", None, f"{_HERE}:cmd_profiles"),
+    "bench-rank": Command(
+        "time one rank's program of a world-N plan on one device (fake process group) against the single-device share",
+        "hidup.cli.bench_rank_flags:add_flags",
+        "hidup.cli.bench_rank_flags:run",
+    ),
+    "peak": Command(
+        "predict one rank's peak memory under a plan by running its program on fake tensors (no GPU)",
+        "hidup.cli.peak_flags:add_flags",
+        "hidup.cli.peak_flags:run",
+    ),
+    "train": Command(
+        "train a zoo model under a plan on this node's GPUs (or CPU ranks)",
+        "hidup.cli.run_commands:train_flags",
+        "hidup.cli.run_commands:run_train",
+    ),
+    "verify": Command(
+        "compare a plan's loss and gradients with the single-device model",
+        "hidup.cli.run_commands:verify_flags",
+        "hidup.cli.run_commands:run_verify",
+    ),
+    "profile": Command(
+        "measure this machine's device FLOP rates and collective bandwidths",
+        "hidup.cli.run_commands:profile_flags",
+        "hidup.cli.run_commands:run_profile",
+    ),
 }
 
-
-COMMANDS["bench-rank"] = (bench_rank_flags.add_parser, bench_rank_flags.run)
-COMMANDS["peak"] = (peak_flags.add_parser, peak_flags.run)
-for _name, _entry in runtime_cli.COMMANDS.items():  # train, verify, profile
-    COMMANDS.setdefault(_name, _entry)
+DEBUG_HELP = "on a user error, show the Python traceback (also from the ranks) instead of one message"
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(command: str | None = "*") -> argparse.ArgumentParser:
+    """The ``hidup`` parser with every command's flags (``command`` ``"*"``), or only ``command``'s (the
+    others listed by name and help: what ``hidup --help`` and a mistyped command need)."""
     p = argparse.ArgumentParser(
         prog="hidup", description="Automatic SPMD parallelism for PyTorch training: trace, search, compile, verify."
     )
     _add_global_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for make, _ in COMMANDS.values():
-        make(sub)
-    for command in sub.choices.values():
-        if "--debug" not in command._option_string_actions:
-            command.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    for name, cmd in COMMANDS.items():
+        q = sub.add_parser(name, help=cmd.help, description=cmd.help[0].upper() + cmd.help[1:] + ".")
+        if cmd.flags is not None and command in ("*", name):
+            cmd.resolve("flags")(q)
+        if "--debug" not in q._option_string_actions:
+            q.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return p
-
-
-DEBUG_HELP = "on a user error, show the Python traceback (also from the ranks) instead of one message"
 
 
 def _add_global_flags(p: argparse.ArgumentParser) -> None:
@@ -351,19 +396,27 @@ def _add_global_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", dest="debug_all", action="store_true", help=DEBUG_HELP)
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not a global flag), or None."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand.  A user error (a model that cannot be built or traced, a plan that does not
     fit, a path that cannot be written, a rank that failed or died) ends with one message on stderr
     and exit status 1, not a traceback; ``--debug`` re-raises it with its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = parser()
+    p = parser(_command_in(argv))
     args = apply_config_file(p, argv)
     debug = bool(getattr(args, "debug", False) or getattr(args, "debug_all", False))
     previous = os.environ.get("HIDUP_DEBUG")
     if debug:
         os.environ["HIDUP_DEBUG"] = "1"  # spawned ranks send their tracebacks too
     try:
-        return COMMANDS[args.command][1](args) or 0
+        return COMMANDS[args.command].resolve("run")(args) or 0
     except KeyboardInterrupt:
         if debug:
             raise
@@ -386,6 +439,8 @@ def _user_error(e: Exception) -> str | None:
     the command line's own (:class:`CommandError`), and every error the ranks report as the user's
     (:func:`hidup.runtime.launch.user_error`: models, plans, traces, searches, profiles, compiles,
     checkpoints, paths, launches)."""
+    from hidup.runtime.launch import LaunchError, user_error
+
     if isinstance(e, (CommandError, LaunchError)):
         return str(e)
     if isinstance(e, ModuleNotFoundError) and e.name == "mip":

@@ -11,17 +11,12 @@ from hidup.runtime import bench_rank
 from hidup.runtime.bench_rank import MODES, PRECISIONS, BenchRankOptions
 from hidup.runtime.options import DEFAULT_PROFILE
 
-__all__ = ["add_parser", "bench_rank_options", "run"]
+__all__ = ["add_flags", "bench_rank_options", "run"]
 
 
-def add_parser(sub) -> None:
-    """Register ``hidup bench-rank`` on the subcommand parser ``sub``."""
-    p = sub.add_parser(
-        "bench-rank",
-        help="time one rank's program of a world-N plan on one device "
-        "(fake process group) against the single-device share",
-        description=bench_rank.__doc__.split("\n\n")[0],
-    )
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """``hidup bench-rank``'s description and flags on its parser ``p``."""
+    p.description = bench_rank.__doc__.split("\n\n")[0]
     add_model_args(p, world_default=None)
     g = p.add_argument_group("bench")
     g.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search one now for --model/--world)")

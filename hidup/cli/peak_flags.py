@@ -9,17 +9,15 @@ from hidup.cli.model_flags import add_model_args, model_request
 from hidup.runtime import peak
 from hidup.runtime.peak import PeakOptions
 
-__all__ = ["add_parser", "peak_options", "run"]
+__all__ = ["add_flags", "peak_options", "run"]
 
 
-def add_parser(sub) -> None:
-    """Register ``hidup peak`` on the subcommand parser ``sub``."""
-    p = sub.add_parser(
-        "peak",
-        help="predict one rank's peak memory under a plan by running its program on fake tensors (no GPU)",
-        description="Predict the peak memory of one rank's program of a saved plan: the program runs a few "
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """``hidup peak``'s description and flags on its parser ``p``."""
+    p.description = (
+        "Predict the peak memory of one rank's program of a saved plan: the program runs a few "
         "training steps on fake tensors (shapes, no memory) while torch's MemTracker follows every tensor. "
-        "Printed beside the search's memory model.",
+        "Printed beside the search's memory model."
     )
     add_model_args(p, world_default=None)
     g = p.add_argument_group("peak")

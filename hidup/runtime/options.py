@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import hidup.models
-from hidup.frontend.trace import trace
 from hidup.ir import mesh_text
 from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.plan import PlanError
@@ -59,6 +58,10 @@ class ModelRequest:
     world: int | None = None
     mesh: tuple[int, ...] | None = None
     world_default: int | None = None
+
+    def given(self) -> bool:
+        """Whether the command line (or ``--config``) asked for anything about the model."""
+        return bool(self.model or self.table or self.flags or self.model_arg or self.world or self.mesh)
 
     def arguments(self) -> dict:
         """The model's arguments: the ``[model]`` table, overridden by the model flags, and
@@ -230,6 +233,8 @@ def build_graph(choice: ModelChoice, why: str = "tracing", *, quiet: bool = Fals
     ranks = f"a {mesh_text(mesh)} mesh" if mesh else f"{choice.world} ranks"
     say(f"{why} {choice.model} for {ranks} (torch.export) ...", quiet)
     t0 = time.perf_counter()
+    from hidup.frontend.trace import trace  # here: commands that only read a plan never load the front end
+
     graph = trace(model, inputs, world_size=choice.world, half_batch=True, mesh=mesh)
     graph.model = choice.model
     say(f"traced {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s", quiet)

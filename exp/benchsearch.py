@@ -91,8 +91,8 @@ def code_digest() -> str:
 
 def _digest_of(root: Path) -> str:
     h = hashlib.sha256()
-    files = [root / "hidup" / "ir.py", root / "hidup" / "trace.py"]
-    for folder in ("search", "profiler", "hidup/rules", "hidup/models"):
+    files = [root / "hidup" / "ir.py"]
+    for folder in ("hidup/frontend", "hidup/plan", "search", "profiler", "hidup/rules", "hidup/models"):
         files += sorted((root / folder).rglob("*.py"))
     for f in files:
         h.update(f.relative_to(root).as_posix().encode())
@@ -202,7 +202,7 @@ class Searcher:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._pool = None
-        self._thread = threading.Thread(target=self._run, name="hidup-bench-search", daemon=True)
+        self._thread = threading.Thread(target=self._run_or_fail, name="hidup-bench-search", daemon=True)
         self.note = ""
 
     def start(self) -> None:
@@ -222,6 +222,17 @@ class Searcher:
                 )
             time.sleep(0.3)
         return None
+
+    def _run_or_fail(self) -> None:
+        """:meth:`_run`; an error of the search thread itself fails every job still without a result, so
+        the ranks waiting for their plans fail with it instead of waiting out the time budget."""
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - reported in each job's result file
+            for name, job in self.jobs.items():
+                if not (self.plan_dir / f"{name}.json").is_file():
+                    where = dict(plan_dir=str(self.plan_dir), profile_path=str(self.profile_path), profile_sha="")
+                    self._failed(dict(job, name=name, note=self.note, **where), e)
 
     def _run(self) -> None:
         got = self._profile()

@@ -50,11 +50,12 @@ import torch.nn as nn
 
 from hidup.codegen.rewrite import device_of
 from hidup.codegen.timing import max_over_ranks, median_seconds
+from hidup.errors import UserError
 
 __all__ = ["GraphedStep", "graphed_step", "GraphCaptureError"]
 
 
-class GraphCaptureError(RuntimeError):
+class GraphCaptureError(UserError, RuntimeError):
     """The step could not be captured as a CUDA graph (names the cause and the fallback)."""
 
 

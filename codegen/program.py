@@ -57,6 +57,7 @@ from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, 
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
+from hidup.errors import UserError
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
     FULL,
@@ -80,7 +81,7 @@ __all__ = ["RankProgram", "build_rank_program", "current_group", "using_group", 
 RNG_KEY_INPUT = "hidup_rng_key"
 
 
-class CompileError(ValueError):
+class CompileError(UserError, ValueError):
     """The model, plan and world size do not fit together (names the node and the fix)."""
 
 

@@ -159,6 +159,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from hidup.errors import UserError
 from hidup.files import atomic_write
 
 from .attention import AttentionTable
@@ -209,7 +210,7 @@ CLUSTER_PROFILE = "h100x64-ib400"  # the built-in profile with network tables
 DEFAULTS_DIR = Path(__file__).with_name("defaults")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
     """A profile document is malformed; the message names the field and the fix."""
 
 

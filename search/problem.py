@@ -76,6 +76,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hidup.errors import UserError
 from hidup.frontend.saved import as_used
 from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
 from hidup.search.cost import CostModel
@@ -84,7 +85,7 @@ from hidup.search.memory import MemoryModel
 __all__ = ["Problem", "Models", "Positions", "Step", "SearchError", "block_label"]
 
 
-class SearchError(ValueError):
+class SearchError(UserError, ValueError):
     """The search cannot produce a plan; the message says why and what to change."""
 
 

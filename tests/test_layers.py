@@ -24,6 +24,7 @@ LAYERS = ("ir", "rules", "trace", "profile data", "plan", "search", "codegen", "
 LAYER_OF = {
     "hidup.ir": "ir",
     "hidup.optionset": "ir",
+    "hidup.errors": "ir",
     "hidup.files": "ir",
     "hidup.fxvalues": "ir",
     "hidup._callable": "ir",
@@ -302,3 +303,27 @@ def test_no_command_line_flags_outside_the_cli():
         )
     )
     assert not found, f"modules outside hidup.cli that define command-line flags (move them to hidup/cli/): {found}"
+
+
+def test_every_error_the_cli_reports_alone_is_a_user_error():
+    """One base for the errors the command line turns into one message (hidup.errors.UserError)."""
+    from hidup.codegen.graphs import GraphCaptureError
+    from hidup.codegen.program import CompileError
+    from hidup.errors import UserError
+    from hidup.frontend.export import ExportFailure
+    from hidup.frontend.trace import TraceFailure
+    from hidup.models.source import ModelSourceError
+    from hidup.plan import PlanError
+    from hidup.profiler import ProfileError
+    from hidup.runtime.launch import LaunchError, user_error
+    from hidup.runtime.options import CommandError
+    from hidup.runtime.peak import PeakError
+    from hidup.search import SearchError
+
+    kinds = [GraphCaptureError, CompileError, ExportFailure, TraceFailure, ModelSourceError, PlanError]
+    kinds += [ProfileError, LaunchError, CommandError, PeakError, SearchError]
+    assert all(issubclass(k, UserError) for k in kinds)
+    assert user_error(PlanError("the plan is for another model. Fix: search again")) == (
+        "the plan is for another model. Fix: search again"
+    )
+    assert user_error(RuntimeError("a bug")) is None

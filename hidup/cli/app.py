@@ -34,6 +34,7 @@ from pathlib import Path
 from hidup import __version__
 from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
+from hidup.errors import UserError
 from hidup.plan import Plan, model_record, summary
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
 
@@ -439,9 +440,9 @@ def _user_error(e: Exception) -> str | None:
     the command line's own (:class:`CommandError`), and every error the ranks report as the user's
     (:func:`hidup.runtime.launch.user_error`: models, plans, traces, searches, profiles, compiles,
     checkpoints, paths, launches)."""
-    from hidup.runtime.launch import LaunchError, user_error
+    from hidup.runtime.launch import user_error
 
-    if isinstance(e, (CommandError, LaunchError)):
+    if isinstance(e, UserError):
         return str(e)
     if isinstance(e, ModuleNotFoundError) and e.name == "mip":
         return "--algorithm ilp needs python-mip. Fix: pip install mip, or use --algorithm dp"

@@ -46,6 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
 
+from hidup.errors import UserError
 from hidup.fxvalues import map_value, value_leaves
 from hidup.rules.experts import routed_experts_as_custom_op
 
@@ -54,7 +55,7 @@ __all__ = ["export_step", "ExportFailure", "written_through_views", "fake_cpu_li
 _META = torch.device("meta")
 
 
-class ExportFailure(RuntimeError):
+class ExportFailure(UserError, RuntimeError):
     """torch.export could not capture the step (the message says where and why)."""
 
 

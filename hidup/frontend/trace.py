@@ -75,6 +75,7 @@ import torch.fx
 from torch import nn
 
 from hidup.copies import copy_axis
+from hidup.errors import UserError
 from hidup.frontend.export import ExportFailure, export_step, written_through_views
 from hidup.frontend.saved import Recorder
 from hidup.frontend.stamp import AUTO_MIN_BLOCKS, MIN_BLOCKS, export_stamped, repeated_stack
@@ -110,7 +111,7 @@ __all__ = [
 ]
 
 
-class TraceFailure(RuntimeError):
+class TraceFailure(UserError, RuntimeError):
     """The model could not be traced or its shapes could not be propagated."""
 
 

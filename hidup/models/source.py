@@ -38,6 +38,7 @@ import traceback
 import torch
 import torch.nn as nn
 
+from hidup.errors import UserError
 from hidup.models.config import ZOO
 
 __all__ = [
@@ -55,7 +56,7 @@ __all__ = [
 HIDUP_SUPPLIED = ("world_size", "device")
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     """A model spec that cannot be resolved or built; the message says what, where and the fix."""
 
 

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from hidup.errors import UserError
 from hidup.files import atomic_write
 from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Layout, Signature, block_label, mesh_text, parse_form
 
@@ -62,7 +63,7 @@ PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan cannot be used as asked; the message says what differs and what to do."""
 
 

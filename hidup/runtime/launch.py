@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hidup.errors import UserError
 from hidup.optionset import OptionSet
 
 __all__ = [
@@ -96,7 +97,7 @@ LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launcher still runs (f
 HUNG_GRACE_S = 3.0  # after a peer's timeout, how long a rank may still report before it counts as hung
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The rank layout or rendezvous settings are missing or contradict each other."""
 
 
@@ -364,37 +365,14 @@ _PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirec
 
 def user_error(e: BaseException) -> str | None:
     """The message of an error the user can fix, reported without a traceback; None for anything
-    else (a bug keeps its traceback).  User errors: a ``SystemExit`` message (a refused option), a
-    model that cannot be built or traced, a plan that does not fit, a search with no plan, a malformed
-    profile, a compile or CUDA-graph capture that cannot work, a launch setting, a path that cannot be
-    read or written, and a checkpoint that cannot be loaded into the run's model."""
-    # imported here, on a failure: a rank that starts imports only what its function needs
-    from hidup.codegen.graphs import GraphCaptureError
-    from hidup.codegen.program import CompileError
-    from hidup.frontend.export import ExportFailure
-    from hidup.frontend.trace import TraceFailure
-    from hidup.models.source import ModelSourceError
-    from hidup.plan import PlanError
-    from hidup.search.problem import SearchError
-
+    else (a bug keeps its traceback).  User errors: a ``SystemExit`` message (a refused option), every
+    :class:`hidup.errors.UserError` (a model that cannot be built or traced, a plan that does not fit,
+    a search with no plan, a malformed profile, a compile or CUDA-graph capture that cannot work, a
+    launch setting), a path that cannot be read or written, and a checkpoint that cannot be loaded
+    into the run's model."""
     if isinstance(e, SystemExit) and isinstance(e.code, str):
         return e.code
-    if isinstance(
-        e,
-        (
-            ModelSourceError,
-            PlanError,
-            TraceFailure,
-            ExportFailure,
-            SearchError,
-            CompileError,
-            GraphCaptureError,
-            LaunchError,
-        ),
-    ):
-        return str(e)
-    profile = sys.modules.get("hidup.profiler.profile")  # a layer above this one: only if it is loaded
-    if profile is not None and isinstance(e, profile.ProfileError):
+    if isinstance(e, UserError):
         return str(e)
     checkpoint = _checkpoint_error(e)
     if checkpoint is not None:

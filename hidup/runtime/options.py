@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import hidup.models
+from hidup.errors import UserError
 from hidup.ir import mesh_text
 from hidup.models.source import ModelSourceError, describe_source, recorded_source
 from hidup.plan import PlanError
@@ -200,7 +201,7 @@ def check_plan_fits(choice: ModelChoice, plan, where) -> None:
         raise PlanError(f"{where or 'the plan'}: {e}") from None
 
 
-class CommandError(Exception):
+class CommandError(UserError):
     """A command-line mistake found by a subcommand (a path that cannot be written, a value out of
     range); its message names the flag and the fix."""
 

@@ -46,6 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hidup.models
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.errors import UserError
 from hidup.frontend.export import fake_cpu_like, fake_cpu_stand_ins
 from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan
@@ -83,7 +84,7 @@ def peak_parts() -> dict:
     return {name: getattr(_MemRefType, member) for name, member in _PART_NAMES.items()}
 
 
-class PeakError(ValueError):
+class PeakError(UserError, ValueError):
     """The rank program cannot be run on fake tensors (the message says why and what to do)."""
 
 

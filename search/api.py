@@ -1185,7 +1185,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         choices=choices,
         stages=ev.stages,
         predicted=ev.times(),
-        memory=ev.memory,
+        memory={**ev.memory, "transient": p.memory.plan_transient(choices)},
         conversions=conversions,
         options=options,
         node_costs=node_costs,

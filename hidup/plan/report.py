@@ -74,8 +74,9 @@ def _totals(plan: Plan) -> list[str]:
         "memory per rank: "
         + _mb(m.get("total", 0.0))
         + " ("
-        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k != "total")
-        + ")",
+        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in ("total", "transient"))
+        + ")"
+        + (f"; around its largest op up to {_mb(m['transient'])} more (temporaries)" if m.get("transient") else ""),
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")

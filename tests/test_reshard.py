@@ -558,7 +558,7 @@ def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_a
 def test_cli_reshard_flag(tmp_path, capsys):
     """``hidup search --memory GB --reshard auto`` under a budget only a resharded plan meets writes a plan
     that reshards (and ``show`` says so); a bad ``--reshard`` value is one argparse message, exit 2."""
-    from hidup.cli import DEFAULT_PROFILE
+    from hidup.runtime.options import DEFAULT_PROFILE
     from test_cli_errors import TINY, one_message, run_cli, run_main
 
     warnings.simplefilter("ignore")

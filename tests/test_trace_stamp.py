@@ -140,7 +140,7 @@ def _trace(model, inputs, mesh, stamp, monkeypatch):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(hidup.trace, "export_stamped", spy)
+    monkeypatch.setattr(hidup.frontend.trace, "export_stamped", spy)
     traced = _quiet(trace_module, model, inputs, 4, mesh=mesh, stamp_layers=stamp)
     return traced, (seen[0] if seen else None)
 
@@ -157,7 +157,7 @@ def _exported_once(monkeypatch):
             memo[key] = (model, values, real(model, values))
         return memo[key][2]
 
-    monkeypatch.setattr(hidup.trace, "_exported", exported)
+    monkeypatch.setattr(hidup.frontend.trace, "_exported", exported)
 
 
 @pytest.fixture(scope="module")

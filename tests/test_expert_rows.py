@@ -28,7 +28,7 @@ def _routing(tokens=12, k=3, experts=8, offset=2, local=3, seed=0):
 def test_gather_and_its_backward_follow_the_definition():
     idx, rows = _routing()
     tokens, k = idx.shape
-    count = R.own_rows(rows)
+    count = rows.count
     n = int(count)
     x = torch.randn(tokens, 5, dtype=D64, requires_grad=True)
     xs = R.gather_rows(x, rows.order, rows.inverse, count, k, False)
@@ -42,7 +42,7 @@ def test_gather_and_its_backward_follow_the_definition():
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 def test_activation_and_its_backward_equal_autograd_on_the_own_rows(act):
     idx, rows = _routing(seed=1)
-    count = R.own_rows(rows)
+    count = rows.count
     n = int(count)
     gu = torch.randn(idx.numel(), 8, dtype=D64, requires_grad=True)
     out = R.act_rows(gu, count, act, True)
@@ -59,7 +59,7 @@ def test_activation_and_its_backward_equal_autograd_on_the_own_rows(act):
 def test_combine_and_its_backward_follow_the_definition():
     idx, rows = _routing(seed=2)
     tokens, k = idx.shape
-    count = R.own_rows(rows)
+    count = rows.count
     h = torch.randn(idx.numel(), 6, dtype=D64, requires_grad=True)
     w = torch.rand(tokens, k, dtype=D64, requires_grad=True)
     y = R.combine_rows(h, w, rows.order, rows.inverse, count, k, D64)
@@ -74,6 +74,16 @@ def test_combine_and_its_backward_follow_the_definition():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+STEPS = [f"{step}{part}" for step in ("gather_rows", "act_rows", "combine_rows") for part in ("", "_backward")]
+
+
+def test_every_step_has_its_cuda_kernel_registered():
+    """On CUDA each step dispatches to its Triton kernel (torch.library's per-device kernel), checked
+    here without a GPU; the kernels themselves are checked below where a GPU is."""
+    for name in STEPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hidup::{name}", "CUDA"), name
+
+
 def _case(dtype, tokens=64, hidden=256, ffn=1536, experts=8, k=2, offset=2, local=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
     idx = torch.rand(tokens, experts, generator=gen).topk(k, dim=-1).indices
@@ -86,7 +96,7 @@ def _case(dtype, tokens=64, hidden=256, ffn=1536, experts=8, k=2, offset=2, loca
 
 def _steps(rows, x, gu, h, w, k, act, zero_tail):
     """Every step's outputs and gradients on the rank's own rows (the tails are compared apart)."""
-    count = R.own_rows(rows)
+    count = rows.count
     n = int(count)
     x, gu, h, w = (t.detach().requires_grad_() for t in (x, gu, h, w))
     xs = R.gather_rows(x, rows.order, rows.inverse, count, k, zero_tail)

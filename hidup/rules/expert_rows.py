@@ -26,7 +26,7 @@ at the last offset and these steps skip those rows, so on CUDA the outputs' tail
 traffic) and the grouped kernels' unwritten rows never reach a sum; ``zero_tail`` writes zeros there
 for the masked grouped form, whose weight gradients multiply every row by zero.  On the CPU tails are
 zero.  Each step is a ``torch.library`` custom op
-with a fake implementation and its backward registered, so the training step that uses them compiles
+with a fake implementation, a CUDA kernel and its backward registered, so the training step that uses them compiles
 (inductor calls them as kernels of their own) and is captured as one CUDA graph.  On CUDA they run
 Triton kernels (:mod:`hidup.rules.expert_rows_cuda`) whose programs past ``count`` return at once;
 elsewhere (the CPU, float64 verification) the same math in torch ops.
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from hidup.rules.grouped import ACTIVATIONS
 
-__all__ = ["gather_rows", "act_rows", "combine_rows", "own_rows"]
+__all__ = ["gather_rows", "act_rows", "combine_rows"]
 
 
 def _below(count: Tensor, rows: int, device) -> Tensor:
@@ -57,19 +57,18 @@ def _cuda():
     return expert_rows_cuda
 
 
-def _on_cuda(*tensors: Tensor) -> bool:
-    return all(t.device.type == "cuda" for t in tensors)
-
-
 # ------------------------------------------------------------------------------------------ gather
 @torch.library.custom_op("hidup::gather_rows", mutates_args=())
 def gather_rows(x: Tensor, order: Tensor, inverse: Tensor, count: Tensor, k: int, zero_tail: bool) -> Tensor:
     """``xs[r] = x[order[r] // k]`` below ``count``; past it zero (unwritten on CUDA unless
     ``zero_tail``: module docstring)."""
-    if _on_cuda(x, order, count):
-        return _cuda().gather_rows(x, order, count, k, zero_tail)
     keep = _below(count, order.numel(), x.device).unsqueeze(-1)
     return torch.where(keep, x[torch.div(order, k, rounding_mode="floor")], torch.zeros((), dtype=x.dtype))
+
+
+@gather_rows.register_kernel("cuda")
+def _(x, order, inverse, count, k, zero_tail):
+    return _cuda().gather_rows(x, order, count, k, zero_tail)
 
 
 @gather_rows.register_fake
@@ -80,11 +79,14 @@ def _(x, order, inverse, count, k, zero_tail):
 @torch.library.custom_op("hidup::gather_rows_backward", mutates_args=())
 def gather_rows_backward(grad: Tensor, inverse: Tensor, count: Tensor, k: int) -> Tensor:
     """``grad_x[t] = sum_j [inverse[t k + j] < count] grad[inverse[t k + j]]``."""
-    if _on_cuda(grad, inverse, count):
-        return _cuda().gather_rows_backward(grad, inverse, count, k)
     keep = (inverse < count.to(inverse.dtype)).unsqueeze(-1)
     picked = torch.where(keep, grad[inverse], torch.zeros((), dtype=grad.dtype))
     return picked.view(-1, k, grad.shape[1]).sum(dim=1)
+
+
+@gather_rows_backward.register_kernel("cuda")
+def _(grad, inverse, count, k):
+    return _cuda().gather_rows_backward(grad, inverse, count, k)
 
 
 @gather_rows_backward.register_fake
@@ -110,11 +112,14 @@ gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)
 @torch.library.custom_op("hidup::act_rows", mutates_args=())
 def act_rows(gu: Tensor, count: Tensor, act: str, zero_tail: bool) -> Tensor:
     """``act(gate) * up`` below ``count``; past it zero (unwritten on CUDA unless ``zero_tail``)."""
-    if _on_cuda(gu, count):
-        return _cuda().act_rows(gu, count, act, zero_tail)
     gate, up = gu.chunk(2, dim=-1)
     keep = _below(count, gu.shape[0], gu.device).unsqueeze(-1)
     return torch.where(keep, ACTIVATIONS[act](gate) * up, torch.zeros((), dtype=gu.dtype))
+
+
+@act_rows.register_kernel("cuda")
+def _(gu, count, act, zero_tail):
+    return _cuda().act_rows(gu, count, act, zero_tail)
 
 
 @act_rows.register_fake
@@ -134,12 +139,15 @@ def _act_grad(act: str, grad: Tensor, gate: Tensor) -> Tensor:
 @torch.library.custom_op("hidup::act_rows_backward", mutates_args=())
 def act_rows_backward(grad: Tensor, gu: Tensor, count: Tensor, act: str) -> Tensor:
     """``[d gate, d up]`` of :func:`act_rows` below ``count``, zero past it."""
-    if _on_cuda(grad, gu, count):
-        return _cuda().act_rows_backward(grad, gu, count, act)
     gate, up = gu.chunk(2, dim=-1)
     keep = _below(count, gu.shape[0], gu.device).unsqueeze(-1)
     grad = torch.where(keep, grad, torch.zeros((), dtype=grad.dtype))
     return torch.cat([_act_grad(act, grad * up, gate), grad * ACTIVATIONS[act](gate)], dim=-1)
+
+
+@act_rows_backward.register_kernel("cuda")
+def _(grad, gu, count, act):
+    return _cuda().act_rows_backward(grad, gu, count, act)
 
 
 @act_rows_backward.register_fake
@@ -167,12 +175,15 @@ def combine_rows(
     h: Tensor, w: Tensor, order: Tensor, inverse: Tensor, count: Tensor, k: int, out_dtype: torch.dtype
 ) -> Tensor:
     """``y[t] = sum_j [row < count] w[t,j] h[row]``, ``row = inverse[t k + j]`` (module docstring)."""
-    if _on_cuda(h, w, inverse, count):
-        return _cuda().combine_rows(h, w, inverse, count, k, out_dtype)
     keep = (inverse < count.to(inverse.dtype)).unsqueeze(-1)
     wide = torch.promote_types(h.dtype, w.dtype)
     picked = torch.where(keep, h[inverse].to(wide), torch.zeros((), dtype=wide))
     return (picked * w.reshape(-1, 1).to(wide)).view(-1, k, h.shape[1]).sum(dim=1).to(out_dtype)
+
+
+@combine_rows.register_kernel("cuda")
+def _(h, w, order, inverse, count, k, out_dtype):
+    return _cuda().combine_rows(h, w, inverse, count, k, out_dtype)
 
 
 @combine_rows.register_fake
@@ -185,8 +196,6 @@ def combine_rows_backward(
     grad: Tensor, h: Tensor, w: Tensor, order: Tensor, inverse: Tensor, count: Tensor, k: int
 ) -> tuple[Tensor, Tensor]:
     """(``grad_h``, ``grad_w``) of :func:`combine_rows` (module docstring)."""
-    if _on_cuda(grad, h, w, order, count):
-        return _cuda().combine_rows_backward(grad, h, w, order, inverse, count, k)
     wide = torch.promote_types(h.dtype, w.dtype)
     below = _below(count, h.shape[0], h.device).unsqueeze(-1)
     token = torch.div(order, k, rounding_mode="floor")
@@ -196,6 +205,11 @@ def combine_rows_backward(
     picked = torch.where(keep, h[inverse].to(wide), torch.zeros((), dtype=wide)).view(-1, k, h.shape[1])
     grad_w = (picked * grad.to(wide).unsqueeze(1)).sum(dim=-1).to(w.dtype)
     return grad_h, grad_w
+
+
+@combine_rows_backward.register_kernel("cuda")
+def _(grad, h, w, order, inverse, count, k):
+    return _cuda().combine_rows_backward(grad, h, w, order, inverse, count, k)
 
 
 @combine_rows_backward.register_fake
@@ -216,9 +230,3 @@ def _combine_backward(ctx, grad):
 
 
 combine_rows.register_autograd(_combine_backward, setup_context=_combine_setup)
-
-
-def own_rows(rows) -> Tensor:
-    """``count`` of a :class:`hidup.rules.grouped.Routing`: its rows to the rank's experts, as a
-    one-element device tensor (the last offset), read by the steps above on the device."""
-    return rows.offsets[-1:]

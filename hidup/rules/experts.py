@@ -70,7 +70,7 @@ from hidup.ir import FULL, REDUCE, Signature, gather
 from hidup.rules import grouped
 from hidup.rules.base import LocalCall, RuleContext
 from hidup.rules.dispatch import routed_experts_all_to_all
-from hidup.rules.expert_rows import act_rows, combine_rows, gather_rows, own_rows
+from hidup.rules.expert_rows import act_rows, combine_rows, gather_rows
 from hidup.rules.grouped import ACTIVATIONS, compute_dtype, grouped_mm, route
 from hidup.rules.notation import shard_signatures
 from hidup.rules.registry import Unsupported, all_full, bind, register
@@ -113,7 +113,7 @@ def routed_experts_math(
     tokens, k = top_k_index.shape
     rows = route(top_k_index, expert_offset, gate_up_proj.shape[0])
     dtype = compute_dtype(x, gate_up_proj, down_proj)
-    count = own_rows(rows)
+    count = rows.count
     xc = x.to(dtype)
     gate_up = gate_up_proj.to(dtype).transpose(-2, -1)
     # the masked grouped form multiplies every row (its weight gradients too): tails must be zero there

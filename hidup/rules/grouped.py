@@ -75,6 +75,12 @@ class Routing:
     offsets: Tensor
     inverse: Tensor
 
+    @property
+    def count(self) -> Tensor:
+        """The rows of the rank's experts (the last offset), as a one-element device tensor: the row
+        steps (:mod:`hidup.rules.expert_rows`) read it on the device and skip the rows past it."""
+        return self.offsets[-1:]
+
 
 def route(top_k_index: Tensor, expert_offset: int, local_experts: int) -> Routing:
     """Sort the pairs of ``top_k_index[T,k]`` by local expert, pairs of other ranks' experts last."""

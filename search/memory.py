@@ -236,17 +236,21 @@ class MemoryModel:
         forward += sum((summed or {}).get(t, self.local_bytes(t, f)) for t, f in outputs if f == REDUCE)
         backward = sum(self.local_bytes(t, f) for t, f in outputs if g.tensors[t].requires_grad)
         # an input's gradient comes back at the op's widest dtype (autocast's float32 ops upcast theirs)
-        widest = max((self.nbytes[t] / max(g.tensors[t].numel, 1) for t in node.outputs), default=0.0)
-        grads = 0.0
-        for t, f in zip(node.inputs, sig.inputs):
-            if g.tensors[t].requires_grad:
-                width = self.nbytes[t] / max(g.tensors[t].numel, 1)
-                grads += self.local_bytes(t, f) * max(1.0, widest / width if width else 1.0)
+        widest = max((self._itemsize(t) for t in node.outputs), default=0.0)
+        grads = sum(
+            self.local_bytes(t, f) * max(1.0, widest / (self._itemsize(t) or widest or 1.0))
+            for t, f in zip(node.inputs, sig.inputs)
+            if g.tensors[t].requires_grad
+        )
         # an op that reduces (a loss: log-softmax then a pick) holds an input-sized gradient inside its backward
         reduces = sum(g.tensors[t].numel for t in node.outputs) < max(
             (g.tensors[t].numel for t in node.inputs), default=0
         )
         return max(forward, backward + grads * (2 if reduces else 1))
+
+    def _itemsize(self, tid: int) -> float:
+        """Bytes per element of tensor ``tid`` at the model's precision."""
+        return self.nbytes[tid] / max(self.graph.tensors[tid].numel, 1)
 
     def plan_transient(self, choices: dict[str, Signature]) -> float:
         """The largest :meth:`transient` of a whole plan (node name -> signature), each ``reduce``

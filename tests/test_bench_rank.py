@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hidup.cli import main
 
@@ -84,6 +85,20 @@ def test_bench_rank_times_the_share_with_each_experts_implementation(tmp_path):
     got = {(r["what"], r["mode"]) for r in runs}
     assert got == {("rank", "eager"), ("share:eager", "eager"), ("share:hidup_grouped", "compile")}
     assert all(r["status"] == "ok" for r in runs), runs
+    config = json.loads(out.read_text())["config"]
+    for key in ("expert_load", "expert_load_after"):  # the routers' spread over rank 0's experts
+        (layer,) = config[key].values()
+        assert layer["world_max"] >= 1.0 and layer["world_max"] >= layer["world"] >= 0.0
+        assert 0.0 <= layer["mirrored"] <= 2.0  # world 2: at most every pair on rank 0's block
+
+
+def test_block_loads_count_pairs_per_block_against_a_balanced_share():
+    """``load_r = N P_r / P``: 4 experts in 2 blocks, pairs (0,1), (0,2), (3,0): block 0 draws 4 of 6."""
+    from hidup.runtime.expert_load import _block_loads
+
+    index = torch.tensor([[0, 1], [0, 2], [3, 0]])
+    assert _block_loads(index, experts=4, world=2) == pytest.approx([4 / 3, 2 / 3])
+    assert _block_loads(index, experts=4, world=1) == [1.0]
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,12 @@ without a CUDA graph under ``torch.profiler``, and the kernels' time per step is
 (matmul libraries, attention, inductor's generated kernels, the optimizer, copies, other;
 :func:`hidup.runtime.kernel_profile.kernel_kind`), and the time of every kernel by name.
 
+A model with routed experts that split over the world also records, before the runs and after them,
+how many of the (token, slot) pairs its routers send this rank's experts against a balanced share
+(``expert_load``, ``expert_load_after``; :mod:`hidup.runtime.expert_load`): the runs train the
+routers, and the rank's expert work follows the pairs it draws while its price assumes a balanced
+share.
+
 Results: a table on stdout and, with ``--out``, a JSON file ``{"config": {...}, "runs": [...]}``
 rewritten after every run (a run that fails -- capture refused, out of memory -- is recorded with its
 error and the sweep goes on).  On the CPU only ``eager`` and ``compile`` run.
@@ -80,6 +86,7 @@ from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan, model_record
 from hidup.profiler.profile import DTYPES
 from hidup.rules.experts import experts_layout_activation, set_experts_implementation
+from hidup.runtime.expert_load import expert_loads
 from hidup.runtime.kernel_profile import kernel_breakdown
 from hidup.runtime.options import DEFAULT_PROFILE, ModelChoice, ModelRequest, build_graph, settle_model
 from hidup.runtime.peak import PeakError, predicted_memory, rank_peak
@@ -446,6 +453,7 @@ class _Bench:
         peaks = {p: _predicted_peak(choice, plan, opts.rank, self.duplication, p) for p in precisions} if cuda else {}
         shares = _share_targets(opts, choice.model, model, share, share_inputs, share_modes)
         targets.update(shares)
+        self._record_loads("expert_load", model, values, share_inputs, precisions[0])
         # the share right after the rank, so a cut-short sweep keeps pairs; plain torch.compile last, since
         # a CUDA graph capture that it breaks can leave the device unusable for the rest of the process
         order = [(p, w) for p in precisions for w in ("rank", *shares)] + [(p, "torch") for p in precisions]
@@ -461,6 +469,25 @@ class _Bench:
                 self.runs.append(r)
                 _print_row(what, r)
                 self.save()
+        self._record_loads("expert_load_after", model, values, share_inputs, precisions[0])
+
+    def _record_loads(self, key: str, model, values, share_inputs, precision: str) -> None:
+        """The load of this rank's experts (:mod:`hidup.runtime.expert_load`) under the model's routers as
+        they stand (the share's, which its runs train), in ``config[key]``, and a line saying it."""
+        world_inputs = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
+        loads = expert_loads(
+            model, world_inputs, share_inputs, self.choice.world, self.opts.rank, _precision(precision, self.device)
+        )
+        if loads is None:
+            return
+        self.config[key] = loads
+        mean = {k: statistics.mean(v[k] for v in loads.values()) for k in ("world", "mirrored", "world_max")}
+        print(
+            f"{key}: rank {self.opts.rank}'s experts get {mean['mirrored']:.2f}x a balanced share of the pairs in "
+            f"this run's mirrored world, {mean['world']:.2f}x in an {self.choice.world}-rank world "
+            f"(largest block {mean['world_max']:.2f}x), mean over {len(loads)} layers",
+            flush=True,
+        )
 
 
 def _device(opts: BenchRankOptions) -> torch.device:

@@ -286,12 +286,14 @@ def _predicted_peak(choice: ModelChoice, plan, rank: int, duplication: bool | No
         return None
 
 
-def _share_inputs(values: list, world: int) -> list:
-    """The first ``1/world`` of every tensor input along dim 0 (the single-device share's batch)."""
+def _share_inputs(values: list, world: int, rank: int = 0) -> list:
+    """Rank ``rank``'s ``1/world`` of every tensor input along dim 0 (the first: the single-device
+    share's batch)."""
     out = []
     for v in values:
         if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % world == 0:
-            v = v.narrow(0, 0, v.shape[0] // world).contiguous()
+            n = v.shape[0] // world
+            v = v.narrow(0, rank * n, n).contiguous()
         out.append(v)
     return out
 
@@ -453,7 +455,7 @@ class _Bench:
         peaks = {p: _predicted_peak(choice, plan, opts.rank, self.duplication, p) for p in precisions} if cuda else {}
         shares = _share_targets(opts, choice.model, model, share, share_inputs, share_modes)
         targets.update(shares)
-        self._record_loads("expert_load", model, values, share_inputs, precisions[0])
+        self._record_loads("expert_load", model, values, precisions[0])
         # the share right after the rank, so a cut-short sweep keeps pairs; plain torch.compile last, since
         # a CUDA graph capture that it breaks can leave the device unusable for the rest of the process
         order = [(p, w) for p in precisions for w in ("rank", *shares)] + [(p, "torch") for p in precisions]
@@ -469,14 +471,15 @@ class _Bench:
                 self.runs.append(r)
                 _print_row(what, r)
                 self.save()
-        self._record_loads("expert_load_after", model, values, share_inputs, precisions[0])
+        self._record_loads("expert_load_after", model, values, precisions[0])
 
-    def _record_loads(self, key: str, model, values, share_inputs, precision: str) -> None:
+    def _record_loads(self, key: str, model, values, precision: str) -> None:
         """The load of this rank's experts (:mod:`hidup.runtime.expert_load`) under the model's routers as
         they stand (the share's, which its runs train), in ``config[key]``, and a line saying it."""
+        world, rank = self.choice.world, self.opts.rank
         world_inputs = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
         loads = expert_loads(
-            model, world_inputs, share_inputs, self.choice.world, self.opts.rank, _precision(precision, self.device)
+            model, world_inputs, _share_inputs(world_inputs, world, rank), world, rank, _precision(precision, self.device)
         )
         if loads is None:
             return

@@ -64,6 +64,7 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 from hidup.codegen.collectives import world_of
 from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.params import iter_shards
+from hidup.codegen.zero import REDUCE_SCATTER
 from hidup.ir import GRAD_BUCKET_MB, GRAD_PACK_BYTES
 
 __all__ = ["GradBucketer", "clip_grad_norm_"]
@@ -253,10 +254,10 @@ def _reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]], group):
     """``out = this rank's rows of sum over ranks of g`` for each ``(out, g)``, asynchronously, as one
     coalesced call (fake tensors: one call each, as :func:`_all_reduce`); the handle of the call(s)."""
     if len(pairs) == 1 or any(isinstance(g, FakeTensor) for _, g in pairs):
-        return _Calls([dist.reduce_scatter_tensor(out, g, group=group, async_op=True) for out, g in pairs])
+        return _Calls([REDUCE_SCATTER(out, g, group=group, async_op=True) for out, g in pairs])
     with _coalescing_manager(group, async_ops=True) as calls:
         for out, g in pairs:
-            dist.reduce_scatter_tensor(out, g, group=group, async_op=True)
+            REDUCE_SCATTER(out, g, group=group, async_op=True)
     return calls
 
 

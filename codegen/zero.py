@@ -49,6 +49,10 @@ from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import ParamShard, iter_shards
 from hidup.ir import ZERO_STAGES, Form, zero_splits
 
+# torch 2.13 renamed the tensor collectives (the old names warn); earlier versions have only the old ones
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = ["ZeroSlice", "ZeroShards", "iter_optimizer_shards", "zero_stages", "ROWS"]
 
 ROWS = Form.parse("gather_0")  # how a slice holds its parameter: rows R_r of dim 0
@@ -159,11 +163,11 @@ def _all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]], group) -> None:
     pieces = [(out.reshape(-1), piece.reshape(-1)) for out, piece in pairs]
     if len(pieces) == 1 or any(isinstance(o, FakeTensor) for o, _ in pieces):
         for out, piece in pieces:
-            dist.all_gather_into_tensor(out, piece, group=group)
+            ALL_GATHER(out, piece, group=group)
         return
     with _coalescing_manager(group, async_ops=True) as calls:
         for out, piece in pieces:
-            dist.all_gather_into_tensor(out, piece, group=group, async_op=True)
+            ALL_GATHER(out, piece, group=group, async_op=True)
     calls.wait()
 
 

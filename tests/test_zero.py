@@ -237,3 +237,128 @@ def test_bad_zero_requests_fail_clearly(gpt_plan):
         )
     with pytest.raises(CompileError, match="zero='x': give 0, 1 or 2"):
         hidup_compile(model, forced(trace(model, inputs), hidup.profiler.load(PROFILE), "data"), 0, 1, inputs, zero="x")
+
+
+# ------------------------------------------------------------------------------- memory, cost and search
+@pytest.fixture(scope="module")
+def world4():
+    """A small GPT traced for 4 ranks (on meta: no weights) and its data plans with ZeRO off, 1 and 2."""
+    model, inputs = M.build(
+        "gpt",
+        world_size=4,
+        device="meta",
+        layers=2,
+        d_model=64,
+        heads=4,
+        ffn=128,
+        seq_len=16,
+        batch_per_gpu=4,
+        vocab=256,
+    )
+    graph = trace(model, inputs, world_size=4)
+    profile = hidup.profiler.load(PROFILE)
+    plans = {
+        z: forced(graph, profile, "data", duplication=False, zero=z, recompute="off", reshard="off")
+        for z in ("off", "1", "2")
+    }
+    return graph, profile, plans
+
+
+def _param_bytes(graph) -> float:
+    from hidup.search.memory import MemoryModel
+
+    nbytes = MemoryModel(graph).nbytes
+    return sum(nbytes[t] for n in graph.nodes if n.op == "param" for t in n.outputs if graph.tensors[t].requires_grad)
+
+
+def test_memory_model_counts_the_rows(world4):
+    graph, _, plans = world4
+    off, one, two = plans["off"].memory, plans["1"].memory, plans["2"].memory
+    b, n = _param_bytes(graph), 4
+    params = [x.name for x in graph.nodes if x.op == "param" and graph.tensors[x.outputs[0]].requires_grad]
+    # every weight of this model has rows 4 divides: all split, at the plan's stage
+    assert plans["off"].zero == {} and plans["1"].zero == dict.fromkeys(params, 1)
+    assert plans["2"].zero == dict.fromkeys(params, 2)
+    assert off["params"] == one["params"] == two["params"] == pytest.approx(b)
+    assert off["grads"] == one["grads"] == pytest.approx(b) and two["grads"] == pytest.approx(b / n)
+    assert off["optimizer"] == pytest.approx(2 * b) and one["optimizer"] == two["optimizer"] == pytest.approx(2 * b / n)
+    assert off["activations"] == one["activations"] == two["activations"]
+    # saved per rank: ZeRO-1 3/4 of Adam's state, ZeRO-2 also 3/4 of the gradients
+    assert off["total"] - one["total"] == pytest.approx(2 * b * (1 - 1 / n))
+    assert off["total"] - two["total"] == pytest.approx(3 * b * (1 - 1 / n))
+
+
+def test_cost_model_prices_the_collectives_and_the_step(world4):
+    from hidup.search.cost import CostModel
+
+    graph, profile, plans = world4
+    off, one, two = (plans[z].predicted for z in ("off", "1", "2"))
+    launched = profile.launched(True, False)
+    b, n = _param_bytes(graph), 4
+    # the optimizer steps a quarter of the bytes
+    assert off["optimizer"] == pytest.approx(launched.optimizer_time(b))
+    assert one["optimizer"] == two["optimizer"] == pytest.approx(launched.optimizer_time(b / n))
+    # after it, each split weight's rows are all-gathered, exposed
+    cost = CostModel(graph, launched, zero=2)
+    gathers = sum(
+        cost.zero_share("all_gather", cost.nbytes[t]) for x in graph.nodes if x.op == "param" for t in x.outputs
+    )
+    assert "zero_gather" not in off and one["zero_gather"] == two["zero_gather"] == pytest.approx(gathers)
+    # ZeRO-1 all-reduces as before; ZeRO-2 reduce-scatters instead, overlapped with the backward
+    assert one["backward"] == off["backward"] and one["comm"] == off["comm"]
+    assert two["backward"] != off["backward"]
+    for p in (one, two):
+        assert p["total"] == pytest.approx(p["forward"] + p["backward"] + p["optimizer"] + p["zero_gather"])
+        assert p["total"] > off["total"]  # ZeRO never pays without a budget
+    # the record prices again to the same numbers
+    from hidup.search import price
+
+    assert price(graph, profile, plans["2"])[False].total == pytest.approx(two["total"], rel=1e-12)
+
+
+def test_search_uses_zero_only_under_a_budget_that_needs_it(world4):
+    graph, profile, plans = world4
+    free = forced(graph, profile, "data", duplication=False, recompute="off", reshard="off")
+    assert free.zero == {} and free.options["zero_requested"] == "auto"
+    budget = (plans["2"].memory["total"] + plans["off"].memory["total"]) / 2
+    fit = forced(graph, profile, "data", duplication=False, recompute="off", reshard="off", memory_budget=budget)
+    assert fit.memory["total"] <= budget and set(fit.zero.values()) == {2}
+    assert fit.predicted["total"] == pytest.approx(plans["2"].predicted["total"])
+    # beside recomputation, auto keeps the faster plan that fits: one that recomputes layers, or ZeRO-2's
+    rec = forced(graph, profile, "data", duplication=False, recompute="on", reshard="off", zero="off")
+    budget = (rec.memory["total"] + plans["off"].memory["total"]) / 2
+    both = forced(graph, profile, "data", duplication=False, memory_budget=budget)
+    recomputing = forced(graph, profile, "data", duplication=False, memory_budget=budget, zero="off")
+    zeroing = forced(graph, profile, "data", duplication=False, memory_budget=budget, zero="2")
+    assert recomputing.recompute and not recomputing.zero and zeroing.zero and not zeroing.recompute
+    assert both.memory["total"] <= budget
+    assert both.predicted["total"] == min(recomputing.predicted["total"], zeroing.predicted["total"])
+    assert bool(both.zero) == (zeroing.predicted["total"] < recomputing.predicted["total"])
+    with pytest.raises(ValueError, match="zero must be one of auto, off, 1, 2"):
+        forced(graph, profile, "data", zero="3")
+
+
+def test_cli_zero_flags(tmp_path, capsys):
+    """``hidup search --zero 2`` writes a plan whose weights ZeRO splits, ``show`` says so, ``train`` runs it
+    on two gloo ranks with the loss of ``--zero off``; a bad value is one argparse message, exit 2."""
+    from test_cli_errors import TINY, one_message, run_main
+
+    warnings.simplefilter("ignore")
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_main(["search", *TINY, "--world", "2", "--zero", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["zero"] and set(plan["zero"].values()) == {2} and "ZeRO-2:" in stdout
+    losses = {}
+    for zero in ("auto", "off"):
+        result = tmp_path / f"{zero}.json"
+        argv = ["train", "--plan", str(out), "--world", "2", "--iterations", "2", "--zero", zero, "--json", str(result)]
+        code, stdout, err = run_main(argv, capsys)
+        assert code == 0, err
+        done = json.loads(result.read_text())
+        assert done["zero"] == ([2] if zero == "auto" else []), done["zero"]
+        losses[zero] = done["losses"]
+    assert losses["auto"] == losses["off"]
+    code, _, err = run_main(["search", *TINY, "--world", "2", "--zero", "3", "--out", str(out)], capsys)
+    assert code == 2
+    one_message(err, "--zero", "invalid choice: '3'")

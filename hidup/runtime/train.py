@@ -316,6 +316,7 @@ class Trainer:
             duplication=opts.duplication != "off",
             precision=opts.precision,
             cuda_graphs=opts.captures(torch.cuda.is_available()),
+            zero=opts.zero,
         )
 
     def batch(self, step: int) -> tuple:
@@ -575,6 +576,7 @@ class Trainer:
             "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             "duplication": bool(getattr(self.module, "duplication", False)),
+            "zero": sorted({z.stage for z in self.module.zero.slices.values()}),  # the ZeRO stages run
             "precision": self.opts.precision,
             "cuda_graph": graphed is not None and graphed.graph is not None,
             "step_mode_trial": graphed.timings if graphed is not None else {},

@@ -362,3 +362,20 @@ def test_cli_zero_flags(tmp_path, capsys):
     code, _, err = run_main(["search", *TINY, "--world", "2", "--zero", "3", "--out", str(out)], capsys)
     assert code == 2
     one_message(err, "--zero", "invalid choice: '3'")
+
+
+def test_a_mesh_plan_with_zero_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from hidup.codegen.program import _zero_request
+    from hidup.search import SearchError, search
+
+    warnings.simplefilter("ignore")
+    traced = SimpleNamespace(graph=SimpleNamespace(mesh=(2, 2)))
+    with pytest.raises(CompileError, match="ZeRO splits a replicated parameter over the ranks of one axis"):
+        _zero_request(traced, None, 2, {"w"})
+    assert _zero_request(traced, None, 0, {"w"}) == {}
+    model, inputs = M.build("gpt", world_size=4, device="meta", **SMALL)
+    graph = trace(model, inputs, world_size=4, mesh=(2, 2))
+    with pytest.raises(SearchError, match="zero=2: ZeRO splits replicated weights over the ranks of one axis"):
+        search(graph, hidup.profiler.load(PROFILE), zero="2")

@@ -35,13 +35,20 @@ differ only in the coordinates ``K``: one bucketer per set ``K`` (the compiled m
 its group the axis's group for one axis, the mesh's whole group for every axis, else the axes'
 groups in turn (a sum over each axis of ``K`` in turn is the sum over ``K``).
 
+ZeRO (:mod:`hidup.codegen.zero`, ``zero``): a stage-2 parameter's gradient is reduce-scattered
+instead (``reduce_scatter_tensor`` into a new tensor of this rank's rows, one coalesced call per
+bucket beside the all-reduces; never packed), and its whole gradient is dropped at the launch (the
+collective holds it until it completes); at the end of the backward every split parameter's slice
+receives its rows of the sum (:meth:`~hidup.codegen.zero.ZeroShards.synced`).
+
 Because the sum is taken over the whole accumulated ``.grad``, gradient accumulation over several
 backward passes must skip the sync for all but the last one (``with module.no_sync(): ...``), and
 gradients must be zeroed between steps, as with DDP.
 
 :func:`clip_grad_norm_` computes ``||g|| = sqrt(sum_sharded ||g_r||^2 summed over ranks +
-sum_replicated ||g||^2)``: slices of sharded parameters are disjoint and added over ranks,
-replicated gradients (identical on every rank after the sync) are counted once.
+sum_replicated ||g||^2)``: slices of sharded parameters (and ZeRO-2's rows of a gradient) are
+disjoint and added over ranks, replicated gradients (identical on every rank after the sync) are
+counted once.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 from hidup.codegen.collectives import world_of
 from hidup.codegen.mesh import MeshGroups
 from hidup.codegen.params import iter_shards
+from hidup.codegen.zero import REDUCE_SCATTER
 from hidup.ir import GRAD_BUCKET_MB, GRAD_PACK_BYTES
 
 __all__ = ["GradBucketer", "clip_grad_norm_"]
@@ -70,6 +78,7 @@ class _Bucket:
         self.buffer: torch.Tensor | None = None  # the packed gradients, flat
         self.packed: list[torch.nn.Parameter] = []  # parameters whose gradient is in ``buffer``
         self.summed: list[torch.Tensor] = []  # every tensor the all-reduce sums in place
+        self.scattered: list[tuple] = []  # (ZeroSlice, its rows of the sum) of the stage-2 parameters
 
 
 class GradBucketer:
@@ -82,8 +91,10 @@ class GradBucketer:
         group=None,
         bucket_mb: float = GRAD_BUCKET_MB,
         pack_bytes: float = GRAD_PACK_BYTES,
+        zero=None,
     ):
         self.group = group
+        self.zero = zero  # the ZeroShards of the split parameters (hidup.codegen.zero), or None
         self.pack_bytes = pack_bytes  # a contiguous gradient of this many bytes or more is summed in place
         self.groups = tuple(group) if isinstance(group, tuple) else (group,)
         self.enabled = True
@@ -146,17 +157,28 @@ class GradBucketer:
         members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
         if not members:
             return
-        in_place, bucket.packed = [], []
+        in_place, bucket.packed, scatter = [], [], []
         for p in members:
             g = p.grad
-            if g.is_contiguous() and g.numel() * g.element_size() >= self.pack_bytes:
+            z = self.zero.by_param.get(id(p)) if self.zero else None
+            if z is not None and z.stage == 2:
+                scatter.append((z, g.detach().contiguous()))
+                p.grad = None  # the collective keeps the whole gradient until it is done
+            elif g.is_contiguous() and g.numel() * g.element_size() >= self.pack_bytes:
                 in_place.append(g)
             else:
                 bucket.packed.append(p)
         if bucket.packed:
             bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.packed])
         bucket.summed = ([bucket.buffer] if bucket.packed else []) + in_place
-        bucket.work = _all_reduce(bucket.summed, self.groups[0], async_op=True)
+        works = [_all_reduce(bucket.summed, self.groups[0], async_op=True)] if bucket.summed else []
+        if scatter:
+            bucket.scattered = [
+                (z, torch.empty_like(z.shard, memory_format=torch.contiguous_format)) for z, _ in scatter
+            ]
+            pairs = [(out, g) for (_, out), (_, g) in zip(bucket.scattered, scatter)]
+            works.append(_reduce_scatter(pairs, self.groups[0]))
+        bucket.work = works[0] if len(works) == 1 else _Calls(works)
 
     def _finish(self) -> None:
         try:
@@ -178,14 +200,27 @@ class GradBucketer:
                     else:
                         p.grad.detach().copy_(summed)
                     offset += n
+                self._zero_synced(bucket)
         finally:
             for bucket in self.buckets:
                 bucket.ready.clear()
                 bucket.work = bucket.buffer = None
                 bucket.packed = []
                 bucket.summed = []
+                bucket.scattered = []
             self._next = 0
             self._pending = False
+
+    def _zero_synced(self, bucket: _Bucket) -> None:
+        """Hand each split parameter's slice its rows of the summed gradient (:mod:`hidup.codegen.zero`)."""
+        if not self.zero:
+            return
+        for z, rows in bucket.scattered:
+            self.zero.synced(z, rows)
+        for p in bucket.params:
+            z = self.zero.by_param.get(id(p))
+            if z is not None and z.stage == 1 and id(p) in bucket.ready:
+                self.zero.synced(z, None)
 
 
 class _Calls:
@@ -215,6 +250,17 @@ def _all_reduce(tensors: list[torch.Tensor], group, async_op: bool):
     return calls if async_op else None
 
 
+def _reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]], group):
+    """``out = this rank's rows of sum over ranks of g`` for each ``(out, g)``, asynchronously, as one
+    coalesced call (fake tensors: one call each, as :func:`_all_reduce`); the handle of the call(s)."""
+    if len(pairs) == 1 or any(isinstance(g, FakeTensor) for _, g in pairs):
+        return _Calls([REDUCE_SCATTER(out, g, group=group, async_op=True) for out, g in pairs])
+    with _coalescing_manager(group, async_ops=True) as calls:
+        for out, g in pairs:
+            REDUCE_SCATTER(out, g, group=group, async_op=True)
+    return calls
+
+
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:
     """Scale the gradients of ``module`` (compiled or plain) so that their global norm is at most
     ``max_norm``; returns the global norm (before clipping).  Collective for compiled modules."""
@@ -228,6 +274,9 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     for _, t, shard in iter_shards(module):
         if isinstance(t, torch.nn.Parameter) and t.grad is not None:
             (sharded if shard.sharded else replicated).append(t.grad.detach())
+    zero = getattr(module, "zero", None)
+    if zero:  # ZeRO-2: a rank holds its rows of the summed gradient, disjoint from the others' (hidup.codegen.zero)
+        sharded.extend(zero.scattered_grads())
     device = (sharded or replicated or [torch.zeros(())])[0].device
     sq_sharded = torch.zeros((), dtype=torch.float32, device=device)
     for g in sharded:

@@ -131,13 +131,18 @@ def full_state_dict(module: nn.Module, group=None) -> "OrderedDict[str, torch.Te
 def full_grad_dict(module: nn.Module, group=None) -> "OrderedDict[str, torch.Tensor | None]":
     """Every parameter's gradient in its logical layout (None where it has none); collective.
 
-    Call after the backward (replicated gradients are then already summed over ranks)."""
+    Call after the backward (replicated gradients are then already summed over ranks; a ZeRO-2
+    parameter's are gathered from the ranks' rows, :mod:`hidup.codegen.zero`)."""
     group = _groups_of(module) if group is None else group
+    zero = getattr(module, "zero", None)
     out: OrderedDict[str, torch.Tensor | None] = OrderedDict()
     for _, t, shard in iter_shards(module):
         if shard.is_buffer:
             continue
-        if t.grad is None:
+        z = zero.by_param.get(id(t)) if zero else None
+        if z is not None and world_of(group) > 1:  # ZeRO: the summed gradient is whole (stage 1) or in rows
+            out[shard.logical_name] = zero.full_grad(z) if t.grad is None else t.grad.detach().clone()
+        elif t.grad is None:
             out[shard.logical_name] = None
         else:
             g = gather_tensor(t.grad.detach(), shard.form, group)

@@ -19,6 +19,9 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
   sum over ranks (:meth:`hidup.codegen.rewrite.HidupModule.global_loss`).
 * **replicated parameters** enter the graph as plain ``full`` tensors; their partial gradients are
   summed by bucketed all-reduces overlapped with the backward (:mod:`hidup.codegen.grads`).
+* **ZeRO** (``plan.zero``): ``RankProgram.zero`` names the replicated parameters whose gradient and
+  optimizer state the runtime splits over the ranks, with their stage (:mod:`hidup.codegen.zero`;
+  the program itself is unchanged: they enter it whole).
 * **resharded parameters** (``plan.reshard``): their form changes are :func:`hidup_reshard_convert`
   and the ops that read the converted copy run in :class:`hidup.codegen.reshard.ReshardCall`, so the
   copy is freed after the forward and made again in the backward (:mod:`hidup.codegen.reshard`).
@@ -57,6 +60,7 @@ from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, 
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
+from hidup.codegen.zero import zero_stages
 from hidup.errors import UserError
 from hidup.fxvalues import map_value, value_leaves
 from hidup.ir import (
@@ -266,6 +270,8 @@ class RankProgram:
     replicate_axes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # the number of random ops; with any, gm takes the run-time key (hidup.rules.random) as its last input
     random_ops: int = 0
+    # gm path of each replicated parameter ZeRO splits -> its stage (hidup.codegen.zero)
+    zero: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _plain(form: "Form | Layout") -> "Form | Layout":
@@ -326,8 +332,11 @@ class _Builder:
         copies=None,
         recompute=(),
         reshard=(),
+        zero=None,
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.zero = dict(zero or {})  # param node -> ZeRO stage asked for (hidup.codegen.zero)
+        self.param_node: dict[str, str] = {}  # stored attribute -> its param node
         self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
         self.reshard_tids: set[int] = set()
         self.wire_low = wire_low_params(traced.graph)  # params sent in autocast's dtype (hidup.precision)
@@ -521,6 +530,7 @@ class _Builder:
             self.root.register_buffer(attr, data)
             stored = data
         self.stored[attr] = stored
+        self.param_node[attr] = node.name
         self.shards[attr] = ParamShard(logical, tuple(original.shape), form, not isinstance(original, nn.Parameter))
         self.lazy_params[tid] = attr
         self.produced[tid] = _plain(form) if isinstance(form, Layout) else form if form.is_gather else FULL
@@ -639,7 +649,7 @@ class _Builder:
             for p, t in list(gm.named_parameters(remove_duplicate=False))
             + list(gm.named_buffers(remove_duplicate=False))
         }
-        shards, replicated, replicate_axes = {}, [], {}
+        shards, replicated, replicate_axes, shapes = {}, [], {}, {}
         for attr, shard in self.shards.items():
             path = paths.get(id(self.stored[attr]))
             if path is None:
@@ -647,8 +657,10 @@ class _Builder:
             shards[path] = shard
             if attr in self.replicated:
                 replicated.append(path)
+                shapes[self.param_node[attr]] = (path, tuple(self.stored[attr].shape))
                 if attr in self.replicate_axes:
                     replicate_axes[path] = self.replicate_axes[attr]
+        split = zero_stages(self.zero, {name: shape for name, (_, shape) in shapes.items()}, self.world)
         return RankProgram(
             gm,
             shards,
@@ -659,6 +671,7 @@ class _Builder:
             self.mesh or (),
             replicate_axes,
             self.random_ops,
+            {shapes[name][0]: stage for name, stage in split.items()},
         )
 
 
@@ -680,7 +693,10 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     (block labels; None: the plan's ``recompute``) run their forward again in the backward
     (:mod:`hidup.codegen.recompute`).  The parameters named in ``options.reshard`` (``param`` node
     names; None: the plan's ``reshard``; True: every parameter the plan stores split) have their
-    converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`)."""
+    converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`).
+    ``options.zero`` (None: the plan's ``zero``; 0, 1 or 2: that ZeRO stage for every replicated
+    parameter; a dict of ``param`` node names) says which replicated parameters the runtime splits
+    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
     recompute, reshard = getattr(options, "recompute", None), getattr(options, "reshard", None)
@@ -719,4 +735,32 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
             f"{' ...' if len(unknown) > 5 else ''}. Fix: name param nodes of the trace (the plan's choices), "
             "or search again"
         )
-    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels, reshard).build()
+    zero = _zero_request(traced, plan, getattr(options, "zero", None), params)
+    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels, reshard, zero).build()
+
+
+def _zero_request(traced, plan, zero, params: set[str]) -> dict[str, int]:
+    """The ZeRO stage asked for each parameter (``param`` node name): ``zero`` None reads the plan's
+    ``zero``, 0 none, 1 or 2 that stage for every parameter, a dict names them (the program splits those
+    stored replicate whose rows the world divides, :func:`hidup.codegen.zero.zero_stages`).  A plan on a
+    device mesh takes none."""
+    if zero is None:
+        zero = dict(getattr(plan, "zero", None) or {})
+    elif zero in (0, 1, 2) and not isinstance(zero, bool):
+        zero = dict.fromkeys(params, zero) if zero else {}
+    elif not isinstance(zero, dict):
+        raise CompileError(f"zero={zero!r}: give 0, 1 or 2 (every replicated parameter), a dict, or None (the plan's)")
+    unknown = sorted(set(zero) - params)
+    if unknown:
+        raise CompileError(
+            f"zero names parameters the model does not have: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''}. Fix: name param nodes of the trace (the plan's choices), "
+            "or search again"
+        )
+    if zero and len(traced.graph.mesh) > 1:
+        raise CompileError(
+            f"ZeRO splits a replicated parameter over the ranks of one axis; this plan is on the device mesh "
+            f"{tuple(traced.graph.mesh)}, where it is not supported yet. Fix: search with --zero off (zero=0), "
+            "or a plan of one axis"
+        )
+    return zero

@@ -19,6 +19,11 @@ in ``reduce`` form).  The returned :class:`HidupModule`:
   :func:`hidup.codegen.params.full_state_dict` gathers the logical layout);
 * all-reduces the gradients of replicated parameters in ~``bucket_mb`` buckets during backward
   (:class:`hidup.codegen.grads.GradBucketer`; use ``module.no_sync()`` for accumulation);
+* with ZeRO (``plan.zero``, :mod:`hidup.codegen.zero`) splits the optimizer state (and with stage 2
+  the gradient) of the replicated parameters it names over the ranks: build the optimizer over
+  ``module.optimizer_parameters()`` and bind it with ``module.bind_optimizer(opt)``, which
+  all-gathers the updated rows after each ``opt.step()`` (both are plain ``parameters()`` and a
+  no-op without ZeRO);
 * with duplication (default: the plan's), runs two half-batch copies (:mod:`hidup.codegen.duplicate`)
   and returns the sum of their losses.
 
@@ -55,6 +60,7 @@ from hidup.codegen.program import (
     using_copy_sums,
     using_group,
 )
+from hidup.codegen.zero import ZeroShards
 from hidup.copies import copy_axis
 from hidup.frontend.trace import forward_inputs, trace_copy, trace_module
 from hidup.ir import GRAD_BUCKET_MB, Layout
@@ -97,7 +103,10 @@ class HidupModule(nn.Module):
         self.mesh_groups = mesh_groups  # the device mesh's groups (a plan on several axes), else None
         self.run_group = mesh_groups if mesh_groups is not None else group  # what the program runs on
         self.bucket_mb = bucket_mb
-        self.bucketers = _bucketers(self.gm, program, group, mesh_groups, bucket_mb) if world_size > 1 else []
+        self.zero = ZeroShards(self.gm, program.zero, group)  # the split parameters (hidup.codegen.zero)
+        self.bucketers = (
+            _bucketers(self.gm, program, group, mesh_groups, bucket_mb, self.zero) if world_size > 1 else []
+        )
         self.bucketer = self.bucketers[0] if self.bucketers else None
         self.batch_dims = batch_dims
         self.copy_groups = None
@@ -208,6 +217,18 @@ class HidupModule(nn.Module):
         """The true loss (sum over ranks of the local losses), detached."""
         return collectives.all_reduce_raw(loss.detach(), self.group)
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What an optimizer of this module steps: its trainable parameters, each one ZeRO splits
+        replaced by this rank's rows of it (:mod:`hidup.codegen.zero`)."""
+        return self.zero.optimizer_parameters([p for p in self.parameters() if p.requires_grad])
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` (built over :meth:`optimizer_parameters`) all-gather the parameters ZeRO
+        splits after each step; returns it.  Nothing to do without ZeRO."""
+        if self.zero:
+            self.zero.bind(optimizer)
+        return optimizer
+
     @contextlib.contextmanager
     def no_sync(self):
         """Skip the gradient all-reduce of replicated parameters (accumulate locally)."""
@@ -228,11 +249,14 @@ def _pieces(form, dim, mesh: MeshGroups | None, world: int) -> int:
     return world if form.is_gather and form.dim == dim else 1
 
 
-def _bucketers(gm, program: RankProgram, group, mesh: MeshGroups | None, bucket_mb: float) -> list[GradBucketer]:
-    """The gradient bucketers of the replicated parameters: one over ``group``; on a mesh one per set
-    of axes the parameters are ``replicate`` on (:mod:`hidup.codegen.grads`)."""
+def _bucketers(
+    gm, program: RankProgram, group, mesh: MeshGroups | None, bucket_mb: float, zero: ZeroShards | None = None
+) -> list[GradBucketer]:
+    """The gradient bucketers of the replicated parameters: one over ``group`` (reduce-scattering the
+    gradients of ZeRO-2's parameters, :mod:`hidup.codegen.zero`); on a mesh one per set of axes the
+    parameters are ``replicate`` on (:mod:`hidup.codegen.grads`)."""
     if mesh is None:
-        return [GradBucketer([gm.get_parameter(p) for p in program.replicated], group, bucket_mb)]
+        return [GradBucketer([gm.get_parameter(p) for p in program.replicated], group, bucket_mb, zero=zero)]
     by_axes: dict[tuple[int, ...], list] = {}
     for path in program.replicated:
         by_axes.setdefault(program.replicate_axes[path], []).append(gm.get_parameter(path))
@@ -310,7 +334,9 @@ class CompileOptions(OptionSet):
     node names) whose converted copies are made again in the backward instead of kept (None: the plan's
     ``reshard``; True: every parameter the plan stores split; :mod:`hidup.codegen.reshard`).  ``seed``:
     the seed of the random ops (dropout), which draw the single device's values whatever the plan
-    (:mod:`hidup.rules.random`; ``module.rng_step`` is the step they draw next)."""
+    (:mod:`hidup.rules.random`; ``module.rng_step`` is the step they draw next).  ``zero``: the ZeRO
+    stage of the replicated parameters (None: the plan's ``zero``; 0 none; 1 or 2 that stage for each
+    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -323,6 +349,7 @@ class CompileOptions(OptionSet):
     recompute: list | tuple | None = None
     reshard: list | tuple | bool | None = None
     seed: int = 0
+    zero: int | dict | None = None
     WHAT = "compile"
 
 

@@ -86,6 +86,9 @@ __all__ = [
     "DTYPE_BYTES",
     "GRAD_BUCKET_MB",
     "GRAD_PACK_BYTES",
+    "ZERO_STAGES",
+    "ZERO_CHOICES",
+    "zero_splits",
     "block_label",
     "block_family",
     "Layout",
@@ -108,6 +111,22 @@ GRAD_BUCKET_MB = 25.0
 # Copying 1 MiB in and out of a buffer costs about a microsecond of device memory traffic, what one
 # more tensor in a coalesced NCCL call costs; below it the copy is the cheaper, above it the in-place sum.
 GRAD_PACK_BYTES = 1 << 20
+
+# ZeRO stages a replicated parameter may be kept in (hidup.codegen.zero): 1 splits its optimizer state
+# over the ranks, 2 its gradient too; 0 (no entry in a plan) keeps both whole on every rank.
+ZERO_STAGES = (1, 2)
+# what a search's and a training run's ``zero`` option takes: "auto" (the search uses ZeRO where it pays
+# under a memory budget; a run does as its plan says), "off", or a stage forced on every such parameter
+ZERO_CHOICES = ("auto", "off", "1", "2")
+
+
+def zero_splits(shape: tuple[int, ...], world: int) -> bool:
+    """Whether ZeRO can split a replicated parameter of ``shape`` over ``world`` ranks: rank ``r`` then
+    holds rows ``[r n / N, (r + 1) n / N)`` of its dim 0 (``n = shape[0]``, which ``N`` must divide) --
+    a contiguous piece, so a reduce-scatter and an all-gather move it without copies.  Codegen, the
+    memory model and the cost model read this one rule; a parameter it refuses stays unsplit."""
+    return world > 1 and len(shape) >= 1 and shape[0] > 0 and shape[0] % world == 0
+
 
 # Collective operations that cost communication; every other conversion op is local.
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")

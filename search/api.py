@@ -60,6 +60,19 @@ fewer layers fit, nothing is priced.  This is a heuristic: a search with reshard
 choices.  On Llama-3-70B's 8x8 mesh under 80 GB that second search took 35 of the search's 69 s and
 found a plan 7% slower than the first one (``docs/scale.md``).
 
+ZeRO
+----
+A replicated weight keeps by default its whole gradient and Adam state on every rank; ZeRO
+(:mod:`hidup.codegen.zero`) splits them over the ranks for an all-gather of the updated rows after the
+optimizer (:mod:`hidup.search.cost` and :mod:`hidup.search.memory`, "ZeRO").  It never makes a plan
+faster, so ``zero="auto"`` considers it only under a memory budget, as resharding: the plan found
+without it (resharding and recomputation resolved as asked) is kept when it fits without recomputing;
+else the search runs again with ZeRO-2 on every replicated weight whose rows the world divides and
+keeps the better plan (the one that fits; both fitting, the faster).  Auto tries stage 2 alone: in
+this cost model it is at least as fast as stage 1 (a reduce-scatter in place of an all-reduce) and
+saves more.  ``"1"``/``"2"`` search with that stage, ``"off"`` without; ``plan.zero`` lists the
+weights split.  On a device mesh ``"auto"`` stays off and a stage is refused (not supported yet).
+
 Duplication under a memory budget
 ---------------------------------
 The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
@@ -99,13 +112,14 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from hidup.ir import Graph, Node, Signature, axis_forms, block_label, mesh_text
+from hidup.ir import ZERO_CHOICES, Graph, Node, Signature, axis_forms, block_label, mesh_text
 from hidup.optionset import OptionSet
 from hidup.plan.record import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.precision import casts_on_wire
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
+from hidup.search.memory import zero_stage
 from hidup.search.modes import CallerWork, solve_beside, solve_modes
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -127,6 +141,7 @@ __all__ = [
 STYLES = ("data", "tensor", "expert", "expert-all-gather", "expert-all-to-all", "fsdp")
 RECOMPUTE = ("auto", "on", "off")
 RESHARD = ("auto", "on", "off")
+ZERO_STAGE = {"off": 0, "1": 1, "2": 2}  # a resolved ``zero`` option -> the stage searched
 # style -> (preferred kinds in order, kinds never used)
 _STYLE_RULES = {
     "data": (("data",), {"tensor", "expert"}),
@@ -188,7 +203,9 @@ class SearchOptions(OptionSet):
     activations (module docstring, "Recomputation"): ``"off"``, ``"on"`` (every repeated layer),
     ``"auto"`` (the faster plan that fits ``memory_budget``, with and without), or a list of block
     labels.  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
-    their gathered copies made again in the backward instead of kept (module docstring, "Resharding")."""
+    their gathered copies made again in the backward instead of kept (module docstring, "Resharding").
+    ``zero`` (:data:`hidup.ir.ZERO_CHOICES`: ``"auto"``, ``"off"``, ``"1"``, ``"2"``) whether the replicated
+    weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO")."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -205,6 +222,7 @@ class SearchOptions(OptionSet):
     compiled: bool = False
     recompute: str | tuple | list | frozenset = "auto"
     reshard: str = "auto"
+    zero: str = "auto"
     WHAT = "search"
 
     def check(self) -> None:
@@ -216,6 +234,8 @@ class SearchOptions(OptionSet):
             )
         if self.reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {', '.join(RESHARD)}, got {self.reshard!r}")
+        if self.zero not in ZERO_CHOICES:
+            raise ValueError(f"zero must be one of {', '.join(ZERO_CHOICES)}, got {self.zero!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
 
@@ -302,15 +322,50 @@ def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
     """The plan of :func:`search`; the models its problems share (and the states they cached) are freed
     on return, before the cyclic collector runs again (it would otherwise walk them all once more)."""
     models = Models(graph)  # the prices every problem of this search shares
-    return _resharding(
-        lambda o: (
-            _search_mesh(graph, profile, o, progress, models)
-            if len(graph.mesh) > 1
-            else _search(graph, profile, o, progress, models)
+    return _zeroing(
+        lambda z: _resharding(
+            lambda o: (
+                _search_mesh(graph, profile, o, progress, models)
+                if len(graph.mesh) > 1
+                else _search(graph, profile, o, progress, models)
+            ),
+            z,
+            lambda plan: _resharded(graph, profile, z, models, plan),
         ),
         opts,
-        lambda plan: _resharded(graph, profile, opts, models, plan),
+        len(graph.mesh) > 1,
     )
+
+
+def _zeroing(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh: bool) -> Plan:
+    """``run(opts)`` with ``zero="auto"`` resolved (module docstring, "ZeRO"): searched as ``"off"``, and
+    again with ZeRO-2 when that plan misses the memory budget or recomputes to fit it; the better is kept."""
+    if mesh and opts.zero in ("1", "2"):
+        raise SearchError(
+            f"zero={opts.zero}: ZeRO splits replicated weights over the ranks of one axis; on a device mesh it "
+            "is not supported yet. Fix: --zero auto or off for a mesh plan, or search for one axis"
+        )
+    if opts.zero != "auto":
+        return run(opts)
+    budget = opts.memory_budget
+    try:
+        plan, error = run(replace(opts, zero="off")), None
+    except SearchError as e:
+        plan, error = None, e.with_traceback(None)
+    if mesh or (plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute))):
+        if plan is None:
+            raise error
+        plan.options["zero_requested"] = "auto"
+        return plan
+    try:
+        again = run(replace(opts, zero="2"))
+    except SearchError:
+        if plan is None:
+            raise error from None
+        again = None
+    best = again if again is not None and (plan is None or _better(again, plan, budget)) else plan
+    best.options["zero_requested"] = "auto"
+    return best
 
 
 def _loaded(profile):
@@ -341,8 +396,14 @@ def price(
     ``cuda_graphs`` and ``compiled`` as in :func:`search`."""
     recompute = frozenset(getattr(plan, "recompute", None) or ())
     reshard = frozenset(getattr(plan, "reshard", None) or ())
+    zero = max((getattr(plan, "zero", None) or {}).values(), default=0)  # the stage the search gives every weight
     problem = Problem(
-        graph, _loaded(profile).launched(cuda_graphs, compiled), precision, recompute=recompute, reshard=reshard
+        graph,
+        _loaded(profile).launched(cuda_graphs, compiled),
+        precision,
+        recompute=recompute,
+        reshard=reshard,
+        zero=zero,
     )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
@@ -484,7 +545,15 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
     if _least_recomputed(opts, models, plan.choices, layers) >= len(layers):
         return plan
     problem = Problem(
-        graph, profile, opts.precision, opts.restrict, opts.optimizer_factor, frozenset(layers), models, reshard=True
+        graph,
+        profile,
+        opts.precision,
+        opts.restrict,
+        opts.optimizer_factor,
+        frozenset(layers),
+        models,
+        reshard=True,
+        zero=ZERO_STAGE.get(opts.zero, 0),
     )
     ks = plan_indices(problem, plan)
     modes = (False, True) if opts.duplication else (False,)
@@ -726,7 +795,15 @@ class SearchRun:
             opts = self.opts
             reshard = opts.reshard == "on"  # "auto" searches as "off" first (_resharding)
             first = self.made[id(prof)] = Problem(
-                self.graph, prof, opts.precision, opts.restrict, opts.optimizer_factor, recompute, self.models, reshard
+                self.graph,
+                prof,
+                opts.precision,
+                opts.restrict,
+                opts.optimizer_factor,
+                recompute,
+                self.models,
+                reshard,
+                ZERO_STAGE[opts.zero],
             )
             return first
         if first.recompute == recompute:
@@ -961,6 +1038,7 @@ class RecomputeTrial:
             "max_points": opts.max_points,
             "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
             "reshard_requested": opts.reshard,
+            "zero_requested": opts.zero,
         }
         if self.solver is not None:
             options["solver"] = self.solver  # the ILP's status: proven optimal, or stopped by its time limit
@@ -1199,6 +1277,12 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
     plan.reshard = sorted(
         {producer[tid] for step in ev.steps for tid, _, a, _ in step.convs if problem.resharded(tid, a)}
     )
+    plan.zero = {
+        node.name: problem.zero
+        for i, node in enumerate(p.order)
+        if node.op == "param"
+        and any(zero_stage(g, problem.zero, t, f) for t, f in zip(node.outputs, p.sigs[i][ev.ks[i]].outputs))
+    }
     return plan
 
 

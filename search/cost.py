@@ -206,6 +206,25 @@ smaller one is packed into its bucket's flat buffer, which costs ``g + 2 b / mem
 the profile's :meth:`~hidup.profiler.Profile.grad_copy_fixed`; the sum is not copied back: the
 gradient becomes a view of the buffer), once per step (with duplication: in copy A's item).
 
+ZeRO (``zero``, :mod:`hidup.codegen.zero`)
+------------------------------------------
+A cost model of ZeRO stage ``z`` prices a replicated parameter that ZeRO splits
+(:func:`hidup.search.memory.zero_stage`) differently.  Stage 2 reduce-scatters its gradient instead
+of all-reducing it, bucketed and asynchronous like the all-reduce, never packed (no copies)::
+
+    S(b) = T(reduce_scatter, B) * b / B     (B the bucket of G(b) above)
+
+where a gradient of fewer than ``GRAD_PACK_BYTES`` bytes, which the all-reduce would have packed into
+the bucket's flat buffer, is a tensor of its own in the coalesced call instead and adds ``g`` (the
+packing's fixed cost, :data:`hidup.ir.GRAD_PACK_BYTES` says why they are alike) to the network's time.
+Stage 1 keeps ``G(b)``.  Both then all-gather the updated rows after the optimizer step, exposed
+(nothing runs beside it), bucketed the same way: ``A(b) = T(all_gather, B) * b / B`` (plus ``g`` for
+a small one)
+(:meth:`CostModel.zero_gather`, summed over the plan's split parameters into the plan's
+``zero_gather`` time), and the optimizer steps ``b / N`` of such a parameter
+(:meth:`hidup.search.memory.MemoryModel.stepped`).  A ring's reduce-scatter and all-gather each move
+what half an all-reduce moves, so stage 2 sends what stage 0 sends, one half of it after the backward.
+
 Nodes of one price
 ------------------
 A node's compute reads of the node only its op and target, its fusion (compiled), its half-batch
@@ -257,6 +276,7 @@ from hidup.ir import (
     FULL,
     GRAD_BUCKET_MB,
     GRAD_PACK_BYTES,
+    REPLICATE,
     Conversion,
     Form,
     Graph,
@@ -274,6 +294,7 @@ from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.dispatch import dispatch_axis
 from hidup.rules.fusion import fusion_kind
 from hidup.search.experts_cost import ExpertsShape, experts_seconds
+from hidup.search.memory import zero_stage
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]
 
@@ -404,12 +425,15 @@ if set(_COPY_MODELS) | {"grad_sync"} != set(FORM_CHANGE_OPS):
 class CostModel:
     """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
 
-    def __init__(self, graph: Graph, profile, precision: str = "fp32", bucket_mb: float = GRAD_BUCKET_MB):
+    def __init__(
+        self, graph: Graph, profile, precision: str = "fp32", bucket_mb: float = GRAD_BUCKET_MB, zero: int = 0
+    ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (the runtime's gradient bucket size in MB), got {bucket_mb!r}")
         self.graph, self.profile, self.precision = graph, profile, precision
+        self.zero = zero  # the ZeRO stage of the replicated parameters (module docstring, "ZeRO")
         self.world, self.mesh = graph.world_size, graph.mesh
         trainable = sum(t.nbytes for t in graph.tensors.values() if t.is_param and t.requires_grad)
         self.bucket_bytes = float(min(bucket_mb * 2**20, trainable)) if trainable else bucket_mb * 2**20
@@ -1021,6 +1045,24 @@ class CostModel:
         bucket = max(float(nbytes), self.bucket_bytes)
         return self.comm("all_reduce", bucket, axis) * float(nbytes) / bucket
 
+    def bucket_share(self, collective: str, nbytes: float) -> float:
+        """Seconds of ``nbytes``' share of one gradient bucket's ``collective`` over the world."""
+        bucket = max(float(nbytes), self.bucket_bytes)
+        return self.comm(collective, bucket) * float(nbytes) / bucket
+
+    def zero_gather(self, tid: int, form) -> float:
+        """Seconds of all-gathering the updated rows of parameter ``tid`` stored in ``form`` after the
+        optimizer step: ``A(b)`` where ZeRO splits it, else 0 (module docstring, "ZeRO")."""
+        if not zero_stage(self.graph, self.zero, tid, form):
+            return 0.0
+        return self.zero_share("all_gather", float(self.nbytes[tid]))
+
+    def zero_share(self, collective: str, nbytes: float) -> float:
+        """Seconds of a split parameter's ``nbytes`` in a bucket's coalesced ``collective``, a small one a
+        tensor of its own in it (module docstring, "ZeRO")."""
+        own = self.profile.grad_copy_fixed() if nbytes < GRAD_PACK_BYTES else 0.0
+        return self.bucket_share(collective, nbytes) + own
+
     def pair_speedup(self, collective: str, nbytes: float, axis: int | None = None) -> float:
         """How much faster two copies' equal collectives go together than one after the other
         (the profile's measured ``concurrency``; 1 where unmeasured)."""
@@ -1078,6 +1120,7 @@ class CostModel:
             self.batch.get(tid, False),
             tid in self._padded,
             self.wire_share(tid),
+            zero_stage(self.graph, self.zero, tid, REPLICATE),
         )
 
     def wire_share(self, tid: int) -> float:
@@ -1116,7 +1159,9 @@ class CostModel:
             pad = self.padded_copies(tid, src, conv.forward)
             lf = self.local_copies(conv.forward, src, dst, t.shape, bf) + pad
             lb = self.local_copies(bwd_op, dst, src, t.shape, b) + (pad if t.requires_grad else 0.0)
-            if grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
+            if grad_sync and zero_stage(self.graph, self.zero, tid, src) == 2:  # reduce-scattered, never packed
+                bwd = self.zero_share("reduce_scatter", b)
+            elif grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
                 bwd = self.grad_sync(b)
                 lb += self.grad_copies(b)
             else:

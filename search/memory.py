@@ -10,6 +10,14 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
 * ``param`` node producing ``t`` in form ``f``: parameters ``local(t, f)``; if ``t`` requires a
   gradient also gradients ``local(t, f)`` and optimizer state ``optimizer_factor * local(t, f)``
   (Adam keeps two moments: factor 2);
+  under ZeRO (``zero``, :mod:`hidup.codegen.zero`) a trainable parameter stored ``replicate`` whose
+  dim 0 the ``N`` ranks divide (:func:`hidup.ir.zero_splits`) keeps optimizer state
+  ``optimizer_factor * B / N`` (stage 1 and 2: each rank holds its rows' moments) and, at stage 2,
+  gradients ``B / N`` (its rows of the reduce-scattered sum); its parameter stays ``B``.  What the
+  stage-2 count leaves out: the whole gradient exists during the backward, from its last use until its
+  bucket's reduce-scatter completes (a transient of at most the gradient buckets in flight, not a
+  per-node quantity; the all-reduced gradients of stage 0 and 1 are counted whole instead);
+  :meth:`MemoryModel.stepped` is what the optimizer steps, ``B / N`` for such a parameter (its time);
 * ``input`` node: inputs ``local(t, f)``;
 * ``call`` node under signature ``s``: activations, the bytes its backward keeps on a rank,
   ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.frontend.saved`:
@@ -65,11 +73,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hidup.frontend.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
-from hidup.ir import REDUCE, Graph, Node, Signature, block_family, block_label, held_fraction
+from hidup.ir import REDUCE, Graph, Layout, Node, Signature, block_family, block_label, held_fraction, zero_splits
 
-__all__ = ["MemoryModel", "MEMORY_PARTS"]
+__all__ = ["MemoryModel", "MEMORY_PARTS", "zero_stage"]
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "inputs")
+
+
+def zero_stage(graph: Graph, zero: int, tid: int, form) -> int:
+    """The ZeRO stage (0: none) of tensor ``tid`` produced in ``form`` when a plan asks for stage ``zero``:
+    ``zero`` for a trainable parameter stored ``replicate`` whose rows the world divides (the rule the
+    rank program applies, :mod:`hidup.codegen.zero`), on a graph of one axis; 0 for anything else."""
+    if not zero or len(graph.mesh) > 1 or isinstance(form, Layout) or form.kind != "replicate":
+        return 0
+    t = graph.tensors[tid]
+    return zero if t.is_param and t.requires_grad and zero_splits(tuple(t.shape), graph.world_size) else 0
 
 
 @dataclass
@@ -79,6 +97,7 @@ class MemoryModel:
     precision: str = "fp32"
     recompute: frozenset = frozenset()  # block labels of the recomputed layers
     reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
+    zero: int = 0  # the ZeRO stage of the replicated parameters (module docstring)
     record: SavedRecord | None = field(init=False, default=None)
     # (twin's name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
     # the recomputed layers, shared by the models of one graph and precision (hidup.search.problem.Models),
@@ -215,10 +234,28 @@ class MemoryModel:
         if node.op == "param":
             p = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
             grad = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if g.tensors[t].requires_grad)
-            return p, grad, self.optimizer_factor * grad, 0.0, 0.0
+            if not self.zero:
+                return p, grad, self.optimizer_factor * grad, 0.0, 0.0
+            n = g.world_size
+            stages = [(t, f, zero_stage(g, self.zero, t, f)) for t, f in zip(node.outputs, sig.outputs)]
+            kept = [(self.local_bytes(t, f), z) for t, f, z in stages if g.tensors[t].requires_grad]
+            grad = sum(b / n if z == 2 else b for b, z in kept)
+            return p, grad, self.optimizer_factor * self.stepped(node, sig), 0.0, 0.0
         if node.op == "input":
             return 0.0, 0.0, 0.0, 0.0, sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
         return 0.0, 0.0, 0.0, self.activations(node, sig), 0.0
+
+    def stepped(self, node: Node, sig: Signature) -> float:
+        """Bytes of ``node``'s trainable parameters this rank's optimizer steps under ``sig``: their local
+        bytes, ``1/N`` of them for a parameter ZeRO splits (module docstring)."""
+        if node.op != "param":
+            return 0.0
+        g, n = self.graph, self.graph.world_size
+        return sum(
+            self.local_bytes(t, f) / (n if zero_stage(g, self.zero, t, f) else 1)
+            for t, f in zip(node.outputs, sig.outputs)
+            if g.tensors[t].requires_grad
+        )
 
     def total(self, node: Node, sig: Signature) -> float:
         return sum(self.breakdown(node, sig))

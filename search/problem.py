@@ -240,11 +240,11 @@ class Models:
             hit = self._physical[id(profile)] = (profile, profile.without_corrections())
         return hit[1]
 
-    def cost(self, profile, precision: str) -> CostModel:
-        key = (id(profile), precision)
+    def cost(self, profile, precision: str, zero: int = 0) -> CostModel:
+        key = (id(profile), precision, zero)
         hit = self._cost.get(key)
         if hit is None or hit.profile is not profile:  # (the model holds its profile: an id is not reused)
-            hit = self._cost[key] = CostModel(self.graph, profile, precision)
+            hit = self._cost[key] = CostModel(self.graph, profile, precision, zero=zero)
         return hit
 
     def kept(self, table: tuple, node: Node, sig: Signature, make: Callable[[Node, Signature], Any]) -> Any:
@@ -268,12 +268,12 @@ class Models:
             hit = self._caches[id(cost)] = (cost, caches)
         return hit[1]
 
-    def memory(self, optimizer_factor: float, precision: str, recompute=frozenset()) -> MemoryModel:
-        key = (optimizer_factor, precision, frozenset(recompute))
+    def memory(self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0) -> MemoryModel:
+        key = (optimizer_factor, precision, frozenset(recompute), zero)
         hit = self._memory.get(key)
         if hit is None:
             memo = self._saved.setdefault(precision, {})  # what a node saves: the same whatever is recomputed
-            hit = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute), saved_memo=memo)
+            hit = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute), zero=zero, saved_memo=memo)
             self._memory[key] = hit
         return hit
 
@@ -291,6 +291,7 @@ class Problem:
         recompute: frozenset | set | tuple = frozenset(),
         models: "Models | None" = None,
         reshard: "bool | frozenset | set | tuple" = False,
+        zero: int = 0,
     ):
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         if models is None:
@@ -299,7 +300,8 @@ class Problem:
             raise ValueError("Problem: the shared models were built for another graph")
         self.models = models
         positions = models.positions()  # the graph validated, ordered, and the liveness of that order
-        self.cost = models.cost(profile, precision)
+        self.zero = zero  # the ZeRO stage of the replicated parameters (hidup.search.cost, "ZeRO")
+        self.cost = models.cost(profile, precision, zero)
         self.order, self.n, self.pos_of = positions.order, positions.n, positions.pos_of
         # parameters' tensors, and those whose converted copies are made again in the backward
         self.reshard = reshard if reshard is True else frozenset(reshard or ())
@@ -320,7 +322,7 @@ class Problem:
         self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
         # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
         self.saved_in: list[tuple[tuple, ...]] = []
-        memory = models.memory(optimizer_factor, precision, recompute)
+        memory = models.memory(optimizer_factor, precision, recompute, zero)
         # id(signature) -> (signature, form ids of its inputs / outputs): the ops of identical layers share
         # their signatures, so each is numbered once (in the order it would be, form by form)
         in_ids: dict[int, tuple] = {}
@@ -351,7 +353,8 @@ class Problem:
         """This problem with the layers ``recompute`` recomputed instead: signatures, liveness and the
         plain prices are shared, what recomputation changes (times, memory, transitions) is new."""
         other = copy.copy(self)
-        other._recomputing(self.models.memory(self.memory.optimizer_factor, self.memory.precision, recompute))
+        memory = self.memory
+        other._recomputing(self.models.memory(memory.optimizer_factor, memory.precision, recompute, self.zero))
         return other
 
     def _recomputing(self, memory: MemoryModel) -> None:

@@ -67,6 +67,11 @@ memory_bandwidth`` (:meth:`~hidup.profiler.Profile.optimizer_time`).  The DP doe
 objective covers the two passes); candidate plans are compared on ``total = forward + backward +
 optimizer``.
 
+Under ZeRO (:mod:`hidup.search.cost`, "ZeRO") the optimizer steps ``1/N`` of each split parameter
+(:meth:`~hidup.search.memory.MemoryModel.stepped`) and the updated rows are then all-gathered, exposed:
+``zero_gather = sum of A(b)`` over the split parameters, added to ``total`` (and reported when it is
+not 0).  The DP does not see it either.
+
 Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
 the summed collective time (both copies); ``exposed_comm = max(0, forward + backward - compute)``
 with ``compute`` the summed compute time.
@@ -167,10 +172,11 @@ class Evaluation:
     stages: list[list[str]] = field(repr=False)
     objective: float = 0.0  # what the DP minimizes: both passes with duplication, their serialized sum without
     optimizer: float = 0.0  # the optimizer step after the passes
+    zero_gather: float = 0.0  # ZeRO's all-gather of the updated rows after the optimizer step
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.optimizer
+        return self.forward + self.backward + self.optimizer + self.zero_gather
 
     @property
     def exposed_comm(self) -> float:
@@ -181,6 +187,7 @@ class Evaluation:
             "forward": self.forward,
             "backward": self.backward,
             "optimizer": self.optimizer,
+            **({"zero_gather": self.zero_gather} if self.zero_gather else {}),
             "comm": self.comm,
             "exposed_comm": self.exposed_comm,
             "total": self.total,
@@ -228,9 +235,27 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             stages.append([])
         stages[-1].append(problem.order[i].name)
     objective = forward + backward if duplication else sum(s.fwd + s.bwd for s in steps)
-    optimizer = problem.profile.optimizer_time(memory["grads"])
+    stepped, gather = memory["grads"], 0.0
+    if problem.zero:  # the optimizer steps 1/N of a split parameter, whose rows are then all-gathered
+        params = [(i, problem.sigs[i][k]) for i, k in enumerate(ks) if problem.order[i].op == "param"]
+        stepped = sum(problem.memory.stepped(problem.order[i], sig) for i, sig in params)
+        gather = sum(
+            problem.cost.zero_gather(t, f) for i, sig in params for t, f in zip(problem.order[i].outputs, sig.outputs)
+        )
+    optimizer = problem.profile.optimizer_time(stepped)
     return Evaluation(
-        list(ks), duplication, forward, backward, compute, max(0.0, comm), memory, steps, stages, objective, optimizer
+        list(ks),
+        duplication,
+        forward,
+        backward,
+        compute,
+        max(0.0, comm),
+        memory,
+        steps,
+        stages,
+        objective,
+        optimizer,
+        gather,
     )
 
 

@@ -35,6 +35,7 @@ from hidup import __version__
 from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
 from hidup.errors import UserError
+from hidup.ir import ZERO_CHOICES
 from hidup.plan import Plan, model_record, summary
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
 
@@ -90,6 +91,15 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         help="free the all-gathered copy of every weight stored split after its forward use and gather it "
         "again in the backward (FSDP2's reshard after forward): auto (when the plan found does not fit "
         "--memory, or fits only by recomputing, keep the better plan with resharding), on, off (default auto)",
+    )
+    p.add_argument(
+        "--zero",
+        choices=ZERO_CHOICES,
+        default="auto",
+        help="ZeRO for the weights a plan replicates: 1 splits their Adam state over the ranks, 2 also their "
+        "gradients (reduce-scattered instead of all-reduced); both all-gather the updated rows after the "
+        "optimizer, which costs time. auto (when the plan found does not fit --memory, or fits only by "
+        "recomputing, search again with ZeRO-2 and keep the better plan), off, 1, 2 (default auto)",
     )
     p.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
@@ -207,6 +217,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             time_limit=args.time_limit,
             recompute=args.recompute,
             reshard=args.reshard,
+            zero=args.zero,
         )
     _report_warnings(caught, "search")
     plan.save(out)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hidup.cli.launch_flags import add_launch_args, launch_options
 from hidup.cli.model_flags import add_model_args, model_request
+from hidup.ir import ZERO_CHOICES
 from hidup.profiler.profile import DTYPES
 from hidup.runtime.options import DEFAULT_PROFILE
 from hidup.runtime.train import TrainOptions
@@ -36,6 +37,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
+    g.add_argument(
+        "--zero",
+        choices=ZERO_CHOICES,
+        default="auto",
+        help="ZeRO for the weights the plan replicates: 1 keeps each rank's Adam state for 1/N of their "
+        "rows only, 2 also reduce-scatters their gradients instead of all-reducing them; the updated rows "
+        "are all-gathered after the optimizer (same results, less memory, one more all-gather). auto "
+        "(default): as the plan says (with no --plan, as the search chooses), off: none",
+    )
     g.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)"
     )
@@ -104,6 +114,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         lr=args.lr,
         optimizer=args.optimizer,
         clip=args.clip,
+        zero=args.zero,
         precision=args.precision,
         cuda_graphs=args.cuda_graphs,
         compile=args.compile,

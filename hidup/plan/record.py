@@ -28,6 +28,12 @@ copies the rank program frees after their forward use and makes again in the bac
 keeping them (:mod:`hidup.codegen.reshard`, FSDP2's reshard after forward); a file without it
 reshards nothing.
 
+``zero`` maps parameters (``param`` node names) stored ``replicate`` to the ZeRO stage they are kept in
+(:mod:`hidup.codegen.zero`): 1, each rank keeps Adam's state of its 1/N of the rows only and steps
+them; 2, its gradient too (reduce-scattered instead of all-reduced).  The updated rows are then
+all-gathered into the whole weight.  A parameter not listed (and every parameter of a file without
+it) keeps its whole gradient and optimizer state on every rank.
+
 ``versions`` records the torch (and, when imported, transformers) versions the graph was traced
 with: the same model can export to a different graph under other versions (``transformers`` has
 rewritten its rotary embeddings between releases), and ``check`` names the versions that moved when
@@ -46,7 +52,18 @@ import torch
 
 from hidup.errors import UserError
 from hidup.files import atomic_write
-from hidup.ir import COLLECTIVES, FORM_CHANGE_OPS, Form, Graph, Layout, Signature, block_label, mesh_text, parse_form
+from hidup.ir import (
+    COLLECTIVES,
+    FORM_CHANGE_OPS,
+    ZERO_STAGES,
+    Form,
+    Graph,
+    Layout,
+    Signature,
+    block_label,
+    mesh_text,
+    parse_form,
+)
 
 __all__ = [
     "Plan",
@@ -289,6 +306,7 @@ class Plan:
     # the routed experts' all-to-all dispatcher (hidup.rules.dispatch)
     dispatch: dict[str, list] = field(default_factory=dict)
     reshard: list[str] = field(default_factory=list)  # params whose gathered copies are made again in the backward
+    zero: dict[str, int] = field(default_factory=dict)  # replicated param -> ZeRO stage (1 or 2), see the module doc
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
     # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
     # model can export to another graph under other versions
@@ -391,6 +409,7 @@ class Plan:
             "alternatives": self.alternatives,
             "recompute": self.recompute,
             **({"reshard": self.reshard} if self.reshard else {}),
+            **({"zero": dict(self.zero)} if self.zero else {}),
             **({"dispatch": self.dispatch} if self.dispatch else {}),
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
             "versions": dict(self.versions),
@@ -431,6 +450,7 @@ class Plan:
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
                 reshard=list(d.get("reshard") or []),
+                zero=_zero_record(d.get("zero"), where),
                 dispatch={k: list(v) for k, v in (d.get("dispatch") or {}).items()},
                 mesh=list(d.get("mesh") or []),
                 versions=dict(d.get("versions") or {}),
@@ -457,6 +477,20 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: not valid JSON ({e})") from None
         return Plan.from_dict(data, where=str(path))
+
+
+def _zero_record(value, where: str) -> dict[str, int]:
+    """The ``zero`` entry of a plan file: parameter name -> ZeRO stage (1 or 2); absent, no ZeRO."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and not isinstance(v, bool) and v in ZERO_STAGES for k, v in value.items()
+    ):
+        raise PlanError(
+            f"{where}: 'zero' must map parameter names to a ZeRO stage (1 or 2), got {value!r}. Fix: run "
+            "`hidup search` again, or remove the entry to train without ZeRO"
+        )
+    return dict(value)
 
 
 def layer_of(module: str) -> str:

@@ -84,6 +84,14 @@ def _totals(plan: Plan) -> list[str]:
         lines.append(
             f"resharded after forward: {len(plan.reshard)} parameters stored split, gathered again in the backward"
         )
+    zero = getattr(plan, "zero", None) or {}
+    for stage, what in ((1, "Adam state"), (2, "gradient and Adam state")):
+        names = sorted(n for n, s in zero.items() if s == stage)
+        if names:
+            lines.append(
+                f"ZeRO-{stage}: {len(names)} replicated parameters keep their {what} split over the ranks "
+                f"(1/{plan.world_size} of the rows each), the updated rows all-gathered after the optimizer"
+            )
     return lines
 
 

@@ -220,8 +220,8 @@ def time_mode(
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = fused_adam(params, opts.lr, device)
+    params = module.optimizer_parameters()
+    opt = module.bind_optimizer(fused_adam(params, opts.lr, device))
     cuda = device.type == "cuda"
     record = {"mode": mode, "precision": precision, "compile_s": None}
     if cuda:
@@ -265,7 +265,7 @@ def time_mode(
     finally:
         if step is not None:
             step.release()
-        for p in params:
+        for p in [*params, *module.parameters()]:
             p.grad = None
         del opt
         if cuda:

@@ -17,7 +17,9 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   whole tensor).
 * ``optim.<name>.<key>`` for every per-element optimizer state tensor (one with the stored
   parameter's shape: Adam's ``exp_avg``, SGD's ``momentum_buffer``), sharded exactly as its
-  parameter.
+  parameter -- or, for a parameter ZeRO splits (:mod:`hidup.codegen.zero`), as the rows ``r n/N ..
+  (r+1) n/N`` of dim 0 the rank's optimizer holds (a ``gather_0`` piece of the logical tensor), so a
+  checkpoint of a ZeRO run resumes into a plan without ZeRO, or another stage or world size, and back.
 * ``meta`` (written by rank 0): format version, world size, step, loss history, ``extra``, and the
   optimizer's param groups (hyper-parameters, parameters by logical name) with its small state
   (Adam's ``step``: rank 0's, as it is equal on every rank).
@@ -95,6 +97,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hidup.codegen.collectives import rank_of, world_of
 from hidup.codegen.params import iter_shards, load_full_state_dict, shard_tensor
+from hidup.codegen.zero import iter_optimizer_shards
 from hidup.ir import axis_forms, mesh_text
 
 __all__ = ["save", "load", "info", "exists", "FORMAT_VERSION", "FolderLock", "CheckpointBusy", "CheckpointDamaged"]
@@ -257,7 +260,7 @@ class _Layout:
         self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         self.mesh = None
         self.sizes: tuple[int, ...] = (self.world,)  # ranks along each axis of ``mesh``
-        sharded = [(t, shard) for _, t, shard in iter_shards(module) if shard.sharded]
+        sharded = [(t, shard) for t, shard in iter_optimizer_shards(module) if shard.sharded]
         if not self.distributed:
             for t, shard in sharded:  # a piece of a tensor split over ranks that are not there
                 if tuple(t.shape) != tuple(shard.logical_shape):
@@ -468,10 +471,9 @@ def save(
     layout = _Layout(module, group)
     rank = layout.rank
     state: dict = {}
-    by_id = {}
     for _, t, shard in iter_shards(module):
         state[f"model.{shard.logical_name}"] = layout.wrap(t.detach(), shard)
-        by_id[id(t)] = (t, shard)
+    by_id = {id(t): (t, shard) for t, shard in iter_optimizer_shards(module)}
     opt_meta = None
     if optimizer is not None:
         groups, per_element, small = [], {}, {}
@@ -481,7 +483,8 @@ def save(
                 if id(p) not in by_id:
                     raise ValueError(
                         "checkpoint.save: the optimizer holds a tensor that is not a parameter of the "
-                        "module; build the optimizer from module.parameters()"
+                        "module; build the optimizer from module.optimizer_parameters() (module.parameters() "
+                        "of a module without ZeRO)"
                     )
                 shard = by_id[id(p)][1]
                 names.append(shard.logical_name)
@@ -575,13 +578,15 @@ def load(
         raise KeyError(f"checkpoint {path} has entries the model does not know: {unknown[:5]}")
 
     opt_state = {}
+    # what the optimizer steps, by logical name: a ZeRO slice in place of its parameter (hidup.codegen.zero)
+    stepped = {shard.logical_name: (t, shard) for t, shard in iter_optimizer_shards(module) if not shard.is_buffer}
     if optimizer is not None:
         saved = meta["optimizer"]
         if saved is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")
-        _check_groups(path, optimizer, saved["groups"], targets)
+        _check_groups(path, optimizer, saved["groups"], stepped)
         for name, keys in saved["per_element"].items():
-            t, shard = targets[name]
+            t, shard = stepped[name]
             for key in keys:
                 if f"optim.{name}.{key}" not in metadata:
                     raise KeyError(f"checkpoint {path} lacks the optimizer state {key!r} of {name!r}")
@@ -603,7 +608,7 @@ def load(
 
     if optimizer is not None:
         _set_hyper_parameters(optimizer, saved["groups"])
-        for name, (t, _) in targets.items():
+        for name, (t, _) in stepped.items():
             entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved["state"].get(name, {}).items()}
             entry.update(opt_state.get(name, {}))
             if entry:
@@ -733,7 +738,7 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")
-        shards = {shard.logical_name: (t, shard) for _, t, shard in iter_shards(module)}
+        shards = {shard.logical_name: (t, shard) for t, shard in iter_optimizer_shards(module)}
         _check_groups(path, optimizer, ckpt["optimizer"]["groups"], shards)
         _set_hyper_parameters(optimizer, ckpt["optimizer"]["groups"])
         for name, entry in ckpt["optimizer"]["state"].items():

@@ -167,7 +167,7 @@ def predict_peak(
         tracker = MemTracker()
         try:
             with fake_mode:
-                opt = fused_adam([p for p in module.parameters() if p.requires_grad], lr, "cpu")
+                opt = module.bind_optimizer(fused_adam(module.optimizer_parameters(), lr, "cpu"))
                 step = GraphedStep(module, fake_inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
                 tracker.track_external(module, opt)
                 with tracker:

@@ -65,6 +65,7 @@ from hidup.codegen.graphs import GraphedStep, fused_adam
 from hidup.codegen.timing import Stopwatch, max_over_ranks
 from hidup.codegen.trial import choose_compile, compile_step
 from hidup.frontend.trace import trace
+from hidup.ir import ZERO_CHOICES
 from hidup.optionset import OptionSet
 from hidup.plan import Plan, PlanError
 from hidup.rules.dispatch import host_synchronizes
@@ -92,7 +93,9 @@ class TrainOptions(OptionSet):
     ``model`` the model asked for (settled by :func:`run`); ``plan`` a plan file (None: search one
     now with ``profile``); ``duplication`` ``"auto"``, ``"plan"``, ``"on"`` or ``"off"``;
     ``iterations`` optimizer steps, the time reported over the ``last_k`` after ``warmup``; ``lr``,
-    ``optimizer`` (``"adam"`` or ``"sgd"``), ``clip`` the global gradient norm (None: none);
+    ``optimizer`` (``"adam"`` or ``"sgd"``), ``clip`` the global gradient norm (None: none); ``zero``
+    the ZeRO stage of the replicated weights, ``"auto"`` (the plan's, or the search's when searching
+    now), ``"off"``, ``"1"`` or ``"2"`` (:mod:`hidup.codegen.zero`);
     ``precision`` (fp32, tf32, bf16, fp16); ``cuda_graphs`` and ``compile`` ``"auto"``, ``"on"`` or
     ``"off"``; ``data`` ``"synthetic"`` or ``"stdlib"``; ``seed`` of the weights, data and dropout;
     ``chrome_trace`` a folder for a trace of 3 steps per rank; ``checkpoint_dir`` (None: none),
@@ -110,6 +113,7 @@ class TrainOptions(OptionSet):
     lr: float = 1e-4
     optimizer: str = "adam"
     clip: float | None = None
+    zero: str = "auto"
     precision: str = "fp32"
     cuda_graphs: str = "auto"
     compile: str = "auto"
@@ -194,9 +198,35 @@ def _recompute_text(plan) -> str:
     )
 
 
+# --zero -> hidup.compile's zero (None: the plan's)
+ZERO_STAGE = {choice: None if choice == "auto" else 0 if choice == "off" else int(choice) for choice in ZERO_CHOICES}
+
+
+def _zero_text(plan, opts: TrainOptions) -> str:
+    stage = ZERO_STAGE[opts.zero]
+    if stage is None:
+        stages = sorted(set((getattr(plan, "zero", None) or {}).values()))
+        return f", ZeRO-{'/'.join(map(str, stages))} (the plan's)" if stages else ""
+    return f", ZeRO-{stage}" if stage else ""
+
+
+def _zero_on(opts: TrainOptions, plan: Plan) -> bool:
+    stage = ZERO_STAGE[opts.zero]
+    return bool(getattr(plan, "zero", None)) if stage is None else bool(stage)
+
+
 def _capturable(opts: TrainOptions, plan: Plan) -> bool:
     """Whether the plan's step can be captured as one CUDA graph: not when a node reads split sizes on
-    the host (the routed experts' all-to-all dispatcher); ``--cuda-graphs on`` then stops with the fix."""
+    the host (the routed experts' all-to-all dispatcher), nor with ZeRO (its optimizer steps slices and
+    all-gathers them after the step, which the captured step does not hold yet); ``--cuda-graphs on``
+    then stops with the fix."""
+    if _zero_on(opts, plan):
+        if opts.cuda_graphs == "on":
+            raise SystemExit(
+                "--cuda-graphs on: with ZeRO the optimizer steps each rank's rows and all-gathers them after "
+                "the step, which a captured step does not hold yet. Fix: --cuda-graphs auto or off, or --zero off"
+            )
+        return False
     syncing = sorted(name for name, sig in plan.choices.items() if host_synchronizes(sig))
     if not syncing:
         return True
@@ -286,6 +316,7 @@ class Trainer:
             duplication=opts.duplication != "off",
             precision=opts.precision,
             cuda_graphs=opts.captures(torch.cuda.is_available()),
+            zero=opts.zero,
         )
 
     def batch(self, step: int) -> tuple:
@@ -307,6 +338,7 @@ class Trainer:
                 cuda_graphs=self.use_graph,
                 autocast_dtype=self.autocast_dtype,
                 seed=opts.seed,
+                zero=ZERO_STAGE[opts.zero],
             )
             if self.rank == 0:
                 print(self.trial["reason"], flush=True)
@@ -320,19 +352,22 @@ class Trainer:
                 _to(self.inputs, self.device),
                 duplication=duplication,
                 seed=opts.seed,
+                zero=ZERO_STAGE[opts.zero],
             )
 
     def _make_optimizer(self) -> None:
-        """The optimizer (fused Adam on GPUs), fp16's loss scaler, and whether the update joins the
-        captured step."""
+        """The optimizer (fused Adam on GPUs; over each rank's rows of the weights ZeRO splits, and bound to
+        all-gather them after each step), fp16's loss scaler, and whether the update joins the captured
+        step."""
         opts, device = self.opts, self.device
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self.module.optimizer_parameters()
         if opts.optimizer == "adam" and self.cuda:
             self.opt = fused_adam(params, opts.lr, device)
         elif opts.optimizer == "adam":
             self.opt = torch.optim.Adam(params, lr=opts.lr)
         else:
             self.opt = torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+        self.module.bind_optimizer(self.opt)
         self.scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
         if self.use_graph and not self.cuda:
             raise SystemExit("--cuda-graphs on needs GPUs (this run is on the CPU); use --cuda-graphs auto or off")
@@ -394,7 +429,7 @@ class Trainer:
             f"train {self.choice.model}: world {self.world}{on_mesh} ({self.ctx.backend}), plan "
             f"{opts.plan or 'searched now'}, duplication "
             f"{'on' if getattr(self.module, 'duplication', False) else 'off'} ({opts.duplication}), steps {steps}"
-            f"{_recompute_text(self.plan)}",
+            f"{_recompute_text(self.plan)}{_zero_text(self.plan, opts)}",
             flush=True,
         )
         print(
@@ -444,6 +479,7 @@ class Trainer:
         elif self.graphed is None or self.graphed.optimizer is None:
             self.opt.step()  # else the graphed step ran it
         self.opt.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)  # ZeRO-1's whole gradients, which the optimizer does not hold
 
     def train_step(self, batch) -> float:
         """One optimizer step on ``batch`` (timed; the first captures the step when steps are
@@ -540,6 +576,7 @@ class Trainer:
             "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             "duplication": bool(getattr(self.module, "duplication", False)),
+            "zero": sorted({z.stage for z in self.module.zero.slices.values()}),  # the ZeRO stages run
             "precision": self.opts.precision,
             "cuda_graph": graphed is not None and graphed.graph is not None,
             "step_mode_trial": graphed.timings if graphed is not None else {},
@@ -620,6 +657,8 @@ def check_run_options(opts: TrainOptions) -> None:
     positive number, a --checkpoint-dir that is a file, cannot be written or is in use by another job
     (:class:`~hidup.runtime.checkpoint.FolderLock`), and a checkpoint already there that neither
     --resume (continue it) nor --overwrite (replace it) says what to do with."""
+    if opts.zero not in ZERO_CHOICES:
+        raise CommandError(f"--zero {opts.zero}: choose one of {', '.join(ZERO_CHOICES)}")
     if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise CommandError(f"--lr {opts.lr}: the learning rate must be a positive number")
     if opts.resume and opts.overwrite:

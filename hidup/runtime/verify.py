@@ -207,9 +207,11 @@ def parity_report(
     module.zero_grad(set_to_none=True)
     step_losses = []
     if steps:
-        opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+        # over each rank's rows of the weights ZeRO splits, all-gathered after each step (hidup.codegen.zero)
+        opt = module.bind_optimizer(torch.optim.SGD(module.optimizer_parameters(), lr=1e-2))
         for _ in range(steps):
             opt.zero_grad()
+            module.zero_grad(set_to_none=True)  # ZeRO-1's whole gradients, which the optimizer does not hold
             step_loss = forward_backward(batch)
             opt.step()
             step_losses.append(float(module.global_loss(step_loss)))

@@ -156,13 +156,17 @@ def _shape_after(op: str, shape: list[int], frm: Form, to: Form, n: int) -> list
 def convert(x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
     """This rank's piece in form ``dst`` of ``x`` (its piece in form ``src``), on the group of ``world``
     ranks whose token is ``group``."""
+    return _converted(x, src, dst, group)
+
+
+def _converted(x: torch.Tensor, src: str, dst: str, group: torch.Tensor) -> torch.Tensor:
     frm, to = Form.parse(src), Form.parse(dst)
     op = conversion(frm, to).forward
     return _contiguous_new(collectives.apply_op(op, x, frm, to, group_of(group)), x)
 
 
 @convert.register_fake
-def _(x, src, dst, world, group):
+def _convert_fake(x, src, dst, world, group):
     frm, to = Form.parse(src), Form.parse(dst)
     return x.new_empty(_shape_after(conversion(frm, to).forward, list(x.shape), frm, to, world))
 
@@ -191,6 +195,18 @@ def _convert_grad(ctx, grad):
 
 
 convert.register_autograd(_convert_grad, setup_context=_setup_context)
+
+
+@torch.library.custom_op("hidup::convert_kept", mutates_args=())
+def convert_kept(x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor) -> torch.Tensor:
+    """:func:`convert` of an activation inside a selectively recomputed layer, eager and compiled: the
+    same kernel, shape and gradient, under a name of its own, which selective recomputation's policy
+    saves (:mod:`hidup.codegen.recompute`), so the backward runs no collective to make it again."""
+    return _converted(x, src, dst, group)
+
+
+convert_kept.register_fake(_convert_fake)
+convert_kept.register_autograd(_convert_grad, setup_context=_setup_context)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -58,7 +58,7 @@ from hidup import rules
 from hidup.codegen import collectives, compiled
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
-from hidup.codegen.recompute import REGION, outline_regions
+from hidup.codegen.recompute import REGION, RegionKey, outline_regions
 from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
 from hidup.codegen.zero import zero_stages
 from hidup.errors import UserError
@@ -148,6 +148,19 @@ def _low_dtype(x: torch.Tensor) -> torch.dtype | None:
         return None
     dtype = torch.get_autocast_dtype(kind)
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def hidup_convert_kept(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert` of an activation inside a selectively recomputed layer: the custom op
+    ``hidup::convert_kept``, eager too, whose output the region saves (:mod:`hidup.codegen.recompute`)."""
+    return torch.ops.hidup.convert_kept(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
+
+
+def hidup_convert_kept_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+    """:func:`hidup_convert_step` of an activation inside a selectively recomputed layer
+    (:func:`hidup_convert_kept`)."""
+    world, token = compiled.ACTIVE.axes[axis]
+    return torch.ops.hidup.convert_kept(x, src, dst, world, token)
 
 
 def hidup_convert_cast(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -332,6 +345,7 @@ class _Builder:
         copies=None,
         recompute=(),
         reshard=(),
+        selective=(),
         zero=None,
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
@@ -343,6 +357,7 @@ class _Builder:
         self.gathered: set[torch.fx.Node] = set()  # converted copies of resharded parameters, and views of them
         self.n_reshard = 0
         self.recompute = frozenset(recompute)  # block labels whose forward runs again in the backward
+        self.selective = frozenset(selective)  # of those, the ones recomputed selectively
         self.region = None  # the recomputation region new nodes join (codegen.recompute)
         self.layer = ""  # the repeated layer (ir.block_label) of the plan node being generated; "" outside one
         self.copies = copies  # hidup.copies.CopyAxis of a duplicated copy's program, else None
@@ -433,6 +448,8 @@ class _Builder:
             cast = not reshard and tid in self.wire_low and casts_on_wire(op for *_, op in steps)
             for axis, a, b, op in steps:
                 step = hidup_reshard_convert_step if reshard else hidup_convert_step
+                if self._kept(tid):
+                    step = hidup_convert_kept_step
                 if cast and is_collective(op):
                     step = hidup_convert_cast_step
                 node = self.call(step, (node, axis, str(a), str(b)))
@@ -448,10 +465,18 @@ class _Builder:
             convert = hidup_reshard_convert if reshard else hidup_convert
             if not reshard and tid in self.wire_low and casts_on_wire([collectives.conversion(src, dst).forward]):
                 convert = hidup_convert_cast
+            elif self._kept(tid):
+                convert = hidup_convert_kept
             self.converted[key] = self.call(convert, (self.value(tid), str(src), str(dst)))
             if reshard:
                 self.gathered.add(self.converted[key])
         return self.converted[key]
+
+    def _kept(self, tid: int) -> bool:
+        """Whether a form change of tensor ``tid`` made here is saved by a selective region: an
+        activation's inside a selectively recomputed layer (a parameter's is gathered again,
+        :mod:`hidup.codegen.recompute`)."""
+        return self.region is not None and self.region.selective and not self.traced.graph.tensors[tid].is_param
 
     def _mesh_steps(self, tid: int, src: Layout, dst: Layout) -> list[tuple[int, Form, Form]]:
         """The one-axis steps ``(axis, form before, form after)`` that turn ``src`` into ``dst``: the
@@ -632,7 +657,8 @@ class _Builder:
             elif node.op == "call":
                 label = block_label(node.module)
                 # duplication interleaves its copies stage by stage: a region must not span stages
-                self.region = (label, self.stage if self.copies is not None else 0) if label in self.recompute else None
+                stage = self.stage if self.copies is not None else 0
+                self.region = RegionKey(label, stage, label in self.selective) if label in self.recompute else None
                 self.layer = label
                 self.add_call(node, sig)
                 self.region, self.layer = None, ""
@@ -690,7 +716,8 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     ``copies`` (a :class:`hidup.copies.CopyAxis` of ``traced``, the step at half the batch) the program
     is one of duplication's two copies: its means over the batch are halved and the tensors in
     ``copies.summed`` pass through :func:`hidup_copy_sum`.  The layers named in ``options.recompute``
-    (block labels; None: the plan's ``recompute``) run their forward again in the backward
+    (block labels; None: the plan's ``recompute``) run their forward again in the backward, those in
+    ``options.recompute_selective`` (None: the plan's) all but their saved ops
     (:mod:`hidup.codegen.recompute`).  The parameters named in ``options.reshard`` (``param`` node
     names; None: the plan's ``reshard``; True: every parameter the plan stores split) have their
     converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`).
@@ -699,7 +726,7 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     (:mod:`hidup.codegen.zero`, ``RankProgram.zero``)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
-    recompute, reshard = getattr(options, "recompute", None), getattr(options, "reshard", None)
+    reshard = getattr(options, "reshard", None)
     if traced.graph.world_size != world:
         raise CompileError(f"the model was traced for world size {traced.graph.world_size}, not {world}")
     if not 0 <= rank < world:
@@ -711,16 +738,7 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
             f"the plan was searched for the device mesh {plan_mesh or (world,)} but the model was traced for "
             f"{graph_mesh or (world,)}. Fix: trace with mesh={plan_mesh or None} (hidup.compile does it from the plan)"
         )
-    labels = getattr(plan, "recompute", ()) if recompute is None else recompute
-    known = {block_label(n.module) for n in traced.graph.nodes} - {""}
-    unknown = sorted(set(labels) - known)
-    if unknown:
-        raise CompileError(
-            f"recompute names layers the model does not have: {', '.join(unknown[:5])}"
-            f"{' ...' if len(unknown) > 5 else ''} (its repeated layers: "
-            f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
-            "Fix: name repeated layers as the plan's `layers` report does, or search again"
-        )
+    labels, selective = _recomputed_layers(traced, plan, options)
     params = {n.name for n in traced.graph.nodes if n.op == "param"}
     if reshard is None:
         reshard = getattr(plan, "reshard", None) or ()
@@ -736,7 +754,19 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
             "or search again"
         )
     zero = _zero_request(traced, plan, getattr(options, "zero", None), params)
-    return _Builder(traced, plan, rank, world, torch.device(device), local_batch, copies, labels, reshard, zero).build()
+    return _Builder(
+        traced,
+        plan,
+        rank,
+        world,
+        torch.device(device),
+        local_batch,
+        copies,
+        labels | selective,
+        reshard,
+        selective,
+        zero,
+    ).build()
 
 
 def _zero_request(traced, plan, zero, params: set[str]) -> dict[str, int]:
@@ -764,3 +794,28 @@ def _zero_request(traced, plan, zero, params: set[str]) -> dict[str, int]:
             "or a plan of one axis"
         )
     return zero
+
+
+def _recomputed_layers(traced, plan, options) -> tuple[frozenset[str], frozenset[str]]:
+    """(layers recomputed whole, layers recomputed selectively) of ``options.recompute`` and
+    ``options.recompute_selective`` (None: the plan's), checked against the model's repeated layers."""
+    whole, selective = getattr(options, "recompute", None), getattr(options, "recompute_selective", None)
+    whole = frozenset(getattr(plan, "recompute", None) or () if whole is None else whole)
+    selective = frozenset(getattr(plan, "recompute_selective", None) or () if selective is None else selective)
+    known = {block_label(n.module) for n in traced.graph.nodes} - {""}
+    for what, labels in (("recompute", whole), ("recompute_selective", selective)):
+        unknown = sorted(labels - known)
+        if unknown:
+            raise CompileError(
+                f"{what} names layers the model does not have: {', '.join(unknown[:5])}"
+                f"{' ...' if len(unknown) > 5 else ''} (its repeated layers: "
+                f"{', '.join(sorted(known)[:5]) or 'none'}{' ...' if len(known) > 5 else ''}). "
+                "Fix: name repeated layers as the plan's `layers` report does, or search again"
+            )
+    both = sorted(whole & selective)
+    if both:
+        raise CompileError(
+            f"layers recomputed both whole and selectively: {', '.join(both[:5])}. Fix: name each layer in "
+            "one of recompute and recompute_selective"
+        )
+    return whole, selective

@@ -330,7 +330,9 @@ class CompileOptions(OptionSet):
     through ``torch.compile``: ``True`` for inductor, a backend name (``"aot_eager"``), or ``False``
     for eager fx code (:mod:`hidup.codegen.compiled`; ``module.set_compile`` switches later).
     ``recompute`` lists the layers (block labels) whose forward runs again in the backward (None:
-    the plan's ``recompute``; :mod:`hidup.codegen.recompute`).  ``reshard`` lists the parameters (``param``
+    the plan's ``recompute``; :mod:`hidup.codegen.recompute`), ``recompute_selective`` those whose
+    forward runs again but for the outputs its matmuls, attention and activation form changes saved
+    (None: the plan's ``recompute_selective``).  ``reshard`` lists the parameters (``param``
     node names) whose converted copies are made again in the backward instead of kept (None: the plan's
     ``reshard``; True: every parameter the plan stores split; :mod:`hidup.codegen.reshard`).  ``seed``:
     the seed of the random ops (dropout), which draw the single device's values whatever the plan
@@ -347,6 +349,7 @@ class CompileOptions(OptionSet):
     copy_groups: tuple | None = None
     compile: bool | str = False
     recompute: list | tuple | None = None
+    recompute_selective: list | tuple | None = None
     reshard: list | tuple | bool | None = None
     seed: int = 0
     zero: int | dict | None = None

@@ -51,7 +51,7 @@ from hidup.models.source import recorded_source
 from hidup.plan import Plan
 from hidup.plan.record import traced_versions
 from hidup.search import forced, search
-from hidup.search.api import plan_indices
+from hidup.search.api import plan_indices, recomputed
 from hidup.search.cost import KERNEL_KINDS, kernel_kind
 from hidup.search.problem import Problem
 from hidup.search.schedule import evaluate
@@ -291,7 +291,7 @@ def priced(graph, profile, plan: Plan, precision: str, mode: str) -> tuple[float
         graph,
         profile.launched(mode.endswith("graph"), mode.startswith("compile")),
         precision,
-        recompute=frozenset(getattr(plan, "recompute", None) or ()),
+        recompute=recomputed(plan),
         reshard=frozenset(getattr(plan, "reshard", None) or ()),
     )
     ks = plan_indices(problem, plan)

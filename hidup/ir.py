@@ -69,6 +69,7 @@ from typing import Iterable
 
 __all__ = [
     "Form",
+    "zero_stage",
     "FULL",
     "REDUCE",
     "REPLICATE",
@@ -126,6 +127,16 @@ def zero_splits(shape: tuple[int, ...], world: int) -> bool:
     a contiguous piece, so a reduce-scatter and an all-gather move it without copies.  Codegen, the
     memory model and the cost model read this one rule; a parameter it refuses stays unsplit."""
     return world > 1 and len(shape) >= 1 and shape[0] > 0 and shape[0] % world == 0
+
+
+def zero_stage(graph: Graph, zero: int, tid: int, form) -> int:
+    """The ZeRO stage (0: none) of tensor ``tid`` produced in ``form`` when a plan asks for stage ``zero``:
+    ``zero`` for a trainable parameter stored ``replicate`` whose rows the world divides (the rule the
+    rank program applies, :mod:`hidup.codegen.zero`), on a graph of one axis; 0 for anything else."""
+    if not zero or len(graph.mesh) > 1 or isinstance(form, Layout) or form.kind != "replicate":
+        return 0
+    t = graph.tensors[tid]
+    return zero if t.is_param and t.requires_grad and zero_splits(tuple(t.shape), graph.world_size) else 0
 
 
 # Collective operations that cost communication; every other conversion op is local.

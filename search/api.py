@@ -31,12 +31,24 @@ Recomputation
 -------------
 Running a repeated layer's forward again in the backward (:mod:`hidup.codegen.recompute`) trades
 time for activation memory; the search prices both (:mod:`hidup.search.problem`,
-:mod:`hidup.search.memory`).  It never makes a plan faster, so ``recompute="auto"`` considers it only
-under a memory budget, and only when the fastest plan without one (no duplication) does not fit it:
-it then searches with every repeated layer recomputed too -- first without the budget, and no further
-when even that plan is no faster than the one found -- and keeps the faster plan that fits, with the
-fewest layers recomputed that still fit (``plan.recompute`` lists the layers).  ``"on"`` recomputes
-every repeated layer, ``"off"`` none.
+:mod:`hidup.search.memory`).  A layer is recomputed *whole* (``plan.recompute``: it keeps its inputs)
+or *selectively* (``plan.recompute_selective``: it keeps its inputs and the outputs of its matmuls,
+attention and activation form changes, and runs only the ops between them again): selective
+recomputation saves less memory per layer for much less time.  Recomputation never makes a plan
+faster, so ``recompute="auto"`` considers it only under a memory budget, and only when the fastest
+plan without one (no duplication) does not fit it.  It then searches with every repeated layer
+recomputed selectively, then with every layer recomputed whole -- each first without the budget, and
+no further when even that plan is no faster than the fastest plan in hand that fits.  From the choices
+of each plan that fits it prices the leaner combinations (:func:`_leanest`), each with the fewest
+layers recomputed that still fit: selectively on the first ``k`` layers (from a selective plan); whole
+on the first ``k``; whole on the first ``k`` and selectively on the next ``j``, the least ``k`` first.
+The run keeps the fastest plan that fits.  The leaner forms are a few prices and bisections on the
+memory model's per-node terms; the searches are those of whole recomputation and one more (the
+selective one), the whole one mostly stopped by its plan without the budget, which selective
+recomputation of a plan that fits usually beats.  Searching the whole trial after a selective plan
+fits still pays: the selective search may fit only with leaner choices (weights stored split) that a
+mix of whole and selective layers does not need.  ``"on"`` recomputes every repeated layer whole,
+``"selective"`` every repeated layer selectively, ``"off"`` none.
 
 Resharding
 ----------
@@ -112,14 +124,14 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from hidup.ir import ZERO_CHOICES, Graph, Node, Signature, axis_forms, block_label, mesh_text
+from hidup.ir import ZERO_CHOICES, Graph, Node, Signature, axis_forms, block_label, mesh_text, zero_stage
 from hidup.optionset import OptionSet
 from hidup.plan.record import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
 from hidup.precision import casts_on_wire
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
-from hidup.search.memory import zero_stage
+from hidup.search.memory import Recompute
 from hidup.search.modes import CallerWork, solve_beside, solve_modes
 from hidup.search.problem import Models, Problem, SearchError
 from hidup.search.schedule import Evaluation, evaluate
@@ -139,7 +151,7 @@ __all__ = [
 ]
 
 STYLES = ("data", "tensor", "expert", "expert-all-gather", "expert-all-to-all", "fsdp")
-RECOMPUTE = ("auto", "on", "off")
+RECOMPUTE = ("auto", "on", "selective", "off")
 RESHARD = ("auto", "on", "off")
 ZERO_STAGE = {"off": 0, "1": 1, "2": 2}  # a resolved ``zero`` option -> the stage searched
 # style -> (preferred kinds in order, kinds never used)
@@ -200,9 +212,10 @@ class SearchOptions(OptionSet):
     ``op_overhead_graph``) instead of eager dispatch; ``compiled`` prices the program as inductor runs
     it (views free, pointwise chains fused: :mod:`hidup.search.cost`, "Compiled programs").
     ``recompute`` says which repeated layers run their forward again in the backward instead of keeping
-    activations (module docstring, "Recomputation"): ``"off"``, ``"on"`` (every repeated layer),
-    ``"auto"`` (the faster plan that fits ``memory_budget``, with and without), or a list of block
-    labels.  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
+    activations (module docstring, "Recomputation"): ``"off"``, ``"on"`` (every repeated layer, whole),
+    ``"selective"`` (every repeated layer, selectively), ``"auto"`` (the fastest plan that fits
+    ``memory_budget``, with none, selective, whole or both), or a list of block labels (recomputed
+    whole).  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
     their gathered copies made again in the backward instead of kept (module docstring, "Resharding").
     ``zero`` (:data:`hidup.ir.ZERO_CHOICES`: ``"auto"``, ``"off"``, ``"1"``, ``"2"``) whether the replicated
     weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO")."""
@@ -352,7 +365,7 @@ def _zeroing(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh: bo
         plan, error = run(replace(opts, zero="off")), None
     except SearchError as e:
         plan, error = None, e.with_traceback(None)
-    if mesh or (plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute))):
+    if mesh or (plan is not None and (budget is None or (_fits(plan, budget) and not recomputed(plan)))):
         if plan is None:
             raise error
         plan.options["zero_requested"] = "auto"
@@ -394,14 +407,13 @@ def price(
     """``plan``'s choices, with its recomputed layers and resharded parameters, priced by the search's cost
     model, ``{False: without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`);
     ``cuda_graphs`` and ``compiled`` as in :func:`search`."""
-    recompute = frozenset(getattr(plan, "recompute", None) or ())
     reshard = frozenset(getattr(plan, "reshard", None) or ())
     zero = max((getattr(plan, "zero", None) or {}).values(), default=0)  # the stage the search gives every weight
     problem = Problem(
         graph,
         _loaded(profile).launched(cuda_graphs, compiled),
         precision,
-        recompute=recompute,
+        recompute=recomputed(plan),
         reshard=reshard,
         zero=zero,
     )
@@ -422,13 +434,21 @@ def _fastest(evaluations: list[Evaluation]) -> Evaluation:
     return best
 
 
+def recomputed(plan: Plan) -> Recompute:
+    """The layers ``plan`` recomputes, whole and selectively (a file without either: none)."""
+    return Recompute(
+        frozenset(getattr(plan, "recompute", None) or ()), frozenset(getattr(plan, "recompute_selective", None) or ())
+    )
+
+
 def repeated_layers(graph: Graph) -> frozenset[str]:
     """Block labels of the graph's repeated layers (what ``recompute`` may name)."""
     return frozenset(block_label(n.module) for n in graph.nodes if n.op == "call") - {""}
 
 
-def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]]:
-    """The sets of recomputed layers the search tries, in order (see :class:`SearchOptions`)."""
+def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[Recompute]:
+    """The recomputed layers the search tries, in order (see :class:`SearchOptions` and the module
+    docstring, "Recomputation")."""
     layers = repeated_layers(graph)
     if not isinstance(opts.recompute, str):
         unknown = sorted(set(opts.recompute) - layers)
@@ -438,12 +458,14 @@ def _recompute_choices(graph: Graph, opts: SearchOptions) -> list[frozenset[str]
                 f"repeated layers: {', '.join(sorted(layers)[:8]) or 'none'}"
                 f"{' ...' if len(layers) > 8 else ''}. Fix: name some of these, or use 'auto'"
             )
-        return [frozenset(opts.recompute)]
+        return [Recompute(frozenset(opts.recompute))]
     if opts.recompute == "on" and layers:
-        return [layers]
+        return [Recompute(layers)]
+    if opts.recompute == "selective" and layers:
+        return [Recompute(selective=layers)]
     if opts.recompute == "auto" and layers and opts.memory_budget is not None:
-        return [frozenset(), layers]
-    return [frozenset()]
+        return [Recompute(), Recompute(selective=layers), Recompute(layers)]
+    return [Recompute()]
 
 
 @dataclass(frozen=True)
@@ -471,7 +493,8 @@ class _Found:
 
     def plan(self, explain: int) -> Plan:
         plan = make_plan(self.problem, self.best, self.algorithm, self.options, explain)
-        plan.recompute = sorted(self.problem.recompute, key=_layer_order)
+        plan.recompute = sorted(self.problem.recompute.whole, key=_layer_order)
+        plan.recompute_selective = sorted(self.problem.recompute.selective, key=_layer_order)
         return plan
 
 
@@ -495,7 +518,7 @@ def _resharding(
         plan.options["reshard_requested"] = "auto"
     except SearchError as e:
         plan, error = None, e.with_traceback(None)  # (its traceback would hold this frame: a cycle)
-    if plan is not None and (budget is None or (_fits(plan, budget) and not plan.recompute)):
+    if plan is not None and (budget is None or (_fits(plan, budget) and not recomputed(plan))):
         return plan
     again = resharded(plan) if plan is not None and _fits(plan, budget) and resharded is not None else None
     if again is not None:  # (``plan`` itself where resharding does not make it faster)
@@ -534,15 +557,16 @@ def _reprices_resharding(opts: SearchOptions, models: Models) -> bool:
 def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan: Plan) -> Plan | None:
     """``plan`` (searched with resharding off; it fits the budget by recomputing layers) with every
     parameter it stores split resharded and the fewest of its recomputed layers that then fit
-    (:func:`_fewest_recomputed`) when that is faster, else ``plan``; None where the search does not
+    (:func:`_leanest`) when that is faster, else ``plan``; None where the search does not
     price resharding so (:func:`_reprices_resharding`).  Resharding changes nothing inside a
     recomputed layer (its region gathers the weights again anyway) and adds a gather elsewhere: it can
     only make the plan faster by letting fewer layers be recomputed, so where the memory model's
     per-node terms, which leave out every kept copy, show that no fewer layers fit, nothing is priced."""
     if not _reprices_resharding(opts, models):
         return None
-    layers = sorted(plan.recompute, key=_layer_order)
-    if _least_recomputed(opts, models, plan.choices, layers) >= len(layers):
+    recompute = recomputed(plan)
+    layers = sorted(recompute.whole, key=_layer_order)
+    if not recompute.selective and _least(opts, models, plan.choices, _whole(layers), len(layers)) >= len(layers):
         return plan
     problem = Problem(
         graph,
@@ -550,7 +574,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
         opts.precision,
         opts.restrict,
         opts.optimizer_factor,
-        frozenset(layers),
+        recompute,
         models,
         reshard=True,
         zero=ZERO_STAGE.get(opts.zero, 0),
@@ -566,7 +590,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
     best = fastest(problem)
     if best is None:
         return plan
-    fewer, _ = _fewest_recomputed(opts, problem, best, models)
+    fewer, _ = _leanest(opts, problem, best, models)
     best = fastest(fewer) if fewer is not problem else None
     if best is None or best.total >= plan.predicted["total"]:
         return plan
@@ -696,18 +720,25 @@ def _layer_order(label: str) -> tuple:
     return (family, int(index)) if index.isdigit() else (family, -1, index)
 
 
-def _least_recomputed(opts: SearchOptions, models: Models, choices: dict[str, Signature], layers: list[str]) -> int:
-    """The least ``k`` for which the plan of ``choices`` with the first ``k`` of ``layers`` recomputed
-    fits the memory budget by the memory model's per-node terms (more recomputed layers keep less;
-    the per-node terms leave out the parameters' kept copies, so no fewer layers fit with them either);
-    found by bisection, ``len(layers)`` assumed to fit."""
+def _whole(layers: list[str]) -> Callable[[int], Recompute]:
+    """``k -> `` the first ``k`` of ``layers`` recomputed whole."""
+    return lambda k: Recompute(frozenset(layers[:k]))
+
+
+def _least(
+    opts: SearchOptions, models: Models, choices: dict[str, Signature], make: Callable[[int], Recompute], count: int
+) -> int:
+    """The least ``k`` in ``0 .. count`` for which the plan of ``choices`` with the layers ``make(k)``
+    recomputed fits the memory budget by the memory model's per-node terms (``make`` recomputes more,
+    and keeps less, as ``k`` grows; the per-node terms leave out the parameters' kept copies, so no
+    smaller ``k`` fits with them either); found by bisection, ``make(count)`` assumed to fit."""
     order = models.positions().order
 
     def fits(k: int) -> bool:
-        memory = models.memory(opts.optimizer_factor, opts.precision, frozenset(layers[:k]))
+        memory = models.memory(opts.optimizer_factor, opts.precision, make(k), ZERO_STAGE.get(opts.zero, 0))
         return sum(memory.total(n, choices[n.name]) for n in order) <= opts.memory_budget
 
-    lo, hi = 0, len(layers)
+    lo, hi = 0, count
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -717,22 +748,58 @@ def _least_recomputed(opts: SearchOptions, models: Models, choices: dict[str, Si
     return hi
 
 
-def _fewest_recomputed(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models):
-    """The plan ``best`` (searched with every layer of ``problem.recompute`` recomputed) with the
-    fewest recomputed layers that still fits the memory budget: the first ``k`` of them in order, the
-    least ``k`` found by bisection on the memory model's per-node terms (:func:`_least_recomputed`),
-    then checked with the parameters' kept copies too, taking more layers until it fits; priced again,
-    and kept only if faster."""
-    layers = sorted(problem.recompute, key=_layer_order)
+def _fewest(
+    opts: SearchOptions,
+    problem: Problem,
+    best: Evaluation,
+    models: Models,
+    make: Callable[[int], Recompute],
+    count: int,
+) -> tuple[Problem, Evaluation] | None:
+    """The plan ``best`` of ``problem`` with the layers ``make(k)`` recomputed for the least ``k`` that
+    fits the memory budget: the least ``k`` by the per-node terms (:func:`_least`), then checked with the
+    parameters' kept copies and the saved form changes too, taking more until it fits; None where even
+    ``make(count)`` does not."""
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
-    hi = _least_recomputed(opts, models, choices, layers)  # (the plan was searched within the budget)
-    while hi < len(layers):
-        fewer = problem.derive(frozenset(layers[:hi]))
-        ev = evaluate(fewer, best.ks, best.duplication)
+    if (
+        sum(
+            models.memory(opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0)).total(
+                n, choices[n.name]
+            )
+            for n in problem.order
+        )
+        > opts.memory_budget
+    ):
+        return None
+    k = _least(opts, models, choices, make, count)
+    while True:
+        recompute = make(k)
+        fewer = problem if recompute == problem.recompute else problem.derive(recompute)
+        ev = best if fewer is problem else evaluate(fewer, best.ks, best.duplication)
         if ev.memory["total"] <= opts.memory_budget:
-            return (fewer, ev) if ev.total < best.total else (problem, best)
-        hi += max(1, (len(layers) - hi) // 2)
-    return problem, best
+            return fewer, ev
+        if k >= count:
+            return None
+        k += max(1, (count - k) // 2)
+
+
+def _leanest(opts: SearchOptions, problem: Problem, best: Evaluation, models: Models) -> tuple[Problem, Evaluation]:
+    """The fastest of the plan ``best`` (searched with the layers ``problem.recompute`` recomputed; it fits
+    the memory budget) and of its choices with leaner recomputation that still fits (module docstring,
+    "Recomputation"): selectively on the fewest first layers where ``best`` recomputes every layer
+    selectively; whole on the fewest first layers; whole on the fewest first layers and selectively on
+    the fewest next ones.  Each is priced again; ``best`` is kept unless another is faster."""
+    layers = sorted(problem.recompute.layers, key=_layer_order)
+    n = len(layers)
+    found = [(problem, best)]
+    if problem.recompute.selective and not problem.recompute.whole:
+        found.append(_fewest(opts, problem, best, models, lambda k: Recompute(selective=layers[:k]), n))
+    found.append(_fewest(opts, problem, best, models, _whole(layers), n))
+    mixed = _fewest(opts, problem, best, models, lambda k: Recompute(layers[:k], layers[k:]), n)
+    if mixed is not None:
+        k = len(mixed[0].recompute.whole)
+        found.append(_fewest(opts, problem, best, models, lambda j: Recompute(layers[:k], layers[k : k + j]), n - k))
+    return min((f for f in found if f is not None), key=lambda f: f[1].total)
 
 
 class SearchRun:
@@ -754,16 +821,18 @@ class SearchRun:
 
     def found(self) -> _Found:
         """The answer: the fastest of the trials' plans that fit the memory budget (the fastest of all
-        where none fits), with its fewest recomputed layers that fit (``recompute="auto"``); the last
-        trial's error where no trial found a plan."""
+        where none fits), each with its leanest recomputation that fits (``recompute="auto"``,
+        :func:`_leanest`); the last trial's error where no trial found a plan."""
         opts = self.opts
+        budget, auto = opts.memory_budget, opts.recompute == "auto"
         results = []
         errors = []
         choices = _recompute_choices(self.graph, opts)
         for n, recompute in enumerate(choices):
-            if recompute and results and not results[-1][2]:
+            if recompute and results and not results[0][0].recompute and not results[0][2]:
                 break  # the fastest plan without a memory budget fits it: recomputing cannot be faster
-            beat = min((r[1].total for r in results), default=None) if recompute else None
+            fitting = [r[1].total for r in results if _fits(r[1], budget)]
+            beat = min(fitting, default=None) if recompute else None
             after = choices[n + 1] if n + 1 < len(choices) else None
             try:
                 found = RecomputeTrial(self, recompute, beat, after).result()
@@ -773,6 +842,8 @@ class SearchRun:
                 # collection, which then walks them all (seconds on a large graph)
                 errors.append(e.with_traceback(None))
                 continue
+            if found is not None and auto and budget is not None and found[0].recompute and _fits(found[1], budget):
+                found = (*self.fewest(found[0], found[1]), *found[2:])  # the next trial must beat its leanest form
             if found is not None:
                 results.append(found)
         if not results:
@@ -780,10 +851,8 @@ class SearchRun:
                 raise errors.pop()
             finally:
                 errors.clear()  # (the raised error's traceback holds this frame: no cycle through `errors`)
-        fitting = [r for r in results if opts.memory_budget is None or r[1].memory["total"] <= opts.memory_budget]
+        fitting = [r for r in results if _fits(r[1], budget)]
         problem, best, _, options = min(fitting or results, key=lambda r: r[1].total)
-        if problem.recompute and opts.recompute == "auto" and opts.memory_budget is not None:
-            problem, best = self.fewest(problem, best)
         return _Found(problem, best, options, opts.algorithm)
 
     def problem_for(self, prof, recompute: frozenset) -> Problem:
@@ -814,10 +883,10 @@ class SearchRun:
         return self.derived[key]
 
     def fewest(self, problem: Problem, best: Evaluation) -> tuple[Problem, Evaluation]:
-        """:func:`_fewest_recomputed`, once per plan."""
+        """:func:`_leanest`, once per plan."""
         key = (id(problem), tuple(best.ks), best.duplication)
         if key not in self.fewest_of:
-            self.fewest_of[key] = _fewest_recomputed(self.opts, problem, best, self.models)
+            self.fewest_of[key] = _leanest(self.opts, problem, best, self.models)
         return self.fewest_of[key]
 
 

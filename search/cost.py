@@ -209,7 +209,7 @@ gradient becomes a view of the buffer), once per step (with duplication: in copy
 ZeRO (``zero``, :mod:`hidup.codegen.zero`)
 ------------------------------------------
 A cost model of ZeRO stage ``z`` prices a replicated parameter that ZeRO splits
-(:func:`hidup.search.memory.zero_stage`) differently.  Stage 2 reduce-scatters its gradient instead
+(:func:`hidup.ir.zero_stage`) differently.  Stage 2 reduce-scatters its gradient instead
 of all-reducing it, bucketed and asynchronous like the all-reduce, never packed (no copies)::
 
     S(b) = T(reduce_scatter, B) * b / B     (B the bucket of G(b) above)
@@ -288,13 +288,13 @@ from hidup.ir import (
     conversion,
     held_fraction,
     layout_conversions,
+    zero_stage,
 )
 from hidup.precision import AUTOCAST_LOW_OPS, casts_on_wire, wire_low_params
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.dispatch import dispatch_axis
 from hidup.rules.fusion import fusion_kind
 from hidup.search.experts_cost import ExpertsShape, experts_seconds
-from hidup.search.memory import zero_stage
 
 __all__ = ["CostModel", "ConvCost", "profile_dtype", "PRECISIONS", "KERNEL_KINDS", "kernel_kind"]
 

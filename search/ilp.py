@@ -127,9 +127,9 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
                         E[a, f] = m.add_var(lb=0.0, ub=0.0 if conv is None else 1.0)
                         if conv is None:
                             continue
-                        # a recomputed reader, or a resharded parameter's, runs the forward conversion again
-                        # in its backward
-                        again = p.recomputed[c] or p.resharded(t, a)
+                        # a recomputed reader, a selectively recomputed one of a parameter, or a resharded
+                        # parameter's, runs the forward conversion again in its backward
+                        again = p.made_again(c, t, a)
                         cost = (conv.fwd * (1 + again) + conv.bwd) * _SCALE
                         if cost <= 0:
                             continue

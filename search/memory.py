@@ -45,6 +45,30 @@ backward frees activations before it recomputes a layer (the first layers' are r
 duplication a recomputed layer is cut at the plan's stages (:mod:`hidup.codegen.recompute`) and each
 piece keeps its own inputs, which neither counts.
 
+Selective recomputation (``selective``: the layers recomputed selectively, disjoint from ``recompute``;
+:mod:`hidup.codegen.recompute`, "Selective recomputation").  Such a layer is a recomputed layer as above
+(its nodes count ``act(n, s) / L_f``, ``L_f`` counting the family's layers recomputed either way, and
+it keeps its inputs), and it keeps besides what its policy saves: a ``call`` node of a selective layer
+adds
+
+    sel(n, s) = [n is a matmul or attention op] * (sum_j local(out_j, s.outputs[j]) + internal(n, s))
+
+(:func:`saved_by_policy`; a matmul or attention op is one whose kernel kind is ``matmul`` or
+``attention``, :func:`hidup.search.cost.kernel_kind`).  ``internal(n, s)`` are the storages the recorded
+backward of an attention op keeps that are neither an input, a cast of one, nor its output (the
+log-sum-exp of a fused attention kernel; :mod:`hidup.frontend.saved`): the kernel's other outputs,
+which the policy saves with the first.  The policy saves an op's outputs at the dispatcher (a ``linear``
+is one ``mm`` or ``addmm`` there, the same bytes; a decomposed attention's two ``bmm`` would keep its
+score matrix, which the fused kernels do not have): an upper bound on the record's kernels.  The form
+change of an activation that a node of a selective layer makes (the first consumer of that form) is
+saved too (``hidup::convert_kept``): ``local(t, f)`` of the converted form, counted by the search where it
+prices the conversion (:mod:`hidup.search.problem`) and by :meth:`MemoryModel.plan_activation_parts`
+(``selective``).  A parameter's form change there is made again in the backward and keeps nothing.
+The sum is an upper bound by one layer's saved outputs besides: while a selective layer's backward
+holds its activations again, the saved outputs its recomputation reads are among them, counted in
+both terms.  On a shallow stack that bound can exceed what no recomputation keeps (a two-layer
+model); the search then finds selective recomputation no better and does not use it.
+
 Transients
 ----------
 What lives only around one op is not a sum over nodes but a maximum: :meth:`MemoryModel.transient` of
@@ -72,22 +96,60 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hidup.frontend.saved import SavedRecord, plan_saved_bytes, record_of, saved_bytes, tensor_nbytes
-from hidup.ir import REDUCE, Graph, Layout, Node, Signature, block_family, block_label, held_fraction, zero_splits
+from hidup.frontend.saved import (
+    SavedRecord,
+    as_used,
+    item_bytes,
+    plan_saved_bytes,
+    record_of,
+    saved_bytes,
+    tensor_nbytes,
+)
+from hidup.ir import REDUCE, Graph, Node, Signature, block_family, block_label, held_fraction, zero_stage
+from hidup.search.cost import kernel_kind
 
-__all__ = ["MemoryModel", "MEMORY_PARTS", "zero_stage"]
+__all__ = ["MemoryModel", "MEMORY_PARTS", "Recompute", "saves_output"]
+
+# kernel kinds whose outputs selective recomputation saves (:mod:`hidup.codegen.recompute`, SAVED_OPS)
+SAVED_KINDS = frozenset({"matmul", "attention"})
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Which repeated layers (block labels) run their forward again in the backward: ``whole`` all of
+    it, ``selective`` all but what selective recomputation saves (disjoint sets)."""
+
+    whole: frozenset = frozenset()
+    selective: frozenset = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "whole", frozenset(self.whole))
+        object.__setattr__(self, "selective", frozenset(self.selective))
+        if self.whole & self.selective:
+            both = ", ".join(sorted(self.whole & self.selective)[:5])
+            raise ValueError(f"layers recomputed both whole and selectively: {both}")
+
+    @staticmethod
+    def of(value) -> "Recompute":
+        """``value`` itself, or the layers ``value`` (a set or list of labels) recomputed whole."""
+        return value if isinstance(value, Recompute) else Recompute(frozenset(value or ()))
+
+    @property
+    def layers(self) -> frozenset:
+        """Every recomputed layer, either way."""
+        return self.whole | self.selective
+
+    def __bool__(self) -> bool:
+        return bool(self.whole or self.selective)
+
+
+def saves_output(node: Node) -> bool:
+    """Whether selective recomputation keeps ``node``'s outputs (a matmul or attention op) rather than
+    running it again in the backward (module docstring)."""
+    return node.op == "call" and kernel_kind(node.target) in SAVED_KINDS
+
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "inputs")
-
-
-def zero_stage(graph: Graph, zero: int, tid: int, form) -> int:
-    """The ZeRO stage (0: none) of tensor ``tid`` produced in ``form`` when a plan asks for stage ``zero``:
-    ``zero`` for a trainable parameter stored ``replicate`` whose rows the world divides (the rule the
-    rank program applies, :mod:`hidup.codegen.zero`), on a graph of one axis; 0 for anything else."""
-    if not zero or len(graph.mesh) > 1 or isinstance(form, Layout) or form.kind != "replicate":
-        return 0
-    t = graph.tensors[tid]
-    return zero if t.is_param and t.requires_grad and zero_splits(tuple(t.shape), graph.world_size) else 0
 
 
 @dataclass
@@ -97,6 +159,7 @@ class MemoryModel:
     precision: str = "fp32"
     recompute: frozenset = frozenset()  # block labels of the recomputed layers
     reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
+    selective: frozenset = frozenset()  # block labels of the layers recomputed selectively
     zero: int = 0  # the ZeRO stage of the replicated parameters (module docstring)
     record: SavedRecord | None = field(init=False, default=None)
     # (twin's name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
@@ -109,6 +172,8 @@ class MemoryModel:
         self.nbytes = {tid: tensor_nbytes(self.graph, tid, self.precision) for tid in self.graph.tensors}
         self.recompute = frozenset(self.recompute)
         self.reshard = frozenset(self.reshard)
+        self.selective = frozenset(self.selective)
+        recomputed = self.recomputing.layers  # (checks that no layer is recomputed both ways)
         # tensors of the resharded parameters: their converted copies are not kept (hidup.codegen.reshard)
         self.remade = frozenset(
             t for n in self.graph.nodes if n.op == "param" and n.name in self.reshard for t in n.outputs
@@ -120,9 +185,9 @@ class MemoryModel:
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
         self.kept_inputs: set[int] = set()
-        if self.recompute:
+        if recomputed:
             families: dict[str, int] = {}
-            for label in self.recompute:
+            for label in recomputed:
                 families[block_family(label)] = families.get(block_family(label), 0) + 1
             producer = {t: n for n in self.graph.nodes for t in n.outputs}
             for n in self.graph.nodes:
@@ -135,12 +200,21 @@ class MemoryModel:
                     if p is not None and p.op == "call" and self.layer_of(p) != label:
                         self.kept_inputs.add(t)
 
+    @property
+    def recomputing(self) -> Recompute:
+        """The recomputed layers, whole and selectively."""
+        return Recompute(self.recompute, self.selective)
+
     def layer_of(self, node: Node) -> str:
-        """The recomputed layer ``node`` belongs to, or ``""``."""
+        """The recomputed layer (whole or selectively) ``node`` belongs to, or ``""``."""
         if node.op != "call":
             return ""
         label = block_label(node.module)
-        return label if label in self.recompute else ""
+        return label if label in self.recompute or label in self.selective else ""
+
+    def is_selective(self, node: Node) -> bool:
+        """Whether ``node`` belongs to a layer recomputed selectively."""
+        return node.op == "call" and bool(self.selective) and block_label(node.module) in self.selective
 
     def local_bytes(self, tid: int, form) -> float:
         b = self.nbytes[tid]
@@ -151,7 +225,28 @@ class MemoryModel:
         if node.op != "call":
             return 0.0
         kept = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if t in self.kept_inputs)
-        return self._saved(node, sig) / self.share.get(node.name, 1) + kept
+        policy = self.saved_by_policy(node, sig) if self.is_selective(node) else 0.0
+        return self._saved(node, sig) / self.share.get(node.name, 1) + kept + policy
+
+    def saved_by_policy(self, node: Node, sig: Signature) -> float:
+        """``sel(n, s)``: the bytes per rank selective recomputation saves of ``node``'s outputs under
+        ``sig`` (module docstring), 0 for an op it runs again."""
+        if not saves_output(node):
+            return 0.0
+        out = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
+        if self.record is None or kernel_kind(node.target) != "attention":
+            return out
+        items, local = self.record.items(node, sig)
+        made = [it for it in items if it.slot != "out" and not (it.slot == "in" and it.how in ("input", "internal"))]
+        return out + sum(item_bytes(self.graph, node, sig, it, local) for it in made)
+
+    def kept_conversion(self, node: Node, tid: int, form) -> float:
+        """Bytes per rank the form change of tensor ``tid`` into ``form`` that ``node`` makes keeps for
+        the backward as selective recomputation saves it: ``local(t, f)`` of an activation converted by
+        a node of a selective layer, else 0 (module docstring)."""
+        if not self.is_selective(node) or self.graph.tensors[tid].is_param:
+            return 0.0
+        return self.local_bytes(tid, form)
 
     def twin(self, node: Node) -> Node:
         """The node whose record ``node``'s per-node terms read as their own (:meth:`SavedRecord.twin`:
@@ -182,7 +277,8 @@ class MemoryModel:
     def plan_activation_parts(self, choices: dict[str, Signature]) -> dict[str, float]:
         """A whole plan's activations as ``{"kept": what nodes outside recomputed layers keep,
         "layer_inputs": what the recomputed layers keep of their inputs, "recomputed": the largest
-        recomputed layer's activations}`` (module docstring)."""
+        recomputed layer's activations, "selective": what the selectively recomputed layers' policy
+        saves}`` (module docstring)."""
         nodes = [n for n in self.graph.nodes if n.name in choices]
 
         def saved(accept, remade=self.remade) -> float:
@@ -190,8 +286,8 @@ class MemoryModel:
                 return plan_saved_bytes(self.graph, self.record, choices, accept, remade)
             return sum(self._saved(n, choices[n.name]) for n in nodes if accept(n))
 
-        if not self.recompute:
-            return {"kept": saved(lambda n: True), "layer_inputs": 0.0, "recomputed": 0.0}
+        if not self.recompute and not self.selective:
+            return {"kept": saved(lambda n: True), "layer_inputs": 0.0, "recomputed": 0.0, "selective": 0.0}
         inputs = sum(
             self.local_bytes(t, f)
             for n in nodes
@@ -205,7 +301,33 @@ class MemoryModel:
         largest = max(
             (saved(lambda n, label=label: self.layer_of(n) == label, frozenset()) for label in layers), default=0.0
         )
-        return {"kept": saved(lambda n: not self.layer_of(n)), "layer_inputs": inputs, "recomputed": largest}
+        return {
+            "kept": saved(lambda n: not self.layer_of(n)),
+            "layer_inputs": inputs,
+            "recomputed": largest,
+            "selective": self._plan_selective(nodes, choices),
+        }
+
+    def _plan_selective(self, nodes: list[Node], choices: dict[str, Signature]) -> float:
+        """What the selectively recomputed layers of a whole plan save: :meth:`saved_by_policy` of their
+        nodes, and :meth:`kept_conversion` of each activation form change (one per tensor and form) whose
+        first consumer is one of them."""
+        produced = {t: as_used(f) for n in nodes for t, f in zip(n.outputs, choices[n.name].outputs)}
+        made: set[tuple] = set()
+        total = 0.0
+        for n in nodes:
+            sig = choices[n.name]
+            selective = self.is_selective(n)
+            if selective:
+                total += self.saved_by_policy(n, sig)
+            for t, f in zip(n.inputs, sig.inputs):
+                form = as_used(f)
+                if produced.get(t, form) == form or (t, form) in made:
+                    continue
+                made.add((t, form))
+                if selective:
+                    total += self.kept_conversion(n, t, form)
+        return total
 
     def breakdown(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:
         """(params, grads, optimizer, activations, inputs) bytes per rank of ``node`` under ``sig``
@@ -226,7 +348,7 @@ class MemoryModel:
         share of a recomputed family (the terms are then ``saved / share``, the same for each such node);
         for any other node, the node itself."""
         if node.op == "call" and not any(t in self.kept_inputs for t in node.outputs):
-            return ("call", self.twin(node).name, self.share.get(node.name, 1))
+            return ("call", self.twin(node).name, self.share.get(node.name, 1), self.is_selective(node))
         return ("node", node.name)
 
     def _breakdown_of(self, node: Node, sig: Signature) -> tuple[float, float, float, float, float]:

@@ -40,6 +40,16 @@ their forward collectives and copies again, blocking, in the backward (``bwd += 
 ``bA += fA``, ``bB += fB``).  Its memory is :class:`~hidup.search.memory.MemoryModel`'s with the same
 ``recompute``.
 
+A ``call`` node of a layer recomputed *selectively* (``recompute.selective``, :mod:`hidup.codegen.recompute`,
+"Selective recomputation") runs again only what the policy does not save: a matmul or attention op
+(:func:`hidup.search.memory.saves_output`) keeps its backward ``t_bwd``, any other op pays
+``t_bwd + t_fwd`` as above (the norms, elementwise ops, softmax, casts between the matmuls: cheap
+next to them).  The conversions charged to such a node: an activation's is saved, so its forward runs
+once and its converted copy, ``local(t, f)``, joins the step's memory (``Step.copies``); a parameter's
+is made again, its forward collectives and copies running again, blocking, in the backward, as
+above.  So the price of a selective layer is its non-matmul forward and its parameters' gathers; a
+whole recomputed layer pays its matmuls and its activations' collectives besides.
+
 Gathered copies of parameters, and resharding
 ---------------------------------------------
 The converted copy of a parameter that its converting consumer saves for its backward (the
@@ -80,7 +90,7 @@ from hidup.errors import UserError
 from hidup.frontend.saved import as_used
 from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
 from hidup.search.cost import CostModel
-from hidup.search.memory import MemoryModel
+from hidup.search.memory import MemoryModel, Recompute, saves_output
 
 __all__ = ["Problem", "Models", "Positions", "Step", "SearchError", "block_label"]
 
@@ -269,11 +279,22 @@ class Models:
         return hit[1]
 
     def memory(self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0) -> MemoryModel:
-        key = (optimizer_factor, precision, frozenset(recompute), zero)
+        """The memory model with the layers ``recompute`` (a :class:`~hidup.search.memory.Recompute`, or
+        labels recomputed whole) recomputed and the replicated weights at ZeRO stage ``zero``."""
+        recompute = Recompute.of(recompute)
+        key = (optimizer_factor, precision, recompute, zero)
         hit = self._memory.get(key)
         if hit is None:
             memo = self._saved.setdefault(precision, {})  # what a node saves: the same whatever is recomputed
-            hit = MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute), zero=zero, saved_memo=memo)
+            hit = MemoryModel(
+                self.graph,
+                optimizer_factor,
+                precision,
+                recompute.whole,
+                selective=recompute.selective,
+                zero=zero,
+                saved_memo=memo,
+            )
             self._memory[key] = hit
         return hit
 
@@ -288,7 +309,7 @@ class Problem:
         precision: str = "fp32",
         restrict: Callable[[Node, Signature], bool] | None = None,
         optimizer_factor: float = 2.0,
-        recompute: frozenset | set | tuple = frozenset(),
+        recompute: "Recompute | frozenset | set | tuple" = frozenset(),
         models: "Models | None" = None,
         reshard: "bool | frozenset | set | tuple" = False,
         zero: int = 0,
@@ -349,7 +370,7 @@ class Problem:
         self._liveness(positions)
         self._recomputing(memory)
 
-    def derive(self, recompute: frozenset | set | tuple) -> "Problem":
+    def derive(self, recompute: "Recompute | frozenset | set | tuple") -> "Problem":
         """This problem with the layers ``recompute`` recomputed instead: signatures, liveness and the
         plain prices are shared, what recomputation changes (times, memory, transitions) is new."""
         other = copy.copy(self)
@@ -360,9 +381,15 @@ class Problem:
     def _recomputing(self, memory: MemoryModel) -> None:
         """What depends on the recomputed layers: times, memory and the caches of transitions."""
         self.memory = memory
-        self.recompute = memory.recompute
-        # positions whose forward runs again in the backward (module docstring, "Recomputation")
-        self.recomputed = [bool(memory.layer_of(node)) for node in self.order]
+        self.recompute = memory.recomputing
+        # positions whose forward runs again in the backward (module docstring, "Recomputation"): of
+        # layers recomputed whole, of layers recomputed selectively, and whose own op runs again
+        self.selective = [memory.is_selective(node) for node in self.order]
+        self.recomputed = [bool(memory.layer_of(node)) and not sel for node, sel in zip(self.order, self.selective)]
+        self.rerun = [
+            whole or (sel and not saves_output(node))
+            for node, whole, sel in zip(self.order, self.recomputed, self.selective)
+        ]
         self.device_compute = [[self._again(i, d) for d in row] for i, row in enumerate(self._plain_device)]
         self.compute = [[self.cost.in_program(d) for d in row] for row in self.device_compute]
         self.mem_parts = [[memory.breakdown(node, s) for s in sigs] for node, sigs in zip(self.order, self.sigs)]
@@ -453,8 +480,18 @@ class Problem:
 
     def _again(self, i: int, times: tuple[float, float]) -> tuple[float, float]:
         """``(forward, backward)`` seconds of position ``i``, its forward repeated in the backward
-        when it is recomputed."""
-        return (times[0], times[1] + times[0]) if self.recomputed[i] else times
+        when its op runs again (module docstring, "Recomputation")."""
+        return (times[0], times[1] + times[0]) if self.rerun[i] else times
+
+    def made_again(self, i: int, tid: int, src: int) -> bool:
+        """Whether the conversion of tensor ``tid`` from form id ``src`` charged to position ``i`` runs its
+        forward again in the backward: at a node recomputed whole, at a node recomputed selectively
+        for a parameter, or for a resharded parameter (module docstring)."""
+        if self.recomputed[i]:
+            return True
+        if self.selective[i] and self.graph.tensors[tid].is_param:
+            return True
+        return self.resharded(tid, src)
 
     def _copy_compute(self, node: Node, sig: Signature) -> tuple[float, float]:
         """:meth:`CostModel.copy_compute` of ``node`` under ``sig`` (its device time read from the cost model)."""
@@ -536,6 +573,7 @@ class Problem:
                 tuple(self.compute_copy[i]),
                 tuple(self.mem[i]),
                 self.recomputed[i],
+                self.selective[i],
                 self.saved_in[i],
                 tuple(t in self.param_tids for t in node.inputs),
                 tuple(t in self.reshardable for t in node.inputs),
@@ -619,7 +657,10 @@ class Problem:
             if self.recomputed[i]:
                 continue
             t = node.inputs[inp]
-            if self.resharded(t, prod):
+            kept = self.memory.kept_conversion(node, t, self.forms[f]) if self.selective[i] else 0.0
+            if kept:  # an activation's form change in a selective layer: saved, not made again
+                copies += kept
+            elif self.made_again(i, t, prod):
                 rf, rlf, rfA, rfB = rf + c.fwd, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
                 rlfA, rlfB = rlfA + c.fwd_copies_a, rlfB + c.fwd_copies_b
             elif inp in saved and as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy

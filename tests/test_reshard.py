@@ -514,7 +514,7 @@ def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_a
     nothing inside a recomputed layer, so the per-node memory terms (no kept copy counted) that say how
     few layers may be recomputed are a bound: with fewer, the resharded plan does not fit."""
     from hidup.search import api, dp
-    from hidup.search.api import _layer_order, _least_recomputed, plan_indices
+    from hidup.search.api import _layer_order, _least, _whole, plan_indices
     from hidup.search.schedule import evaluate
 
     warnings.simplefilter("ignore")
@@ -546,7 +546,7 @@ def test_where_the_budget_is_met_by_its_price_a_plan_that_recomputes_is_priced_a
             continue
         layers = sorted(off.recompute, key=_layer_order)
         opts = api.SearchOptions(duplication=False, memory_budget=budget, precision="fp32")
-        least = _least_recomputed(opts, api.Models(gpt_graph), off.choices, layers)
+        least = _least(opts, api.Models(gpt_graph), off.choices, _whole(layers), len(layers))
         for k in range(least):
             problem = Problem(gpt_graph, profile.launched(True, False), recompute=frozenset(layers[:k]), reshard=True)
             ev = evaluate(problem, plan_indices(problem, off), False)

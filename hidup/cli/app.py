@@ -78,11 +78,13 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
     _add_time_limit_flag(p)
     p.add_argument(
         "--recompute",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "selective", "off"),
         default="auto",
         help="run repeated layers' forward again in the backward instead of keeping their activations: "
-        "auto (when the fastest plan does not fit --memory, keep the faster plan that fits, with "
-        "the fewest layers recomputed), on (every repeated layer), off (default auto)",
+        "auto (only when the fastest plan does not fit --memory: the fastest plan that fits, recomputing "
+        "as few layers as fit, selectively or whole), on (every repeated layer, whole), selective (every "
+        "repeated layer, keeping the outputs of its matmuls and attention and running only the ops "
+        "between them again), off (default auto)",
     )
     p.add_argument(
         "--reshard",

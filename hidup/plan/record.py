@@ -21,7 +21,10 @@ without ``model_source=``.  Format versions: 2 adds ``model_source``; version 1 
 
 ``recompute`` lists the repeated layers (block labels, :func:`hidup.ir.block_label`) whose forward the
 rank program runs again in the backward instead of keeping their activations
-(:mod:`hidup.codegen.recompute`); a file without it recomputes nothing.
+(:mod:`hidup.codegen.recompute`); a file without it recomputes nothing.  ``recompute_selective`` lists
+the layers recomputed *selectively* instead (no layer is in both): the outputs of their matmuls,
+attention and activation form changes are kept, and only the ops between them run again in the
+backward; a file without it (every plan written before it existed) recomputes none selectively.
 
 ``reshard`` lists the parameters (``param`` node names) stored split whose converted (all-gathered)
 copies the rank program frees after their forward use and makes again in the backward instead of
@@ -302,6 +305,8 @@ class Plan:
     model_config: dict = field(default_factory=dict)  # version 1: the zoo overrides of `hidup search`
     model_source: dict = field(default_factory=dict)  # {"model": spec, "args": {...}} (see the module doc)
     recompute: list[str] = field(default_factory=list)  # layers whose forward runs again in the backward
+    # layers whose forward runs again in the backward but for the outputs of their matmuls and attention
+    recompute_selective: list[str] = field(default_factory=list)
     # node -> [mesh axis (-1: the whole world), logical bytes of the all-to-alls it runs inside per step]:
     # the routed experts' all-to-all dispatcher (hidup.rules.dispatch)
     dispatch: dict[str, list] = field(default_factory=dict)
@@ -408,6 +413,7 @@ class Plan:
             "layers": self.layers,
             "alternatives": self.alternatives,
             "recompute": self.recompute,
+            **({"recompute_selective": self.recompute_selective} if self.recompute_selective else {}),
             **({"reshard": self.reshard} if self.reshard else {}),
             **({"zero": dict(self.zero)} if self.zero else {}),
             **({"dispatch": self.dispatch} if self.dispatch else {}),
@@ -449,6 +455,7 @@ class Plan:
                 model_config=dict(d.get("model_config", {})),
                 model_source=dict(d.get("model_source") or {}),
                 recompute=list(d.get("recompute") or []),
+                recompute_selective=list(d.get("recompute_selective") or []),
                 reshard=list(d.get("reshard") or []),
                 zero=_zero_record(d.get("zero"), where),
                 dispatch={k: list(v) for k, v in (d.get("dispatch") or {}).items()},

@@ -80,6 +80,12 @@ def _totals(plan: Plan) -> list[str]:
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")
+    selective = getattr(plan, "recompute_selective", None)
+    if selective:
+        lines.append(
+            f"recomputed selectively in the backward: {len(selective)} layers ({_span(selective)}); the outputs "
+            "of their matmuls, attention and activation form changes kept"
+        )
     if getattr(plan, "reshard", None):
         lines.append(
             f"resharded after forward: {len(plan.reshard)} parameters stored split, gathered again in the backward"

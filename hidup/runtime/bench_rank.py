@@ -311,6 +311,16 @@ class _PlainCompile(torch.nn.Module):
     def set_compile(self, on: bool) -> None:
         self._run = (torch.compile(self.model, backend=self._backend, dynamic=False) if on else self.model,)
 
+    def optimizer_parameters(self) -> list:
+        """What the optimizer steps: the rank module's own answer (ZeRO's slices), else every trainable
+        parameter."""
+        own = getattr(self.model, "optimizer_parameters", None)
+        return own() if own is not None else [p for p in self.model.parameters() if p.requires_grad]
+
+    def bind_optimizer(self, optimizer):
+        bind = getattr(self.model, "bind_optimizer", None)
+        return bind(optimizer) if bind is not None else optimizer
+
     def forward(self, *inputs):
         return self._run[0](*inputs)
 
@@ -479,7 +489,12 @@ class _Bench:
         world, rank = self.choice.world, self.opts.rank
         world_inputs = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
         loads = expert_loads(
-            model, world_inputs, _share_inputs(world_inputs, world, rank), world, rank, _precision(precision, self.device)
+            model,
+            world_inputs,
+            _share_inputs(world_inputs, world, rank),
+            world,
+            rank,
+            _precision(precision, self.device),
         )
         if loads is None:
             return

@@ -45,9 +45,7 @@ def _routed(model: nn.Module, inputs: list, autocast_dtype) -> dict[str, torch.T
 
         hooks.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     device = next(model.parameters()).device
-    cast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
+    cast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     try:
         with torch.no_grad(), cast:
             model(*inputs)

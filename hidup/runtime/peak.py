@@ -214,6 +214,7 @@ def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool =
         "bf16" if precision == "bf16" else "fp32",
         frozenset(plan.recompute),
         frozenset(getattr(plan, "reshard", None) or ()),
+        frozenset(getattr(plan, "recompute_selective", None) or ()),
     )
     parts = dict.fromkeys(MEMORY_PARTS, 0.0)
     for node in graph.nodes:

@@ -192,9 +192,12 @@ def _to(values, device) -> tuple:
 
 def _recompute_text(plan) -> str:
     layers = getattr(plan, "recompute", None) or []
+    selective = getattr(plan, "recompute_selective", None) or []
     params = getattr(plan, "reshard", None) or []
-    return (f", {len(layers)} layers recomputed in the backward" if layers else "") + (
-        f", {len(params)} parameters resharded after forward" if params else ""
+    return (
+        (f", {len(layers)} layers recomputed in the backward" if layers else "")
+        + (f", {len(selective)} layers recomputed selectively" if selective else "")
+        + (f", {len(params)} parameters resharded after forward" if params else "")
     )
 
 

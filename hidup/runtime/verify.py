@@ -274,6 +274,7 @@ def _reference_report(ctx: Distributed, model_name: str, overrides: dict, seed: 
         "duplication": bool(ran.module.duplication),
         "kinds": kinds,
         "recompute": len(getattr(the_plan, "recompute", None) or []),
+        "recompute_selective": len(getattr(the_plan, "recompute_selective", None) or []),
         "reshard": len(getattr(the_plan, "reshard", None) or []),
         "cuda_graph": getattr(ran.graphed, "graph", None) is not None,
         "loss": ran.loss,
@@ -346,6 +347,7 @@ def _print_report(opts: VerifyOptions, choice, backend: str, report: dict) -> in
         f"duplication {'on' if report['duplication'] else 'off'} ({dup_text}), "
         f"parallelism used: {', '.join(report['kinds'])}"
         f"{', %d layers recomputed' % report['recompute'] if report.get('recompute') else ''}"
+        f"{', %d selectively' % report['recompute_selective'] if report.get('recompute_selective') else ''}"
         f"{', %d parameters resharded' % report['reshard'] if report.get('reshard') else ''}"
     )
     tolerance = opts.tolerance

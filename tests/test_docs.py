@@ -3,7 +3,7 @@ pages under docs/ resolves to a file, and every file under docs/ is a page or is
 a result nobody cites cannot come back unnoticed; git history keeps the superseded ones).  The
 benchmark records the pages cite live in exp/records/ under the same rule (every record is linked
 from README.md or a page), and both folders keep to a size budget: docs/ under 2 MB, exp/records/
-under 4 MB, no file over 1 MB and no archive (the code is in git).
+under 5 MB, no file over 1 MB and no archive (the code is in git).
 
 A link is a markdown link or image, ``[text](target)`` / ``![alt](target)``, a reference definition
 ``[name]: target`` or an HTML ``src``/``href``, outside code (fenced blocks and inline spans;
@@ -123,13 +123,13 @@ def test_every_record_is_linked_from_a_page():
 
 
 ARCHIVES = (".tgz", ".tar", ".gz", ".zip", ".whl", ".bz2", ".xz", ".7z")
-BUDGET = {DOCS: 2 * MB, RECORDS: 4 * MB}
+BUDGET = {DOCS: 2 * MB, RECORDS: 5 * MB}
 LARGEST = 1 * MB
 
 
 @pytest.mark.parametrize("folder", list(BUDGET), ids=lambda f: str(f.relative_to(ROOT)))
 def test_size_budget(folder):
-    """docs/ stays under 2 MB and exp/records/ under 4 MB, counting what a commit would hold; no file
+    """docs/ stays under 2 MB and exp/records/ under 5 MB (the plan files the runs read), counting what a commit would hold; no file
     in either is over 1 MB."""
     files = committed_files(folder)
     where = folder.relative_to(ROOT)

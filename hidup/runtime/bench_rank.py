@@ -361,6 +361,11 @@ def _print_row(what: str, r: dict) -> None:
             mem += (
                 f" (rank {r['rank_peak_bytes'] / 2**30:.3f} GiB, predicted "
                 f"{r['predicted_memory']['total'] / 2**30:.3f} GiB by the memory model"
+                + (
+                    f" + {r['predicted_memory']['transient'] / 2**30:.3f} around its largest op"
+                    if r["predicted_memory"].get("transient")
+                    else ""
+                )
                 + (f", {r['predicted_peak']['total'] / 2**30:.3f} GiB by a fake run" if r.get("predicted_peak") else "")
                 + ")"
             )

@@ -201,7 +201,8 @@ def rank_peak(
 
 
 def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool = False) -> dict | None:
-    """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part; None
+    """The memory model's bytes per rank of ``plan`` at ``precision`` (module docstring), by part, with
+    its recomputed layers and ZeRO stage, and the largest op's temporaries (``transient``); None
     when the plan's model cannot be traced here.  ``quiet``: no status lines while it traces."""
     try:
         graph = build_graph(choice, "tracing the plan's model for its memory", quiet=quiet)
@@ -215,6 +216,7 @@ def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool =
         frozenset(plan.recompute),
         frozenset(getattr(plan, "reshard", None) or ()),
         frozenset(getattr(plan, "recompute_selective", None) or ()),
+        zero=max((getattr(plan, "zero", None) or {}).values(), default=0),
     )
     parts = dict.fromkeys(MEMORY_PARTS, 0.0)
     for node in graph.nodes:
@@ -225,6 +227,7 @@ def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool =
     parts["activations_per_node"] = parts["activations"]
     parts["activations"] = model.plan_activations(plan.choices)
     parts["total"] = sum(parts[p] for p in MEMORY_PARTS)
+    parts["transient"] = model.plan_transient(plan.choices)  # around the largest op, beside the total
     return parts
 
 

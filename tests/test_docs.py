@@ -129,8 +129,8 @@ LARGEST = 1 * MB
 
 @pytest.mark.parametrize("folder", list(BUDGET), ids=lambda f: str(f.relative_to(ROOT)))
 def test_size_budget(folder):
-    """docs/ stays under 2 MB and exp/records/ under 5 MB (the plan files the runs read), counting what a commit would hold; no file
-    in either is over 1 MB."""
+    """docs/ stays under 2 MB and exp/records/ under 5 MB (the plan files the runs read), counting what
+    a commit would hold; no file in either is over 1 MB."""
     files = committed_files(folder)
     where = folder.relative_to(ROOT)
     total = sum(f.stat().st_size for f in files)

@@ -320,8 +320,8 @@ def test_recomputed_program_compiles(style, dup):
 
 def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypatch):
     """Under a budget the fastest plan misses, recompute="auto" would run the ILP a second time; one
-    time limit covers both, so once it is spent the second ILP does not start (resharding off: it would
-    search again, under the same limit, tests/test_reshard.py)."""
+    time limit covers both, so once it is spent the second ILP does not start (resharding and ZeRO off:
+    each would search again, under the same limit, tests/test_reshard.py and tests/test_zero.py)."""
     pytest.importorskip("mip")
     from hidup.search import api
 
@@ -331,10 +331,10 @@ def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypa
     real = api.ilp.optimize
     monkeypatch.setattr(api.ilp, "optimize", lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
-        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9, reshard="off")
+        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9, reshard="off", zero="off")
     except SearchError as e:
         assert "time limit" in str(e)
     assert len(calls) == 1
     calls.clear()
-    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60, reshard="off")
+    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60, reshard="off", zero="off")
     assert len(calls) == 2 and fit.recompute and fit.memory["total"] <= budget

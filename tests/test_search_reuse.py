@@ -14,7 +14,7 @@ import hidup.profiler as P
 from hidup.search import api, dp
 from hidup.search.brute import brute_force
 from hidup.search.cost import CostModel
-from hidup.search.memory import MemoryModel
+from hidup.search.memory import MemoryModel, Recompute
 from hidup.search.problem import Models, Problem
 from hidup.search.schedule import evaluate
 from hidup.search.synthetic import layered_graph, random_graph
@@ -28,11 +28,14 @@ EXACT = dict(max_states=None, max_points=None)
 class FreshModels(Models):
     """Models that share nothing: every problem prices the graph itself, as before they were shared."""
 
-    def cost(self, profile, precision):
-        return CostModel(self.graph, profile, precision)
+    def cost(self, profile, precision, zero=0):
+        return CostModel(self.graph, profile, precision, zero=zero)
 
-    def memory(self, optimizer_factor, precision, recompute=frozenset()):
-        return MemoryModel(self.graph, optimizer_factor, precision, frozenset(recompute))
+    def memory(self, optimizer_factor, precision, recompute=frozenset(), zero=0):
+        recompute = Recompute.of(recompute)
+        return MemoryModel(
+            self.graph, optimizer_factor, precision, recompute.whole, selective=recompute.selective, zero=zero
+        )
 
 
 def _mesh_graph():
@@ -94,7 +97,7 @@ def test_a_problem_derived_for_other_recomputed_layers_equals_one_built_anew(mes
         assert derived.min_mem_suffix == fresh.min_mem_suffix
         for duplication in (False, True):
             assert dp.solve(derived, duplication) == dp.solve(fresh, duplication)
-    assert plain.recompute == frozenset() and not any(plain.recomputed)  # the base is unchanged
+    assert not plain.recompute and not any(plain.recomputed)  # the base is unchanged
 
 
 def test_conversions_are_shared_by_tensors_of_one_class():

@@ -64,6 +64,7 @@ def _step(rank: int, world: int, plan, autocast: bool, **options) -> tuple[float
 def _partials(rank: int, world: int, plan) -> dict:
     """Every rank's partial gradients (a data-parallel plan's, before their sum), stacked."""
     import torch.distributed as dist
+
     from hidup import compile
 
     model, inputs = hidup.models.build("gpt", world_size=world, seed=0, **SMALL)

@@ -404,6 +404,7 @@ class _ConvertCast(torch.autograd.Function):
     runs in ``reduce`` (``x``'s dtype, or the gradient's reduce dtype) and returns the gradient of ``x``
     in ``x``'s dtype (module docstring, "Casts on the wire")."""
 
+    # why: autograd's forward takes the conversion's spec whole (ops, forms, group, both dtypes)
     @staticmethod
     def forward(ctx, x, fwd, bwd, src, dst, group, dtype, reduce):
         ctx.spec = (bwd, src, dst, group, x.dtype, reduce)

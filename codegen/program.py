@@ -213,21 +213,36 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
     """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
-    made again there (:mod:`hidup.codegen.reshard`)."""
+    made again there (:mod:`hidup.codegen.reshard`); with ``reduce`` its gradient is summed in bf16
+    under a bf16 autocast (:func:`hidup_convert_cast`; the copy travels in ``x``'s dtype)."""
+    summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
-        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
-    out = collectives.convert(x, _form(src), _form(dst), current_group())
+        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token, summed)
+    out = _reshard_out(x, src, dst, current_group(), summed)
     return register(out, x, _form(src), _form(dst), current_group())
 
 
-def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
     """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
+    summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
-        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis])
-    out = collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis], summed)
+    out = _reshard_out(x, src, dst, _axis_group(axis), summed)
     return register(out, x, _form(src), _form(dst), _axis_group(axis))
+
+
+def _summed_dtype(x: torch.Tensor, reduce: bool) -> torch.dtype | None:
+    """The dtype ``x``'s gradient is summed in where that is not ``x``'s own (:func:`_cast_dtypes`)."""
+    dtypes = _cast_dtypes(x, False, reduce)
+    return None if dtypes is None else dtypes[1]
+
+
+def _reshard_out(x: torch.Tensor, src: str, dst: str, group, summed: torch.dtype | None) -> torch.Tensor:
+    if summed is None:
+        return collectives.convert(x, _form(src), _form(dst), group)
+    return collectives.convert_cast(x, _form(src), _form(dst), group, x.dtype, summed)
 
 
 def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:
@@ -484,8 +499,10 @@ class _Builder:
                 args = (node, axis, str(a), str(b))
                 if self._kept(tid):
                     step = hidup_convert_kept_step
-                send, summed = cast and is_collective(conv.forward), self._reduces_low(tid, conv, reshard)
-                if send or summed:
+                send, summed = cast and is_collective(conv.forward), self._reduces_low(tid, conv)
+                if reshard and summed:
+                    args += (True,)
+                elif send or summed:
                     step, args = hidup_convert_cast_step, args + (send, summed)
                 node = self.call(step, args)
                 if reshard:
@@ -501,8 +518,10 @@ class _Builder:
             conv = collectives.conversion(src, dst)
             args = (self.value(tid), str(src), str(dst))
             send = not reshard and tid in self.wire_low and casts_on_wire([conv.forward])
-            summed = self._reduces_low(tid, conv, reshard)
-            if send or summed:
+            summed = self._reduces_low(tid, conv)
+            if reshard and summed:
+                args += (True,)
+            elif send or summed:
                 convert, args = hidup_convert_cast, args + (send, summed)
             elif self._kept(tid):
                 convert = hidup_convert_kept
@@ -511,10 +530,10 @@ class _Builder:
                 self.gathered.add(self.converted[key])
         return self.converted[key]
 
-    def _reduces_low(self, tid: int, conv, reshard: bool) -> bool:
+    def _reduces_low(self, tid: int, conv) -> bool:
         """Whether the backward of form change ``conv`` of tensor ``tid`` sums a float32 parameter's
-        gradient that the plan reduces in bf16 (a resharded parameter's stays float32: :mod:`hidup.precision`)."""
-        return not reshard and tid in self.reduce_low and is_reduction(conv.backward)
+        gradient that the plan reduces in bf16 (:mod:`hidup.precision`)."""
+        return tid in self.reduce_low and is_reduction(conv.backward)
 
     def _kept(self, tid: int) -> bool:
         """Whether a form change of tensor ``tid`` made here is saved by a selective region: an

@@ -39,8 +39,8 @@ It is a policy of autocast's bf16 (``precision="bf16"``): a search asked for it 
 precision is refused (:func:`check_reduce_dtype`), and the rank program casts only while a bf16
 autocast is on for the forward it runs (the module records it per forward), so a plan run in float32
 reduces in float32, exactly as without the option.  The parameters it applies to are the float32
-trainable ones (:func:`reduce_low_params`); a gradient reduction of a parameter resharded after the
-forward (:mod:`hidup.codegen.reshard`) stays float32, and so does the cost model's price of it.
+trainable ones (:func:`reduce_low_params`), resharded after the forward or not
+(:mod:`hidup.codegen.reshard`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
 * **ZeRO** (``plan.zero``): ``RankProgram.zero`` names the replicated parameters whose gradient and
   optimizer state the runtime splits over the ranks, with their stage (:mod:`hidup.codegen.zero`;
   the program itself is unchanged: they enter it whole).
+* **gradients reduced in bf16** (``plan.reduce_dtype``, :mod:`hidup.precision`): the form changes of a
+  float32 parameter whose backward sums over ranks are :func:`hidup_convert_cast` with ``reduce``
+  (resharded: :func:`hidup_reshard_convert` with ``reduce``), and ``RankProgram.reduce_dtype`` tells the
+  gradient bucketers to sum in bf16 (:mod:`hidup.codegen.grads`); both cast only under a bf16 autocast.
 * **resharded parameters** (``plan.reshard``): their form changes are :func:`hidup_reshard_convert`
   and the ops that read the converted copy run in :class:`hidup.codegen.reshard.ReshardCall`, so the
   copy is freed after the forward and made again in the backward (:mod:`hidup.codegen.reshard`).

@@ -183,3 +183,23 @@ def test_the_plan_records_it_and_reads_back(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(hidup.plan.PlanError, match="reduce_dtype"):
         Plan.load(path)
+
+
+def test_the_command_line_refuses_it_without_bf16_before_tracing_and_records_it(tmp_path, capsys, monkeypatch):
+    from hidup.cli import main
+    from hidup.runtime import options
+
+    tiny = ["--model", "gpt", "--world", "2", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64"]
+    tiny += ["--seq-len", "8", "--batch-per-gpu", "2", "--vocab", "64", "--no-duplication", "--quiet"]
+    traced = []
+    real = options.build_graph
+    monkeypatch.setattr("hidup.cli.app.build_graph", lambda *a, **k: traced.append(1) or real(*a, **k))
+    with pytest.raises(SystemExit, match="needs bf16 autocast.*Fix: add --precision bf16"):  # one message
+        main(["search", *tiny, "--reduce-dtype", "bf16", "--out", str(tmp_path / "p.json")])
+    assert not traced
+    out = tmp_path / "bf16.json"
+    assert main(["search", *tiny, "--precision", "bf16", "--reduce-dtype", "bf16", "--out", str(out)]) == 0
+    assert Plan.load(out).reduce_dtype == "bf16" and traced
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "gradients reduced in bf16" in capsys.readouterr().out

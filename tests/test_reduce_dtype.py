@@ -157,6 +157,13 @@ def test_the_cost_model_prices_the_reductions_at_half_the_bytes():
     assert a.choices == b.choices and b.sent_bytes() == pytest.approx(a.sent_bytes() / 2)
     syncs = [(x, y) for x, y in zip(a.conversions, b.conversions) if x.backward == "grad_sync"]
     assert syncs and all(x.wire[1] == 2 * y.wire[1] and x.wire[0] == y.wire[0] for x, y in syncs)
+    # ZeRO-2: the reduce-scatter half of the sync in bf16, the all-gather of the updated rows in float32
+    profile = hidup.profiler.load(PROFILE)
+    z32, z16 = (
+        forced(_graph(), profile, "data", precision="bf16", duplication=False, zero="2", reduce_dtype=r)
+        for r in ("fp32", "bf16")
+    )
+    assert z32.zero and z32.choices == z16.choices and z16.sent_bytes() == pytest.approx(0.75 * z32.sent_bytes())
 
 
 def test_refused_without_bf16_autocast():

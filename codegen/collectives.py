@@ -46,7 +46,11 @@ weight to that dtype itself, elementwise, so its values are the same and half th
 the backward casts the incoming gradient to ``x``'s dtype *before* the adjoint collective, so that
 the gradient is summed over ranks in float32 and never rounded to the low dtype: the result equals
 the conversion without the cast, bit for bit, in both directions (FSDP2's
-``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``).
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``).  With ``reduce_dtype`` given
+(bfloat16: gradients reduced in bf16, :mod:`hidup.precision`) the backward casts the incoming
+gradient to ``reduce_dtype`` instead, runs the adjoint collective (the sum) in it, and casts the
+result to ``x``'s dtype: ``x.to(dtype)`` converted forward (``dtype`` may be ``x``'s own: no cast),
+``float32(adjoint(bf16(g)))`` backward (``reduce_dtype=bfloat16``).
 """
 
 from __future__ import annotations
@@ -397,28 +401,35 @@ def replicate(x: torch.Tensor, group=None) -> torch.Tensor:
 
 class _ConvertCast(torch.autograd.Function):
     """:class:`_Convert` of ``x`` cast to ``dtype`` first (the data travels in ``dtype``); the backward
-    runs in ``x``'s dtype and returns the gradient of ``x`` (module docstring, "Casts on the wire")."""
+    runs in ``reduce`` (``x``'s dtype, or the gradient's reduce dtype) and returns the gradient of ``x``
+    in ``x``'s dtype (module docstring, "Casts on the wire")."""
 
+    # why: autograd's forward takes the conversion's spec whole (ops, forms, group, both dtypes)
     @staticmethod
-    def forward(ctx, x, fwd, bwd, src, dst, group, dtype):
-        ctx.spec = (bwd, src, dst, group, x.dtype)
-        return apply_op(fwd, x.to(dtype), src, dst, group)
+    def forward(ctx, x, fwd, bwd, src, dst, group, dtype, reduce):
+        ctx.spec = (bwd, src, dst, group, x.dtype, reduce)
+        out = apply_op(fwd, x.to(dtype), src, dst, group)
+        return x.view_as(x) if out is x else out
 
     @staticmethod
     def backward(ctx, grad):
-        bwd, src, dst, group, dtype = ctx.spec
-        return apply_op(bwd, grad.to(dtype), dst, src, group), None, None, None, None, None, None
+        bwd, src, dst, group, dtype, reduce = ctx.spec
+        return apply_op(bwd, grad.to(reduce), dst, src, group).to(dtype), None, None, None, None, None, None, None
 
 
-def convert_cast(x: torch.Tensor, src: Form, dst: Form, group, dtype: torch.dtype) -> torch.Tensor:
+def convert_cast(
+    x: torch.Tensor, src: Form, dst: Form, group, dtype: torch.dtype, reduce_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`convert` of ``x`` sent in ``dtype`` (the output has ``dtype``), its gradient reduced in
-    ``x``'s dtype: ``x.to(dtype)`` converted, with no rounding of the gradient to ``dtype``."""
+    ``reduce_dtype`` (None: ``x``'s dtype, with no rounding of the gradient to ``dtype``) and returned
+    in ``x``'s dtype."""
     conv = conversion(src, dst)
     if conv is None:
         raise ValueError(f"no conversion from form {src} to form {dst}")
-    if world_of(group) == 1 or x.dtype == dtype:
+    reduce = x.dtype if reduce_dtype is None else reduce_dtype
+    if world_of(group) == 1 or (x.dtype == dtype and reduce == x.dtype):
         return convert(x.to(dtype), src, dst, group)
-    return _ConvertCast.apply(x, conv.forward, conv.backward, src, dst, group, dtype)
+    return _ConvertCast.apply(x, conv.forward, conv.backward, src, dst, group, dtype, reduce)
 
 
 def convert(x: torch.Tensor, src: Form, dst: Form, group=None) -> torch.Tensor:

@@ -211,32 +211,35 @@ convert_kept.register_autograd(_convert_grad, setup_context=_setup_context)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# why: the custom op's schema: convert's five arguments and the two dtypes
 @torch.library.custom_op("hidup::convert_cast", mutates_args=())
-def convert_cast(x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor, dtype: str) -> torch.Tensor:
-    """:func:`convert` of ``x.to(dtype)``: the data travels in ``dtype``; the backward reduces in ``x``'s
-    dtype (:func:`hidup.codegen.collectives.convert_cast`)."""
+def convert_cast(
+    x: torch.Tensor, src: str, dst: str, world: int, group: torch.Tensor, dtype: str, reduce: str
+) -> torch.Tensor:
+    """:func:`convert` of ``x.to(dtype)``: the data travels in ``dtype``; the backward reduces in
+    ``reduce`` and returns ``x``'s dtype (:func:`hidup.codegen.collectives.convert_cast`)."""
     frm, to = Form.parse(src), Form.parse(dst)
     op = conversion(frm, to).forward
     return _contiguous_new(collectives.apply_op(op, x.to(_DTYPES[dtype]), frm, to, group_of(group)), x)
 
 
 @convert_cast.register_fake
-def _(x, src, dst, world, group, dtype):
+def _(x, src, dst, world, group, dtype, reduce):
     frm, to = Form.parse(src), Form.parse(dst)
     shape = _shape_after(conversion(frm, to).forward, list(x.shape), frm, to, world)
     return x.new_empty(shape, dtype=_DTYPES[dtype])
 
 
 def _setup_cast_context(ctx, inputs, output):
-    x, ctx.src, ctx.dst, ctx.world, group, _ = inputs
-    ctx.x_dtype = x.dtype
+    x, ctx.src, ctx.dst, ctx.world, group, _, reduce = inputs
+    ctx.x_dtype, ctx.reduce = x.dtype, _DTYPES[reduce]
     ctx.save_for_backward(group)
 
 
 def _convert_cast_grad(ctx, grad):
     (group,) = ctx.saved_tensors
-    back = torch.ops.hidup.convert_backward(grad.to(ctx.x_dtype), ctx.src, ctx.dst, ctx.world, group)
-    return back, None, None, None, None, None
+    back = torch.ops.hidup.convert_backward(grad.to(ctx.reduce), ctx.src, ctx.dst, ctx.world, group)
+    return back.to(ctx.x_dtype), None, None, None, None, None, None
 
 
 convert_cast.register_autograd(_convert_cast_grad, setup_context=_setup_cast_context)

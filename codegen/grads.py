@@ -41,6 +41,15 @@ bucket beside the all-reduces; never packed), and its whole gradient is dropped 
 collective holds it until it completes); at the end of the backward every split parameter's slice
 receives its rows of the sum (:meth:`~hidup.codegen.zero.ZeroShards.synced`).
 
+Gradients reduced in bf16 (:mod:`hidup.precision`): while ``reduce_dtype`` is ``torch.bfloat16`` (the
+compiled module sets it per forward: a program that reduces in bf16, under a bf16 autocast) a
+float32 bucket sums bfloat16 copies instead, ``g = float32(sum_r bf16(g_r))``: the packed gradients
+are cast into a bfloat16 flat buffer (one ``copy_`` each, in place of the ``cat``) and copied back,
+cast, into their ``.grad`` after the sum (no view of the buffer); a gradient summed where it lies is
+cast to a bfloat16 copy, summed, and copied back into itself; a ZeRO-2 gradient is cast before its
+reduce-scatter, and the rows received are cast back.  Half the bytes travel; the casts are kernels on
+the compute stream (:mod:`hidup.search.cost` prices both).
+
 Because the sum is taken over the whole accumulated ``.grad``, gradient accumulation over several
 backward passes must skip the sync for all but the last one (``with module.no_sync(): ...``), and
 gradients must be zeroed between steps, as with DDP.
@@ -79,6 +88,7 @@ class _Bucket:
         self.packed: list[torch.nn.Parameter] = []  # parameters whose gradient is in ``buffer``
         self.summed: list[torch.Tensor] = []  # every tensor the all-reduce sums in place
         self.scattered: list[tuple] = []  # (ZeroSlice, its rows of the sum) of the stage-2 parameters
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gradient, its bf16 copy summed in its place)
 
 
 class GradBucketer:
@@ -98,6 +108,7 @@ class GradBucketer:
         self.pack_bytes = pack_bytes  # a contiguous gradient of this many bytes or more is summed in place
         self.groups = tuple(group) if isinstance(group, tuple) else (group,)
         self.enabled = True
+        self.reduce_dtype: torch.dtype | None = None  # bfloat16: float32 gradients summed in bf16 (module doc)
         self.buckets: list[_Bucket] = []
         self._handles = []
         self._pending = False
@@ -153,28 +164,37 @@ class GradBucketer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _wire_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype a bucket of ``p``'s dtype sums in other than its own: ``reduce_dtype`` for float32
+        gradients (module docstring), else None."""
+        return self.reduce_dtype if p.dtype == torch.float32 and self.reduce_dtype not in (None, p.dtype) else None
+
     def _launch(self, bucket: _Bucket) -> None:
         members = [p for p in bucket.params if id(p) in bucket.ready and p.grad is not None]
         if not members:
             return
+        low = self._wire_dtype(members[0])
         in_place, bucket.packed, scatter = [], [], []
         for p in members:
             g = p.grad
             z = self.zero.by_param.get(id(p)) if self.zero else None
             if z is not None and z.stage == 2:
-                scatter.append((z, g.detach().contiguous()))
+                scatter.append((z, g.detach().to(low or g.dtype, memory_format=torch.contiguous_format)))
                 p.grad = None  # the collective keeps the whole gradient until it is done
             elif g.is_contiguous() and g.numel() * g.element_size() >= self.pack_bytes:
-                in_place.append(g)
+                in_place.append(g if low is None else g.detach().to(low))
+                if low is not None:
+                    bucket.back.append((g.detach(), in_place[-1]))
             else:
                 bucket.packed.append(p)
         if bucket.packed:
-            bucket.buffer = torch.cat([p.grad.detach().reshape(-1) for p in bucket.packed])
+            bucket.buffer = _packed([p.grad.detach() for p in bucket.packed], low)
         bucket.summed = ([bucket.buffer] if bucket.packed else []) + in_place
         works = [_all_reduce(bucket.summed, self.groups[0], async_op=True)] if bucket.summed else []
         if scatter:
             bucket.scattered = [
-                (z, torch.empty_like(z.shard, memory_format=torch.contiguous_format)) for z, _ in scatter
+                (z, torch.empty_like(z.shard, dtype=low or z.shard.dtype, memory_format=torch.contiguous_format))
+                for z, _ in scatter
             ]
             pairs = [(out, g) for (_, out), (_, g) in zip(bucket.scattered, scatter)]
             works.append(_reduce_scatter(pairs, self.groups[0]))
@@ -195,11 +215,14 @@ class GradBucketer:
                 for p in bucket.packed:
                     n = p.numel()
                     summed = bucket.buffer[offset : offset + n].view(p.grad.shape)
-                    if p.grad.is_contiguous():  # the sum becomes the gradient, a view of the bucket: no copy back
+                    # the sum becomes the gradient, a view of the bucket: no copy back (a bf16 sum is cast back)
+                    if p.grad.is_contiguous() and summed.dtype == p.grad.dtype:
                         p.grad = summed
                     else:
                         p.grad.detach().copy_(summed)
                     offset += n
+                for g, low in bucket.back:
+                    g.copy_(low)
                 self._zero_synced(bucket)
         finally:
             for bucket in self.buckets:
@@ -208,6 +231,7 @@ class GradBucketer:
                 bucket.packed = []
                 bucket.summed = []
                 bucket.scattered = []
+                bucket.back = []
             self._next = 0
             self._pending = False
 
@@ -216,11 +240,23 @@ class GradBucketer:
         if not self.zero:
             return
         for z, rows in bucket.scattered:
-            self.zero.synced(z, rows)
+            self.zero.synced(z, rows.to(z.shard.dtype))
         for p in bucket.params:
             z = self.zero.by_param.get(id(p))
             if z is not None and z.stage == 1 and id(p) in bucket.ready:
                 self.zero.synced(z, None)
+
+
+def _packed(grads: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+    """The gradients ``grads`` flat in one new buffer of ``dtype`` (None: theirs, by ``torch.cat``)."""
+    if dtype is None:
+        return torch.cat([g.reshape(-1) for g in grads])
+    out = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    offset = 0
+    for g in grads:
+        out[offset : offset + g.numel()].view(g.shape).copy_(g)
+        offset += g.numel()
+    return out
 
 
 class _Calls:

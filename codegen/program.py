@@ -22,6 +22,10 @@ For rank r of N and a :class:`hidup.plan.Plan` (one :class:`~hidup.ir.Signature`
 * **ZeRO** (``plan.zero``): ``RankProgram.zero`` names the replicated parameters whose gradient and
   optimizer state the runtime splits over the ranks, with their stage (:mod:`hidup.codegen.zero`;
   the program itself is unchanged: they enter it whole).
+* **gradients reduced in bf16** (``plan.reduce_dtype``, :mod:`hidup.precision`): the form changes of a
+  float32 parameter whose backward sums over ranks are :func:`hidup_convert_cast` with ``reduce``
+  (resharded: :func:`hidup_reshard_convert` with ``reduce``), and ``RankProgram.reduce_dtype`` tells the
+  gradient bucketers to sum in bf16 (:mod:`hidup.codegen.grads`); both cast only under a bf16 autocast.
 * **resharded parameters** (``plan.reshard``): their form changes are :func:`hidup_reshard_convert`
   and the ops that read the converted copy run in :class:`hidup.codegen.reshard.ReshardCall`, so the
   copy is freed after the forward and made again in the backward (:mod:`hidup.codegen.reshard`).
@@ -73,7 +77,14 @@ from hidup.ir import (
     block_label,
     layout_conversions,
 )
-from hidup.precision import casts_on_wire, is_collective, wire_low_params
+from hidup.precision import (
+    REDUCE_DTYPES,
+    casts_on_wire,
+    is_collective,
+    is_reduction,
+    reduce_low_params,
+    wire_low_params,
+)
 from hidup.rules import dispatch, random
 from hidup.rules.base import TensorMeta
 from hidup.rules.mesh import localize_mesh
@@ -163,44 +174,79 @@ def hidup_convert_kept_step(x: torch.Tensor, axis: int, src: str, dst: str) -> t
     return torch.ops.hidup.convert_kept(x, src, dst, world, token)
 
 
-def hidup_convert_cast(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
-    """:func:`hidup_convert` of a parameter whose every use casts it to autocast's dtype
-    (:mod:`hidup.precision`): its slices travel in that dtype, its gradient is reduced in float32."""
-    dtype = _low_dtype(x)
-    if dtype is None:
+def _cast_dtypes(x: torch.Tensor, send: bool, reduce: bool) -> tuple[torch.dtype, torch.dtype] | None:
+    """(dtype ``x`` travels in, dtype its gradient is summed in) under the autocast now on: autocast's low
+    dtype where ``send``, bfloat16 where ``reduce`` and autocast's dtype is bfloat16 (:mod:`hidup.precision`),
+    ``x``'s dtype otherwise; None where nothing is cast (no autocast, or ``x`` not float32)."""
+    low = _low_dtype(x)
+    if low is None:
+        return None
+    dtypes = (low if send else x.dtype, torch.bfloat16 if reduce and low == torch.bfloat16 else x.dtype)
+    return None if dtypes == (x.dtype, x.dtype) else dtypes
+
+
+def hidup_convert_cast(x: torch.Tensor, src: str, dst: str, send: bool = True, reduce: bool = False) -> torch.Tensor:
+    """:func:`hidup_convert` of a float32 parameter under autocast (:mod:`hidup.precision`): with ``send``
+    (every use casts it to autocast's dtype) its slices travel in that dtype; with ``reduce`` (gradients
+    reduced in bf16) its gradient is summed in bfloat16, else in float32."""
+    dtypes = _cast_dtypes(x, send, reduce)
+    if dtypes is None:
         return hidup_convert(x, src, dst)
+    dtype, summed = dtypes
     if torch.compiler.is_compiling():
-        name = str(dtype).removeprefix("torch.")
-        return torch.ops.hidup.convert_cast(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token, name)
-    return collectives.convert_cast(x, _form(src), _form(dst), current_group(), dtype)
+        world, token = compiled.ACTIVE.world, compiled.ACTIVE.token
+        return torch.ops.hidup.convert_cast(x, src, dst, world, token, _dtype_name(dtype), _dtype_name(summed))
+    return collectives.convert_cast(x, _form(src), _form(dst), current_group(), dtype, summed)
 
 
-def hidup_convert_cast_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+def hidup_convert_cast_step(
+    x: torch.Tensor, axis: int, src: str, dst: str, send: bool = True, reduce: bool = False
+) -> torch.Tensor:
     """:func:`hidup_convert_step` of such a parameter (:func:`hidup_convert_cast`)."""
-    dtype = _low_dtype(x)
-    if dtype is None:
+    dtypes = _cast_dtypes(x, send, reduce)
+    if dtypes is None:
         return hidup_convert_step(x, axis, src, dst)
+    dtype, summed = dtypes
     if torch.compiler.is_compiling():
         world, token = compiled.ACTIVE.axes[axis]
-        return torch.ops.hidup.convert_cast(x, src, dst, world, token, str(dtype).removeprefix("torch."))
-    return collectives.convert_cast(x, _form(src), _form(dst), _axis_group(axis), dtype)
+        return torch.ops.hidup.convert_cast(x, src, dst, world, token, _dtype_name(dtype), _dtype_name(summed))
+    return collectives.convert_cast(x, _form(src), _form(dst), _axis_group(axis), dtype, summed)
 
 
-def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
     """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
-    made again there (:mod:`hidup.codegen.reshard`)."""
+    made again there (:mod:`hidup.codegen.reshard`); with ``reduce`` its gradient is summed in bf16
+    under a bf16 autocast (:func:`hidup_convert_cast`; the copy travels in ``x``'s dtype)."""
+    summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
-        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
-    out = collectives.convert(x, _form(src), _form(dst), current_group())
+        return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token, summed)
+    out = _reshard_out(x, src, dst, current_group(), summed)
     return register(out, x, _form(src), _form(dst), current_group())
 
 
-def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
     """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
+    summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
-        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis])
-    out = collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
+        return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis], summed)
+    out = _reshard_out(x, src, dst, _axis_group(axis), summed)
     return register(out, x, _form(src), _form(dst), _axis_group(axis))
+
+
+def _summed_dtype(x: torch.Tensor, reduce: bool) -> torch.dtype | None:
+    """The dtype ``x``'s gradient is summed in where that is not ``x``'s own (:func:`_cast_dtypes`)."""
+    dtypes = _cast_dtypes(x, False, reduce)
+    return None if dtypes is None else dtypes[1]
+
+
+def _reshard_out(x: torch.Tensor, src: str, dst: str, group, summed: torch.dtype | None) -> torch.Tensor:
+    if summed is None:
+        return collectives.convert(x, _form(src), _form(dst), group)
+    return collectives.convert_cast(x, _form(src), _form(dst), group, x.dtype, summed)
 
 
 def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:
@@ -285,6 +331,8 @@ class RankProgram:
     random_ops: int = 0
     # gm path of each replicated parameter ZeRO splits -> its stage (hidup.codegen.zero)
     zero: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the dtype parameter gradients are summed over ranks in under a bf16 autocast (hidup.precision)
+    reduce_dtype: str = "fp32"
 
 
 def _plain(form: "Form | Layout") -> "Form | Layout":
@@ -347,8 +395,12 @@ class _Builder:
         reshard=(),
         selective=(),
         zero=None,
+        reduce_dtype: str = "fp32",
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.reduce_dtype = reduce_dtype  # the dtype parameter gradients are summed in (hidup.precision)
+        # params whose gradient reductions cast to bf16 under a bf16 autocast
+        self.reduce_low = reduce_low_params(traced.graph) if reduce_dtype == "bf16" else frozenset()
         self.zero = dict(zero or {})  # param node -> ZeRO stage asked for (hidup.codegen.zero)
         self.param_node: dict[str, str] = {}  # stored attribute -> its param node
         self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
@@ -444,15 +496,19 @@ class _Builder:
             node = self.value(tid)
             # a replicated parameter's replicate -> full step is the identity here
             changes = [(axis, a, b) for axis, a, b in self._mesh_steps(tid, src, dst) if a != b]
-            steps = [(axis, a, b, collectives.conversion(a, b).forward) for axis, a, b in changes]
-            cast = not reshard and tid in self.wire_low and casts_on_wire(op for *_, op in steps)
-            for axis, a, b, op in steps:
+            steps = [(axis, a, b, collectives.conversion(a, b)) for axis, a, b in changes]
+            cast = not reshard and tid in self.wire_low and casts_on_wire(c.forward for *_, c in steps)
+            for axis, a, b, conv in steps:
                 step = hidup_reshard_convert_step if reshard else hidup_convert_step
+                args = (node, axis, str(a), str(b))
                 if self._kept(tid):
                     step = hidup_convert_kept_step
-                if cast and is_collective(op):
-                    step = hidup_convert_cast_step
-                node = self.call(step, (node, axis, str(a), str(b)))
+                send, summed = cast and is_collective(conv.forward), self._reduces_low(tid, conv)
+                if reshard and summed:
+                    args += (True,)
+                elif send or summed:
+                    step, args = hidup_convert_cast_step, args + (send, summed)
+                node = self.call(step, args)
                 if reshard:
                     self.gathered.add(node)
             self.converted[key] = node
@@ -463,14 +519,25 @@ class _Builder:
                     f"but a consumer needs {dst}; no conversion exists"
                 )
             convert = hidup_reshard_convert if reshard else hidup_convert
-            if not reshard and tid in self.wire_low and casts_on_wire([collectives.conversion(src, dst).forward]):
-                convert = hidup_convert_cast
+            conv = collectives.conversion(src, dst)
+            args = (self.value(tid), str(src), str(dst))
+            send = not reshard and tid in self.wire_low and casts_on_wire([conv.forward])
+            summed = self._reduces_low(tid, conv)
+            if reshard and summed:
+                args += (True,)
+            elif send or summed:
+                convert, args = hidup_convert_cast, args + (send, summed)
             elif self._kept(tid):
                 convert = hidup_convert_kept
-            self.converted[key] = self.call(convert, (self.value(tid), str(src), str(dst)))
+            self.converted[key] = self.call(convert, args)
             if reshard:
                 self.gathered.add(self.converted[key])
         return self.converted[key]
+
+    def _reduces_low(self, tid: int, conv) -> bool:
+        """Whether the backward of form change ``conv`` of tensor ``tid`` sums a float32 parameter's
+        gradient that the plan reduces in bf16 (:mod:`hidup.precision`)."""
+        return tid in self.reduce_low and is_reduction(conv.backward)
 
     def _kept(self, tid: int) -> bool:
         """Whether a form change of tensor ``tid`` made here is saved by a selective region: an
@@ -698,6 +765,7 @@ class _Builder:
             replicate_axes,
             self.random_ops,
             {shapes[name][0]: stage for name, stage in split.items()},
+            self.reduce_dtype,
         )
 
 
@@ -723,7 +791,9 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`).
     ``options.zero`` (None: the plan's ``zero``; 0, 1 or 2: that ZeRO stage for every replicated
     parameter; a dict of ``param`` node names) says which replicated parameters the runtime splits
-    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``)."""
+    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``).  ``options.reduce_dtype`` (None: the plan's
+    ``reduce_dtype``) is the dtype the float32 parameters' gradients are summed in under a bf16 autocast
+    (:mod:`hidup.precision`, ``RankProgram.reduce_dtype``)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
     reshard = getattr(options, "reshard", None)
@@ -754,6 +824,11 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
             "or search again"
         )
     zero = _zero_request(traced, plan, getattr(options, "zero", None), params)
+    reduce_dtype = getattr(options, "reduce_dtype", None) or getattr(plan, "reduce_dtype", "fp32")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise CompileError(
+            f"reduce_dtype={reduce_dtype!r}: give one of {', '.join(REDUCE_DTYPES)}, or None (the plan's)"
+        )
     return _Builder(
         traced,
         plan,
@@ -766,6 +841,7 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
         reshard,
         selective,
         zero,
+        reduce_dtype,
     ).build()
 
 

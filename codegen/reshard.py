@@ -28,7 +28,9 @@ How the rank program does it:
 
 The values are those of the plain program (the same collective of the same shard), so losses and
 gradients match it exactly.  The gradient of the parameter still flows through the forward
-conversion's own backward (a reduce-scatter for an all-gather), which saves nothing.  Collectives
+conversion's own backward (a reduce-scatter for an all-gather), which saves nothing; with gradients
+reduced in bf16 (:mod:`hidup.precision`) that conversion is ``convert_cast`` sending the copy in its
+own dtype and summing the gradient in bf16.  Collectives
 of the backward run in the order of the ops that unpack, the same on every rank.
 
 Under ``torch.compile`` the saved tensors are AOTAutograd's to choose, not autograd's, so there the
@@ -165,13 +167,20 @@ def _must_recompute(ctx, op, *args, **kwargs):
 _RECOMPUTE_CONTEXT = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _must_recompute)
 
 
-def compiled_convert(x: torch.Tensor, src: str, dst: str, world: int, token: torch.Tensor) -> torch.Tensor:
+def compiled_convert(
+    x: torch.Tensor, src: str, dst: str, world: int, token: torch.Tensor, summed: torch.dtype | None = None
+) -> torch.Tensor:
     """The conversion ``hidup::convert`` of a resharded parameter under ``torch.compile``: in a
     checkpoint region of its own whose policy recomputes it, so AOTAutograd's partitioner makes the copy
-    again in the backward from the shard instead of saving it (module docstring)."""
-    return torch.utils.checkpoint.checkpoint(
-        torch.ops.hidup.convert, x, src, dst, world, token, use_reentrant=False, context_fn=_RECOMPUTE_CONTEXT
-    )
+    again in the backward from the shard instead of saving it (module docstring).  With ``summed`` (its
+    gradient summed in that dtype, :mod:`hidup.precision`) the op is ``hidup::convert_cast`` sending ``x``
+    in its own dtype."""
+    if summed is None:
+        op, args = torch.ops.hidup.convert, (x, src, dst, world, token)
+    else:
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        op, args = torch.ops.hidup.convert_cast, (x, src, dst, world, token, name(x.dtype), name(summed))
+    return torch.utils.checkpoint.checkpoint(op, *args, use_reentrant=False, context_fn=_RECOMPUTE_CONTEXT)
 
 
 def _method(name: str):

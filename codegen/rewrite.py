@@ -186,6 +186,7 @@ class HidupModule(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         values = self._bind(args, kwargs)
+        self._reduce_in(self._reduce_dtype())
         if self.program.random_ops and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self.begin_step()
         if not self.duplication:
@@ -213,6 +214,20 @@ class HidupModule(nn.Module):
             return self.runner(inputs_of, self.copy_groups)
 
     # -- helpers
+    def _reduce_dtype(self) -> torch.dtype | None:
+        """bfloat16 where the program reduces gradients in bf16 and a bf16 autocast is on for this
+        forward (:mod:`hidup.precision`), else None: the dtype this step's gradient syncs sum in."""
+        if self.program.reduce_dtype != "bf16":
+            return None
+        kind = device_of(self.gm).type
+        on = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+        return torch.bfloat16 if on else None
+
+    def _reduce_in(self, dtype: torch.dtype | None) -> None:
+        """Make the gradient bucketers sum the next backward's gradients in ``dtype`` (None: their own)."""
+        for bucketer in self.bucketers:
+            bucketer.reduce_dtype = dtype
+
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The true loss (sum over ranks of the local losses), detached."""
         return collectives.all_reduce_raw(loss.detach(), self.group)
@@ -338,7 +353,9 @@ class CompileOptions(OptionSet):
     the seed of the random ops (dropout), which draw the single device's values whatever the plan
     (:mod:`hidup.rules.random`; ``module.rng_step`` is the step they draw next).  ``zero``: the ZeRO
     stage of the replicated parameters (None: the plan's ``zero``; 0 none; 1 or 2 that stage for each
-    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`)."""
+    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).
+    ``reduce_dtype``: the dtype the float32 parameters' gradients are summed over ranks in while a bf16
+    autocast is on (``"fp32"`` or ``"bf16"``; None: the plan's ``reduce_dtype``; :mod:`hidup.precision`)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -353,6 +370,7 @@ class CompileOptions(OptionSet):
     reshard: list | tuple | bool | None = None
     seed: int = 0
     zero: int | dict | None = None
+    reduce_dtype: str | None = None
     WHAT = "compile"
 
 

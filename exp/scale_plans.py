@@ -41,6 +41,7 @@ import torch
 
 import hidup
 from hidup.ir import parse_mesh
+from hidup.precision import REDUCE_DTYPES
 from hidup.rules.dispatch import DISPATCHERS
 from hidup.search import SearchError
 
@@ -170,8 +171,10 @@ def run_job(
     layers: int | None,
     seq: int,
     plans: Path | None = None,
+    reduce_dtype: str = "fp32",
 ) -> dict:
-    """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``."""
+    """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``;
+    ``reduce_dtype`` the dtype gradients are summed over ranks in (``hidup search --reduce-dtype``)."""
     world = math.prod(mesh)
     model, inputs = build(name, layers, batch=world, seq=seq)
     t0, c0 = time.perf_counter(), cpu_seconds()
@@ -192,13 +195,20 @@ def run_job(
         f"torch {torch.__version__}",
         "profile": profile,
         "precision": precision,
+        "reduce_dtype": reduce_dtype,
         "memory_budget_gb": memory_gb or None,
         "trace_s": round(trace_s, 2),
         "trace_cpu_s": round(trace_cpu_s, 2),
     }
     t0, c0 = time.perf_counter(), cpu_seconds()
     try:
-        plan = hidup.search(graph, profile, memory_budget=memory_gb * 1e9 if memory_gb else None, precision=precision)
+        plan = hidup.search(
+            graph,
+            profile,
+            memory_budget=memory_gb * 1e9 if memory_gb else None,
+            precision=precision,
+            reduce_dtype=reduce_dtype,
+        )
     except SearchError as e:  # recorded: the budget or the mesh admits no plan
         row.update(search_s=round(time.perf_counter() - t0, 2), error=str(e))
         print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
@@ -235,7 +245,8 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "",
         "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in rows)) + "  ",
         f"Host: {rows[0]['host']}; "
-        f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, "
+        f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, gradients reduced in "
+        f"{rows[0].get('reduce_dtype', 'fp32')}, "
         f"sequence {rows[0]['seq']}, one sequence per GPU.",
         "",
         "Models are built on the meta device from `transformers` configs with the published shapes and "
@@ -312,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--memory", type=float, default=141.0, help="default GB per GPU (H200: 141; 0: no budget)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
+    p.add_argument(
+        "--reduce-dtype",
+        default="fp32",
+        choices=REDUCE_DTYPES,
+        help="dtype the weights' gradients are summed over ranks in (bf16 needs --precision bf16; default fp32)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--plans", type=Path, help="also save each run's plan as JSON in this folder")
     p.add_argument(
@@ -334,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, mesh, memory in (parse_run(r, args.memory) for r in args.runs):
             profile = args.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
-            rows.append(run_job(name, mesh, profile, memory, args.precision, args.layers, args.seq, args.plans))
+            rows.append(
+                run_job(
+                    name, mesh, profile, memory, args.precision, args.layers, args.seq, args.plans, args.reduce_dtype
+                )
+            )
             rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])
             (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later run is cut
     write_markdown(rows, args, args.out / "scale_plans.md")

@@ -124,10 +124,20 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from hidup.ir import ZERO_CHOICES, Graph, Node, Signature, axis_forms, block_label, mesh_text, zero_stage
+from hidup.ir import (
+    FORM_CHANGE_OPS,
+    ZERO_CHOICES,
+    Graph,
+    Node,
+    Signature,
+    axis_forms,
+    block_label,
+    mesh_text,
+    zero_stage,
+)
 from hidup.optionset import OptionSet
 from hidup.plan.record import ConversionRecord, MeshStepRecord, Plan, layer_of, model_record
-from hidup.precision import casts_on_wire
+from hidup.precision import casts_on_wire, check_reduce_dtype
 from hidup.profiler import load
 from hidup.rules.dispatch import host_synchronizes
 from hidup.search import dp, ilp
@@ -218,7 +228,10 @@ class SearchOptions(OptionSet):
     whole).  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
     their gathered copies made again in the backward instead of kept (module docstring, "Resharding").
     ``zero`` (:data:`hidup.ir.ZERO_CHOICES`: ``"auto"``, ``"off"``, ``"1"``, ``"2"``) whether the replicated
-    weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO")."""
+    weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO").
+    ``reduce_dtype`` (:data:`hidup.precision.REDUCE_DTYPES`: ``"fp32"``, ``"bf16"``) the dtype the
+    float32 parameters' gradients are summed over ranks in; ``"bf16"`` needs ``precision="bf16"``
+    (:mod:`hidup.precision`, "Gradients reduced in bf16"); ``plan.reduce_dtype`` records it."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -236,6 +249,7 @@ class SearchOptions(OptionSet):
     recompute: str | tuple | list | frozenset = "auto"
     reshard: str = "auto"
     zero: str = "auto"
+    reduce_dtype: str = "fp32"
     WHAT = "search"
 
     def check(self) -> None:
@@ -251,6 +265,7 @@ class SearchOptions(OptionSet):
             raise ValueError(f"zero must be one of {', '.join(ZERO_CHOICES)}, got {self.zero!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        check_reduce_dtype(self.reduce_dtype, self.precision)
 
 
 def search(
@@ -416,6 +431,7 @@ def price(
         recompute=recomputed(plan),
         reshard=reshard,
         zero=zero,
+        reduce_dtype=getattr(plan, "reduce_dtype", "fp32"),
     )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
@@ -578,6 +594,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
         models,
         reshard=True,
         zero=ZERO_STAGE.get(opts.zero, 0),
+        reduce_dtype=opts.reduce_dtype,
     )
     ks = plan_indices(problem, plan)
     modes = (False, True) if opts.duplication else (False,)
@@ -873,6 +890,7 @@ class SearchRun:
                 self.models,
                 reshard,
                 ZERO_STAGE[opts.zero],
+                opts.reduce_dtype,
             )
             return first
         if first.recompute == recompute:
@@ -1108,6 +1126,7 @@ class RecomputeTrial:
             "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
             "reshard_requested": opts.reshard,
             "zero_requested": opts.zero,
+            "reduce_dtype": opts.reduce_dtype,
         }
         if self.solver is not None:
             options["solver"] = self.solver  # the ILP's status: proven optimal, or stopped by its time limit
@@ -1269,6 +1288,20 @@ def forced(graph: Graph, profile, style: "str | tuple[str, ...]", **kwargs) -> P
 
 
 # ---------------------------------------------------------------------------------------- plan assembly
+def _backward_bytes(p: Problem, tid: int, op: str, nbytes: float, src=None) -> int | None:
+    """The logical bytes a conversion's backward op ``op`` moves for tensor ``tid`` of ``nbytes`` float32
+    bytes, at the dtype its gradient is summed in (:meth:`hidup.search.cost.CostModel.reduce_share`);
+    ``None`` for a mesh step (``src`` None) where that is ``nbytes``.  A ZeRO-2 parameter's gradient
+    sync is recorded as an all-reduce (``grad_sync``): its reduce-scatter half at the gradient's dtype,
+    its all-gather half of the updated float32 rows at float32 (:mod:`hidup.search.cost`)."""
+    share = p.cost.reduce_share(tid, FORM_CHANGE_OPS[op].collective)
+    if src is None:
+        return None if share == 1.0 else int(nbytes * share)
+    if share != 1.0 and op == "grad_sync" and zero_stage(p.graph, p.cost.zero, tid, src) == 2:
+        share = (share + 1.0) / 2
+    return int(nbytes * share)
+
+
 def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, explain: int = 6) -> Plan:
     """Package an evaluated assignment as a :class:`Plan` (conversions, costs, runner-ups)."""
     g, p = problem.graph, problem
@@ -1295,6 +1328,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     s.after,
                     int(p.cost.step_bytes(tid, s.before, s.axis)),
                     int(p.cost.step_bytes(tid, s.before, s.axis) * wire) if wire != 1.0 else None,
+                    _backward_bytes(p, tid, s.conv.backward, p.cost.step_bytes(tid, s.before, s.axis)),
                 )
                 for s in path
             )
@@ -1312,7 +1346,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
                     t.nbytes,
                     t.requires_grad,
                     steps,
-                    () if path else (int(nbytes * wire), int(nbytes)),
+                    () if path else (int(nbytes * wire), _backward_bytes(p, tid, c.conv.backward, nbytes, p.forms[a])),
                 )
             )
     layers = {}
@@ -1337,6 +1371,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         options=options,
         node_costs=node_costs,
         layers=layers,
+        reduce_dtype=p.cost.reduce_dtype,
     )
     for i, k in enumerate(ev.ks):  # collectives inside nodes: the routed experts' all-to-all dispatcher
         d = p.cost.dispatch(p.order[i], p.sigs[i][k])

@@ -225,6 +225,24 @@ a small one)
 (:meth:`hidup.search.memory.MemoryModel.stepped`).  A ring's reduce-scatter and all-gather each move
 what half an all-reduce moves, so stage 2 sends what stage 0 sends, one half of it after the backward.
 
+Gradients reduced in bf16 (``reduce_dtype``, :mod:`hidup.precision`)
+-------------------------------------------------------------------
+A cost model with ``reduce_dtype="bf16"`` (only under ``precision="bf16"``) prices every backward
+collective that sums a float32 trainable parameter's gradient over ranks -- ``G(b)``, ``S(b)`` above, the
+reduce-scatter adjoint of a parameter's all-gather, and a mesh step's -- at bfloat16's bytes,
+``r = 1/2`` of them (:meth:`CostModel.reduce_share`)::
+
+    G'(b) = T(all_reduce, r B) * b / B,   S'(b) = T(reduce_scatter, r B) * b / B,   T(c, r b) otherwise
+
+(the bucket holds the same parameters, half the bytes), plus the casts around the collective on the
+compute stream (:meth:`CostModel.reduce_casts`): float32 to bfloat16 of the whole gradient before it,
+``o + 1.5 b / memory_bandwidth`` (4 bytes read and 2 written per element; none where the gradient
+already arrives in bfloat16: a parameter gathered in autocast's dtype, "Weights on the wire"), and
+back to float32 of what the rank receives after it, ``o + 1.5 b_recv / memory_bandwidth`` (``b_recv = b``
+for an all-reduce, ``b / n`` for a reduce-scatter).  A ZeRO-2 parameter's all-gather after the
+optimizer moves float32 weights and keeps its price.  The plan records the bytes the same way
+(``ConversionRecord.wire``, a mesh step's ``backward_bytes``), so ``Plan.sent_bytes`` follows.
+
 Nodes of one price
 ------------------
 A node's compute reads of the node only its op and target, its fusion (compiled), its half-batch
@@ -290,7 +308,14 @@ from hidup.ir import (
     layout_conversions,
     zero_stage,
 )
-from hidup.precision import AUTOCAST_LOW_OPS, casts_on_wire, wire_low_params
+from hidup.precision import (
+    AUTOCAST_LOW_OPS,
+    casts_on_wire,
+    check_reduce_dtype,
+    reduce_low_params,
+    reduce_share,
+    wire_low_params,
+)
 from hidup.profiler.profile import DTYPES, Corrections, op_dtype
 from hidup.rules.dispatch import dispatch_axis
 from hidup.rules.fusion import fusion_kind
@@ -426,10 +451,18 @@ class CostModel:
     """Prices nodes and form changes of one graph under one profile (see the module docstring)."""
 
     def __init__(
-        self, graph: Graph, profile, precision: str = "fp32", bucket_mb: float = GRAD_BUCKET_MB, zero: int = 0
+        self,
+        graph: Graph,
+        profile,
+        precision: str = "fp32",
+        bucket_mb: float = GRAD_BUCKET_MB,
+        zero: int = 0,
+        reduce_dtype: str = "fp32",
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        check_reduce_dtype(reduce_dtype, precision)
+        self.reduce_dtype = reduce_dtype  # the dtype parameter gradients are summed in (module docstring)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (the runtime's gradient bucket size in MB), got {bucket_mb!r}")
         self.graph, self.profile, self.precision = graph, profile, precision
@@ -462,6 +495,8 @@ class CostModel:
         low = LOW_PRECISIONS.get(precision)
         self._wire = wire_low_params(graph) if low else frozenset()
         self._wire_share = DTYPE_BYTES[low] / 4 if low else 1.0
+        self._reduce = reduce_low_params(graph) if reduce_dtype != "fp32" else frozenset()
+        self._reduce_share = reduce_share(reduce_dtype)
         self._padded = self._padded_matmul_outputs(graph) if self.compiled else frozenset()
         self._twin = self._price_twins(graph)
 
@@ -1039,16 +1074,18 @@ class CostModel:
         n, level = self.group(axis)
         return self.comm_profile.comm_time(collective, n, nbytes, level=level)
 
-    def grad_sync(self, nbytes: float, axis: int | None = None) -> float:
+    def grad_sync(self, nbytes: float, axis: int | None = None, share: float = 1.0) -> float:
         """Seconds of a replicated parameter's gradient all-reduce of ``nbytes``: its share of one
-        bucket's all-reduce (module docstring)."""
+        bucket's all-reduce, the bucket's bytes sent at ``share`` of them (module docstring; a bf16
+        reduction: :meth:`reduce_share`)."""
         bucket = max(float(nbytes), self.bucket_bytes)
-        return self.comm("all_reduce", bucket, axis) * float(nbytes) / bucket
+        return self.comm("all_reduce", bucket * share, axis) * float(nbytes) / bucket
 
-    def bucket_share(self, collective: str, nbytes: float) -> float:
-        """Seconds of ``nbytes``' share of one gradient bucket's ``collective`` over the world."""
+    def bucket_share(self, collective: str, nbytes: float, share: float = 1.0) -> float:
+        """Seconds of ``nbytes``' share of one gradient bucket's ``collective`` over the world, the
+        bucket's bytes sent at ``share`` of them."""
         bucket = max(float(nbytes), self.bucket_bytes)
-        return self.comm(collective, bucket) * float(nbytes) / bucket
+        return self.comm(collective, bucket * share) * float(nbytes) / bucket
 
     def zero_gather(self, tid: int, form) -> float:
         """Seconds of all-gathering the updated rows of parameter ``tid`` stored in ``form`` after the
@@ -1057,11 +1094,29 @@ class CostModel:
             return 0.0
         return self.zero_share("all_gather", float(self.nbytes[tid]))
 
-    def zero_share(self, collective: str, nbytes: float) -> float:
-        """Seconds of a split parameter's ``nbytes`` in a bucket's coalesced ``collective``, a small one a
-        tensor of its own in it (module docstring, "ZeRO")."""
+    def zero_share(self, collective: str, nbytes: float, share: float = 1.0) -> float:
+        """Seconds of a split parameter's ``nbytes`` in a bucket's coalesced ``collective`` (sent at
+        ``share`` of its bytes), a small one a tensor of its own in it (module docstring, "ZeRO")."""
         own = self.profile.grad_copy_fixed() if nbytes < GRAD_PACK_BYTES else 0.0
-        return self.bucket_share(collective, nbytes) + own
+        return self.bucket_share(collective, nbytes, share) + own
+
+    def reduce_share(self, tid: int, collective: str) -> float:
+        """The share of its float32 bytes that a backward ``collective`` of tensor ``tid``'s gradient
+        sends: bfloat16's half for a sum over ranks of a float32 parameter's gradient under
+        ``reduce_dtype="bf16"`` (module docstring, "Gradients reduced in bf16"), else 1."""
+        if tid in self._reduce and collective in ("all_reduce", "reduce_scatter"):
+            return self._reduce_share
+        return 1.0
+
+    def reduce_casts(self, nbytes: float, received: float, arrives_low: bool) -> float:
+        """Seconds of the casts around a gradient reduction in bfloat16 of ``nbytes`` float32 bytes of
+        which the rank receives ``received``: to bfloat16 before it (none when the gradient
+        ``arrives_low``), back to float32 after it (module docstring, "Gradients reduced in bf16")."""
+        membw = self.profile.memory_bandwidth
+        if membw <= 0:
+            return 0.0
+        down = 0.0 if arrives_low else self._copy(0.75 * nbytes, membw)
+        return down + self._copy(0.75 * received, membw)
 
     def pair_speedup(self, collective: str, nbytes: float, axis: int | None = None) -> float:
         """How much faster two copies' equal collectives go together than one after the other
@@ -1121,6 +1176,7 @@ class CostModel:
             tid in self._padded,
             self.wire_share(tid),
             zero_stage(self.graph, self.zero, tid, REPLICATE),
+            tid in self._reduce,
         )
 
     def wire_share(self, tid: int) -> float:
@@ -1152,24 +1208,30 @@ class CostModel:
             if not t.requires_grad:
                 cb = ""
             b = float(self.nbytes[tid])
-            bf = b * (self.wire_share(tid) if casts_on_wire([conv.forward]) else 1.0)  # what travels forward
+            cast = self.wire_share(tid) if casts_on_wire([conv.forward]) else 1.0
+            bf = b * cast  # what travels forward
+            share = self.reduce_share(tid, cb)  # what travels backward, per float32 byte
             grad_sync = conv.grad_sync and t.requires_grad
             bwd_op = conv.backward_local if t.requires_grad else ""
             fwd = self.comm(cf, bf)
             pad = self.padded_copies(tid, src, conv.forward)
             lf = self.local_copies(conv.forward, src, dst, t.shape, bf) + pad
             lb = self.local_copies(bwd_op, dst, src, t.shape, b) + (pad if t.requires_grad else 0.0)
-            if grad_sync and zero_stage(self.graph, self.zero, tid, src) == 2:  # reduce-scattered, never packed
-                bwd = self.zero_share("reduce_scatter", b)
+            zero2 = grad_sync and zero_stage(self.graph, self.zero, tid, src) == 2
+            if zero2:  # reduce-scattered, never packed
+                bwd = self.zero_share("reduce_scatter", b, share)
             elif grad_sync:  # bucketed and asynchronous, its packing and unpacking on the compute stream
-                bwd = self.grad_sync(b)
+                bwd = self.grad_sync(b, share=share)
                 lb += self.grad_copies(b)
             else:
-                bwd = self.comm(cb, b)
+                bwd = self.comm(cb, b * share)
+            if share != 1.0:  # to bfloat16 and back around the sum (module docstring)
+                scattered = zero2 or cb == "reduce_scatter"
+                lb += self.reduce_casts(b, b / self.world if scattered else b, cast != 1.0)
             if batch:
                 pad_half = self.padded_copies(tid, src, conv.forward, share=0.5)
                 fA = fB = self.comm(cf, b / 2) / self.pair_speedup(cf, b / 2)
-                bA = bB = self.comm(cb, b / 2) / self.pair_speedup(cb, b / 2)
+                bA = bB = self.comm(cb, b * share / 2) / self.pair_speedup(cb, b * share / 2)
                 lfA = lfB = self.local_copies(conv.forward, src, dst, t.shape, b, share=0.5) + pad_half
                 lbA = lbB = self.local_copies(bwd_op, dst, src, t.shape, b, share=0.5) + (
                     pad_half if t.requires_grad else 0.0
@@ -1179,7 +1241,7 @@ class CostModel:
                 lfA, lfB, lbA, lbB = lf, lf, lb, 0.0
             else:
                 fA = fB = fwd / self.pair_speedup(cf, bf)
-                bA = bB = bwd / self.pair_speedup(cb, b)
+                bA = bB = bwd / self.pair_speedup(cb, b * share)
                 lfA = lfB = lf
                 lbA = lbB = lb
             cost = ConvCost(
@@ -1276,17 +1338,20 @@ class CostModel:
         sync = conv.grad_sync and grad
         bwd_op = conv.backward_local if grad else ""
         bf = b * (wire if cf else 1.0)
+        share = self.reduce_share(tid, cb)  # a float32 parameter's gradient summed in bf16 (module docstring)
         fwd = self.comm(cf, bf, k)
         lf = self.local_copies(conv.forward, frm, to, shape, bf, n)
         lb = self.local_copies(bwd_op, to, frm, shape, b, n)
         if sync:
-            bwd = self.grad_sync(b, k)
+            bwd = self.grad_sync(b, k, share)
             lb += self.grad_copies(b)
         else:
-            bwd = self.comm(cb, b, k)
+            bwd = self.comm(cb, b * share, k)
+        if share != 1.0:
+            lb += self.reduce_casts(b, b if sync or cb == "all_reduce" else b / n, wire != 1.0 and bool(cf))
         if batch:
             fA = self.comm(cf, b / 2, k) / self.pair_speedup(cf, b / 2, k)
-            bA = self.comm(cb, b / 2, k) / self.pair_speedup(cb, b / 2, k)
+            bA = self.comm(cb, b * share / 2, k) / self.pair_speedup(cb, b * share / 2, k)
             parts = (fA, fA, bA, bA)
             lfA = self.local_copies(conv.forward, frm, to, shape, b, n, share=0.5)
             lbA = self.local_copies(bwd_op, to, frm, shape, b, n, share=0.5)
@@ -1294,7 +1359,7 @@ class CostModel:
         elif sync:
             parts, copies = (fwd, fwd, bwd, 0.0), (lf, lf, lb, 0.0)
         else:
-            fA, bA = fwd / self.pair_speedup(cf, bf, k), bwd / self.pair_speedup(cb, b, k)
+            fA, bA = fwd / self.pair_speedup(cf, bf, k), bwd / self.pair_speedup(cb, b * share, k)
             parts, copies = (fA, fA, bA, bA), (lf, lf, lb, lb)
         return tuple(zip(("fwd", "bwd", "lf", "lb", "async" if sync else "block"), (fwd, bwd, lf, lb, bwd))) + tuple(
             zip(("fA", "fB", "bA", "bB", "lfA", "lfB", "lbA", "lbB"), parts + copies)

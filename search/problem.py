@@ -250,11 +250,11 @@ class Models:
             hit = self._physical[id(profile)] = (profile, profile.without_corrections())
         return hit[1]
 
-    def cost(self, profile, precision: str, zero: int = 0) -> CostModel:
-        key = (id(profile), precision, zero)
+    def cost(self, profile, precision: str, zero: int = 0, reduce_dtype: str = "fp32") -> CostModel:
+        key = (id(profile), precision, zero, reduce_dtype)
         hit = self._cost.get(key)
         if hit is None or hit.profile is not profile:  # (the model holds its profile: an id is not reused)
-            hit = self._cost[key] = CostModel(self.graph, profile, precision, zero=zero)
+            hit = self._cost[key] = CostModel(self.graph, profile, precision, zero=zero, reduce_dtype=reduce_dtype)
         return hit
 
     def kept(self, table: tuple, node: Node, sig: Signature, make: Callable[[Node, Signature], Any]) -> Any:
@@ -313,6 +313,7 @@ class Problem:
         models: "Models | None" = None,
         reshard: "bool | frozenset | set | tuple" = False,
         zero: int = 0,
+        reduce_dtype: str = "fp32",
     ):
         self.graph, self.profile, self.world = graph, profile, graph.world_size
         if models is None:
@@ -322,7 +323,7 @@ class Problem:
         self.models = models
         positions = models.positions()  # the graph validated, ordered, and the liveness of that order
         self.zero = zero  # the ZeRO stage of the replicated parameters (hidup.search.cost, "ZeRO")
-        self.cost = models.cost(profile, precision, zero)
+        self.cost = models.cost(profile, precision, zero, reduce_dtype)
         self.order, self.n, self.pos_of = positions.order, positions.n, positions.pos_of
         # parameters' tensors, and those whose converted copies are made again in the backward
         self.reshard = reshard if reshard is True else frozenset(reshard or ())

@@ -56,9 +56,9 @@ def _rank(rank: int, world: int, plan, backend) -> dict:
     calls = []
     real = collectives.convert_cast
 
-    def counting(x, src, dst, group, dtype):
+    def counting(x, src, dst, group, dtype, reduce_dtype=None):
         calls.append(dtype)
-        return real(x, src, dst, group, dtype)
+        return real(x, src, dst, group, dtype, reduce_dtype)
 
     collectives.convert_cast = counting
     out = {}

@@ -34,9 +34,11 @@ from pathlib import Path
 from hidup import __version__
 from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
+from hidup.cli.precision_flags import add_reduce_dtype_arg
 from hidup.errors import UserError
 from hidup.ir import ZERO_CHOICES
 from hidup.plan import Plan, model_record, summary
+from hidup.precision import check_reduce_dtype
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
 
 # --------------------------------------------------------------------------------------------- search
@@ -106,6 +108,7 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
     )
+    add_reduce_dtype_arg(p)
     p.add_argument(
         "--no-cuda-graphs",
         action="store_true",
@@ -191,6 +194,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     check_out_path(out)
     if not args.time_limit > 0:
         raise CommandError(f"--time-limit {args.time_limit:g}: give a positive number of seconds")
+    check_reduce_dtype(args.reduce_dtype, args.precision)  # before the model is traced
     profile = hidup.profiler.load(args.profile)
     if args.noise:
         profile = profile.perturb(noise=args.noise, seed=args.seed)
@@ -220,6 +224,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             reshard=args.reshard,
             zero=args.zero,
+            reduce_dtype=args.reduce_dtype,
         )
     _report_warnings(caught, "search")
     plan.save(out)

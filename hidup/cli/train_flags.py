@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hidup.cli.launch_flags import add_launch_args, launch_options
 from hidup.cli.model_flags import add_model_args, model_request
+from hidup.cli.precision_flags import add_reduce_dtype_arg
 from hidup.ir import ZERO_CHOICES
 from hidup.profiler.profile import DTYPES
 from hidup.runtime.options import DEFAULT_PROFILE
@@ -49,6 +50,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)"
     )
+    add_reduce_dtype_arg(g, train=True)
     g.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),
@@ -116,6 +118,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         clip=args.clip,
         zero=args.zero,
         precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
         cuda_graphs=args.cuda_graphs,
         compile=args.compile,
         data=args.data,

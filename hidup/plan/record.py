@@ -37,6 +37,10 @@ them; 2, its gradient too (reduce-scattered instead of all-reduced).  The update
 all-gathered into the whole weight.  A parameter not listed (and every parameter of a file without
 it) keeps its whole gradient and optimizer state on every rank.
 
+``reduce_dtype`` is the dtype the float32 parameters' gradients are summed over ranks in
+(:mod:`hidup.precision`, "Gradients reduced in bf16"): ``"fp32"`` (a file without it) or ``"bf16"``
+(only for a plan searched under bf16 autocast); the conversions' recorded bytes follow it.
+
 ``versions`` records the torch (and, when imported, transformers) versions the graph was traced
 with: the same model can export to a different graph under other versions (``transformers`` has
 rewritten its rotary embeddings between releases), and ``check`` names the versions that moved when
@@ -67,6 +71,7 @@ from hidup.ir import (
     mesh_text,
     parse_form,
 )
+from hidup.precision import REDUCE_DTYPES
 
 __all__ = [
     "Plan",
@@ -140,7 +145,8 @@ class MeshStepRecord:
     ``forward``/``backward`` on mesh axis ``axis``, from layout ``before`` to ``after``; ``bytes`` the
     logical size of what that axis's collective moves (the tensor as the other axes hold it, at the
     dtype it has under the search's precision); ``forward_bytes`` what its forward moves where that
-    differs (a weight sent in autocast's dtype, :mod:`hidup.precision`)."""
+    differs (a weight sent in autocast's dtype, :mod:`hidup.precision`), ``backward_bytes`` what its
+    backward moves where that differs (a gradient summed in bf16, ``Plan.reduce_dtype``)."""
 
     axis: int
     forward: str
@@ -149,13 +155,23 @@ class MeshStepRecord:
     after: Layout
     bytes: int
     forward_bytes: int | None = None
+    backward_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["before"], d["after"] = str(self.before), str(self.after)
-        if self.forward_bytes is None:
-            del d["forward_bytes"]
+        for key in ("forward_bytes", "backward_bytes"):
+            if d[key] is None:
+                del d[key]
         return d
+
+    @property
+    def moved(self) -> tuple[int, int]:
+        """(forward, backward) logical bytes of this step's collectives, at the dtypes they travel in."""
+        return (
+            self.bytes if self.forward_bytes is None else self.forward_bytes,
+            self.bytes if self.backward_bytes is None else self.backward_bytes,
+        )
 
     @staticmethod
     def from_dict(d: dict) -> "MeshStepRecord":
@@ -167,6 +183,7 @@ class MeshStepRecord:
             parse_form(d["after"]),
             d["bytes"],
             d.get("forward_bytes"),
+            d.get("backward_bytes"),
         )
 
 
@@ -237,8 +254,9 @@ class ConversionRecord:
         if self.steps:
             out = []
             for s in self.steps:
-                out += one(s.forward, s.bytes if s.forward_bytes is None else s.forward_bytes, s.axis)
-                out += one(s.backward, s.bytes, s.axis) if self.grad else []
+                fwd, bwd = s.moved
+                out += one(s.forward, fwd, s.axis)
+                out += one(s.backward, bwd, s.axis) if self.grad else []
             return out
         fwd, bwd = self.wire or (self.bytes, self.bytes)
         return one(self.forward, fwd, None) + (one(self.backward, bwd, None) if self.grad else [])
@@ -248,8 +266,7 @@ class ConversionRecord:
         """Bytes moved by collectives (forward plus backward when it runs)."""
         if self.steps:
             return sum(
-                (s.bytes if s.forward_bytes is None else s.forward_bytes) * _communicates(s.forward)
-                + s.bytes * (self.grad and _communicates(s.backward))
+                s.moved[0] * _communicates(s.forward) + s.moved[1] * (self.grad and _communicates(s.backward))
                 for s in self.steps
             )
         fwd, bwd = self.wire or (self.bytes, self.bytes)
@@ -313,6 +330,8 @@ class Plan:
     reshard: list[str] = field(default_factory=list)  # params whose gathered copies are made again in the backward
     zero: dict[str, int] = field(default_factory=dict)  # replicated param -> ZeRO stage (1 or 2), see the module doc
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
+    # the dtype the float32 parameters' gradients are summed over ranks in (hidup.precision; module doc)
+    reduce_dtype: str = "fp32"
     # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
     # model can export to another graph under other versions
     versions: dict[str, str] = field(default_factory=traced_versions)
@@ -418,6 +437,7 @@ class Plan:
             **({"zero": dict(self.zero)} if self.zero else {}),
             **({"dispatch": self.dispatch} if self.dispatch else {}),
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
+            **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype != "fp32" else {}),
             "versions": dict(self.versions),
         }
 
@@ -460,6 +480,7 @@ class Plan:
                 zero=_zero_record(d.get("zero"), where),
                 dispatch={k: list(v) for k, v in (d.get("dispatch") or {}).items()},
                 mesh=list(d.get("mesh") or []),
+                reduce_dtype=_reduce_record(d.get("reduce_dtype", "fp32"), where),
                 versions=dict(d.get("versions") or {}),
                 version=PLAN_VERSION,
             )
@@ -498,6 +519,16 @@ def _zero_record(value, where: str) -> dict[str, int]:
             "`hidup search` again, or remove the entry to train without ZeRO"
         )
     return dict(value)
+
+
+def _reduce_record(value, where: str) -> str:
+    """The ``reduce_dtype`` entry of a plan file (:data:`hidup.precision.REDUCE_DTYPES`); absent, fp32."""
+    if value not in REDUCE_DTYPES:
+        raise PlanError(
+            f"{where}: 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {value!r}. Fix: run "
+            "`hidup search` again, or remove the entry to reduce gradients in fp32"
+        )
+    return value
 
 
 def layer_of(module: str) -> str:

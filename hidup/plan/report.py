@@ -90,6 +90,11 @@ def _totals(plan: Plan) -> list[str]:
         lines.append(
             f"resharded after forward: {len(plan.reshard)} parameters stored split, gathered again in the backward"
         )
+    if getattr(plan, "reduce_dtype", "fp32") != "fp32":
+        lines.append(
+            f"gradients reduced in {plan.reduce_dtype}: each float32 weight's gradient cast to {plan.reduce_dtype} "
+            "for its sum over ranks (under autocast) and back to float32"
+        )
     zero = getattr(plan, "zero", None) or {}
     for stage, what in ((1, "Adam state"), (2, "gradient and Adam state")):
         names = sorted(n for n, s in zero.items() if s == stage)

@@ -68,6 +68,7 @@ from hidup.frontend.trace import trace
 from hidup.ir import ZERO_CHOICES
 from hidup.optionset import OptionSet
 from hidup.plan import Plan, PlanError
+from hidup.precision import check_reduce_dtype
 from hidup.rules.dispatch import host_synchronizes
 from hidup.runtime import checkpoint
 from hidup.runtime.data import StdlibCorpus
@@ -96,7 +97,9 @@ class TrainOptions(OptionSet):
     ``optimizer`` (``"adam"`` or ``"sgd"``), ``clip`` the global gradient norm (None: none); ``zero``
     the ZeRO stage of the replicated weights, ``"auto"`` (the plan's, or the search's when searching
     now), ``"off"``, ``"1"`` or ``"2"`` (:mod:`hidup.codegen.zero`);
-    ``precision`` (fp32, tf32, bf16, fp16); ``cuda_graphs`` and ``compile`` ``"auto"``, ``"on"`` or
+    ``precision`` (fp32, tf32, bf16, fp16); ``reduce_dtype`` the dtype the weights' gradients are summed
+    in, ``"auto"`` (the plan's; fp32 when searching now), ``"fp32"`` or ``"bf16"`` (bf16 autocast only,
+    :mod:`hidup.precision`); ``cuda_graphs`` and ``compile`` ``"auto"``, ``"on"`` or
     ``"off"``; ``data`` ``"synthetic"`` or ``"stdlib"``; ``seed`` of the weights, data and dropout;
     ``chrome_trace`` a folder for a trace of 3 steps per rank; ``checkpoint_dir`` (None: none),
     ``checkpoint_every`` K steps (0: only on a signal), ``keep_checkpoints``, ``resume``,
@@ -115,6 +118,7 @@ class TrainOptions(OptionSet):
     clip: float | None = None
     zero: str = "auto"
     precision: str = "fp32"
+    reduce_dtype: str = "auto"
     cuda_graphs: str = "auto"
     compile: str = "auto"
     data: str = "synthetic"
@@ -203,6 +207,11 @@ def _recompute_text(plan) -> str:
 
 # --zero -> hidup.compile's zero (None: the plan's)
 ZERO_STAGE = {choice: None if choice == "auto" else 0 if choice == "off" else int(choice) for choice in ZERO_CHOICES}
+
+
+def _reduce_request(opts: TrainOptions) -> str | None:
+    """``--reduce-dtype`` as :func:`hidup.compile`'s ``reduce_dtype`` (None: the plan's)."""
+    return None if opts.reduce_dtype == "auto" else opts.reduce_dtype
 
 
 def _zero_text(plan, opts: TrainOptions) -> str:
@@ -320,6 +329,7 @@ class Trainer:
             precision=opts.precision,
             cuda_graphs=opts.captures(torch.cuda.is_available()),
             zero=opts.zero,
+            reduce_dtype="fp32" if opts.reduce_dtype == "auto" else opts.reduce_dtype,
         )
 
     def batch(self, step: int) -> tuple:
@@ -342,6 +352,7 @@ class Trainer:
                 autocast_dtype=self.autocast_dtype,
                 seed=opts.seed,
                 zero=ZERO_STAGE[opts.zero],
+                reduce_dtype=_reduce_request(opts),
             )
             if self.rank == 0:
                 print(self.trial["reason"], flush=True)
@@ -356,6 +367,7 @@ class Trainer:
                 duplication=duplication,
                 seed=opts.seed,
                 zero=ZERO_STAGE[opts.zero],
+                reduce_dtype=_reduce_request(opts),
             )
 
     def _make_optimizer(self) -> None:
@@ -432,7 +444,8 @@ class Trainer:
             f"train {self.choice.model}: world {self.world}{on_mesh} ({self.ctx.backend}), plan "
             f"{opts.plan or 'searched now'}, duplication "
             f"{'on' if getattr(self.module, 'duplication', False) else 'off'} ({opts.duplication}), steps {steps}"
-            f"{_recompute_text(self.plan)}{_zero_text(self.plan, opts)}",
+            f"{_recompute_text(self.plan)}{_zero_text(self.plan, opts)}"
+            f"{', gradients reduced in bf16' if self.module.program.reduce_dtype == 'bf16' else ''}",
             flush=True,
         )
         print(
@@ -581,6 +594,7 @@ class Trainer:
             "duplication": bool(getattr(self.module, "duplication", False)),
             "zero": sorted({z.stage for z in self.module.zero.slices.values()}),  # the ZeRO stages run
             "precision": self.opts.precision,
+            "reduce_dtype": self.module.program.reduce_dtype,
             "cuda_graph": graphed is not None and graphed.graph is not None,
             "step_mode_trial": graphed.timings if graphed is not None else {},
             "duplication_trial": self.trial.get("trial", {}),
@@ -662,6 +676,8 @@ def check_run_options(opts: TrainOptions) -> None:
     --resume (continue it) nor --overwrite (replace it) says what to do with."""
     if opts.zero not in ZERO_CHOICES:
         raise CommandError(f"--zero {opts.zero}: choose one of {', '.join(ZERO_CHOICES)}")
+    if opts.reduce_dtype != "auto":
+        check_reduce_dtype(opts.reduce_dtype, opts.precision)
     if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise CommandError(f"--lr {opts.lr}: the learning rate must be a positive number")
     if opts.resume and opts.overwrite:

@@ -88,6 +88,36 @@ JOBS = {
             num_experts_per_tok=2,
         ),
     ),
+    "deepseek-v3": dict(
+        family="deepseek_v3",
+        config=dict(
+            num_hidden_layers=61,
+            first_k_dense_replace=3,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            vocab_size=129280,
+            max_position_embeddings=4096,
+        ),
+    ),
+}
+
+FAMILIES = {  # family -> (transformers config class, model class) names
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -110,10 +140,8 @@ def build(name: str, layers: int | None, batch: int, seq: int):
     config = dict(job["config"])
     if layers is not None:
         config["num_hidden_layers"] = layers
-    if job["family"] == "llama":
-        cfg, cls = transformers.LlamaConfig(**config), transformers.LlamaForCausalLM
-    else:
-        cfg, cls = transformers.MixtralConfig(**config), transformers.MixtralForCausalLM
+    config_name, model_name = FAMILIES[job["family"]]
+    cfg, cls = getattr(transformers, config_name)(**config), getattr(transformers, model_name)
     with torch.device("meta"):
         model = CausalLMStep(cls(cfg))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")

@@ -28,8 +28,8 @@ EXACT = dict(max_states=None, max_points=None)
 class FreshModels(Models):
     """Models that share nothing: every problem prices the graph itself, as before they were shared."""
 
-    def cost(self, profile, precision, zero=0):
-        return CostModel(self.graph, profile, precision, zero=zero)
+    def cost(self, profile, precision, zero=0, reduce_dtype="fp32"):
+        return CostModel(self.graph, profile, precision, zero=zero, reduce_dtype=reduce_dtype)
 
     def memory(self, optimizer_factor, precision, recompute=frozenset(), zero=0):
         recompute = Recompute.of(recompute)

@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.fx.node import _get_qualified_name
 
 from hidup import rules
-from hidup.codegen import collectives, compiled
+from hidup.codegen import collectives, compiled, prefetch
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, RegionKey, outline_regions
@@ -203,6 +203,22 @@ def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -
     return register(out, x, _form(src), _form(dst), _axis_group(axis))
 
 
+# the parameter conversions hidup.codegen.prefetch may issue one unit early (not the kept ones: activations)
+prefetch.CONVERTS.update(
+    {
+        f.__name__: f
+        for f in (
+            hidup_convert,
+            hidup_convert_step,
+            hidup_convert_cast,
+            hidup_convert_cast_step,
+            hidup_reshard_convert,
+            hidup_reshard_convert_step,
+        )
+    }
+)
+
+
 def hidup_take_input(x: torch.Tensor, form: str, axis: int | None = None) -> torch.Tensor:
     """This rank's piece of a global input in ``form`` (a slice for gather forms); on a device mesh
     ``axis`` names the mesh axis whose split this is (applied to the piece earlier axes left)."""
@@ -347,8 +363,10 @@ class _Builder:
         reshard=(),
         selective=(),
         zero=None,
+        prefetch=True,
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
+        self.prefetch = prefetch  # issue stored-split parameters' gathers one unit early (codegen.prefetch)
         self.zero = dict(zero or {})  # param node -> ZeRO stage asked for (hidup.codegen.zero)
         self.param_node: dict[str, str] = {}  # stored attribute -> its param node
         self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
@@ -666,6 +684,8 @@ class _Builder:
                 self.add_output(node)
             else:
                 raise CompileError(f"node {node.name}: unknown op {node.op!r}")
+        if self.prefetch:
+            prefetch.prefetch_gathers(self.graph)
         outline_regions(self.graph, self.root)
         self.graph.lint()
         gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
@@ -723,7 +743,8 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`).
     ``options.zero`` (None: the plan's ``zero``; 0, 1 or 2: that ZeRO stage for every replicated
     parameter; a dict of ``param`` node names) says which replicated parameters the runtime splits
-    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``)."""
+    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``).  ``options.prefetch`` (default True) issues the
+    gathers of stored-split parameters one unit early (:mod:`hidup.codegen.prefetch`)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
     reshard = getattr(options, "reshard", None)
@@ -766,6 +787,7 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
         reshard,
         selective,
         zero,
+        bool(getattr(options, "prefetch", True)),
     ).build()
 
 

@@ -338,7 +338,9 @@ class CompileOptions(OptionSet):
     the seed of the random ops (dropout), which draw the single device's values whatever the plan
     (:mod:`hidup.rules.random`; ``module.rng_step`` is the step they draw next).  ``zero``: the ZeRO
     stage of the replicated parameters (None: the plan's ``zero``; 0 none; 1 or 2 that stage for each
-    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`)."""
+    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).  ``prefetch``:
+    issue the gathers of stored-split parameters one unit (layer) ahead of their use, asynchronously on
+    CUDA (:mod:`hidup.codegen.prefetch`; exact: it only moves them earlier)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -353,6 +355,7 @@ class CompileOptions(OptionSet):
     reshard: list | tuple | bool | None = None
     seed: int = 0
     zero: int | dict | None = None
+    prefetch: bool = True
     WHAT = "compile"
 
 

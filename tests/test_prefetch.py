@@ -1,0 +1,167 @@
+"""Prefetched weight gathers (:mod:`hidup.codegen.prefetch`): the order they are issued in, exact values,
+and their price (:mod:`hidup.search.problem`, "Prefetched gathers").
+
+* Order: in an FSDP-style rank program of the zoo GPT (every weight stored split), the gather of each
+  weight of layer ``l`` is issued (``hidup_prefetch``) before the first op of layer ``l - 1`` and waited
+  for (``hidup_prefetch_wait``) after its last op, right before its consumer; with ``prefetch=False``
+  the program has no such node.  Recomputed layers keep their gathers in their region.
+* Parity: on two gloo ranks the program with prefetch gives exactly (``==``) the loss and gradients of
+  the program without it, and those of one device to float64 rounding: duplication off, on (copies in
+  sequence) and on the two-copy stage schedule, with resharding, with a recomputed layer, and under
+  ``torch.compile`` (``aot_eager``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hidup.models as M
+import hidup.profiler
+from dist_util import run_distributed
+from hidup.codegen.compiled import LAYER
+from hidup.codegen.prefetch import hidup_prefetch, hidup_prefetch_wait
+from hidup.codegen.program import build_rank_program
+from hidup.codegen.rewrite import CompileOptions, trace_module
+from hidup.frontend.trace import trace
+from hidup.ir import prefetch_units
+from hidup.search import forced
+
+PROFILE = "h200x4-nvlink"
+SMALL = dict(layers=3, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
+PARITY = dict(SMALL, layers=2)  # the programs run on two ranks
+TOL = 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.float64).eps
+# (duplication, streams, reshard, recomputed layers, torch.compile backend)
+JOBS = [
+    (False, False, False, (), False),
+    (True, False, False, (), False),
+    (True, True, False, (), False),
+    (False, False, True, (), False),
+    (True, True, True, (), False),
+    (False, False, False, ("trunk.layers.1",), False),
+    (False, False, True, (), "aot_eager"),
+]
+
+
+def _program(prefetch: bool, recompute=()):
+    model, inputs = M.build("gpt", world_size=2, dtype=torch.float64, **SMALL)
+    graph = trace(model, inputs, world_size=2)
+    plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=False)
+    traced = trace_module(model, tuple(inputs), 2)
+    options = CompileOptions(prefetch=prefetch, recompute=list(recompute))
+    return build_rank_program(traced, plan, 0, 2, None, options).gm
+
+
+def test_units_are_runs_of_one_label():
+    assert prefetch_units(["", "", "l.0", "l.0", "l.1", "", ""]) == [0, 0, 1, 1, 2, 3, 3]
+    assert prefetch_units([]) == []
+
+
+def test_gathers_are_issued_one_layer_ahead():
+    gm = _program(True)
+    nodes = list(gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    ops = [n for n in nodes if n.op == "call_function" and n.target not in (hidup_prefetch, hidup_prefetch_wait)]
+    span = {}
+    for n in ops:
+        label = n.meta.get(LAYER, "")
+        first, last = span.get(label, (where[n], where[n]))
+        span[label] = (min(first, where[n]), max(last, where[n]))
+    starts = [n for n in nodes if n.target is hidup_prefetch]
+    assert starts, "an FSDP-style plan prefetches its weights"
+    checked = 0
+    for start in starts:
+        (wait,) = start.users
+        consumer_layer = wait.meta[LAYER]
+        assert where[start] < where[wait]
+        if consumer_layer.startswith("trunk.layers.") and consumer_layer != "trunk.layers.0":
+            previous = f"trunk.layers.{int(consumer_layer.rsplit('.', 1)[1]) - 1}"
+            # issued before the previous layer's first op, waited for after its last one
+            assert where[start] < span[previous][0] < span[previous][1] < where[wait], (start, wait)
+            checked += 1
+    assert checked == 2 * 16  # layers 1 and 2: sixteen stored-split weights and biases each
+    assert not any(n.target in (hidup_prefetch, hidup_prefetch_wait) for n in _program(False).graph.nodes)
+
+
+def test_recomputed_layer_keeps_its_gathers():
+    gm = _program(True, recompute=("trunk.layers.1",))
+    prefetched = {n.args[0].target for n in gm.graph.nodes if n.target is hidup_prefetch}
+    assert any("layers__2" in t for t in prefetched)
+    assert not any("layers__1" in t for t in prefetched)
+
+
+def _rank_parity(rank, world):
+    import torch._dynamo
+
+    from hidup.codegen import compile as hidup_compile
+    from hidup.codegen.params import full_grad_dict
+
+    warnings.simplefilter("ignore")
+    model, inputs = M.build("gpt", world_size=world, dtype=torch.float64, **PARITY)
+    graph = trace(model, inputs, world_size=world)
+    out = {}
+    for job in JOBS:
+        dup, streams, reshard, layers, backend = job
+        plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=dup)
+        runs = {}
+        for prefetch in (False, True):
+            torch._dynamo.reset()
+            model, inputs = M.build("gpt", world_size=world, dtype=torch.float64, **PARITY)
+            module = hidup_compile(
+                model,
+                plan,
+                rank,
+                world,
+                inputs,
+                duplication=dup,
+                streams=streams,
+                reshard=reshard,
+                recompute=list(layers),
+                compile=backend,
+                prefetch=prefetch,
+            )
+            loss = module(*inputs)
+            loss.backward()
+            issued = sum(n.target is hidup_prefetch for m in module.modules() for n in _graph_nodes(m))
+            runs[prefetch] = (float(module.global_loss(loss)), full_grad_dict(module), issued, module.duplication)
+        ref, ref_inputs = M.build("gpt", world_size=world, dtype=torch.float64, **PARITY)
+        ref_loss = ref(*ref_inputs)
+        ref_loss.backward()
+        grads = dict(ref.named_parameters())
+        off, on = runs[False], runs[True]
+        out[job] = {
+            "loss": (off[0], on[0], float(ref_loss)),
+            "grad_vs_off": max(float((on[1][k] - off[1][k]).abs().max()) for k in off[1]),
+            "grad_vs_ref": max(float((on[1][k] - grads[k].grad).abs().max()) for k in on[1]),
+            "issued": (off[2], on[2]),
+            "duplication": on[3],
+        }
+    return out
+
+
+def _graph_nodes(module) -> list:
+    graph = getattr(module, "graph", None)
+    return list(graph.nodes) if isinstance(graph, torch.fx.Graph) else []
+
+
+_RESULTS: dict = {}
+
+
+def _results() -> dict:
+    if not _RESULTS:
+        _RESULTS.update(run_distributed(_rank_parity, 2, timeout=600)[0])
+    return _RESULTS
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"dup{int(j[0])}-st{int(j[1])}-rs{int(j[2])}-rc{len(j[3])}-{j[4]}")
+def test_prefetched_program_is_exact(job):
+    r = _results()[job]
+    off, on, ref = r["loss"]
+    assert r["duplication"] == job[0]
+    assert r["issued"][0] == 0 and r["issued"][1] > 0, r["issued"]
+    assert on == off, r["loss"]
+    assert r["grad_vs_off"] == 0.0, r["grad_vs_off"]
+    assert abs(on - ref) <= TOL * abs(ref), r["loss"]
+    assert r["grad_vs_ref"] <= TOL, r["grad_vs_ref"]

@@ -29,6 +29,12 @@ its tensor, and the wait is the identity: under compilation the conversion is th
 ``hidup::convert`` (:mod:`hidup.codegen.compiled`), which inductor keeps in program order, so it is
 issued where the pass put it, one unit early.
 
+Under ``torch.compile`` a resharded parameter's chain is not moved: the compiled program frees its
+copy by a checkpoint region the partitioner recomputes in the backward (:mod:`hidup.codegen.reshard`),
+which it can do only inside the graph that reads the copy, and a prefetch may cross into an earlier
+graph (a duplication stage, a gradient-bucket segment); there ``hidup_prefetch`` passes the shard on
+and ``hidup_prefetch_wait`` runs the chain.
+
 Not prefetched: a form change inside a recomputed layer (its region makes it again in the backward,
 :mod:`hidup.codegen.recompute`), of a unit-0 node (nothing precedes it), and the backward's re-gather
 of a resharded parameter (:mod:`hidup.codegen.reshard`: it runs when the backward first unpacks it).
@@ -50,6 +56,9 @@ __all__ = ["CONVERTS", "hidup_prefetch", "hidup_prefetch_wait", "prefetch_gather
 
 # name -> conversion function of the generated code that may be prefetched (hidup.codegen.program fills it)
 CONVERTS: dict[str, object] = {}
+
+# the conversions of resharded parameters (hidup.codegen.reshard), among CONVERTS
+RESHARDED = frozenset({"hidup_reshard_convert", "hidup_reshard_convert_step"})
 
 # (device index, current stream id) -> the side stream prefetches of that stream run on
 _SIDE: dict[tuple, torch.cuda.Stream] = {}
@@ -79,9 +88,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return side
 
 
+def _deferred(chain: tuple) -> bool:
+    """Whether the chain is left where it was under ``torch.compile``: a resharded parameter's, whose
+    copy the partitioner makes again in the backward only inside the graph that reads it."""
+    return torch.compiler.is_compiling() and any(name in RESHARDED for name, _ in chain)
+
+
 def hidup_prefetch(x: torch.Tensor, chain: tuple) -> "torch.Tensor | Pending":
     """Issue the conversions ``chain`` (``((function name, extra args), ...)``) of the shard ``x``
     (module docstring): on a side stream eagerly on CUDA, in place otherwise."""
+    if _deferred(chain):
+        return x
     if torch.compiler.is_compiling() or x.device.type != "cuda":
         return _run(x, chain)
     side = _side_stream(x.device)
@@ -93,8 +110,11 @@ def hidup_prefetch(x: torch.Tensor, chain: tuple) -> "torch.Tensor | Pending":
     return Pending(out, event)
 
 
-def hidup_prefetch_wait(p: "torch.Tensor | Pending") -> torch.Tensor:
-    """The prefetched tensor, once the current stream may read it."""
+def hidup_prefetch_wait(p: "torch.Tensor | Pending", chain: tuple) -> torch.Tensor:
+    """The prefetched tensor, once the current stream may read it (the chain run here where
+    :func:`hidup_prefetch` left it)."""
+    if _deferred(chain):
+        return _run(p, chain)
     if isinstance(p, torch.Tensor):
         return p
     current = torch.cuda.current_stream(p.value.device)
@@ -157,7 +177,7 @@ def prefetch_gathers(graph: torch.fx.Graph) -> int:
     for (chain, _), start in zip(moves, starts):
         end, attr = chain[-1], chain[0].args[0]
         with graph.inserting_after(end):
-            wait = graph.call_function(hidup_prefetch_wait, (start,))
+            wait = graph.call_function(hidup_prefetch_wait, (start, start.args[1]))
         wait.meta.update({k: end.meta[k] for k in ("stage", REGION, LAYER) if k in end.meta})
         end.replace_all_uses_with(wait)
         for n in reversed(chain):

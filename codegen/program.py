@@ -743,8 +743,9 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     converted copies made again in the backward instead of kept (:mod:`hidup.codegen.reshard`).
     ``options.zero`` (None: the plan's ``zero``; 0, 1 or 2: that ZeRO stage for every replicated
     parameter; a dict of ``param`` node names) says which replicated parameters the runtime splits
-    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``).  ``options.prefetch`` (default True) issues the
-    gathers of stored-split parameters one unit early (:mod:`hidup.codegen.prefetch`)."""
+    (:mod:`hidup.codegen.zero`, ``RankProgram.zero``).  ``options.prefetch`` (None: the plan's
+    ``options["prefetch"]``, on where the plan does not say) issues the gathers of stored-split parameters
+    one unit early (:mod:`hidup.codegen.prefetch`)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
     reshard = getattr(options, "reshard", None)
@@ -787,8 +788,16 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
         reshard,
         selective,
         zero,
-        bool(getattr(options, "prefetch", True)),
+        _prefetching(plan, options),
     ).build()
+
+
+def _prefetching(plan, options) -> bool:
+    """``options.prefetch``, or where it is None the plan's (the option it was searched with; default on)."""
+    prefetch = getattr(options, "prefetch", None)
+    if prefetch is None:
+        prefetch = (getattr(plan, "options", None) or {}).get("prefetch", True)
+    return bool(prefetch)
 
 
 def _zero_request(traced, plan, zero, params: set[str]) -> dict[str, int]:

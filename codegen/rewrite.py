@@ -340,7 +340,8 @@ class CompileOptions(OptionSet):
     stage of the replicated parameters (None: the plan's ``zero``; 0 none; 1 or 2 that stage for each
     whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).  ``prefetch``:
     issue the gathers of stored-split parameters one unit (layer) ahead of their use, asynchronously on
-    CUDA (:mod:`hidup.codegen.prefetch`; exact: it only moves them earlier)."""
+    CUDA (:mod:`hidup.codegen.prefetch`; exact: it only moves them earlier; None: as the plan was searched,
+    ``plan.options["prefetch"]``, on where it does not say)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -355,7 +356,7 @@ class CompileOptions(OptionSet):
     reshard: list | tuple | bool | None = None
     seed: int = 0
     zero: int | dict | None = None
-    prefetch: bool = True
+    prefetch: bool | None = None
     WHAT = "compile"
 
 

@@ -218,7 +218,10 @@ class SearchOptions(OptionSet):
     whole).  ``reshard`` (``"auto"``, ``"on"``, ``"off"``) says whether the parameters stored split have
     their gathered copies made again in the backward instead of kept (module docstring, "Resharding").
     ``zero`` (:data:`hidup.ir.ZERO_CHOICES`: ``"auto"``, ``"off"``, ``"1"``, ``"2"``) whether the replicated
-    weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO")."""
+    weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO").
+    ``prefetch`` prices the gathers of stored-split parameters as the program issues them by default, one
+    unit (layer) early, their communication overlapping that unit's compute (:mod:`hidup.search.problem`,
+    "Prefetched gathers"); False prices them blocking, as ``CompileOptions(prefetch=False)`` runs them."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -236,6 +239,7 @@ class SearchOptions(OptionSet):
     recompute: str | tuple | list | frozenset = "auto"
     reshard: str = "auto"
     zero: str = "auto"
+    prefetch: bool = True
     WHAT = "search"
 
     def check(self) -> None:
@@ -402,11 +406,17 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 
 
 def price(
-    graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True, compiled: bool = False
+    graph: Graph,
+    profile,
+    plan: Plan,
+    precision: str = "fp32",
+    cuda_graphs: bool = True,
+    compiled: bool = False,
+    prefetch: bool = True,
 ) -> dict[bool, Evaluation]:
     """``plan``'s choices, with its recomputed layers and resharded parameters, priced by the search's cost
     model, ``{False: without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`);
-    ``cuda_graphs`` and ``compiled`` as in :func:`search`."""
+    ``cuda_graphs``, ``compiled`` and ``prefetch`` as in :func:`search`."""
     reshard = frozenset(getattr(plan, "reshard", None) or ())
     zero = max((getattr(plan, "zero", None) or {}).values(), default=0)  # the stage the search gives every weight
     problem = Problem(
@@ -416,6 +426,7 @@ def price(
         recompute=recomputed(plan),
         reshard=reshard,
         zero=zero,
+        prefetch=prefetch,
     )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
@@ -578,6 +589,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
         models,
         reshard=True,
         zero=ZERO_STAGE.get(opts.zero, 0),
+        prefetch=opts.prefetch,
     )
     ks = plan_indices(problem, plan)
     modes = (False, True) if opts.duplication else (False,)
@@ -873,6 +885,7 @@ class SearchRun:
                 self.models,
                 reshard,
                 ZERO_STAGE[opts.zero],
+                opts.prefetch,
             )
             return first
         if first.recompute == recompute:
@@ -1108,6 +1121,7 @@ class RecomputeTrial:
             "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
             "reshard_requested": opts.reshard,
             "zero_requested": opts.zero,
+            "prefetch": opts.prefetch,
         }
         if self.solver is not None:
             options["solver"] = self.solver  # the ILP's status: proven optimal, or stopped by its time limit
@@ -1269,6 +1283,16 @@ def forced(graph: Graph, profile, style: "str | tuple[str, ...]", **kwargs) -> P
 
 
 # ---------------------------------------------------------------------------------------- plan assembly
+def _prefetched(problem: Problem, choices: dict[str, Signature]) -> float:
+    """What a prefetching program holds besides the plan's memory sum: the largest unit's gathered copies
+    of resharded parameters (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`); 0 without prefetch."""
+    if not problem.prefetch:
+        return 0.0
+    params = [n.name for n in problem.graph.nodes if n.op == "param"]
+    reshard = frozenset(params if problem.reshard is True else problem.reshard)
+    return problem.memory.plan_prefetched(choices, reshard)
+
+
 def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, explain: int = 6) -> Plan:
     """Package an evaluated assignment as a :class:`Plan` (conversions, costs, runner-ups)."""
     g, p = problem.graph, problem
@@ -1332,7 +1356,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         choices=choices,
         stages=ev.stages,
         predicted=ev.times(),
-        memory={**ev.memory, "transient": p.memory.plan_transient(choices)},
+        memory={**ev.memory, "transient": p.memory.plan_transient(choices), "prefetch": _prefetched(p, choices)},
         conversions=conversions,
         options=options,
         node_costs=node_costs,

@@ -87,6 +87,24 @@ a ``call`` node under ``s`` is the larger of
 for a language model, the full-size partial logits of a row-parallel LM head.  Added to the sum above
 it bounds the peak that ``hidup peak`` predicts by running the program (``tests/test_memory.py``).
 
+Prefetched gathers
+------------------
+With prefetch (:mod:`hidup.codegen.prefetch`) the gathered copies of the parameters a unit ``u`` reads
+(:func:`hidup.ir.prefetch_units`) are made at the start of unit ``u - 1``, so they live one unit longer.
+A copy the backward keeps counts in the activations already (above: it lives until its backward), and
+the sum above is the memory at the end of the forward, when no prefetch is in flight: prefetch adds
+nothing to it.  A copy the backward does not keep (a resharded parameter's, :mod:`hidup.codegen.reshard`)
+is not in the sum, and while unit ``u - 1`` runs the rank holds unit ``u``'s besides its own:
+:meth:`MemoryModel.plan_prefetched` is
+
+    prefetch = max over units u > 0 of  sum over the form changes (t, f) of resharded parameters first
+               made for a call node of unit u (not of a recomputed layer)  of  local(t, f)
+
+one unit's resharded gathered weights, recorded beside the transient (``plan.memory["prefetch"]``).
+Like the transient it is not a per-node term (the search's budget sees neither); the sum plus both
+bounds the peak.  (Unit ``u - 1``'s own copies, freed after their use, are the ones the rank holds
+without prefetch as well, and they are no more counted than before.)
+
 Not counted: the buffers of a form change beyond a ``reduce`` output's sum (an all-gathered weight
 that no backward keeps), workspace, the CUDA context and fragmentation; keep a margin below the
 device size (docs/memory.md compares with measured peaks).
@@ -105,7 +123,18 @@ from hidup.frontend.saved import (
     saved_bytes,
     tensor_nbytes,
 )
-from hidup.ir import REDUCE, Graph, Node, Signature, block_family, block_label, held_fraction, zero_stage
+from hidup.ir import (
+    REDUCE,
+    Graph,
+    Node,
+    Signature,
+    axis_forms,
+    block_family,
+    block_label,
+    held_fraction,
+    prefetch_units,
+    zero_stage,
+)
 from hidup.search.cost import kernel_kind
 
 __all__ = ["MemoryModel", "MEMORY_PARTS", "Recompute", "saves_output"]
@@ -406,6 +435,33 @@ class MemoryModel:
             (g.tensors[t].numel for t in node.inputs), default=0
         )
         return max(forward, backward + grads * (2 if reduces else 1))
+
+    def plan_prefetched(self, choices: dict[str, Signature], reshard: frozenset = frozenset()) -> float:
+        """The bytes a prefetching program holds besides the sum (module docstring, "Prefetched gathers"):
+        the largest unit's gathered copies of the parameters in ``reshard`` (``param`` node names)."""
+        g = self.graph
+        stored = {
+            t: f
+            for n in g.nodes
+            if n.op == "param" and n.name in reshard and n.name in choices
+            for t, f in zip(n.outputs, choices[n.name].outputs)
+        }
+        calls = [n for n in g.nodes if n.op == "call" and n.name in choices]
+        units = prefetch_units([block_label(n.module) for n in calls])
+        made: set[tuple] = set()
+        held: dict[int, float] = {}
+        for n, u in zip(calls, units):
+            for t, f in zip(n.inputs, choices[n.name].inputs):
+                form = as_used(f)
+                src = stored.get(t)
+                if src is None or not any(a.is_gather for a in axis_forms(src)) or as_used(src) == form:
+                    continue
+                if (t, form) in made:
+                    continue
+                made.add((t, form))
+                if u and not self.layer_of(n):
+                    held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
+        return max(held.values(), default=0.0)
 
     def _itemsize(self, tid: int) -> float:
         """Bytes per element of tensor ``tid`` at the model's precision."""

@@ -7,8 +7,13 @@ and their price (:mod:`hidup.search.problem`, "Prefetched gathers").
   the program has no such node.  Recomputed layers keep their gathers in their region.
 * Parity: on two gloo ranks the program with prefetch gives exactly (``==``) the loss and gradients of
   the program without it, and those of one device to float64 rounding: duplication off, on (copies in
-  sequence) and on the two-copy stage schedule, with resharding, with a recomputed layer, and under
+  sequence, in test_reshard.py's runs, which prefetch by default) and on the two-copy stage schedule,
+  with resharding, with a recomputed layer, and under
   ``torch.compile`` (``aot_eager``).
+* Price: with prefetch the DP, exhaustive enumeration, the ILP and the evaluation agree on repeated
+  layers (each prices a gather through ``Problem.forward_charge``); an FSDP-style GPT plan is priced
+  lower with prefetch than without, by no more than its forward gathers' communication, and its
+  backward is unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from hidup.codegen.program import build_rank_program
 from hidup.codegen.rewrite import CompileOptions, trace_module
 from hidup.frontend.trace import trace
 from hidup.ir import prefetch_units
-from hidup.search import forced
+from hidup.search import dp, forced, ilp, price
+from hidup.search.brute import brute_force
+from hidup.search.problem import Problem
+from hidup.search.schedule import evaluate
+from hidup.search.synthetic import layered_graph
 
 PROFILE = "h200x4-nvlink"
 SMALL = dict(layers=3, d_model=32, heads=4, ffn=64, seq_len=8, batch_per_gpu=4, vocab=64)
@@ -36,7 +45,6 @@ TOL = 4 * 2 * SMALL["batch_per_gpu"] * SMALL["seq_len"] * torch.finfo(torch.floa
 # (duplication, streams, reshard, recomputed layers, torch.compile backend)
 JOBS = [
     (False, False, False, (), False),
-    (True, False, False, (), False),
     (True, True, False, (), False),
     (False, False, True, (), False),
     (True, True, True, (), False),
@@ -165,3 +173,66 @@ def test_prefetched_program_is_exact(job):
     assert r["grad_vs_off"] == 0.0, r["grad_vs_off"]
     assert abs(on - ref) <= TOL * abs(ref), r["loss"]
     assert r["grad_vs_ref"] <= TOL, r["grad_vs_ref"]
+
+
+# ------------------------------------------------------------------------------------------------ price
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dp_ilp_and_evaluation_agree_with_prefetch(seed):
+    g = layered_graph(layers=3, nodes_per_layer=2, sigs=(2, 3), seed=seed, flops_scale=1e11)
+    profile = hidup.profiler.load("h200x4-socket")
+    on, off = Problem(g, profile), Problem(g, profile, prefetch=False)
+    assert any(any(w) for w in on.windows) and not any(off.windows)
+    exact = dp.Beam(max_states=None, max_points=None)
+    ks, v = dp.solve(on, False, beam=exact)
+    _, v_off = dp.solve(off, False, beam=exact)
+    assert _close(brute_force(on, False)[1], v)
+    assert _close(evaluate(on, ks, False).objective, v)
+    assert _close(evaluate(on, ilp.solve(on), False).objective, v)
+    assert v <= v_off * (1 + 1e-12)
+
+
+def test_fsdp_plan_is_priced_lower_by_at_most_its_gathers():
+    model, inputs = M.build("gpt", world_size=4, layers=3, d_model=256, heads=4, ffn=1024, seq_len=128, vocab=1024)
+    graph = trace(model, inputs, world_size=4)
+    profile = hidup.profiler.load(PROFILE)
+    plan = forced(graph, profile, "fsdp", duplication=False, prefetch=False)
+    off, on = price(graph, profile, plan, prefetch=False)[False], price(graph, profile, plan)[False]
+    problem = Problem(graph, profile, prefetch=False)
+    gathers = sum(
+        c.fwd - c.fwd_copies
+        for s in off.steps
+        for tid, _, a, f in s.convs
+        if graph.tensors[tid].is_param
+        for c in [problem.conversion(tid, a, f)]
+    )
+    assert gathers > 0
+    assert off.total - gathers <= on.total < off.total
+    assert on.backward == off.backward and on.compute == off.compute
+    # the search that prices prefetch records it, and predicts what price() gives
+    priced = forced(graph, profile, "fsdp", duplication=False)
+    assert priced.options["prefetch"] is True
+    assert _close(priced.predicted["total"], price(graph, profile, priced)[False].total)
+
+
+def test_memory_counts_one_unit_of_prefetched_resharded_weights():
+    model, inputs = M.build("gpt", world_size=2, **SMALL)
+    graph = trace(model, inputs, world_size=2)
+    profile = hidup.profiler.load(PROFILE)
+    layer = sum(
+        graph.tensors[t].numel * 4
+        for n in graph.nodes
+        if n.op == "param" and n.name.startswith("trunk_layers_1_")
+        for t in n.outputs
+    )
+    on = forced(graph, profile, "fsdp", duplication=False, reshard="on", recompute="off")
+    off = forced(graph, profile, "fsdp", duplication=False, reshard="on", recompute="off", prefetch=False)
+    kept = forced(graph, profile, "fsdp", duplication=False, reshard="off", recompute="off")
+    assert on.reshard and layer > 0
+    assert on.memory["prefetch"] == layer, (on.memory["prefetch"], layer)
+    assert off.memory["prefetch"] == 0.0 and kept.memory["prefetch"] == 0.0

@@ -430,13 +430,21 @@ def test_peak_sees_the_saving():
     graph = trace(model, inputs, world_size=2)
     plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=False)
     peaks = {}
-    for reshard in (False, True):
-        plan.reshard = _stored_split(graph, plan) if reshard else []
-        model, inputs = M.build("gpt", world_size=2, device="meta", **cfg)
-        peaks[reshard] = predict_peak(model, forward_inputs(model, inputs), plan, 0, "fp32", False)
+    for prefetch in (False, True):  # the program follows the plan's option (hidup.codegen.prefetch)
+        plan.options["prefetch"] = prefetch
+        for reshard in (False, True):
+            plan.reshard = _stored_split(graph, plan) if reshard else []
+            model, inputs = M.build("gpt", world_size=2, device="meta", **cfg)
+            peaks[prefetch, reshard] = predict_peak(model, forward_inputs(model, inputs), plan, 0, "fp32", False)
     gathered = sum(graph.tensors[n.outputs[0]].nbytes for n in graph.nodes if n.name in plan.reshard)
-    drop = peaks[False].total - peaks[True].total
+    drop = peaks[False, False].total - peaks[False, True].total
     assert drop > 0.25 * gathered, (peaks, gathered)
+    # prefetched, the rank holds one more layer's resharded copies while the layer before it runs: still
+    # less than keeping them all, and no more than the memory model's prefetch term above the plain peak
+    extra = MemoryModel(graph).plan_prefetched(plan.choices, frozenset(plan.reshard))
+    assert 0 < extra < gathered
+    assert peaks[True, True].total < peaks[True, False].total, peaks
+    assert peaks[True, True].total - peaks[False, True].total <= extra, (peaks, extra)
 
 
 # ------------------------------------------------------------------------------------------------ search

@@ -197,6 +197,19 @@ def test_dp_ilp_and_evaluation_agree_with_prefetch(seed):
     assert v <= v_off * (1 + 1e-12)
 
 
+def test_repeated_layers_reuse_tables_only_where_windows_agree():
+    """The first layer's gathers overlap the embedding, the others' a layer: the DP's reused tables of
+    repeated layers (hidup.search.segments) tell them apart, and price what evaluate does."""
+    model, inputs = M.build("gpt", world_size=4, device="meta", **dict(SMALL, layers=4))
+    graph = trace(model, inputs, world_size=4)
+    for prefetch, layers in ((False, 4), (True, 3)):
+        problem = Problem(graph, hidup.profiler.load("h200x4-socket"), prefetch=prefetch)
+        ks, v = dp.solve(problem, False, beam=dp.Beam(reuse_blocks=True))
+        _, plain = dp.solve(problem, False, beam=dp.Beam(reuse_blocks=False))
+        assert [o.label for o in problem.occurrences] == [f"trunk.layers.{j}" for j in range(4 - layers, 4)]
+        assert _close(evaluate(problem, ks, False).objective, v) and _close(v, plain)
+
+
 def test_fsdp_plan_is_priced_lower_by_at_most_its_gathers():
     model, inputs = M.build("gpt", world_size=4, layers=3, d_model=256, heads=4, ffn=1024, seq_len=128, vocab=1024)
     graph = trace(model, inputs, world_size=4)

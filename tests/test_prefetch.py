@@ -249,3 +249,21 @@ def test_memory_counts_one_unit_of_prefetched_resharded_weights():
     assert on.reshard and layer > 0
     assert on.memory["prefetch"] == layer, (on.memory["prefetch"], layer)
     assert off.memory["prefetch"] == 0.0 and kept.memory["prefetch"] == 0.0
+
+
+def test_cli_prefetch_flag(tmp_path, capsys):
+    """``hidup search --prefetch off`` records it in the plan (which the program then follows); a bad
+    value is one argparse message, exit 2."""
+    import json
+
+    from test_cli_errors import TINY, one_message, run_main
+
+    warnings.simplefilter("ignore")
+    out = tmp_path / "plan.json"
+    argv = ["search", *TINY, "--world", "2", "--prefetch", "off", "--out", str(out), "--quiet"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["options"]["prefetch"] is False
+    code, _, err = run_main(["search", *TINY, "--world", "2", "--prefetch", "maybe", "--out", str(out)], capsys)
+    assert code == 2
+    one_message(err, "--prefetch", "invalid choice: 'maybe'")

@@ -95,6 +95,14 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         "--memory, or fits only by recomputing, keep the better plan with resharding), on, off (default auto)",
     )
     p.add_argument(
+        "--prefetch",
+        choices=("on", "off"),
+        default="on",
+        help="price the gathers of weights stored split as the program issues them by default, one layer "
+        "early, overlapping that layer's compute (on), or blocking (off); the plan records it and "
+        "hidup train runs its program so (default on)",
+    )
+    p.add_argument(
         "--zero",
         choices=ZERO_CHOICES,
         default="auto",
@@ -220,6 +228,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             reshard=args.reshard,
             zero=args.zero,
+            prefetch=args.prefetch == "on",
         )
     _report_warnings(caught, "search")
     plan.save(out)

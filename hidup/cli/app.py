@@ -98,9 +98,8 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         "--prefetch",
         choices=("on", "off"),
         default="on",
-        help="price the gathers of weights stored split as the program issues them by default, one layer "
-        "early, overlapping that layer's compute (on), or blocking (off); the plan records it and "
-        "hidup train runs its program so (default on)",
+        help="gather weights stored split one layer early, overlapping that layer's compute (on), or right "
+        "before their use (off); the plan records it, hidup train runs it so, the search prices it (default on)",
     )
     p.add_argument(
         "--zero",

@@ -35,12 +35,22 @@ which it can do only inside the graph that reads the copy, and a prefetch may cr
 graph (a duplication stage, a gradient-bucket segment); there ``hidup_prefetch`` passes the shard on
 and ``hidup_prefetch_wait`` runs the chain.
 
-Not prefetched: a form change inside a recomputed layer (its region makes it again in the backward,
-:mod:`hidup.codegen.recompute`), of a unit-0 node (nothing precedes it), and the backward's re-gather
-of a resharded parameter (:mod:`hidup.codegen.reshard`: it runs when the backward first unpacks it).
+Backward.  A resharded parameter's copy is made again in the backward (:mod:`hidup.codegen.reshard`).
+The pass gives each resharded conversion its unit (an argument of
+:func:`~hidup.codegen.program.hidup_reshard_convert`); when the backward first unpacks a copy of unit
+``u``, the copies of unit ``u - 1`` that the backward will unpack are made ahead, in the order the
+forward registered them (the same on every rank): on a side stream with an event on CUDA, held until
+their first unpack.  So unit ``u - 1``'s gathers run while unit ``u``'s backward computes, as FSDP2's
+backward prefetch does.
 
-Memory: the prefetched copy of unit ``u``'s weights exists while unit ``u - 1`` runs, one unit's
-gathered weights more than without prefetch (:mod:`hidup.search.memory`, "Prefetched gathers").
+Not prefetched: a form change inside a recomputed layer (its region makes it again in the backward,
+:mod:`hidup.codegen.recompute`) and of a unit-0 node (nothing precedes it).
+
+Memory: the prefetched copy of unit ``u``'s weights exists while unit ``u - 1`` runs, and in the
+backward unit ``u - 1``'s resharded copies while unit ``u``'s backward runs: a resharded parameter's
+copies, held one at a time without prefetch, are held two neighbouring units at a time (the memory
+model counts three, :mod:`hidup.search.memory`, "Prefetched gathers"); a kept copy lives until its
+backward anyway.
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ __all__ = ["CONVERTS", "hidup_prefetch", "hidup_prefetch_wait", "prefetch_gather
 
 # name -> conversion function of the generated code that may be prefetched (hidup.codegen.program fills it)
 CONVERTS: dict[str, object] = {}
+# the generated code's call that starts a forward's session of resharded copies (hidup.codegen.program)
+BEGIN = None
 
 # the conversions of resharded parameters (hidup.codegen.reshard), among CONVERTS
 RESHARDED = frozenset({"hidup_reshard_convert", "hidup_reshard_convert_step"})
@@ -146,9 +158,17 @@ def prefetch_gathers(graph: torch.fx.Graph) -> int:
     units = prefetch_units([n.meta.get(LAYER, "") for n in ops])
     first: dict[int, torch.fx.Node] = {}
     unit_of: dict[torch.fx.Node, int] = {}
+    resharded = False
     for n, u in zip(ops, units):
         first.setdefault(u, n)
         unit_of[n] = u
+        if getattr(n.target, "__name__", None) in RESHARDED and n.meta.get(REGION) is None:
+            n.args = (*n.args, u)  # its unit: the backward makes the copy again ahead of it
+            resharded = True
+    if resharded:  # each forward's copies are a session of their own (hidup.codegen.reshard.begin_forward)
+        with graph.inserting_before(ops[0]):
+            begin = graph.call_function(BEGIN, ())
+        begin.meta.update({"stage": ops[0].meta.get("stage", 0), REGION: None, LAYER: ops[0].meta.get(LAYER, "")})
     # the last link of each chain: a conversion whose users are not conversions of the same chain
     ends = [
         n

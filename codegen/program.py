@@ -59,7 +59,7 @@ from hidup.codegen import collectives, compiled, prefetch
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, RegionKey, outline_regions
-from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
+from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, begin_forward, compiled_convert, register
 from hidup.codegen.zero import zero_stages
 from hidup.errors import UserError
 from hidup.fxvalues import map_value, value_leaves
@@ -186,22 +186,34 @@ def hidup_convert_cast_step(x: torch.Tensor, axis: int, src: str, dst: str) -> t
     return collectives.convert_cast(x, _form(src), _form(dst), _axis_group(axis), dtype)
 
 
-def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str, unit: int = -1) -> torch.Tensor:
     """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
-    made again there (:mod:`hidup.codegen.reshard`)."""
+    made again there (:mod:`hidup.codegen.reshard`), ahead of its unit's backward where ``unit`` names
+    the program unit that reads it (:mod:`hidup.codegen.prefetch`)."""
     if torch.compiler.is_compiling():
         return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token)
     out = collectives.convert(x, _form(src), _form(dst), current_group())
-    return register(out, x, _form(src), _form(dst), current_group())
+    return register(out, x, _form(src), _form(dst), current_group(), unit)
 
 
-def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str) -> torch.Tensor:
+def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str, unit: int = -1) -> torch.Tensor:
     """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
     if torch.compiler.is_compiling():
         return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis])
     out = collectives.convert(x, _form(src), _form(dst), _axis_group(axis))
-    return register(out, x, _form(src), _form(dst), _axis_group(axis))
+    return register(out, x, _form(src), _form(dst), _axis_group(axis), unit)
 
+
+def hidup_begin_forward() -> None:
+    """A forward of a program whose resharded copies are made ahead in the backward starts
+    (:func:`hidup.codegen.reshard.begin_forward` on the active group; nothing under ``torch.compile``)."""
+    if not torch.compiler.is_compiling():
+        group = current_group()
+        for g in group.axes if isinstance(group, MeshGroups) else (group,):
+            begin_forward(g)
+
+
+prefetch.BEGIN = hidup_begin_forward
 
 # the parameter conversions hidup.codegen.prefetch may issue one unit early (not the kept ones: activations)
 prefetch.CONVERTS.update(

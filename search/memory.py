@@ -94,16 +94,19 @@ With prefetch (:mod:`hidup.codegen.prefetch`) the gathered copies of the paramet
 A copy the backward keeps counts in the activations already (above: it lives until its backward), and
 the sum above is the memory at the end of the forward, when no prefetch is in flight: prefetch adds
 nothing to it.  A copy the backward does not keep (a resharded parameter's, :mod:`hidup.codegen.reshard`)
-is not in the sum, and while unit ``u - 1`` runs the rank holds unit ``u``'s besides its own:
-:meth:`MemoryModel.plan_prefetched` is
+is not in the sum.  Without prefetch the rank holds one such copy at a time, around its use; with it,
+when unit ``u - 1`` starts it holds unit ``u - 1``'s copies (made while unit ``u - 2`` ran, not yet used)
+and unit ``u``'s (just issued), and in the backward, where such copies are made again, unit ``u``'s not
+yet unpacked and unit ``u - 1``'s (made ahead), while the last copies of unit ``u + 1`` may still be
+in use (``hidup peak``'s fake run of a two-layer GPT holds two layers' and 12.5 KB of the head's).  With
+``G(u)`` the local bytes of the form changes ``(t, f)`` of resharded parameters first made for a call
+node of unit ``u`` (not of a recomputed layer), :meth:`MemoryModel.plan_prefetched` is
 
-    prefetch = max over units u > 0 of  sum over the form changes (t, f) of resharded parameters first
-               made for a call node of unit u (not of a recomputed layer)  of  local(t, f)
+    prefetch = max over units u of  G(u - 1) + G(u) + G(u + 1)
 
-one unit's resharded gathered weights, recorded beside the transient (``plan.memory["prefetch"]``).
-Like the transient it is not a per-node term (the search's budget sees neither); the sum plus both
-bounds the peak.  (Unit ``u - 1``'s own copies, freed after their use, are the ones the rank holds
-without prefetch as well, and they are no more counted than before.)
+three neighbouring units' resharded gathered weights (FSDP2 holds two layers': the current one's and the
+prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``).  Like the transient it is
+not a per-node term (the search's budget sees neither); the sum plus both bounds the peak.
 
 Not counted: the buffers of a form change beyond a ``reduce`` output's sum (an all-gathered weight
 that no backward keeps), workspace, the CUDA context and fragmentation; keep a margin below the
@@ -438,7 +441,8 @@ class MemoryModel:
 
     def plan_prefetched(self, choices: dict[str, Signature], reshard: frozenset = frozenset()) -> float:
         """The bytes a prefetching program holds besides the sum (module docstring, "Prefetched gathers"):
-        the largest unit's gathered copies of the parameters in ``reshard`` (``param`` node names)."""
+        the largest three neighbouring units' gathered copies of the parameters in ``reshard`` (``param``
+        node names)."""
         g = self.graph
         stored = {
             t: f
@@ -459,9 +463,9 @@ class MemoryModel:
                 if (t, form) in made:
                     continue
                 made.add((t, form))
-                if u and not self.layer_of(n):
+                if not self.layer_of(n):
                     held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
-        return max(held.values(), default=0.0)
+        return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
 
     def _itemsize(self, tid: int) -> float:
         """Bytes per element of tensor ``tid`` at the model's precision."""

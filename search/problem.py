@@ -79,11 +79,14 @@ restriction aside), so it does not depend on the plan and the price stays a sum 
 shared among the unit's parameters by size, as the network serves the unit's gathers one after the
 other: with gather times proportional to bytes, ``sum max(0, g_t - w_t)`` is then
 ``max(0, sum g_t - W)``, and in general it is no less (an upper bound of the overlapped time, never
-below it).  What it leaves out: the network is shared with the blocking collectives of unit ``u - 1``
-(tensor-parallel all-reduces would delay the gathers), and the gathers of unit ``u - 1`` issued
-during unit ``u - 2`` may still occupy it.  The backward is priced as without prefetch (a resharded
-parameter's re-gather blocks), and so is duplication's schedule (its items are unchanged: its
-copies already overlap communication with the other copy's compute).  Where the ILP charges a form
+below it).  A resharded parameter's gather made again in the backward is made ahead too, when the
+backward of unit ``u + 1`` unpacks its first copy (:mod:`hidup.codegen.prefetch`, "Backward"): it is
+charged ``copies + max(0, comm - w_b(i, t))`` there, ``w_b`` the same share of ``W_b(u + 1)``, the least
+backward compute of unit ``u + 1`` (:meth:`Problem.again_charge`).  What it leaves out: the network
+is shared with the blocking collectives of the overlapped unit (tensor-parallel all-reduces would delay
+the gathers), and the gathers issued a unit before may still occupy it.  The backward's other
+collectives are priced as without prefetch, and so is duplication's schedule (its items are
+unchanged: its copies already overlap communication with the other copy's compute).  Where the ILP charges a form
 change to the first reader that may need the form (:mod:`hidup.search.ilp`), it reads that reader's
 window.
 
@@ -172,6 +175,13 @@ class Step:
     bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
     bwd_block: float = 0.0  # no duplication: backward collectives the compute stream waits for (part of ``bwd``)
     copies: float = 0.0  # bytes of the parameters' converted copies its backward keeps (part of ``mem``)
+
+
+def _charge(windows: tuple[float, ...], inp: int, c) -> float:
+    """``c.fwd`` less the part of its communication the window ``windows[inp]`` hides."""
+    if not windows or not windows[inp]:
+        return c.fwd
+    return c.fwd - min(windows[inp], max(c.fwd - c.fwd_copies, 0.0))
 
 
 def _getter(idx: list[int]):
@@ -435,7 +445,7 @@ class Problem:
         self.mem = [[sum(p) for p in parts] for parts in self.mem_parts]
         self.fixed = [self._again(i, f) for i, f in enumerate(self._plain_fixed)]
         self.compute_copy = [[self._again(i, c) for c in row] for i, row in enumerate(self._plain_copy)]
-        self.windows = self._prefetch_windows()
+        self.windows, self.back_windows = self._prefetch_windows()
         self.min_mem_suffix = [0.0] * (self.n + 1)
         for i in range(self.n - 1, -1, -1):
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
@@ -460,41 +470,51 @@ class Problem:
         # the repeated layers' occurrences (hidup.search.segments.find_blocks), found by the first DP
         self.occurrences: list | None = None
 
-    def _prefetch_windows(self) -> list[tuple[float, ...]]:
-        """Per position, per input, the window ``w(i, t)`` of a prefetched gather of that input charged
-        there (module docstring, "Prefetched gathers"); ``()`` where nothing is prefetched."""
+    def _prefetch_windows(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+        """Per position, per input, the windows ``w(i, t)`` of a prefetched gather of that input charged
+        there, forward and (a resharded parameter's gather made again) backward (module docstring,
+        "Prefetched gathers"); ``()`` where nothing is prefetched."""
         if not self.prefetch:
-            return [()] * self.n
+            return [()] * self.n, [()] * self.n
         calls = [i for i, node in enumerate(self.order) if node.op == "call"]
         unit_of = dict(zip(calls, prefetch_units([block_label(self.order[i].module) for i in calls])))
-        window: dict[int, float] = {}
+        windows: dict[int, list[float]] = {}
         sizes: dict[int, dict[int, int]] = {}
         for i, u in unit_of.items():
             node = self.order[i]  # over all its signatures, not the ones a restriction allows: a plan's price
-            fwd = (self.cost.in_program(self.cost.device_compute(node, s))[0] for s in node.signatures)
-            window[u] = window.get(u, 0.0) + min(fwd, default=0.0)
+            times = [self.cost.in_program(self.cost.device_compute(node, s)) for s in node.signatures] or [(0.0, 0.0)]
+            w = windows.setdefault(u, [0.0, 0.0])
+            w[0] += min(t[0] for t in times)
+            w[1] += min(t[1] for t in times)
             for t in self.order[i].inputs:
                 if t in self.param_tids:
                     sizes.setdefault(u, {})[t] = self.graph.tensors[t].numel
-        out: list[tuple[float, ...]] = []
+        fwd: list[tuple[float, ...]] = []
+        bwd: list[tuple[float, ...]] = []
         for i, node in enumerate(self.order):
-            u = unit_of.get(i, 0)
-            if not u or self.recomputed[i] or self.selective[i] or not window.get(u - 1):
-                out.append(())
+            u = unit_of.get(i)
+            if u is None or self.recomputed[i] or self.selective[i]:
+                fwd.append(())
+                bwd.append(())
                 continue
             share, total = sizes.get(u, {}), sum(sizes.get(u, {}).values()) or 1
-            out.append(tuple(window[u - 1] * share.get(t, 0) / total for t in node.inputs))
-        return out
+            before, after = windows.get(u - 1, (0.0, 0.0))[0], windows.get(u + 1, (0.0, 0.0))[1]
+            fwd.append(tuple(before * share.get(t, 0) / total for t in node.inputs) if before else ())
+            ahead = [after * share.get(t, 0) / total if t in self.reshardable else 0.0 for t in node.inputs]
+            bwd.append(tuple(ahead) if any(ahead) else ())
+        return fwd, bwd
 
     def forward_charge(self, i: int, inp: int, c) -> float:
         """Forward seconds a form change ``c`` (:class:`~hidup.search.cost.ConvCost`) of input ``inp`` of
         position ``i`` costs there: ``c.fwd``, its communication less the prefetch window (module docstring,
         "Prefetched gathers").  The DP, the ILP and the evaluation all price it here."""
-        windows = self.windows[i]
-        if not windows or not windows[inp]:
-            return c.fwd
-        comm = c.fwd - c.fwd_copies
-        return c.fwd - min(windows[inp], max(comm, 0.0))
+        return _charge(self.windows[i], inp, c)
+
+    def again_charge(self, i: int, inp: int, c) -> float:
+        """Backward seconds a resharded parameter's form change ``c`` of input ``inp`` of position ``i``
+        costs when the backward makes it again: ``c.fwd``, its communication less the window of the next
+        unit's backward (module docstring, "Prefetched gathers")."""
+        return _charge(self.back_windows[i], inp, c)
 
     def _liveness(self, positions: "Positions") -> None:
         """Which tensors are live before each position and where each comes from (``positions``, the
@@ -654,6 +674,7 @@ class Problem:
                 tuple(t in self.param_tids for t in node.inputs),
                 tuple(t in self.reshardable for t in node.inputs),
                 self.windows[i],
+                self.back_windows[i],
                 kept_idx[i],
                 after,
                 tuple(t in li for t in node.outputs),
@@ -738,7 +759,8 @@ class Problem:
             if kept:  # an activation's form change in a selective layer: saved, not made again
                 copies += kept
             elif self.made_again(i, t, prod):
-                rf, rlf, rfA, rfB = rf + c.fwd, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
+                again = self.again_charge(i, inp, c)  # a resharded gather made ahead hides behind the next unit
+                rf, rlf, rfA, rfB = rf + again, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
                 rlfA, rlfB = rlfA + c.fwd_copies_a, rlfB + c.fwd_copies_b
             elif inp in saved and as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy
                 shape = self.graph.tensors[t].shape
@@ -834,8 +856,9 @@ class Problem:
         c = self.conversion(t, prod, f)
         if c is None:
             return math.inf
-        hidden = c.fwd - c.fwd_copies if low else 0.0
-        return c.fwd * (1 + self.resharded(t, prod)) + c.bwd - max(hidden, 0.0)
+        again = self.resharded(t, prod)
+        hidden = max(c.fwd - c.fwd_copies, 0.0) if low else 0.0  # in the forward, and where made again
+        return (c.fwd - hidden) * (1 + again) + c.bwd
 
     def conversion(self, tid: int, src: int, dst: int):
         """:meth:`CostModel.conversion` of tensor ``tid`` between form ids ``src`` and ``dst`` (cached by

@@ -7,8 +7,10 @@ The forward adds up: ``forward = sum(compute_f + comm_f)``, where a prefetched g
 not hide: ``comm_f = copies + max(0, comm - w)``, ``w`` the window of the previous unit's least forward
 compute allotted to it (:mod:`hidup.search.problem`, "Prefetched gathers"; one function,
 :meth:`~hidup.search.problem.Problem.forward_charge`, prices it for the DP, the ILP and
-:func:`evaluate` alike, through ``Step.fwd``).  With duplication the stage items are not changed by
-prefetch: the copies' schedule below overlaps their collectives already.  In the backward, the gradient
+:func:`evaluate` alike, through ``Step.fwd``; a resharded weight's second gather, blocking in the
+backward below, is ``copies + max(0, comm - w_b)`` likewise,
+:meth:`~hidup.search.problem.Problem.again_charge`).  With duplication the stage items are not changed
+by prefetch: the copies' schedule below overlaps their collectives already.  In the backward, the gradient
 all-reduces of replicated parameters are bucketed and asynchronous (:mod:`hidup.codegen.grads`):
 they overlap the backward of the nodes before them, sharing the network (one communicator, first
 come first served) with the blocking backward collectives of form changes.  Over the nodes in

@@ -87,6 +87,7 @@ def _describe(problem: Problem, start: int, end: int):
                 problem.node_batch[i],
                 sigs,
                 problem.windows[i],  # a prefetched gather's window: the first layer's differs from the others'
+                problem.back_windows[i],  # and the last layer's in the backward
             )
         )
     live_end = problem.live[end]

@@ -5,6 +5,8 @@ and their price (:mod:`hidup.search.problem`, "Prefetched gathers").
   weight of layer ``l`` is issued (``hidup_prefetch``) before the first op of layer ``l - 1`` and waited
   for (``hidup_prefetch_wait``) after its last op, right before its consumer; with ``prefetch=False``
   the program has no such node.  Recomputed layers keep their gathers in their region.
+* Backward: the resharded copies of unit ``u - 1`` are made again as soon as the backward makes the
+  first of unit ``u``, each once.
 * Parity: on two gloo ranks the program with prefetch gives exactly (``==``) the loss and gradients of
   the program without it, and those of one device to float64 rounding: duplication off, on (copies in
   sequence, in test_reshard.py's runs, which prefetch by default) and on the two-copy stage schedule,
@@ -104,12 +106,27 @@ def _rank_parity(rank, world):
     import torch._dynamo
 
     from hidup.codegen import compile as hidup_compile
+    from hidup.codegen import reshard as R
     from hidup.codegen.params import full_grad_dict
 
     warnings.simplefilter("ignore")
     model, inputs = M.build("gpt", world_size=world, dtype=torch.float64, **PARITY)
     graph = trace(model, inputs, world_size=world)
     out = {}
+    # each copy the backward makes again, in order: (its unit, the unit of the copy being unpacked then)
+    made: list = []
+    unpacking = [None]
+    convert, unpack = R._Recipe._convert, R._Packed.unpack
+
+    def logged(self):
+        made.append((self.unit, unpacking[0]))
+        return convert(self)
+
+    def unpacked(self):
+        unpacking[0] = self.recipe.unit
+        return unpack(self)
+
+    R._Recipe._convert, R._Packed.unpack = logged, unpacked
     for job in JOBS:
         dup, streams, reshard, layers, backend = job
         plan = forced(graph, hidup.profiler.load(PROFILE), "fsdp", duplication=dup)
@@ -131,9 +148,11 @@ def _rank_parity(rank, world):
                 prefetch=prefetch,
             )
             loss = module(*inputs)
+            made.clear()
             loss.backward()
             issued = sum(n.target is hidup_prefetch for m in module.modules() for n in _graph_nodes(m))
             runs[prefetch] = (float(module.global_loss(loss)), full_grad_dict(module), issued, module.duplication)
+            runs[prefetch, "remade"] = list(made)
         ref, ref_inputs = M.build("gpt", world_size=world, dtype=torch.float64, **PARITY)
         ref_loss = ref(*ref_inputs)
         ref_loss.backward()
@@ -145,7 +164,9 @@ def _rank_parity(rank, world):
             "grad_vs_ref": max(float((on[1][k] - grads[k].grad).abs().max()) for k in on[1]),
             "issued": (off[2], on[2]),
             "duplication": on[3],
+            "remade": (runs[False, "remade"], runs[True, "remade"]),
         }
+    R._Recipe._convert, R._Packed.unpack = convert, unpack
     return out
 
 
@@ -173,6 +194,17 @@ def test_prefetched_program_is_exact(job):
     assert r["grad_vs_off"] == 0.0, r["grad_vs_off"]
     assert abs(on - ref) <= TOL * abs(ref), r["loss"]
     assert r["grad_vs_ref"] <= TOL, r["grad_vs_ref"]
+    off_made, on_made = r["remade"]
+    assert len(on_made) == len(off_made), r["remade"]  # each copy made again once either way
+    # resharded, eager, one copy (two copies on the CPU share one group, whose forward sessions interleave:
+    # some copies are then made at their own unpack): the backward makes the previous unit's copies ahead
+    if job[2] and not job[4] and not job[0]:
+        assert {u for u, _ in off_made} == {-1}, off_made
+        top = max(u for u, _ in on_made)
+        assert len({u for u, _ in on_made}) >= 3, on_made  # the head, and the two layers
+        # the last unit's copies are made when its backward unpacks them, every other unit's while the
+        # backward of the unit after it unpacks (ahead: when it unpacks its first copy)
+        assert all(at == (top if u == top else u + 1) for u, at in on_made), on_made
 
 
 # ------------------------------------------------------------------------------------------------ price
@@ -182,12 +214,13 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_dp_ilp_and_evaluation_agree_with_prefetch(seed):
+@pytest.mark.parametrize("seed,reshard", [(0, False), (1, False), (1, True)])
+def test_dp_ilp_and_evaluation_agree_with_prefetch(seed, reshard):
     g = layered_graph(layers=3, nodes_per_layer=2, sigs=(2, 3), seed=seed, flops_scale=1e11)
     profile = hidup.profiler.load("h200x4-socket")
-    on, off = Problem(g, profile), Problem(g, profile, prefetch=False)
+    on, off = Problem(g, profile, reshard=reshard), Problem(g, profile, reshard=reshard, prefetch=False)
     assert any(any(w) for w in on.windows) and not any(off.windows)
+    assert any(any(w) for w in on.back_windows) == reshard and not any(off.back_windows)
     exact = dp.Beam(max_states=None, max_points=None)
     ks, v = dp.solve(on, False, beam=exact)
     _, v_off = dp.solve(off, False, beam=exact)
@@ -227,27 +260,37 @@ def test_fsdp_plan_is_priced_lower_by_at_most_its_gathers():
     assert gathers > 0
     assert off.total - gathers <= on.total < off.total
     assert on.backward == off.backward and on.compute == off.compute
+    # resharded, the backward's second gathers are made ahead too: at most those gathers saved there
+    plan.reshard = sorted(n.name for n in graph.nodes if n.op == "param" and plan.choices[n.name].outputs[0].is_gather)
+    off_r, on_r = price(graph, profile, plan, prefetch=False)[False], price(graph, profile, plan)[False]
+    assert off_r.backward - gathers <= on_r.backward < off_r.backward
+    assert on_r.forward == on.forward
     # the search that prices prefetch records it, and predicts what price() gives
     priced = forced(graph, profile, "fsdp", duplication=False)
     assert priced.options["prefetch"] is True
     assert _close(priced.predicted["total"], price(graph, profile, priced)[False].total)
 
 
-def test_memory_counts_one_unit_of_prefetched_resharded_weights():
+def test_memory_counts_three_units_of_prefetched_resharded_weights():
     model, inputs = M.build("gpt", world_size=2, **SMALL)
     graph = trace(model, inputs, world_size=2)
     profile = hidup.profiler.load(PROFILE)
-    layer = sum(
-        graph.tensors[t].numel * 4
-        for n in graph.nodes
-        if n.op == "param" and n.name.startswith("trunk_layers_1_")
-        for t in n.outputs
-    )
+
+    def size(*prefixes) -> int:
+        return sum(
+            graph.tensors[n.outputs[0]].numel * 4
+            for n in graph.nodes
+            if n.op == "param" and n.name.startswith(prefixes)
+        )
+
+    layer, first, last = size("trunk_layers_1_"), size("tok_", "pos"), size("trunk_norm_", "decoder_")
     on = forced(graph, profile, "fsdp", duplication=False, reshard="on", recompute="off")
     off = forced(graph, profile, "fsdp", duplication=False, reshard="on", recompute="off", prefetch=False)
     kept = forced(graph, profile, "fsdp", duplication=False, reshard="off", recompute="off")
     assert on.reshard and layer > 0
-    assert on.memory["prefetch"] == layer, (on.memory["prefetch"], layer)
+    # the largest three neighbouring units (embedding, three layers, head): the three layers
+    expected = max(first + 2 * layer, 3 * layer, 2 * layer + last)
+    assert expected == 3 * layer and on.memory["prefetch"] == expected, (on.memory["prefetch"], layer, first, last)
     assert off.memory["prefetch"] == 0.0 and kept.memory["prefetch"] == 0.0
 
 

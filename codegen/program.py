@@ -59,11 +59,11 @@ import torch.nn as nn
 from torch.fx.node import _get_qualified_name
 
 from hidup import rules
-from hidup.codegen import collectives, compiled
+from hidup.codegen import collectives, compiled, prefetch
 from hidup.codegen.mesh import MeshGroups, coordinates, current_group, running, using_group
 from hidup.codegen.params import ParamShard, local_name, shard_tensor
 from hidup.codegen.recompute import REGION, RegionKey, outline_regions
-from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, compiled_convert, register
+from hidup.codegen.reshard import VIEW_NAMES, ReshardCall, begin_forward, compiled_convert, register
 from hidup.codegen.zero import zero_stages
 from hidup.errors import UserError
 from hidup.fxvalues import map_value, value_leaves
@@ -217,24 +217,55 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
+def hidup_reshard_convert(x: torch.Tensor, src: str, dst: str, reduce: bool = False, unit: int = -1) -> torch.Tensor:
     """:func:`hidup_convert` of a resharded parameter: its output is not kept for the backward, but
-    made again there (:mod:`hidup.codegen.reshard`); with ``reduce`` its gradient is summed in bf16
-    under a bf16 autocast (:func:`hidup_convert_cast`; the copy travels in ``x``'s dtype)."""
+    made again there (:mod:`hidup.codegen.reshard`), ahead of its unit's backward where ``unit`` names
+    the program unit that reads it (:mod:`hidup.codegen.prefetch`); with ``reduce`` its gradient is
+    summed in bf16 under a bf16 autocast (:func:`hidup_convert_cast`; the copy travels in ``x``'s dtype)."""
     summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
         return compiled_convert(x, src, dst, compiled.ACTIVE.world, compiled.ACTIVE.token, summed)
     out = _reshard_out(x, src, dst, current_group(), summed)
-    return register(out, x, _form(src), _form(dst), current_group())
+    return register(out, x, _form(src), _form(dst), current_group(), unit)
 
 
-def hidup_reshard_convert_step(x: torch.Tensor, axis: int, src: str, dst: str, reduce: bool = False) -> torch.Tensor:
+# why: the conversion's operands, its bf16 sum and its prefetch unit, as the generated call passes them
+def hidup_reshard_convert_step(
+    x: torch.Tensor, axis: int, src: str, dst: str, reduce: bool = False, unit: int = -1
+) -> torch.Tensor:
     """:func:`hidup_convert_step` of a resharded parameter (:func:`hidup_reshard_convert`)."""
     summed = _summed_dtype(x, reduce)
     if torch.compiler.is_compiling():
         return compiled_convert(x, src, dst, *compiled.ACTIVE.axes[axis], summed)
     out = _reshard_out(x, src, dst, _axis_group(axis), summed)
-    return register(out, x, _form(src), _form(dst), _axis_group(axis))
+    return register(out, x, _form(src), _form(dst), _axis_group(axis), unit)
+
+
+def hidup_begin_forward() -> None:
+    """A forward of a program whose resharded copies are made ahead in the backward starts
+    (:func:`hidup.codegen.reshard.begin_forward` on the active group; nothing under ``torch.compile``)."""
+    if not torch.compiler.is_compiling():
+        group = current_group()
+        for g in group.axes if isinstance(group, MeshGroups) else (group,):
+            begin_forward(g)
+
+
+prefetch.BEGIN = hidup_begin_forward
+
+# the parameter conversions hidup.codegen.prefetch may issue one unit early (not the kept ones: activations)
+prefetch.CONVERTS.update(
+    {
+        f.__name__: f
+        for f in (
+            hidup_convert,
+            hidup_convert_step,
+            hidup_convert_cast,
+            hidup_convert_cast_step,
+            hidup_reshard_convert,
+            hidup_reshard_convert_step,
+        )
+    }
+)
 
 
 def _summed_dtype(x: torch.Tensor, reduce: bool) -> torch.dtype | None:
@@ -396,11 +427,13 @@ class _Builder:
         selective=(),
         zero=None,
         reduce_dtype: str = "fp32",
+        prefetch=True,
     ):
         self.traced, self.plan, self.rank, self.world = traced, plan, rank, world
         self.reduce_dtype = reduce_dtype  # the dtype parameter gradients are summed in (hidup.precision)
         # params whose gradient reductions cast to bf16 under a bf16 autocast
         self.reduce_low = reduce_low_params(traced.graph) if reduce_dtype == "bf16" else frozenset()
+        self.prefetch = prefetch  # issue stored-split parameters' gathers one unit early (codegen.prefetch)
         self.zero = dict(zero or {})  # param node -> ZeRO stage asked for (hidup.codegen.zero)
         self.param_node: dict[str, str] = {}  # stored attribute -> its param node
         self.reshard = frozenset(reshard)  # param nodes whose converted copies are made again in the backward
@@ -733,6 +766,8 @@ class _Builder:
                 self.add_output(node)
             else:
                 raise CompileError(f"node {node.name}: unknown op {node.op!r}")
+        if self.prefetch:
+            prefetch.prefetch_gathers(self.graph)
         outline_regions(self.graph, self.root)
         self.graph.lint()
         gm = torch.fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Of{self.world}")
@@ -793,7 +828,9 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
     parameter; a dict of ``param`` node names) says which replicated parameters the runtime splits
     (:mod:`hidup.codegen.zero`, ``RankProgram.zero``).  ``options.reduce_dtype`` (None: the plan's
     ``reduce_dtype``) is the dtype the float32 parameters' gradients are summed in under a bf16 autocast
-    (:mod:`hidup.precision`, ``RankProgram.reduce_dtype``)."""
+    (:mod:`hidup.precision`, ``RankProgram.reduce_dtype``).  ``options.prefetch`` (None: the plan's
+    ``options["prefetch"]``, on where the plan does not say) issues the gathers of stored-split parameters
+    one unit early (:mod:`hidup.codegen.prefetch`)."""
     device = getattr(options, "device", None) or "cpu"
     local_batch = bool(getattr(options, "local_batch", False))
     reshard = getattr(options, "reshard", None)
@@ -842,7 +879,16 @@ def build_rank_program(traced, plan, rank: int, world: int, copies=None, options
         selective,
         zero,
         reduce_dtype,
+        _prefetching(plan, options),
     ).build()
+
+
+def _prefetching(plan, options) -> bool:
+    """``options.prefetch``, or where it is None the plan's (the option it was searched with; default on)."""
+    prefetch = getattr(options, "prefetch", None)
+    if prefetch is None:
+        prefetch = (getattr(plan, "options", None) or {}).get("prefetch", True)
+    return bool(prefetch)
 
 
 def _zero_request(traced, plan, zero, params: set[str]) -> dict[str, int]:

@@ -57,10 +57,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from hidup.codegen import collectives
 from hidup.ir import Form, conversion
 
-__all__ = ["ReshardCall", "register", "registered", "compiled_convert", "VIEW_NAMES"]
+__all__ = ["ReshardCall", "register", "registered", "begin_forward", "compiled_convert", "VIEW_NAMES"]
 
 # storage of a converted copy of a resharded parameter -> how to make it again
 _REGISTRY: dict[StorageWeakRef, "_Recipe"] = {}
+# id(process group) -> the recipes of its current forward by unit (begin_forward starts one): each recipe
+# holds its own forward's, so a backward makes ahead only the copies of the forward it runs back through
+_SESSIONS: dict[int, dict] = {}
+# (device index, current stream id) -> the side stream copies made ahead run on
+_SIDE: dict[tuple, torch.cuda.Stream] = {}
 
 # names of the functions and methods whose output is a view of their first input: an op reading such a
 # view of a converted copy runs in a ReshardCall too
@@ -74,7 +79,23 @@ class _Recipe:
     """How to make a registered converted copy again: convert ``source`` (a detached shard) or what
     ``parent`` makes, seen through the input geometry ``geometry``, from ``src`` to ``dst`` on ``group``."""
 
-    __slots__ = ("source", "parent", "geometry", "src", "dst", "group", "dtype", "layout", "version", "cache")
+    __slots__ = (
+        "source",
+        "parent",
+        "geometry",
+        "src",
+        "dst",
+        "group",
+        "dtype",
+        "layout",
+        "version",
+        "cache",
+        "unit",
+        "session",
+        "packed",
+        "ahead",
+        "__weakref__",
+    )
 
     def __init__(self, x: torch.Tensor, parent: "_Recipe | None", src: Form, dst: Form, group, out: torch.Tensor):
         self.source = None if parent is not None else x.detach()
@@ -85,12 +106,23 @@ class _Recipe:
         self.layout = (tuple(out.shape), tuple(out.stride()), out.storage_offset())
         self.version = out._version  # changed: the copy was written in place, and is kept as it is
         self.cache: weakref.ref | None = None
+        self.unit = -1  # the program unit whose op reads the copy (hidup.codegen.prefetch); -1: not prefetched
+        self.session: dict | None = None  # its forward's recipes by unit (weak references), in registration order
+        self.packed = False  # a saved tensor of the backward is a view of the copy: the backward makes it
+        self.ahead = None  # the copy made ahead of its first unpack (_Ahead), held until then
 
     def make(self) -> torch.Tensor:
-        """The converted copy, made again (outside autograd) unless a copy made earlier is still alive."""
+        """The converted copy, made again (outside autograd) unless a copy made earlier is still alive
+        (or made ahead, :func:`_make_ahead`)."""
         out = self.cache() if self.cache is not None else None
         if out is not None:
             return out
+        ahead, self.ahead = self.ahead, None
+        out = ahead.take() if ahead is not None else self._convert()
+        self.cache = weakref.ref(out)
+        return out
+
+    def _convert(self) -> torch.Tensor:
         if self.parent is not None:
             x = self.parent.make().as_strided(*self.geometry)
         else:
@@ -110,9 +142,14 @@ class _Packed:
 
     def __init__(self, recipe: _Recipe, t: torch.Tensor):
         self.recipe, self.size, self.stride, self.offset = recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+        recipe.packed = True
 
     def unpack(self) -> torch.Tensor:
-        return self.recipe.make().as_strided(self.size, self.stride, self.offset)
+        recipe = self.recipe
+        out = recipe.make().as_strided(self.size, self.stride, self.offset)
+        if recipe.unit > 0:  # the backward reached this unit: the unit before it is next
+            _make_ahead(recipe.session.get(recipe.unit - 1, ()))
+        return out
 
 
 def _key(t: torch.Tensor) -> StorageWeakRef | None:
@@ -127,9 +164,10 @@ def _prune() -> None:
         del _REGISTRY[key]
 
 
-def register(out: torch.Tensor, x: torch.Tensor, src: Form, dst: Form, group) -> torch.Tensor:
+def register(out: torch.Tensor, x: torch.Tensor, src: Form, dst: Form, group, unit: int = -1) -> torch.Tensor:
     """Register ``out``, the conversion ``src -> dst`` of ``x`` on ``group``, as a copy that the ops of
-    :class:`ReshardCall` do not keep for the backward; returns ``out``."""
+    :class:`ReshardCall` do not keep for the backward; returns ``out``.  ``unit``: the program unit of
+    the op that reads it (:mod:`hidup.codegen.prefetch`), whose backward makes it ahead; -1: none."""
     if torch.compiler.is_compiling() or not out.requires_grad:
         return out
     key = _key(out)
@@ -137,8 +175,67 @@ def register(out: torch.Tensor, x: torch.Tensor, src: Form, dst: Form, group) ->
         return out
     _prune()
     parent = _REGISTRY.get(_key(x))
-    _REGISTRY[key] = _Recipe(x, parent, src, dst, group, out)
+    recipe = _REGISTRY[key] = _Recipe(x, parent, src, dst, group, out)
+    if unit >= 0:  # the forward's session (begin_forward), by unit
+        session = _SESSIONS.setdefault(id(group), {})
+        recipe.unit, recipe.session = unit, session
+        session.setdefault(unit, []).append(weakref.ref(recipe))
     return out
+
+
+def begin_forward(group) -> None:
+    """A forward that registers copies by unit starts on ``group``: its recipes are a session of their own,
+    so its backward makes ahead only its own copies (:func:`_make_ahead`)."""
+    _SESSIONS[id(group)] = {}
+
+
+class _Ahead:
+    """A copy made ahead of its first unpack: on a side stream with an event on CUDA."""
+
+    __slots__ = ("value", "event")
+
+    def __init__(self, recipe: _Recipe):
+        root = recipe
+        while root.parent is not None:
+            root = root.parent
+        device = root.source.device
+        if device.type != "cuda":
+            self.value, self.event = recipe._convert(), None
+            return
+        current = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.value = recipe._convert()
+            self.event = torch.cuda.Event()
+            self.event.record(side)
+
+    def take(self) -> torch.Tensor:
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.value.device)
+            current.wait_event(self.event)
+            self.value.record_stream(current)
+        return self.value
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    key = (device.index, torch.cuda.current_stream(device).stream_id)
+    side = _SIDE.get(key)
+    if side is None:
+        side = _SIDE[key] = torch.cuda.Stream(device=device)
+    return side
+
+
+def _make_ahead(refs) -> None:
+    """Make the copies of ``refs`` (one unit's recipes of one forward) that the backward will unpack,
+    ahead, in the order the forward registered them (the same on every rank)."""
+    for ref in refs:
+        recipe = ref()
+        if recipe is None or not recipe.packed or recipe.ahead is not None:
+            continue
+        if recipe.cache is not None and recipe.cache() is not None:
+            continue
+        recipe.ahead = _Ahead(recipe)
 
 
 def registered() -> int:

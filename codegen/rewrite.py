@@ -355,7 +355,11 @@ class CompileOptions(OptionSet):
     stage of the replicated parameters (None: the plan's ``zero``; 0 none; 1 or 2 that stage for each
     whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).
     ``reduce_dtype``: the dtype the float32 parameters' gradients are summed over ranks in while a bf16
-    autocast is on (``"fp32"`` or ``"bf16"``; None: the plan's ``reduce_dtype``; :mod:`hidup.precision`)."""
+    autocast is on (``"fp32"`` or ``"bf16"``; None: the plan's ``reduce_dtype``; :mod:`hidup.precision`).
+    whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).  ``prefetch``:
+    issue the gathers of stored-split parameters one unit (layer) ahead of their use, asynchronously on
+    CUDA (:mod:`hidup.codegen.prefetch`; exact: it only moves them earlier; None: as the plan was searched,
+    ``plan.options["prefetch"]``, on where it does not say)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -371,6 +375,7 @@ class CompileOptions(OptionSet):
     seed: int = 0
     zero: int | dict | None = None
     reduce_dtype: str | None = None
+    prefetch: bool | None = None
     WHAT = "compile"
 
 

@@ -92,6 +92,7 @@ __all__ = [
     "zero_splits",
     "block_label",
     "block_family",
+    "prefetch_units",
     "Layout",
     "MeshStep",
     "MeshConversion",
@@ -619,6 +620,20 @@ def block_label(module: str) -> str:
 def block_family(label: str) -> str:
     """The list a repeated layer belongs to: ``model.layers.3`` -> ``model.layers``."""
     return label.rsplit(".", 1)[0]
+
+
+def prefetch_units(labels) -> list[int]:
+    """The unit of each op of a program, given each op's :func:`block_label` in program order: units are
+    the maximal runs of one label (a repeated layer, or the ops outside any), numbered from 0.  A
+    parameter's gather charged to an op of unit ``u > 0`` is issued at the start of unit ``u - 1``
+    (:mod:`hidup.codegen.prefetch`) and priced as overlapping that unit's compute
+    (:mod:`hidup.search.problem`, "Prefetched gathers"): one statement of the unit for both."""
+    out, unit, last = [], -1, None
+    for label in labels:
+        if label != last:
+            unit, last = unit + 1, label
+        out.append(unit)
+    return out
 
 
 @dataclass

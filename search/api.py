@@ -231,7 +231,10 @@ class SearchOptions(OptionSet):
     weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO").
     ``reduce_dtype`` (:data:`hidup.precision.REDUCE_DTYPES`: ``"fp32"``, ``"bf16"``) the dtype the
     float32 parameters' gradients are summed over ranks in; ``"bf16"`` needs ``precision="bf16"``
-    (:mod:`hidup.precision`, "Gradients reduced in bf16"); ``plan.reduce_dtype`` records it."""
+    (:mod:`hidup.precision`, "Gradients reduced in bf16"); ``plan.reduce_dtype`` records it.
+    ``prefetch`` prices the gathers of stored-split parameters as the program issues them by default, one
+    unit (layer) early, their communication overlapping that unit's compute (:mod:`hidup.search.problem`,
+    "Prefetched gathers"); False prices them blocking, as ``CompileOptions(prefetch=False)`` runs them."""
 
     algorithm: str = "dp"
     duplication: bool = True
@@ -250,6 +253,7 @@ class SearchOptions(OptionSet):
     reshard: str = "auto"
     zero: str = "auto"
     reduce_dtype: str = "fp32"
+    prefetch: bool = True
     WHAT = "search"
 
     def check(self) -> None:
@@ -417,11 +421,17 @@ def plan_indices(problem: Problem, plan: Plan) -> list[int]:
 
 
 def price(
-    graph: Graph, profile, plan: Plan, precision: str = "fp32", cuda_graphs: bool = True, compiled: bool = False
+    graph: Graph,
+    profile,
+    plan: Plan,
+    precision: str = "fp32",
+    cuda_graphs: bool = True,
+    compiled: bool = False,
+    prefetch: bool = True,
 ) -> dict[bool, Evaluation]:
     """``plan``'s choices, with its recomputed layers and resharded parameters, priced by the search's cost
     model, ``{False: without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`);
-    ``cuda_graphs`` and ``compiled`` as in :func:`search`."""
+    ``cuda_graphs``, ``compiled`` and ``prefetch`` as in :func:`search`."""
     reshard = frozenset(getattr(plan, "reshard", None) or ())
     zero = max((getattr(plan, "zero", None) or {}).values(), default=0)  # the stage the search gives every weight
     problem = Problem(
@@ -432,6 +442,7 @@ def price(
         reshard=reshard,
         zero=zero,
         reduce_dtype=getattr(plan, "reduce_dtype", "fp32"),
+        prefetch=prefetch,
     )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
@@ -595,6 +606,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
         reshard=True,
         zero=ZERO_STAGE.get(opts.zero, 0),
         reduce_dtype=opts.reduce_dtype,
+        prefetch=opts.prefetch,
     )
     ks = plan_indices(problem, plan)
     modes = (False, True) if opts.duplication else (False,)
@@ -891,6 +903,7 @@ class SearchRun:
                 reshard,
                 ZERO_STAGE[opts.zero],
                 opts.reduce_dtype,
+                opts.prefetch,
             )
             return first
         if first.recompute == recompute:
@@ -1127,6 +1140,7 @@ class RecomputeTrial:
             "reshard_requested": opts.reshard,
             "zero_requested": opts.zero,
             "reduce_dtype": opts.reduce_dtype,
+            "prefetch": opts.prefetch,
         }
         if self.solver is not None:
             options["solver"] = self.solver  # the ILP's status: proven optimal, or stopped by its time limit
@@ -1302,6 +1316,16 @@ def _backward_bytes(p: Problem, tid: int, op: str, nbytes: float, src=None) -> i
     return int(nbytes * share)
 
 
+def _prefetched(problem: Problem, choices: dict[str, Signature]) -> float:
+    """What a prefetching program holds besides the plan's memory sum: the largest unit's gathered copies
+    of resharded parameters (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`); 0 without prefetch."""
+    if not problem.prefetch:
+        return 0.0
+    params = [n.name for n in problem.graph.nodes if n.op == "param"]
+    reshard = frozenset(params if problem.reshard is True else problem.reshard)
+    return problem.memory.plan_prefetched(choices, reshard)
+
+
 def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, explain: int = 6) -> Plan:
     """Package an evaluated assignment as a :class:`Plan` (conversions, costs, runner-ups)."""
     g, p = problem.graph, problem
@@ -1366,7 +1390,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         choices=choices,
         stages=ev.stages,
         predicted=ev.times(),
-        memory={**ev.memory, "transient": p.memory.plan_transient(choices)},
+        memory={**ev.memory, "transient": p.memory.plan_transient(choices), "prefetch": _prefetched(p, choices)},
         conversions=conversions,
         options=options,
         node_costs=node_costs,

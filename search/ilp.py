@@ -16,7 +16,11 @@ Variables
 Objective and constraint
 ------------------------
 ``min sum x[i,k] (t_fwd + t_bwd)(i,k) + sum z[t,a,f] (comm_fwd + comm_bwd)(t, a -> f)`` -- the
-iteration time without duplication, identical to the DP's no-duplication cost -- subject to
+iteration time without duplication, identical to the DP's no-duplication cost (a prefetched gather's
+forward is :meth:`~hidup.search.problem.Problem.forward_charge` of the reader that creates its ``z``, and
+a resharded one's gather made again :meth:`~hidup.search.problem.Problem.again_charge`,
+the first that may need the form: where a later reader is the first to need it in the plan, the ILP
+reads the earlier reader's window, the one approximation it makes of the DP's charge) -- subject to
 ``sum x[i,k] mem(i,k) <= budget``.  Times enter in microseconds for numerical range.
 If the budget is infeasible the same model is solved for ``min sum x mem`` and the error states
 that minimum.
@@ -130,7 +134,10 @@ def _build(problem: Problem, memory_budget: float | None, objective: str):
                         # a recomputed reader, a selectively recomputed one of a parameter, or a resharded
                         # parameter's, runs the forward conversion again in its backward
                         again = p.made_again(c, t, a)
-                        cost = (conv.fwd * (1 + again) + conv.bwd) * _SCALE
+                        # a prefetched gather: its forward less the window of this reader's unit (the first
+                        # reader that may need the form, where the DP charges the actual first one)
+                        made = p.again_charge(c, inp, conv) if again else 0.0
+                        cost = (p.forward_charge(c, inp, conv) + made + conv.bwd) * _SCALE
                         if cost <= 0:
                             continue
                         if (a, f) not in z:

@@ -87,6 +87,27 @@ a ``call`` node under ``s`` is the larger of
 for a language model, the full-size partial logits of a row-parallel LM head.  Added to the sum above
 it bounds the peak that ``hidup peak`` predicts by running the program (``tests/test_memory.py``).
 
+Prefetched gathers
+------------------
+With prefetch (:mod:`hidup.codegen.prefetch`) the gathered copies of the parameters a unit ``u`` reads
+(:func:`hidup.ir.prefetch_units`) are made at the start of unit ``u - 1``, so they live one unit longer.
+A copy the backward keeps counts in the activations already (above: it lives until its backward), and
+the sum above is the memory at the end of the forward, when no prefetch is in flight: prefetch adds
+nothing to it.  A copy the backward does not keep (a resharded parameter's, :mod:`hidup.codegen.reshard`)
+is not in the sum.  Without prefetch the rank holds one such copy at a time, around its use; with it,
+when unit ``u - 1`` starts it holds unit ``u - 1``'s copies (made while unit ``u - 2`` ran, not yet used)
+and unit ``u``'s (just issued), and in the backward, where such copies are made again, unit ``u``'s not
+yet unpacked and unit ``u - 1``'s (made ahead), while the last copies of unit ``u + 1`` may still be
+in use (``hidup peak``'s fake run of a two-layer GPT holds two layers' and 12.5 KB of the head's).  With
+``G(u)`` the local bytes of the form changes ``(t, f)`` of resharded parameters first made for a call
+node of unit ``u`` (not of a recomputed layer), :meth:`MemoryModel.plan_prefetched` is
+
+    prefetch = max over units u of  G(u - 1) + G(u) + G(u + 1)
+
+three neighbouring units' resharded gathered weights (FSDP2 holds two layers': the current one's and the
+prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``).  Like the transient it is
+not a per-node term (the search's budget sees neither); the sum plus both bounds the peak.
+
 Not counted: the buffers of a form change beyond a ``reduce`` output's sum (an all-gathered weight
 that no backward keeps), workspace, the CUDA context and fragmentation; keep a margin below the
 device size (docs/memory.md compares with measured peaks).
@@ -105,7 +126,18 @@ from hidup.frontend.saved import (
     saved_bytes,
     tensor_nbytes,
 )
-from hidup.ir import REDUCE, Graph, Node, Signature, block_family, block_label, held_fraction, zero_stage
+from hidup.ir import (
+    REDUCE,
+    Graph,
+    Node,
+    Signature,
+    axis_forms,
+    block_family,
+    block_label,
+    held_fraction,
+    prefetch_units,
+    zero_stage,
+)
 from hidup.search.cost import kernel_kind
 
 __all__ = ["MemoryModel", "MEMORY_PARTS", "Recompute", "saves_output"]
@@ -406,6 +438,34 @@ class MemoryModel:
             (g.tensors[t].numel for t in node.inputs), default=0
         )
         return max(forward, backward + grads * (2 if reduces else 1))
+
+    def plan_prefetched(self, choices: dict[str, Signature], reshard: frozenset = frozenset()) -> float:
+        """The bytes a prefetching program holds besides the sum (module docstring, "Prefetched gathers"):
+        the largest three neighbouring units' gathered copies of the parameters in ``reshard`` (``param``
+        node names)."""
+        g = self.graph
+        stored = {
+            t: f
+            for n in g.nodes
+            if n.op == "param" and n.name in reshard and n.name in choices
+            for t, f in zip(n.outputs, choices[n.name].outputs)
+        }
+        calls = [n for n in g.nodes if n.op == "call" and n.name in choices]
+        units = prefetch_units([block_label(n.module) for n in calls])
+        made: set[tuple] = set()
+        held: dict[int, float] = {}
+        for n, u in zip(calls, units):
+            for t, f in zip(n.inputs, choices[n.name].inputs):
+                form = as_used(f)
+                src = stored.get(t)
+                if src is None or not any(a.is_gather for a in axis_forms(src)) or as_used(src) == form:
+                    continue
+                if (t, form) in made:
+                    continue
+                made.add((t, form))
+                if not self.layer_of(n):
+                    held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
+        return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
 
     def _itemsize(self, tid: int) -> float:
         """Bytes per element of tensor ``tid`` at the model's precision."""

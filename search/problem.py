@@ -61,6 +61,37 @@ activations), except inside a recomputed layer (its region makes the copy again)
 the conversion of such a parameter from a form split on some axis keeps no copy and runs its forward
 collectives and copies again in the backward, blocking, as a recomputed node's conversions do.
 
+Prefetched gathers
+------------------
+With ``prefetch`` (the default, as :mod:`hidup.codegen.prefetch` runs the program) the form change of a
+parameter charged to a ``call`` node of unit ``u > 0`` (:func:`hidup.ir.prefetch_units` over the ``call``
+nodes' :func:`~hidup.ir.block_label`, in this order; not in a recomputed layer, whose region gathers
+again) is issued at the start of unit ``u - 1`` and overlaps that unit's forward compute.  Its forward
+communication is charged as exposed only beyond a *window*::
+
+    W(u)      = sum over the call nodes i of unit u of  min over the node's signatures s of compute_fwd(i, s)
+    w(i, t)   = W(u - 1) * numel(t) / sum of numel(t') over the parameters t' the call nodes of unit u read
+    fwd(conv) = copies + max(0, comm - w(i, t))            (instead of copies + comm)
+
+``W`` is the least forward compute unit ``u - 1`` can have under any of its signatures (a search's
+restriction aside), so it does not depend on the plan and the price stays a sum over transitions: the DP, the ILP and
+:func:`hidup.search.schedule.evaluate` all read it from :meth:`Problem.forward_charge`.  The window is
+shared among the unit's parameters by size, as the network serves the unit's gathers one after the
+other: with gather times proportional to bytes, ``sum max(0, g_t - w_t)`` is then
+``max(0, sum g_t - W)``, and in general it is no less (an upper bound of the overlapped time, never
+below it).  A resharded parameter's gather made again in the backward is made ahead too, when the
+backward of unit ``u + 1`` unpacks its first copy (:mod:`hidup.codegen.prefetch`, "Backward"): it is
+charged ``copies + max(0, comm - w_b(i, t))`` there, ``w_b`` the same share of ``W_b(u + 1)``, the least
+backward compute of unit ``u + 1`` (:meth:`Problem.again_charge`).  What it leaves out: the network
+is shared with the blocking collectives of the overlapped unit (tensor-parallel all-reduces would delay
+the gathers), and the gathers issued a unit before may still occupy it.  The backward's other
+collectives are priced as without prefetch, and so is duplication's schedule (its items are
+unchanged: its copies already overlap communication with the other copy's compute).  Where the ILP charges a form
+change to the first reader that may need the form (:mod:`hidup.search.ilp`), it reads that reader's
+window.  A compiled program (a profile priced ``compiled``) gets no window: its gathers are issued a
+unit early too, but as inductor's ops on the compute stream, in order, so nothing overlaps them (their
+copies still live a unit longer, :meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
+
 Caches shared by the problems of one search
 -------------------------------------------
 The order and the liveness it fixes depend on the graph alone: one :class:`Positions` per search,
@@ -88,7 +119,18 @@ import numpy as np
 
 from hidup.errors import UserError
 from hidup.frontend.saved import as_used
-from hidup.ir import DTYPE_BYTES, FULL, REDUCE, Form, Graph, Node, Signature, axis_forms, block_label
+from hidup.ir import (
+    DTYPE_BYTES,
+    FULL,
+    REDUCE,
+    Form,
+    Graph,
+    Node,
+    Signature,
+    axis_forms,
+    block_label,
+    prefetch_units,
+)
 from hidup.search.cost import CostModel
 from hidup.search.memory import MemoryModel, Recompute, saves_output
 
@@ -135,6 +177,13 @@ class Step:
     bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
     bwd_block: float = 0.0  # no duplication: backward collectives the compute stream waits for (part of ``bwd``)
     copies: float = 0.0  # bytes of the parameters' converted copies its backward keeps (part of ``mem``)
+
+
+def _charge(windows: tuple[float, ...], inp: int, c) -> float:
+    """``c.fwd`` less the part of its communication the window ``windows[inp]`` hides."""
+    if not windows or not windows[inp]:
+        return c.fwd
+    return c.fwd - min(windows[inp], max(c.fwd - c.fwd_copies, 0.0))
 
 
 def _getter(idx: list[int]):
@@ -314,8 +363,10 @@ class Problem:
         reshard: "bool | frozenset | set | tuple" = False,
         zero: int = 0,
         reduce_dtype: str = "fp32",
+        prefetch: bool = True,
     ):
         self.graph, self.profile, self.world = graph, profile, graph.world_size
+        self.prefetch = prefetch  # parameters' gathers issued a unit early (module docstring, "Prefetched gathers")
         if models is None:
             models = Models(graph)
         elif models.graph is not graph:
@@ -324,6 +375,8 @@ class Problem:
         positions = models.positions()  # the graph validated, ordered, and the liveness of that order
         self.zero = zero  # the ZeRO stage of the replicated parameters (hidup.search.cost, "ZeRO")
         self.cost = models.cost(profile, precision, zero, reduce_dtype)
+        # a compiled program issues the gathers early but runs them in order on its one stream: no overlap
+        self.prefetch_overlaps = prefetch and not self.cost.compiled
         self.order, self.n, self.pos_of = positions.order, positions.n, positions.pos_of
         # parameters' tensors, and those whose converted copies are made again in the backward
         self.reshard = reshard if reshard is True else frozenset(reshard or ())
@@ -397,6 +450,7 @@ class Problem:
         self.mem = [[sum(p) for p in parts] for parts in self.mem_parts]
         self.fixed = [self._again(i, f) for i, f in enumerate(self._plain_fixed)]
         self.compute_copy = [[self._again(i, c) for c in row] for i, row in enumerate(self._plain_copy)]
+        self.windows, self.back_windows = self._prefetch_windows()
         self.min_mem_suffix = [0.0] * (self.n + 1)
         for i in range(self.n - 1, -1, -1):
             self.min_mem_suffix[i] = self.min_mem_suffix[i + 1] + min(self.mem[i])
@@ -420,6 +474,52 @@ class Problem:
         self.free_solutions: dict[tuple, tuple[tuple[int, ...], float]] = {}
         # the repeated layers' occurrences (hidup.search.segments.find_blocks), found by the first DP
         self.occurrences: list | None = None
+
+    def _prefetch_windows(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+        """Per position, per input, the windows ``w(i, t)`` of a prefetched gather of that input charged
+        there, forward and (a resharded parameter's gather made again) backward (module docstring,
+        "Prefetched gathers"); ``()`` where nothing is prefetched."""
+        if not self.prefetch_overlaps:
+            return [()] * self.n, [()] * self.n
+        calls = [i for i, node in enumerate(self.order) if node.op == "call"]
+        unit_of = dict(zip(calls, prefetch_units([block_label(self.order[i].module) for i in calls])))
+        windows: dict[int, list[float]] = {}
+        sizes: dict[int, dict[int, int]] = {}
+        for i, u in unit_of.items():
+            node = self.order[i]  # over all its signatures, not the ones a restriction allows: a plan's price
+            times = [self.cost.in_program(self.cost.device_compute(node, s)) for s in node.signatures] or [(0.0, 0.0)]
+            w = windows.setdefault(u, [0.0, 0.0])
+            w[0] += min(t[0] for t in times)
+            w[1] += min(t[1] for t in times)
+            for t in self.order[i].inputs:
+                if t in self.param_tids:
+                    sizes.setdefault(u, {})[t] = self.graph.tensors[t].numel
+        fwd: list[tuple[float, ...]] = []
+        bwd: list[tuple[float, ...]] = []
+        for i, node in enumerate(self.order):
+            u = unit_of.get(i)
+            if u is None or self.recomputed[i] or self.selective[i]:
+                fwd.append(())
+                bwd.append(())
+                continue
+            share, total = sizes.get(u, {}), sum(sizes.get(u, {}).values()) or 1
+            before, after = windows.get(u - 1, (0.0, 0.0))[0], windows.get(u + 1, (0.0, 0.0))[1]
+            fwd.append(tuple(before * share.get(t, 0) / total for t in node.inputs) if before else ())
+            ahead = [after * share.get(t, 0) / total if t in self.reshardable else 0.0 for t in node.inputs]
+            bwd.append(tuple(ahead) if any(ahead) else ())
+        return fwd, bwd
+
+    def forward_charge(self, i: int, inp: int, c) -> float:
+        """Forward seconds a form change ``c`` (:class:`~hidup.search.cost.ConvCost`) of input ``inp`` of
+        position ``i`` costs there: ``c.fwd``, its communication less the prefetch window (module docstring,
+        "Prefetched gathers").  The DP, the ILP and the evaluation all price it here."""
+        return _charge(self.windows[i], inp, c)
+
+    def again_charge(self, i: int, inp: int, c) -> float:
+        """Backward seconds a resharded parameter's form change ``c`` of input ``inp`` of position ``i``
+        costs when the backward makes it again: ``c.fwd``, its communication less the window of the next
+        unit's backward (module docstring, "Prefetched gathers")."""
+        return _charge(self.back_windows[i], inp, c)
 
     def _liveness(self, positions: "Positions") -> None:
         """Which tensors are live before each position and where each comes from (``positions``, the
@@ -578,6 +678,8 @@ class Problem:
                 self.saved_in[i],
                 tuple(t in self.param_tids for t in node.inputs),
                 tuple(t in self.reshardable for t in node.inputs),
+                self.windows[i],
+                self.back_windows[i],
                 kept_idx[i],
                 after,
                 tuple(t in li for t in node.outputs),
@@ -639,7 +741,7 @@ class Problem:
             c = self.conversion(node.inputs[inp], prod, f)
             if c is None:
                 return None
-            ff += c.fwd
+            ff += self.forward_charge(i, inp, c)
             fb += c.bwd
             fb_async += c.bwd_async  # the gradient all-reduce; packing the bucket runs on the compute stream
             fb_block += c.bwd_block
@@ -662,7 +764,8 @@ class Problem:
             if kept:  # an activation's form change in a selective layer: saved, not made again
                 copies += kept
             elif self.made_again(i, t, prod):
-                rf, rlf, rfA, rfB = rf + c.fwd, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
+                again = self.again_charge(i, inp, c)  # a resharded gather made ahead hides behind the next unit
+                rf, rlf, rfA, rfB = rf + again, rlf + c.fwd_copies, rfA + c.fwd_comm_a, rfB + c.fwd_comm_b
                 rlfA, rlfB = rlfA + c.fwd_copies_a, rlfB + c.fwd_copies_b
             elif inp in saved and as_used(self.forms[prod]) != self.forms[f]:  # not replicate -> full: a copy
                 shape = self.graph.tensors[t].shape
@@ -715,37 +818,52 @@ class Problem:
         if forms is None:  # in the order this problem met them (the order its own form ids would give)
             forms = [f for f in range(rel.bit_length()) if rel >> f & 1]
             forms = self._rel_forms[rel] = tuple(sorted(forms, key=self._rank.__getitem__))
-        mk = (self._conv_class[t], t in self.reshardable, forms, tuple(states))
+        mk = (self._conv_class[t], t in self.reshardable, self._may_prefetch(t), forms, tuple(states))
         hit = self._pen_matrices.get(mk)
         if hit is None:
             hit = self._pen_matrices[mk] = self._penalty_matrix(t, forms, states)
             hit.setflags(write=False)
         return hit
 
+    def _may_prefetch(self, t: int) -> bool:
+        """Whether a form change of tensor ``t`` may be charged less than its price by a prefetch window."""
+        return self.prefetch_overlaps and t in self.param_tids
+
     def _penalty_matrix(self, t: int, forms: tuple[int, ...], states: list[tuple[int, int]]) -> np.ndarray:
-        rows = []
+        # a prefetched gather costs between its price less its communication (the whole of it hidden) and
+        # its price: state a pays at most the latter, state b at least the former
+        rows, lows = [], []
+        prefetch = self._may_prefetch(t)
         for st in states:
-            ck = (self._conv_class[t], t in self.reshardable, forms, st)
+            ck = (self._conv_class[t], t in self.reshardable, prefetch, forms, st)
             row = self._pen_cache.get(ck)
             if row is None:
-                row = self._pen_cache[ck] = np.array([self._avail_cost(t, st, f) for f in forms], float)
-            rows.append(row)
+                row = self._pen_cache[ck] = np.array(
+                    [[self._avail_cost(t, st, f, low) for f in forms] for low in (False, prefetch)], float
+                )
+            rows.append(row[0])
+            lows.append(row[1])
         if not forms:
             return np.zeros((len(states), len(states)))
-        costs = np.stack(rows)
-        a, b = costs[:, None, :], costs[None, :, :]
+        a, b = np.stack(rows)[:, None, :], np.stack(lows)[None, :, :]
         with np.errstate(invalid="ignore"):
             extra = np.where(np.isinf(a) & np.isinf(b), 0.0, a - b)
         return np.maximum(extra, 0.0).sum(axis=-1)
 
-    def _avail_cost(self, t: int, st: tuple[int, int], f: int) -> float:
+    def _avail_cost(self, t: int, st: tuple[int, int], f: int, low: bool = False) -> float:
+        """What making form ``f`` of tensor ``t`` available from state ``st`` costs (fwd + bwd); ``low``: the
+        least a prefetch window can leave of it (its forward communication hidden)."""
         prod, mask = st
         if prod < 0:
             return math.inf
         if f == prod or mask >> f & 1:
             return 0.0
         c = self.conversion(t, prod, f)
-        return math.inf if c is None else c.fwd * (1 + self.resharded(t, prod)) + c.bwd
+        if c is None:
+            return math.inf
+        again = self.resharded(t, prod)
+        hidden = max(c.fwd - c.fwd_copies, 0.0) if low else 0.0  # in the forward, and where made again
+        return (c.fwd - hidden) * (1 + again) + c.bwd
 
     def conversion(self, tid: int, src: int, dst: int):
         """:meth:`CostModel.conversion` of tensor ``tid`` between form ids ``src`` and ``dst`` (cached by

@@ -2,7 +2,15 @@
 
 Without duplication
 -------------------
-The forward adds up: ``forward = sum(compute_f + comm_f)``.  In the backward, the gradient
+The forward adds up: ``forward = sum(compute_f + comm_f)``, where a prefetched gather of a parameter
+(issued one unit early, :mod:`hidup.codegen.prefetch`) counts only the communication its window does
+not hide: ``comm_f = copies + max(0, comm - w)``, ``w`` the window of the previous unit's least forward
+compute allotted to it (:mod:`hidup.search.problem`, "Prefetched gathers"; one function,
+:meth:`~hidup.search.problem.Problem.forward_charge`, prices it for the DP, the ILP and
+:func:`evaluate` alike, through ``Step.fwd``; a resharded weight's second gather, blocking in the
+backward below, is ``copies + max(0, comm - w_b)`` likewise,
+:meth:`~hidup.search.problem.Problem.again_charge`).  With duplication the stage items are not changed
+by prefetch: the copies' schedule below overlaps their collectives already.  In the backward, the gradient
 all-reduces of replicated parameters are bucketed and asynchronous (:mod:`hidup.codegen.grads`):
 they overlap the backward of the nodes before them, sharing the network (one communicator, first
 come first served) with the blocking backward collectives of form changes.  Over the nodes in
@@ -73,8 +81,8 @@ Under ZeRO (:mod:`hidup.search.cost`, "ZeRO") the optimizer steps ``1/N`` of eac
 not 0).  The DP does not see it either.
 
 Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
-the summed collective time (both copies); ``exposed_comm = max(0, forward + backward - compute)``
-with ``compute`` the summed compute time.
+the summed collective time (both copies; without duplication the exposed part of prefetched gathers);
+``exposed_comm = max(0, forward + backward - compute)`` with ``compute`` the summed compute time.
 """
 
 from __future__ import annotations

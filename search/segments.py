@@ -8,10 +8,12 @@ occurrence is a maximal run of consecutive positions with the same non-empty lab
 Two occurrences have the same *type* when their structure is identical position by position: op,
 target, where every input comes from (an external tensor, numbered by first use, or an output of
 an earlier position of the block), tensor sizes/dtypes/gradient/batch flags, the allowed
-signatures with their forms, compute times and memory, and which tensors are still live after the
-block (the *exit* tensors).  Equal types imply equal transition costs, so a block's effect depends
-only on the states of its external inputs (the *entry*): the DP computes, once per (type, entry),
-the exit states it can reach and reuses that table for every occurrence.
+signatures with their forms, compute times and memory, the prefetch windows of its gathers
+(:mod:`hidup.search.problem`, "Prefetched gathers": the first layer's follow the embedding, not a
+layer), and which tensors are still live after the block (the *exit* tensors).  Equal types imply equal
+transition costs, so a block's effect depends only on the states of its external inputs (the *entry*):
+the DP computes, once per (type, entry), the exit states it can reach and reuses that table for every
+occurrence.
 """
 
 from __future__ import annotations
@@ -77,7 +79,16 @@ def _describe(problem: Problem, start: int, end: int):
             for k in range(len(problem.sigs[i]))
         )
         struct.append(
-            (node.op, node.target, tuple(ins), tuple(tinfo(t) for t in node.outputs), problem.node_batch[i], sigs)
+            (
+                node.op,
+                node.target,
+                tuple(ins),
+                tuple(tinfo(t) for t in node.outputs),
+                problem.node_batch[i],
+                sigs,
+                problem.windows[i],  # a prefetched gather's window: the first layer's differs from the others'
+                problem.back_windows[i],  # and the last layer's in the backward
+            )
         )
     live_end = problem.live[end]
     exits = []

@@ -97,6 +97,13 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         "--memory, or fits only by recomputing, keep the better plan with resharding), on, off (default auto)",
     )
     p.add_argument(
+        "--prefetch",
+        choices=("on", "off"),
+        default="on",
+        help="gather weights stored split one layer early, overlapping that layer's compute (on), or right "
+        "before their use (off); the plan records it, hidup train runs it so, the search prices it (default on)",
+    )
+    p.add_argument(
         "--zero",
         choices=ZERO_CHOICES,
         default="auto",
@@ -225,6 +232,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             reshard=args.reshard,
             zero=args.zero,
             reduce_dtype=args.reduce_dtype,
+            prefetch=args.prefetch == "on",
         )
     _report_warnings(caught, "search")
     plan.save(out)

@@ -138,11 +138,11 @@ def test_duplication_is_dropped_when_half_batch_kernels_are_inefficient():
     model, inputs = hidup.models.build("bert-sgmoe", world_size=4, device="meta", layers=2, batch_per_gpu=8)
     g = trace(model, inputs, 4, half_batch=True)
     nvlink = P.load("h200x4-nvlink")
-    efficient = search(g, _roofline_ops(g, nvlink, 0.5), precision="tf32")
+    efficient = search(g, _roofline_ops(g, nvlink, 0.5), precision="tf32", prefetch=False)
     assert efficient.duplication  # perfect halves: the overlap pays
     # each copy's kernels take as long as the whole batch's: duplication doubles compute
     wasteful = _roofline_ops(g, nvlink, 1.0)
-    plan = search(g, wasteful, precision="tf32")
+    plan = search(g, wasteful, precision="tf32", prefetch=False)
     assert not plan.duplication
     pr = Problem(g, wasteful, "tf32")
     from hidup.search.schedule import evaluate
@@ -189,8 +189,8 @@ def test_the_per_copy_correction_scales_each_copys_compute_and_can_turn_duplicat
                 batch_seen |= plain.node_batch[i]
                 weight_seen |= not plain.node_batch[i]
     assert batch_seen
-    assert not search(g, wasteful, precision="tf32").duplication
-    assert search(g, overlapped, precision="tf32").duplication
+    assert not search(g, wasteful, precision="tf32", prefetch=False).duplication
+    assert search(g, overlapped, precision="tf32", prefetch=False).duplication
 
 
 def test_two_copies_on_one_device_give_the_whole_batch_loss_and_gradients():

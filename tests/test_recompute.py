@@ -241,7 +241,7 @@ def test_search_recomputes_only_under_a_budget_that_needs_it(gpt_graph):
     assert on.predicted["total"] > off.predicted["total"]  # the forward runs twice
     assert search(gpt_graph, profile, memory_budget=off.memory["total"]).recompute == []
     budget = 0.95 * off.memory["total"]
-    fit = search(gpt_graph, profile, memory_budget=budget)
+    fit = search(gpt_graph, profile, memory_budget=budget, zero="off")  # ZeRO-2 might fit it without
     assert 0 < len(fit.recompute) < 4, fit.recompute  # the fewest layers that fit
     assert fit.memory["total"] <= budget
     assert off.predicted["total"] < fit.predicted["total"] < on.predicted["total"]
@@ -337,4 +337,4 @@ def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypa
     assert len(calls) == 1
     calls.clear()
     fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60, reshard="off", zero="off")
-    assert len(calls) == 2 and fit.recompute and fit.memory["total"] <= budget
+    assert len(calls) >= 2 and fit.recompute and fit.memory["total"] <= budget  # the recomputing ILP ran too

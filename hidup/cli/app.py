@@ -78,6 +78,44 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         help="per-rank memory budget in GB (the ILP enforces it; the DP checks it)",
     )
     _add_time_limit_flag(p)
+    _add_lever_flags(p)
+    p.add_argument(
+        "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
+    )
+    add_reduce_dtype_arg(p)
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
+        "step captured as one CUDA graph (a captured step cannot run the routed experts' all-to-all "
+        "dispatcher: with capture priced, the search keeps the faster of the captured plan without it "
+        "and the uncaptured plan with it)",
+    )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="price the program as inductor runs it (hidup train --compile on or auto on GPUs): views "
+        "free, pointwise chains fused (default: op by op)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for --noise")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="plan file (default strategy_<model>.json, a factory's ':' written as '.')",
+    )
+    p.add_argument("--quiet", action="store_true", help="print only the output path")
+
+
+def _add_lever_flags(p: argparse.ArgumentParser) -> None:
+    """The search's memory and communication levers: recomputation, resharding, prefetch, ZeRO."""
     p.add_argument(
         "--recompute",
         choices=("auto", "on", "selective", "off"),
@@ -112,39 +150,6 @@ def _search_parser(p: argparse.ArgumentParser) -> None:
         "optimizer, which costs time. auto (when the plan found does not fit --memory, or fits only by "
         "recomputing, search again with ZeRO-2 and keep the better plan), off, 1, 2 (default auto)",
     )
-    p.add_argument(
-        "--precision", choices=DTYPES, default="fp32", help="compute precision assumed by the cost model (default fp32)"
-    )
-    add_reduce_dtype_arg(p)
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="price eager dispatch per op (for training with --cuda-graphs off) instead of a "
-        "step captured as one CUDA graph (a captured step cannot run the routed experts' all-to-all "
-        "dispatcher: with capture priced, the search keeps the faster of the captured plan without it "
-        "and the uncaptured plan with it)",
-    )
-    p.add_argument(
-        "--compiled",
-        action="store_true",
-        help="price the program as inductor runs it (hidup train --compile on or auto on GPUs): views "
-        "free, pointwise chains fused (default: op by op)",
-    )
-    p.add_argument(
-        "--noise",
-        type=float,
-        default=0.0,
-        metavar="X",
-        help="perturb every profiled rate by an independent uniform factor in [1-X, 1+X]",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed for --noise")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="plan file (default strategy_<model>.json, a factory's ':' written as '.')",
-    )
-    p.add_argument("--quiet", action="store_true", help="print only the output path")
 
 
 def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:

@@ -293,7 +293,7 @@ def priced(graph, profile, plan: Plan, precision: str, mode: str) -> tuple[float
         precision,
         recompute=recomputed(plan),
         reshard=frozenset(getattr(plan, "reshard", None) or ()),
-        zero=max((getattr(plan, "zero", None) or {}).values(), default=0),
+        zero=plan.zero_stage,
     )
     ks = plan_indices(problem, plan)
     ev = evaluate(problem, ks, False)

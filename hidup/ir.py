@@ -70,6 +70,8 @@ from typing import Iterable
 __all__ = [
     "Form",
     "zero_stage",
+    "RECOMPUTE_CHOICES",
+    "RESHARD_CHOICES",
     "FULL",
     "REDUCE",
     "REPLICATE",
@@ -120,6 +122,10 @@ ZERO_STAGES = (1, 2)
 # what a search's and a training run's ``zero`` option takes: "auto" (the search uses ZeRO where it pays
 # under a memory budget; a run does as its plan says), "off", or a stage forced on every such parameter
 ZERO_CHOICES = ("auto", "off", "1", "2")
+# what a search's ``recompute`` and ``reshard`` options take besides a list (hidup.search.api): "auto"
+# (only where a memory budget needs it), "on", "off"; recompute also "selective" (every repeated layer)
+RECOMPUTE_CHOICES = ("auto", "on", "selective", "off")
+RESHARD_CHOICES = ("auto", "on", "off")
 
 
 def zero_splits(shape: tuple[int, ...], world: int) -> bool:

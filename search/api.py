@@ -126,6 +126,8 @@ from typing import Callable
 
 from hidup.ir import (
     FORM_CHANGE_OPS,
+    RECOMPUTE_CHOICES,
+    RESHARD_CHOICES,
     ZERO_CHOICES,
     Graph,
     Node,
@@ -161,8 +163,7 @@ __all__ = [
 ]
 
 STYLES = ("data", "tensor", "expert", "expert-all-gather", "expert-all-to-all", "fsdp")
-RECOMPUTE = ("auto", "on", "selective", "off")
-RESHARD = ("auto", "on", "off")
+RECOMPUTE, RESHARD = RECOMPUTE_CHOICES, RESHARD_CHOICES
 ZERO_STAGE = {"off": 0, "1": 1, "2": 2}  # a resolved ``zero`` option -> the stage searched
 # style -> (preferred kinds in order, kinds never used)
 _STYLE_RULES = {
@@ -433,14 +434,13 @@ def price(
     model, ``{False: without duplication, True: with}`` (:func:`hidup.search.schedule.evaluate`);
     ``cuda_graphs``, ``compiled`` and ``prefetch`` as in :func:`search`."""
     reshard = frozenset(getattr(plan, "reshard", None) or ())
-    zero = max((getattr(plan, "zero", None) or {}).values(), default=0)  # the stage the search gives every weight
     problem = Problem(
         graph,
         _loaded(profile).launched(cuda_graphs, compiled),
         precision,
         recompute=recomputed(plan),
         reshard=reshard,
-        zero=zero,
+        zero=plan.zero_stage,
         reduce_dtype=getattr(plan, "reduce_dtype", "fp32"),
         prefetch=prefetch,
     )

@@ -36,7 +36,7 @@ from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
 from hidup.cli.precision_flags import add_reduce_dtype_arg
 from hidup.errors import UserError
-from hidup.ir import ZERO_CHOICES
+from hidup.ir import RECOMPUTE_CHOICES, RESHARD_CHOICES, ZERO_CHOICES
 from hidup.plan import Plan, model_record, summary
 from hidup.precision import check_reduce_dtype
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
@@ -118,7 +118,7 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
     """The search's memory and communication levers: recomputation, resharding, prefetch, ZeRO."""
     p.add_argument(
         "--recompute",
-        choices=("auto", "on", "selective", "off"),
+        choices=RECOMPUTE_CHOICES,
         default="auto",
         help="run repeated layers' forward again in the backward instead of keeping their activations: "
         "auto (only when the fastest plan does not fit --memory: the fastest plan that fits, recomputing "
@@ -128,7 +128,7 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--reshard",
-        choices=("auto", "on", "off"),
+        choices=RESHARD_CHOICES,
         default="auto",
         help="free the all-gathered copy of every weight stored split after its forward use and gather it "
         "again in the backward (FSDP2's reshard after forward): auto (when the plan found does not fit "

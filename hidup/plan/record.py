@@ -347,6 +347,11 @@ class Plan:
         """Ranks in mesh axis ``axis``'s group (None or -1: the whole world)."""
         return self.world_size if axis is None or axis < 0 or not self.mesh else self.mesh[axis]
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the search gave the plan's replicated weights (0: none; one stage per search)."""
+        return max(self.zero.values(), default=0)
+
     def sent_bytes(self) -> float:
         """Bytes one rank sends per step by every collective of the plan: its conversions' and those
         inside its nodes (gradient all-reduces included; a duplicated plan's two copies together)."""

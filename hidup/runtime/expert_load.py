@@ -33,11 +33,12 @@ def _layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if experts_layout_activation(m) is not None}
 
 
-def _routed(model: nn.Module, inputs: list, autocast_dtype) -> dict[str, torch.Tensor]:
-    """``{experts module name: top_k_index}`` of one forward of ``model`` on ``inputs``."""
+def _routed(model: nn.Module, layers: dict[str, nn.Module], inputs: list, autocast_dtype) -> dict[str, torch.Tensor]:
+    """``{experts module name: top_k_index}`` of the experts modules ``layers`` in one forward of ``model``
+    on ``inputs``."""
     seen: dict[str, torch.Tensor] = {}
     hooks = []
-    for name, module in _layers(model).items():
+    for name, module in layers.items():
 
         def keep(_module, args, kwargs, name=name):
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
@@ -73,8 +74,8 @@ def expert_loads(model: nn.Module, world_inputs: list, rank_inputs: list, world:
     experts = {name: m.gate_up_proj.shape[0] for name, m in layers.items()}
     if any(e % world for e in experts.values()):
         return None
-    in_world = _routed(model, world_inputs, autocast_dtype)
-    mirrored = _routed(model, rank_inputs, autocast_dtype)
+    in_world = _routed(model, layers, world_inputs, autocast_dtype)
+    mirrored = _routed(model, layers, rank_inputs, autocast_dtype)
     out = {}
     for name in layers:
         world_blocks = _block_loads(in_world[name], experts[name], world)

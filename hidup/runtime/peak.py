@@ -216,7 +216,7 @@ def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool =
         frozenset(plan.recompute),
         frozenset(getattr(plan, "reshard", None) or ()),
         frozenset(getattr(plan, "recompute_selective", None) or ()),
-        zero=max((getattr(plan, "zero", None) or {}).values(), default=0),
+        zero=plan.zero_stage,
     )
     parts = dict.fromkeys(MEMORY_PARTS, 0.0)
     for node in graph.nodes:

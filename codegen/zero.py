@@ -103,6 +103,10 @@ class ZeroShards:
             shard = nn.Parameter(p.detach().narrow(0, rank * rows, rows), requires_grad=True)
             self.slices[path] = ZeroSlice(p, shard, stage, rank * rows, rows)
         self.by_param = {id(z.param): z for z in self.slices.values()}
+        # the all-gathers of one step, one coalesced call per dtype and device (fixed for the module's life)
+        self._gathers: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for z in self.slices.values():
+            self._gathers.setdefault((z.param.dtype, z.param.device), []).append((z.param.detach(), z.shard.detach()))
         self._hooks = []
 
     def __bool__(self) -> bool:
@@ -119,12 +123,9 @@ class ZeroShards:
     def gather(self) -> None:
         """Every split parameter made whole again from the ranks' updated rows (in place), and its
         whole gradient dropped (the next backward makes it anew)."""
-        by_dtype: dict[tuple, list[ZeroSlice]] = {}
-        for z in self.slices.values():
-            by_dtype.setdefault((z.param.dtype, z.param.device), []).append(z)
         with torch.no_grad():
-            for group in by_dtype.values():
-                _all_gather([(z.param.detach(), z.shard.detach()) for z in group], self.group)
+            for pairs in self._gathers.values():
+                _all_gather(pairs, self.group)
         for z in self.slices.values():
             z.param.grad = None
 

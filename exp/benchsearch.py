@@ -39,7 +39,6 @@ __all__ = [
     "Searcher",
     "search_job",
     "predict",
-    "make_problem",
     "job_name",
     "overrides_of",
     "resolve_profile",
@@ -63,7 +62,7 @@ def job_name(model: str, world: int, precision: str, overrides: dict, extra: str
     tag = ""
     if overrides:
         tag = "-" + hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{model}-w{world}-{precision}{tag}{extra}"
+    return f"{model.replace(':', '-')}-w{world}-{precision}{tag}{extra}"
 
 
 def resolve_profile(text: str) -> Path:
@@ -107,21 +106,20 @@ def plan_identity(plan_dict: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def make_problem(graph, profile, precision: str):
-    """The search's cost model of ``graph`` under ``profile`` (a :class:`hidup.search.Problem`)."""
-    from hidup.search.problem import Problem
+def predict(graph, profile, plan, precision: str, compiled: bool) -> dict:
+    """Predicted seconds per iteration of ``plan`` (its levers included: :func:`hidup.search.price`)
+    under ``profile``: captured as one CUDA graph, ``compiled`` by inductor or not, with duplication
+    (``hidup``) and without (``hidup-nodup``); and dispatched eagerly op by op (``-eager``)."""
+    from hidup.search import price
 
-    return Problem(graph, profile, precision)
-
-
-def predict(problem, plan) -> dict:
-    """Predicted seconds per iteration of ``plan``'s choices under ``problem``'s cost model: with
-    duplication (``hidup``) and without (``hidup-nodup``)."""
-    from hidup.search import plan_indices
-    from hidup.search.schedule import evaluate
-
-    ks = plan_indices(problem, plan)
-    return {"hidup": evaluate(problem, ks, True).total, "hidup-nodup": evaluate(problem, ks, False).total}
+    graphed = price(graph, profile, plan, precision, cuda_graphs=True, compiled=compiled)
+    eager = price(graph, profile, plan, precision, cuda_graphs=False, compiled=False)
+    return {
+        "hidup": graphed[True].total,
+        "hidup-nodup": graphed[False].total,
+        "hidup-eager": eager[True].total,
+        "hidup-nodup-eager": eager[False].total,
+    }
 
 
 def load_profile(job: dict):
@@ -156,13 +154,18 @@ def search_job(job: dict) -> str:
         profile = load_profile(job)
         prof_info["name"] = profile.name
         prof_info["calibration_models"] = profile.corrections.calibration_models()  # predictions there are in-sample
+        compiled = job.get("compiled", True)
         plan = search(
-            graph, profile, world_size=job["world"], algorithm="dp", duplication=True, precision=job["precision"]
+            graph,
+            profile,
+            world_size=job["world"],
+            algorithm="dp",
+            duplication=True,
+            precision=job["precision"],
+            compiled=compiled,
         )
         t2 = time.perf_counter()
-        predicted = predict(make_problem(graph, profile.launched(True), job["precision"]), plan)
-        eager = predict(make_problem(graph, profile.launched(False), job["precision"]), plan)
-        predicted.update({f"{mode}-eager": t for mode, t in eager.items()})
+        predicted = predict(graph, profile, plan, job["precision"], compiled)
         doc.update(
             status="ok",
             plan=plan.to_dict(),

@@ -27,9 +27,9 @@ common=(--network "$net" --worlds "$world" --methods ${METHODS:-single ddp fsdp 
         --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150)
 for group in ${GROUPS:-zoo llama mixtral}; do
   case $group in
-    zoo) args=(--models bert-sgmoe bert-switch --precisions ${ZOO_PRECISIONS:-bf16 tf32}) budget=${ZOO_S:-170} ;;
-    llama) args=(--models exp.rank_models:llama --layers 20 --precisions bf16) budget=${LLAMA_S:-200} ;;
-    mixtral) args=(--models exp.rank_models:mixtral --precisions bf16) budget=${MIXTRAL_S:-170} ;;
+    zoo) args=(--models bert-sgmoe bert-switch --precisions ${ZOO_PRECISIONS:-bf16 tf32}); budget=${ZOO_S:-170} ;;
+    llama) args=(--models exp.rank_models:llama --layers 20 --precisions bf16); budget=${LLAMA_S:-200} ;;
+    mixtral) args=(--models exp.rank_models:mixtral --precisions bf16); budget=${MIXTRAL_S:-170} ;;
   esac
   echo "== $net $group ($budget s)"
   timeout $((budget + 120)) python3 exp/bench.py "${common[@]}" "${args[@]}" --time-budget "$budget" 2>&1 \

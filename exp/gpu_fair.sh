@@ -5,7 +5,7 @@
 #       measures this host's profile over NVLink (GEMM grid, attention, collectives) and over NCCL's
 #       socket transport (the collectives; compute taken from the NVLink one) into OUTDIR;
 #       copy them to exp/records/multi/ and search the plans there with `exp/bench.py --search-only`.
-#   PHASE=matrix NETWORK=nvlink|sockets [GROUPS="zoo llama mixtral"] bash exp/gpu_fair.sh OUTDIR
+#   PHASE=matrix NETWORK=nvlink|sockets [SETS="zoo llama mixtral"] bash exp/gpu_fair.sh OUTDIR
 #       runs every method on the committed profile and plans, REPEATS (3) interleaved rounds, and
 #       packs exp/records/multi/<network>*.json and the plans into OUTDIR/multi-<network>.tgz.
 set -u
@@ -25,7 +25,7 @@ fi
 common=(--network "$net" --worlds "$world" --methods ${METHODS:-single ddp fsdp expert hidup-auto}
         --variants ${VARIANTS:-compile-graph} --repeats "${REPEATS:-3}" --profile "$rec/$net-profile.json"
         --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150)
-for group in ${GROUPS:-zoo llama mixtral}; do
+for group in ${SETS:-zoo llama mixtral}; do
   case $group in
     zoo) args=(--models bert-sgmoe bert-switch --precisions ${ZOO_PRECISIONS:-bf16 tf32}); budget=${ZOO_S:-170} ;;
     llama) args=(--models exp.rank_models:llama --layers 20 --precisions bf16); budget=${LLAMA_S:-200} ;;

@@ -181,6 +181,21 @@ def search_job(job: dict) -> str:
     return job["name"]
 
 
+def _stale(old: dict | None, job: dict, profile_sha: str, code: str) -> str:
+    """Why the result file ``old`` does not answer ``job`` (empty when it does)."""
+    if not old or old.get("status") != "ok":
+        return "no result" if not old else "it failed"
+    for what, got, want in (
+        ("profile", old.get("profile", {}).get("sha256"), profile_sha),
+        ("code", old.get("job", {}).get("code"), code),
+        ("perturbation", old.get("job", {}).get("perturb"), job.get("perturb")),
+        ("overrides", old.get("job", {}).get("overrides"), job.get("overrides")),
+    ):
+        if got != want:
+            return f"its {what} differs: {got!r} != {want!r}"
+    return ""
+
+
 def _init_worker() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -250,15 +265,11 @@ class Searcher:
                 job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir), code=code
             )
             old = load_json(self.plan_dir / f"{name}.json")
-            if (
-                old
-                and old.get("status") == "ok"
-                and old.get("profile", {}).get("sha256") == sha
-                and old.get("job", {}).get("code") == code
-                and old.get("job", {}).get("perturb") == job.get("perturb")
-                and old.get("job", {}).get("overrides") == job.get("overrides")
-            ):
+            stale = _stale(old, job, sha, code)
+            if not stale:
                 continue  # cached result of the same job on the same profile
+            if old:
+                print(f"[search] {name}: searched again ({stale})", flush=True)
             (self.plan_dir / f"{name}.json").unlink(missing_ok=True)
             todo.append(job)
 

@@ -24,16 +24,18 @@ if [[ $phase == profile ]]; then
 fi
 common=(--network "$net" --worlds "$world" --methods ${METHODS:-single ddp fsdp expert hidup-auto}
         --variants ${VARIANTS:-compile-graph} --repeats "${REPEATS:-3}" --profile "$rec/$net-profile.json"
-        --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150)
+        --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150 --search-jobs 0)
 for group in ${SETS:-zoo llama mixtral}; do
   case $group in
-    zoo) args=(--models bert-sgmoe bert-switch --precisions ${ZOO_PRECISIONS:-bf16 tf32}); budget=${ZOO_S:-170} ;;
+    zoo) args=(--models ${ZOO:-bert-sgmoe bert-switch} --precisions ${ZOO_PRECISIONS:-bf16 tf32}); budget=${ZOO_S:-170} ;;
     llama) args=(--models exp.rank_models:llama --layers 20 --precisions bf16); budget=${LLAMA_S:-200} ;;
     mixtral) args=(--models exp.rank_models:mixtral --precisions bf16); budget=${MIXTRAL_S:-170} ;;
   esac
   echo "== $net $group ($budget s)"
-  timeout $((budget + 120)) python3 exp/bench.py "${common[@]}" "${args[@]}" --time-budget "$budget" 2>&1 \
-    | grep -v -i warn | grep -E "^\[bench|^[0-9]+ runs|error|Error" | tail -40
+  methods=$(eval echo "\${${group^^}_METHODS:-}")  # e.g. LLAMA_METHODS="ddp hidup-auto"
+  timeout $((budget + 90)) python3 exp/bench.py "${common[@]}" "${args[@]}" --time-budget "$budget" \
+    ${methods:+--methods $methods} 2>&1 | grep -v -i warn | grep -E "^\[bench|^\[search|^[0-9]+ runs|rror" | tail -40
+  cp "$rec/$net.json" "$out/" 2>/dev/null  # what ran so far comes back even if a later set overruns
 done
 tar czf "$out/multi-$net.tgz" "$rec/$net"*.json "$rec/plans/$net" /tmp/hidup_fair_docs 2>/dev/null
 ls -la "$out"

@@ -93,6 +93,7 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
                                 "world": world,
                                 "precision": prec_search[precision],
                                 "overrides": overrides,
+                                "compiled": on_gpu,  # hidup's captured methods run compiled on GPUs only
                             }
                         runs.append(r)
         per_world[world] = runs

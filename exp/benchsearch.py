@@ -190,6 +190,7 @@ def _stale(old: dict | None, job: dict, profile_sha: str, code: str) -> str:
         ("code", old.get("job", {}).get("code"), code),
         ("perturbation", old.get("job", {}).get("perturb"), job.get("perturb")),
         ("overrides", old.get("job", {}).get("overrides"), job.get("overrides")),
+        ("pricing", old.get("job", {}).get("compiled", True), job.get("compiled", True)),
     ):
         if got != want:
             return f"its {what} differs: {got!r} != {want!r}"

@@ -763,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": args.search_precision,
             "overrides": overrides,
             "perturb": p["perturb"],
+            "compiled": torch.cuda.is_available(),  # the runs are compiled (and captured) on GPUs only
         }
         for n, p in zip(names, perts)
     }

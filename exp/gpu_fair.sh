@@ -8,6 +8,7 @@
 #   PHASE=matrix NETWORK=nvlink|sockets [SETS="zoo llama mixtral"] bash exp/gpu_fair.sh OUTDIR
 #       runs every method on the committed profile and plans, REPEATS (3) interleaved rounds, and
 #       packs exp/records/multi/<network>*.json and the plans into OUTDIR/multi-<network>.tgz.
+#       <SET>_METHODS / <SET>_VARIANTS (e.g. LLAMA_METHODS="ddp hidup-auto") narrow one set's runs.
 set -u
 out=$1; phase=${PHASE:-matrix}; net=${NETWORK:-nvlink}; world=${WORLD:-2}
 rec=exp/records/multi
@@ -33,8 +34,11 @@ for group in ${SETS:-zoo llama mixtral}; do
   esac
   echo "== $net $group ($budget s)"
   methods=$(eval echo "\${${group^^}_METHODS:-}")  # e.g. LLAMA_METHODS="ddp hidup-auto"
+  variants=$(eval echo "\${${group^^}_VARIANTS:-}")
+  # transformers' grouped_mm experts copy from the CPU inside the step: no capture, so compile is tried too
+  [[ $group == mixtral && -z $variants ]] && variants="compile compile-graph"
   timeout $((budget + 90)) python3 exp/bench.py "${common[@]}" "${args[@]}" --time-budget "$budget" \
-    ${methods:+--methods $methods} 2>&1 | grep -v -i warn | grep -E "^\[bench|^\[search|^[0-9]+ runs|rror" | tail -40
+    ${methods:+--methods $methods} ${variants:+--variants $variants} 2>&1 | grep -v -i warn | grep -E "^\[bench|^\[search|^[0-9]+ runs|rror" | tail -40
   cp "$rec/$net.json" "$out/" 2>/dev/null  # what ran so far comes back even if a later set overruns
 done
 tar czf "$out/multi-$net.tgz" "$rec/$net"*.json "$rec/plans/$net" /tmp/hidup_fair_docs 2>/dev/null

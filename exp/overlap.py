@@ -4,7 +4,9 @@ On ``world`` ranks (torchrun; NCCL on GPUs, gloo with ``--device cpu``) a small 
 (:func:`exp.rank_models.llama`) gets an FSDP-style plan (every weight stored split and all-gathered for
 its use, :func:`hidup.search.api.forced` ``"fsdp"``, duplication off).  Each rank program then runs
 forward and backward (no optimizer) in every combination of ``--modes`` (``eager``; ``compile``:
-inductor, or ``--backend``) and prefetch off/on, and for each
+inductor, or ``--backend``; ``compile+graph``: compiled and captured as one CUDA graph,
+:func:`hidup.graphed_step`, which checks that torch's functional collectives capture) and prefetch
+off/on, and for each
 
 * ``step_ms``: the median of ``--steps`` timed steps after ``--warmup`` (device-synchronized);
 * from a ``torch.profiler`` trace of ``--trace-steps`` steps (CUDA only): the all-gather kernels' time
@@ -12,7 +14,7 @@ inductor, or ``--backend``) and prefetch off/on, and for each
   (any kernel that is not NCCL's) runs on the device (``overlapped_ms``), and their ratio (``overlap``);
   with prefetch on, compiled, the gathers should overlap about as much as eagerly (the side stream),
   and with prefetch off hardly at all;
-* ``predicted``: hidup's price of the plan in that mode (``compiled`` for ``compile``) with prefetch
+* ``predicted``: hidup's price of the plan in that mode (``compiled`` for the compiled modes) with prefetch
   off/on, with ``--profile`` (the step's forward, backward and total, ms).
 
 Rank 0 writes everything to ``--out`` (JSON).  Usage (two GPUs, repository root):
@@ -37,6 +39,7 @@ import torch.distributed as dist
 import hidup
 import hidup.profiler
 from exp.rank_models import llama
+from hidup.codegen import GraphedStep
 from hidup.search.api import forced, price
 
 
@@ -44,7 +47,9 @@ def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile")
+    ap.add_argument(
+        "--modes", default="eager,compile,compile+graph", help="comma-separated: eager, compile, compile+graph"
+    )
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of the compile mode")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--profile", default="h200x4-nvlink", help="the profile the plan is searched and priced with")
@@ -81,6 +86,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _step(module, inputs, a) -> None:
+    if isinstance(module, GraphedStep):  # forward and backward replayed as one CUDA graph
+        module(*inputs)
+        return
     with _autocast(a):
         loss = module(*inputs)
     loss.backward()
@@ -134,8 +142,11 @@ def _run(mode: str, prefetch: bool, plan, rank: int, world: int, device: torch.d
 
     torch._dynamo.reset()
     model, inputs = llama(world_size=world, device=device, **_sizes(a))
-    compiled = a.backend if mode == "compile" else False
+    compiled = a.backend if mode.startswith("compile") else False
     module = hidup.compile(model, plan, rank, world, inputs, compile=compiled, prefetch=prefetch, duplication=False)
+    if mode.endswith("+graph"):
+        dtype = torch.bfloat16 if a.precision == "bf16" else None
+        module = hidup.graphed_step(module, inputs, autocast_dtype=dtype, enabled=device.type == "cuda")
     for _ in range(a.warmup):
         _step(module, inputs, a)
     times = []
@@ -173,7 +184,7 @@ def main(argv=None) -> int:
     results["predicted"] = {}
     for mode in a.modes.split(","):
         for prefetch in (False, True):
-            compiled = mode == "compile"
+            compiled = mode.startswith("compile")
             priced = price(graph, profile, plan, a.precision, False, compiled, prefetch)[False]
             times = priced.times()
             results["predicted"][f"{mode}-prefetch-{'on' if prefetch else 'off'}"] = {

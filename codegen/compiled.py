@@ -83,6 +83,7 @@ __all__ = [
     "compile_segments",
     "gather_start",
     "gather_wait",
+    "gathers_async",
 ]
 
 # Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
@@ -139,12 +140,13 @@ def world_of_key(key: int) -> int:
 
 
 def name_of_key(key: int) -> str:
-    """The name of the group registered under ``key`` (the default group's for key 0; "" with no
-    process group), as torch's functional collectives take it."""
-    group = _GROUPS[key]
+    """The name of the group registered under ``key`` (the default group's for key 0), as torch's
+    functional collectives take it; "" with no process group, and on torch's fake process group (one
+    device standing in for a rank, whose collectives hidup mirrors: :mod:`hidup.codegen.collectives`)."""
     if not dist.is_available() or not dist.is_initialized():
         return ""
-    return (group if group is not None else dist.group.WORLD).group_name
+    group = _GROUPS[key] if _GROUPS[key] is not None else dist.group.WORLD
+    return "" if collectives._backend(group) == "fake" else group.group_name
 
 
 def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -316,6 +318,12 @@ def gather_start(
     front = x.movedim(dim, 0) if dim else x
     dtype, summed = dtypes if dtypes is not None else (x.dtype, x.dtype)
     return _GatherStart.apply(front.contiguous(), world, name, token, dtype, summed)
+
+
+def gathers_async(axis: int | None = None) -> bool:
+    """Whether :func:`gather_start` may issue on the active group (mesh axis ``axis``'s where given): a
+    real process group, not torch's fake one."""
+    return bool(ACTIVE.name if axis is None else ACTIVE.axis_names[axis])
 
 
 def gather_wait(h: torch.Tensor, dim: int) -> torch.Tensor:

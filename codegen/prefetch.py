@@ -133,15 +133,20 @@ def _deferred(chain: tuple) -> bool:
 
 
 def _start(x: torch.Tensor, chain: tuple, link: tuple) -> torch.Tensor:
-    """Under compilation: the links before ``link``'s in place, then its all-gather issued, not waited for."""
+    """Under compilation: the links before ``link``'s in place, then its all-gather issued, not waited for
+    (the whole chain in place on torch's fake process group, whose collectives hidup mirrors)."""
     k, axis, src, cast = link
+    if not compiled.gathers_async(axis):
+        return _run(x, chain)
     x = _run(x, chain[:k])
     return compiled.gather_start(x, Form.parse(src).dim, axis, CAST_DTYPES(x, *cast) if cast else None)
 
 
 def _finish(h: torch.Tensor, chain: tuple, link: tuple) -> torch.Tensor:
     """Under compilation: wait for :func:`_start`'s all-gather, then run the links after it."""
-    k, _, src, _ = link
+    k, axis, src, _ = link
+    if not compiled.gathers_async(axis):
+        return h
     return _run(compiled.gather_wait(h, Form.parse(src).dim), chain[k + 1 :])
 
 

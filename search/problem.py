@@ -95,6 +95,9 @@ consumer, so the compiled graph overlaps it with the unit's compute as the eager
 other change of a parameter (an all-to-all, a layout change of two collectives) runs in place under
 compilation and gets no window, nor does a resharded parameter's gather, forward or backward (the
 compiled program leaves it where it was and lets the partitioner make it again: :mod:`hidup.codegen.prefetch`).
+A program compiled in several graphs (gradient-bucket segments) runs the gathers into a segment's first
+unit in place; they keep their window here (optimistic by at most one unit's gathers per extra graph).
+Either way a prefetched copy lives a unit longer (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
 
 Caches shared by the problems of one search
 -------------------------------------------

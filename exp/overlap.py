@@ -64,6 +64,7 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--trace-steps", type=int, default=3)
+    ap.add_argument("--trace-dir", help="also write each run's trace there (Chrome trace JSON, rank 0)")
     return ap.parse_args(argv)
 
 
@@ -122,13 +123,16 @@ def overlap_of(kernels: list[tuple[str, float, float]]) -> dict:
     }
 
 
-def _trace(module, inputs, a, device) -> dict:
+def _trace(module, inputs, a, device, name: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(a.trace_steps):
             _step(module, inputs, a)
         _sync(device)
+    if a.trace_dir and dist.get_rank() == 0:
+        os.makedirs(a.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(a.trace_dir, f"{name}.json"))
     kernels = [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -158,7 +162,7 @@ def _run(mode: str, prefetch: bool, plan, rank: int, world: int, device: torch.d
         times.append((time.perf_counter() - start) * 1e3)
     out = {"mode": mode, "prefetch": prefetch, "step_ms": statistics.median(times), "steps_ms": times}
     if device.type == "cuda" and a.trace_steps > 0:
-        out.update(_trace(module, inputs, a, device))
+        out.update(_trace(module, inputs, a, device, f"{mode}-prefetch-{'on' if prefetch else 'off'}"))
     del module, model
     if device.type == "cuda":
         torch.cuda.empty_cache()

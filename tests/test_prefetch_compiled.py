@@ -35,7 +35,7 @@ from hidup.search import forced, price
 from hidup.search.problem import Problem, _async_gather
 
 PROFILE = "h200x4-nvlink"
-MLP = dict(layers=3, d_model=16, ffn=32, batch_per_gpu=4)
+MLP = dict(layers=2, d_model=16, ffn=32, batch_per_gpu=4)
 
 
 def test_async_link_is_the_only_collective_when_it_gathers():

@@ -52,6 +52,7 @@ from hidup.codegen.compiled import backend_of, bucket_segments, compile_segments
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.mesh import MeshGroups, mesh_groups
+from hidup.codegen.prefetch import confine_links
 from hidup.codegen.program import (
     CompileError,
     RankProgram,
@@ -164,7 +165,9 @@ class HidupModule(nn.Module):
         else:
             # one graph per gradient bucket where buckets are synced, so that they overlap the backward
             replicated = self.program.replicated if self.bucketers else []
-            self._run = (compile_segments(self.gm, bucket_segments(self.gm, replicated, self.bucket_mb), backend),)
+            segment_of = bucket_segments(self.gm, replicated, self.bucket_mb)
+            confine_links(self.gm, lambda node: segment_of.get(node.name, 0))
+            self._run = (compile_segments(self.gm, segment_of, backend),)
 
     # -- running
     def _bind(self, args, kwargs) -> list:

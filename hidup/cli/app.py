@@ -139,7 +139,9 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on",
         help="gather weights stored split one layer early, overlapping that layer's compute (on), or right "
-        "before their use (off); the plan records it, hidup train runs it so, the search prices it (default on)",
+        "before their use (off): eagerly on a side stream, compiled (--compile) as an asynchronous "
+        "all-gather waited for at the weight's use; the plan records it, hidup train runs it so, the search "
+        "prices it, with --compiled too (default on)",
     )
     p.add_argument(
         "--zero",

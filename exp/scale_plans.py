@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.render:
             rows += json.loads(path.read_text())
         for r in rows:  # where a run wrote its files does not matter to a reader
-            r["command"] = re.sub(r" --out \S+", "", r.get("command", ""))
+            r["command"] = re.sub(r" --(out|plans) \S+", "", r.get("command", ""))
         (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for name, mesh, memory in (parse_run(r, args.memory) for r in args.runs):

@@ -554,9 +554,6 @@ class Profile:
             f()  # the draw of the deleted dup_scale
         out.corrections = self.corrections.perturb(f) if self.ops else self.corrections
         out.gpus_per_node = self.gpus_per_node
-        if self.network is not None:  # after everything else: a one-node profile draws what it drew before
-            out.network = NetworkTables(tables(self.network.collectives))
-            speedups(self.network.concurrency, out.network.concurrency)
         for d in sorted(self.matmul_sizes):  # one draw per dtype, as its rate: the curve keeps its shape
             k = f()
             out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
@@ -570,6 +567,9 @@ class Profile:
             out.reduction_bandwidth[d] = self.reduction_bandwidth[d] * f()
         if self.kernel_floor_graph:
             out.kernel_floor_graph = self.kernel_floor_graph * f()
+        if self.network is not None:  # after everything else: a one-node profile draws what it drew before
+            out.network = NetworkTables(tables(self.network.collectives))
+            speedups(self.network.concurrency, out.network.concurrency)
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":

@@ -331,6 +331,15 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_kind(notes: str) -> str:
+    """How a built-in profile's numbers were obtained, from its notes: links from published figures
+    with compute measured on a GPU of the same family, published figures alone, or measured."""
+    text = notes.lower()
+    if "public figures" in text:
+        return "published links, compute measured on its GPU family" if "measured" in text else "published figures"
+    return "measured" if "measured" in text else "published figures"
+
+
 def cmd_profiles(args: argparse.Namespace) -> int:
     """Each built-in profile: name, kind (how its numbers were obtained, and the GPU), one line on the
     machine it describes and the world sizes it has collective tables for."""
@@ -339,7 +348,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     rows = []
     for name in hidup.profiler.builtin_names():
         prof = hidup.profiler.load(name)
-        kind = ("measured" if "measured" in (prof.notes or "").lower() else "published figures") + f", {prof.gpu}"
+        kind = _profile_kind(prof.notes or "") + f", {prof.gpu}"
         sizes = ", ".join(str(w) for w in prof.world_sizes)
         default = " (default)" if name == DEFAULT_PROFILE else ""
         rows.append((name + default, kind, f"{prof.host}; world sizes {sizes}"))

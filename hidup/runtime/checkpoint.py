@@ -20,6 +20,9 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   parameter -- or, for a parameter ZeRO splits (:mod:`hidup.codegen.zero`), as the rows ``r n/N ..
   (r+1) n/N`` of dim 0 the rank's optimizer holds (a ``gather_0`` piece of the logical tensor), so a
   checkpoint of a ZeRO run resumes into a plan without ZeRO, or another stage or world size, and back.
+  With the optimizer offloaded (:mod:`hidup.codegen.offload`) the state is the host copies', saved and
+  loaded the same way, so a run resumes with or without offload; loading refreshes the host copies of
+  the weights from the module's.
 * ``meta`` (written by rank 0): format version, world size, step, loss history, ``extra``, and the
   optimizer's param groups (hyper-parameters, parameters by logical name) with its small state
   (Adam's ``step``: rank 0's, as it is equal on every rank).
@@ -615,6 +618,7 @@ def load(
                 optimizer.state[t] = entry
     if rng is not None:
         _set_rng_state(rng)
+    _pull_offloaded(module)
     return {
         "step": meta["step"],
         "loss_history": list(meta["loss_history"]),
@@ -727,6 +731,13 @@ def _read_single_file(path: Path, source: Path) -> dict:
     return ckpt
 
 
+def _pull_offloaded(module) -> None:
+    """The host copies of an offloaded optimizer made the weights just loaded (:mod:`hidup.codegen.offload`)."""
+    offload = getattr(module, "offload", None)
+    if offload is not None:
+        offload.pull()
+
+
 def _load_single_file(path: Path, source: Path, module, optimizer, *, group, restore_rng: bool) -> dict:
     """Read a checkpoint of the single-file format (version 1): gathered logical tensors, re-sharded."""
     ckpt = _read_single_file(path, source)
@@ -735,6 +746,7 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
     mesh_groups = getattr(module, "mesh_groups", None)
     mesh = mesh_groups.mesh if mesh_groups is not None else None  # a Layout is cut on the module's mesh
     load_full_state_dict(module, ckpt["params"], mesh_groups if mesh_groups is not None else group)
+    _pull_offloaded(module)
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")

@@ -74,10 +74,11 @@ def _totals(plan: Plan) -> list[str]:
         "memory per rank: "
         + _mb(m.get("total", 0.0))
         + " ("
-        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in ("total", "transient", "prefetch"))
+        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in ("total", "transient", "prefetch", "host"))
         + ")"
         + (f"; around its largest op up to {_mb(m['transient'])} more (temporaries)" if m.get("transient") else "")
-        + (f"; prefetched resharded weights up to {_mb(m['prefetch'])} more" if m.get("prefetch") else ""),
+        + (f"; prefetched resharded weights up to {_mb(m['prefetch'])} more" if m.get("prefetch") else "")
+        + (f"; host memory {_mb(m['host'])} (the optimizer offloaded)" if m.get("host") else ""),
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")

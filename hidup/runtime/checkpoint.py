@@ -256,12 +256,15 @@ def exists(path: str | os.PathLike) -> bool:
 class _Layout:
     """How this rank's tensors map onto the logical ones: the DeviceMesh their DTensors live on (the
     compiled module's own mesh for a plan on several axes, else a 1-D one over the group), built only
-    when some tensor is sharded over more than one rank."""
+    when some tensor is sharded over more than one rank; the same groups as a mesh of another device type
+    for a tensor elsewhere (an offloaded optimizer's state in host memory, :mod:`hidup.codegen.offload`:
+    ``DTensor.from_local`` would copy it to the mesh's device, and a load would fill the copy)."""
 
     def __init__(self, module, group):
         self.group, self.world, self.rank = group, world_of(group), rank_of(group)
         self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         self.mesh = None
+        self.meshes: dict[str, DeviceMesh] = {}  # device type -> ``mesh``'s groups as a mesh of that type
         self.sizes: tuple[int, ...] = (self.world,)  # ranks along each axis of ``mesh``
         sharded = [(t, shard) for t, shard in iter_optimizer_shards(module) if shard.sharded]
         if not self.distributed:
@@ -285,9 +288,23 @@ class _Layout:
                 )
             self.mesh, self.sizes = groups.device_mesh, tuple(groups.mesh)
         else:
-            self.mesh = DeviceMesh.from_group(
-                group if group is not None else dist.group.WORLD, sharded[0][0].device.type
-            )
+            own = next((t for _, t, shard in iter_shards(module) if shard.sharded), sharded[0][0])
+            self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, own.device.type)
+        self.meshes[self.mesh.device_type] = self.mesh
+
+    def mesh_for(self, device_type: str) -> DeviceMesh:
+        """The module's mesh as a mesh of ``device_type`` (the same process groups)."""
+        hit = self.meshes.get(device_type)
+        if hit is None:
+            mesh = self.mesh
+            groups = [mesh.get_group(k) for k in range(mesh.ndim)]
+            if mesh.ndim == 1:
+                hit = DeviceMesh.from_group(groups[0], device_type)
+            else:
+                names = mesh.mesh_dim_names or tuple(f"axis{k}" for k in range(mesh.ndim))
+                hit = DeviceMesh.from_group(groups, device_type, mesh=mesh.mesh, mesh_dim_names=names)
+            self.meshes[device_type] = hit
+        return hit
 
     def wrap(self, local: torch.Tensor, shard) -> torch.Tensor:
         """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
@@ -302,7 +319,8 @@ class _Layout:
                 f"checkpoint: {shard.logical_name} is stored with shape {tuple(local.shape)}, but {shard.form} "
                 f"cuts {tuple(shape)} into pieces of {piece} on {mesh_text(self.sizes)} ranks"
             )
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        mesh = self.mesh_for(local.device.type)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def dcp_kwargs(self) -> dict:
         if self.distributed:

@@ -1,9 +1,9 @@
 """Optimizer offload (``plan.offload``, :mod:`hidup.codegen.offload`): exact training, checkpoints, the price.
 
 * Parity: on two gloo ranks, the zoo GPT (float64) under a data plan, the optimizer offloaded to the
-  host, duplication off and on, with ZeRO-2 and with every layer recomputed: three Adam steps give the
-  single device's losses, gradients and updated weights, and exactly those of the same plan without
-  offload.  The optimizer holds only host copies, and its state is on the host.
+  host alone, with duplication, and with ZeRO-2 and every layer recomputed together: three Adam steps
+  give the single device's losses, gradients and updated weights, and without duplication exactly those
+  of the same plan without offload.  The optimizer holds only host copies (under ZeRO, of the rows).
 * Checkpoints: an offloaded run saved after two steps resumes without offload and with it (the host
   copies made the loaded weights), each continuing exactly as the uninterrupted run.
 * The plan record, the memory and cost models, the search (offload only when nothing else fits, and a
@@ -90,6 +90,8 @@ def _rank_parity(rank, world):
             module.offload is None or all(id(p) in module.offload.by_host for p in held)
         )
         run["offloaded"] = module.offload is not None
+        run["held"] = sum(p.numel() for p in held)
+        run["params"] = sum(p.numel() for p in module.parameters())
         run["duplication"] = module.duplication
         out[job] = run
     out["checkpoints"] = _rank_checkpoints(rank, world, plan, layers)
@@ -152,6 +154,8 @@ def test_offload_trains_exactly(job):
     rank0, ref = _results()
     run, plain = rank0[job], rank0[PLAIN]
     assert run["offloaded"] and run["host"] and run["duplication"] == job[1]
+    # the host copies are the weights, or under ZeRO-2 this rank's half of their rows
+    assert run["held"] == (run["params"] // 2 if job[2] else run["params"])
     if not job[1]:  # exactly the plan without offload (ZeRO and recomputation are exact too): losses,
         # gradients at every step, weights after the last; duplication sums two halves in another order
         assert run["losses"] == plain["losses"]

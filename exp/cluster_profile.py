@@ -103,6 +103,19 @@ def attention_floor(table: AttentionTable, itemsize: int, bandwidth: float) -> A
     return AttentionTable.of(table.head_dims, table.seqs, table.rows, by_variant)
 
 
+# The optimizer offloaded to the host: not timed on such a node (hidup.codegen.offload prices it by these).
+HOST_BANDWIDTH = 50e9  # bytes/s each way, a pinned copy over PCIe Gen5 x16 at ~80 % of its 63 GB/s
+HOST_OPTIMIZER_S_PER_BYTE = 0.25e-9  # 1 G float32 parameters/s per GPU for torch's fused CPU Adam
+HOST = (
+    " host_bandwidth and host_optimizer_s_per_byte (the optimizer offloaded to the host) are not timed on such a "
+    "node: host_bandwidth 50 GB/s, a pinned copy over PCIe Gen5 x16 (32 GT/s x 16 lanes, 63 GB/s per direction "
+    "after encoding) at ~80% of it; host_optimizer_s_per_byte 0.25 ns, 1 G float32 parameters per second per GPU "
+    "for torch's fused CPU Adam (measured 1.14 G/s on one core of a 2-core x86 host, torch 2.13; a rank of an "
+    "8-GPU node gets several cores but shares the node's DRAM bandwidth, 28 bytes per parameter: 224 GB/s for 8 "
+    "ranks)."
+)
+
+
 def compute_notes(measured: Profile, ratio: float) -> str:
     mb = measured.memory_bandwidth * ratio
     return (
@@ -121,7 +134,7 @@ def compute_notes(measured: Profile, ratio: float) -> str:
         f"{measured.optimizer_s_per_byte * 1e12:.2f} / r); fixed costs (op launch and dispatch, a CUDA graph's gap, "
         "the gradient bucket copies' fixed part, a small generated kernel) are the H200's: same software, same host "
         "class. Beyond the measured grids efficiency saturates: a GEMM dim past 16384 is priced at 16384's rate, an "
-        "attention past sequence 2048 at 2048's. The HBM3 bandwidths are datasheet figures. " + LINKS
+        "attention past sequence 2048 at 2048's. The HBM3 bandwidths are datasheet figures. " + LINKS + HOST
     )
 
 
@@ -150,6 +163,8 @@ def build(measured: Profile, links: Profile) -> Profile:
         ops={},
         ops_timing=measured.ops_timing,
         date=measured.date,
+        host_bandwidth=HOST_BANDWIDTH,
+        host_optimizer_s_per_byte=HOST_OPTIMIZER_S_PER_BYTE,
     )
 
 

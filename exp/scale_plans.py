@@ -247,6 +247,23 @@ def describe_plan(plan, graph) -> dict:
     return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}, "dispatchers": dict(dispatchers)}
 
 
+def plan_levers(plan) -> list[str]:
+    """The memory levers ``plan`` uses, as ``hidup show`` names them: recomputed layers, resharded
+    weights, ZeRO, the optimizer offloaded to the host."""
+    levers = []
+    if plan.recompute:
+        levers.append(f"{len(plan.recompute)} layers recomputed")
+    if plan.recompute_selective:
+        levers.append(f"{len(plan.recompute_selective)} layers recomputed selectively")
+    if plan.reshard:
+        levers.append(f"{len(plan.reshard)} weights resharded")
+    if plan.zero_stage:
+        levers.append(f"ZeRO-{plan.zero_stage} on {len(plan.zero)} weights")
+    if plan.offload != "off":
+        levers.append(f"{plan.offload} offloaded to the host")
+    return levers
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process and of the children it waited for (the searches it forks)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -342,6 +359,9 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
             "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
+            "levers": plan_levers(plan),
+            "optimizer_ms": round(plan.predicted["optimizer"] * 1e3, 1),
+            "host_memory_gib": round(plan.memory.get("host", 0.0) / 2**30, 1),
             **describe_plan(plan, graph),
             "summary": hidup.show(plan, graph),
         }
@@ -353,7 +373,7 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
         f"{row['recomputed']} layers recomputed whole and {row['recomputed_selective']} selectively, "
         f"memory {row['memory_gib']} GiB, sent {row['sent_gb']} GB per GPU, "
         f"kinds {row['kinds']}, dispatchers {row['dispatchers']}, "
-        f"stored {row['stored']}",
+        f"stored {row['stored']}, levers {row['levers'] or 'none'}",
         flush=True,
     )
     return row
@@ -383,27 +403,28 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "embedding and the LM head (of the routed experts the active share); published: the MFU of comparable runs.",
         "",
         "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | MFU | published MFU "
-        "| exposed comm ms | memory GiB | sent GB per GPU | ops by kind | weights stored |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| exposed comm ms | memory GiB | sent GB per GPU | ops by kind | weights stored | memory levers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
                 f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - "
-                f"| {ANCHORS.get(r['job'], '-')} | - | - | - | {r['error'].split('. Fix')[0]} | - |"
+                f"| {ANCHORS.get(r['job'], '-')} | - | - | - | {r['error'].split('. Fix')[0]} | - | - |"
             )
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
         stored = "; ".join(
             f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items()) for role, forms in r["stored"].items()
         ).replace("|", "\\|")  # a layout's axes are joined by "|", a table cell's delimiter
+        levers = "not recorded" if r.get("levers") is None else ", ".join(r["levers"]) or "none"
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
             f"| {_percent(r.get('mfu'))} | {ANCHORS.get(r['job'], '-')} | {r.get('exposed_comm_ms', '-')} "
             f"| {r['memory_gib']} | {r.get('sent_gb', '-')} | {kinds} "
-            f"| {stored} |"
+            f"| {stored} | {levers} |"
         )
     for r in rows:
         if "summary" in r:
@@ -423,7 +444,14 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
 
 
 NODE_PROFILE, CLUSTER_PROFILE = "h200x4-nvlink", "h100x64-ib400"
-DEFAULT_RUNS = ("llama3-8b@8", "llama3-8b@8:0", "mixtral-8x7b@8", "mixtral-8x7b@8:0", "mixtral-8x7b@16")
+DEFAULT_RUNS = (
+    "llama3-8b@8",
+    "llama3-8b@8:0",
+    "mixtral-8x7b@8",
+    "mixtral-8x7b@8:0",
+    "mixtral-8x7b@16",
+    "mixtral-8x7b@8:80",  # one node of 8 80 GB GPUs: fits only with the optimizer offloaded to the host
+)
 
 
 def parse_run(text: str, default_memory: float) -> tuple[str, tuple[int, ...], float]:

@@ -91,6 +91,8 @@ __all__ = [
     "GRAD_PACK_BYTES",
     "ZERO_STAGES",
     "ZERO_CHOICES",
+    "OFFLOAD_CHOICES",
+    "OFFLOADS",
     "zero_splits",
     "block_label",
     "block_family",
@@ -127,6 +129,12 @@ ZERO_CHOICES = ("auto", "off", "1", "2")
 # (only where a memory budget needs it), "on", "off"; recompute also "selective" (every repeated layer)
 RECOMPUTE_CHOICES = ("auto", "on", "selective", "off")
 RESHARD_CHOICES = ("auto", "on", "off")
+# where a plan keeps Adam's state (hidup.codegen.offload): "optimizer" in the host's memory, stepped by the
+# host's CPU (the moments and a float32 copy of the weights it steps); no entry in a plan: on the device
+OFFLOADS = ("optimizer",)
+# what a search's and a training run's ``offload`` option takes: "auto" (the search offloads only when no
+# plan fits the memory budget without it; a run does as its plan says), "off", or an offload forced
+OFFLOAD_CHOICES = ("auto", "off", *OFFLOADS)
 
 
 def zero_splits(shape: tuple[int, ...], world: int) -> bool:

@@ -344,11 +344,14 @@ class Models:
             hit = self._caches[id(cost)] = (cost, caches)
         return hit[1]
 
-    def memory(self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0) -> MemoryModel:
+    def memory(
+        self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0, offload: bool = False
+    ) -> MemoryModel:
         """The memory model with the layers ``recompute`` (a :class:`~hidup.search.memory.Recompute`, or
-        labels recomputed whole) recomputed and the replicated weights at ZeRO stage ``zero``."""
+        labels recomputed whole) recomputed, the replicated weights at ZeRO stage ``zero`` and the optimizer
+        state on the host where ``offload``."""
         recompute = Recompute.of(recompute)
-        key = (optimizer_factor, precision, recompute, zero)
+        key = (optimizer_factor, precision, recompute, zero, offload)
         hit = self._memory.get(key)
         if hit is None:
             memo = self._saved.setdefault(precision, {})  # what a node saves: the same whatever is recomputed
@@ -359,6 +362,7 @@ class Models:
                 recompute.whole,
                 selective=recompute.selective,
                 zero=zero,
+                offload=offload,
                 saved_memo=memo,
             )
             self._memory[key] = hit
@@ -381,8 +385,10 @@ class Problem:
         zero: int = 0,
         reduce_dtype: str = "fp32",
         prefetch: bool = True,
+        offload: bool = False,
     ):
         self.graph, self.profile, self.world = graph, profile, graph.world_size
+        self.offload = offload  # Adam's state on the host (hidup.search.schedule prices its step)
         self.prefetch = prefetch  # parameters' gathers issued a unit early (module docstring, "Prefetched gathers")
         if models is None:
             models = Models(graph)
@@ -414,7 +420,7 @@ class Problem:
         self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
         # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
         self.saved_in: list[tuple[tuple, ...]] = []
-        memory = models.memory(optimizer_factor, precision, recompute, zero)
+        memory = models.memory(optimizer_factor, precision, recompute, zero, offload)
         # id(signature) -> (signature, form ids of its inputs / outputs): the ops of identical layers share
         # their signatures, so each is numbered once (in the order it would be, form by form)
         in_ids: dict[int, tuple] = {}
@@ -446,7 +452,9 @@ class Problem:
         plain prices are shared, what recomputation changes (times, memory, transitions) is new."""
         other = copy.copy(self)
         memory = self.memory
-        other._recomputing(self.models.memory(memory.optimizer_factor, memory.precision, recompute, self.zero))
+        other._recomputing(
+            self.models.memory(memory.optimizer_factor, memory.precision, recompute, self.zero, self.offload)
+        )
         return other
 
     def _recomputing(self, memory: MemoryModel) -> None:

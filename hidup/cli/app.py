@@ -36,7 +36,7 @@ from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
 from hidup.cli.precision_flags import add_reduce_dtype_arg
 from hidup.errors import UserError
-from hidup.ir import RECOMPUTE_CHOICES, RESHARD_CHOICES, ZERO_CHOICES
+from hidup.ir import OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RESHARD_CHOICES, ZERO_CHOICES
 from hidup.plan import Plan, model_record, summary
 from hidup.precision import check_reduce_dtype
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
@@ -152,6 +152,15 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
         "optimizer, which costs time. auto (when the plan found does not fit --memory, or fits only by "
         "recomputing, search again with ZeRO-2 and keep the better plan), off, 1, 2 (default auto)",
     )
+    p.add_argument(
+        "--offload",
+        choices=OFFLOAD_CHOICES,
+        default="auto",
+        help="keep Adam's state (and the float32 copy of the weights it steps) in host memory, stepped by the "
+        "CPU: each step copies the gradients to the host and the weights back, which costs seconds on a large "
+        "model. auto (only when no plan fits --memory without it; the plan says so), off, optimizer "
+        "(default auto)",
+    )
 
 
 def _add_time_limit_flag(p: argparse.ArgumentParser) -> None:
@@ -238,6 +247,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             reshard=args.reshard,
             zero=args.zero,
+            offload=args.offload,
             reduce_dtype=args.reduce_dtype,
             prefetch=args.prefetch == "on",
         )

@@ -88,7 +88,7 @@ from exp.benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_part
 from exp.benchreport import bench_finish
 from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
-from exp.report import ROOT, command_line, hardware, load_json
+from exp.report import ROOT, command_line, hardware, load_json, save_json
 from hidup.cli.model_flags import add_model_flags
 from hidup.plan import Plan
 from hidup.profiler.measure.machine import profile_machine
@@ -562,7 +562,7 @@ def search_only(plan_dir: Path, jobs: dict, profile_path: Path, args) -> int:
     searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], float("inf"), workers=0)
     searcher.start()
     searcher.wait()
-    failed = 0
+    failed, registered = 0, {}
     for name in jobs:
         doc = load_json(plan_dir / f"{name}.json") or {}
         if doc.get("status") != "ok":
@@ -571,6 +571,19 @@ def search_only(plan_dir: Path, jobs: dict, profile_path: Path, args) -> int:
             continue
         ms = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in doc["predicted"].items())
         print(f"{name}: duplication {doc['plan']['duplication']}; {ms}; searched in {doc['search_s']:.1f} s")
+        registered[name] = {k: doc[k] for k in ("identity", "predicted")}
+        registered[name]["duplication"] = doc["plan"]["duplication"]
+    record = args.out / f"{args.network}-registered.json"
+    save_json(
+        record,
+        {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "profile": {"path": str(profile_path), "sha256": benchsearch.file_sha(profile_path)},
+            "code": benchsearch.code_digest(),
+            "plans": registered,
+        },
+    )
+    print(f"registered predictions: {record} (commit it before the runs; the plan files are not kept by git)")
     return 1 if failed else 0
 
 

@@ -78,7 +78,8 @@ def resolve_profile(text: str) -> Path:
     return path.resolve()
 
 
-def _sha(path: Path) -> str:
+def file_sha(path: Path) -> str:
+    """The sha256 of a file's bytes (a profile's identity in a plan's record)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -258,7 +259,7 @@ class Searcher:
         if got is None:
             return
         path, self.note = got
-        sha = _sha(path)
+        sha = file_sha(path)
         code = code_digest()
         todo = []
         for name, job in self.jobs.items():

@@ -4,7 +4,8 @@
 #   PHASE=profile bash exp/gpu_fair.sh OUTDIR
 #       measures this host's profile over NVLink (GEMM grid, attention, collectives) and over NCCL's
 #       socket transport (the collectives; compute taken from the NVLink one) into OUTDIR;
-#       copy them to exp/records/multi/ and search the plans there with `exp/bench.py --search-only`.
+#       copy them to exp/records/multi/, search the plans there with `exp/bench.py --search-only` and commit
+#       the <network>-registered.json it writes (the predictions) before the matrix runs.
 #   PHASE=matrix NETWORK=nvlink|sockets [SETS="zoo llama mixtral"] bash exp/gpu_fair.sh OUTDIR
 #       runs every method on the committed profile and plans, REPEATS (3) interleaved rounds, and
 #       packs exp/records/multi/<network>*.json and the plans into OUTDIR/multi-<network>.tgz.

@@ -88,4 +88,8 @@ def test_search_only_writes_plans_with_compiled_predictions(tmp_path):
     assert set(doc["predicted"]) == {"hidup", "hidup-nodup", "hidup-eager", "hidup-nodup-eager"}
     assert doc["predicted"]["hidup-nodup"] < doc["predicted"]["hidup-nodup-eager"]
     assert plan_file.stem in proc.stdout and "ms" in proc.stdout
+    registered = json.loads((out / "nvlink-registered.json").read_text())  # the small file a commit keeps
+    mine = registered["plans"][plan_file.stem]
+    assert mine["predicted"] == doc["predicted"] and mine["identity"] == doc["identity"]
+    assert registered["code"] == doc["job"]["code"]
     assert not torch.cuda.is_initialized()

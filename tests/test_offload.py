@@ -21,7 +21,7 @@ import torch
 
 import hidup.models as M
 import hidup.profiler
-from dist_util import run_distributed
+from dist_util import adam_reference, max_diff, run_distributed
 from hidup.codegen import CompileError
 from hidup.frontend.trace import trace
 from hidup.plan import Plan, PlanError, summary
@@ -122,17 +122,7 @@ def _rank_checkpoints(rank, world, plan, layers):
 
 def _reference() -> dict:
     """The single device's ``STEPS`` Adam steps."""
-    model, inputs = _build(2)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for _ in range(STEPS):
-        loss = model(*inputs)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": grads, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+    return adam_reference(*_build(2), STEPS, LR)
 
 
 _RESULTS: dict = {}
@@ -143,10 +133,6 @@ def _results() -> tuple[dict, dict]:
         _RESULTS["ranks"] = run_distributed(_rank_parity, 2, timeout=600)
         _RESULTS["ref"] = _reference()
     return _RESULTS["ranks"][0], _RESULTS["ref"]
-
-
-def _diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in b if a.get(k) is not None)
 
 
 @pytest.mark.parametrize("job", OFFLOADED, ids=["offload", "offload-dup", "offload-zero2-recompute"])
@@ -160,14 +146,14 @@ def test_offload_trains_exactly(job):
         # gradients at every step, weights after the last; duplication sums two halves in another order
         assert run["losses"] == plain["losses"]
         for g, p in zip(run["grads"], plain["grads"]):
-            assert set(g) == set(p) and _diff(g, p) == 0.0
-        assert _diff(run["weights"], plain["weights"]) == 0.0
+            assert set(g) == set(p) and max_diff(g, p) == 0.0
+        assert max_diff(run["weights"], plain["weights"]) == 0.0
     # and the single device's, to rounding
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) <= 1e-12 * abs(b)
     for g, r in zip(run["grads"], ref["grads"]):
-        assert _diff(g, r) <= 1e-12
-    assert _diff(run["weights"], ref["weights"]) <= 1e-9
+        assert max_diff(g, r) <= 1e-12
+    assert max_diff(run["weights"], ref["weights"]) <= 1e-9
 
 
 @pytest.mark.parametrize("resumed", ["off", "optimizer"])
@@ -176,7 +162,7 @@ def test_checkpoint_of_an_offloaded_run_resumes_with_and_without_offload(resumed
     loss, weights = rank0["checkpoints"][resumed]
     plain = rank0[PLAIN]  # the uninterrupted run's third step
     assert loss == plain["losses"][2]
-    assert _diff(weights, plain["weights"]) == 0.0
+    assert max_diff(weights, plain["weights"]) == 0.0
 
 
 # ------------------------------------------------------------------------------- memory, cost and search

@@ -73,7 +73,6 @@ class OffloadedOptimizer:
             host = nn.Parameter(_host_empty(p).copy_(p.detach()), requires_grad=True)
             self.copies.append(HostCopy(p, host, _host_empty(p)))
         self.by_device = {id(c.stepped): c for c in self.copies}
-        self.by_host = {id(c.host): c for c in self.copies}
         cuda = [c.stepped.device for c in self.copies if c.stepped.device.type == "cuda"]
         self.stream = torch.cuda.Stream(cuda[0]) if cuda else None
         self._hooks = []

@@ -1,6 +1,7 @@
 """Plan searches for the benchmark drivers, in a pool of CPU worker processes beside the GPU ranks.
 
-A search *job* is (model, world, precision, model overrides[, profile perturbation]).  A job traces
+A search *job* is (model, world, precision, model overrides, ``compiled``: whether its runs are
+compiled, which sets the pricing[, profile perturbation]).  A job traces
 the model on the meta device, runs ``hidup.search(graph, profile, algorithm="dp", duplication=True,
 precision=...)`` and writes ``<plan dir>/<name>.json``::
 
@@ -155,7 +156,7 @@ def search_job(job: dict) -> str:
         profile = load_profile(job)
         prof_info["name"] = profile.name
         prof_info["calibration_models"] = profile.corrections.calibration_models()  # predictions there are in-sample
-        compiled = job.get("compiled", True)
+        compiled = job["compiled"]  # every job says how its runs execute (benchplan, noise)
         plan = search(
             graph,
             profile,
@@ -191,7 +192,7 @@ def _stale(old: dict | None, job: dict, profile_sha: str, code: str) -> str:
         ("code", old.get("job", {}).get("code"), code),
         ("perturbation", old.get("job", {}).get("perturb"), job.get("perturb")),
         ("overrides", old.get("job", {}).get("overrides"), job.get("overrides")),
-        ("pricing", old.get("job", {}).get("compiled", True), job.get("compiled", True)),
+        ("pricing", old.get("job", {}).get("compiled"), job["compiled"]),
     ):
         if got != want:
             return f"its {what} differs: {got!r} != {want!r}"

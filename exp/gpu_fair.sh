@@ -34,8 +34,8 @@ for group in ${SETS:-zoo llama mixtral}; do
     mixtral) args=(--models exp.rank_models:mixtral --precisions bf16); budget=${MIXTRAL_S:-170} ;;
   esac
   echo "== $net $group ($budget s)"
-  methods=$(eval echo "\${${group^^}_METHODS:-}")  # e.g. LLAMA_METHODS="ddp hidup-auto"
-  variants=$(eval echo "\${${group^^}_VARIANTS:-}")
+  m=${group^^}_METHODS v=${group^^}_VARIANTS  # e.g. LLAMA_METHODS="ddp hidup-auto"
+  methods=${!m:-} variants=${!v:-}
   # transformers' grouped_mm experts copy from the CPU inside the step: no capture, so compile is tried too
   [[ $group == mixtral && -z $variants ]] && variants="compile compile-graph"
   timeout $((budget + 90)) python3 exp/bench.py "${common[@]}" "${args[@]}" --time-budget "$budget" \

@@ -292,9 +292,8 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
 
     def pred(doc):
         plan = Plan.from_dict(doc["plan"])
-        compiled = doc.get("job", {}).get("compiled", True)
         mode = "hidup" if plan.duplication else "hidup-nodup"
-        return predict(graph, profile, plan, args.search_precision, compiled)[mode]
+        return predict(graph, profile, plan, args.search_precision, doc["job"]["compiled"])[mode]
 
     t_clean_pred = pred(clean)
     t_clean = (measured.get(clean["identity"]) or {}).get("iter_time_s")

@@ -70,6 +70,8 @@ def test_a_cached_plan_is_reused_only_for_the_same_job():
     assert "code" in _stale(old, job, "p", "d")
     assert "pricing" in _stale(old, dict(job, compiled=False), "p", "c")
     assert _stale(None, job, "p", "c") == "no result"
+    unstated = {"status": "ok", "profile": {"sha256": "p"}, "job": {"overrides": {}, "code": "c"}}
+    assert "pricing" in _stale(unstated, job, "p", "c")  # a plan from before jobs stated it is searched again
 
 
 def test_search_only_writes_plans_with_compiled_predictions(tmp_path):

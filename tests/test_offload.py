@@ -87,7 +87,7 @@ def _rank_parity(rank, world):
         run = _steps(module, inputs, opt)
         held = [p for g in opt.param_groups for p in g["params"]]
         run["host"] = all(p.device.type == "cpu" for p in held) and (
-            module.offload is None or all(id(p) in module.offload.by_host for p in held)
+            module.offload is None or {id(p) for p in held} <= {id(c.host) for c in module.offload.copies}
         )
         run["offloaded"] = module.offload is not None
         run["held"] = sum(p.numel() for p in held)

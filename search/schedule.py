@@ -86,7 +86,9 @@ copied to the host, the CPU's Adam step and the weights copied back, one after t
 
 Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
 the summed collective time (both copies; without duplication the exposed part of prefetched gathers);
-``exposed_comm = max(0, forward + backward - compute)`` with ``compute`` the summed compute time.
+``exposed_comm = max(0, forward + backward - compute)`` with ``compute`` the summed compute time (with
+duplication the two half-batch copies' ``cA + cB``, so a copy's slower half-size kernels are not
+counted as communication).
 """
 
 from __future__ import annotations
@@ -224,11 +226,12 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     compute = sum(s.compute for s in steps)
     if duplication:
         f = b = ZERO_DUP
-        comm = 0.0
+        comm = compute = 0.0  # the two half-batch copies' compute, not the whole batch's
         for s in steps:
             f = dup_apply(*f, s.fwd_item)
             b = dup_apply(*b, s.bwd_item)
             comm += s.fwd_item[0] + s.fwd_item[1] + s.bwd_item[0] + s.bwd_item[1]
+            compute += s.fwd_item[2] + s.fwd_item[3] + s.bwd_item[2] + s.bwd_item[3]
         forward, backward = f[0] + f[1], b[0] + b[1]
     else:
         forward = sum(s.fwd for s in steps)

@@ -571,8 +571,10 @@ def search_only(plan_dir: Path, jobs: dict, profile_path: Path, args) -> int:
             continue
         ms = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in doc["predicted"].items())
         print(f"{name}: duplication {doc['plan']['duplication']}; {ms}; searched in {doc['search_s']:.1f} s")
-        registered[name] = {k: doc[k] for k in ("identity", "predicted")}
+        registered[name] = {k: doc.get(k) for k in ("identity", "predicted", "predicted_parts", "styles_predicted")}
         registered[name]["duplication"] = doc["plan"]["duplication"]
+        for method, parts in (doc.get("styles_predicted") or {}).items():
+            print(f"  {method} ({benchsearch.BASELINE_STYLES[method]} style): {parts['total'] * 1e3:.2f} ms")
     record = args.out / f"{args.network}-registered.json"
     save_json(
         record,

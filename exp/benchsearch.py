@@ -8,7 +8,17 @@ precision=...)`` and writes ``<plan dir>/<name>.json``::
     {"name", "status": "ok" | "failed", "plan": Plan.to_dict(), "error",
      "predicted": {"hidup": s, "hidup-nodup": s,    # the plan's choices priced with / without duplication,
                    "hidup-eager": s, "hidup-nodup-eager": s},  # as one CUDA graph / dispatched eagerly
+     "predicted_parts": {method: {"forward", "backward", "optimizer", "comm", "exposed_comm", "total"}},
+     "styles_predicted": {"ddp" | "fsdp" | "expert": {"forward", ..., "total"}},
      "search_s", "trace_s", "profile": {"name", "path", "sha256", "note"}}
+
+``predicted_parts`` splits each prediction (seconds): compute of the forward, the backward and the
+optimizer, all communication, and the communication nothing overlaps (``exposed_comm``), so a run's
+trace (exp/breakdown.py) is compared term by term.  ``styles_predicted`` prices, with the same cost
+model and launch mode as ``hidup-nodup``, the plan of the fixed style each baseline runs
+(:data:`BASELINE_STYLES`: DDP is the ``data`` style, FSDP2 the ``fsdp`` style, the hand-written expert
+parallelism the ``expert`` style; a style the model does not admit is left out): the baselines'
+registered predictions.
 
 ``predicted`` uses the search's own cost model (:func:`hidup.search.schedule.evaluate`) on the
 profile the plan was searched with (perturbed when the job perturbs it).  A result file whose
@@ -40,6 +50,8 @@ __all__ = [
     "Searcher",
     "search_job",
     "predict",
+    "predict_parts",
+    "predict_styles",
     "job_name",
     "overrides_of",
     "resolve_profile",
@@ -86,13 +98,14 @@ def file_sha(path: Path) -> str:
 
 def code_digest() -> str:
     """A digest of the sources a searched plan depends on (tracer, rules, zoo, profile format and
-    collective tables, cost model, search): a cached plan is reused only when they are unchanged."""
+    collective tables, cost model, search, and this module, which writes the result's fields): a
+    cached plan is reused only when they are unchanged."""
     return _digest_of(ROOT)
 
 
 def _digest_of(root: Path) -> str:
     h = hashlib.sha256()
-    files = [root / "hidup" / "ir.py"]
+    files = [root / "hidup" / "ir.py", root / "exp" / "benchsearch.py"]
     for folder in ("hidup/frontend", "hidup/plan", "search", "profiler", "hidup/rules", "hidup/models"):
         files += sorted((root / folder).rglob("*.py"))
     for f in files:
@@ -108,20 +121,49 @@ def plan_identity(plan_dict: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def predict(graph, profile, plan, precision: str, compiled: bool) -> dict:
+# baseline method -> the fixed plan style it runs (hidup.search.forced)
+BASELINE_STYLES = {"ddp": "data", "fsdp": "fsdp", "expert": "expert"}
+
+
+def predict_parts(graph, profile, plan, precision: str, compiled: bool) -> dict[str, dict[str, float]]:
     """Predicted seconds per iteration of ``plan`` (its levers included: :func:`hidup.search.price`)
-    under ``profile``: captured as one CUDA graph, ``compiled`` by inductor or not, with duplication
-    (``hidup``) and without (``hidup-nodup``); and dispatched eagerly op by op (``-eager``)."""
+    under ``profile``, split into its terms (:meth:`hidup.search.schedule.Evaluation.times`): captured
+    as one CUDA graph, ``compiled`` by inductor or not, with duplication (``hidup``) and without
+    (``hidup-nodup``); and dispatched eagerly op by op (``-eager``)."""
     from hidup.search import price
 
     graphed = price(graph, profile, plan, precision, cuda_graphs=True, compiled=compiled)
     eager = price(graph, profile, plan, precision, cuda_graphs=False, compiled=False)
-    return {
-        "hidup": graphed[True].total,
-        "hidup-nodup": graphed[False].total,
-        "hidup-eager": eager[True].total,
-        "hidup-nodup-eager": eager[False].total,
-    }
+    evaluations = {"hidup": graphed[True], "hidup-nodup": graphed[False], "hidup-eager": eager[True]}
+    evaluations["hidup-nodup-eager"] = eager[False]
+    return {method: ev.times() for method, ev in evaluations.items()}
+
+
+def predict(graph, profile, plan, precision: str, compiled: bool) -> dict[str, float]:
+    """The totals of :func:`predict_parts`: predicted seconds per iteration by method."""
+    parts = predict_parts(graph, profile, plan, precision, compiled)
+    return {method: terms["total"] for method, terms in parts.items()}
+
+
+def predict_styles(graph, profile, world: int, precision: str, compiled: bool) -> dict[str, dict[str, float]]:
+    """The baselines' predictions: each style of :data:`BASELINE_STYLES` forced, priced captured
+    without duplication (as the baselines run); a style the graph does not admit (the expert style of
+    a model without experts) is left out."""
+    from hidup.search import SearchError, forced
+
+    out = {}
+    has_experts = any(sig.kind == "expert" for node in graph.nodes for sig in node.signatures)
+    for method, style in BASELINE_STYLES.items():
+        if style == "expert" and not has_experts:  # forced, it would be the data style's plan
+            continue
+        try:
+            plan = forced(
+                graph, profile, style, world_size=world, duplication=False, precision=precision, compiled=compiled
+            )
+        except (SearchError, ValueError):
+            continue
+        out[method] = predict_parts(graph, profile, plan, precision, compiled)["hidup-nodup"]
+    return out
 
 
 def load_profile(job: dict):
@@ -167,11 +209,14 @@ def search_job(job: dict) -> str:
             compiled=compiled,
         )
         t2 = time.perf_counter()
-        predicted = predict(graph, profile, plan, job["precision"], compiled)
+        parts = predict_parts(graph, profile, plan, job["precision"], compiled)
+        styles = predict_styles(graph, profile, job["world"], job["precision"], compiled)
         doc.update(
             status="ok",
             plan=plan.to_dict(),
-            predicted=predicted,
+            predicted={method: p["total"] for method, p in parts.items()},
+            predicted_parts=parts,
+            styles_predicted=styles,
             search_s=t2 - t1,
             trace_s=t1 - t0,
             identity=plan_identity(plan.to_dict()),

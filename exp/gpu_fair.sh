@@ -9,7 +9,10 @@
 #   PHASE=matrix NETWORK=nvlink|sockets [SETS="zoo llama mixtral"] bash exp/gpu_fair.sh OUTDIR
 #       runs every method on the committed profile and plans, REPEATS (3) interleaved rounds, and
 #       packs exp/records/multi/<network>*.json and the plans into OUTDIR/multi-<network>.tgz.
-#       <SET>_METHODS / <SET>_VARIANTS (e.g. LLAMA_METHODS="ddp hidup-auto") narrow one set's runs.
+#       <SET>_METHODS / <SET>_VARIANTS (e.g. LLAMA_METHODS="ddp hidup-auto") narrow one set's runs;
+#       BENCH_FLAGS passes more exp/bench.py flags to every set (e.g. "--breakdown": one traced step per
+#       run, its exposed communication beside the registered one).  Carry exp/records/multi/plans to the
+#       GPU host so the runs use the registered plan files as they are.
 set -u
 out=$1; phase=${PHASE:-matrix}; net=${NETWORK:-nvlink}; world=${WORLD:-2}
 rec=exp/records/multi
@@ -26,7 +29,8 @@ if [[ $phase == profile ]]; then
 fi
 common=(--network "$net" --worlds "$world" --methods ${METHODS:-single ddp fsdp expert hidup-auto}
         --variants ${VARIANTS:-compile-graph} --repeats "${REPEATS:-3}" --profile "$rec/$net-profile.json"
-        --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150 --search-jobs 0)
+        --out "$rec" --docs /tmp/hidup_fair_docs --resume --run-cap "${CAP:-20}" --stall-timeout 150 --search-jobs 0
+        ${BENCH_FLAGS:-})
 for group in ${SETS:-zoo llama mixtral}; do
   case $group in
     zoo) args=(--models ${ZOO:-bert-sgmoe bert-switch} --precisions ${ZOO_PRECISIONS:-bf16 tf32}); budget=${ZOO_S:-170} ;;

@@ -93,5 +93,9 @@ def test_search_only_writes_plans_with_compiled_predictions(tmp_path):
     registered = json.loads((out / "nvlink-registered.json").read_text())  # the small file a commit keeps
     mine = registered["plans"][plan_file.stem]
     assert mine["predicted"] == doc["predicted"] and mine["identity"] == doc["identity"]
+    for method, parts in mine["predicted_parts"].items():  # the terms a trace is compared with, summing to the total
+        assert parts["total"] == doc["predicted"][method] and 0 <= parts["exposed_comm"] <= parts["comm"]
+    assert set(mine["styles_predicted"]) == {"ddp", "fsdp"}  # a dense GPT admits no expert style
+    assert mine["styles_predicted"]["ddp"]["total"] > 0 and "ddp (data style)" in proc.stdout
     assert registered["code"] == doc["job"]["code"]
     assert not torch.cuda.is_initialized()

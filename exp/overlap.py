@@ -363,18 +363,24 @@ def judge_model(sizes: dict, world: int, device) -> tuple:
     return llama(world_size=world, device=device, **sizes)
 
 
+def recompile_limit(layers: int) -> int:
+    """Dynamo's recompile limit for the judge: ``2 layers + 8``.  In training ``transformers`` passes a
+    key/value cache through every block with the block's layer index, so ``torch.compile`` of one block per
+    layer (FSDP2's) compiles once per layer (inductor's cache makes the repeats short), and perhaps once
+    more per layer for the captured step's autocast (its weight-cast cache off); under torch's default
+    limit (8) the blocks past it would run eagerly."""
+    return 2 * layers + 8
+
+
 def allow_recompiles(layers: int) -> dict:
-    """Raise dynamo's recompile limits to ``layers + 8``, and return the old values.  In training,
-    ``transformers`` passes a key/value cache through every block with the block's layer index, so
-    ``torch.compile`` of one block per layer (FSDP2's) compiles once per layer (inductor's cache makes the
-    repeats short); under torch's default limit (8) the blocks past it would run eagerly."""
+    """Raise dynamo's recompile limits to :func:`recompile_limit`; returns the old values."""
     import torch._dynamo.config as config
 
     old = {}
     names = [n for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)]
     for name in names or ["cache_size_limit"]:  # older torch: cache_size_limit
         old[name] = getattr(config, name)
-        setattr(config, name, max(old[name], layers + 8))
+        setattr(config, name, max(old[name], recompile_limit(layers)))
     return old
 
 
@@ -483,7 +489,7 @@ def judge(a: argparse.Namespace, rank: int, world: int, device: torch.device, ar
         "transformers": _version("transformers"),
         "commit": _commit(a.commit),
         "command": command_line("exp/overlap.py", argv),
-        "recompile_limits": {"was": limits, "now": a.layers + 8},
+        "recompile_limits": {"was": limits, "now": recompile_limit(a.layers)},
         "runs": [],
     }
     skipped = [m for m in j.modes if "graph" in m and device.type != "cuda"]
@@ -497,6 +503,7 @@ def judge(a: argparse.Namespace, rank: int, world: int, device: torch.device, ar
             if arm == "hidup"
             else _fsdp2_runs(sizes, rank, world, device, j)
         )
+        run = None
         for mode, run in runs:
             record = {"arm": arm, "mode": mode}
             if arm == "hidup":

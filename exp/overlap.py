@@ -349,7 +349,7 @@ def _timed(prepared, inputs: tuple, device: torch.device, j: Judge, name: str, c
         "window_ms": windows,
         "steps_per_window": out["iters"],
         "optimizer": out["optimizer"],
-        "step_construction": out["step_construction"],
+        "step_construction": dict(out["step_construction"], statistic="median window, max over ranks"),
         "peak_memory_gib": peak / 2**30 if peak is not None else None,
         "loss_first": out["losses"][0],
         "loss_last": out["losses"][-1],

@@ -32,18 +32,27 @@ CUDA graph, CUDA only, recorded as skipped on a CPU; ``eager`` too on request):
   :mod:`exp.baselines.harness` builds every baseline's (:class:`~exp.baselines.harness.EagerStep`,
   :class:`~exp.baselines.harness.CapturedStep`);
 * ``hidup``: the FSDP-style plan above (forced ``"fsdp"``, duplication off) compiled with prefetch on;
-  bf16 is hidup's wire policy (:func:`hidup.codegen.collectives.convert_cast`: the stored fp32 shards
-  all-gathered in bf16, the gradients reduce-scattered in fp32, ``plan.reduce_dtype == "fp32"``); its
+  bf16 is hidup's wire policy (:func:`hidup.codegen.collectives.convert_cast`, :mod:`hidup.precision`): the
+  stored fp32 shards of the weights that only bf16 autocast ops read (the linear layers, the head) are
+  all-gathered in bf16, the others (the embedding, the norms) in fp32, where FSDP2 casts every parameter
+  to bf16; gradients are reduce-scattered in fp32 (``plan.reduce_dtype == "fp32"``).  Its
   ``compile+graph`` step is forward, backward and optimizer captured as one
   :class:`hidup.codegen.graphs.GraphedStep` (as ``hidup train`` captures it).  One compiled program serves
-  both modes (compile first, then the capture).
+  both modes (compile first, then the capture).  The plan is the search's: whether it gathers a weight
+  again in the backward (FSDP2 does, ``reshard_after_forward``) or keeps the forward's copy is its choice
+  (``info.resharded_params``).
 
 The step is the same for both arms (:data:`exp.baselines.harness.STEP_CONSTRUCTION`): forward under the
 bf16 autocast, backward, **the fused Adam step inside the step** (inside the captured graph in
 ``compile+graph``; capturable Adam there), the gradients set to None before every eager step and before
 the capture.  Timing (:func:`exp.baselines.timing.time_steps`): ``--warmup`` untimed steps, then
 ``--windows`` windows of ``--steps`` steps between two device syncs, each window's per-step time the
-max over ranks; ``step_ms`` is the **median of the windows** (``window_ms`` lists them).
+max over ranks; ``step_ms`` is the **median of the windows** (``window_ms`` lists them).  Dynamo's
+recompile limit is raised to ``2 layers + 8`` (:func:`recompile_limit`: FSDP2's per-block compile
+compiles once per layer), and each run records the graphs and frames ``torch.compile`` compiled
+(``dynamo``: ``frames.total > frames.ok`` means some ran eagerly).  A run that fails is recorded with its
+error and the launch goes on; rank 0 rewrites ``--out`` after every run and prints the table at the end
+(``--table FILE`` prints it again from the JSON).
 
 Exposure.  After the timing each rank records ``--trace-steps`` more steps with ``torch.profiler`` and
 reads its chrome trace with :func:`exp.breakdown.analyze` (``dtod_as_comm=False``).  With ``M`` the

@@ -312,12 +312,12 @@ def _traced(step, device: torch.device, j: Judge, name: str) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    harness_sync(device)
+    _device_sync(device)
     with profile(activities=acts) as prof:
         for i in range(j.trace_steps):
             with record_function(f"ProfilerStep#{i}"):
                 step()
-        harness_sync(device)
+        _device_sync(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{name}.json")
         prof.export_chrome_trace(path)
@@ -334,7 +334,7 @@ def _traced(step, device: torch.device, j: Judge, name: str) -> dict:
     return out
 
 
-def harness_sync(device: torch.device) -> None:
+def _device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -94,6 +94,8 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
                                 "precision": prec_search[precision],
                                 "overrides": overrides,
                                 "compiled": on_gpu,  # hidup's captured methods run compiled on GPUs only
+                                # the baselines beside it, whose styles' plans are priced as their predictions
+                                "baselines": [m for m in args.methods if m in benchsearch.BASELINE_STYLES],
                             }
                         runs.append(r)
         per_world[world] = runs

@@ -9,7 +9,7 @@ precision=...)`` and writes ``<plan dir>/<name>.json``::
      "predicted": {"hidup": s, "hidup-nodup": s,    # the plan's choices priced with / without duplication,
                    "hidup-eager": s, "hidup-nodup-eager": s},  # as one CUDA graph / dispatched eagerly
      "predicted_parts": {method: {"forward", "backward", "optimizer", "comm", "exposed_comm", "total"}},
-     "styles_predicted": {"ddp" | "fsdp" | "expert": {"forward", ..., "total"}},
+     "styles_predicted": {"ddp" | "fsdp" | "expert": {"forward", ..., "total"}},  # the job's "baselines"
      "search_s", "trace_s", "profile": {"name", "path", "sha256", "note"}}
 
 ``predicted_parts`` splits each prediction (seconds): compute of the forward, the backward and the
@@ -145,15 +145,18 @@ def predict(graph, profile, plan, precision: str, compiled: bool) -> dict[str, f
     return {method: terms["total"] for method, terms in parts.items()}
 
 
-def predict_styles(graph, profile, world: int, precision: str, compiled: bool) -> dict[str, dict[str, float]]:
-    """The baselines' predictions: each style of :data:`BASELINE_STYLES` forced, priced captured
-    without duplication (as the baselines run); a style the graph does not admit (the expert style of
-    a model without experts) is left out."""
+def predict_styles(
+    graph, profile, world: int, precision: str, compiled: bool, methods=tuple(BASELINE_STYLES)
+) -> dict[str, dict[str, float]]:
+    """The predictions of the baseline ``methods``: each one's style (:data:`BASELINE_STYLES`) forced,
+    priced captured without duplication (as the baselines run); a style the graph does not admit (the
+    expert style of a model without experts) is left out."""
     from hidup.search import SearchError, forced
 
     out = {}
     has_experts = any(sig.kind == "expert" for node in graph.nodes for sig in node.signatures)
-    for method, style in BASELINE_STYLES.items():
+    for method in methods:
+        style = BASELINE_STYLES[method]
         if style == "expert" and not has_experts:  # forced, it would be the data style's plan
             continue
         try:
@@ -210,7 +213,8 @@ def search_job(job: dict) -> str:
         )
         t2 = time.perf_counter()
         parts = predict_parts(graph, profile, plan, job["precision"], compiled)
-        styles = predict_styles(graph, profile, job["world"], job["precision"], compiled)
+        baselines = job.get("baselines", ())  # a bench job's; the noise study's jobs price none
+        styles = predict_styles(graph, profile, job["world"], job["precision"], compiled, baselines)
         doc.update(
             status="ok",
             plan=plan.to_dict(),

@@ -286,7 +286,7 @@ def priced(graph, profile, plan: Plan, precision: str, mode: str) -> tuple[float
     (:func:`hidup.search.cost.kernel_kind`), the memory copies of the form changes and gradient
     buckets charged to it and the stand-in copies under ``copies`` (autocast's casts, a bias's
     gradient and the copies of padded matmul outputs under ``generated``: inductor generates them),
-    the Adam step under ``optimizer``."""
+    the Adam step under ``optimizer`` (on the host, with its copies, for a plan that offloads it)."""
     problem = Problem(
         graph,
         profile.launched(mode.endswith("graph"), mode.startswith("compile")),
@@ -294,6 +294,7 @@ def priced(graph, profile, plan: Plan, precision: str, mode: str) -> tuple[float
         recompute=recomputed(plan),
         reshard=frozenset(getattr(plan, "reshard", None) or ()),
         zero=plan.zero_stage,
+        offload=getattr(plan, "offload", "off") != "off",
     )
     ks = plan_indices(problem, plan)
     ev = evaluate(problem, ks, False)

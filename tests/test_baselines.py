@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dist_util import run_distributed
+from exp.baselines import harness
 from exp.baselines.baseline_util import LossForm
 
 TINY = dict(layers=2, d_model=16, heads=2, ffn=32, seq_len=4, batch_per_gpu=2, vocab=32, experts_per_gpu=2)
@@ -401,3 +403,14 @@ def test_hidup_methods_capture_their_optimizer_as_hidup_train_does(monkeypatch):
     assert seen["optimizer"] is prep.optimizer[0] and isinstance(seen["optimizer"], torch.optim.Adam)
     assert out["step_construction"] == harness.STEP_CONSTRUCTION
     assert out["loss_last"] < out["loss_first"]  # the captured optimizer stepped, once per call
+
+
+def test_capture_builds_transformers_masks_as_the_warmup():
+    """transformers materializes the causal mask it skips when it sees a stream capture; inside the
+    harness's capture it takes the warm-up's path, and the library's own answer is back after."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+        assert masking_utils.is_tracing(None)  # what a capture would see without the harness
+        with harness.warmup_mask_path():
+            assert not masking_utils.is_tracing(None)
+        assert masking_utils.is_tracing(None)

@@ -243,6 +243,32 @@ class EagerStep:
         return loss.detach()
 
 
+@contextlib.contextmanager
+def warmup_mask_path():
+    """Inside a CUDA-graph capture, ``transformers`` models build their attention masks as in the warm-up.
+
+    ``transformers`` counts a stream capture as tracing (``utils.import_utils.is_cuda_stream_capturing``)
+    and then materializes the causal mask it skips otherwise, so a model whose root module runs
+    eagerly (FSDP2 compiles each block) hands its compiled blocks a mask they never saw: they compile
+    again inside the capture, which fails.  The steps here pass no attention mask (every sequence
+    full), where the skipped mask is exact and needs no device read, so the capture takes the
+    warm-up's path.  Nothing changes for a model without ``transformers``."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(import_utils, "is_cuda_stream_capturing", None)
+    if original is None:
+        yield
+        return
+    import_utils.is_cuda_stream_capturing = lambda: False
+    try:
+        yield
+    finally:
+        import_utils.is_cuda_stream_capturing = original
+
+
 class CapturedStep:
     """The whole step of :class:`EagerStep` -- forward, backward, gradient glue, capturable optimizer
     step -- captured once as one CUDA graph and replayed per call.
@@ -270,7 +296,7 @@ class CapturedStep:
         params = [q for group in optimizer.param_groups for q in group["params"]]
         self.grads_at_capture = "none" if all(q.grad is None for q in params) else "allocated"
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), warmup_mask_path():
             self._static_loss = step_once(
                 self.prepared, self.optimizer, self.inputs, self.precision, self.device, in_graph=True
             )

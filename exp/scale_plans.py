@@ -9,7 +9,7 @@ memory model, and how the plan shards the model: the signature kind of every op 
 expert, replicated) and, for the weights of attention, MLP and experts, whether they are stored
 sharded.
 
-Jobs (sequence 4096, one sequence per GPU):
+Jobs (sequence 4096, one sequence per GPU unless ``--batch-per-gpu`` says more):
 
 * ``llama3-8b``: hidden 4096, 32 layers, 32 heads with 8 key/value heads, MLP 14336, vocab 128256;
 * ``mixtral-8x7b``: hidden 4096, 32 layers, 32/8 heads, 8 experts of MLP 14336, top-2, vocab 32000.
@@ -133,7 +133,8 @@ class CausalLMStep(torch.nn.Module):
 
 
 def build(name: str, layers: int | None, batch: int, seq: int):
-    """(step module on meta, example inputs) of job ``name``; ``layers`` overrides the layer count."""
+    """(step module on meta, example inputs) of job ``name`` for ``batch`` sequences of ``seq`` tokens;
+    ``layers`` overrides the layer count."""
     import transformers
 
     job = JOBS[name]
@@ -146,6 +147,15 @@ def build(name: str, layers: int | None, batch: int, seq: int):
         model = CausalLMStep(cls(cfg))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (ids, ids)
+
+
+def step(name: str, layers: int | None = None, seq: int = 4096, batch: int = 1, world_size: int = 1, device=None):
+    """Job ``name`` as a hidup model factory (``--model exp.scale_plans:step --model-arg name=llama3-70b``):
+    the step on the meta device with ``batch`` sequences per rank, as the job's plan records it, so that
+    ``hidup peak --plan`` rebuilds it.  ``device`` is ignored: the model stays on meta (no weights)."""
+    if name not in JOBS:
+        raise ValueError(f"unknown job {name!r}; jobs: {', '.join(sorted(JOBS))}")
+    return build(name, layers, batch=batch * world_size, seq=seq)
 
 
 def _weight_role(param: str) -> str | None:
@@ -200,11 +210,14 @@ def run_job(
     seq: int,
     plans: Path | None = None,
     reduce_dtype: str = "fp32",
+    per_gpu: int = 1,
 ) -> dict:
     """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``;
-    ``reduce_dtype`` the dtype gradients are summed over ranks in (``hidup search --reduce-dtype``)."""
+    ``reduce_dtype`` the dtype gradients are summed over ranks in (``hidup search --reduce-dtype``);
+    ``per_gpu`` sequences per GPU."""
     world = math.prod(mesh)
-    model, inputs = build(name, layers, batch=world, seq=seq)
+    source_args = {"name": name, "seq": seq, "batch": per_gpu, **({"layers": layers} if layers else {})}
+    model, inputs = step(world_size=world, **source_args)
     t0, c0 = time.perf_counter(), cpu_seconds()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -215,7 +228,7 @@ def run_job(
         "world": world,
         "mesh": "x".join(map(str, mesh)),
         "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
-        "batch": world,
+        "batch": world * per_gpu,
         "seq": seq,
         "nodes": len(graph.nodes),
         "fallbacks": list(graph.fallbacks),
@@ -236,6 +249,7 @@ def run_job(
             memory_budget=memory_gb * 1e9 if memory_gb else None,
             precision=precision,
             reduce_dtype=reduce_dtype,
+            model_source=("exp.scale_plans:step", source_args),
         )
     except SearchError as e:  # recorded: the budget or the mesh admits no plan
         row.update(search_s=round(time.perf_counter() - t0, 2), error=str(e))
@@ -251,6 +265,7 @@ def run_job(
             "search_cpu_s": round(search_cpu_s, 2),
             "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
+            "memory_parts_gib": {k: round(v / 2**30, 2) for k, v in plan.memory.items()},
             "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
             **describe_plan(plan, graph),
@@ -275,7 +290,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         f"Host: {rows[0]['host']}; "
         f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, gradients reduced in "
         f"{rows[0].get('reduce_dtype', 'fp32')}, "
-        f"sequence {rows[0]['seq']}, one sequence per GPU.",
+        f"sequence {rows[0]['seq']}, {rows[0]['batch'] // rows[0]['world']} sequence(s) per GPU.",
         "",
         "Models are built on the meta device from `transformers` configs with the published shapes and "
         "traced with torch.export; times are wall seconds on this host (search CPU s: CPU seconds of the "
@@ -344,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", type=int, help="override the layer count (a quick check)")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch-per-gpu", type=int, default=1, help="sequences per GPU (default 1)")
     p.add_argument(
         "--profile",
         default=None,
@@ -381,7 +397,16 @@ def main(argv: list[str] | None = None) -> int:
             profile = args.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
             rows.append(
                 run_job(
-                    name, mesh, profile, memory, args.precision, args.layers, args.seq, args.plans, args.reduce_dtype
+                    name,
+                    mesh,
+                    profile,
+                    memory,
+                    args.precision,
+                    args.layers,
+                    args.seq,
+                    args.plans,
+                    args.reduce_dtype,
+                    args.batch_per_gpu,
                 )
             )
             rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])

@@ -119,10 +119,11 @@ The search's memory budget constrains the peak bound, but the DP and the ILP nee
 With the floor ``T0 = max over call nodes n of min over n's signatures s of tr(n, s)`` (the transient
 every plan holds at least once, at the node whose least is largest), each node's term is
 
-    b(n, s) = total(n, s) + max(0, tr(n, s) - T0)
+    b(n, s) = total(n, s) + max(0, tr(n, s) - T0) + h(n, s)
 
-and the budget holds ``T0 + sum_n b(n, s_n)`` (:meth:`MemoryModel.bound`; :mod:`hidup.search.problem`
-adds ``T0`` at its first position).  Since ``tr(n, s_n) <= T0 + max(0, tr(n, s_n) - T0)`` for every
+(``h``: an input node's second copy, a parameter node's step counts, :meth:`MemoryModel.held`), and the
+budget holds ``T0 + sum_n b(n, s_n)`` (:meth:`MemoryModel.bound`; :mod:`hidup.search.problem` adds ``T0``
+at its first position).  Since ``tr(n, s_n) <= T0 + max(0, tr(n, s_n) - T0)`` for every
 ``n``, ``max_n tr(n, s_n) <= T0 + sum_n max(0, tr(n, s_n) - T0)``, so a plan within the budget by these
 terms has sum plus largest transient within it, and its peak bound too: the DP's terms are an upper
 bound of the peak bound.  Most nodes' transients are below ``T0`` (the logits' transients dwarf a
@@ -526,9 +527,22 @@ class MemoryModel:
         return hit
 
     def bound(self, node: Node, sig: Signature) -> float:
-        """``b(n, s) = total(n, s) + max(0, tr(n, s) - T0)``: ``node``'s term in the search's budget (module
-        docstring, "The budget"); the budget adds ``T0`` once."""
-        return self.total(node, sig) + max(0.0, self.node_transient(node, sig) - self.transient_floor)
+        """``b(n, s) = total(n, s) + max(0, tr(n, s) - T0) + h(n, s)``: ``node``'s term in the search's budget
+        (module docstring, "The budget"); the budget adds ``T0`` once."""
+        return (
+            self.total(node, sig)
+            + max(0.0, self.node_transient(node, sig) - self.transient_floor)
+            + self.held(node, sig)
+        )
+
+    def held(self, node: Node, sig: Signature) -> float:
+        """``h(n, s)``: what the peak holds of ``node`` besides its parts (module docstring, "The peak"): an
+        input's second copy, a trainable parameter's step counts."""
+        if node.op == "input":
+            return self.breakdown(node, sig)[4]
+        if node.op == "param":
+            return STEP_BYTES * sum(1 for t in node.outputs if self.graph.tensors[t].requires_grad)
+        return 0.0
 
     def plan_prefetched(self, choices: dict[str, Signature], reshard: frozenset = frozenset()) -> float:
         """The bytes a prefetching program holds besides the sum (module docstring, "Prefetched gathers"):
@@ -634,10 +648,8 @@ class MemoryModel:
                 best, at = here + tr, tr
         # besides the parts: the optimizer's step count per trainable parameter, and the rank's inputs a
         # second time (the batch it is handed and the local copies its program makes)
-        steps = STEP_BYTES * sum(
-            1 for n in nodes if n.op == "param" for t in n.outputs if self.graph.tensors[t].requires_grad
-        )
-        held = parts["params"] + parts["optimizer"] + 2 * parts["inputs"] + steps
+        held = parts["params"] + parts["optimizer"] + parts["inputs"]
+        held += sum(self.held(n, choices[n.name]) for n in nodes if n.op in ("param", "input"))
         return {"peak": held + best + prefetch, "transient": self.plan_transient(choices), "peak_transient": at}
 
     def _readers(self, tid: int) -> list:

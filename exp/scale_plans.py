@@ -265,6 +265,7 @@ def run_job(
             "search_cpu_s": round(search_cpu_s, 2),
             "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
+            "peak_gib": round(plan.memory.get("peak", plan.memory["total"]) / 2**30, 1),
             "memory_parts_gib": {k: round(v / 2**30, 2) for k, v in plan.memory.items()},
             "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
@@ -274,7 +275,8 @@ def run_job(
     )
     print(
         f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s ({search_cpu_s:.1f} s CPU), "
-        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB, sent {row['sent_gb']} GB per GPU, "
+        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB (peak bound {row['peak_gib']} GiB), "
+        f"sent {row['sent_gb']} GB per GPU, "
         f"kinds {row['kinds']}, dispatchers {row['dispatchers']}, "
         f"stored {row['stored']}",
         flush=True,
@@ -296,18 +298,19 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "traced with torch.export; times are wall seconds on this host (search CPU s: CPU seconds of the "
         "process and of the searches it forks, which another job's load on the host inflates less). Memory is "
         "the memory model's "
-        "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
+        "per-rank sum, the peak bound its largest op's temporaries where the activations live then (what the budget "
+        "constrains). World sizes beyond the profile's measured groups (16 here) are priced as one "
         "NVLink domain by the ring factor, which a real two-node cluster is not.",
         "",
         "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | memory GiB "
-        "| sent GB per GPU | ops by kind | weights stored |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak bound GiB | sent GB per GPU | ops by kind | weights stored |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - | - "
+                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - | - | - "
                 f"| {r['error'].split('. Fix')[0]} | - |"
             )
             continue
@@ -318,7 +321,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
-            f"| {r['memory_gib']} | {r.get('sent_gb', '-')} | {kinds} "
+            f"| {r['memory_gib']} | {r.get('peak_gib', '-')} | {r.get('sent_gb', '-')} | {kinds} "
             f"| {stored} |"
         )
     for r in rows:

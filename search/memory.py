@@ -123,7 +123,9 @@ every plan holds at least once, at the node whose least is largest), each node's
 
 (``h``: an input node's second copy, a parameter node's step counts, :meth:`MemoryModel.held`), and the
 budget holds ``T0 + sum_n b(n, s_n)`` (:meth:`MemoryModel.bound`; :mod:`hidup.search.problem` adds ``T0``
-at its first position).  Since ``tr(n, s_n) <= T0 + max(0, tr(n, s_n) - T0)`` for every
+at its first position, with, where resharded parameters are prefetched, an upper bound of the prefetched
+copies over every plan: :meth:`MemoryModel.prefetch_ceiling`, each unit's resharded weights at the
+largest form a reader may read them in).  Since ``tr(n, s_n) <= T0 + max(0, tr(n, s_n) - T0)`` for every
 ``n``, ``max_n tr(n, s_n) <= T0 + sum_n max(0, tr(n, s_n) - T0)``, so a plan within the budget by these
 terms has sum plus largest transient within it, and its peak bound too: the DP's terms are an upper
 bound of the peak bound.  Most nodes' transients are below ``T0`` (the logits' transients dwarf a
@@ -149,9 +151,9 @@ node of unit ``u`` (not of a recomputed layer), :meth:`MemoryModel.plan_prefetch
     prefetch = max over units u of  G(u - 1) + G(u) + G(u + 1)
 
 three neighbouring units' resharded gathered weights (FSDP2 holds two layers': the current one's and the
-prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``) and added to the peak bound.  The DP's
-terms do not see it (not a per-node quantity): a resharded plan whose prefetched copies overflow is
-priced by its peak bound as not fitting.
+prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``) and added to the peak
+bound.  The budget's terms add its ceiling over every plan ("The budget"): a constant for a search with
+resharding, which changes no choice between plans, only which fit.
 
 Not counted: an activation's form-change buffers beyond a ``reduce`` output's sum, the flat buffers
 of the gradient buckets, ZeRO-2's whole gradients during the backward, kernel workspace outside the
@@ -265,6 +267,7 @@ class MemoryModel:
         # worked out: what does not depend on the recomputed layers, shared as saved_memo is
         self._transients: dict[tuple, tuple] = self.saved_memo if self.saved_memo is not None else {}
         self._consumers: dict[int, list] | None = None  # tensor -> (consumer's name, input index), once needed
+        self._ceilings: dict[frozenset, float] = {}  # resharded parameters' tensors -> prefetch_ceiling
         self._param_of: dict[int, Node] = {}
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
@@ -571,6 +574,28 @@ class MemoryModel:
                 if not self.layer_of(n):
                     held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
         return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
+
+    def prefetch_ceiling(self, params: frozenset) -> float:
+        """An upper bound of :meth:`plan_prefetched` over every plan whose resharded parameters are among the
+        tensors ``params`` (module docstring, "The budget"): each unit's readers of them counted at the largest
+        form any of the reader's signatures reads them in, three neighbouring units at most."""
+        if not params:
+            return 0.0
+        hit = self._ceilings.get(params)
+        if hit is None:
+            calls = [n for n in self.graph.nodes if n.op == "call"]
+            held: dict[int, float] = {}
+            made: set[tuple] = set()
+            for n, u in zip(calls, prefetch_units([block_label(n.module) for n in calls])):
+                for j, t in enumerate(n.inputs):
+                    if t not in params or (t, u) in made or self.layer_of(n):
+                        continue
+                    made.add((t, u))
+                    held[u] = held.get(u, 0.0) + max(self.local_bytes(t, s.inputs[j]) for s in n.signatures)
+            hit = self._ceilings[params] = max(
+                (held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0
+            )
+        return hit
 
     def _itemsize(self, tid: int) -> float:
         """Bytes per element of tensor ``tid`` at the model's precision."""

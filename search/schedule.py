@@ -241,6 +241,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     choices = {problem.order[i].name: problem.sigs[i][k] for i, k in enumerate(ks)}
     prefetch = problem.prefetched(choices)
     memory.update(problem.memory.plan_peak(choices, memory, prefetch), prefetch=prefetch)
+    memory["bound"] = sum(s.mem for s in steps)  # the DP's terms (Problem.plan_memory): never below the peak bound
     stages: list[list[str]] = []
     for i, s in enumerate(steps):
         if not stages or s.fwd_item[0] > 0.0 or s.fwd_item[1] > 0.0:

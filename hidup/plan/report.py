@@ -63,7 +63,7 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
 
 
 # what a plan's memory records beside its parts and their total (hidup.search.memory, "The peak")
-_BOUNDS = ("total", "transient", "prefetch", "peak", "peak_transient")
+_BOUNDS = ("total", "transient", "prefetch", "peak", "peak_transient", "bound")
 
 
 def _totals(plan: Plan) -> list[str]:

@@ -133,6 +133,19 @@ layer's) and add nothing; a signature that makes a larger one (the row-parallel 
 logits) pays its excess.  The plan found is then priced by its peak bound (``Evaluation.memory["peak"]``),
 which decides whether it fits.
 
+Those terms also count every gradient beside every activation, which the peak bound never holds at
+once: at ``n_i`` the gradients of the parameters last read before ``n_i`` do not exist yet and the
+activations of the nodes after it not any more, and at the optimizer's step no activation does.  So
+for every plan the terms exceed the peak bound by at least
+
+    L = min( sum_n least act(n),  min over call nodes n_i of  sum over parameters p last read before n_i
+             of least grads(p) + sum over nodes after n_i of least act(n) )
+
+(``least``: over the node's signatures; :meth:`MemoryModel.peak_slack`), and the budget's constant is
+``T0 - L`` (with the prefetch ceiling; never so low that a first position's term is negative): still
+never below the peak bound, and no longer above it by the gradients of a model whose peak is at the
+loss.
+
 Prefetched gathers
 ------------------
 With prefetch (:mod:`hidup.codegen.prefetch`) the gathered copies of the parameters a unit ``u`` reads
@@ -574,6 +587,33 @@ class MemoryModel:
                 if not self.layer_of(n):
                     held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
         return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
+
+    def peak_slack(self) -> float:
+        """``L``: a bound below which ``T0 + sum_n b(n, s_n)`` never comes closer to the peak bound, over every
+        plan (module docstring, "The budget"): the least over positions ``i`` of the least gradients of the
+        parameters last read before ``i`` plus the least activations of the nodes after ``i``."""
+        hit = self._transients.get(("peak slack", self.recomputing, self.zero))
+        if hit is not None:
+            return hit
+        nodes = self.graph.nodes
+        index = {n.name: i for i, n in enumerate(nodes)}
+        least = [
+            [min((self.breakdown(n, s)[j] for s in n.signatures), default=0.0) for j in (1, 3)] for n in nodes
+        ]  # the least gradients and activations of each node
+        freed = [0.0] * (len(nodes) + 1)  # gradients of parameters last read before position i, at i
+        for n, (grads, _) in zip(nodes, least):
+            if n.op == "param" and grads:
+                readers = [index[c] for t in n.outputs for c, _ in self._readers(t) if c in index]
+                freed[max(readers, default=len(nodes)) + 1 if readers else len(nodes)] += grads
+        before, after = 0.0, sum(act for _, act in least)
+        slack = after  # the optimizer's step: every activation is gone
+        for i, (n, (_, act)) in enumerate(zip(nodes, least)):
+            before += freed[i]
+            after -= act
+            if n.op == "call":
+                slack = min(slack, before + after)
+        self._transients[("peak slack", self.recomputing, self.zero)] = slack
+        return slack
 
     def prefetch_ceiling(self, params: frozenset) -> float:
         """An upper bound of :meth:`plan_prefetched` over every plan whose resharded parameters are among the

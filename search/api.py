@@ -758,15 +758,15 @@ def _least(
     opts: SearchOptions, models: Models, choices: dict[str, Signature], make: Callable[[int], Recompute], count: int
 ) -> int:
     """The least ``k`` in ``0 .. count`` for which the plan of ``choices`` with the layers ``make(k)``
-    recomputed fits the memory budget by the budget's per-node terms (:meth:`MemoryModel.bound`, with the
-    floor ``T0``; ``make`` recomputes more, and keeps less, as ``k`` grows; the per-node terms leave out the
-    parameters' kept copies, so no smaller ``k`` fits with them either); found by bisection, ``make(count)``
-    assumed to fit."""
+    recomputed fits the memory budget by the budget's per-node terms (:meth:`MemoryModel.bound`, with
+    :meth:`MemoryModel.budget_constant`, no resharded copies; ``make`` recomputes more, and keeps less, as
+    ``k`` grows; the per-node terms leave out the parameters' kept copies, so no smaller ``k`` fits with
+    them either); found by bisection, ``make(count)`` assumed to fit."""
     order = models.positions().order
 
     def fits(k: int) -> bool:
         memory = models.memory(opts.optimizer_factor, opts.precision, make(k), ZERO_STAGE.get(opts.zero, 0))
-        return sum(memory.bound(n, choices[n.name]) for n in order) + memory.transient_floor <= opts.memory_budget
+        return sum(memory.bound(n, choices[n.name]) for n in order) + memory.budget_constant() <= opts.memory_budget
 
     lo, hi = 0, count
     while lo < hi:
@@ -792,7 +792,7 @@ def _fewest(
     ``make(count)`` does not."""
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
     most = models.memory(opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0))
-    if sum(most.bound(n, choices[n.name]) for n in problem.order) + most.transient_floor > opts.memory_budget:
+    if sum(most.bound(n, choices[n.name]) for n in problem.order) + most.budget_constant() > opts.memory_budget:
         return None
     k = _least(opts, models, choices, make, count)
     while True:

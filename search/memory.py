@@ -588,6 +588,12 @@ class MemoryModel:
                     held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
         return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
 
+    def budget_constant(self, resharded: frozenset = frozenset(), prefetch: bool = True) -> float:
+        """What the budget's terms add once (module docstring, "The budget"): ``T0``, the prefetched copies'
+        ceiling of the resharded parameters' tensors ``resharded``, less the slack ``L``."""
+        ceiling = self.prefetch_ceiling(resharded) if prefetch else 0.0
+        return self.transient_floor + ceiling - self.peak_slack()
+
     def peak_slack(self) -> float:
         """``L``: a bound below which ``T0 + sum_n b(n, s_n)`` never comes closer to the peak bound, over every
         plan (module docstring, "The budget"): the least over positions ``i`` of the least gradients of the

@@ -452,8 +452,8 @@ class Problem:
         # less the slack L every plan's terms keep above its peak bound
         self.mem = [[memory.bound(node, s) for s in sigs] for node, sigs in zip(self.order, self.sigs)]
         if self.mem:
-            once = memory.transient_floor + (memory.prefetch_ceiling(self.reshardable) if self.prefetch else 0.0)
-            once = max(once - memory.peak_slack(), -min(self.mem[0]))  # no term below 0 (the ILP drops those)
+            once = memory.budget_constant(self.reshardable, self.prefetch)
+            once = max(once, -min(self.mem[0]))  # no term below 0 (the ILP drops those)
             self.mem[0] = [m + once for m in self.mem[0]]
         self.fixed = [self._again(i, f) for i, f in enumerate(self._plain_fixed)]
         self.compute_copy = [[self._again(i, c) for c in row] for i, row in enumerate(self._plain_copy)]

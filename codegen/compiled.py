@@ -19,9 +19,15 @@ same group -- the adjoint table of :class:`hidup.codegen.collectives._Convert`. 
 sees no graph break at a collective: inductor compiles the whole forward, AOTAutograd the whole
 backward, and the collectives run between the fused kernels exactly as eagerly (the same values in
 the same order), so parity is that of the eager program up to the rounding of the fused kernels.  Every rank compiles
-a graph of the same structure (programs differ between ranks only in constants), and inductor keeps
-extern ops such as these in program order (its compute/communication reordering passes are off by
-default), so the ranks issue their collectives in the same order.
+a graph of the same structure (programs differ between ranks only in constants), and inductor orders
+extern ops such as these the same way on every rank (its compute/communication reordering passes are
+off by default), so the ranks issue their collectives in the same order.
+
+Prefetched weight gathers are the exception (:mod:`hidup.codegen.prefetch`): issued a unit early as
+torch's functional all-gather (:func:`gather_start`) and waited for at the consumer
+(:func:`gather_wait`), they overlap the compute between; a graph that has them is compiled with
+inductor's ``sink_waits`` pass (:data:`SINK_WAITS`), which moves each wait to right before its first
+reader and reorders nothing by measured times, so every rank still makes the same schedule.
 
 Why custom ops rather than compiling the regions between collectives: one graph per program (per
 stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,
@@ -57,6 +63,7 @@ autotuning caches, on disk by default), so a second run of the same program comp
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
@@ -74,6 +81,9 @@ __all__ = [
     "compile_module",
     "bucket_segments",
     "compile_segments",
+    "gather_start",
+    "gather_wait",
+    "gathers_async",
 ]
 
 # Process groups named by integer keys (key 0: the default group, ``None``); each key also has a
@@ -91,13 +101,17 @@ class _Active:
     key: int = 0
     token: torch.Tensor = _TOKENS[0]
     world: int = 1
+    name: str = ""  # the group's name, which torch's functional collectives take (gather_start)
     axes: tuple = ()
     axis_keys: tuple = ()
+    axis_names: tuple = ()
 
     def set(self, key: int, axis_keys: tuple = ()) -> None:
         self.key, self.token, self.world = key, _TOKENS[key], world_of_key(key)
+        self.name = name_of_key(key)
         self.axis_keys = tuple(axis_keys)
         self.axes = tuple((world_of_key(k), _TOKENS[k]) for k in self.axis_keys)
+        self.axis_names = tuple(name_of_key(k) for k in self.axis_keys)
 
 
 ACTIVE = _Active()
@@ -123,6 +137,16 @@ def world_of_key(key: int) -> int:
     """Ranks of the group registered under ``key`` (asked each time: the default group may be
     destroyed and created again with another size)."""
     return collectives.world_of(_GROUPS[key])
+
+
+def name_of_key(key: int) -> str:
+    """The name of the group registered under ``key`` (the default group's for key 0), as torch's
+    functional collectives take it; "" with no process group, and on torch's fake process group (one
+    device standing in for a rank, whose collectives hidup mirrors: :mod:`hidup.codegen.collectives`)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    group = _GROUPS[key] if _GROUPS[key] is not None else dist.group.WORLD
+    return "" if collectives._backend(group) == "fake" else group.group_name
 
 
 def _contiguous_new(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -246,6 +270,69 @@ convert_cast.register_autograd(_convert_cast_grad, setup_context=_setup_cast_con
 
 
 # ------------------------------------------------------------------------------------------------
+# Prefetched all-gathers under compilation: torch's functional collective, issued early, waited late.
+
+
+class _GatherStart(torch.autograd.Function):
+    """Issue the all-gather along dim 0 of ``x`` cast to ``dtype`` as torch's functional collective,
+    not waited for; its backward is ``hidup::convert_backward`` of ``gather_0 -> full`` (the
+    reduce-scatter of :func:`convert`, on the group of ``token``) of the gradient cast to ``summed``,
+    returned in ``x``'s dtype: the adjoint :func:`convert_cast` runs, bit for bit."""
+
+    # why: the collective's spec whole (group size, name and token, both dtypes)
+    @staticmethod
+    def forward(ctx, x, world, name, token, dtype, summed):
+        ctx.world, ctx.x_dtype, ctx.summed = world, x.dtype, summed
+        ctx.save_for_backward(token)
+        return torch.ops._c10d_functional.all_gather_into_tensor(x.to(dtype).contiguous(), world, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        back = torch.ops.hidup.convert_backward(grad.to(ctx.summed), "gather_0", "full", ctx.world, token)
+        return back.to(ctx.x_dtype), None, None, None, None, None
+
+
+class _GatherWait(torch.autograd.Function):
+    """Wait for a functional collective's result (its gradient passes through)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return torch.ops._c10d_functional.wait_tensor(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def gather_start(
+    x: torch.Tensor, dim: int, axis: int | None = None, dtypes: tuple[torch.dtype, torch.dtype] | None = None
+) -> torch.Tensor:
+    """Under compilation: issue the all-gather ``gather_dim -> full`` of ``x`` on the active group (mesh
+    axis ``axis``'s where given), sent in ``dtypes[0]`` and its gradient summed in ``dtypes[1]`` (both
+    ``x``'s dtype where None), and return the collective's output, which :func:`gather_wait` makes
+    readable.  The values and gradient are :func:`convert`'s (``convert_cast``'s); only the wait moves."""
+    active = ACTIVE
+    world, token = (active.world, active.token) if axis is None else active.axes[axis]
+    name = active.name if axis is None else active.axis_names[axis]
+    front = x.movedim(dim, 0) if dim else x
+    dtype, summed = dtypes if dtypes is not None else (x.dtype, x.dtype)
+    return _GatherStart.apply(front.contiguous(), world, name, token, dtype, summed)
+
+
+def gathers_async(axis: int | None = None) -> bool:
+    """Whether :func:`gather_start` may issue on the active group (mesh axis ``axis``'s where given): a
+    real process group, not torch's fake one."""
+    return bool(ACTIVE.name if axis is None else ACTIVE.axis_names[axis])
+
+
+def gather_wait(h: torch.Tensor, dim: int) -> torch.Tensor:
+    """The gathered tensor of :func:`gather_start`'s ``h`` (gather dim ``dim``), once it has arrived."""
+    out = _GatherWait.apply(h)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+# ------------------------------------------------------------------------------------------------
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -267,10 +354,26 @@ def backend_of(compile) -> str | None:  # noqa: A002 - the option's name
     raise ValueError(f"compile={compile!r}: expected True, False or a torch.compile backend name")
 
 
+# inductor's options for a graph that issues prefetched gathers asynchronously (compile_module): its one
+# pass that sinks each functional collective's wait to right before the wait's first reader
+SINK_WAITS = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+
+
+def _issues_async(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (an fx program) issues a prefetched gather asynchronously under compilation
+    (a ``hidup_prefetch`` call with its ``link``, :mod:`hidup.codegen.prefetch`)."""
+    graph = getattr(module, "graph", None)
+    return isinstance(graph, torch.fx.Graph) and any(
+        getattr(n.target, "__name__", "") == "hidup_prefetch" and n.kwargs.get("link") for n in graph.nodes
+    )
+
+
 def compile_module(module: torch.nn.Module, backend: str):
     """``torch.compile`` of one program (or stage) module: static shapes, graph breaks allowed
-    (only :func:`hidup.codegen.program.hidup_copy_sum` makes one)."""
-    return torch.compile(module, backend=backend, dynamic=False)
+    (only :func:`hidup.codegen.program.hidup_copy_sum` makes one).  Inductor sinks the waits of the
+    asynchronous prefetched gathers where the module has them (:data:`SINK_WAITS`; module docstring)."""
+    options = dict(SINK_WAITS) if backend == "inductor" and _issues_async(module) else None
+    return torch.compile(module, backend=backend, dynamic=False, options=options)
 
 
 def bucket_segments(gm: torch.fx.GraphModule, replicated: list[str], bucket_mb: float) -> dict[str, int]:

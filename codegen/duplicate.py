@@ -34,6 +34,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from hidup.codegen.compiled import compile_module
+from hidup.codegen.prefetch import confine_links
 from hidup.codegen.program import using_group
 
 __all__ = ["half", "copy_inputs", "SequentialCopies", "StagedCopies"]
@@ -72,6 +73,8 @@ class SequentialCopies:
 
     def compile(self, backend: str | None) -> None:
         """Run the program through ``torch.compile(backend=...)`` (None: eagerly)."""
+        if backend is not None:
+            confine_links(self.gm, lambda node: 0)  # one graph (but for its breaks)
         self.run = self.gm if backend is None else compile_module(self.gm, backend)
 
     def __call__(self, inputs_of, groups):
@@ -98,6 +101,8 @@ class StagedCopies:
             if stage is None and users:
                 stage = min(u.meta.get("stage", 0) for u in users)
             return order.get(stage if stage is not None else 0, 0)
+
+        confine_links(gm, partition)  # a compiled stage waits only for its own prefetched gathers
 
         self.split = split_module(gm, gm, partition, keep_original_order=True) if self.num_stages > 1 else gm
         self.device = device

@@ -24,10 +24,26 @@ stream wait for that event and records the copy's use on the current stream (so 
 hand its memory back to the side stream early).  The collective thus runs while the current stream
 computes unit ``u - 1``; this is the fork/join pattern CUDA-graph capture accepts (no host
 synchronization).  Autograd runs the chain's backward on the side stream, after its gradient is ready.
-On the CPU (gloo), and under ``torch.compile``, ``hidup_prefetch`` runs the chain in place and returns
-its tensor, and the wait is the identity: under compilation the conversion is the custom op
-``hidup::convert`` (:mod:`hidup.codegen.compiled`), which inductor keeps in program order, so it is
-issued where the pass put it, one unit early.
+On the CPU (gloo), eagerly, ``hidup_prefetch`` runs the chain in place and returns its tensor, and the
+wait is the identity.
+
+Under ``torch.compile`` the one stream of the compiled program cannot fork, so the gather itself is made
+asynchronous: where the chain's only collective is an all-gather (:func:`hidup.ir.async_gather_link`,
+the pass records it as the call's ``link``), ``hidup_prefetch`` runs the links before it in place and
+issues the all-gather as torch's functional collective (``_c10d_functional.all_gather_into_tensor``,
+:func:`hidup.codegen.compiled.gather_start`), and ``hidup_prefetch_wait`` waits for it
+(``wait_tensor``) and runs the links after it.  Inductor lowers the pair to a collective launched on
+the process group's communication stream and a wait that makes the compute stream wait for it, with
+the compute between them free to run: the compiled form of the side stream.  Its gradient is the
+conversion's own backward (``hidup::convert_backward``, cast as :func:`~hidup.codegen.collectives.convert_cast`
+casts), so values and gradients are the eager program's.  Inductor's scheduler may reorder the graph
+(for peak memory it hoists the waits next to their collectives), so a graph with such gathers is
+compiled with inductor's pass that sinks each wait to right before its first reader
+(:data:`hidup.codegen.compiled.SINK_WAITS`); it moves only waits, the same way on every rank.  An
+in-flight collective must be waited for in the graph that issued it: where the program is compiled as
+several graphs (gradient-bucket segments, duplication stages, a graph break), a gather whose wait lies
+in another graph runs in place (:func:`confine_links`).  A chain with another collective (an
+all-to-all, a layout change of two collectives) runs in place, one unit early, blocking.
 
 Under ``torch.compile`` a resharded parameter's chain is not moved: the compiled program frees its
 copy by a checkpoint region the partitioner recomputes in the backward (:mod:`hidup.codegen.reshard`),
@@ -55,22 +71,32 @@ backward anyway.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx
 
+from hidup.codegen import compiled
 from hidup.codegen.compiled import LAYER
 from hidup.codegen.recompute import REGION
-from hidup.ir import prefetch_units
+from hidup.ir import Form, async_gather_link, conversion, prefetch_units
 
-__all__ = ["CONVERTS", "hidup_prefetch", "hidup_prefetch_wait", "prefetch_gathers", "Pending"]
+__all__ = ["CONVERTS", "hidup_prefetch", "hidup_prefetch_wait", "prefetch_gathers", "confine_links", "Pending"]
 
 # name -> conversion function of the generated code that may be prefetched (hidup.codegen.program fills it)
 CONVERTS: dict[str, object] = {}
 # the generated code's call that starts a forward's session of resharded copies (hidup.codegen.program)
 BEGIN = None
+# (x, send, reduce) -> (dtype x travels in, dtype its gradient is summed in) or None: the casts of a
+# conversion under autocast (hidup.codegen.program fills it)
+CAST_DTYPES = None
 
 # the conversions of resharded parameters (hidup.codegen.reshard), among CONVERTS
 RESHARDED = frozenset({"hidup_reshard_convert", "hidup_reshard_convert_step"})
+
+# the generated code's calls torch.compile breaks its graph at (hidup.codegen.program.hidup_copy_sum)
+BREAKS = frozenset({"hidup_copy_sum"})
+LINK = "prefetch_link"  # node.meta key: a prefetch's asynchronous link as the pass made it (confine_links)
 
 # (device index, current stream id) -> the side stream prefetches of that stream run on
 _SIDE: dict[tuple, torch.cuda.Stream] = {}
@@ -106,12 +132,34 @@ def _deferred(chain: tuple) -> bool:
     return torch.compiler.is_compiling() and any(name in RESHARDED for name, *_ in chain)
 
 
-def hidup_prefetch(x: torch.Tensor, chain: tuple) -> "torch.Tensor | Pending":
+def _start(x: torch.Tensor, chain: tuple, link: tuple) -> torch.Tensor:
+    """Under compilation: the links before ``link``'s in place, then its all-gather issued, not waited for
+    (the whole chain in place on torch's fake process group, whose collectives hidup mirrors)."""
+    k, axis, src, cast = link
+    if not compiled.gathers_async(axis):
+        return _run(x, chain)
+    x = _run(x, chain[:k])
+    return compiled.gather_start(x, Form.parse(src).dim, axis, CAST_DTYPES(x, *cast) if cast else None)
+
+
+def _finish(h: torch.Tensor, chain: tuple, link: tuple) -> torch.Tensor:
+    """Under compilation: wait for :func:`_start`'s all-gather, then run the links after it."""
+    k, axis, src, _ = link
+    if not compiled.gathers_async(axis):
+        return h
+    return _run(compiled.gather_wait(h, Form.parse(src).dim), chain[k + 1 :])
+
+
+def hidup_prefetch(x: torch.Tensor, chain: tuple, link: tuple | None = None) -> "torch.Tensor | Pending":
     """Issue the conversions ``chain`` (``((function name, extra args, keywords), ...)``) of the shard ``x``
-    (module docstring): on a side stream eagerly on CUDA, in place otherwise."""
+    (module docstring): on a side stream eagerly on CUDA; under compilation with ``link`` (its all-gather
+    link, :func:`_async_link`) as a functional collective waited for by :func:`hidup_prefetch_wait`; in
+    place otherwise."""
     if _deferred(chain):
         return x
-    if torch.compiler.is_compiling() or x.device.type != "cuda":
+    if torch.compiler.is_compiling():
+        return _start(x, chain, link) if link is not None else _run(x, chain)
+    if x.device.type != "cuda":
         return _run(x, chain)
     side = _side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
@@ -122,17 +170,38 @@ def hidup_prefetch(x: torch.Tensor, chain: tuple) -> "torch.Tensor | Pending":
     return Pending(out, event)
 
 
-def hidup_prefetch_wait(p: "torch.Tensor | Pending", chain: tuple) -> torch.Tensor:
+def hidup_prefetch_wait(p: "torch.Tensor | Pending", chain: tuple, link: tuple | None = None) -> torch.Tensor:
     """The prefetched tensor, once the current stream may read it (the chain run here where
-    :func:`hidup_prefetch` left it)."""
+    :func:`hidup_prefetch` left it; under compilation with ``link`` the functional collective waited for)."""
     if _deferred(chain):
         return _run(p, chain)
+    if link is not None and torch.compiler.is_compiling():
+        return _finish(p, chain, link)
     if isinstance(p, torch.Tensor):
         return p
     current = torch.cuda.current_stream(p.value.device)
     current.wait_event(p.event)
     p.value.record_stream(current)
     return p.value
+
+
+def _async_link(chain: list[torch.fx.Node]) -> tuple | None:
+    """``(index, mesh axis or None, source form, (send, reduce) or None)`` of the link of ``chain`` that a
+    compiled program issues as an asynchronous all-gather (:func:`hidup.ir.async_gather_link`), the cast
+    flags where it is a cast conversion; None where there is none (the chain then runs in place) or the
+    parameter is resharded (its chain stays put under compilation)."""
+    if any(n.target.__name__ in RESHARDED for n in chain):
+        return None
+    links = [inspect.signature(n.target).bind(None, *n.args[1:], **n.kwargs) for n in chain]
+    for bound in links:
+        bound.apply_defaults()
+    ops = [conversion(Form.parse(b.arguments["src"]), Form.parse(b.arguments["dst"])).forward for b in links]
+    k = async_gather_link(ops)
+    if k is None:
+        return None
+    args = links[k].arguments
+    cast = (args["send"], args["reduce"]) if "send" in args else None
+    return (k, args.get("axis"), args["src"], cast)
 
 
 def _chain(node: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -188,16 +257,17 @@ def prefetch_gathers(graph: torch.fx.Graph) -> int:
     starts = []
     for chain, anchor in moves:
         spec = tuple((n.target.__name__, tuple(n.args[1:]), tuple(n.kwargs.items())) for n in chain)
+        link = _async_link(chain)
         with graph.inserting_before(anchor):
             shard = graph.get_attr(chain[0].args[0].target)
-            start = graph.call_function(hidup_prefetch, (shard, spec))
+            start = graph.call_function(hidup_prefetch, (shard, spec), {"link": link} if link else {})
         for new in (shard, start):
             new.meta.update({"stage": anchor.meta.get("stage", 0), REGION: None, LAYER: anchor.meta.get(LAYER, "")})
         starts.append(start)
     for (chain, _), start in zip(moves, starts):
         end, attr = chain[-1], chain[0].args[0]
         with graph.inserting_after(end):
-            wait = graph.call_function(hidup_prefetch_wait, (start, start.args[1]))
+            wait = graph.call_function(hidup_prefetch_wait, (start, start.args[1]), dict(start.kwargs))
         wait.meta.update({k: end.meta[k] for k in ("stage", REGION, LAYER) if k in end.meta})
         end.replace_all_uses_with(wait)
         for n in reversed(chain):
@@ -205,3 +275,32 @@ def prefetch_gathers(graph: torch.fx.Graph) -> int:
         if not attr.users:
             graph.erase_node(attr)
     return len(moves)
+
+
+def confine_links(gm: torch.fx.GraphModule, part_of) -> int:
+    """Keep the asynchronous form (``link``) of the prefetched gathers of ``gm`` whose start and wait lie
+    in one compiled graph: ``part_of(node)`` names the graph torch.compile makes of each call node (a
+    gradient-bucket segment, a duplication stage; a graph break at :data:`BREAKS` starts another); a
+    gather whose wait lies in another graph runs in place, as an in-flight functional collective may not
+    cross graphs.  Run before the program is split and compiled (again at each split: it starts from the
+    pass's links); eager runs ignore ``link``.  Returns how many gathers run in place."""
+    breaks, where = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in BREAKS:
+            breaks += 1
+        where[node] = breaks
+    placed = 0
+    for start in gm.graph.nodes:
+        if start.target is not hidup_prefetch:
+            continue
+        link = start.meta.setdefault(LINK, start.kwargs.get("link"))
+        if link is None:
+            continue
+        waits = [u for u in start.users if u.target is hidup_prefetch_wait]
+        here = (part_of(start), where[start])
+        kwargs = {"link": link} if all((part_of(w), where[w]) == here for w in waits) else {}
+        placed += not kwargs
+        for node in (start, *waits):
+            node.kwargs = kwargs
+    gm.recompile()
+    return placed

@@ -251,6 +251,7 @@ def hidup_begin_forward() -> None:
 
 
 prefetch.BEGIN = hidup_begin_forward
+prefetch.CAST_DTYPES = _cast_dtypes
 
 # the parameter conversions hidup.codegen.prefetch may issue one unit early (not the kept ones: activations)
 prefetch.CONVERTS.update(

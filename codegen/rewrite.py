@@ -24,6 +24,10 @@ in ``reduce`` form).  The returned :class:`HidupModule`:
   ``module.optimizer_parameters()`` and bind it with ``module.bind_optimizer(opt)``, which
   all-gathers the updated rows after each ``opt.step()`` (both are plain ``parameters()`` and a
   no-op without ZeRO);
+* with the optimizer offloaded (``plan.offload``, :mod:`hidup.codegen.offload`) keeps a host copy of every
+  tensor the optimizer steps: ``module.optimizer_parameters()`` are those copies, and
+  ``module.bind_optimizer(opt)`` copies the gradients to the host before each ``opt.step()`` and the
+  updated weights back after it;
 * with duplication (default: the plan's), runs two half-batch copies (:mod:`hidup.codegen.duplicate`)
   and returns the sum of their losses.
 
@@ -52,6 +56,8 @@ from hidup.codegen.compiled import backend_of, bucket_segments, compile_segments
 from hidup.codegen.duplicate import SequentialCopies, StagedCopies, copy_inputs
 from hidup.codegen.grads import GradBucketer
 from hidup.codegen.mesh import MeshGroups, mesh_groups
+from hidup.codegen.offload import OffloadedOptimizer
+from hidup.codegen.prefetch import confine_links
 from hidup.codegen.program import (
     CompileError,
     RankProgram,
@@ -63,7 +69,7 @@ from hidup.codegen.program import (
 from hidup.codegen.zero import ZeroShards
 from hidup.copies import copy_axis
 from hidup.frontend.trace import forward_inputs, trace_copy, trace_module
-from hidup.ir import GRAD_BUCKET_MB, Layout
+from hidup.ir import GRAD_BUCKET_MB, OFFLOADS, Layout
 from hidup.optionset import OptionSet
 from hidup.rules import random
 
@@ -90,6 +96,7 @@ class HidupModule(nn.Module):
         compile=None,  # noqa: A002 - the option's name
         mesh_groups: MeshGroups | None = None,
         seed: int = 0,
+        offload: str = "off",
     ):
         super().__init__()
         self.gm = program.gm
@@ -104,6 +111,8 @@ class HidupModule(nn.Module):
         self.run_group = mesh_groups if mesh_groups is not None else group  # what the program runs on
         self.bucket_mb = bucket_mb
         self.zero = ZeroShards(self.gm, program.zero, group)  # the split parameters (hidup.codegen.zero)
+        # the host copies the optimizer steps when it is offloaded (hidup.codegen.offload), else None
+        self.offload = OffloadedOptimizer(self._stepped()) if offload == "optimizer" else None
         self.bucketers = (
             _bucketers(self.gm, program, group, mesh_groups, bucket_mb, self.zero) if world_size > 1 else []
         )
@@ -164,7 +173,9 @@ class HidupModule(nn.Module):
         else:
             # one graph per gradient bucket where buckets are synced, so that they overlap the backward
             replicated = self.program.replicated if self.bucketers else []
-            self._run = (compile_segments(self.gm, bucket_segments(self.gm, replicated, self.bucket_mb), backend),)
+            segment_of = bucket_segments(self.gm, replicated, self.bucket_mb)
+            confine_links(self.gm, lambda node: segment_of.get(node.name, 0))
+            self._run = (compile_segments(self.gm, segment_of, backend),)
 
     # -- running
     def _bind(self, args, kwargs) -> list:
@@ -232,14 +243,24 @@ class HidupModule(nn.Module):
         """The true loss (sum over ranks of the local losses), detached."""
         return collectives.all_reduce_raw(loss.detach(), self.group)
 
-    def optimizer_parameters(self) -> list[nn.Parameter]:
-        """What an optimizer of this module steps: its trainable parameters, each one ZeRO splits
-        replaced by this rank's rows of it (:mod:`hidup.codegen.zero`)."""
+    def _stepped(self) -> list[nn.Parameter]:
+        """The tensors on the device that an optimizer of this module steps: its trainable parameters, each
+        one ZeRO splits replaced by this rank's rows of it (:mod:`hidup.codegen.zero`)."""
         return self.zero.optimizer_parameters([p for p in self.parameters() if p.requires_grad])
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What an optimizer of this module steps: its trainable parameters, each one ZeRO splits
+        replaced by this rank's rows of it (:mod:`hidup.codegen.zero`), and with the optimizer offloaded
+        the host copies of those (:mod:`hidup.codegen.offload`)."""
+        stepped = self._stepped()
+        return self.offload.optimizer_parameters(stepped) if self.offload is not None else stepped
+
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Make ``optimizer`` (built over :meth:`optimizer_parameters`) all-gather the parameters ZeRO
-        splits after each step; returns it.  Nothing to do without ZeRO."""
+        """Make ``optimizer`` (built over :meth:`optimizer_parameters`) copy the gradients to the host and
+        the weights back around each step when it is offloaded, then all-gather the parameters ZeRO
+        splits; returns it.  Nothing to do without either."""
+        if self.offload is not None:  # first: ZeRO's gather reads the rows the copy back writes
+            self.offload.bind(optimizer)
         if self.zero:
             self.zero.bind(optimizer)
         return optimizer
@@ -359,7 +380,9 @@ class CompileOptions(OptionSet):
     whose rows the world divides; a dict of ``param`` node names; :mod:`hidup.codegen.zero`).  ``prefetch``:
     issue the gathers of stored-split parameters one unit (layer) ahead of their use, asynchronously on
     CUDA (:mod:`hidup.codegen.prefetch`; exact: it only moves them earlier; None: as the plan was searched,
-    ``plan.options["prefetch"]``, on where it does not say)."""
+    ``plan.options["prefetch"]``, on where it does not say).  ``offload``: where Adam's state lives,
+    ``"off"`` (the device) or ``"optimizer"`` (the host, stepped by the CPU; :mod:`hidup.codegen.offload`;
+    None: the plan's ``offload``)."""
 
     local_batch: bool = False
     duplication: bool | None = None
@@ -376,6 +399,7 @@ class CompileOptions(OptionSet):
     zero: int | dict | None = None
     reduce_dtype: str | None = None
     prefetch: bool | None = None
+    offload: str | None = None
     WHAT = "compile"
 
 
@@ -397,6 +421,7 @@ def compile(  # noqa: A001
     ``copy_groups``)."""
     opts = CompileOptions.of(options, **changes)
     _check_world(plan, rank, world_size, group)
+    offload = _offload_request(plan, opts.offload)
     duplication = bool(getattr(plan, "duplication", False)) if opts.duplication is None else opts.duplication
     device = torch.device(opts.device) if opts.device is not None else _model_device(model)
     mesh = tuple(getattr(plan, "mesh", None) or ())
@@ -434,7 +459,17 @@ def compile(  # noqa: A001
         compile=opts.compile,
         mesh_groups=groups,
         seed=opts.seed,
+        offload=offload,
     )
+
+
+def _offload_request(plan, offload: str | None) -> str:
+    """The offload the module runs with: ``offload``, or the plan's where it is None."""
+    if offload is None:
+        return getattr(plan, "offload", "off")
+    if offload not in ("off", *OFFLOADS):
+        raise CompileError(f"offload={offload!r}: give 'off' or one of {', '.join(map(repr, OFFLOADS))}")
+    return offload
 
 
 def _check_world(plan, rank: int, world_size: int, group) -> None:

@@ -175,11 +175,14 @@ def _all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]], group) -> None:
 def iter_optimizer_shards(module: nn.Module) -> Iterator[tuple[torch.Tensor, ParamShard]]:
     """(tensor, ParamShard) for every parameter an optimizer of ``module`` steps: a split parameter's
     slice as rows ``R_r`` (form ``gather_0``) of its logical tensor, every other parameter as
-    :func:`hidup.codegen.params.iter_shards` gives it."""
+    :func:`hidup.codegen.params.iter_shards` gives it; with the optimizer offloaded, the host copy of
+    each (:mod:`hidup.codegen.offload`: what the optimizer holds)."""
     zero = getattr(module, "zero", None)
+    offload = getattr(module, "offload", None)
+    host = offload.host_of if offload is not None else (lambda t: t)
     for _, t, shard in iter_shards(module):
         z = zero.by_param.get(id(t)) if zero else None
         if z is None:
-            yield t, shard
+            yield host(t), shard
         else:
-            yield z.shard, ParamShard(shard.logical_name, shard.logical_shape, ROWS, shard.is_buffer)
+            yield host(z.shard), ParamShard(shard.logical_name, shard.logical_shape, ROWS, shard.is_buffer)

@@ -72,6 +72,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,7 +88,7 @@ from exp.benchplan import merge_rounds, pick, plan_runs, resume_runs, timed_part
 from exp.benchreport import bench_finish
 from exp.benchrun import METHODS
 from exp.benchsearch import Searcher
-from exp.report import ROOT, command_line, hardware, load_json
+from exp.report import ROOT, command_line, hardware, load_json, save_json
 from hidup.cli.model_flags import add_model_flags
 from hidup.plan import Plan
 from hidup.profiler.measure.machine import profile_machine
@@ -184,7 +185,7 @@ def child_main(ctx, cfg: dict) -> None:
                 )
         record.update(result)
         if record["status"] == "ok":
-            _throughput(record, built[0].config, world)
+            _throughput(record, work_shape(built[0], built[1], world), world)
             if plan_doc is not None:
                 priced = run["method"]
                 if priced == "hidup-auto":  # priced in the mode its trial kept
@@ -253,15 +254,43 @@ def _wait_plan(name: str, cfg: dict, device) -> dict:
         time.sleep(1.0)
 
 
-def _throughput(record: dict, cfg, world: int) -> None:
-    groups = cfg.batch_per_gpu * (1 if record["method"].startswith("single") else world)
+@dataclass(frozen=True)
+class WorkShape:
+    """What one step of a model processes, for its throughput: ``groups_per_gpu`` sequences (or
+    images) per rank, ``tokens_per_group`` tokens each (None for images), ``num_parameters``."""
+
+    groups_per_gpu: int
+    tokens_per_group: int | None
+    num_parameters: int
+
+
+def work_shape(model, inputs: tuple, world: int) -> WorkShape:
+    """The :class:`WorkShape` of a built model: a zoo model's from its config; a factory's (a
+    ``transformers`` step taking ``(input_ids, labels)``) from its first input, ``[groups, tokens]``
+    for the global batch of ``world`` ranks."""
+    cfg = getattr(model, "config", None)
+    params = sum(p.numel() for p in model.parameters())
+    if isinstance(cfg, hidup.models.ModelConfig):
+        tokens = None if cfg.family == "vit" else cfg.tokens_per_group
+        return WorkShape(cfg.batch_per_gpu, tokens, params)
+    first = inputs[0]
+    if first.dim() < 2 or first.shape[0] % world:
+        raise ValueError(
+            f"a factory model's first input must be [groups, tokens] with groups a multiple of {world}; "
+            f"got shape {tuple(first.shape)}"
+        )
+    return WorkShape(first.shape[0] // world, int(first.shape[1]), params)
+
+
+def _throughput(record: dict, shape: WorkShape, world: int) -> None:
+    groups = shape.groups_per_gpu * (1 if record["method"].startswith("single") else world)
     t = record["iter_time_s"]
     record["samples_per_s"] = groups / t
-    if cfg.family == "vit":
+    if shape.tokens_per_group is None:
         record["throughput"], record["unit"] = groups / t, "img/s"
     else:
-        record["throughput"], record["unit"] = groups * cfg.tokens_per_group / t, "tok/s"
-    record["num_parameters"] = cfg.num_parameters()
+        record["throughput"], record["unit"] = groups * shape.tokens_per_group / t, "tok/s"
+    record["num_parameters"] = shape.num_parameters
     record["global_batch"] = groups
 
 
@@ -310,7 +339,8 @@ def crashed_record(run: dict, error: str, variants: dict, cfg: dict, world: int)
             ),
         )
         record.pop("error", None)
-        _throughput(record, hidup.models.config(run["model"], world, **cfg["overrides"]), world)
+        model, inputs = hidup.models.build(run["model"], world_size=world, device="meta", **cfg["overrides"])
+        _throughput(record, work_shape(model, inputs, world), world)
     return record
 
 
@@ -457,6 +487,13 @@ def parse_args(argv):
     )
     p.add_argument("--profile", default=None, help="use this profile (builtin name or path) instead of measuring")
     p.add_argument(
+        "--search-only",
+        action="store_true",
+        help="search the plans the runs need on --profile (in each run's precision, as on a GPU host), "
+        "write them with their predictions to <out>/plans/<network>/ and stop without launching: "
+        "committed, they register the predictions of a later run on the same profile and code",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="skip the runs <out>/<network>.json already records as ok and, without --profile, reuse "
@@ -516,16 +553,51 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def search_only(plan_dir: Path, jobs: dict, profile_path: Path, args) -> int:
+    """``--search-only``: search every plan the runs need on ``profile_path`` (as a GPU host would,
+    in its precision) into ``plan_dir``, print each plan's predictions and stop.  Committed before a
+    run on the same profile and code, they are its registered predictions (the run reuses them)."""
+    if not profile_path.is_file():
+        raise SystemExit(f"--search-only needs a profile that exists (--profile); {profile_path} does not")
+    searcher = Searcher(plan_dir, jobs, profile_path, FALLBACK_PROFILE[args.network], float("inf"), workers=0)
+    searcher.start()
+    searcher.wait()
+    failed, registered = 0, {}
+    for name in jobs:
+        doc = load_json(plan_dir / f"{name}.json") or {}
+        if doc.get("status") != "ok":
+            failed += 1
+            print(f"{name}: failed: {str(doc.get('error', 'no result'))[:300]}")
+            continue
+        ms = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in doc["predicted"].items())
+        print(f"{name}: duplication {doc['plan']['duplication']}; {ms}; searched in {doc['search_s']:.1f} s")
+        registered[name] = {k: doc[k] for k in ("identity", "predicted")}
+        registered[name]["duplication"] = doc["plan"]["duplication"]
+    record = args.out / f"{args.network}-registered.json"
+    save_json(
+        record,
+        {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "profile": {"path": str(profile_path), "sha256": benchsearch.file_sha(profile_path)},
+            "code": benchsearch.code_digest(),
+            "plans": registered,
+        },
+    )
+    print(f"registered predictions: {record} (commit it before the runs; the plan files are not kept by git)")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     env = apply_network(args.network)
 
     for flag, names in (("--models", args.models), ("--calibrate-plans", args.calibrate_plans or [])):
-        unknown = [m for m in names if m not in hidup.models.names()]
+        unknown = [m for m in names if m not in hidup.models.names() and not hidup.models.is_factory(m)]
         if unknown:
             raise SystemExit(
-                f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(hidup.models.names())}"
+                f"{flag}: unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(hidup.models.names())}, "
+                f"or name a factory as package.module:function (e.g. exp.rank_models:llama)"
             )
     if args.repeats < 1 or args.comm_rounds < 1 or args.best_of < 1:
         raise SystemExit(
@@ -564,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         per_world, jobs = resume_runs(per_world, jobs, args.out / f"{args.network}.json")
     plan_dir = args.out / "plans" / args.network
+    if args.search_only:
+        return search_only(plan_dir, jobs, profile_path, args)
     searcher = Searcher(
         plan_dir,
         jobs,

@@ -66,7 +66,8 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
     """Runs per world (in order) and the search jobs they need."""
     overrides = benchsearch.overrides_of(args)
     per_world, jobs = {}, {}
-    prec_search = {p: ("fp32" if not torch.cuda.is_available() else p) for p in args.precisions}
+    on_gpu = torch.cuda.is_available() or getattr(args, "search_only", False)  # a search-only call plans for GPUs
+    prec_search = {p: (p if on_gpu else "fp32") for p in args.precisions}
     for world in sorted(set(args.worlds), reverse=True):
         runs = []
         for model in args.models:
@@ -92,6 +93,7 @@ def plan_runs(args) -> tuple[dict[int, list[dict]], dict[str, dict]]:
                                 "world": world,
                                 "precision": prec_search[precision],
                                 "overrides": overrides,
+                                "compiled": on_gpu,  # hidup's captured methods run compiled on GPUs only
                             }
                         runs.append(r)
         per_world[world] = runs

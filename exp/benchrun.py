@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import hidup.models
 from exp.baselines import harness
 from exp.baselines.baseline_util import make_adam
 from exp.baselines.timing import sync
@@ -267,8 +268,14 @@ def prepare(
 
 def applicable(method: str, model_cpu) -> str | None:
     """Why ``method`` cannot run on this model (``None`` when it can)."""
-    if method == "expert" and not getattr(model_cpu.config, "is_moe", False):
-        return f"expert parallelism needs MoE layers; {model_cpu.config.name} is dense"
+    cfg = getattr(model_cpu, "config", None)
+    if method == "expert" and not isinstance(cfg, hidup.models.ModelConfig):
+        return (
+            "the hand-written expert-parallel baseline converts the zoo's MoE layers only; "
+            f"{type(model_cpu).__name__} is not a zoo model"
+        )
+    if method == "expert" and not cfg.is_moe:
+        return f"expert parallelism needs MoE layers; {cfg.name} is dense"
     return None
 
 

@@ -1,6 +1,7 @@
 """Plan searches for the benchmark drivers, in a pool of CPU worker processes beside the GPU ranks.
 
-A search *job* is (model, world, precision, model overrides[, profile perturbation]).  A job traces
+A search *job* is (model, world, precision, model overrides, ``compiled``: whether its runs are
+compiled, which sets the pricing[, profile perturbation]).  A job traces
 the model on the meta device, runs ``hidup.search(graph, profile, algorithm="dp", duplication=True,
 precision=...)`` and writes ``<plan dir>/<name>.json``::
 
@@ -39,7 +40,6 @@ __all__ = [
     "Searcher",
     "search_job",
     "predict",
-    "make_problem",
     "job_name",
     "overrides_of",
     "resolve_profile",
@@ -63,7 +63,7 @@ def job_name(model: str, world: int, precision: str, overrides: dict, extra: str
     tag = ""
     if overrides:
         tag = "-" + hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{model}-w{world}-{precision}{tag}{extra}"
+    return f"{model.replace(':', '-')}-w{world}-{precision}{tag}{extra}"
 
 
 def resolve_profile(text: str) -> Path:
@@ -79,7 +79,8 @@ def resolve_profile(text: str) -> Path:
     return path.resolve()
 
 
-def _sha(path: Path) -> str:
+def file_sha(path: Path) -> str:
+    """The sha256 of a file's bytes (a profile's identity in a plan's record)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -107,21 +108,20 @@ def plan_identity(plan_dict: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def make_problem(graph, profile, precision: str):
-    """The search's cost model of ``graph`` under ``profile`` (a :class:`hidup.search.Problem`)."""
-    from hidup.search.problem import Problem
+def predict(graph, profile, plan, precision: str, compiled: bool) -> dict:
+    """Predicted seconds per iteration of ``plan`` (its levers included: :func:`hidup.search.price`)
+    under ``profile``: captured as one CUDA graph, ``compiled`` by inductor or not, with duplication
+    (``hidup``) and without (``hidup-nodup``); and dispatched eagerly op by op (``-eager``)."""
+    from hidup.search import price
 
-    return Problem(graph, profile, precision)
-
-
-def predict(problem, plan) -> dict:
-    """Predicted seconds per iteration of ``plan``'s choices under ``problem``'s cost model: with
-    duplication (``hidup``) and without (``hidup-nodup``)."""
-    from hidup.search import plan_indices
-    from hidup.search.schedule import evaluate
-
-    ks = plan_indices(problem, plan)
-    return {"hidup": evaluate(problem, ks, True).total, "hidup-nodup": evaluate(problem, ks, False).total}
+    graphed = price(graph, profile, plan, precision, cuda_graphs=True, compiled=compiled)
+    eager = price(graph, profile, plan, precision, cuda_graphs=False, compiled=False)
+    return {
+        "hidup": graphed[True].total,
+        "hidup-nodup": graphed[False].total,
+        "hidup-eager": eager[True].total,
+        "hidup-nodup-eager": eager[False].total,
+    }
 
 
 def load_profile(job: dict):
@@ -156,13 +156,18 @@ def search_job(job: dict) -> str:
         profile = load_profile(job)
         prof_info["name"] = profile.name
         prof_info["calibration_models"] = profile.corrections.calibration_models()  # predictions there are in-sample
+        compiled = job["compiled"]  # every job says how its runs execute (benchplan, noise)
         plan = search(
-            graph, profile, world_size=job["world"], algorithm="dp", duplication=True, precision=job["precision"]
+            graph,
+            profile,
+            world_size=job["world"],
+            algorithm="dp",
+            duplication=True,
+            precision=job["precision"],
+            compiled=compiled,
         )
         t2 = time.perf_counter()
-        predicted = predict(make_problem(graph, profile.launched(True), job["precision"]), plan)
-        eager = predict(make_problem(graph, profile.launched(False), job["precision"]), plan)
-        predicted.update({f"{mode}-eager": t for mode, t in eager.items()})
+        predicted = predict(graph, profile, plan, job["precision"], compiled)
         doc.update(
             status="ok",
             plan=plan.to_dict(),
@@ -176,6 +181,22 @@ def search_job(job: dict) -> str:
     doc["profile"] = prof_info
     save_json(Path(job["plan_dir"]) / f"{job['name']}.json", doc)
     return job["name"]
+
+
+def _stale(old: dict | None, job: dict, profile_sha: str, code: str) -> str:
+    """Why the result file ``old`` does not answer ``job`` (empty when it does)."""
+    if not old or old.get("status") != "ok":
+        return "no result" if not old else "it failed"
+    for what, got, want in (
+        ("profile", old.get("profile", {}).get("sha256"), profile_sha),
+        ("code", old.get("job", {}).get("code"), code),
+        ("perturbation", old.get("job", {}).get("perturb"), job.get("perturb")),
+        ("overrides", old.get("job", {}).get("overrides"), job.get("overrides")),
+        ("pricing", old.get("job", {}).get("compiled"), job["compiled"]),
+    ):
+        if got != want:
+            return f"its {what} differs: {got!r} != {want!r}"
+    return ""
 
 
 def _init_worker() -> None:
@@ -239,7 +260,7 @@ class Searcher:
         if got is None:
             return
         path, self.note = got
-        sha = _sha(path)
+        sha = file_sha(path)
         code = code_digest()
         todo = []
         for name, job in self.jobs.items():
@@ -247,15 +268,11 @@ class Searcher:
                 job, profile_path=str(path), profile_sha=sha, note=self.note, plan_dir=str(self.plan_dir), code=code
             )
             old = load_json(self.plan_dir / f"{name}.json")
-            if (
-                old
-                and old.get("status") == "ok"
-                and old.get("profile", {}).get("sha256") == sha
-                and old.get("job", {}).get("code") == code
-                and old.get("job", {}).get("perturb") == job.get("perturb")
-                and old.get("job", {}).get("overrides") == job.get("overrides")
-            ):
+            stale = _stale(old, job, sha, code)
+            if not stale:
                 continue  # cached result of the same job on the same profile
+            if old:
+                print(f"[search] {name}: searched again ({stale})", flush=True)
             (self.plan_dir / f"{name}.json").unlink(missing_ok=True)
             todo.append(job)
 

@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a script, not as exp.<module>: `exp` com
 import hidup.models
 from exp import benchrun as br
 from exp.bench import FALLBACK_PROFILE, apply_network, measure_profile, read_partial
-from exp.benchsearch import Searcher, job_name, make_problem, overrides_of, predict, resolve_profile
+from exp.benchsearch import Searcher, job_name, overrides_of, predict, resolve_profile
 from exp.report import (
     ROOT,
     command_line,
@@ -287,13 +287,13 @@ def assemble(args, perts: list[dict], names: list[str], plan_dir: Path, measured
     if not clean or clean.get("status") != "ok":
         raise SystemExit(f"the clean search failed or did not finish: {(clean or {}).get('error', 'no result')}")
     model, inputs = hidup.models.build(args.model, world_size=args.world, device="meta", **overrides_of(args))
-    problem = make_problem(
-        trace(model, inputs, world_size=args.world, half_batch=True), load(profile_path), args.search_precision
-    )
+    graph = trace(model, inputs, world_size=args.world, half_batch=True)
+    profile = load(profile_path)
 
     def pred(doc):
         plan = Plan.from_dict(doc["plan"])
-        return predict(problem, plan)["hidup" if plan.duplication else "hidup-nodup"]
+        mode = "hidup" if plan.duplication else "hidup-nodup"
+        return predict(graph, profile, plan, args.search_precision, doc["job"]["compiled"])[mode]
 
     t_clean_pred = pred(clean)
     t_clean = (measured.get(clean["identity"]) or {}).get("iter_time_s")
@@ -762,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": args.search_precision,
             "overrides": overrides,
             "perturb": p["perturb"],
+            "compiled": torch.cuda.is_available(),  # the runs are compiled (and captured) on GPUs only
         }
         for n, p in zip(names, perts)
     }

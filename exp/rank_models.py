@@ -14,7 +14,11 @@ import transformers
 
 
 class CausalLMStep(torch.nn.Module):
-    """A causal LM's training step: the mean next-token loss of ``labels``."""
+    """A causal LM's training step: the mean next-token loss of ``labels``.  Every sequence has the
+    same number of predicted tokens (no padding), so over ranks holding equal shares the loss is a
+    mean over sequences (``loss_form``, read by the baselines)."""
+
+    loss_form = "mean"
 
     def __init__(self, model):
         super().__init__()

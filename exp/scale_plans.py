@@ -14,6 +14,17 @@ Jobs (sequence 4096, one sequence per GPU unless ``--batch-per-gpu`` says more):
 * ``llama3-8b``: hidden 4096, 32 layers, 32 heads with 8 key/value heads, MLP 14336, vocab 128256;
 * ``mixtral-8x7b``: hidden 4096, 32 layers, 32/8 heads, 8 experts of MLP 14336, top-2, vocab 32000.
 
+Model FLOPs utilization (MFU) is computed from the model's shape, not from the plan, the way the published
+figures are (:func:`model_flops`)::
+
+    MFU = (6 N + 12 L h s) x tokens / (GPUs x 989 TFLOP/s x predicted step seconds)
+
+``N`` the parameters outside the input embedding and the LM head, counting of the routed experts only the
+``top_k / experts`` share a token uses (active parameters), ``L`` layers, ``h`` hidden size, ``s`` sequence
+length (``12 L h s``: attention's scores and weighted sum, forward and backward, without causal savings),
+``tokens`` the step's tokens over all GPUs and 989 TFLOP/s the H100 SXM's and the H200's dense bf16 peak.
+The published MFU of comparable runs are printed beside it (:data:`ANCHORS`).
+
 World sizes beyond the profile's measured group sizes are priced from the nearest measured group
 with the ring factor (``hidup.profiler.profile``): 16 GPUs are then priced as one NVLink domain,
 which a real 2-node cluster is not.
@@ -35,12 +46,13 @@ import sys
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import hidup
-from hidup.ir import parse_mesh
+from hidup.ir import RECOMPUTE_CHOICES, ZERO_CHOICES, parse_mesh
 from hidup.precision import REDUCE_DTYPES
 from hidup.rules.dispatch import DISPATCHERS
 from hidup.search import SearchError
@@ -114,11 +126,37 @@ JOBS = {
     ),
 }
 
+PEAK_FLOPS = 989e12  # dense bf16 FLOP/s of one H100 SXM or H200 (datasheets: 989.5), the MFU's denominator
+ANCHORS = {  # published MFU of comparable training runs (bf16, H100), printed beside a job's
+    "llama3-70b": "torchtitan ~40%, Megatron-LM ~45%",
+    "llama3-8b": "torchtitan 39% (compiled)",
+    "mixtral-8x7b": "Megatron-Core 44%",
+}
+
 FAMILIES = {  # family -> (transformers config class, model class) names
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+
+
+CAUSAL_ATTENTION = "hidup_causal"  # the attention implementation registered by causal_attention()
+
+
+def causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """``transformers`` attention as trainers run it on sequences without padding: the key/value heads
+    repeated to the query heads, then ``scaled_dot_product_attention(..., is_causal=True)`` without a
+    mask tensor (flash attention's kernel).  An exported model otherwise passes its causal mask as a
+    tensor, which torch runs on a slower kernel that reads the mask; on a sequence without padding the two
+    compute the same thing."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=True
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 class CausalLMStep(torch.nn.Module):
@@ -132,15 +170,19 @@ class CausalLMStep(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def build(name: str, layers: int | None, batch: int, seq: int):
+def build(name: str, layers: int | None, batch: int, seq: int, attention: str = "causal"):
     """(step module on meta, example inputs) of job ``name`` for ``batch`` sequences of ``seq`` tokens;
-    ``layers`` overrides the layer count."""
+    ``layers`` overrides the layer count; ``attention`` ``"causal"`` (:func:`causal_attention`) or
+    ``"mask"`` (``transformers``' own ``sdpa``, which exports its causal mask as a tensor)."""
     import transformers
 
     job = JOBS[name]
     config = dict(job["config"])
     if layers is not None:
         config["num_hidden_layers"] = layers
+    if attention == "causal":
+        transformers.AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
+    config["attn_implementation"] = CAUSAL_ATTENTION if attention == "causal" else "sdpa"
     config_name, model_name = FAMILIES[job["family"]]
     cfg, cls = getattr(transformers, config_name)(**config), getattr(transformers, model_name)
     with torch.device("meta"):
@@ -149,13 +191,41 @@ def build(name: str, layers: int | None, batch: int, seq: int):
     return model, (ids, ids)
 
 
-def step(name: str, layers: int | None = None, seq: int = 4096, batch: int = 1, world_size: int = 1, device=None):
+def step(
+    name: str,
+    layers: int | None = None,
+    seq: int = 4096,
+    batch: int = 1,
+    attention: str = "causal",
+    world_size: int = 1,
+    device=None,
+):
     """Job ``name`` as a hidup model factory (``--model exp.scale_plans:step --model-arg name=llama3-70b``):
     the step on the meta device with ``batch`` sequences per rank, as the job's plan records it, so that
     ``hidup peak --plan`` rebuilds it.  ``device`` is ignored: the model stays on meta (no weights)."""
     if name not in JOBS:
         raise ValueError(f"unknown job {name!r}; jobs: {', '.join(sorted(JOBS))}")
-    return build(name, layers, batch=batch * world_size, seq=seq)
+    return build(name, layers, batch=batch * world_size, seq=seq, attention=attention)
+
+
+def model_flops(model: torch.nn.Module, config: dict, seq: int) -> float:
+    """FLOPs of one token's training step by the published convention (module docstring):
+    ``6 N + 12 L h s``, ``N`` the parameters outside the embedding and the LM head with the routed
+    experts' counted at ``top_k / experts`` (their active share)."""
+    experts = config.get("num_local_experts") or config.get("n_routed_experts")
+    active = config.get("num_experts_per_tok", 1) / experts if experts else 1.0
+    params = 0.0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            continue
+        params += p.numel() * (active if ".mlp.experts." in name else 1.0)
+    return 6 * params + 12 * config["num_hidden_layers"] * config["hidden_size"] * seq
+
+
+def mfu(token_flops: float, tokens: int, world: int, step_seconds: float) -> float:
+    """Model FLOPs utilization of a step of ``tokens`` tokens over ``world`` GPUs taking
+    ``step_seconds`` (module docstring; ``token_flops`` from :func:`model_flops`)."""
+    return token_flops * tokens / (world * PEAK_FLOPS * step_seconds)
 
 
 def _weight_role(param: str) -> str | None:
@@ -194,30 +264,64 @@ def describe_plan(plan, graph) -> dict:
     return {"kinds": dict(kinds), "stored": {k: dict(v) for k, v in stored.items()}, "dispatchers": dict(dispatchers)}
 
 
+def plan_levers(plan) -> list[str]:
+    """The memory levers ``plan`` uses, as ``hidup show`` names them: recomputed layers, resharded
+    weights, ZeRO, the optimizer offloaded to the host."""
+    levers = []
+    if plan.recompute:
+        levers.append(f"{len(plan.recompute)} layers recomputed")
+    if plan.recompute_selective:
+        levers.append(f"{len(plan.recompute_selective)} layers recomputed selectively")
+    if plan.reshard:
+        levers.append(f"{len(plan.reshard)} weights resharded")
+    if plan.zero_stage:
+        levers.append(f"ZeRO-{plan.zero_stage} on {len(plan.zero)} weights")
+    if plan.offload != "off":
+        levers.append(f"{plan.offload} offloaded to the host")
+    return levers
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process and of the children it waited for (the searches it forks)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def run_job(
-    name: str,
-    mesh: tuple[int, ...],
-    profile: str,
-    memory_gb: float,
-    precision: str,
-    layers: int | None,
-    seq: int,
-    plans: Path | None = None,
-    reduce_dtype: str = "fp32",
-    per_gpu: int = 1,
-) -> dict:
-    """One run's row; with ``plans`` a folder, the plan is also saved there as ``NAME@MESH:GB.json``;
-    ``reduce_dtype`` the dtype gradients are summed over ranks in (``hidup search --reduce-dtype``);
-    ``per_gpu`` sequences per GPU."""
+@dataclass(frozen=True)
+class RunOptions:
+    """How every run of one command is traced and searched (the command's flags)."""
+
+    profile: str | None = None  # None: NODE_PROFILE for one axis, CLUSTER_PROFILE for a mesh
+    precision: str = "bf16"
+    layers: int | None = None  # override the layer count (a quick check)
+    seq: int = 4096
+    batch_per_gpu: int = 1  # sequences per GPU
+    reduce_dtype: str = "fp32"  # the dtype gradients are summed over ranks in (hidup search --reduce-dtype)
+    zero: str = "auto"  # hidup search --zero
+    recompute: str = "auto"  # hidup search --recompute
+    compiled: bool = False  # priced as inductor runs the program (hidup search --compiled)
+    attention: str = "causal"  # "causal" (causal_attention) or "mask" (transformers' sdpa, a mask tensor)
+    plans: Path | None = None  # also save each plan there as NAME@MESH:GB.json
+
+    def profile_for(self, mesh: tuple[int, ...]) -> str:
+        return self.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
+
+
+def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions) -> dict:
+    """One run's row: job ``name`` on ``mesh`` under ``memory_gb`` GB per GPU (0: no budget)."""
     world = math.prod(mesh)
-    source_args = {"name": name, "seq": seq, "batch": per_gpu, **({"layers": layers} if layers else {})}
+    profile, seq, layers, precision = opts.profile_for(mesh), opts.seq, opts.layers, opts.precision
+    batch = world * opts.batch_per_gpu
+    source_args = {
+        "name": name,
+        "seq": seq,
+        "batch": opts.batch_per_gpu,
+        "attention": opts.attention,
+        **({"layers": layers} if layers else {}),
+    }  # the factory's arguments, which the plan records (hidup peak --plan rebuilds the model from them)
     model, inputs = step(world_size=world, **source_args)
+    config = {**JOBS[name]["config"], **({"num_hidden_layers": layers} if layers else {})}
+    token_flops = model_flops(model, config, seq)
     t0, c0 = time.perf_counter(), cpu_seconds()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -228,7 +332,7 @@ def run_job(
         "world": world,
         "mesh": "x".join(map(str, mesh)),
         "layers": layers or JOBS[name]["config"]["num_hidden_layers"],
-        "batch": world * per_gpu,
+        "batch": batch,
         "seq": seq,
         "nodes": len(graph.nodes),
         "fallbacks": list(graph.fallbacks),
@@ -236,7 +340,11 @@ def run_job(
         f"torch {torch.__version__}",
         "profile": profile,
         "precision": precision,
-        "reduce_dtype": reduce_dtype,
+        "reduce_dtype": opts.reduce_dtype,
+        "zero": opts.zero,
+        "recompute": opts.recompute,
+        "compiled": opts.compiled,
+        "attention": opts.attention,
         "memory_budget_gb": memory_gb or None,
         "trace_s": round(trace_s, 2),
         "trace_cpu_s": round(trace_cpu_s, 2),
@@ -248,7 +356,10 @@ def run_job(
             profile,
             memory_budget=memory_gb * 1e9 if memory_gb else None,
             precision=precision,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=opts.reduce_dtype,
+            zero=opts.zero,
+            recompute=opts.recompute,
+            compiled=opts.compiled,
             model_source=("exp.scale_plans:step", source_args),
         )
     except SearchError as e:  # recorded: the budget or the mesh admits no plan
@@ -256,32 +367,47 @@ def run_job(
         print(f"{name} world {world}: trace {trace_s:.1f} s, no plan: {e}", flush=True)
         return row
     search_s, search_cpu_s = time.perf_counter() - t0, cpu_seconds() - c0
-    if plans is not None:
-        plans.mkdir(parents=True, exist_ok=True)
-        plan.save(plans / f"{name}@{'x'.join(map(str, mesh))}:{memory_gb:g}.json")
+    if opts.plans is not None:
+        opts.plans.mkdir(parents=True, exist_ok=True)
+        plan.save(opts.plans / f"{name}@{'x'.join(map(str, mesh))}:{memory_gb:g}.json")
     row.update(
         {
             "search_s": round(search_s, 2),
             "search_cpu_s": round(search_cpu_s, 2),
             "predicted_ms": round(plan.predicted["total"] * 1e3, 1),
+            "mfu": round(mfu(token_flops, batch * seq, world, plan.predicted["total"]), 4),
+            "exposed_comm_ms": round(plan.predicted["exposed_comm"] * 1e3, 1),
+            "times_ms": {k: round(v * 1e3, 1) for k, v in plan.predicted.items()},
+            "zero_stage": plan.zero_stage,
+            "recomputed": len(plan.recompute),
+            "recomputed_selective": len(plan.recompute_selective),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
             "peak_gib": round(plan.memory.get("peak", plan.memory["total"]) / 2**30, 1),
             "memory_parts_gib": {k: round(v / 2**30, 2) for k, v in plan.memory.items()},
             "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
+            "levers": plan_levers(plan),
+            "optimizer_ms": round(plan.predicted["optimizer"] * 1e3, 1),
+            "host_memory_gib": round(plan.memory.get("host", 0.0) / 2**30, 1),
             **describe_plan(plan, graph),
             "summary": hidup.show(plan, graph),
         }
     )
     print(
         f"{name} world {world}: trace {trace_s:.1f} s, search {search_s:.1f} s ({search_cpu_s:.1f} s CPU), "
-        f"predicted {row['predicted_ms']} ms, memory {row['memory_gib']} GiB (peak bound {row['peak_gib']} GiB), "
-        f"sent {row['sent_gb']} GB per GPU, "
+        f"predicted {row['predicted_ms']} ms, MFU {row['mfu']:.1%} (published: {ANCHORS.get(name, '-')}), "
+        f"exposed communication {row['exposed_comm_ms']} ms, ZeRO {row['zero_stage']}, "
+        f"{row['recomputed']} layers recomputed whole and {row['recomputed_selective']} selectively, "
+        f"memory {row['memory_gib']} GiB (peak bound {row['peak_gib']} GiB), sent {row['sent_gb']} GB per GPU, "
         f"kinds {row['kinds']}, dispatchers {row['dispatchers']}, "
-        f"stored {row['stored']}",
+        f"stored {row['stored']}, levers {row['levers'] or 'none'}",
         flush=True,
     )
     return row
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
 
 
 def write_markdown(rows: list[dict], args, path: Path) -> None:
@@ -290,9 +416,8 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "",
         "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in rows)) + "  ",
         f"Host: {rows[0]['host']}; "
-        f"profile `{rows[0]['profile']}`, {rows[0]['precision']}, gradients reduced in "
-        f"{rows[0].get('reduce_dtype', 'fp32')}, "
-        f"sequence {rows[0]['seq']}, {rows[0]['batch'] // rows[0]['world']} sequence(s) per GPU.",
+        f"profiles {', '.join(f'`{p}`' for p in dict.fromkeys(r['profile'] for r in rows))}, {rows[0]['precision']}, "
+        f"sequence {rows[0]['seq']}; the sequences per GPU (batch / GPUs) and the levers of each run in its section.",
         "",
         "Models are built on the meta device from `transformers` configs with the published shapes and "
         "traced with torch.export; times are wall seconds on this host (search CPU s: CPU seconds of the "
@@ -302,38 +427,60 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "constrains). World sizes beyond the profile's measured groups (16 here) are priced as one "
         "NVLink domain by the ring factor, which a real two-node cluster is not.",
         "",
-        "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | memory GiB "
-        "| peak bound GiB | sent GB per GPU | ops by kind | weights stored |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "MFU: `(6 N + 12 L h s) x tokens / (GPUs x 989 TFLOP/s x predicted step)`, N the parameters outside the "
+        "embedding and the LM head (of the routed experts the active share); published: the MFU of comparable runs.",
+        "",
+        "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | MFU | published MFU "
+        "| exposed comm ms | memory GiB | peak bound GiB | sent GB per GPU | ops by kind | weights stored "
+        "| memory levers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
-                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - | - | - "
-                f"| {r['error'].split('. Fix')[0]} | - |"
+                f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - "
+                f"| {ANCHORS.get(r['job'], '-')} | - | - | - | - | {r['error'].split('. Fix')[0]} | - | - |"
             )
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
         stored = "; ".join(
             f"{role}: " + ", ".join(f"{f} {c}" for f, c in forms.items()) for role, forms in r["stored"].items()
         ).replace("|", "\\|")  # a layout's axes are joined by "|", a table cell's delimiter
+        levers = "not recorded" if r.get("levers") is None else ", ".join(r["levers"]) or "none"
         lines.append(
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
+            f"| {_percent(r.get('mfu'))} | {ANCHORS.get(r['job'], '-')} | {r.get('exposed_comm_ms', '-')} "
             f"| {r['memory_gib']} | {r.get('peak_gib', '-')} | {r.get('sent_gb', '-')} | {kinds} "
-            f"| {stored} |"
+            f"| {stored} | {levers} |"
         )
     for r in rows:
         if "summary" in r:
             budget = f"budget {r['memory_budget_gb']:g} GB" if r["memory_budget_gb"] else "no budget"
             gpus = r.get("mesh") or r["world"]
-            lines += ["", f"## {r['job']}, {gpus} GPUs, {budget}", "", "```", r["summary"].rstrip(), "```"]
+            levers = (
+                f"`{r.get('command', '')}`: profile `{r['profile']}`, {r['batch'] // r['world']} sequence(s) of "
+                f"{r['seq']} per GPU, gradients reduced in {r.get('reduce_dtype', 'fp32')}, ZeRO stage "
+                f"{r.get('zero_stage', 0)}, {r.get('recomputed', '-')} layers recomputed whole and "
+                f"{r.get('recomputed_selective', 0)} selectively, attention {r.get('attention', 'mask')}, "
+                f"{'compiled' if r.get('compiled') else 'eager'}, "
+                f"duplication {'on' if r.get('duplication') else 'off'}; predicted {r['predicted_ms']} ms "
+                f"({', '.join(f'{k} {v}' for k, v in r.get('times_ms', {}).items())})"
+            )
+            lines += ["", f"## {r['job']}, {gpus} GPUs, {budget}", "", levers, "", "```", r["summary"].rstrip(), "```"]
     path.write_text("\n".join(lines) + "\n")
 
 
 NODE_PROFILE, CLUSTER_PROFILE = "h200x4-nvlink", "h100x64-ib400"
-DEFAULT_RUNS = ("llama3-8b@8", "llama3-8b@8:0", "mixtral-8x7b@8", "mixtral-8x7b@8:0", "mixtral-8x7b@16")
+DEFAULT_RUNS = (
+    "llama3-8b@8",
+    "llama3-8b@8:0",
+    "mixtral-8x7b@8",
+    "mixtral-8x7b@8:0",
+    "mixtral-8x7b@16",
+    "mixtral-8x7b@8:80",  # one node of 8 80 GB GPUs: fits only with the optimizer offloaded to the host
+)
 
 
 def parse_run(text: str, default_memory: float) -> tuple[str, tuple[int, ...], float]:
@@ -376,6 +523,25 @@ def main(argv: list[str] | None = None) -> int:
         choices=REDUCE_DTYPES,
         help="dtype the weights' gradients are summed over ranks in (bf16 needs --precision bf16; default fp32)",
     )
+    p.add_argument("--zero", default="auto", choices=ZERO_CHOICES, help="hidup search --zero (default auto)")
+    p.add_argument(
+        "--recompute",
+        default="auto",
+        choices=RECOMPUTE_CHOICES,
+        help="hidup search --recompute (default auto)",
+    )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="price the program as inductor compiles it (hidup search --compiled; default eager, one CUDA graph)",
+    )
+    p.add_argument(
+        "--attention",
+        default="causal",
+        choices=("causal", "mask"),
+        help="causal: is_causal attention without a mask tensor, as trainers run it (default); mask: transformers' "
+        "sdpa as it exports, the causal mask passed as a tensor (a slower kernel)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--plans", type=Path, help="also save each run's plan as JSON in this folder")
     p.add_argument(
@@ -386,6 +552,21 @@ def main(argv: list[str] | None = None) -> int:
         help="write the tables from the scale_plans.json of earlier runs (no search)",
     )
     args = p.parse_args(argv)
+    if args.batch_per_gpu < 1:
+        raise SystemExit(f"scale_plans: --batch-per-gpu must be at least 1, got {args.batch_per_gpu}")
+    opts = RunOptions(
+        profile=args.profile,
+        precision=args.precision,
+        layers=args.layers,
+        seq=args.seq,
+        batch_per_gpu=args.batch_per_gpu,
+        reduce_dtype=args.reduce_dtype,
+        zero=args.zero,
+        recompute=args.recompute,
+        compiled=args.compiled,
+        attention=args.attention,
+        plans=args.plans,
+    )
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -393,25 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.render:
             rows += json.loads(path.read_text())
         for r in rows:  # where a run wrote its files does not matter to a reader
-            r["command"] = re.sub(r" --out \S+", "", r.get("command", ""))
+            r["command"] = re.sub(r" --(out|plans) \S+", "", r.get("command", ""))
         (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")
     else:
         for name, mesh, memory in (parse_run(r, args.memory) for r in args.runs):
-            profile = args.profile or (CLUSTER_PROFILE if len(mesh) > 1 else NODE_PROFILE)
-            rows.append(
-                run_job(
-                    name,
-                    mesh,
-                    profile,
-                    memory,
-                    args.precision,
-                    args.layers,
-                    args.seq,
-                    args.plans,
-                    args.reduce_dtype,
-                    args.batch_per_gpu,
-                )
-            )
+            rows.append(run_job(name, mesh, memory, opts))
             rows[-1]["command"] = " ".join(["python exp/scale_plans.py", *args.argv])
             (args.out / "scale_plans.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later run is cut
     write_markdown(rows, args, args.out / "scale_plans.md")

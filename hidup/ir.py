@@ -91,10 +91,13 @@ __all__ = [
     "GRAD_PACK_BYTES",
     "ZERO_STAGES",
     "ZERO_CHOICES",
+    "OFFLOAD_CHOICES",
+    "OFFLOADS",
     "zero_splits",
     "block_label",
     "block_family",
     "prefetch_units",
+    "async_gather_link",
     "Layout",
     "MeshStep",
     "MeshConversion",
@@ -126,6 +129,12 @@ ZERO_CHOICES = ("auto", "off", "1", "2")
 # (only where a memory budget needs it), "on", "off"; recompute also "selective" (every repeated layer)
 RECOMPUTE_CHOICES = ("auto", "on", "selective", "off")
 RESHARD_CHOICES = ("auto", "on", "off")
+# where a plan keeps Adam's state (hidup.codegen.offload): "optimizer" in the host's memory, stepped by the
+# host's CPU (the moments and a float32 copy of the weights it steps); no entry in a plan: on the device
+OFFLOADS = ("optimizer",)
+# what a search's and a training run's ``offload`` option takes: "auto" (the search offloads only when no
+# plan fits the memory budget without it; a run does as its plan says), "off", or an offload forced
+OFFLOAD_CHOICES = ("auto", "off", *OFFLOADS)
 
 
 def zero_splits(shape: tuple[int, ...], world: int) -> bool:
@@ -640,6 +649,21 @@ def prefetch_units(labels) -> list[int]:
             unit, last = unit + 1, label
         out.append(unit)
     return out
+
+
+def async_gather_link(ops) -> int | None:
+    """Which link of a prefetched parameter's form change a compiled program runs as an asynchronous
+    all-gather: ``ops`` are the forward ops (:data:`FORM_CHANGE_OPS` names) of the change's links in
+    order (one, or one per mesh step); the answer is the index of its only collective when that is an
+    all-gather, else None (the change then runs in place, blocking).  The compiled program issues that
+    link as torch's functional all-gather at the start of the previous unit and waits for it at the
+    consumer, so it overlaps the unit's compute as the eager side stream does
+    (:mod:`hidup.codegen.prefetch`); the cost model gives such a change, and only such a change, a
+    prefetch window when it prices a compiled program (:mod:`hidup.search.problem`, "Prefetched
+    gathers"): one statement of the condition for both."""
+    ops = list(ops)
+    comm = [i for i, op in enumerate(ops) if FORM_CHANGE_OPS[op].collective]
+    return comm[0] if len(comm) == 1 and ops[comm[0]] == "all_gather" else None
 
 
 @dataclass

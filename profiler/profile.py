@@ -120,6 +120,25 @@ byte of trainable parameters, which the plan's evaluation charges on the paramet
 :func:`hidup.profiler.measure.device.adam_seconds_per_byte`; unmeasured: the roofline of a fused Adam step,
 :meth:`Profile.optimizer_time`).
 
+The optimizer offloaded to the host
+-----------------------------------
+A plan that keeps Adam's state in host memory (``plan.offload``, :mod:`hidup.codegen.offload`) copies each
+stepped gradient to the host, steps there with torch's CPU Adam and copies the weights back:
+:meth:`Profile.offload_time` of ``b`` bytes of stepped float32 parameters is
+
+    offload(b) = b / host_bandwidth  +  host_optimizer_s_per_byte * b  +  b / host_bandwidth
+                 (gradients to host)    (the CPU's Adam step)              (weights to device)
+
+``host_bandwidth`` (bytes/s, one direction, per GPU) is a pinned host-device copy's rate and
+``host_optimizer_s_per_byte`` the CPU Adam step's seconds per byte of parameters on the host cores one
+GPU's rank gets (the node's cores and memory bandwidth are shared by its GPUs); ``hidup profile`` measures
+both (:func:`hidup.profiler.measure.device.host_copy_bandwidth`,
+:func:`hidup.profiler.measure.device.host_adam_seconds_per_byte`).  A document without them (0) is priced
+at :data:`DEFAULT_HOST_BANDWIDTH` (25 GB/s: PCIe Gen4 x16's 32 GB/s per direction at the ~80% a pinned
+copy reaches) and :data:`DEFAULT_HOST_OPTIMIZER_S_PER_BYTE` (0.5 ns per byte, 0.5 G float32
+parameters per second: half of what torch's fused CPU Adam reaches on one x86 core, for a rank that
+shares its node's cores and memory bandwidth with the others).
+
 Physical terms and empirical corrections
 ----------------------------------------
 Every field above is a measurement of one mechanism (a FLOP rate, an op at its shapes, one kernel
@@ -208,6 +227,10 @@ SOURCES = ("measured", "builtin", "perturbed")
 LEVELS = ("node", "network")
 CLUSTER_PROFILE = "h100x64-ib400"  # the built-in profile with network tables
 DEFAULTS_DIR = Path(__file__).with_name("defaults")
+# the offloaded optimizer's figures of a profile that has none (module docstring, "The optimizer offloaded
+# to the host"): PCIe Gen4 x16 at ~80% of its 32 GB/s per direction; 0.5 G float32 parameters/s of CPU Adam
+DEFAULT_HOST_BANDWIDTH = 25e9
+DEFAULT_HOST_OPTIMIZER_S_PER_BYTE = 0.5e-9
 
 
 class ProfileError(UserError, ValueError):
@@ -316,6 +339,10 @@ class Profile:
     # CUDA graph (optional; "Generated kernels")
     reduction_bandwidth: dict[str, float] = field(default_factory=dict)
     kernel_floor_graph: float = 0.0
+    # the optimizer offloaded to the host ("The optimizer offloaded to the host"): bytes/s of a pinned
+    # host-device copy (one direction, per GPU); CPU Adam seconds per byte of parameters, per GPU; 0 = default
+    host_bandwidth: float = 0.0
+    host_optimizer_s_per_byte: float = 0.0
     # how the priced program runs (set by :meth:`launched`, never stored): compiled by inductor, so that
     # pointwise chains fuse (hidup.search.cost, "Compiled programs")
     compiled: bool = False
@@ -472,6 +499,14 @@ class Profile:
             return self.optimizer_s_per_byte * param_bytes
         return 7.0 * param_bytes / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0
 
+    def offload_time(self, param_bytes: float) -> float:
+        """Seconds of an optimizer step offloaded to the host over ``param_bytes`` bytes of stepped
+        parameters (module docstring, "The optimizer offloaded to the host"): their gradients copied to
+        the host, the CPU's Adam step, the weights copied back, one after the other."""
+        bandwidth = self.host_bandwidth or DEFAULT_HOST_BANDWIDTH
+        per_byte = self.host_optimizer_s_per_byte or DEFAULT_HOST_OPTIMIZER_S_PER_BYTE
+        return param_bytes * (2.0 / bandwidth + per_byte)
+
     def layout_rate(self) -> float:
         """Bytes/s (read + written) of a layout-changing copy: ``layout_bandwidth``, else
         ``memory_bandwidth`` (0 when neither is known)."""
@@ -554,9 +589,6 @@ class Profile:
             f()  # the draw of the deleted dup_scale
         out.corrections = self.corrections.perturb(f) if self.ops else self.corrections
         out.gpus_per_node = self.gpus_per_node
-        if self.network is not None:  # after everything else: a one-node profile draws what it drew before
-            out.network = NetworkTables(tables(self.network.collectives))
-            speedups(self.network.concurrency, out.network.concurrency)
         for d in sorted(self.matmul_sizes):  # one draw per dtype, as its rate: the curve keeps its shape
             k = f()
             out.matmul_sizes[d] = {n: r * k for n, r in self.matmul_sizes[d].items()}
@@ -570,6 +602,12 @@ class Profile:
             out.reduction_bandwidth[d] = self.reduction_bandwidth[d] * f()
         if self.kernel_floor_graph:
             out.kernel_floor_graph = self.kernel_floor_graph * f()
+        for name in ("host_bandwidth", "host_optimizer_s_per_byte"):  # only where given: older draws unchanged
+            if getattr(self, name):
+                setattr(out, name, getattr(self, name) * f())
+        if self.network is not None:  # last: a one-node profile draws what it drew before
+            out.network = NetworkTables(tables(self.network.collectives))
+            speedups(self.network.concurrency, out.network.concurrency)
         return out
 
     def with_corrections(self, corrections: Corrections | None = None, **values: float) -> "Profile":
@@ -614,6 +652,8 @@ class Profile:
                 else {}
             ),
             **({"kernel_floor_graph": self.kernel_floor_graph} if self.kernel_floor_graph else {}),
+            **({"host_bandwidth": self.host_bandwidth} if self.host_bandwidth else {}),
+            **({"host_optimizer_s_per_byte": self.host_optimizer_s_per_byte} if self.host_optimizer_s_per_byte else {}),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "op_overhead_graph": self.op_overhead_graph,
@@ -698,7 +738,7 @@ _PHYSICAL = (
     "grad_copy_overhead_graph",
 )
 # ... and these after the tables (the order decides which error a document with several gets)
-_PHYSICAL_LATER = ("transpose_bandwidth", "kernel_floor_graph")
+_PHYSICAL_LATER = ("transpose_bandwidth", "kernel_floor_graph", "host_bandwidth", "host_optimizer_s_per_byte")
 
 
 def _check_header(d: dict) -> None:

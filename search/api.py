@@ -85,6 +85,21 @@ this cost model it is at least as fast as stage 1 (a reduce-scatter in place of 
 saves more.  ``"1"``/``"2"`` search with that stage, ``"off"`` without; ``plan.zero`` lists the
 weights split.  On a device mesh ``"auto"`` stays off and a stage is refused (not supported yet).
 
+Optimizer offload
+-----------------
+The last lever: Adam's state kept in host memory and stepped by the host's CPU
+(:mod:`hidup.codegen.offload`; :mod:`hidup.search.memory` drops the state from the device,
+:mod:`hidup.search.schedule` prices the gradients' copy to the host, the CPU's step and the weights' copy
+back by the profile's ``host_bandwidth`` and ``host_optimizer_s_per_byte``).  It costs seconds per step on a
+large model, so ``offload="auto"`` uses it only when nothing else fits: the search runs without it (ZeRO,
+resharding and recomputation resolved as asked), and only when that finds no plan within the memory
+budget does it run again with the optimizer offloaded (``plan.offload``; ``plan.options["offload_used"]``
+says why, and ``hidup show`` prints it).  With the optimizer offloaded ``zero="auto"`` is ZeRO-2 (on one
+axis): an offloaded step costs ``b / host_bandwidth`` twice and the CPU's ``b * host_optimizer_s_per_byte``
+for the ``b`` bytes a rank steps, and ZeRO divides ``b`` of the replicated weights by the ranks for an
+all-gather on the device's links, hundreds of times faster than the host's step.  ``"optimizer"``
+searches with it, ``"off"`` without.
+
 Duplication under a memory budget
 ---------------------------------
 The memory-aware DP with duplication carries debt, slack and memory for both copies in every point,
@@ -126,6 +141,7 @@ from typing import Callable
 
 from hidup.ir import (
     FORM_CHANGE_OPS,
+    OFFLOAD_CHOICES,
     RECOMPUTE_CHOICES,
     RESHARD_CHOICES,
     ZERO_CHOICES,
@@ -230,6 +246,9 @@ class SearchOptions(OptionSet):
     their gathered copies made again in the backward instead of kept (module docstring, "Resharding").
     ``zero`` (:data:`hidup.ir.ZERO_CHOICES`: ``"auto"``, ``"off"``, ``"1"``, ``"2"``) whether the replicated
     weights keep their gradient and optimizer state split over the ranks (module docstring, "ZeRO").
+    ``offload`` (:data:`hidup.ir.OFFLOAD_CHOICES`: ``"auto"``, ``"off"``, ``"optimizer"``) whether Adam's state
+    lives in host memory, stepped by the CPU (module docstring, "Optimizer offload"; ``"auto"``: only
+    when no plan fits ``memory_budget`` without it).
     ``reduce_dtype`` (:data:`hidup.precision.REDUCE_DTYPES`: ``"fp32"``, ``"bf16"``) the dtype the
     float32 parameters' gradients are summed over ranks in; ``"bf16"`` needs ``precision="bf16"``
     (:mod:`hidup.precision`, "Gradients reduced in bf16"); ``plan.reduce_dtype`` records it.
@@ -255,6 +274,7 @@ class SearchOptions(OptionSet):
     zero: str = "auto"
     reduce_dtype: str = "fp32"
     prefetch: bool = True
+    offload: str = "auto"
     WHAT = "search"
 
     def check(self) -> None:
@@ -268,6 +288,8 @@ class SearchOptions(OptionSet):
             raise ValueError(f"reshard must be one of {', '.join(RESHARD)}, got {self.reshard!r}")
         if self.zero not in ZERO_CHOICES:
             raise ValueError(f"zero must be one of {', '.join(ZERO_CHOICES)}, got {self.zero!r}")
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {self.offload!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
         check_reduce_dtype(self.reduce_dtype, self.precision)
@@ -355,19 +377,57 @@ def _search_all(graph: Graph, profile, opts: SearchOptions, progress) -> Plan:
     """The plan of :func:`search`; the models its problems share (and the states they cached) are freed
     on return, before the cyclic collector runs again (it would otherwise walk them all once more)."""
     models = Models(graph)  # the prices every problem of this search shares
-    return _zeroing(
-        lambda z: _resharding(
-            lambda o: (
-                _search_mesh(graph, profile, o, progress, models)
-                if len(graph.mesh) > 1
-                else _search(graph, profile, o, progress, models)
+    mesh = len(graph.mesh) > 1
+    return _offloading(
+        lambda f: _zeroing(
+            lambda z: _resharding(
+                lambda o: (
+                    _search_mesh(graph, profile, o, progress, models)
+                    if mesh
+                    else _search(graph, profile, o, progress, models)
+                ),
+                z,
+                lambda plan: _resharded(graph, profile, z, models, plan),
             ),
-            z,
-            lambda plan: _resharded(graph, profile, z, models, plan),
+            f,
+            mesh,
         ),
         opts,
-        len(graph.mesh) > 1,
+        mesh,
     )
+
+
+def _offloading(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh: bool) -> Plan:
+    """``run(opts)`` with ``offload="auto"`` resolved (module docstring, "Optimizer offload"): searched as
+    ``"off"``, and again with the optimizer offloaded only when no plan fits the memory budget.  With the
+    optimizer offloaded ``zero="auto"`` is ZeRO-2 on one axis (it divides the offloaded step's work by the ranks)."""
+    zero = "2" if opts.zero == "auto" and not mesh else opts.zero  # with the optimizer offloaded
+    if opts.offload != "auto":
+        return run(replace(opts, zero=zero) if opts.offload == "optimizer" else opts)
+    budget = opts.memory_budget
+    try:
+        plan, error = run(replace(opts, offload="off")), None
+    except SearchError as e:
+        plan, error = None, e.with_traceback(None)
+    if budget is None or (plan is not None and _fits(plan, budget)):
+        if plan is None:
+            raise error
+        plan.options["offload_requested"] = "auto"
+        return plan
+    try:
+        again = run(replace(opts, offload="optimizer", zero=zero))
+    except SearchError as e:
+        if plan is None:
+            raise SearchError(f"{error} With the optimizer offloaded to the host too (the last lever): {e}") from None
+        again = None
+    best = again if again is not None and (plan is None or _better(again, plan, budget)) else plan
+    best.options["offload_requested"] = "auto"
+    if best is again:
+        best.options["offload_used"] = (
+            f"no plan fits the memory budget of {budget / 2**30:.1f} GiB per rank without it"
+            + (f" (the least found needs {peak(plan.memory) / 2**30:.1f} GiB)" if plan is not None else "")
+        )
+    return best
 
 
 def _zeroing(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh: bool) -> Plan:
@@ -399,6 +459,11 @@ def _zeroing(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh: bo
     best = again if again is not None and (plan is None or _better(again, plan, budget)) else plan
     best.options["zero_requested"] = "auto"
     return best
+
+
+def _offloaded(opts: SearchOptions) -> bool:
+    """Whether a resolved ``offload`` option keeps Adam's state on the host."""
+    return opts.offload == "optimizer"
 
 
 def _loaded(profile):
@@ -443,6 +508,7 @@ def price(
         zero=plan.zero_stage,
         reduce_dtype=getattr(plan, "reduce_dtype", "fp32"),
         prefetch=prefetch,
+        offload=getattr(plan, "offload", "off") != "off",
     )
     ks = plan_indices(problem, plan)
     return {mode: evaluate(problem, ks, mode) for mode in (False, True)}
@@ -607,6 +673,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
         zero=ZERO_STAGE.get(opts.zero, 0),
         reduce_dtype=opts.reduce_dtype,
         prefetch=opts.prefetch,
+        offload=_offloaded(opts),
     )
     ks = plan_indices(problem, plan)
     modes = (False, True) if opts.duplication else (False,)
@@ -765,7 +832,9 @@ def _least(
     order = models.positions().order
 
     def fits(k: int) -> bool:
-        memory = models.memory(opts.optimizer_factor, opts.precision, make(k), ZERO_STAGE.get(opts.zero, 0))
+        memory = models.memory(
+            opts.optimizer_factor, opts.precision, make(k), ZERO_STAGE.get(opts.zero, 0), _offloaded(opts)
+        )
         return sum(memory.bound(n, choices[n.name]) for n in order) + memory.budget_constant() <= opts.memory_budget
 
     lo, hi = 0, count
@@ -791,7 +860,9 @@ def _fewest(
     parameters' kept copies and the saved form changes too, taking more until it fits; None where even
     ``make(count)`` does not."""
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
-    most = models.memory(opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0))
+    most = models.memory(
+        opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0), _offloaded(opts)
+    )
     if sum(most.bound(n, choices[n.name]) for n in problem.order) + most.budget_constant() > opts.memory_budget:
         return None
     k = _least(opts, models, choices, make, count)
@@ -898,6 +969,7 @@ class SearchRun:
                 ZERO_STAGE[opts.zero],
                 opts.reduce_dtype,
                 opts.prefetch,
+                _offloaded(opts),
             )
             return first
         if first.recompute == recompute:
@@ -1133,6 +1205,7 @@ class RecomputeTrial:
             "recompute_requested": opts.recompute if isinstance(opts.recompute, str) else sorted(opts.recompute),
             "reshard_requested": opts.reshard,
             "zero_requested": opts.zero,
+            "offload_requested": opts.offload,
             "reduce_dtype": opts.reduce_dtype,
             "prefetch": opts.prefetch,
         }
@@ -1395,6 +1468,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         if node.op == "param"
         and any(zero_stage(g, problem.zero, t, f) for t, f in zip(node.outputs, p.sigs[i][ev.ks[i]].outputs))
     }
+    plan.offload = "optimizer" if problem.offload else "off"
     return plan
 
 

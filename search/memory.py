@@ -18,6 +18,10 @@ form ``f`` on ``N`` ranks, ``local(t, f) = B / N`` if ``f`` is ``gather_d`` else
   bucket's reduce-scatter completes (a transient of at most the gradient buckets in flight, not a
   per-node quantity; the all-reduced gradients of stage 0 and 1 are counted whole instead);
   :meth:`MemoryModel.stepped` is what the optimizer steps, ``B / N`` for such a parameter (its time);
+  with the optimizer offloaded to the host (``offload``, :mod:`hidup.codegen.offload`) the optimizer
+  state is 0 on the device: the moments, a float32 copy of the stepped weights and a buffer for their
+  gradients live in host memory, ``(2 + optimizer_factor) * stepped`` bytes per rank
+  (:meth:`MemoryModel.host_bytes`, reported as ``plan.memory["host"]``, outside the device's total);
 * ``input`` node: inputs ``local(t, f)``;
 * ``call`` node under signature ``s``: activations, the bytes its backward keeps on a rank,
   ``act(n, s) = sum over the storages n owns of their local bytes under s`` (:mod:`hidup.frontend.saved`:
@@ -255,6 +259,7 @@ class MemoryModel:
     reshard: frozenset = frozenset()  # param nodes whose converted copies are made again in the backward
     selective: frozenset = frozenset()  # block labels of the layers recomputed selectively
     zero: int = 0  # the ZeRO stage of the replicated parameters (module docstring)
+    offload: bool = False  # Adam's state in host memory (module docstring; hidup.codegen.offload)
     record: SavedRecord | None = field(init=False, default=None)
     # (twin's name, id(signature)) -> (signature, bytes its backward keeps and owns): what does not depend on
     # the recomputed layers, shared by the models of one graph and precision (hidup.search.problem.Models),
@@ -456,13 +461,14 @@ class MemoryModel:
         if node.op == "param":
             p = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
             grad = sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs) if g.tensors[t].requires_grad)
+            factor = 0.0 if self.offload else self.optimizer_factor  # offloaded: the state is on the host
             if not self.zero:
-                return p, grad, self.optimizer_factor * grad, 0.0, 0.0
+                return p, grad, factor * grad, 0.0, 0.0
             n = g.world_size
             stages = [(t, f, zero_stage(g, self.zero, t, f)) for t, f in zip(node.outputs, sig.outputs)]
             kept = [(self.local_bytes(t, f), z) for t, f, z in stages if g.tensors[t].requires_grad]
             grad = sum(b / n if z == 2 else b for b, z in kept)
-            return p, grad, self.optimizer_factor * self.stepped(node, sig), 0.0, 0.0
+            return p, grad, factor * self.stepped(node, sig), 0.0, 0.0
         if node.op == "input":
             return 0.0, 0.0, 0.0, 0.0, sum(self.local_bytes(t, f) for t, f in zip(node.outputs, sig.outputs))
         return 0.0, 0.0, 0.0, self.activations(node, sig), 0.0
@@ -478,6 +484,11 @@ class MemoryModel:
             for t, f in zip(node.outputs, sig.outputs)
             if g.tensors[t].requires_grad
         )
+
+    def host_bytes(self, stepped: float) -> float:
+        """Host memory per rank of an offloaded optimizer stepping ``stepped`` bytes of parameters: its
+        state (``optimizer_factor`` of them), the float32 copy it steps and its gradients (module docstring)."""
+        return (2.0 + self.optimizer_factor) * stepped if self.offload else 0.0
 
     def total(self, node: Node, sig: Signature) -> float:
         return sum(self.breakdown(node, sig))

@@ -88,9 +88,16 @@ the gathers), and the gathers issued a unit before may still occupy it.  The bac
 collectives are priced as without prefetch, and so is duplication's schedule (its items are
 unchanged: its copies already overlap communication with the other copy's compute).  Where the ILP charges a form
 change to the first reader that may need the form (:mod:`hidup.search.ilp`), it reads that reader's
-window.  A compiled program (a profile priced ``compiled``) gets no window: its gathers are issued a
-unit early too, but as inductor's ops on the compute stream, in order, so nothing overlaps them (their
-copies still live a unit longer, :meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
+window.  A compiled program (a profile priced ``compiled``) gets the same window for a form change whose
+only collective is an all-gather (:func:`hidup.ir.async_gather_link`, the condition codegen issues it
+by): it issues that gather a unit early as torch's functional collective and waits for it at the
+consumer, so the compiled graph overlaps it with the unit's compute as the eager side stream does.  Any
+other change of a parameter (an all-to-all, a layout change of two collectives) runs in place under
+compilation and gets no window, nor does a resharded parameter's gather, forward or backward (the
+compiled program leaves it where it was and lets the partitioner make it again: :mod:`hidup.codegen.prefetch`).
+A program compiled in several graphs (gradient-bucket segments) runs the gathers into a segment's first
+unit in place; they keep their window here (optimistic by at most one unit's gathers per extra graph).
+Either way a prefetched copy lives a unit longer (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
 
 Caches shared by the problems of one search
 -------------------------------------------
@@ -110,6 +117,7 @@ every value is the one a problem built alone computes, bit for bit.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -127,6 +135,7 @@ from hidup.ir import (
     Graph,
     Node,
     Signature,
+    async_gather_link,
     axis_forms,
     block_label,
     prefetch_units,
@@ -184,6 +193,14 @@ def _charge(windows: tuple[float, ...], inp: int, c) -> float:
     if not windows or not windows[inp]:
         return c.fwd
     return c.fwd - min(windows[inp], max(c.fwd - c.fwd_copies, 0.0))
+
+
+@functools.lru_cache(maxsize=None)
+def _async_gather(conv) -> bool:
+    """Whether a compiled program runs the prefetched form change ``conv`` (a :class:`~hidup.ir.Conversion`
+    or :class:`~hidup.ir.MeshConversion`) as one asynchronous all-gather (:func:`hidup.ir.async_gather_link`)."""
+    steps = getattr(conv, "steps", None)
+    return async_gather_link([conv.forward] if steps is None else [s.conv.forward for s in steps]) is not None
 
 
 def _getter(idx: list[int]):
@@ -327,11 +344,14 @@ class Models:
             hit = self._caches[id(cost)] = (cost, caches)
         return hit[1]
 
-    def memory(self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0) -> MemoryModel:
+    def memory(
+        self, optimizer_factor: float, precision: str, recompute=frozenset(), zero: int = 0, offload: bool = False
+    ) -> MemoryModel:
         """The memory model with the layers ``recompute`` (a :class:`~hidup.search.memory.Recompute`, or
-        labels recomputed whole) recomputed and the replicated weights at ZeRO stage ``zero``."""
+        labels recomputed whole) recomputed, the replicated weights at ZeRO stage ``zero`` and the optimizer
+        state on the host where ``offload``."""
         recompute = Recompute.of(recompute)
-        key = (optimizer_factor, precision, recompute, zero)
+        key = (optimizer_factor, precision, recompute, zero, offload)
         hit = self._memory.get(key)
         if hit is None:
             memo = self._saved.setdefault(precision, {})  # what a node saves: the same whatever is recomputed
@@ -342,6 +362,7 @@ class Models:
                 recompute.whole,
                 selective=recompute.selective,
                 zero=zero,
+                offload=offload,
                 saved_memo=memo,
             )
             self._memory[key] = hit
@@ -364,8 +385,10 @@ class Problem:
         zero: int = 0,
         reduce_dtype: str = "fp32",
         prefetch: bool = True,
+        offload: bool = False,
     ):
         self.graph, self.profile, self.world = graph, profile, graph.world_size
+        self.offload = offload  # Adam's state on the host (hidup.search.schedule prices its step)
         self.prefetch = prefetch  # parameters' gathers issued a unit early (module docstring, "Prefetched gathers")
         if models is None:
             models = Models(graph)
@@ -375,8 +398,8 @@ class Problem:
         positions = models.positions()  # the graph validated, ordered, and the liveness of that order
         self.zero = zero  # the ZeRO stage of the replicated parameters (hidup.search.cost, "ZeRO")
         self.cost = models.cost(profile, precision, zero, reduce_dtype)
-        # a compiled program issues the gathers early but runs them in order on its one stream: no overlap
-        self.prefetch_overlaps = prefetch and not self.cost.compiled
+        # prefetched gathers overlap the previous unit, eager or compiled (module docstring, "Prefetched gathers")
+        self.prefetch_overlaps = bool(prefetch)
         self.order, self.n, self.pos_of = positions.order, positions.n, positions.pos_of
         # parameters' tensors, and those whose converted copies are made again in the backward
         self.reshard = reshard if reshard is True else frozenset(reshard or ())
@@ -397,7 +420,7 @@ class Problem:
         self._plain_device: list[list[tuple[float, float]]] = []  # device_compute without recomputation
         # per signature: ((input index, itemsize), ...) of the parameter inputs its backward keeps as they are
         self.saved_in: list[tuple[tuple, ...]] = []
-        memory = models.memory(optimizer_factor, precision, recompute, zero)
+        memory = models.memory(optimizer_factor, precision, recompute, zero, offload)
         # id(signature) -> (signature, form ids of its inputs / outputs): the ops of identical layers share
         # their signatures, so each is numbered once (in the order it would be, form by form)
         in_ids: dict[int, tuple] = {}
@@ -429,7 +452,9 @@ class Problem:
         plain prices are shared, what recomputation changes (times, memory, transitions) is new."""
         other = copy.copy(self)
         memory = self.memory
-        other._recomputing(self.models.memory(memory.optimizer_factor, memory.precision, recompute, self.zero))
+        other._recomputing(
+            self.models.memory(memory.optimizer_factor, memory.precision, recompute, self.zero, self.offload)
+        )
         return other
 
     def _recomputing(self, memory: MemoryModel) -> None:
@@ -488,6 +513,7 @@ class Problem:
         "Prefetched gathers"); ``()`` where nothing is prefetched."""
         if not self.prefetch_overlaps:
             return [()] * self.n, [()] * self.n
+        compiled = self.cost.compiled
         calls = [i for i, node in enumerate(self.order) if node.op == "call"]
         unit_of = dict(zip(calls, prefetch_units([block_label(self.order[i].module) for i in calls])))
         windows: dict[int, list[float]] = {}
@@ -511,16 +537,24 @@ class Problem:
                 continue
             share, total = sizes.get(u, {}), sum(sizes.get(u, {}).values()) or 1
             before, after = windows.get(u - 1, (0.0, 0.0))[0], windows.get(u + 1, (0.0, 0.0))[1]
-            fwd.append(tuple(before * share.get(t, 0) / total for t in node.inputs) if before else ())
-            ahead = [after * share.get(t, 0) / total if t in self.reshardable else 0.0 for t in node.inputs]
+            # compiled, a resharded parameter's gathers stay where they were, forward and backward
+            stays = self.reshardable if compiled else frozenset()
+            ahead_of = frozenset() if compiled else self.reshardable
+            ours = [0.0 if t in stays else before * share.get(t, 0) / total for t in node.inputs]
+            fwd.append(tuple(ours) if before else ())
+            ahead = [after * share.get(t, 0) / total if t in ahead_of else 0.0 for t in node.inputs]
             bwd.append(tuple(ahead) if any(ahead) else ())
         return fwd, bwd
 
     def forward_charge(self, i: int, inp: int, c) -> float:
         """Forward seconds a form change ``c`` (:class:`~hidup.search.cost.ConvCost`) of input ``inp`` of
         position ``i`` costs there: ``c.fwd``, its communication less the prefetch window (module docstring,
-        "Prefetched gathers").  The DP, the ILP and the evaluation all price it here."""
-        return _charge(self.windows[i], inp, c)
+        "Prefetched gathers"; compiled, only a change that runs as one asynchronous all-gather).  The DP,
+        the ILP and the evaluation all price it here."""
+        windows = self.windows[i]
+        if self.cost.compiled and windows and windows[inp] and not _async_gather(c.conv):
+            return c.fwd
+        return _charge(windows, inp, c)
 
     def again_charge(self, i: int, inp: int, c) -> float:
         """Backward seconds a resharded parameter's form change ``c`` of input ``inp`` of position ``i``
@@ -834,7 +868,7 @@ class Problem:
 
     def _may_prefetch(self, t: int) -> bool:
         """Whether a form change of tensor ``t`` may be charged less than its price by a prefetch window."""
-        return self.prefetch_overlaps and t in self.param_tids
+        return self.prefetch_overlaps and t in self.param_tids and not (self.cost.compiled and t in self.reshardable)
 
     def _penalty_matrix(self, t: int, forms: tuple[int, ...], states: list[tuple[int, int]]) -> np.ndarray:
         # a prefetched gather costs between its price less its communication (the whole of it hidden) and

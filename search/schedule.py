@@ -80,6 +80,10 @@ Under ZeRO (:mod:`hidup.search.cost`, "ZeRO") the optimizer steps ``1/N`` of eac
 ``zero_gather = sum of A(b)`` over the split parameters, added to ``total`` (and reported when it is
 not 0).  The DP does not see it either.
 
+With the optimizer offloaded to the host (``problem.offload``, :mod:`hidup.codegen.offload`) the step is
+priced by :meth:`~hidup.profiler.Profile.offload_time` of the same stepped bytes instead: their gradients
+copied to the host, the CPU's Adam step and the weights copied back, one after the other and exposed.
+
 Predicted times reported for a plan: ``forward``, ``backward``, ``optimizer``, ``total``; ``comm``
 the summed collective time (both copies; without duplication the exposed part of prefetched gathers);
 ``exposed_comm = max(0, forward + backward - compute)`` with ``compute`` the summed compute time.
@@ -255,7 +259,11 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         gather = sum(
             problem.cost.zero_gather(t, f) for i, sig in params for t, f in zip(problem.order[i].outputs, sig.outputs)
         )
-    optimizer = problem.profile.optimizer_time(stepped)
+    if problem.offload:
+        optimizer = problem.profile.offload_time(stepped)
+        memory["host"] = problem.memory.host_bytes(stepped)
+    else:
+        optimizer = problem.profile.optimizer_time(stepped)
     return Evaluation(
         list(ks),
         duplication,

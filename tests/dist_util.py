@@ -69,3 +69,24 @@ def run_distributed(
         )
     except LaunchError as e:
         raise DistributedFailure(f"{fn.__name__} on {world} ranks: {e}") from None
+
+
+def adam_reference(model, inputs, steps: int, lr: float) -> dict:
+    """One device's ``steps`` Adam steps of ``model`` on ``inputs``: each step's loss and gradients and
+    the final weights, the reference a distributed run's parity is checked against."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between the tensors ``a`` and ``b`` hold under ``b``'s names
+    (names ``a`` lacks or holds as None are left out)."""
+    return max(float((a[k] - b[k]).abs().max()) for k in b if a.get(k) is not None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from hidup.profiler.measure.comm import network_groups, node_groups
 from hidup.runtime.launch import Layout
 
 CLUSTER = "h100x64-ib400"
+ROOT = Path(__file__).resolve().parent.parent
 RINGS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -240,8 +242,8 @@ def test_cluster_profile_is_built_from_stated_public_figures(cluster):
     notes = cluster.notes
     for phrase in ("public figures", "datasheet", "dense", "HBM3", "nccl-tests", "400 Gb/s", "ring relation"):
         assert phrase in notes, phrase
-    assert "measured" not in notes.lower()  # `hidup profiles` reads that word as "measured on a machine"
-    assert cluster.flops["bf16"] == pytest.approx(1979e12 / 2) and cluster.flops["fp32"] == 67e12
+    for phrase in ("H200", "900 GB/s", "3.35 TB/s", "4.8 TB/s", "exp/records/predict/h200-9/h200.json"):
+        assert phrase in notes, phrase  # where the compute tables come from, and how they are scaled
     assert 2.5e12 < cluster.memory_bandwidth < 3.35e12 and cluster.op_overhead > 0
     for level, tables, low, high in (
         ("node", cluster.collectives, 430e9, 470e9),
@@ -260,6 +262,26 @@ def test_cluster_profile_is_built_from_stated_public_figures(cluster):
     for c in RINGS:  # consistent rings: fitted() takes the tables as given
         for g in (2, 4, 8):
             assert cluster.fitted().collectives[c][g].algbw == pytest.approx(cluster.collectives[c][g].algbw)
+
+
+def test_cluster_compute_is_a_measured_hopper_below_the_datasheet_peak(cluster):
+    """GEMMs, attention and Adam come from the measured H200 (same die as the H100 SXM): every GEMM runs
+    below the 989.5 TFLOP/s datasheet peak, large ones at 60-85 % of it, and beyond the measured grid the
+    rate saturates (it never grows past the largest measured shape); Adam, memory-bound, runs slower
+    than the H200's by the HBM ratio 4.8 / 3.35."""
+    measured = P.load(ROOT / "exp/records/predict/h200-9/h200.json")
+    peak, grid = 989.5e12, cluster.gemm["bf16"]
+    assert set(cluster.gemm) >= {"bf16", "tf32"} and cluster.attention["bf16"].variants
+    for dims in [(4096, 4096, 4096), (8192, 28672, 8192), (16384, 8192, 28672)]:
+        for layout in ("nt", "nn", "tn"):
+            assert 0.6 * peak < grid.rate(*dims, layout) < 0.85 * peak, (dims, layout)
+    assert grid.rate(65536, 65536, 65536) == grid.rate(16384, 16384, 16384) < peak  # saturates past the grid
+    assert cluster.flops["bf16"] < peak and cluster.rate_at("bf16", 2 * 32768**3) < peak
+    assert cluster.optimizer_s_per_byte == pytest.approx(measured.optimizer_s_per_byte * 4.8 / 3.35)
+    assert cluster.memory_bandwidth == pytest.approx(measured.memory_bandwidth * 3.35 / 4.8)
+    causal = cluster.attention["bf16"].time("causal", 128, 4096, 4096, 64)
+    flops = 4 * 64 * 4096 * 4096 * 128 / 2  # the two matmuls, half the score matrix
+    assert flops / causal[0] < 0.7 * peak and 2.5 * flops / causal[1] < 0.7 * peak
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -79,6 +79,8 @@ def test_the_fused_adam_step_is_timed_per_parameter_byte_and_kept_by_the_profile
                            matmul_sizes=(32,), budget_s=0.01, out=tmp_path / "p.json")  # fmt: skip
     assert prof.optimizer_s_per_byte > 0 and "fused Adam" in prof.notes
     assert prof.optimizer_time(4e6) == prof.optimizer_s_per_byte * 4e6
+    # the offloaded optimizer: the CPU's Adam is measured; no host copy without a GPU (the default prices it)
+    assert 0 < prof.host_optimizer_s_per_byte < 1e-7 and prof.host_bandwidth == 0
 
 
 # ---------------------------------------------------------------------------------------- fitting

@@ -163,7 +163,7 @@ def test_infeasible_budget_reports_the_minimum(algorithm):
     pr = Problem(g, SOCKET)
     least = min(m for m, _, _ in _memories(pr))
     with pytest.raises(SearchError) as e:
-        hidup.search(g, SOCKET, algorithm=algorithm, memory_budget=least * 0.9)
+        hidup.search(g, SOCKET, algorithm=algorithm, memory_budget=least * 0.9, offload="off")
     assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
     assert ilp.min_memory(pr) == pytest.approx(least)
 

@@ -31,10 +31,16 @@ class FreshModels(Models):
     def cost(self, profile, precision, zero=0, reduce_dtype="fp32"):
         return CostModel(self.graph, profile, precision, zero=zero, reduce_dtype=reduce_dtype)
 
-    def memory(self, optimizer_factor, precision, recompute=frozenset(), zero=0):
+    def memory(self, optimizer_factor, precision, recompute=frozenset(), zero=0, offload=False):
         recompute = Recompute.of(recompute)
         return MemoryModel(
-            self.graph, optimizer_factor, precision, recompute.whole, selective=recompute.selective, zero=zero
+            self.graph,
+            optimizer_factor,
+            precision,
+            recompute.whole,
+            selective=recompute.selective,
+            zero=zero,
+            offload=offload,
         )
 
 

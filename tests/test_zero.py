@@ -23,7 +23,7 @@ import torch
 
 import hidup.models as M
 import hidup.profiler
-from dist_util import run_distributed
+from dist_util import adam_reference, max_diff, run_distributed
 from hidup.codegen import CompileError
 from hidup.codegen.zero import zero_stages
 from hidup.frontend.trace import trace
@@ -127,17 +127,7 @@ def _rank_checkpoints(rank, world, graph):
 
 def _reference() -> dict:
     """The single device's ``STEPS`` Adam steps."""
-    model, inputs = _build(2)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for _ in range(STEPS):
-        loss = model(*inputs)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": grads, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+    return adam_reference(*_build(2), STEPS, LR)
 
 
 _RESULTS: dict = {}
@@ -148,10 +138,6 @@ def _results() -> tuple[dict, dict]:
         _RESULTS["ranks"] = run_distributed(_rank_parity, 2, timeout=600)
         _RESULTS["ref"] = _reference()
     return _RESULTS["ranks"][0], _RESULTS["ref"]
-
-
-def _diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in b if a.get(k) is not None)
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[f"{s}-zero{z}-dup{int(d)}" for s, z, d in JOBS])
@@ -174,15 +160,15 @@ def test_zero_trains_exactly(job):
     # exactly the plan without ZeRO: losses, gradients at every step, weights after the last
     assert run["losses"] == plain["losses"]
     for g, p in zip(run["grads"], plain["grads"]):
-        assert set(g) == set(p) and _diff(g, p) == 0.0
-    assert _diff(run["weights"], plain["weights"]) == 0.0
+        assert set(g) == set(p) and max_diff(g, p) == 0.0
+    assert max_diff(run["weights"], plain["weights"]) == 0.0
     # and the single device's, to rounding
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) <= 1e-12 * abs(b)
     for g, r in zip(run["grads"], ref["grads"]):
-        assert _diff(g, r) <= 1e-12
+        assert max_diff(g, r) <= 1e-12
     # (Adam divides by the root of the second moment: a gradient's rounding moves a weight by more)
-    assert _diff(run["weights"], ref["weights"]) <= 1e-9
+    assert max_diff(run["weights"], ref["weights"]) <= 1e-9
 
 
 @pytest.mark.parametrize("saved,resumed", [(2, 2), (2, 0), (2, 1), (0, 2)])
@@ -193,7 +179,7 @@ def test_checkpoint_resumes_across_zero_stages(saved, resumed):
     # the uninterrupted run's third step (every stage trains exactly as the plan without ZeRO)
     plain = rank0[("data", 0, False)]
     assert loss == plain["losses"][2]
-    assert _diff(weights, plain["weights"]) == 0.0
+    assert max_diff(weights, plain["weights"]) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------ plans

@@ -36,7 +36,7 @@ from hidup.cli.config_file import apply_config_file
 from hidup.cli.model_flags import add_model_args, model_request
 from hidup.cli.precision_flags import add_reduce_dtype_arg
 from hidup.errors import UserError
-from hidup.ir import RECOMPUTE_CHOICES, RESHARD_CHOICES, ZERO_CHOICES
+from hidup.ir import OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RESHARD_CHOICES, ZERO_CHOICES
 from hidup.plan import Plan, model_record, summary
 from hidup.precision import check_reduce_dtype
 from hidup.runtime.options import DEFAULT_PROFILE, CommandError, build_graph, say, settle_model
@@ -139,7 +139,9 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on",
         help="gather weights stored split one layer early, overlapping that layer's compute (on), or right "
-        "before their use (off); the plan records it, hidup train runs it so, the search prices it (default on)",
+        "before their use (off): eagerly on a side stream, compiled (--compile) as an asynchronous "
+        "all-gather waited for at the weight's use; the plan records it, hidup train runs it so, the search "
+        "prices it, with --compiled too (default on)",
     )
     p.add_argument(
         "--zero",
@@ -149,6 +151,15 @@ def _add_lever_flags(p: argparse.ArgumentParser) -> None:
         "gradients (reduce-scattered instead of all-reduced); both all-gather the updated rows after the "
         "optimizer, which costs time. auto (when the plan found does not fit --memory, or fits only by "
         "recomputing, search again with ZeRO-2 and keep the better plan), off, 1, 2 (default auto)",
+    )
+    p.add_argument(
+        "--offload",
+        choices=OFFLOAD_CHOICES,
+        default="auto",
+        help="keep Adam's state (and the float32 copy of the weights it steps) in host memory, stepped by the "
+        "CPU: each step copies the gradients to the host and the weights back, which costs seconds on a large "
+        "model. auto (only when no plan fits --memory without it; the plan says so), off, optimizer "
+        "(default auto)",
     )
 
 
@@ -236,6 +247,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             reshard=args.reshard,
             zero=args.zero,
+            offload=args.offload,
             reduce_dtype=args.reduce_dtype,
             prefetch=args.prefetch == "on",
         )
@@ -329,6 +341,15 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_kind(notes: str) -> str:
+    """How a built-in profile's numbers were obtained, from its notes: links from published figures
+    with compute measured on a GPU of the same family, published figures alone, or measured."""
+    text = notes.lower()
+    if "public figures" in text:
+        return "published links, compute measured on its GPU family" if "measured" in text else "published figures"
+    return "measured" if "measured" in text else "published figures"
+
+
 def cmd_profiles(args: argparse.Namespace) -> int:
     """Each built-in profile: name, kind (how its numbers were obtained, and the GPU), one line on the
     machine it describes and the world sizes it has collective tables for."""
@@ -337,7 +358,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     rows = []
     for name in hidup.profiler.builtin_names():
         prof = hidup.profiler.load(name)
-        kind = ("measured" if "measured" in (prof.notes or "").lower() else "published figures") + f", {prof.gpu}"
+        kind = _profile_kind(prof.notes or "") + f", {prof.gpu}"
         sizes = ", ".join(str(w) for w in prof.world_sizes)
         default = " (default)" if name == DEFAULT_PROFILE else ""
         rows.append((name + default, kind, f"{prof.host}; world sizes {sizes}"))

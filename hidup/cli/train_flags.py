@@ -8,7 +8,7 @@ from pathlib import Path
 from hidup.cli.launch_flags import add_launch_args, launch_options
 from hidup.cli.model_flags import add_model_args, model_request
 from hidup.cli.precision_flags import add_reduce_dtype_arg
-from hidup.ir import ZERO_CHOICES
+from hidup.ir import OFFLOAD_CHOICES, ZERO_CHOICES
 from hidup.profiler.profile import DTYPES
 from hidup.runtime.options import DEFAULT_PROFILE
 from hidup.runtime.train import TrainOptions
@@ -46,6 +46,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "rows only, 2 also reduce-scatters their gradients instead of all-reducing them; the updated rows "
         "are all-gathered after the optimizer (same results, less memory, one more all-gather). auto "
         "(default): as the plan says (with no --plan, as the search chooses), off: none",
+    )
+    g.add_argument(
+        "--offload",
+        choices=OFFLOAD_CHOICES,
+        default="auto",
+        help="keep Adam's state and a float32 copy of the weights in host memory, stepped by the CPU "
+        "(torch's fused CPU Adam), the gradients copied there and the weights back each step (same results, "
+        "less device memory, a slower step; not with --cuda-graphs on or --precision fp16). auto (default): "
+        "as the plan says (with no --plan, as the search chooses), off, optimizer",
     )
     g.add_argument(
         "--precision", choices=DTYPES, default="fp32", help="fp32, tf32 matmuls, or bf16/fp16 autocast (default fp32)"
@@ -117,6 +126,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         optimizer=args.optimizer,
         clip=args.clip,
         zero=args.zero,
+        offload=args.offload,
         precision=args.precision,
         reduce_dtype=args.reduce_dtype,
         cuda_graphs=args.cuda_graphs,

@@ -37,6 +37,11 @@ them; 2, its gradient too (reduce-scattered instead of all-reduced).  The update
 all-gathered into the whole weight.  A parameter not listed (and every parameter of a file without
 it) keeps its whole gradient and optimizer state on every rank.
 
+``offload`` says where Adam's state lives (:mod:`hidup.codegen.offload`): ``"optimizer"``, in the host's
+memory, the moments and a float32 copy of every weight the rank steps, stepped by the host's CPU after
+the gradients are copied there, the updated weights copied back; ``"off"`` (a file without it) on the
+device.
+
 ``reduce_dtype`` is the dtype the float32 parameters' gradients are summed over ranks in
 (:mod:`hidup.precision`, "Gradients reduced in bf16"): ``"fp32"`` (a file without it) or ``"bf16"``
 (only for a plan searched under bf16 autocast); the conversions' recorded bytes follow it.
@@ -62,6 +67,7 @@ from hidup.files import atomic_write
 from hidup.ir import (
     COLLECTIVES,
     FORM_CHANGE_OPS,
+    OFFLOADS,
     ZERO_STAGES,
     Form,
     Graph,
@@ -330,6 +336,7 @@ class Plan:
     reshard: list[str] = field(default_factory=list)  # params whose gathered copies are made again in the backward
     zero: dict[str, int] = field(default_factory=dict)  # replicated param -> ZeRO stage (1 or 2), see the module doc
     mesh: list[int] = field(default_factory=list)  # device mesh, outer axis first; [] = one axis of world_size
+    offload: str = "off"  # where Adam's state lives: "off" (the device) or "optimizer" (the host), module doc
     # the dtype the float32 parameters' gradients are summed over ranks in (hidup.precision; module doc)
     reduce_dtype: str = "fp32"
     # the libraries the graph was traced with ({"torch": "2.13.0", "transformers": "5.23.0"}): the same
@@ -443,6 +450,7 @@ class Plan:
             **({"dispatch": self.dispatch} if self.dispatch else {}),
             **({"mesh": list(self.mesh)} if len(self.mesh) > 1 else {}),
             **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype != "fp32" else {}),
+            **({"offload": self.offload} if self.offload != "off" else {}),
             "versions": dict(self.versions),
         }
 
@@ -486,6 +494,7 @@ class Plan:
                 dispatch={k: list(v) for k, v in (d.get("dispatch") or {}).items()},
                 mesh=list(d.get("mesh") or []),
                 reduce_dtype=_reduce_record(d.get("reduce_dtype", "fp32"), where),
+                offload=_offload_record(d.get("offload", "off"), where),
                 versions=dict(d.get("versions") or {}),
                 version=PLAN_VERSION,
             )
@@ -524,6 +533,16 @@ def _zero_record(value, where: str) -> dict[str, int]:
             "`hidup search` again, or remove the entry to train without ZeRO"
         )
     return dict(value)
+
+
+def _offload_record(value, where: str) -> str:
+    """The ``offload`` entry of a plan file (:data:`hidup.ir.OFFLOADS`); absent, ``"off"``."""
+    if value != "off" and value not in OFFLOADS:
+        raise PlanError(
+            f"{where}: 'offload' must be one of off, {', '.join(OFFLOADS)}, got {value!r}. Fix: run "
+            "`hidup search` again, or remove the entry to keep the optimizer on the device"
+        )
+    return value
 
 
 def _reduce_record(value, where: str) -> str:

@@ -63,7 +63,14 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
 
 
 # what a plan's memory records beside its parts and their total (hidup.search.memory, "The peak")
-_BOUNDS = ("total", "transient", "prefetch", "peak", "peak_transient", "bound")
+_BOUNDS = ("total", "transient", "prefetch", "peak", "peak_transient", "bound", "host")
+
+
+def _peak_parts(m: dict) -> str:
+    """What the peak holds besides the parts: its largest op's temporaries and the prefetched copies."""
+    parts = [f"around its largest op up to {_mb(m['transient'])} of temporaries"] if m.get("transient") else []
+    parts += [f"prefetched resharded weights up to {_mb(m['prefetch'])}"] if m.get("prefetch") else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _totals(plan: Plan) -> list[str]:
@@ -81,9 +88,8 @@ def _totals(plan: Plan) -> list[str]:
         + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in _BOUNDS)
         + ")"
         + (f"; at its peak up to {_mb(m['peak'])}" if m.get("peak") else "")
-        + (f" (around its largest op up to {_mb(m['transient'])} of temporaries" if m.get("transient") else "")
-        + (f", prefetched resharded weights up to {_mb(m['prefetch'])}" if m.get("prefetch") else "")
-        + (")" if m.get("transient") else ""),
+        + _peak_parts(m)
+        + (f"; host memory {_mb(m['host'])} (the optimizer offloaded)" if m.get("host") else ""),
     ]
     if plan.recompute:
         lines.append(f"recomputed in the backward: {len(plan.recompute)} layers ({_span(plan.recompute)})")
@@ -110,7 +116,21 @@ def _totals(plan: Plan) -> list[str]:
                 f"ZeRO-{stage}: {len(names)} replicated parameters keep their {what} split over the ranks "
                 f"(1/{plan.world_size} of the rows each), the updated rows all-gathered after the optimizer"
             )
+    if getattr(plan, "offload", "off") != "off":
+        lines.append(offload_text(plan))
     return lines
+
+
+def offload_text(plan: Plan) -> str:
+    """The line that names the offload lever of ``plan`` and what it costs (:mod:`hidup.codegen.offload`)."""
+    host = plan.memory.get("host", 0.0) / 2**30
+    step = plan.predicted.get("optimizer", 0.0) * 1e3
+    why = f" ({plan.options['offload_used']})" if plan.options.get("offload_used") else ""
+    return (
+        f"optimizer offloaded to the host{why}: Adam's moments and a float32 copy of the weights stepped "
+        f"live in host memory ({host:.2f} GiB per rank), the gradients copied there, stepped by the CPU and "
+        f"the weights copied back: {step:.1f} ms per step"
+    )
 
 
 def _is_op(plan: Plan, graph: Graph | None, name: str) -> bool:

@@ -81,6 +81,7 @@ import hidup.profiler
 from hidup.codegen import compile as hidup_compile
 from hidup.codegen.compiled import backend_of
 from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.codegen.offload import host_adam
 from hidup.codegen.timing import Stopwatch
 from hidup.frontend.trace import forward_inputs
 from hidup.plan import Plan, model_record
@@ -218,10 +219,16 @@ def time_mode(
 ) -> dict:
     """Time ``mode`` of ``module`` (a step: forward, backward, fused Adam) at ``precision``; see the
     module docstring.  ``compile_fn(on)`` switches the module between eager and compiled."""
+    offloaded = getattr(module, "offload", None) is not None  # Adam on the host (hidup.codegen.offload)
+    if offloaded and mode.endswith("graph"):
+        _fail(
+            f"--modes {mode}: the plan offloads the optimizer to the host, whose copies and CPU step a CUDA "
+            "graph cannot hold. Fix: --modes eager or compile"
+        )
     autocast_dtype = _precision(precision, device)
     compile_fn(mode.startswith("compile"))
     params = module.optimizer_parameters()
-    opt = module.bind_optimizer(fused_adam(params, opts.lr, device))
+    opt = module.bind_optimizer(host_adam(params, opts.lr) if offloaded else fused_adam(params, opts.lr, device))
     cuda = device.type == "cuda"
     record = {"mode": mode, "precision": precision, "compile_s": None}
     if cuda:

@@ -20,6 +20,9 @@ What a checkpoint holds (format 2, a directory written by ``torch.distributed.ch
   parameter -- or, for a parameter ZeRO splits (:mod:`hidup.codegen.zero`), as the rows ``r n/N ..
   (r+1) n/N`` of dim 0 the rank's optimizer holds (a ``gather_0`` piece of the logical tensor), so a
   checkpoint of a ZeRO run resumes into a plan without ZeRO, or another stage or world size, and back.
+  With the optimizer offloaded (:mod:`hidup.codegen.offload`) the state is the host copies', saved and
+  loaded the same way, so a run resumes with or without offload; loading refreshes the host copies of
+  the weights from the module's.
 * ``meta`` (written by rank 0): format version, world size, step, loss history, ``extra``, and the
   optimizer's param groups (hyper-parameters, parameters by logical name) with its small state
   (Adam's ``step``: rank 0's, as it is equal on every rank).
@@ -253,12 +256,15 @@ def exists(path: str | os.PathLike) -> bool:
 class _Layout:
     """How this rank's tensors map onto the logical ones: the DeviceMesh their DTensors live on (the
     compiled module's own mesh for a plan on several axes, else a 1-D one over the group), built only
-    when some tensor is sharded over more than one rank."""
+    when some tensor is sharded over more than one rank; the same groups as a mesh of another device type
+    for a tensor elsewhere (an offloaded optimizer's state in host memory, :mod:`hidup.codegen.offload`:
+    ``DTensor.from_local`` would copy it to the mesh's device, and a load would fill the copy)."""
 
     def __init__(self, module, group):
         self.group, self.world, self.rank = group, world_of(group), rank_of(group)
         self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         self.mesh = None
+        self.meshes: dict[str, DeviceMesh] = {}  # device type -> ``mesh``'s groups as a mesh of that type
         self.sizes: tuple[int, ...] = (self.world,)  # ranks along each axis of ``mesh``
         sharded = [(t, shard) for t, shard in iter_optimizer_shards(module) if shard.sharded]
         if not self.distributed:
@@ -282,9 +288,23 @@ class _Layout:
                 )
             self.mesh, self.sizes = groups.device_mesh, tuple(groups.mesh)
         else:
-            self.mesh = DeviceMesh.from_group(
-                group if group is not None else dist.group.WORLD, sharded[0][0].device.type
-            )
+            own = next((t for _, t, shard in iter_shards(module) if shard.sharded), sharded[0][0])
+            self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, own.device.type)
+        self.meshes[self.mesh.device_type] = self.mesh
+
+    def mesh_for(self, device_type: str) -> DeviceMesh:
+        """The module's mesh as a mesh of ``device_type`` (the same process groups)."""
+        hit = self.meshes.get(device_type)
+        if hit is None:
+            mesh = self.mesh
+            groups = [mesh.get_group(k) for k in range(mesh.ndim)]
+            if mesh.ndim == 1:
+                hit = DeviceMesh.from_group(groups[0], device_type)
+            else:
+                names = mesh.mesh_dim_names or tuple(f"axis{k}" for k in range(mesh.ndim))
+                hit = DeviceMesh.from_group(groups, device_type, mesh=mesh.mesh, mesh_dim_names=names)
+            self.meshes[device_type] = hit
+        return hit
 
     def wrap(self, local: torch.Tensor, shard) -> torch.Tensor:
         """``local`` as DCP should see it: a DTensor chunk of the logical tensor, or itself."""
@@ -299,7 +319,8 @@ class _Layout:
                 f"checkpoint: {shard.logical_name} is stored with shape {tuple(local.shape)}, but {shard.form} "
                 f"cuts {tuple(shape)} into pieces of {piece} on {mesh_text(self.sizes)} ranks"
             )
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        mesh = self.mesh_for(local.device.type)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def dcp_kwargs(self) -> dict:
         if self.distributed:
@@ -615,6 +636,7 @@ def load(
                 optimizer.state[t] = entry
     if rng is not None:
         _set_rng_state(rng)
+    _pull_offloaded(module)
     return {
         "step": meta["step"],
         "loss_history": list(meta["loss_history"]),
@@ -727,6 +749,13 @@ def _read_single_file(path: Path, source: Path) -> dict:
     return ckpt
 
 
+def _pull_offloaded(module) -> None:
+    """The host copies of an offloaded optimizer made the weights just loaded (:mod:`hidup.codegen.offload`)."""
+    offload = getattr(module, "offload", None)
+    if offload is not None:
+        offload.pull()
+
+
 def _load_single_file(path: Path, source: Path, module, optimizer, *, group, restore_rng: bool) -> dict:
     """Read a checkpoint of the single-file format (version 1): gathered logical tensors, re-sharded."""
     ckpt = _read_single_file(path, source)
@@ -735,6 +764,7 @@ def _load_single_file(path: Path, source: Path, module, optimizer, *, group, res
     mesh_groups = getattr(module, "mesh_groups", None)
     mesh = mesh_groups.mesh if mesh_groups is not None else None  # a Layout is cut on the module's mesh
     load_full_state_dict(module, ckpt["params"], mesh_groups if mesh_groups is not None else group)
+    _pull_offloaded(module)
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state; load without an optimizer")

@@ -29,6 +29,12 @@ that do not go through the allocator, and autocast's CUDA policy where it differ
 policy the fake run follows (it runs on the CPU: no GPU is needed). A program with data-dependent
 shapes (a ``nonzero`` whose size depends on values) cannot run on fake tensors without values; that
 is refused with one message.
+
+A plan whose optimizer is offloaded to the host (``plan.offload``, :mod:`hidup.codegen.offload`) keeps
+Adam's state and its copies of the weights in host memory, which a fake run on the CPU cannot tell
+from the device's: its program runs without the host copies and steps with stateless SGD, what the
+device holds of an offloaded step (the weights, their gradients, the activations and temporaries;
+the gradients' copy to the host and the weights' copy back allocate nothing on the device).
 """
 
 from __future__ import annotations
@@ -161,15 +167,19 @@ def predict_peak(
         fake_cpu_stand_ins(model, fake_mode)  # for good: the model is not needed afterwards
         fake_inputs = [fake_cpu_like(fake_mode, x) if isinstance(x, torch.Tensor) else x for x in inputs]
         module = hidup_compile(
-            model, plan, rank, world, fake_inputs, duplication=duplication, device=torch.device("cpu")
+            model, plan, rank, world, fake_inputs, duplication=duplication, device=torch.device("cpu"), offload="off"
         )
+        offloaded = getattr(plan, "offload", "off") != "off"  # the state on the host (module docstring)
         autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
         try:
             with fake_mode:
-                opt = module.bind_optimizer(fused_adam(module.optimizer_parameters(), lr, "cpu"))
+                params = module.optimizer_parameters()
+                opt = module.bind_optimizer(
+                    torch.optim.SGD(params, lr=lr, foreach=True) if offloaded else fused_adam(params, lr, "cpu")
+                )
                 step = GraphedStep(module, fake_inputs, autocast_dtype=autocast_dtype, enabled=False, optimizer=opt)
                 tracker.track_external(module, opt)
                 with tracker:
@@ -220,6 +230,7 @@ def predicted_memory(choice: ModelChoice, plan, precision: str, *, quiet: bool =
         frozenset(getattr(plan, "reshard", None) or ()),
         frozenset(getattr(plan, "recompute_selective", None) or ()),
         zero=plan.zero_stage,
+        offload=getattr(plan, "offload", "off") != "off",
     )
     parts = dict.fromkeys(MEMORY_PARTS, 0.0)
     for node in graph.nodes:

@@ -62,10 +62,11 @@ import hidup.models
 import hidup.profiler
 from hidup import codegen
 from hidup.codegen.graphs import GraphedStep, fused_adam
+from hidup.codegen.offload import host_adam
 from hidup.codegen.timing import Stopwatch, max_over_ranks
 from hidup.codegen.trial import choose_compile, compile_step
 from hidup.frontend.trace import trace
-from hidup.ir import ZERO_CHOICES
+from hidup.ir import OFFLOAD_CHOICES, ZERO_CHOICES
 from hidup.optionset import OptionSet
 from hidup.plan import Plan, PlanError
 from hidup.precision import check_reduce_dtype
@@ -96,7 +97,8 @@ class TrainOptions(OptionSet):
     ``iterations`` optimizer steps, the time reported over the ``last_k`` after ``warmup``; ``lr``,
     ``optimizer`` (``"adam"`` or ``"sgd"``), ``clip`` the global gradient norm (None: none); ``zero``
     the ZeRO stage of the replicated weights, ``"auto"`` (the plan's, or the search's when searching
-    now), ``"off"``, ``"1"`` or ``"2"`` (:mod:`hidup.codegen.zero`);
+    now), ``"off"``, ``"1"`` or ``"2"`` (:mod:`hidup.codegen.zero`); ``offload`` where Adam's state lives,
+    ``"auto"`` (the plan's, or the search's), ``"off"`` or ``"optimizer"`` (the host, :mod:`hidup.codegen.offload`);
     ``precision`` (fp32, tf32, bf16, fp16); ``reduce_dtype`` the dtype the weights' gradients are summed
     in, ``"auto"`` (the plan's; fp32 when searching now), ``"fp32"`` or ``"bf16"`` (bf16 autocast only,
     :mod:`hidup.precision`); ``cuda_graphs`` and ``compile`` ``"auto"``, ``"on"`` or
@@ -117,6 +119,7 @@ class TrainOptions(OptionSet):
     optimizer: str = "adam"
     clip: float | None = None
     zero: str = "auto"
+    offload: str = "auto"
     precision: str = "fp32"
     reduce_dtype: str = "auto"
     cuda_graphs: str = "auto"
@@ -227,11 +230,28 @@ def _zero_on(opts: TrainOptions, plan: Plan) -> bool:
     return bool(getattr(plan, "zero", None)) if stage is None else bool(stage)
 
 
+def _offload_request(opts: TrainOptions) -> str | None:
+    """``--offload`` as :func:`hidup.compile`'s ``offload`` (None: the plan's)."""
+    return None if opts.offload == "auto" else opts.offload
+
+
+def _offload_on(opts: TrainOptions, plan: Plan) -> bool:
+    return (getattr(plan, "offload", "off") if opts.offload == "auto" else opts.offload) != "off"
+
+
 def _capturable(opts: TrainOptions, plan: Plan) -> bool:
     """Whether the plan's step can be captured as one CUDA graph: not when a node reads split sizes on
     the host (the routed experts' all-to-all dispatcher), nor with ZeRO (its optimizer steps slices and
-    all-gathers them after the step, which the captured step does not hold yet); ``--cuda-graphs on``
-    then stops with the fix."""
+    all-gathers them after the step, which the captured step does not hold yet), nor with the optimizer
+    offloaded (its copies and the CPU's step are host work); ``--cuda-graphs on`` then stops with the fix."""
+    if _offload_on(opts, plan):
+        if opts.cuda_graphs == "on":
+            raise SystemExit(
+                "--cuda-graphs on: with the optimizer offloaded to the host each step copies the gradients there, "
+                "steps on the CPU and copies the weights back, host work a CUDA graph cannot hold. Fix: "
+                "--cuda-graphs auto or off, or --offload off"
+            )
+        return False
     if _zero_on(opts, plan):
         if opts.cuda_graphs == "on":
             raise SystemExit(
@@ -329,6 +349,7 @@ class Trainer:
             precision=opts.precision,
             cuda_graphs=opts.captures(torch.cuda.is_available()),
             zero=opts.zero,
+            offload=opts.offload,
             reduce_dtype="fp32" if opts.reduce_dtype == "auto" else opts.reduce_dtype,
         )
 
@@ -353,6 +374,7 @@ class Trainer:
                 seed=opts.seed,
                 zero=ZERO_STAGE[opts.zero],
                 reduce_dtype=_reduce_request(opts),
+                offload=_offload_request(opts),
             )
             if self.rank == 0:
                 print(self.trial["reason"], flush=True)
@@ -368,6 +390,7 @@ class Trainer:
                 seed=opts.seed,
                 zero=ZERO_STAGE[opts.zero],
                 reduce_dtype=_reduce_request(opts),
+                offload=_offload_request(opts),
             )
 
     def _make_optimizer(self) -> None:
@@ -376,7 +399,15 @@ class Trainer:
         step."""
         opts, device = self.opts, self.device
         params = self.module.optimizer_parameters()
-        if opts.optimizer == "adam" and self.cuda:
+        if self.module.offload is not None and opts.precision == "fp16":
+            raise SystemExit(
+                "--precision fp16 with the optimizer offloaded: the loss scaler unscales the gradients the "
+                "optimizer holds before its step, and they reach the host only inside it. Fix: --precision bf16, "
+                "or --offload off"
+            )
+        if opts.optimizer == "adam" and self.module.offload is not None:
+            self.opt = host_adam(params, opts.lr)  # the host's copies, stepped on the CPU
+        elif opts.optimizer == "adam" and self.cuda:
             self.opt = fused_adam(params, opts.lr, device)
         elif opts.optimizer == "adam":
             self.opt = torch.optim.Adam(params, lr=opts.lr)
@@ -445,6 +476,7 @@ class Trainer:
             f"{opts.plan or 'searched now'}, duplication "
             f"{'on' if getattr(self.module, 'duplication', False) else 'off'} ({opts.duplication}), steps {steps}"
             f"{_recompute_text(self.plan)}{_zero_text(self.plan, opts)}"
+            f"{', optimizer offloaded to the host' if self.module.offload is not None else ''}"
             f"{', gradients reduced in bf16' if self.module.program.reduce_dtype == 'bf16' else ''}",
             flush=True,
         )
@@ -593,6 +625,7 @@ class Trainer:
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             "duplication": bool(getattr(self.module, "duplication", False)),
             "zero": sorted({z.stage for z in self.module.zero.slices.values()}),  # the ZeRO stages run
+            "offload": "optimizer" if self.module.offload is not None else "off",
             "precision": self.opts.precision,
             "reduce_dtype": self.module.program.reduce_dtype,
             "cuda_graph": graphed is not None and graphed.graph is not None,
@@ -676,6 +709,8 @@ def check_run_options(opts: TrainOptions) -> None:
     --resume (continue it) nor --overwrite (replace it) says what to do with."""
     if opts.zero not in ZERO_CHOICES:
         raise CommandError(f"--zero {opts.zero}: choose one of {', '.join(ZERO_CHOICES)}")
+    if opts.offload not in OFFLOAD_CHOICES:
+        raise CommandError(f"--offload {opts.offload}: choose one of {', '.join(OFFLOAD_CHOICES)}")
     if opts.reduce_dtype != "auto":
         check_reduce_dtype(opts.reduce_dtype, opts.precision)
     if not (math.isfinite(opts.lr) and opts.lr > 0):

@@ -50,6 +50,15 @@ captured in a CUDA graph) and divides by their bytes: the optimizer's price per 
 trainable parameters (``optimizer_s_per_byte``), where the roofline of seven passes over the
 parameters at the copy bandwidth leaves out the step's arithmetic and its per-tensor work.
 
+The optimizer offloaded to the host
+-----------------------------------
+:func:`host_copy_bandwidth` times copies between a pinned host buffer and the device, each way (on a
+GPU; 0 elsewhere: the profile then keeps its documented default), and keeps the slower direction's
+bytes per second: an offloaded step moves every stepped gradient one way and every weight the other
+(``host_bandwidth``).  :func:`host_adam_seconds_per_byte` times torch's fused CPU Adam over float32
+parameters in host memory with the threads this process has, so ranks measuring at once share the
+node's cores and memory bandwidth as their offloaded steps will (``host_optimizer_s_per_byte``).
+
 Sums over rows
 --------------
 Inductor sums a gradient over its rows (a bias's, a norm weight's) in two kernels: a looped reduction
@@ -475,6 +484,37 @@ def adam_seconds_per_byte(device: torch.device | str, nbytes: int | None = None,
     del adam, params
     if cuda:
         torch.cuda.empty_cache()
+    return seconds / total
+
+
+def host_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, *, budget_s: float = 0.2) -> float:
+    """Bytes per second of the slower direction of a copy of ``nbytes`` between pinned host memory and
+    the device (module docstring, "The optimizer offloaded to the host"); 0 off a GPU (not measured)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    to_device = time_call(lambda: dev.copy_(host, non_blocking=True), device, warmup=1, budget_s=budget_s)
+    to_host = time_call(lambda: host.copy_(dev, non_blocking=True), device, warmup=1, budget_s=budget_s)
+    return nbytes / max(to_device, to_host)
+
+
+def host_adam_seconds_per_byte(nbytes: int = 64 << 20, *, budget_s: float = 0.2) -> float:
+    """Seconds per byte of float32 parameters of torch's Adam step on the CPU over ``nbytes`` of host
+    memory (:func:`hidup.codegen.offload.host_adam`: the fused CPU kernel where torch has it), with the
+    threads this process has (module docstring, "The optimizer offloaded to the host")."""
+    from hidup.codegen.offload import host_adam
+
+    side = 1024
+    count = max(1, nbytes // (side * side * 4))
+    params = [torch.zeros(side, side, requires_grad=True) for _ in range(count)]
+    for param in params:
+        param.grad = torch.full_like(param, 1e-3)
+    adam = host_adam(params, 1e-4)
+    seconds = time_call(adam.step, torch.device("cpu"), warmup=1, budget_s=budget_s)
+    total = sum(p.numel() * 4 for p in params)
+    del adam, params
     return seconds / total
 
 

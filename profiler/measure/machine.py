@@ -77,6 +77,8 @@ from hidup.profiler.measure.device import (
     dtype_supported,
     gemm_grid,
     grad_copy_overhead,
+    host_adam_seconds_per_byte,
+    host_copy_bandwidth,
     kernel_floor,
     layout_bandwidth,
     memory_bandwidth,
@@ -301,6 +303,8 @@ class _Figures:
     reduction_bandwidth: dict
     kernel_floor_graph: float
     adam: float
+    host_bandwidth: float  # pinned host-device copies (0 off a GPU: not measured)
+    host_adam: float  # the profile's host_optimizer_s_per_byte
 
 
 class _Measurement:
@@ -436,6 +440,9 @@ class _Measurement:
         transpose_bw = self._fastest("transpose", transpose_bandwidth(device, budget_s=budget))
         grad_copy = self._slowest("params", grad_copy_overhead(device, budget_s=budget))
         adam = self._slowest("adam", adam_seconds_per_byte(device, budget_s=budget))
+        host_adam = self._slowest("host_adam", host_adam_seconds_per_byte(budget_s=budget))
+        host_bw = host_copy_bandwidth(device, budget_s=budget)
+        host_bw = self._fastest("host_copy", host_bw) if host_bw > 0 else 0.0
         overhead_graph = grad_copy_graph = floor = 0.0
         reduction_bw = {}
         if device.type == "cuda":  # CUDA graphs, and inductor's kernels (profile.py, "Generated kernels")
@@ -456,6 +463,8 @@ class _Measurement:
             reduction_bandwidth=reduction_bw,
             kernel_floor_graph=floor,
             adam=adam,
+            host_bandwidth=host_bw,
+            host_adam=host_adam,
         )
 
     def _collectives(self, bar: _Progress) -> None:
@@ -591,6 +600,7 @@ class _Measurement:
             notes=f"measured with torch {torch.__version__} in {self.elapsed:.0f} s; " + "; ".join(notes),
         )
         prof.optimizer_s_per_byte = f.adam
+        prof.host_bandwidth, prof.host_optimizer_s_per_byte = f.host_bandwidth, f.host_adam
         self._merge_ops(prof)
         return profile_mod.Profile.from_dict(prof.to_dict(), where=f"measured profile {self.name!r}")  # validate
 

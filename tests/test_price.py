@@ -118,6 +118,23 @@ def test_a_budget_no_plan_meets_says_so_by_price_too():
     assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
 
 
+def test_a_large_graph_no_plan_fits_says_the_leanest_terms_without_the_ilp(monkeypatch):
+    """Where every node's leanest term already exceeds the budget on a large graph, the message says that
+    lower bound of the least memory and solves no ILP (over a large model's graph it outlasts the search)."""
+    g = random_graph(7, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    lower = pr.min_mem_suffix[0]
+    monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", pr.n)
+
+    def no_ilp(problem, time_limit=None):
+        raise AssertionError("the ILP ran")
+
+    monkeypatch.setattr(dp, "min_memory", no_ilp)
+    with pytest.raises(SearchError) as e:
+        dp.solve(pr, False, lower * 0.9, dp.Beam(None, None), by_price=True)
+    assert f"the least memory any plan needs is at least {lower:.6g} bytes" in str(e.value)
+
+
 def test_large_beam_searches_use_the_price_and_small_ones_the_memory_aware_dp(monkeypatch):
     """``by_price=None`` prices memory only with a beam on a graph of ``PRICE_MIN_POSITIONS`` or more."""
     g = random_graph(701, calls=4, max_sigs=3)

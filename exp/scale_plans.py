@@ -171,9 +171,9 @@ class CausalLMStep(torch.nn.Module):
 
 
 def build(name: str, layers: int | None, batch: int, seq: int, attention: str = "causal"):
-    """(step module on meta, example inputs) of job ``name``; ``layers`` overrides the layer count;
-    ``attention`` ``"causal"`` (:func:`causal_attention`) or ``"mask"`` (``transformers``' own ``sdpa``,
-    which exports its causal mask as a tensor)."""
+    """(step module on meta, example inputs) of job ``name`` for ``batch`` sequences of ``seq`` tokens;
+    ``layers`` overrides the layer count; ``attention`` ``"causal"`` (:func:`causal_attention`) or
+    ``"mask"`` (``transformers``' own ``sdpa``, which exports its causal mask as a tensor)."""
     import transformers
 
     job = JOBS[name]
@@ -189,6 +189,23 @@ def build(name: str, layers: int | None, batch: int, seq: int, attention: str = 
         model = CausalLMStep(cls(cfg))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (ids, ids)
+
+
+def step(
+    name: str,
+    layers: int | None = None,
+    seq: int = 4096,
+    batch: int = 1,
+    attention: str = "causal",
+    world_size: int = 1,
+    device=None,
+):
+    """Job ``name`` as a hidup model factory (``--model exp.scale_plans:step --model-arg name=llama3-70b``):
+    the step on the meta device with ``batch`` sequences per rank, as the job's plan records it, so that
+    ``hidup peak --plan`` rebuilds it.  ``device`` is ignored: the model stays on meta (no weights)."""
+    if name not in JOBS:
+        raise ValueError(f"unknown job {name!r}; jobs: {', '.join(sorted(JOBS))}")
+    return build(name, layers, batch=batch * world_size, seq=seq, attention=attention)
 
 
 def model_flops(model: torch.nn.Module, config: dict, seq: int) -> float:
@@ -295,7 +312,14 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
     world = math.prod(mesh)
     profile, seq, layers, precision = opts.profile_for(mesh), opts.seq, opts.layers, opts.precision
     batch = world * opts.batch_per_gpu
-    model, inputs = build(name, layers, batch=batch, seq=seq, attention=opts.attention)
+    source_args = {
+        "name": name,
+        "seq": seq,
+        "batch": opts.batch_per_gpu,
+        "attention": opts.attention,
+        **({"layers": layers} if layers else {}),
+    }  # the factory's arguments, which the plan records (hidup peak --plan rebuilds the model from them)
+    model, inputs = step(world_size=world, **source_args)
     config = {**JOBS[name]["config"], **({"num_hidden_layers": layers} if layers else {})}
     token_flops = model_flops(model, config, seq)
     t0, c0 = time.perf_counter(), cpu_seconds()
@@ -336,6 +360,7 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
             zero=opts.zero,
             recompute=opts.recompute,
             compiled=opts.compiled,
+            model_source=("exp.scale_plans:step", source_args),
         )
     except SearchError as e:  # recorded: the budget or the mesh admits no plan
         row.update(search_s=round(time.perf_counter() - t0, 2), error=str(e))
@@ -357,6 +382,8 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
             "recomputed": len(plan.recompute),
             "recomputed_selective": len(plan.recompute_selective),
             "memory_gib": round(plan.memory["total"] / 2**30, 1),
+            "peak_gib": round(plan.memory.get("peak", plan.memory["total"]) / 2**30, 1),
+            "memory_parts_gib": {k: round(v / 2**30, 2) for k, v in plan.memory.items()},
             "sent_gb": round(plan.sent_bytes() / 1e9, 2),
             "duplication": plan.duplication,
             "levers": plan_levers(plan),
@@ -371,7 +398,7 @@ def run_job(name: str, mesh: tuple[int, ...], memory_gb: float, opts: RunOptions
         f"predicted {row['predicted_ms']} ms, MFU {row['mfu']:.1%} (published: {ANCHORS.get(name, '-')}), "
         f"exposed communication {row['exposed_comm_ms']} ms, ZeRO {row['zero_stage']}, "
         f"{row['recomputed']} layers recomputed whole and {row['recomputed_selective']} selectively, "
-        f"memory {row['memory_gib']} GiB, sent {row['sent_gb']} GB per GPU, "
+        f"memory {row['memory_gib']} GiB (peak bound {row['peak_gib']} GiB), sent {row['sent_gb']} GB per GPU, "
         f"kinds {row['kinds']}, dispatchers {row['dispatchers']}, "
         f"stored {row['stored']}, levers {row['levers'] or 'none'}",
         flush=True,
@@ -396,22 +423,24 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
         "traced with torch.export; times are wall seconds on this host (search CPU s: CPU seconds of the "
         "process and of the searches it forks, which another job's load on the host inflates less). Memory is "
         "the memory model's "
-        "per-rank estimate. World sizes beyond the profile's measured groups (16 here) are priced as one "
+        "per-rank sum, the peak bound its largest op's temporaries where the activations live then (what the budget "
+        "constrains). World sizes beyond the profile's measured groups (16 here) are priced as one "
         "NVLink domain by the ring factor, which a real two-node cluster is not.",
         "",
         "MFU: `(6 N + 12 L h s) x tokens / (GPUs x 989 TFLOP/s x predicted step)`, N the parameters outside the "
         "embedding and the LM head (of the routed experts the active share); published: the MFU of comparable runs.",
         "",
         "| job | GPUs | budget GB | nodes | trace s | search s | search CPU s | predicted ms | MFU | published MFU "
-        "| exposed comm ms | memory GiB | sent GB per GPU | ops by kind | weights stored | memory levers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| exposed comm ms | memory GiB | peak bound GiB | sent GB per GPU | ops by kind | weights stored "
+        "| memory levers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
                 f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | no plan | - "
-                f"| {ANCHORS.get(r['job'], '-')} | - | - | - | {r['error'].split('. Fix')[0]} | - | - |"
+                f"| {ANCHORS.get(r['job'], '-')} | - | - | - | - | {r['error'].split('. Fix')[0]} | - | - |"
             )
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
@@ -423,7 +452,7 @@ def write_markdown(rows: list[dict], args, path: Path) -> None:
             f"| {r['job']} | {r.get('mesh') or r['world']} | {r['memory_budget_gb'] or '-'} | {r['nodes']} "
             f"| {r['trace_s']} | {r['search_s']} | {r.get('search_cpu_s', '-')} | {r['predicted_ms']} "
             f"| {_percent(r.get('mfu'))} | {ANCHORS.get(r['job'], '-')} | {r.get('exposed_comm_ms', '-')} "
-            f"| {r['memory_gib']} | {r.get('sent_gb', '-')} | {kinds} "
+            f"| {r['memory_gib']} | {r.get('peak_gib', '-')} | {r.get('sent_gb', '-')} | {kinds} "
             f"| {stored} | {levers} |"
         )
     for r in rows:

@@ -162,7 +162,7 @@ from hidup.search import dp, ilp
 from hidup.search.memory import Recompute
 from hidup.search.modes import CallerWork, solve_beside, solve_modes
 from hidup.search.problem import Models, Problem, SearchError
-from hidup.search.schedule import Evaluation, evaluate
+from hidup.search.schedule import Evaluation, evaluate, peak
 
 __all__ = [
     "search",
@@ -425,7 +425,7 @@ def _offloading(run: Callable[[SearchOptions], Plan], opts: SearchOptions, mesh:
     if best is again:
         best.options["offload_used"] = (
             f"no plan fits the memory budget of {budget / 2**30:.1f} GiB per rank without it"
-            + (f" (the least found needs {plan.memory['total'] / 2**30:.1f} GiB)" if plan is not None else "")
+            + (f" (the least found needs {peak(plan.memory) / 2**30:.1f} GiB)" if plan is not None else "")
         )
     return best
 
@@ -680,7 +680,7 @@ def _resharded(graph: Graph, profile, opts: SearchOptions, models: Models, plan:
     budget = opts.memory_budget
 
     def fastest(problem: Problem) -> Evaluation | None:
-        fitting = [ev for mode in modes for ev in [evaluate(problem, ks, mode)] if ev.memory["total"] <= budget]
+        fitting = [ev for mode in modes for ev in [evaluate(problem, ks, mode)] if peak(ev.memory) <= budget]
         return _fastest(fitting) if fitting else None
 
     best = fastest(problem)
@@ -724,7 +724,7 @@ def _other_axes(sig: Signature, axis: int) -> tuple:
 
 
 def _fits(found: "_Found | Plan", budget: float | None) -> bool:
-    return budget is None or found.memory["total"] <= budget
+    return budget is None or peak(found.memory) <= budget
 
 
 def _better(found: "_Found | Plan", plan: "_Found | Plan | None", budget: float | None) -> bool:
@@ -805,8 +805,8 @@ def _search_mesh(graph: Graph, profile, opts: SearchOptions, progress, models: M
     if budget is not None and not _fits(plan, budget):
         raise SearchError(
             f"no plan the mesh search found fits the memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} "
-            f"GiB) per rank on the {mesh_text(graph.mesh)} mesh; the plan it kept needs {plan.memory['total']:.6g} "
-            f"bytes ({plan.memory['total'] / 2**30:.3f} GiB). Fix: raise the budget, or use more ranks"
+            f"GiB) per rank on the {mesh_text(graph.mesh)} mesh; the plan it kept needs {peak(plan.memory):.6g} "
+            f"bytes ({peak(plan.memory) / 2**30:.3f} GiB) at its peak. Fix: raise the budget, or use more ranks"
         )
     return plan.plan(opts.explain)
 
@@ -825,16 +825,17 @@ def _least(
     opts: SearchOptions, models: Models, choices: dict[str, Signature], make: Callable[[int], Recompute], count: int
 ) -> int:
     """The least ``k`` in ``0 .. count`` for which the plan of ``choices`` with the layers ``make(k)``
-    recomputed fits the memory budget by the memory model's per-node terms (``make`` recomputes more,
-    and keeps less, as ``k`` grows; the per-node terms leave out the parameters' kept copies, so no
-    smaller ``k`` fits with them either); found by bisection, ``make(count)`` assumed to fit."""
+    recomputed fits the memory budget by the budget's per-node terms (:meth:`MemoryModel.bound`, with
+    :meth:`MemoryModel.budget_constant`, no resharded copies; ``make`` recomputes more, and keeps less, as
+    ``k`` grows; the per-node terms leave out the parameters' kept copies, so no smaller ``k`` fits with
+    them either); found by bisection, ``make(count)`` assumed to fit."""
     order = models.positions().order
 
     def fits(k: int) -> bool:
         memory = models.memory(
             opts.optimizer_factor, opts.precision, make(k), ZERO_STAGE.get(opts.zero, 0), _offloaded(opts)
         )
-        return sum(memory.total(n, choices[n.name]) for n in order) <= opts.memory_budget
+        return sum(memory.bound(n, choices[n.name]) for n in order) + memory.budget_constant() <= opts.memory_budget
 
     lo, hi = 0, count
     while lo < hi:
@@ -859,22 +860,17 @@ def _fewest(
     parameters' kept copies and the saved form changes too, taking more until it fits; None where even
     ``make(count)`` does not."""
     choices = {node.name: problem.sigs[i][k] for i, (node, k) in enumerate(zip(problem.order, best.ks))}
-    if (
-        sum(
-            models.memory(
-                opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0), _offloaded(opts)
-            ).total(n, choices[n.name])
-            for n in problem.order
-        )
-        > opts.memory_budget
-    ):
+    most = models.memory(
+        opts.optimizer_factor, opts.precision, make(count), ZERO_STAGE.get(opts.zero, 0), _offloaded(opts)
+    )
+    if sum(most.bound(n, choices[n.name]) for n in problem.order) + most.budget_constant() > opts.memory_budget:
         return None
     k = _least(opts, models, choices, make, count)
     while True:
         recompute = make(k)
         fewer = problem if recompute == problem.recompute else problem.derive(recompute)
         ev = best if fewer is problem else evaluate(fewer, best.ks, best.duplication)
-        if ev.memory["total"] <= opts.memory_budget:
+        if peak(ev.memory) <= opts.memory_budget:
             return fewer, ev
         if k >= count:
             return None
@@ -1246,7 +1242,7 @@ def _solve_modes_within(
             ev.total
             for ks in plans
             for ev in (evaluate(problem, ks, False), evaluate(problem, ks, True))
-            if ev.memory["total"] <= budget
+            if peak(ev.memory) <= budget
         ]
 
     in_hand = fitting(found)
@@ -1387,16 +1383,6 @@ def _backward_bytes(p: Problem, tid: int, op: str, nbytes: float, src=None) -> i
     return int(nbytes * share)
 
 
-def _prefetched(problem: Problem, choices: dict[str, Signature]) -> float:
-    """What a prefetching program holds besides the plan's memory sum: the largest unit's gathered copies
-    of resharded parameters (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`); 0 without prefetch."""
-    if not problem.prefetch:
-        return 0.0
-    params = [n.name for n in problem.graph.nodes if n.op == "param"]
-    reshard = frozenset(params if problem.reshard is True else problem.reshard)
-    return problem.memory.plan_prefetched(choices, reshard)
-
-
 def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, explain: int = 6) -> Plan:
     """Package an evaluated assignment as a :class:`Plan` (conversions, costs, runner-ups)."""
     g, p = problem.graph, problem
@@ -1461,7 +1447,7 @@ def make_plan(problem: Problem, ev: Evaluation, algorithm: str, options: dict, e
         choices=choices,
         stages=ev.stages,
         predicted=ev.times(),
-        memory={**ev.memory, "transient": p.memory.plan_transient(choices), "prefetch": _prefetched(p, choices)},
+        memory=dict(ev.memory),
         conversions=conversions,
         options=options,
         node_costs=node_costs,

@@ -3,7 +3,8 @@
 ``brute_force`` evaluates ``prod_i |signatures(i)|`` assignments with
 :func:`hidup.search.schedule.evaluate` and returns the first one of least DP objective
 (:attr:`~hidup.search.schedule.Evaluation.objective`: the predicted time with duplication, the
-serialized sum without) under the memory budget, if any.  Only for small graphs.
+serialized sum without) within the memory budget by the DP's terms (:meth:`Problem.plan_memory`), if
+any.  Only for small graphs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def brute_force(
             ev = evaluate(problem, list(ks), duplication)
         except SearchError:
             continue
-        if memory_budget is not None and ev.memory["total"] > memory_budget:
+        if memory_budget is not None and problem.plan_memory(ks) > memory_budget:  # the DP's budget terms
             continue
         if ev.objective < best_t:
             best, best_t = list(ks), ev.objective

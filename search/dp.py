@@ -257,8 +257,19 @@ def _mem_node_step(states: dict, trans, i: int, new: dict, mem_floor: float, bud
 
 def _budget_message(problem: Problem, budget: float, i: int, max_states, max_points) -> str:
     """Why the memory-aware DP ran out of plans at position ``i``: no plan fits (and the least memory
-    any plan needs), or the beam dropped the plans that do."""
+    any plan needs), or the beam dropped the plans that do.  The least memory is the ILP's
+    (:func:`~hidup.search.ilp.min_memory`), except where every node's leanest term already exceeds the
+    budget on a graph of ``PRICE_MIN_POSITIONS`` positions or more: no plan fits, and that sum, a lower
+    bound, is said instead (the ILP over a large model's graph takes longer than the search)."""
     node = problem.order[i]
+    lower = problem.min_mem_suffix[0]
+    if lower > budget and problem.n >= PRICE_MIN_POSITIONS:
+        return (
+            f"no plan fits the memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per rank (the "
+            f"search ran out of plans at node {node.name}); the least memory any plan needs is at least "
+            f"{lower:.6g} bytes ({lower / 2**30:.3f} GiB), each node's leanest signature. Fix: raise the "
+            "budget to at least that, or use more ranks."
+        )
     try:
         need = min_memory(problem)
     except CbcMissing:  # no CBC to compute the least memory: say what is known

@@ -75,21 +75,80 @@ model); the search then finds selective recomputation no better and does not use
 
 Transients
 ----------
-What lives only around one op is not a sum over nodes but a maximum: :meth:`MemoryModel.transient` of
-a ``call`` node under ``s`` is the larger of
+What lives only around one op is not a sum over nodes but a maximum.  ``tr(n, s)``
+(:meth:`MemoryModel.transient`) of a ``call`` node under ``s`` is the larger of
 
-* its forward's outputs, ``sum_j local(out_j, s.outputs[j])``, plus for each ``reduce`` output the
-  buffer its sum over ranks lands in (the largest form its consumers read it in, when the plan is
-  known; as large as the output otherwise: an upper bound), and
+* its forward's buffers: its outputs, ``sum_j local(out_j, s.outputs[j])`` (a row-parallel LM head's
+  full-size partial logits, an attention kernel's output and statistics, a decomposed attention's
+  ``seq x seq`` scores, which are the output of its ``bmm`` and ``softmax`` nodes), plus for each
+  ``reduce`` output the buffer its sum over ranks lands in (the largest form its consumers read it in,
+  when the plan is known; as large as the output otherwise: an upper bound), plus the gathered copies
+  of the parameters it reads (the all-gathered weights in flight: when the plan is known, those stored
+  in another form than the node reads; otherwise every parameter input in the form the node reads it,
+  an upper bound), and
 * its backward's gradients: of each output that requires one, ``local(out_j, .)``, and of each input
   that requires one, ``local(in_i, .)`` widened to the op's widest output dtype (autocast runs a
   loss's log-softmax in float32, and the gradient it returns is float32), twice for an op whose output
   is smaller than its largest input (a loss holds an input-sized gradient inside its backward: the
   log-softmax's, then its input's).
 
-:meth:`MemoryModel.plan_transient` is the largest over a plan's nodes: the logits and their gradient
-for a language model, the full-size partial logits of a row-parallel LM head.  Added to the sum above
-it bounds the peak that ``hidup peak`` predicts by running the program (``tests/test_memory.py``).
+For a language model the largest is the loss's backward over the logits (compute dtype, float32
+upcast, its gradient) or a row-parallel LM head's partial logits with their sum.  A fused (flash)
+attention keeps ``O(seq)`` statistics, counted among what it saves; its workspace outside the
+allocator is not counted.
+
+The peak
+--------
+The sum above is the memory at the end of the forward.  The peak bound (:meth:`MemoryModel.plan_peak`,
+``plan.memory["peak"]``) follows the program order ``n_1 .. n_m`` of a plan's nodes.  With ``A_i`` the
+activations of ``n_1 .. n_i`` (the per-node terms' prefix, plus from the start what only the whole-plan
+count sees, such as kept gathered copies; at most the plan's activations ``A``) and ``D_i`` the
+gradients of the parameters whose last reader is ``n_i`` or later (a gradient exists from its last
+reader's backward on; gradients are set to None before each step)::
+
+    peak = P + O + 2 I + s + max( D,  max over call nodes n_i of  A_i + D_i + tr(n_i, s_i) ) + prefetch
+
+``P``, ``O``, ``I`` the parameters, optimizer state and inputs (twice: the batch a rank is handed and
+its local copies), ``s`` Adam's step counts (8 bytes per trainable parameter).  While ``n_i``'s forward
+runs, what earlier nodes saved lives and no gradient exists; while its backward runs, what ``n_1 .. n_i``
+saved lives and the gradients of the parameters read at or after ``n_i``: ``A_i + D_i + tr(n_i)``
+bounds both.  ``D``, every gradient, is the optimizer's step (no activation then).  On the CPU the bound
+is within 6% of the fake-tensor run of the rank program (``hidup peak``, exact to the byte against a
+real run) for a GPT whose logits dominate, data, tensor and FSDP-style plans, and never below it
+(``tests/test_transient.py``).
+
+The budget
+----------
+The search's memory budget constrains the peak bound, but the DP and the ILP need a sum over nodes.
+With the floor ``T0 = max over call nodes n of min over n's signatures s of tr(n, s)`` (the transient
+every plan holds at least once, at the node whose least is largest), each node's term is
+
+    b(n, s) = total(n, s) + max(0, tr(n, s) - T0) + h(n, s)
+
+(``h``: an input node's second copy, a parameter node's step counts, :meth:`MemoryModel.held`), and the
+budget holds ``T0 + sum_n b(n, s_n)`` (:meth:`MemoryModel.bound`; :mod:`hidup.search.problem` adds ``T0``
+at its first position, with, where resharded parameters are prefetched, an upper bound of the prefetched
+copies over every plan: :meth:`MemoryModel.prefetch_ceiling`, each unit's resharded weights at the
+largest form a reader may read them in).  Since ``tr(n, s_n) <= T0 + max(0, tr(n, s_n) - T0)`` for every
+``n``, ``max_n tr(n, s_n) <= T0 + sum_n max(0, tr(n, s_n) - T0)``, so a plan within the budget by these
+terms has sum plus largest transient within it, and its peak bound too: the DP's terms are an upper
+bound of the peak bound.  Most nodes' transients are below ``T0`` (the logits' transients dwarf a
+layer's) and add nothing; a signature that makes a larger one (the row-parallel LM head's partial
+logits) pays its excess.  The plan found is then priced by its peak bound (``Evaluation.memory["peak"]``),
+which decides whether it fits.
+
+Those terms also count every gradient beside every activation, which the peak bound never holds at
+once: at ``n_i`` the gradients of the parameters last read before ``n_i`` do not exist yet and the
+activations of the nodes after it not any more, and at the optimizer's step no activation does.  So
+for every plan the terms exceed the peak bound by at least
+
+    L = min( sum_n least act(n),  min over call nodes n_i of  sum over parameters p last read before n_i
+             of least grads(p) + sum over nodes after n_i of least act(n) )
+
+(``least``: over the node's signatures; :meth:`MemoryModel.peak_slack`), and the budget's constant is
+``T0 - L`` (with the prefetch ceiling; never so low that a first position's term is negative): still
+never below the peak bound, and no longer above it by the gradients of a model whose peak is at the
+loss.
 
 Prefetched gathers
 ------------------
@@ -109,12 +168,14 @@ node of unit ``u`` (not of a recomputed layer), :meth:`MemoryModel.plan_prefetch
     prefetch = max over units u of  G(u - 1) + G(u) + G(u + 1)
 
 three neighbouring units' resharded gathered weights (FSDP2 holds two layers': the current one's and the
-prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``).  Like the transient it is
-not a per-node term (the search's budget sees neither); the sum plus both bounds the peak.
+prefetched one's), recorded beside the transient (``plan.memory["prefetch"]``) and added to the peak
+bound.  The budget's terms add its ceiling over every plan ("The budget"): a constant for a search with
+resharding, which changes no choice between plans, only which fit.
 
-Not counted: the buffers of a form change beyond a ``reduce`` output's sum (an all-gathered weight
-that no backward keeps), workspace, the CUDA context and fragmentation; keep a margin below the
-device size (docs/memory.md compares with measured peaks).
+Not counted: an activation's form-change buffers beyond a ``reduce`` output's sum, the flat buffers
+of the gradient buckets, ZeRO-2's whole gradients during the backward, kernel workspace outside the
+allocator, the CUDA context and fragmentation; keep a margin below the device size (docs/memory.md
+compares with measured peaks).
 """
 
 from __future__ import annotations
@@ -186,6 +247,7 @@ def saves_output(node: Node) -> bool:
 
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "inputs")
+STEP_BYTES = 8  # Adam's step count of one parameter, as torch keeps it
 
 
 @dataclass
@@ -219,6 +281,12 @@ class MemoryModel:
         # breakdown); and node name -> that first part
         self._breakdown: dict[tuple, tuple] = {}
         self._alike_key: dict[str, tuple] = {}
+        # ("transient", twin's name, id(signature)) -> (signature, tr(n, s) without the plan), and T0 once
+        # worked out: what does not depend on the recomputed layers, shared as saved_memo is
+        self._transients: dict[tuple, tuple] = self.saved_memo if self.saved_memo is not None else {}
+        self._consumers: dict[int, list] | None = None  # tensor -> (consumer's name, input index), once needed
+        self._ceilings: dict[frozenset, float] = {}  # resharded parameters' tensors -> prefetch_ceiling
+        self._param_of: dict[int, Node] = {}
         # node name -> its recomputed layer's family size L_f; tensors a recomputed layer keeps as input
         self.share: dict[str, int] = {}
         self.kept_inputs: set[int] = set()
@@ -425,17 +493,25 @@ class MemoryModel:
     def total(self, node: Node, sig: Signature) -> float:
         return sum(self.breakdown(node, sig))
 
-    def transient(self, node: Node, sig: Signature, summed: dict[int, float] | None = None) -> float:
-        """Bytes per rank that live only around ``node``'s op under ``sig`` (module docstring,
-        "Transients"): the larger of its forward's outputs and its backward's gradients.  A ``reduce``
-        output's sum over ranks is a second buffer: ``summed[t]`` bytes when the plan's consumers are
-        known, else as large as the output."""
+    def transient(
+        self, node: Node, sig: Signature, summed: dict[int, float] | None = None, gathered: dict | None = None
+    ) -> float:
+        """``tr(n, s)``: bytes per rank that live only around ``node``'s op under ``sig`` (module docstring,
+        "Transients"): the larger of its forward's outputs, their sums and its gathered weights, and its
+        backward's gradients.  A ``reduce`` output's sum over ranks is a second buffer: ``summed[t]`` bytes
+        when the plan's consumers are known, else as large as the output.  ``gathered``: the converted
+        copies of parameters the plan makes for this node ((tensor, form) -> bytes), when the plan is
+        known; else every parameter input in the form the node reads it (an upper bound)."""
         if node.op != "call":
             return 0.0
         g = self.graph
         outputs = list(zip(node.outputs, sig.outputs))
         forward = sum(self.local_bytes(t, f) for t, f in outputs)
         forward += sum((summed or {}).get(t, self.local_bytes(t, f)) for t, f in outputs if f == REDUCE)
+        if gathered is None:
+            forward += sum(self.local_bytes(t, f) for t, f in zip(node.inputs, sig.inputs) if g.tensors[t].is_param)
+        else:
+            forward += sum(gathered.values())
         backward = sum(self.local_bytes(t, f) for t, f in outputs if g.tensors[t].requires_grad)
         # an input's gradient comes back at the op's widest dtype (autocast's float32 ops upcast theirs)
         widest = max((self._itemsize(t) for t in node.outputs), default=0.0)
@@ -449,6 +525,51 @@ class MemoryModel:
             (g.tensors[t].numel for t in node.inputs), default=0
         )
         return max(forward, backward + grads * (2 if reduces else 1))
+
+    def node_transient(self, node: Node, sig: Signature) -> float:
+        """:meth:`transient` of ``node`` under ``sig`` without the plan (its upper bound), kept per signature
+        and :meth:`_alike` node."""
+        if node.op != "call":
+            return 0.0
+        key = ("transient", self.twin(node).name, id(sig))
+        hit = self._transients.get(key)
+        if hit is None or hit[0] is not sig:
+            hit = self._transients[key] = (sig, self.transient(node, sig))
+        return hit[1]
+
+    @property
+    def transient_floor(self) -> float:
+        """``T0 = max over call nodes n of min over n's signatures s of tr(n, s)``: the transient every plan
+        holds at least once (module docstring, "The budget")."""
+        hit = self._transients.get(("transient floor",))
+        if hit is None:
+            hit = self._transients[("transient floor",)] = max(
+                (
+                    min(self.node_transient(n, s) for s in n.signatures)
+                    for n in self.graph.nodes
+                    if n.op == "call" and n.signatures
+                ),
+                default=0.0,
+            )
+        return hit
+
+    def bound(self, node: Node, sig: Signature) -> float:
+        """``b(n, s) = total(n, s) + max(0, tr(n, s) - T0) + h(n, s)``: ``node``'s term in the search's budget
+        (module docstring, "The budget"); the budget adds ``T0`` once."""
+        return (
+            self.total(node, sig)
+            + max(0.0, self.node_transient(node, sig) - self.transient_floor)
+            + self.held(node, sig)
+        )
+
+    def held(self, node: Node, sig: Signature) -> float:
+        """``h(n, s)``: what the peak holds of ``node`` besides its parts (module docstring, "The peak"): an
+        input's second copy, a trainable parameter's step counts."""
+        if node.op == "input":
+            return self.breakdown(node, sig)[4]
+        if node.op == "param":
+            return STEP_BYTES * sum(1 for t in node.outputs if self.graph.tensors[t].requires_grad)
+        return 0.0
 
     def plan_prefetched(self, choices: dict[str, Signature], reshard: frozenset = frozenset()) -> float:
         """The bytes a prefetching program holds besides the sum (module docstring, "Prefetched gathers"):
@@ -478,18 +599,150 @@ class MemoryModel:
                     held[u] = held.get(u, 0.0) + self.local_bytes(t, form)
         return max((held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0)
 
+    def budget_constant(self, resharded: frozenset = frozenset(), prefetch: bool = True) -> float:
+        """What the budget's terms add once (module docstring, "The budget"): ``T0``, the prefetched copies'
+        ceiling of the resharded parameters' tensors ``resharded``, less the slack ``L``."""
+        ceiling = self.prefetch_ceiling(resharded) if prefetch else 0.0
+        return self.transient_floor + ceiling - self.peak_slack()
+
+    def peak_slack(self) -> float:
+        """``L``: a bound below which ``T0 + sum_n b(n, s_n)`` never comes closer to the peak bound, over every
+        plan (module docstring, "The budget"): the least over positions ``i`` of the least gradients of the
+        parameters last read before ``i`` plus the least activations of the nodes after ``i``."""
+        hit = self._transients.get(("peak slack", self.recomputing, self.zero))
+        if hit is not None:
+            return hit
+        nodes = self.graph.nodes
+        index = {n.name: i for i, n in enumerate(nodes)}
+        least = [
+            [min((self.breakdown(n, s)[j] for s in n.signatures), default=0.0) for j in (1, 3)] for n in nodes
+        ]  # the least gradients and activations of each node
+        freed = [0.0] * (len(nodes) + 1)  # gradients of parameters last read before position i, at i
+        for n, (grads, _) in zip(nodes, least):
+            if n.op == "param" and grads:
+                readers = [index[c] for t in n.outputs for c, _ in self._readers(t) if c in index]
+                freed[max(readers, default=len(nodes)) + 1 if readers else len(nodes)] += grads
+        before, after = 0.0, sum(act for _, act in least)
+        slack = after  # the optimizer's step: every activation is gone
+        for i, (n, (_, act)) in enumerate(zip(nodes, least)):
+            before += freed[i]
+            after -= act
+            if n.op == "call":
+                slack = min(slack, before + after)
+        self._transients[("peak slack", self.recomputing, self.zero)] = slack
+        return slack
+
+    def prefetch_ceiling(self, params: frozenset) -> float:
+        """An upper bound of :meth:`plan_prefetched` over every plan whose resharded parameters are among the
+        tensors ``params`` (module docstring, "The budget"): each unit's readers of them counted at the largest
+        form any of the reader's signatures reads them in, three neighbouring units at most."""
+        if not params:
+            return 0.0
+        hit = self._ceilings.get(params)
+        if hit is None:
+            calls = [n for n in self.graph.nodes if n.op == "call"]
+            held: dict[int, float] = {}
+            made: set[tuple] = set()
+            for n, u in zip(calls, prefetch_units([block_label(n.module) for n in calls])):
+                for j, t in enumerate(n.inputs):
+                    if t not in params or (t, u) in made or self.layer_of(n):
+                        continue
+                    made.add((t, u))
+                    held[u] = held.get(u, 0.0) + max(self.local_bytes(t, s.inputs[j]) for s in n.signatures)
+            hit = self._ceilings[params] = max(
+                (held.get(u - 1, 0.0) + g + held.get(u + 1, 0.0) for u, g in held.items()), default=0.0
+            )
+        return hit
+
     def _itemsize(self, tid: int) -> float:
         """Bytes per element of tensor ``tid`` at the model's precision."""
         return self.nbytes[tid] / max(self.graph.tensors[tid].numel, 1)
 
+    def plan_transient_of(self, node: Node, choices: dict[str, Signature]) -> float:
+        """:meth:`transient` of ``node`` in a whole plan (node name -> signature): each ``reduce`` output's
+        sum sized by the largest form its consumers read it in, and the parameters' gathered copies those
+        the plan makes for the node (stored in another form than it reads)."""
+        if node.op != "call" or node.name not in choices:
+            return 0.0
+        self._index_readers()
+        sig = choices[node.name]
+        summed = {
+            t: max((self.local_bytes(t, choices[c].inputs[j]) for c, j in self._consumers.get(t, ()) if c in choices),
+                   default=0.0)
+            for t, f in zip(node.outputs, sig.outputs)
+            if f == REDUCE
+        }  # fmt: skip
+        gathered = {}
+        for t, f in zip(node.inputs, sig.inputs):
+            param = self._param_of.get(t)
+            if param is None or param.name not in choices:
+                continue
+            stored = choices[param.name].outputs[param.outputs.index(t)]
+            if as_used(stored) != as_used(f):
+                gathered[(t, as_used(f))] = self.local_bytes(t, f)
+        return self.transient(node, sig, summed, gathered)
+
     def plan_transient(self, choices: dict[str, Signature]) -> float:
-        """The largest :meth:`transient` of a whole plan (node name -> signature), each ``reduce``
-        output's sum sized by the largest form its consumers read it in."""
-        summed: dict[int, float] = {}
-        for n in self.graph.nodes:
-            sig = choices.get(n.name)
-            for t, f in zip(n.inputs, sig.inputs if sig is not None else ()):
-                summed[t] = max(summed.get(t, 0.0), self.local_bytes(t, f))
-        return max(
-            (self.transient(n, choices[n.name], summed) for n in self.graph.nodes if n.name in choices), default=0.0
+        """The largest :meth:`plan_transient_of` of a whole plan: the nodes taken by their bound
+        (:meth:`node_transient`, never below), largest first, until no bound left can beat the largest found."""
+        nodes = sorted(
+            (n for n in self.graph.nodes if n.op == "call" and n.name in choices),
+            key=lambda n: -self.node_transient(n, choices[n.name]),
         )
+        best = 0.0
+        for n in nodes:
+            if self.node_transient(n, choices[n.name]) <= best:
+                break
+            best = max(best, self.plan_transient_of(n, choices))
+        return best
+
+    def plan_peak(self, choices: dict[str, Signature], parts: dict[str, float], prefetch: float = 0.0) -> dict:
+        """The plan's peak bound (module docstring, "The peak") from its memory ``parts`` (``MEMORY_PARTS``:
+        the activations the plan's whole count, which the per-node prefix reaches at the last node; the
+        gradients the per-node terms' sum) and ``prefetch``.  Returns ``{"peak", "transient" (the largest),
+        "peak_transient" (the transient at the peak)}``."""
+        activations, grads_total = parts["activations"], parts["grads"]
+        nodes = [n for n in self.graph.nodes if n.name in choices]
+        terms = [self.breakdown(n, choices[n.name]) for n in nodes]
+        index = {n.name: i for i, n in enumerate(nodes)}
+        # a parameter's gradient exists from the backward of its last reader on: at and before that position
+        grads_from = [0.0] * (len(nodes) + 1)
+        for n, term in zip(nodes, terms):
+            if n.op == "param" and term[1]:
+                readers = [index[c] for t in n.outputs for c, _ in self._readers(t) if c in index]
+                grads_from[max(readers, default=len(nodes))] += term[1]
+        for i in range(len(nodes) - 1, -1, -1):
+            grads_from[i] += grads_from[i + 1]
+        live = max(0.0, activations - sum(t[3] for t in terms))  # copies the per-node terms cannot see
+        bounded = []
+        for i, (n, term) in enumerate(zip(nodes, terms)):
+            live += term[3]
+            if n.op == "call":
+                here = min(live, activations) + grads_from[i]
+                bounded.append((here + self.node_transient(n, choices[n.name]), here, n))
+        bounded.sort(key=lambda b: -b[0])
+        best, at = max(grads_total, activations + grads_from[len(nodes) - 1] if nodes else 0.0), 0.0
+        for bound, here, n in bounded:  # largest bound first, until none left can beat the best found
+            if bound <= best:
+                break
+            tr = self.plan_transient_of(n, choices)
+            if here + tr > best:
+                best, at = here + tr, tr
+        # besides the parts: the optimizer's step count per trainable parameter, and the rank's inputs a
+        # second time (the batch it is handed and the local copies its program makes)
+        held = parts["params"] + parts["optimizer"] + parts["inputs"]
+        held += sum(self.held(n, choices[n.name]) for n in nodes if n.op in ("param", "input"))
+        return {"peak": held + best + prefetch, "transient": self.plan_transient(choices), "peak_transient": at}
+
+    def _readers(self, tid: int) -> list:
+        """(name, input index) of each node reading tensor ``tid``."""
+        self._index_readers()
+        return self._consumers.get(tid, [])
+
+    def _index_readers(self) -> None:
+        if self._consumers is None:
+            self._consumers = {}
+            for n in self.graph.nodes:
+                for j, t in enumerate(n.inputs):
+                    self._consumers.setdefault(t, []).append((n.name, j))
+            self._param_of = {t: n for n in self.graph.nodes if n.op == "param" for t in n.outputs}

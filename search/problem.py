@@ -472,7 +472,14 @@ class Problem:
         self.device_compute = [[self._again(i, d) for d in row] for i, row in enumerate(self._plain_device)]
         self.compute = [[self.cost.in_program(d) for d in row] for row in self.device_compute]
         self.mem_parts = [[memory.breakdown(node, s) for s in sigs] for node, sigs in zip(self.order, self.sigs)]
-        self.mem = [[sum(p) for p in parts] for parts in self.mem_parts]
+        # the budget's terms (:mod:`hidup.search.memory`, "The budget"): each node's memory and its transient
+        # beyond the floor T0, which the first position adds once, with the prefetched resharded copies' ceiling,
+        # less the slack L every plan's terms keep above its peak bound
+        self.mem = [[memory.bound(node, s) for s in sigs] for node, sigs in zip(self.order, self.sigs)]
+        if self.mem:
+            once = memory.budget_constant(self.reshardable, self.prefetch)
+            once = max(once, -min(self.mem[0]))  # no term below 0 (the ILP drops those)
+            self.mem[0] = [m + once for m in self.mem[0]]
         self.fixed = [self._again(i, f) for i, f in enumerate(self._plain_fixed)]
         self.compute_copy = [[self._again(i, c) for c in row] for i, row in enumerate(self._plain_copy)]
         self.windows, self.back_windows = self._prefetch_windows()
@@ -907,6 +914,16 @@ class Problem:
         if hit is self._conv_ids:
             hit = self._conv_ids[key] = self.cost.conversion(tid, self.forms[src], self.forms[dst])
         return hit
+
+    def prefetched(self, choices: dict[str, Signature]) -> float:
+        """What a prefetching program holds besides the plan's memory sum: three neighbouring units' gathered
+        copies of resharded parameters (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`); 0
+        without prefetch."""
+        if not self.prefetch:
+            return 0.0
+        params = [n.name for n in self.graph.nodes if n.op == "param"]
+        reshard = frozenset(params if self.reshard is True else self.reshard)
+        return self.memory.plan_prefetched(choices, reshard)
 
     def plan_memory(self, ks) -> float:
         """Bytes per rank of the choices ``ks``: every step's memory, the parameters' kept copies

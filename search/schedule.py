@@ -106,6 +106,7 @@ __all__ = [
     "Evaluation",
     "evaluate",
     "overlapped_backward",
+    "peak",
     "compress_steps",
     "ZERO_DUP",
 ]
@@ -244,6 +245,10 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     parts[MEMORY_PARTS.index("activations")] += sum(s.copies for s in steps)  # parameters' kept copies
     memory = dict(zip(MEMORY_PARTS, parts))
     memory["total"] = sum(parts)
+    choices = {problem.order[i].name: problem.sigs[i][k] for i, k in enumerate(ks)}
+    prefetch = problem.prefetched(choices)
+    memory.update(problem.memory.plan_peak(choices, memory, prefetch), prefetch=prefetch)
+    memory["bound"] = sum(s.mem for s in steps)  # the DP's terms (Problem.plan_memory): never below the peak bound
     stages: list[list[str]] = []
     for i, s in enumerate(steps):
         if not stages or s.fwd_item[0] > 0.0 or s.fwd_item[1] > 0.0:
@@ -276,6 +281,13 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
         optimizer,
         gather,
     )
+
+
+def peak(memory: dict[str, float]) -> float:
+    """The bytes per rank a plan's memory (``Evaluation.memory``, ``Plan.memory``) needs at its peak: the
+    memory model's peak bound (:meth:`~hidup.search.memory.MemoryModel.plan_peak`), what the memory budget
+    constrains; the sum of its parts where it has none (a plan written before the bound existed)."""
+    return memory.get("peak", memory["total"])
 
 
 def overlapped_backward(steps: list[Step]) -> float:

@@ -138,14 +138,20 @@ def test_under_a_budget_the_mesh_search_beats_the_forced_styles_that_fit():
         warnings.simplefilter("ignore")
         graph = trace(model, inputs, mesh=(2, 8))
         fastest = hidup.search(graph, CLUSTER, duplication=False)
-        budget = 0.6 * fastest.memory["total"]
+        budget = 0.6 * fastest.memory["bound"]  # the search's terms: the sum with the transients' bound
         plan = hidup.search(graph, CLUSTER, memory_budget=budget)
-        assert plan.memory["total"] <= budget < fastest.memory["total"]
+        assert plan.memory["peak"] <= budget < fastest.memory["peak"]
+        fitting = 0
         for styles in (("fsdp", "fsdp"), ("tensor", "fsdp"), ("fsdp", "tensor")):
-            fixed = forced(graph, CLUSTER, styles, memory_budget=budget)
+            try:
+                fixed = forced(graph, CLUSTER, styles, memory_budget=budget)
+            except SearchError:  # that style does not fit the budget with its transients
+                continue
+            fitting += 1
             assert plan.predicted["total"] <= fixed.predicted["total"] * (1 + 1e-9), styles
+        assert fitting
         with pytest.raises(SearchError, match="no plan fits the memory budget .* the least memory any plan needs"):
-            hidup.search(graph, CLUSTER, memory_budget=0.02 * fastest.memory["total"])
+            hidup.search(graph, CLUSTER, memory_budget=0.02 * fastest.memory["bound"])
 
 
 def test_cli_search_on_a_mesh(tmp_path, capsys):

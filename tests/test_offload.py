@@ -229,12 +229,13 @@ def test_search_offloads_only_when_nothing_else_fits(world4):
     least = float(re.search(r"the least memory any plan needs is (\S+) bytes", str(caught.value)).group(1))
     budget = 0.98 * least
     fit = search(graph, profile, duplication=False, memory_budget=budget)
-    assert fit.offload == "optimizer" and fit.memory["total"] <= budget
+    assert fit.offload == "optimizer" and fit.memory["peak"] <= budget
     assert "no plan fits the memory budget" in fit.options["offload_used"]
     text = summary(fit, graph)
     assert "optimizer offloaded to the host (no plan fits the memory budget" in text
-    # a budget the device meets: no offload
-    roomy = search(graph, profile, duplication=False, memory_budget=1.02 * least)
+    # a budget the device meets: no offload (the least is by each node's leanest signature, which no one
+    # plan may reach with its kept copies: room for the DP's beam)
+    roomy = search(graph, profile, duplication=False, memory_budget=1.1 * least)
     assert roomy.offload == "off"
     with pytest.raises(ValueError, match="offload must be one of auto, off, optimizer"):
         search(graph, profile, offload="master")

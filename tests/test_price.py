@@ -17,14 +17,15 @@ EXACT = (None, None, True, False)  # max_states, max_points, reuse_blocks, hide_
 
 
 def _plans(pr: Problem, duplication: bool) -> list[tuple[float, float, list[int]]]:
-    """(objective, memory, signature indices) of every feasible assignment."""
+    """(objective, memory, signature indices) of every feasible assignment; memory by the DP's terms (the
+    memory model's sum with the bound of its largest transient: ``Problem.plan_memory``)."""
     out = []
     for ks in itertools.product(*(range(len(s)) for s in pr.sigs)):
         try:
             ev = evaluate(pr, list(ks), duplication)
         except SearchError:
             continue
-        out.append((ev.objective, ev.memory["total"], list(ks)))
+        out.append((ev.objective, pr.plan_memory(ks), list(ks)))
     return out
 
 
@@ -49,7 +50,7 @@ def test_priced_dp_finds_the_least_priced_plan(seed):
         best = min(t + price * m for t, m, _ in plans)
         assert value == pytest.approx(best, rel=1e-9)
         ev = evaluate(pr, ks, False)
-        assert time == pytest.approx(ev.objective, rel=1e-9) and memory == pytest.approx(ev.memory["total"])
+        assert time == pytest.approx(ev.objective, rel=1e-9) and memory == pytest.approx(pr.plan_memory(ks))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -63,7 +64,7 @@ def test_priced_dp_with_duplication_prices_its_plan_consistently(seed):
             ks, time, memory, value = dp._priced(pr, True, price, (32, 16, reuse, False))
             ev = evaluate(pr, ks, True)
             assert time == pytest.approx(ev.objective, rel=1e-9)
-            assert value == pytest.approx(ev.objective + price * ev.memory["total"], rel=1e-9)
+            assert value == pytest.approx(ev.objective + price * pr.plan_memory(ks), rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -84,7 +85,8 @@ def test_a_budget_met_by_price_fits_and_reaches_the_hull(seed, monkeypatch):
     monkeypatch.setattr(dp, "PRICE_GAP", 0.0)
     ks, time = dp.solve(pr, False, budget, dp.Beam(None, None), by_price=True)
     ev = evaluate(pr, ks, False)
-    assert ev.memory["total"] <= budget and time == pytest.approx(ev.objective, rel=1e-9)
+    assert pr.plan_memory(ks) <= budget and ev.memory["peak"] <= budget
+    assert time == pytest.approx(ev.objective, rel=1e-9)
     assert time >= min(t for t, m, _ in plans if m <= budget) * (1 - 1e-9)
     assert time == pytest.approx(min(t for m, t in _lower_hull(plans) if m <= budget), rel=1e-9)
 
@@ -114,6 +116,23 @@ def test_a_budget_no_plan_meets_says_so_by_price_too():
     with pytest.raises(SearchError) as e:
         dp.solve(pr, False, least * 0.9, dp.Beam(None, None), by_price=True)
     assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
+
+
+def test_a_large_graph_no_plan_fits_says_the_leanest_terms_without_the_ilp(monkeypatch):
+    """Where every node's leanest term already exceeds the budget on a large graph, the message says that
+    lower bound of the least memory and solves no ILP (over a large model's graph it outlasts the search)."""
+    g = random_graph(7, calls=4, max_sigs=3)
+    pr = Problem(g, SOCKET)
+    lower = pr.min_mem_suffix[0]
+    monkeypatch.setattr(dp, "PRICE_MIN_POSITIONS", pr.n)
+
+    def no_ilp(problem, time_limit=None):
+        raise AssertionError("the ILP ran")
+
+    monkeypatch.setattr(dp, "min_memory", no_ilp)
+    with pytest.raises(SearchError) as e:
+        dp.solve(pr, False, lower * 0.9, dp.Beam(None, None), by_price=True)
+    assert f"the least memory any plan needs is at least {lower:.6g} bytes" in str(e.value)
 
 
 def test_large_beam_searches_use_the_price_and_small_ones_the_memory_aware_dp(monkeypatch):

@@ -112,7 +112,9 @@ def _memories(pr):
             ev = evaluate(pr, list(ks), False)
         except SearchError:
             continue
-        out.append((ev.memory["total"], ev.total))
+        out.append(
+            (ev.memory["bound"], ev.total, ev.objective)
+        )  # the search's terms: the sum with the transients' bound
     return out
 
 
@@ -121,11 +123,11 @@ def test_memory_budget_is_respected_and_optimal(seed):
     g = random_graph(400 + seed, calls=4, max_sigs=3)
     pr = Problem(g, SOCKET)
     mems = _memories(pr)
-    lo, hi = min(m for m, _ in mems), max(m for m, _ in mems)
+    lo, hi = min(m for m, _, _ in mems), max(m for m, _, _ in mems)
     if lo == hi:
         pytest.skip("every plan uses the same memory")
     budget = (lo + hi) / 2
-    best = min(t for m, t in mems if m <= budget)
+    best = min((o, t) for m, t, o in mems if m <= budget)[1]  # the DP's objective picks it
     for algorithm in ("dp", "ilp"):
         plan = hidup.search(
             g,
@@ -135,29 +137,31 @@ def test_memory_budget_is_respected_and_optimal(seed):
             memory_budget=budget,
             **(EXACT if algorithm == "dp" else {}),
         )
-        assert plan.memory["total"] <= budget
-        assert rel_eq(plan.predicted["total"], best, 1e-7)
+        # within the budget by its peak bound, and no slower than the best plan by the search's terms (one that
+        # fits only by its peak bound may be faster)
+        assert plan.memory["peak"] <= budget
+        assert plan.predicted["total"] <= best * (1 + 1e-7)
     dup_plan = hidup.search(g, SOCKET, duplication=True, memory_budget=budget, **EXACT)
-    assert dup_plan.memory["total"] <= budget
+    assert dup_plan.memory["peak"] <= budget
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_budget_that_does_not_bind_gives_the_plan_without_one(seed):
     g = random_graph(420 + seed, calls=4, max_sigs=3)
     free = hidup.search(g, SOCKET, duplication=True, **EXACT)
-    roomy = hidup.search(g, SOCKET, duplication=True, memory_budget=free.memory["total"], **EXACT)
+    roomy = hidup.search(g, SOCKET, duplication=True, memory_budget=free.memory["bound"], **EXACT)
     assert roomy.choices == free.choices and roomy.predicted == free.predicted
     mems = _memories(Problem(g, SOCKET))
-    tight = min(m for m, _ in mems)
-    if tight < free.memory["total"]:  # a budget that binds still finds a plan within it
-        assert hidup.search(g, SOCKET, duplication=True, memory_budget=tight, **EXACT).memory["total"] <= tight
+    tight = min(m for m, _, _ in mems)
+    if tight < free.memory["bound"]:  # a budget that binds still finds a plan within it
+        assert hidup.search(g, SOCKET, duplication=True, memory_budget=tight, **EXACT).memory["peak"] <= tight
 
 
 @pytest.mark.parametrize("algorithm", ["dp", "ilp"])
 def test_infeasible_budget_reports_the_minimum(algorithm):
     g = random_graph(7, calls=4, max_sigs=3)
     pr = Problem(g, SOCKET)
-    least = min(m for m, _ in _memories(pr))
+    least = min(m for m, _, _ in _memories(pr))
     with pytest.raises(SearchError) as e:
         hidup.search(g, SOCKET, algorithm=algorithm, memory_budget=least * 0.9, offload="off")
     assert f"{least:.6g} bytes" in str(e.value) and "least memory" in str(e.value)
@@ -544,7 +548,9 @@ def test_both_modes_in_two_processes_equal_one_after_the_other(monkeypatch):
 
 @pytest.mark.parametrize(
     "profile,seed,skips",
-    [("nvlink", 431, True), ("nvlink", 441, True), ("nvlink", 458, True), ("socket", 457, True)]
+    # (nvlink 431 skipped it while the budget held the sum alone; with the transients' bound it does not)
+    [("nvlink", 441, True), ("nvlink", 458, True), ("socket", 457, True)]
+    + [("nvlink", 431, False)]
     + [("socket", seed, False) for seed in (430, 431, 433)],
 )
 def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, seed, skips, monkeypatch):
@@ -557,8 +563,8 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
     prof = {"nvlink": NVLINK, "socket": SOCKET}[profile]
     g = random_graph(seed, calls=5, max_sigs=3)
     mems = _memories(Problem(g, prof))
-    budget = sorted(m for m, _ in mems)[len(mems) // 4]
-    assert hidup.search(g, prof, duplication=True, **EXACT).memory["total"] > budget  # it binds
+    budget = sorted(m for m, _, _ in mems)[len(mems) // 4]
+    assert hidup.search(g, prof, duplication=True, **EXACT).memory["bound"] > budget  # it binds
     calls = []
     solve = dp.solve
 
@@ -579,6 +585,6 @@ def test_duplication_under_a_budget_is_searched_only_when_it_can_win(profile, se
     )
     full = hidup.search(g, prof, duplication=True, memory_budget=budget, **EXACT)
     for plan in (shortcut, forked):
-        assert plan.memory["total"] <= budget
+        assert plan.memory["peak"] <= budget
         assert rel_eq(plan.predicted["total"], full.predicted["total"])
         assert plan.duplication == full.duplication and plan.choices == full.choices

@@ -83,7 +83,7 @@ def _as_dtype(dtype) -> torch.dtype | None:
 
 
 def build(
-    name: str, world_size: int = 1, *, device=None, dtype=None, seed: int = 0, **overrides
+    name: str, /, world_size: int = 1, *, device=None, dtype=None, seed: int = 0, **overrides
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build model ``name`` -- a zoo name or ``package.module:function`` -- and example inputs for the
     global batch.

@@ -200,7 +200,7 @@ def positional_inputs(model: nn.Module, inputs, where: str) -> tuple:
     )
 
 
-def build_factory(spec: str, world_size: int = 1, *, device=None, seed: int = 0, **args) -> tuple[nn.Module, tuple]:
+def build_factory(spec: str, /, world_size: int = 1, *, device=None, seed: int = 0, **args) -> tuple[nn.Module, tuple]:
     """Call the factory ``spec`` names (see the module docstring); ``(model, positional inputs)``."""
     factory = load_factory(spec)
     device = torch.device(device) if device is not None else torch.device("cpu")

@@ -62,6 +62,17 @@ def summary(plan: Plan, graph: Graph | None = None) -> str:
     return "\n".join(lines)
 
 
+# what a plan's memory records beside its parts and their total (hidup.search.memory, "The peak")
+_BOUNDS = ("total", "transient", "prefetch", "peak", "peak_transient", "bound", "host")
+
+
+def _peak_parts(m: dict) -> str:
+    """What the peak holds besides the parts: its largest op's temporaries and the prefetched copies."""
+    parts = [f"around its largest op up to {_mb(m['transient'])} of temporaries"] if m.get("transient") else []
+    parts += [f"prefetched resharded weights up to {_mb(m['prefetch'])}"] if m.get("prefetch") else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _totals(plan: Plan) -> list[str]:
     p, m = plan.predicted, plan.memory
     mesh = f" (a {mesh_text(plan.mesh_shape)} mesh)" if len(plan.mesh) > 1 else ""
@@ -74,10 +85,10 @@ def _totals(plan: Plan) -> list[str]:
         "memory per rank: "
         + _mb(m.get("total", 0.0))
         + " ("
-        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in ("total", "transient", "prefetch", "host"))
+        + ", ".join(f"{k} {_mb(v)}" for k, v in m.items() if k not in _BOUNDS)
         + ")"
-        + (f"; around its largest op up to {_mb(m['transient'])} more (temporaries)" if m.get("transient") else "")
-        + (f"; prefetched resharded weights up to {_mb(m['prefetch'])} more" if m.get("prefetch") else "")
+        + (f"; at its peak up to {_mb(m['peak'])}" if m.get("peak") else "")
+        + _peak_parts(m)
         + (f"; host memory {_mb(m['host'])} (the optimizer offloaded)" if m.get("host") else ""),
     ]
     if plan.recompute:

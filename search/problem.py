@@ -95,8 +95,9 @@ consumer, so the compiled graph overlaps it with the unit's compute as the eager
 other change of a parameter (an all-to-all, a layout change of two collectives) runs in place under
 compilation and gets no window, nor does a resharded parameter's gather, forward or backward (the
 compiled program leaves it where it was and lets the partitioner make it again: :mod:`hidup.codegen.prefetch`).
-A program compiled in several graphs (gradient-bucket segments) runs the gathers into a segment's first
-unit in place; they keep their window here (optimistic by at most one unit's gathers per extra graph).
+A program compiled in several graphs (gradient-bucket segments) issues the gathers into a segment's first
+unit where they are waited for, blocking; they keep their window here (optimistic by at most one unit's
+gathers per extra graph).
 Either way a prefetched copy lives a unit longer (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
 
 The backward collectives of a prefetched gather -- the reduce-scatter of the weight's gradient --
@@ -108,9 +109,9 @@ a parameter with a window (compiled: one that runs as one asynchronous all-gathe
 (not made again: not resharded, recomputed or selective), ``Step.bwd_async`` holds its backward
 communication and ``Step.bwd_block`` does not; :func:`hidup.search.schedule.overlapped_backward`
 prices both as it prices the gradient all-reduces of replicated parameters (the sums the DP and the
-ILP minimize are unchanged).  What it leaves out: compiled in several graphs, each graph waits for its
-reduce-scatters at its end (optimistic by what the graphs after it would have hidden), and a gather
-into a graph's first unit runs in place and blocks in the backward as well.
+ILP minimize are unchanged).  Compiled in several graphs, each graph's backward waits for its own
+reduce-scatters at its end; the evaluation prices that (:func:`hidup.search.schedule.graph_ends`), the
+DP's sums do not see it.
 
 Caches shared by the problems of one search
 -------------------------------------------

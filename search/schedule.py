@@ -22,8 +22,13 @@ reverse order, with ``Tc`` the compute stream's time and ``Tn`` the network's::
     blocking collectives:   Tc = Tn = max(Tc, Tn) + comm   (the stream waits for them)
     asynchronous:           Tn = max(Tn, Tc) + comm        (launched, not waited for)
 
-and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  The DP minimizes the
-serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
+and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  A compiled program waits for
+a prefetched gather's reduce-scatter where the backward of the graph that issued it ends (the start of
+a gradient-bucket segment, the node after an all-to-all dispatcher's graph break: :func:`graph_ends`)::
+
+    end of a graph's backward:  Tc = max(Tc, the Tn its last reduce-scatter ended at)
+
+The DP minimizes the serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
 (:attr:`Evaluation.objective`), and a second DP the same sum without the asynchronous collectives, a
 lower bound (``hide_grad_sync``, :func:`hidup.search.dp.solve`): the first undervalues plans whose
 gradient sync overlaps the backward (data parallelism), the second overvalues them; the search

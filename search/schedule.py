@@ -313,22 +313,37 @@ def graph_ends(problem: Problem, ks: list[int]) -> frozenset[int]:
     break, :mod:`hidup.rules.dispatch`); none where the program is not compiled."""
     if not problem.cost.compiled:
         return frozenset()
+    calls, labels, inputs, params, experts = _call_layout(problem)
     graph, mesh = problem.graph, problem.graph.mesh
     stored: dict[int, int] = {}
-    for i, node in enumerate(problem.order):
-        t = graph.tensors[node.outputs[0]] if node.op == "param" and node.outputs else None
-        if t is None or not t.requires_grad:
-            continue
+    for i in params:
+        t = graph.tensors[problem.order[i].outputs[0]]
         form = problem.sigs[i][ks[i]].outputs[0]
         if any(f == REPLICATE for f in getattr(form, "forms", (form,))):
             stored[t.id] = math.prod(form.local_shape(t.shape, mesh)) * DTYPE_BYTES[t.dtype]
-    calls, labels, new_bytes, breaks = [], [], [], []
-    for i, node in enumerate(problem.order):
-        if node.op != "call":
-            continue
-        calls.append(i)
-        labels.append(block_label(node.module))
-        new_bytes.append(sum(stored.pop(t, 0) for t in dict.fromkeys(node.inputs)))
-        breaks.append(problem.cost.dispatch(node, problem.sigs[i][ks[i]]) is not None)
+    new_bytes = [sum(stored.pop(t, 0) for t in read) for read in inputs]
     segments = graph_segments(labels, new_bytes, max(1, int(problem.cost.bucket_mb * 2**20)))
-    return frozenset(i for k, i in enumerate(calls) if k and (segments[k] != segments[k - 1] or breaks[k - 1]))
+    ends = {i for k, i in enumerate(calls) if k and segments[k] != segments[k - 1]}
+    for k in experts:  # the call after a node that dispatches by all-to-all starts a graph
+        i = calls[k]
+        if k + 1 < len(calls) and problem.cost.dispatch(problem.order[i], problem.sigs[i][ks[i]]) is not None:
+            ends.add(calls[k + 1])
+    return frozenset(ends)
+
+
+def _call_layout(problem: Problem) -> tuple:
+    """What :func:`graph_ends` reads of ``problem`` whatever the plan, worked out once per problem: the
+    call positions, their block labels and inputs, the trainable parameters' positions and the indices
+    (among the calls) of the routed-experts nodes."""
+    hit = getattr(problem, "_call_layout", None)
+    if hit is None:
+        order, tensors = problem.order, problem.graph.tensors
+        calls = [i for i, node in enumerate(order) if node.op == "call"]
+        labels = [block_label(order[i].module) for i in calls]
+        inputs = [tuple(dict.fromkeys(order[i].inputs)) for i in calls]
+        params = [
+            i for i, n in enumerate(order) if n.op == "param" and n.outputs and tensors[n.outputs[0]].requires_grad
+        ]
+        experts = [k for k, i in enumerate(calls) if order[i].target.split(".", 1)[0] == "routed_experts"]
+        hit = problem._call_layout = (calls, labels, inputs, params, experts)
+    return hit

@@ -26,8 +26,16 @@ off by default), so the ranks issue their collectives in the same order.
 Prefetched weight gathers are the exception (:mod:`hidup.codegen.prefetch`): issued a unit early as
 torch's functional all-gather (:func:`gather_start`) and waited for at the consumer
 (:func:`gather_wait`), they overlap the compute between; a graph that has them is compiled with
-inductor's ``sink_waits`` pass (:data:`SINK_WAITS`), which moves each wait to right before its first
-reader and reorders nothing by measured times, so every rank still makes the same schedule.
+inductor's ``sink_waits`` pass (:data:`SINK_WAITS`), which schedules each wait as late as its readers
+allow and reorders nothing by measured times, so every rank still makes the same schedule.  Their
+gradients' reduce-scatters are issued the same way in the backward (:class:`_GatherStart`): the wait,
+and the cast and gradient accumulation that read it, sink past the rest of that graph's backward,
+which the reduce-scatter overlaps as FSDP2's does on its own stream.  What that holds: a weight's
+gradient in the dtype it is summed in, from the end of its reader's backward to the end of the graph,
+where its gathered copy (held from the forward to the end of that backward, in the dtype it travelled
+in) is no longer held; so no more bytes than the copy's at a time, where the gradient is summed in the
+dtype the weight travelled in (bf16 with ``reduce_dtype="bf16"``), twice as many where a bf16 copy's
+gradient is summed in float32.
 
 Why custom ops rather than compiling the regions between collectives: one graph per program (per
 stage with duplication) lets inductor fuse across what would otherwise be a dozen small regions,
@@ -68,7 +76,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from hidup.codegen import collectives
-from hidup.ir import FORM_CHANGE_OPS, Form, conversion
+from hidup.ir import FORM_CHANGE_OPS, Form, conversion, graph_segments
 
 LAYER = "layer"  # node.meta key: the repeated layer (hidup.ir.block_label) a generated node belongs to, "" if none
 
@@ -275,22 +283,24 @@ convert_cast.register_autograd(_convert_cast_grad, setup_context=_setup_cast_con
 
 class _GatherStart(torch.autograd.Function):
     """Issue the all-gather along dim 0 of ``x`` cast to ``dtype`` as torch's functional collective,
-    not waited for; its backward is ``hidup::convert_backward`` of ``gather_0 -> full`` (the
-    reduce-scatter of :func:`convert`, on the group of ``token``) of the gradient cast to ``summed``,
-    returned in ``x``'s dtype: the adjoint :func:`convert_cast` runs, bit for bit."""
+    not waited for.  Its backward is the adjoint :func:`convert_cast` runs, the reduce-scatter along dim 0
+    of the gradient cast to ``summed``, returned in ``x``'s dtype, bit for bit -- issued the same way, as
+    torch's functional ``reduce_scatter_tensor`` on the same group, and waited for (``wait_tensor``) where
+    the gradient is read: inductor's ``sink_waits`` (:data:`SINK_WAITS`) moves that wait, and the cast
+    after it, past the rest of the graph's backward compute, which the reduce-scatter thus overlaps
+    (FSDP2's reduce-scatter on its own stream; :mod:`hidup.search.schedule` prices it so)."""
 
-    # why: the collective's spec whole (group size, name and token, both dtypes)
+    # why: the collective's spec whole (group size and name, both dtypes)
     @staticmethod
-    def forward(ctx, x, world, name, token, dtype, summed):
-        ctx.world, ctx.x_dtype, ctx.summed = world, x.dtype, summed
-        ctx.save_for_backward(token)
+    def forward(ctx, x, world, name, dtype, summed):
+        ctx.world, ctx.name, ctx.x_dtype, ctx.summed = world, name, x.dtype, summed
         return torch.ops._c10d_functional.all_gather_into_tensor(x.to(dtype).contiguous(), world, name)
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        back = torch.ops.hidup.convert_backward(grad.to(ctx.summed), "gather_0", "full", ctx.world, token)
-        return back.to(ctx.x_dtype), None, None, None, None, None
+        summed = grad.to(ctx.summed).contiguous()
+        h = torch.ops._c10d_functional.reduce_scatter_tensor(summed, "sum", ctx.world, ctx.name)
+        return torch.ops._c10d_functional.wait_tensor(h).to(ctx.x_dtype), None, None, None, None
 
 
 class _GatherWait(torch.autograd.Function):
@@ -311,13 +321,14 @@ def gather_start(
     """Under compilation: issue the all-gather ``gather_dim -> full`` of ``x`` on the active group (mesh
     axis ``axis``'s where given), sent in ``dtypes[0]`` and its gradient summed in ``dtypes[1]`` (both
     ``x``'s dtype where None), and return the collective's output, which :func:`gather_wait` makes
-    readable.  The values and gradient are :func:`convert`'s (``convert_cast``'s); only the wait moves."""
+    readable.  The values and gradient are :func:`convert`'s (``convert_cast``'s); only the waits move (the
+    gradient's reduce-scatter is asynchronous too, :class:`_GatherStart`)."""
     active = ACTIVE
-    world, token = (active.world, active.token) if axis is None else active.axes[axis]
+    world = active.world if axis is None else active.axes[axis][0]
     name = active.name if axis is None else active.axis_names[axis]
     front = x.movedim(dim, 0) if dim else x
     dtype, summed = dtypes if dtypes is not None else (x.dtype, x.dtype)
-    return _GatherStart.apply(front.contiguous(), world, name, token, dtype, summed)
+    return _GatherStart.apply(front.contiguous(), world, name, dtype, summed)
 
 
 def gathers_async(axis: int | None = None) -> bool:
@@ -361,10 +372,12 @@ SINK_WAITS = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_com
 
 def _issues_async(module: torch.nn.Module) -> bool:
     """Whether ``module`` (an fx program) issues a prefetched gather asynchronously under compilation
-    (a ``hidup_prefetch`` call with its ``link``, :mod:`hidup.codegen.prefetch`)."""
+    (a ``hidup_prefetch`` call, or a ``hidup_prefetch_wait`` that issues it, with its ``link``,
+    :mod:`hidup.codegen.prefetch`): its forward waits for it, its backward for the reduce-scatter."""
     graph = getattr(module, "graph", None)
     return isinstance(graph, torch.fx.Graph) and any(
-        getattr(n.target, "__name__", "") == "hidup_prefetch" and n.kwargs.get("link") for n in graph.nodes
+        getattr(n.target, "__name__", "") in ("hidup_prefetch", "hidup_prefetch_wait") and n.kwargs.get("link")
+        for n in graph.nodes
     )
 
 
@@ -377,13 +390,13 @@ def compile_module(module: torch.nn.Module, backend: str):
 
 
 def bucket_segments(gm: torch.fx.GraphModule, replicated: list[str], bucket_mb: float) -> dict[str, int]:
-    """Segment of every call node of ``gm`` for :func:`compile_segments`, in program order: once the
-    replicated parameters (``replicated``: gm paths) first read in the open segment hold ``bucket_mb``
-    MB or more, a new segment starts at the next *cut*.  A cut is the first node of a repeated layer
-    (``meta[LAYER]``, :func:`hidup.ir.block_label` of the plan node it comes from), so a segment
-    ends where only the layer's output (the residual stream) crosses to the next; in a program
-    without repeated layers it is any node that first reads a replicated parameter.  Each segment
-    thus holds at least about one gradient bucket's parameters
+    """Segment of every call node of ``gm`` for :func:`compile_segments`, in program order
+    (:func:`hidup.ir.graph_segments`): once the replicated parameters (``replicated``: gm paths) first
+    read in the open segment hold ``bucket_mb`` MB or more, a new segment starts at the next *cut*.  A
+    cut is the first node of a repeated layer (``meta[LAYER]``, :func:`hidup.ir.block_label` of the
+    plan node it comes from), so a segment ends where only the layer's output (the residual stream)
+    crosses to the next; in a program without repeated layers it is any node that first reads a
+    replicated parameter.  Each segment thus holds at least about one gradient bucket's parameters
     (:class:`hidup.codegen.grads.GradBucketer` packs them by first use too), and a whole number of
     layers where the model has them.
 
@@ -391,30 +404,21 @@ def bucket_segments(gm: torch.fx.GraphModule, replicated: list[str], bucket_mb: 
     activations, attention inputs) graph outputs that inductor must materialize and autograd save,
     where one graph would fuse or recompute them; measured on one H100 with a 4-layer
     ``transformers`` Llama (bf16), a cut at every bucket inside the layers cost 5% of the step."""
-    limit = max(1, int(bucket_mb * 2**20))
     attr_of = {n: n.target for n in gm.graph.nodes if n.op == "get_attr"}
     wanted = set(replicated)
-    layered = any(n.meta.get(LAYER) for n in gm.graph.nodes)
     seen: set[str] = set()
-    segment, held, out = 0, 0, {}
-    layer = ""
+    names, labels, new_bytes = [], [], []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         new = [
             attr_of[a] for a in node.all_input_nodes if a in attr_of and attr_of[a] in wanted and attr_of[a] not in seen
         ]
-        here = node.meta.get(LAYER, "")
-        cut = (here and here != layer) if layered else bool(new)
-        layer = here or layer
-        if cut and held >= limit:
-            segment, held = segment + 1, 0
-        for path in new:
-            seen.add(path)
-            p = gm.get_parameter(path)
-            held += p.numel() * p.element_size()
-        out[node.name] = segment
-    return out
+        seen.update(new)
+        names.append(node.name)
+        labels.append(node.meta.get(LAYER, ""))
+        new_bytes.append(sum(gm.get_parameter(path).numel() * gm.get_parameter(path).element_size() for path in new))
+    return dict(zip(names, graph_segments(labels, new_bytes, max(1, int(bucket_mb * 2**20)))))
 
 
 def compile_segments(gm: torch.fx.GraphModule, segment_of: dict[str, int], backend: str) -> torch.nn.Module:

@@ -35,14 +35,17 @@ issues the all-gather as torch's functional collective (``_c10d_functional.all_g
 (``wait_tensor``) and runs the links after it.  Inductor lowers the pair to a collective launched on
 the process group's communication stream and a wait that makes the compute stream wait for it, with
 the compute between them free to run: the compiled form of the side stream.  Its gradient is the
-conversion's own backward (``hidup::convert_backward``, cast as :func:`~hidup.codegen.collectives.convert_cast`
+conversion's own backward, the reduce-scatter (cast as :func:`~hidup.codegen.collectives.convert_cast`
 casts), so values and gradients are the eager program's.  Inductor's scheduler may reorder the graph
 (for peak memory it hoists the waits next to their collectives), so a graph with such gathers is
-compiled with inductor's pass that sinks each wait to right before its first reader
-(:data:`hidup.codegen.compiled.SINK_WAITS`); it moves only waits, the same way on every rank.  An
+compiled with inductor's pass that schedules each wait as late as its readers allow
+(:data:`hidup.codegen.compiled.SINK_WAITS`); it moves only waits, the same way on every rank.  The
+gather's gradient is reduce-scattered the same way in the backward, as torch's functional collective
+whose wait sinks past the rest of the graph's backward (:class:`hidup.codegen.compiled._GatherStart`).  An
 in-flight collective must be waited for in the graph that issued it: where the program is compiled as
 several graphs (gradient-bucket segments, duplication stages, a graph break), a gather whose wait lies
-in another graph runs in place (:func:`confine_links`).  A chain with another collective (an
+in another graph is issued where it is waited for (:func:`confine_links`): blocking in the forward, its
+gradient's reduce-scatter still asynchronous in the backward.  A chain with another collective (an
 all-to-all, a layout change of two collectives) runs in place, one unit early, blocking.
 
 Under ``torch.compile`` a resharded parameter's chain is not moved: the compiled program frees its
@@ -150,15 +153,19 @@ def _finish(h: torch.Tensor, chain: tuple, link: tuple) -> torch.Tensor:
     return _run(compiled.gather_wait(h, Form.parse(src).dim), chain[k + 1 :])
 
 
-def hidup_prefetch(x: torch.Tensor, chain: tuple, link: tuple | None = None) -> "torch.Tensor | Pending":
+def hidup_prefetch(
+    x: torch.Tensor, chain: tuple, link: tuple | None = None, at_use: bool = False
+) -> "torch.Tensor | Pending":
     """Issue the conversions ``chain`` (``((function name, extra args, keywords), ...)``) of the shard ``x``
     (module docstring): on a side stream eagerly on CUDA; under compilation with ``link`` (its all-gather
-    link, :func:`_async_link`) as a functional collective waited for by :func:`hidup_prefetch_wait`; in
-    place otherwise."""
+    link, :func:`_async_link`) as a functional collective waited for by :func:`hidup_prefetch_wait`, or
+    with ``at_use`` there (:func:`confine_links`); in place otherwise."""
     if _deferred(chain):
         return x
     if torch.compiler.is_compiling():
-        return _start(x, chain, link) if link is not None else _run(x, chain)
+        if link is None:
+            return _run(x, chain)
+        return x if at_use else _start(x, chain, link)
     if x.device.type != "cuda":
         return _run(x, chain)
     side = _side_stream(x.device)
@@ -170,13 +177,16 @@ def hidup_prefetch(x: torch.Tensor, chain: tuple, link: tuple | None = None) -> 
     return Pending(out, event)
 
 
-def hidup_prefetch_wait(p: "torch.Tensor | Pending", chain: tuple, link: tuple | None = None) -> torch.Tensor:
+def hidup_prefetch_wait(
+    p: "torch.Tensor | Pending", chain: tuple, link: tuple | None = None, at_use: bool = False
+) -> torch.Tensor:
     """The prefetched tensor, once the current stream may read it (the chain run here where
-    :func:`hidup_prefetch` left it; under compilation with ``link`` the functional collective waited for)."""
+    :func:`hidup_prefetch` left it; under compilation with ``link`` the functional collective waited for,
+    issued here too with ``at_use``)."""
     if _deferred(chain):
         return _run(p, chain)
     if link is not None and torch.compiler.is_compiling():
-        return _finish(p, chain, link)
+        return _finish(_start(p, chain, link) if at_use else p, chain, link)
     if isinstance(p, torch.Tensor):
         return p
     current = torch.cuda.current_stream(p.value.device)
@@ -281,9 +291,11 @@ def confine_links(gm: torch.fx.GraphModule, part_of) -> int:
     """Keep the asynchronous form (``link``) of the prefetched gathers of ``gm`` whose start and wait lie
     in one compiled graph: ``part_of(node)`` names the graph torch.compile makes of each call node (a
     gradient-bucket segment, a duplication stage; a graph break at :data:`BREAKS` starts another); a
-    gather whose wait lies in another graph runs in place, as an in-flight functional collective may not
-    cross graphs.  Run before the program is split and compiled (again at each split: it starts from the
-    pass's links); eager runs ignore ``link``.  Returns how many gathers run in place."""
+    gather whose wait lies in another graph is issued where it is waited for (``at_use``), as an
+    in-flight functional collective may not cross graphs: blocking in the forward, its reduce-scatter
+    still asynchronous in the backward (:class:`hidup.codegen.compiled._GatherStart`).  Run before the
+    program is split and compiled (again at each split: it starts from the pass's links); eager runs
+    ignore ``link`` and ``at_use``.  Returns how many gathers are issued where they are waited for."""
     breaks, where = 0, {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__name__", "") in BREAKS:
@@ -298,8 +310,10 @@ def confine_links(gm: torch.fx.GraphModule, part_of) -> int:
             continue
         waits = [u for u in start.users if u.target is hidup_prefetch_wait]
         here = (part_of(start), where[start])
-        kwargs = {"link": link} if all((part_of(w), where[w]) == here for w in waits) else {}
-        placed += not kwargs
+        kwargs = {"link": link}
+        if not all((part_of(w), where[w]) == here for w in waits):
+            kwargs["at_use"] = True
+            placed += 1
         for node in (start, *waits):
             node.kwargs = kwargs
     gm.recompile()

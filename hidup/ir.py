@@ -98,6 +98,7 @@ __all__ = [
     "block_family",
     "prefetch_units",
     "async_gather_link",
+    "graph_segments",
     "Layout",
     "MeshStep",
     "MeshConversion",
@@ -648,6 +649,27 @@ def prefetch_units(labels) -> list[int]:
         if label != last:
             unit, last = unit + 1, label
         out.append(unit)
+    return out
+
+
+def graph_segments(labels, new_bytes, limit: float) -> list[int]:
+    """The compiled graph of each op of a program compiled in gradient-bucket segments: ``labels`` each
+    op's :func:`block_label` in program order, ``new_bytes`` the bytes of the replicated parameters it
+    is the first to read.  Once those read in the open segment hold ``limit`` bytes or more, a new
+    segment starts at the next *cut*: the first op of a repeated layer, or, where no op has a label, any
+    op that first reads a replicated parameter.  :func:`hidup.codegen.compiled.bucket_segments` cuts the
+    program there, and :func:`hidup.search.schedule.evaluate` prices where each graph's backward ends
+    (its asynchronous reduce-scatters waited for): one statement of the rule for both."""
+    labels, new_bytes = list(labels), list(new_bytes)
+    layered = any(labels)
+    segment, held, layer, out = 0, 0, "", []
+    for here, new in zip(labels, new_bytes):
+        cut = (here and here != layer) if layered else bool(new)
+        layer = here or layer
+        if cut and held >= limit:
+            segment, held = segment + 1, 0
+        held += new
+        out.append(segment)
     return out
 
 

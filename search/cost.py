@@ -466,6 +466,7 @@ class CostModel:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (the runtime's gradient bucket size in MB), got {bucket_mb!r}")
         self.graph, self.profile, self.precision = graph, profile, precision
+        self.bucket_mb = bucket_mb  # the runtime's gradient bucket, MB (a compiled program's graphs follow it)
         self.zero = zero  # the ZeRO stage of the replicated parameters (module docstring, "ZeRO")
         self.world, self.mesh = graph.world_size, graph.mesh
         trainable = sum(t.nbytes for t in graph.tensors.values() if t.is_param and t.requires_grad)

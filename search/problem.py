@@ -95,9 +95,23 @@ consumer, so the compiled graph overlaps it with the unit's compute as the eager
 other change of a parameter (an all-to-all, a layout change of two collectives) runs in place under
 compilation and gets no window, nor does a resharded parameter's gather, forward or backward (the
 compiled program leaves it where it was and lets the partitioner make it again: :mod:`hidup.codegen.prefetch`).
-A program compiled in several graphs (gradient-bucket segments) runs the gathers into a segment's first
-unit in place; they keep their window here (optimistic by at most one unit's gathers per extra graph).
+A program compiled in several graphs (gradient-bucket segments) issues the gathers into a segment's first
+unit where they are waited for, blocking; they keep their window here (optimistic by at most one unit's
+gathers per extra graph).
 Either way a prefetched copy lives a unit longer (:meth:`~hidup.search.memory.MemoryModel.plan_prefetched`).
+
+The backward collectives of a prefetched gather -- the reduce-scatter of the weight's gradient --
+overlap the rest of the backward instead of blocking it (:meth:`Problem.scatters_async`): eagerly the
+chain ran on a side stream, and autograd runs its backward on that stream too; compiled, the
+asynchronous all-gather's adjoint is issued as torch's functional reduce-scatter whose wait inductor
+sinks past the rest of the graph's backward (:mod:`hidup.codegen.compiled`).  So for a form change of
+a parameter with a window (compiled: one that runs as one asynchronous all-gather) whose copy is kept
+(not made again: not resharded, recomputed or selective), ``Step.bwd_async`` holds its backward
+communication and ``Step.bwd_block`` does not; :func:`hidup.search.schedule.overlapped_backward`
+prices both as it prices the gradient all-reduces of replicated parameters (the sums the DP and the
+ILP minimize are unchanged).  Compiled in several graphs, each graph's backward waits for its own
+reduce-scatters at its end; the evaluation prices that (:func:`hidup.search.schedule.graph_ends`), the
+DP's sums do not see it.
 
 Caches shared by the problems of one search
 -------------------------------------------
@@ -183,9 +197,12 @@ class Step:
     compute: float  # no duplication: forward + backward compute
     convs: tuple[tuple[int, int, int, int], ...]  # (tensor id, input index, src form id, dst form id)
     bwd_compute: float = 0.0  # no duplication: backward compute (part of ``bwd``)
-    bwd_async: float = 0.0  # no duplication: gradient all-reduce of replicated parameters (part of ``bwd``)
+    # no duplication: what overlaps the backward, the gradient all-reduce of replicated parameters and the
+    # reduce-scatters of prefetched gathers (part of ``bwd``, :meth:`Problem.scatters_async`)
+    bwd_async: float = 0.0
     bwd_block: float = 0.0  # no duplication: backward collectives the compute stream waits for (part of ``bwd``)
     copies: float = 0.0  # bytes of the parameters' converted copies its backward keeps (part of ``mem``)
+    bwd_scatter: float = 0.0  # the reduce-scatters of prefetched gathers (part of ``bwd_async``)
 
 
 def _charge(windows: tuple[float, ...], inp: int, c) -> float:
@@ -556,6 +573,17 @@ class Problem:
             return c.fwd
         return _charge(windows, inp, c)
 
+    def scatters_async(self, i: int, inp: int, src: int, c) -> bool:
+        """Whether the backward collectives of form change ``c`` of input ``inp`` of position ``i`` (from
+        form id ``src``) overlap the rest of the backward instead of blocking it: those of a prefetched
+        gather (one with a window; compiled, one that runs as an asynchronous all-gather, whose
+        reduce-scatter the backward issues asynchronously too) of a parameter whose copy is kept, not made
+        again (module docstring, "Prefetched gathers").  The DP, the ILP and the evaluation all read it here."""
+        windows = self.windows[i]
+        if not windows or not windows[inp] or (self.cost.compiled and not _async_gather(c.conv)):
+            return False
+        return not self.made_again(i, self.order[i].inputs[inp], src)
+
     def again_charge(self, i: int, inp: int, c) -> float:
         """Backward seconds a resharded parameter's form change ``c`` of input ``inp`` of position ``i``
         costs when the backward makes it again: ``c.fwd``, its communication less the window of the next
@@ -767,7 +795,7 @@ class Problem:
         node = self.order[i]
         states = dict(zip(idx, sub))
         need = self.in_forms[i][k]
-        ff = fb = fb_async = fb_block = lf = lb = 0.0
+        ff = fb = fb_async = fb_block = fb_scatter = lf = lb = 0.0
         fA = fB = bA = bB = 0.0
         lfA = lfB = lbA = lbB = 0.0
         rf = rlf = rfA = rfB = rlfA = rlfB = copies = 0.0  # conversions made again in the backward; kept copies
@@ -784,8 +812,10 @@ class Problem:
                 return None
             ff += self.forward_charge(i, inp, c)
             fb += c.bwd
-            fb_async += c.bwd_async  # the gradient all-reduce; packing the bucket runs on the compute stream
-            fb_block += c.bwd_block
+            scatter = c.bwd_block if self.scatters_async(i, inp, prod, c) else 0.0  # a prefetched gather's adjoint
+            fb_async += c.bwd_async + scatter  # the gradient all-reduce; packing the bucket runs on the compute stream
+            fb_block += c.bwd_block - scatter
+            fb_scatter += scatter
             lf += c.fwd_copies
             lb += c.bwd_copies
             lfA += c.fwd_copies_a
@@ -834,6 +864,7 @@ class Problem:
             fb_async,
             fb_block,
             copies,
+            fb_scatter,
         )
         rel, li = self.relevant[i + 1], self.live_index[i + 1]
         updates = []

@@ -11,18 +11,25 @@ compute allotted to it (:mod:`hidup.search.problem`, "Prefetched gathers"; one f
 backward below, is ``copies + max(0, comm - w_b)`` likewise,
 :meth:`~hidup.search.problem.Problem.again_charge`).  With duplication the stage items are not changed
 by prefetch: the copies' schedule below overlaps their collectives already.  In the backward, the gradient
-all-reduces of replicated parameters are bucketed and asynchronous (:mod:`hidup.codegen.grads`):
-they overlap the backward of the nodes before them, sharing the network (one communicator, first
-come first served) with the blocking backward collectives of form changes.  Over the nodes in
+all-reduces of replicated parameters are bucketed and asynchronous (:mod:`hidup.codegen.grads`), and so
+are the reduce-scatters of a prefetched gather's gradient (a stored-split weight's, as FSDP2 runs them on
+a stream of their own; :meth:`~hidup.search.problem.Problem.scatters_async` says which, ``Step.bwd_async``
+holds both): they overlap the backward of the nodes before them, sharing the network (one communicator,
+first come first served) with the blocking backward collectives of form changes.  Over the nodes in
 reverse order, with ``Tc`` the compute stream's time and ``Tn`` the network's::
 
     Tc += compute_b                                        (the node's backward)
     blocking collectives:   Tc = Tn = max(Tc, Tn) + comm   (the stream waits for them)
-    gradient all-reduce:    Tn = max(Tn, Tc) + comm        (launched, not waited for)
+    asynchronous:           Tn = max(Tn, Tc) + comm        (launched, not waited for)
 
-and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  The DP minimizes the
-serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
-(:attr:`Evaluation.objective`), and a second DP the same sum without the gradient all-reduces, a
+and ``backward = max(Tc, Tn)`` (the optimizer waits for every gradient).  A compiled program waits for
+a prefetched gather's reduce-scatter where the backward of the graph that issued it ends (the start of
+a gradient-bucket segment, the node after an all-to-all dispatcher's graph break: :func:`graph_ends`)::
+
+    end of a graph's backward:  Tc = max(Tc, the Tn its last reduce-scatter ended at)
+
+The DP minimizes the serialized sum ``sum(compute + comm)`` of both passes, an upper bound of this time
+(:attr:`Evaluation.objective`), and a second DP the same sum without the asynchronous collectives, a
 lower bound (``hide_grad_sync``, :func:`hidup.search.dp.solve`): the first undervalues plans whose
 gradient sync overlaps the backward (data parallelism), the second overvalues them; the search
 times both answers with this recurrence and compares candidate plans on ``total = forward +
@@ -93,8 +100,10 @@ counted as communication).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from hidup.ir import DTYPE_BYTES, REPLICATE, block_label, graph_segments
 from hidup.search.memory import MEMORY_PARTS
 from hidup.search.problem import Problem, SearchError, Step
 
@@ -107,6 +116,7 @@ __all__ = [
     "evaluate",
     "overlapped_backward",
     "peak",
+    "graph_ends",
     "compress_steps",
     "ZERO_DUP",
 ]
@@ -237,7 +247,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
     else:
         forward = sum(s.fwd for s in steps)
         comm = forward + sum(s.bwd for s in steps) - compute
-        backward = overlapped_backward(steps)
+        backward = overlapped_backward(steps, graph_ends(problem, ks))
     parts = [0.0] * 5
     for i, k in enumerate(ks):
         for j, v in enumerate(problem.mem_parts[i][k]):
@@ -290,15 +300,65 @@ def peak(memory: dict[str, float]) -> float:
     return memory.get("peak", memory["total"])
 
 
-def overlapped_backward(steps: list[Step]) -> float:
-    """Backward time without duplication, the gradient all-reduces of replicated parameters
-    overlapping the rest of the backward (module docstring)."""
-    tc = tn = 0.0
-    for s in reversed(steps):
+def overlapped_backward(steps: list[Step], ends: frozenset[int] = frozenset()) -> float:
+    """Backward time without duplication, the gradient all-reduces of replicated parameters and the
+    reduce-scatters of prefetched gathers overlapping the rest of the backward (module docstring); at
+    the positions ``ends`` a compiled graph's backward ends, waiting for the reduce-scatters it issued."""
+    tc = tn = scattered = 0.0
+    for i in range(len(steps) - 1, -1, -1):
+        s = steps[i]
         tc += s.bwd_compute
         blocking = s.bwd_block
         if blocking > 0.0:
             tc = tn = max(tc, tn) + blocking
         if s.bwd_async > 0.0:
             tn = max(tn, tc) + s.bwd_async
+            if s.bwd_scatter > 0.0:
+                scattered = tn  # one network, first come first served: done when the network gets here
+        if i in ends:
+            tc = max(tc, scattered)
     return max(tc, tn)
+
+
+def graph_ends(problem: Problem, ks: list[int]) -> frozenset[int]:
+    """The positions whose backward ends a compiled graph of the program under plan ``ks``: the first call
+    node of every gradient-bucket segment but the first (:func:`hidup.ir.graph_segments`; the replicated
+    parameters are those the plan stores ``replicate`` on some mesh axis, at their stored bytes per
+    rank), and the call node after each routed-experts node that dispatches by all-to-all (a graph
+    break, :mod:`hidup.rules.dispatch`); none where the program is not compiled."""
+    if not problem.cost.compiled:
+        return frozenset()
+    calls, labels, inputs, params, experts = _call_layout(problem)
+    graph, mesh = problem.graph, problem.graph.mesh
+    stored: dict[int, int] = {}
+    for i in params:
+        t = graph.tensors[problem.order[i].outputs[0]]
+        form = problem.sigs[i][ks[i]].outputs[0]
+        if any(f == REPLICATE for f in getattr(form, "forms", (form,))):
+            stored[t.id] = math.prod(form.local_shape(t.shape, mesh)) * DTYPE_BYTES[t.dtype]
+    new_bytes = [sum(stored.pop(t, 0) for t in read) for read in inputs]
+    segments = graph_segments(labels, new_bytes, max(1, int(problem.cost.bucket_mb * 2**20)))
+    ends = {i for k, i in enumerate(calls) if k and segments[k] != segments[k - 1]}
+    for k in experts:  # the call after a node that dispatches by all-to-all starts a graph
+        i = calls[k]
+        if k + 1 < len(calls) and problem.cost.dispatch(problem.order[i], problem.sigs[i][ks[i]]) is not None:
+            ends.add(calls[k + 1])
+    return frozenset(ends)
+
+
+def _call_layout(problem: Problem) -> tuple:
+    """What :func:`graph_ends` reads of ``problem`` whatever the plan, worked out once per problem: the
+    call positions, their block labels and inputs, the trainable parameters' positions and the indices
+    (among the calls) of the routed-experts nodes."""
+    hit = getattr(problem, "_call_layout", None)
+    if hit is None:
+        order, tensors = problem.order, problem.graph.tensors
+        calls = [i for i, node in enumerate(order) if node.op == "call"]
+        labels = [block_label(order[i].module) for i in calls]
+        inputs = [tuple(dict.fromkeys(order[i].inputs)) for i in calls]
+        params = [
+            i for i, n in enumerate(order) if n.op == "param" and n.outputs and tensors[n.outputs[0]].requires_grad
+        ]
+        experts = [k for k, i in enumerate(calls) if order[i].target.split(".", 1)[0] == "routed_experts"]
+        hit = problem._call_layout = (calls, labels, inputs, params, experts)
+    return hit

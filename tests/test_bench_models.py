@@ -77,7 +77,8 @@ def test_a_cached_plan_is_reused_only_for_the_same_job():
 def test_search_only_writes_plans_with_compiled_predictions(tmp_path):
     out = tmp_path / "bench"
     args = ["--network", "nvlink", "--worlds", "2", "--models", "gpt", "--precisions", "bf16", "--methods",
-            "ddp", "fsdp", "expert", "hidup-auto", "--profile", "h200x4-nvlink", "--out", str(out), "--search-only", "--layers", "1",
+            "ddp", "fsdp", "expert", "hidup-auto", "--profile", "h200x4-nvlink", "--out", str(out), "--search-only",
+            "--layers", "1",
             "--d-model", "32", "--heads", "2", "--ffn", "64", "--seq-len", "8", "--batch-per-gpu", "2",
             "--vocab", "64"]  # fmt: skip
     proc = subprocess.run(

@@ -397,12 +397,16 @@ def test_segments_are_cut_at_layer_boundaries():
     import hidup
     from hidup.codegen.compiled import LAYER, bucket_segments
     from hidup.frontend.trace import trace_module
+    from hidup.ir import block_label
     from hidup.search import forced
+    from hidup.search.problem import Problem
+    from hidup.search.schedule import graph_ends
 
     model, inputs = hidup.models.build("gpt", world_size=2, **dict(SMALL["gpt"], layers=3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = forced(trace_module(model, inputs, 2).graph, PROFILE, "data", duplication=False)
+        graph = trace_module(model, inputs, 2).graph
+        plan = forced(graph, PROFILE, "data", duplication=False)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         gm = hidup.compile(model, plan, 0, 2, inputs, duplication=False).gm
@@ -417,6 +421,11 @@ def test_segments_are_cut_at_layer_boundaries():
     for prev, n in starts:
         assert n.meta[LAYER] and n.meta[LAYER] != prev.meta[LAYER], (prev.name, n.name)
     assert set(bucket_segments(gm, replicated, 1e6).values()) == {0}  # one bucket: one graph
+    # the price's graphs are these: their backward ends at the first node of each layer
+    problem = Problem(graph, hidup.profiler.load(PROFILE).launched(False, True))
+    problem.cost.bucket_mb = 1e-6
+    ends = graph_ends(problem, [problem.sigs[i].index(plan.choices[n.name]) for i, n in enumerate(problem.order)])
+    assert sorted(block_label(problem.order[i].module) for i in ends) == sorted(n.meta[LAYER] for _, n in starts)
     for n in gm.graph.nodes:  # a program without layers: any first read of a parameter may start a segment
         n.meta[LAYER] = ""
     assert len(set(bucket_segments(gm, replicated, 1e-6).values())) > 3

@@ -10,9 +10,12 @@ and their price (:mod:`hidup.search.problem`, "Prefetched gathers").
   in the forward graph inductor receives, every weight's ``all_gather_into_tensor`` issued before the
   compute of the previous unit and its ``wait_tensor`` after that compute, right before its matmul;
   loss and gradients equal the eager program's exactly.
+* The backward: each such gather's gradient is reduce-scattered as torch's functional collective and
+  waited for apart (inductor's ``sink_waits`` moves the wait), bit for bit the eager sums.
 * The price: priced ``compiled`` an FSDP-style plan's gathers get a window (the previous unit's
-  compiled compute), saving at most their communication; a resharded plan's get none (its forward
-  and backward as without prefetch), nor does an all-to-all or a two-collective layout change.
+  compiled compute), saving at most their communication, and their reduce-scatters overlap the
+  backward; a resharded plan's get neither (its forward and backward as without prefetch), nor does
+  an all-to-all or a two-collective layout change.
 """
 
 from __future__ import annotations
@@ -66,10 +69,10 @@ def test_prefetches_carry_their_link_and_stay_in_their_graph():
     assert all(w.kwargs == n.kwargs for n in starts for w in n.users)
     # one graph per layer: every gather issued in the layer before its own crosses into the next graph
     layer = {n: n.meta.get("layer", "") for n in gm.graph.nodes}
-    assert confine_links(gm, lambda n: layer[n]) == len(starts)
-    assert all(not n.kwargs and n.meta[LINK] for n in starts)
+    assert confine_links(gm, lambda n: layer[n]) == len(starts)  # each issued where it is waited for
+    assert all(w.kwargs == n.kwargs == {"link": n.meta[LINK], "at_use": True} for n in starts for w in n.users)
     assert confine_links(gm, lambda n: 0) == 0  # one graph again: every link back
-    assert all(n.kwargs["link"] == n.meta[LINK] for n in starts)
+    assert all(n.kwargs == {"link": n.meta[LINK]} for n in starts)
     assert "link = " in gm.code
     # inductor sinks the waits of a graph that has such gathers, with options this torch has
     assert _issues_async(gm) and all(hasattr(torch._inductor.config, k) for k in SINK_WAITS)
@@ -80,17 +83,22 @@ def test_prefetches_carry_their_link_and_stay_in_their_graph():
 
 
 _FORWARD_GRAPHS: list = []
+_BACKWARD_GRAPHS: list = []
 
 
 def _capture(gm, example_inputs):
-    """A torch.compile backend: AOTAutograd, keeping the forward ATen graph (what inductor lowers)."""
+    """A torch.compile backend: AOTAutograd, keeping the forward and backward ATen graphs (what inductor
+    lowers)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    def forward(g, _):
-        _FORWARD_GRAPHS.append(g.graph)
-        return g
+    def keep(graphs):
+        def compiler(g, _):
+            graphs.append(g.graph)
+            return g
 
-    return aot_autograd(fw_compiler=forward, bw_compiler=lambda g, _: g)(gm, example_inputs)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep(_FORWARD_GRAPHS), bw_compiler=keep(_BACKWARD_GRAPHS))(gm, example_inputs)
 
 
 def _rank_compiled(rank, world):
@@ -103,42 +111,57 @@ def _rank_compiled(rank, world):
     torch._dynamo.register_backend(name="hidup_forward_capture")(_capture)
     model, inputs = M.build("mlp", world_size=world, dtype=torch.float64, **MLP)
     plan = forced(trace(model, inputs, world_size=world), hidup.profiler.load(PROFILE), "fsdp", duplication=False)
-    runs = {}
-    for backend in (False, "hidup_forward_capture"):
+    runs = []
+    # eagerly; compiled; compiled with every gather issued where it is waited for (as in graphs apart)
+    for backend, at_use in ((False, False), ("hidup_forward_capture", False), ("hidup_forward_capture", True)):
         model, inputs = M.build("mlp", world_size=world, dtype=torch.float64, **MLP)
         module = hidup_compile(model, plan, rank, world, inputs, duplication=False, compile=backend, prefetch=True)
+        if at_use:
+            confine_links(module.gm, lambda n: n.meta.get("layer", ""))
         loss = module(*inputs)
         loss.backward()
-        runs[backend] = (float(module.global_loss(loss)), full_grad_dict(module))
+        runs.append((float(module.global_loss(loss)), full_grad_dict(module)))
         issued = sum(n.target is hidup_prefetch for n in module.gm.graph.nodes)
-    eager, compiled = runs[False], runs["hidup_forward_capture"]
-    (graph,) = _FORWARD_GRAPHS
+    eager = runs[0]
+    spans = [_spans(g) for g in _FORWARD_GRAPHS]
+    scatters = [[str(n.target) for n in g.nodes if "_c10d_functional" in str(n.target)] for g in _BACKWARD_GRAPHS]
+    return {
+        "loss": [(eager[0], run[0]) for run in runs[1:]],
+        "grad": [max(float((eager[1][k] - run[1][k]).abs().max()) for k in eager[1]) for run in runs[1:]],
+        "issued": issued,
+        "spans": spans,
+        "scatters": scatters,
+    }
+
+
+def _spans(graph) -> list:
+    """Per all-gather of a forward graph: the ops between its issue and its wait, and the op after the wait."""
     order = [n for n in graph.nodes if n.op == "call_function"]
-    spans = []  # per gather: the ops between its issue and its wait, and the op after the wait
+    spans = []
     for i, n in enumerate(order):
         if "all_gather_into_tensor" in str(n.target):
             (wait,) = [u for u in n.users if "wait_tensor" in str(u.target)]
             j = order.index(wait)
             after = next(str(m.target) for m in order[j + 1 :] if "wait_tensor" not in str(m.target))
             spans.append(([str(m.target) for m in order[i + 1 : j]], after))
-    return {
-        "loss": (eager[0], compiled[0]),
-        "grad": max(float((eager[1][k] - compiled[1][k]).abs().max()) for k in eager[1]),
-        "issued": issued,
-        "spans": spans,
-    }
+    return spans
 
 
 def test_compiled_gathers_are_waited_after_the_compute_they_overlap():
     r = run_distributed(_rank_compiled, 2, timeout=300)[0]
-    assert r["loss"][0] == r["loss"][1] and r["grad"] == 0.0, (r["loss"], r["grad"])
-    spans = r["spans"]
-    assert len(spans) == r["issued"] > 0
+    assert all(a == b for a, b in r["loss"]) and r["grad"] == [0.0, 0.0], (r["loss"], r["grad"])
+    spans, at_use = r["spans"]
+    assert len(spans) == len(at_use) == r["issued"] > 0
+    assert all(not ops for ops, _ in at_use)  # issued where waited for: nothing between
     # hidden.l's weight and bias are gathered while the previous unit (an activation, or the input's
     # slice) computes, and waited right before their matmul
     assert all(after in ("aten.addmm.default", "aten.mm.default", "aten.t.default") for _, after in spans), spans
     overlapped = [ops for ops, _ in spans if any(op.startswith("aten.gelu") for op in ops)]
     assert len(overlapped) >= len(spans) - 2, spans  # all but the first layer's (its unit before: the input)
+    # the backward reduce-scatters each prefetched weight's gradient as a functional collective, waited
+    # for apart (inductor sinks the wait): one issue and one wait per gather, bit for bit the eager sums
+    issue, wait = "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.wait_tensor.default"
+    assert r["scatters"] == [[issue, wait] * r["issued"]] * 2, r["scatters"]
 
 
 def test_compiled_price_gives_the_gathers_their_window():
@@ -156,7 +179,8 @@ def test_compiled_price_gives_the_gathers_their_window():
         for c in [problem.conversion(tid, a, f)]
     )
     assert gathers > 0 and off.forward - gathers <= on.forward < off.forward
-    assert on.backward == off.backward and on.compute == off.compute
+    # their reduce-scatters, issued asynchronously too, overlap the backward
+    assert on.backward < off.backward and on.compute == off.compute
     # resharded: compiled, the gathers stay where they were, forward and backward
     plan.reshard = sorted(n.name for n in graph.nodes if n.op == "param" and plan.choices[n.name].outputs[0].is_gather)
     off_r, on_r = (price(graph, profile, plan, prefetch=p, compiled=True)[False] for p in (False, True))

@@ -241,7 +241,7 @@ def test_search_recomputes_only_under_a_budget_that_needs_it(gpt_graph):
     assert on.predicted["total"] > off.predicted["total"]  # the forward runs twice
     # budgets on the search's terms (plan.memory["bound"]: the sum with the transients' bound)
     assert search(gpt_graph, profile, memory_budget=off.memory["bound"]).recompute == []
-    budget = 0.95 * off.memory["bound"]
+    budget = 0.9 * off.memory["bound"]  # (at 0.95 weights stored split fit it without recomputing)
     fit = search(gpt_graph, profile, memory_budget=budget, zero="off")  # ZeRO-2 might fit it without
     assert 0 < len(fit.recompute) < 4, fit.recompute  # the fewest layers that fit
     assert fit.memory["peak"] <= budget

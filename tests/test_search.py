@@ -441,10 +441,9 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     from hidup.search.problem import Step
     from hidup.search.schedule import overlapped_backward
 
-    def step(compute_b, blocking=0.0, grads=0.0):
-        return Step(
-            0.0, compute_b + blocking + grads, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads, blocking
-        )
+    def step(compute_b, blocking=0.0, grads=0.0, scatter=0.0):
+        bwd = compute_b + blocking + grads + scatter
+        return Step(0.0, bwd, (0,) * 4, (0,) * 4, 0.0, compute_b, (), compute_b, grads + scatter, blocking, 0, scatter)
 
     # reverse order: the last node's parameter gradient (3) is reduced while the others compute (4, then 2)
     assert overlapped_backward([step(4.0), step(2.0), step(1.0, grads=3.0)]) == pytest.approx(7.0)
@@ -452,6 +451,15 @@ def test_gradient_all_reduces_overlap_the_backward_without_duplication():
     assert overlapped_backward([step(2.0), step(1.0, blocking=1.0), step(1.0, grads=3.0)]) == pytest.approx(7.0)
     # the first node's gradient is reduced last and is fully exposed
     assert overlapped_backward([step(1.0, grads=3.0), step(2.0)]) == pytest.approx(6.0)
+    # three layers stored split (backward 2 each, reduce-scatter 3): the prefetched layers' reduce-scatters
+    # run beside the backward (2, network to 5; 4, network to 8), the first layer's blocks (max(6, 8) + 3)
+    fsdp = [step(2.0, blocking=3.0), step(2.0, scatter=3.0), step(2.0, scatter=3.0)]
+    assert overlapped_backward(fsdp) == 11.0
+    assert overlapped_backward([step(2.0, blocking=3.0)] * 3) == 15.0  # all blocking: the serialized sum
+    # compiled as two graphs, the second starting at layer 1: its backward ends waiting for both of its
+    # reduce-scatters (8), then layer 0 computes (10) and blocks (13); a gradient all-reduce is not waited for
+    assert overlapped_backward(fsdp, frozenset({1})) == 13.0
+    assert overlapped_backward([fsdp[0], step(2.0, grads=3.0), step(2.0, grads=3.0)], frozenset({1})) == 11.0
     # a data-parallel zoo plan: cheaper than the serialized sum, never cheaper than its compute
     g = hidup.trace(
         *hidup.models.build(

@@ -741,9 +741,12 @@ def test_cached_plans_are_keyed_by_every_source_the_search_reads(tmp_path):
 
     for part in ("hidup", "search", "profiler"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "exp").mkdir()
+    shutil.copy(ROOT / "exp" / "benchsearch.py", tmp_path / "exp" / "benchsearch.py")
     before = benchsearch._digest_of(tmp_path)
     assert before == benchsearch.code_digest()  # the repository's own digest, from the same files
-    for changed in ("profiler/tables.py", "search/cost.py", "hidup/ir.py"):  # collective tables, cost model, IR
+    changed_files = ("profiler/tables.py", "search/cost.py", "hidup/ir.py", "exp/benchsearch.py")
+    for changed in changed_files:  # collective tables, cost model, IR, the result's fields
         f = tmp_path / changed
         text = f.read_text()
         f.write_text(text + "\n# changed\n")

@@ -138,7 +138,7 @@ def test_under_a_budget_the_mesh_search_beats_the_forced_styles_that_fit():
         warnings.simplefilter("ignore")
         graph = trace(model, inputs, mesh=(2, 8))
         fastest = hidup.search(graph, CLUSTER, duplication=False)
-        budget = 0.6 * fastest.memory["bound"]  # the search's terms: the sum with the transients' bound
+        budget = 0.75 * fastest.memory["bound"]  # the search's terms: the sum with the transients' bound
         plan = hidup.search(graph, CLUSTER, memory_budget=budget)
         assert plan.memory["peak"] <= budget < fastest.memory["peak"]
         fitting = 0

@@ -327,15 +327,34 @@ def test_ilp_time_limit_covers_the_search_with_recomputation(gpt_graph, monkeypa
     from hidup.search import api
 
     profile = hidup.profiler.load(PROFILE)
-    budget = 0.95 * search(gpt_graph, profile, recompute="off").memory["total"]
+    budget = 0.9 * search(gpt_graph, profile, recompute="off").memory["bound"]  # the search's terms
     calls = []
     real = api.ilp.optimize
     monkeypatch.setattr(api.ilp, "optimize", lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
-        search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=1e-9, reshard="off", zero="off")
+        search(
+            gpt_graph,
+            profile,
+            algorithm="ilp",
+            memory_budget=budget,
+            time_limit=1e-9,
+            reshard="off",
+            zero="off",
+            offload="off",
+        )
     except SearchError as e:
         assert "time limit" in str(e)
     assert len(calls) == 1
     calls.clear()
-    fit = search(gpt_graph, profile, algorithm="ilp", memory_budget=budget, time_limit=60, reshard="off", zero="off")
-    assert len(calls) >= 2 and fit.recompute and fit.memory["total"] <= budget  # the recomputing ILP ran too
+    fit = search(
+        gpt_graph,
+        profile,
+        algorithm="ilp",
+        memory_budget=budget,
+        time_limit=60,
+        reshard="off",
+        zero="off",
+        offload="off",
+    )
+    # the recomputing ILP ran too (its plan need not win: weights stored split may fit without recomputing)
+    assert len(calls) >= 2 and fit.memory["peak"] <= budget

@@ -425,7 +425,12 @@ def _results(world: int) -> dict:
 
 
 CASES = [(w, m, s, d) for w in MODELS for m in MODELS[w] for s in STYLES for d in (False, True)]
-FULL_CASES = [(w, m) for w in FULL_MODELS for m in FULL_MODELS[w]]
+# world 4 of the extended set is nightly: test_parity runs the core models at world 4 on the same code path
+FULL_CASES = [
+    pytest.param(w, m, marks=pytest.mark.nightly if w == 4 else (), id=f"w{w}-{m}")
+    for w in FULL_MODELS
+    for m in FULL_MODELS[w]
+]
 
 
 @pytest.mark.parametrize(
@@ -455,7 +460,7 @@ def _full_results(world: int) -> list:
 
 
 @pytest.mark.skipif(bool(os.environ.get("HIDUP_QUICK_TESTS")), reason="HIDUP_QUICK_TESTS=1 keeps to the core models")
-@pytest.mark.parametrize("world, name", FULL_CASES, ids=[f"w{w}-{m}" for w, m in FULL_CASES])
+@pytest.mark.parametrize("world, name", FULL_CASES)
 def test_parity_full(world, name):
     results = _full_results(world)
     for rank, res in enumerate(results):

@@ -111,10 +111,12 @@ import hidup
 import hidup.profiler
 from exp.baselines import harness
 from exp.baselines.baseline_util import Prepared, make_adam
+from exp.benchrun import free_memory
 from exp.breakdown import analyze
 from exp.rank_models import llama
 from exp.report import command_line, hardware
 from hidup.codegen import GraphedStep
+from hidup.codegen.timing import sync
 from hidup.runtime.data import rank_share
 from hidup.search.api import forced, price
 
@@ -312,12 +314,12 @@ def _traced(step, device: torch.device, j: Judge, name: str) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _device_sync(device)
+    sync(device)
     with profile(activities=acts) as prof:
         for i in range(j.trace_steps):
             with record_function(f"ProfilerStep#{i}"):
                 step()
-        _device_sync(device)
+        sync(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{name}.json")
         prof.export_chrome_trace(path)
@@ -332,11 +334,6 @@ def _traced(step, device: torch.device, j: Judge, name: str) -> dict:
     out["exposed_ms_max"] = max(r["exposed_ms"] for r in ranks)
     out["per_rank"] = ranks
     return out
-
-
-def _device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(prepared, inputs: tuple, device: torch.device, j: Judge, name: str, capture: bool) -> dict:
@@ -525,7 +522,7 @@ def judge(a: argparse.Namespace, rank: int, world: int, device: torch.device, ar
                 with open(a.out, "w") as f:
                     json.dump(results, f, indent=1, default=str)
         del runs, run  # the last arm's modules, before the next arm builds its own
-        _free(device)
+        free_memory(device)
     if rank == 0:
         print(judge_table(results), flush=True)
     return results
@@ -536,15 +533,6 @@ def _version(package: str) -> str | None:
         return __import__(package).__version__
     except ImportError:
         return None
-
-
-def _free(device: torch.device) -> None:
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def judge_table(results: dict) -> str:

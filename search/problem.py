@@ -653,6 +653,20 @@ class Problem:
         when its op runs again (module docstring, "Recomputation")."""
         return (times[0], times[1] + times[0]) if self.rerun[i] else times
 
+    @functools.cached_property
+    def call_layout(self) -> tuple[list[int], list[str], list[tuple[int, ...]], list[int], list[int]]:
+        """What :func:`hidup.search.schedule.graph_ends` reads whatever the plan: the call positions,
+        their block labels and inputs (each tensor once), the trainable parameters' positions and the
+        indices (among the calls) of the routed-experts nodes."""
+        order, tensors = self.order, self.graph.tensors
+        calls = [i for i, node in enumerate(order) if node.op == "call"]
+        labels = [block_label(order[i].module) for i in calls]
+        inputs = [tuple(dict.fromkeys(order[i].inputs)) for i in calls]
+        trainable = [n.op == "param" and n.outputs and tensors[n.outputs[0]].requires_grad for n in order]
+        params = [i for i, keep in enumerate(trainable) if keep]
+        experts = [k for k, i in enumerate(calls) if order[i].target.split(".", 1)[0] == "routed_experts"]
+        return calls, labels, inputs, params, experts
+
     def made_again(self, i: int, tid: int, src: int) -> bool:
         """Whether the conversion of tensor ``tid`` from form id ``src`` charged to position ``i`` runs its
         forward again in the backward: at a node recomputed whole, at a node recomputed selectively

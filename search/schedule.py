@@ -103,7 +103,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hidup.ir import DTYPE_BYTES, REPLICATE, block_label, graph_segments
+from hidup.ir import DTYPE_BYTES, REPLICATE, graph_segments
 from hidup.search.memory import MEMORY_PARTS
 from hidup.search.problem import Problem, SearchError, Step
 
@@ -234,7 +234,6 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             )
         step, key = res
         steps.append(step)
-    compute = sum(s.compute for s in steps)
     if duplication:
         f = b = ZERO_DUP
         comm = compute = 0.0  # the two half-batch copies' compute, not the whole batch's
@@ -245,6 +244,7 @@ def evaluate(problem: Problem, ks: list[int], duplication: bool) -> Evaluation:
             compute += s.fwd_item[2] + s.fwd_item[3] + s.bwd_item[2] + s.bwd_item[3]
         forward, backward = f[0] + f[1], b[0] + b[1]
     else:
+        compute = sum(s.compute for s in steps)
         forward = sum(s.fwd for s in steps)
         comm = forward + sum(s.bwd for s in steps) - compute
         backward = overlapped_backward(steps, graph_ends(problem, ks))
@@ -328,7 +328,7 @@ def graph_ends(problem: Problem, ks: list[int]) -> frozenset[int]:
     break, :mod:`hidup.rules.dispatch`); none where the program is not compiled."""
     if not problem.cost.compiled:
         return frozenset()
-    calls, labels, inputs, params, experts = _call_layout(problem)
+    calls, labels, inputs, params, experts = problem.call_layout
     graph, mesh = problem.graph, problem.graph.mesh
     stored: dict[int, int] = {}
     for i in params:
@@ -344,21 +344,3 @@ def graph_ends(problem: Problem, ks: list[int]) -> frozenset[int]:
         if k + 1 < len(calls) and problem.cost.dispatch(problem.order[i], problem.sigs[i][ks[i]]) is not None:
             ends.add(calls[k + 1])
     return frozenset(ends)
-
-
-def _call_layout(problem: Problem) -> tuple:
-    """What :func:`graph_ends` reads of ``problem`` whatever the plan, worked out once per problem: the
-    call positions, their block labels and inputs, the trainable parameters' positions and the indices
-    (among the calls) of the routed-experts nodes."""
-    hit = getattr(problem, "_call_layout", None)
-    if hit is None:
-        order, tensors = problem.order, problem.graph.tensors
-        calls = [i for i, node in enumerate(order) if node.op == "call"]
-        labels = [block_label(order[i].module) for i in calls]
-        inputs = [tuple(dict.fromkeys(order[i].inputs)) for i in calls]
-        params = [
-            i for i, n in enumerate(order) if n.op == "param" and n.outputs and tensors[n.outputs[0]].requires_grad
-        ]
-        experts = [k for k, i in enumerate(calls) if order[i].target.split(".", 1)[0] == "routed_experts"]
-        hit = problem._call_layout = (calls, labels, inputs, params, experts)
-    return hit
